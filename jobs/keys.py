@@ -1,0 +1,42 @@
+"""Every Redis key name mlxq uses, in one place. Part of the public wire contract."""
+
+from __future__ import annotations
+
+PREFIX = "mlxq"
+
+GENERATE_FUNC = "jobs.generate"
+SCORE_FUNC = "jobs.score"
+JOB_FUNCS = frozenset({GENERATE_FUNC, SCORE_FUNC})
+
+
+def stream_key(job_id: str) -> str:
+    """Redis stream of token/done/error/restart events for a generation job."""
+    return f"{PREFIX}:stream:{job_id}"
+
+
+def result_key(job_id: str) -> str:
+    """JSON result of a finished job (also stored as RQ's own job result)."""
+    return f"{PREFIX}:result:{job_id}"
+
+
+def cancel_key(job_id: str) -> str:
+    """Set by a producer to ask the worker running `job_id` to stop it."""
+    return f"{PREFIX}:cancel:{job_id}"
+
+
+def worker_stats_key(worker_name: str) -> str:
+    """Hash of a worker's live statistics (model, device, jobs done, cache)."""
+    return f"{PREFIX}:worker:{worker_name}"
+
+
+def rq_queue_key(queue: str) -> str:
+    """RQ's list of queued job ids for `queue` (RQ's own naming)."""
+    return f"rq:queue:{queue}"
+
+
+def rq_job_key(job_id: str) -> str:
+    """RQ's hash for one job (RQ's own naming)."""
+    return f"rq:job:{job_id}"
+
+
+RQ_QUEUES_SET = "rq:queues"

@@ -1,0 +1,218 @@
+"""The wire format: requests, results and stream events, as pydantic models.
+
+Any language may produce jobs and read results; these models are the one definition of what crosses
+Redis. Field names follow OpenAI's completions/chat APIs where one exists. Unknown fields are errors,
+so a typo (`max_token`) fails the job instead of being silently ignored.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+
+FinishReason = Literal["stop", "length", "cancelled", "error"]
+
+MAX_STOP_STRINGS = 16
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ChatMessage(_Strict):
+    """One turn of a chat: `role` is free-form (system, user, assistant, tool, ...) for the template."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)  # templates may read e.g. `name`, `tool_calls`
+    role: str = Field(min_length=1)
+    content: str
+
+
+def _finite(name: str, value: float) -> float:
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value}")
+    return value
+
+
+class SamplingParams(_Strict):
+    """Sampling options shared by every generation request."""
+
+    temperature: Annotated[float, Field(ge=0.0, le=100.0)] = 1.0
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
+    top_k: Annotated[int, Field(ge=0)] = 0
+    min_p: Annotated[float, Field(ge=0.0, le=1.0)] = 0.0
+    seed: int | None = None
+    logit_bias: dict[int, Annotated[float, Field(ge=-100.0, le=100.0)]] = Field(default_factory=dict)
+    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
+    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
+    repetition_penalty: Annotated[float, Field(gt=0.0, le=10.0)] = 1.0
+
+    @field_validator(
+        "temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"
+    )
+    @classmethod
+    def _no_nan(cls, v: float, info: ValidationInfo) -> float:
+        return _finite(info.field_name or "value", v)
+
+
+class GenerateRequest(SamplingParams):
+    """A generation job: exactly one of `prompt` (raw text) or `messages` (rendered by the chat template)."""
+
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    max_tokens: Annotated[int, Field(ge=1, le=1_000_000)] = 256
+    stop: list[str] = Field(default_factory=list, max_length=MAX_STOP_STRINGS)
+    add_special_tokens: bool = True
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_as_list(cls, v: object) -> object:
+        return [v] if isinstance(v, str) else ([] if v is None else v)
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_not_empty(cls, v: list[str]) -> list[str]:
+        if any(s == "" for s in v):
+            raise ValueError("stop strings must not be empty")
+        return v
+
+    @model_validator(mode="after")
+    def _one_input(self) -> GenerateRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of `prompt` or `messages`")
+        if self.messages is not None and not self.messages:
+            raise ValueError("`messages` must hold at least one message")
+        return self
+
+
+class Usage(_Strict):
+    prompt_tokens: int
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+
+class Timings(_Strict):
+    """Seconds, measured in the worker. `ttft_s` is from the job's start to its first token."""
+
+    queued_s: float | None = None
+    ttft_s: float | None = None
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    total_s: float = 0.0
+    prefill_tokens_per_s: float | None = None
+    decode_tokens_per_s: float | None = None
+
+
+class GenerateResult(_Strict):
+    """What a finished generation job returns (result key and RQ result)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, protected_namespaces=())
+    text: str
+    finish_reason: FinishReason
+    token_ids: list[int]
+    usage: Usage
+    timings: Timings
+    model: str = ""
+
+
+class ScoreRow(_Strict):
+    prompt: str
+    candidates: list[str] = Field(min_length=1)
+
+    @field_validator("candidates")
+    @classmethod
+    def _no_duplicates(cls, v: list[str]) -> list[str]:
+        seen: set[str] = set()
+        for c in v:
+            if c in seen:
+                raise ValueError(f"candidate {c!r} appears twice")
+            seen.add(c)
+        return v
+
+
+class ScoreRequest(_Strict):
+    """A scoring job: for each row, the logit of each candidate as the prompt's next token."""
+
+    rows: list[ScoreRow] = Field(min_length=1)
+    add_special_tokens: bool = True
+
+
+class ScoredRow(_Strict):
+    logits: list[float]
+    logprobs: list[float]
+    input_tokens: int
+    cached_tokens: int
+
+
+class ScoreResult(_Strict):
+    model_config = ConfigDict(extra="forbid", frozen=True, protected_namespaces=())
+    rows: list[ScoredRow]
+    input_tokens: int
+    cached_tokens: int
+    model: str = ""
+
+
+# --- Stream events -------------------------------------------------------------------------------
+# A Redis stream entry is a flat map of strings; each event knows how to become one and come back.
+
+
+class TokenEvent(_Strict):
+    event: Literal["token"] = "token"
+    text: str
+    ids: list[int]
+    index: int  # position of ids[0] among the completion tokens
+
+    def fields(self) -> dict[str, str]:
+        return {"event": self.event, "text": self.text, "ids": json.dumps(self.ids), "index": str(self.index)}
+
+
+class DoneEvent(_Strict):
+    event: Literal["done"] = "done"
+    finish_reason: FinishReason
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    ttft_s: float | None = None
+    decode_tokens_per_s: float | None = None
+    total_s: float = 0.0
+
+    def fields(self) -> dict[str, str]:
+        return {k: ("" if v is None else str(v)) for k, v in self.model_dump().items()}
+
+
+class ErrorEvent(_Strict):
+    event: Literal["error"] = "error"
+    message: str
+
+    def fields(self) -> dict[str, str]:
+        return {"event": self.event, "message": self.message}
+
+
+class RestartEvent(_Strict):
+    """The job was retried: readers discard the text they have shown so far."""
+
+    event: Literal["restart"] = "restart"
+    attempt: int
+
+    def fields(self) -> dict[str, str]:
+        return {"event": self.event, "attempt": str(self.attempt)}
+
+
+StreamEvent = TokenEvent | DoneEvent | ErrorEvent | RestartEvent
+
+
+def parse_event(fields: dict[str, str]) -> StreamEvent:
+    """Turn a stream entry's (decoded) field map back into its event model."""
+    kind = fields.get("event")
+    if kind == "token":
+        return TokenEvent(text=fields["text"], ids=json.loads(fields["ids"]), index=int(fields["index"]))
+    if kind == "done":
+        data = {k: (None if v == "" else v) for k, v in fields.items()}
+        return DoneEvent.model_validate(data)
+    if kind == "error":
+        return ErrorEvent(message=fields.get("message", ""))
+    if kind == "restart":
+        return RestartEvent(attempt=int(fields.get("attempt", "0")))
+    raise ValueError(f"unknown stream event {kind!r} in {fields!r}")
