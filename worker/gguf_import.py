@@ -1,0 +1,328 @@
+"""Import a llama-architecture GGUF file as a Hugging Face-layout model folder.
+
+Writes `config.json`, `model.safetensors` (Hugging Face tensor names), `tokenizer.json`,
+`tokenizer_config.json` and `generation_config.json`. Weights become bfloat16, except that Q4_0/Q4_1
+weights can stay 4-bit as an MLX affine-quantized checkpoint (group size 32): both GGUF formats are
+exactly `w = scale * q + bias` with one float16 scale and bias per 32 weights, so nothing is lost.
+Tensors are converted one at a time and streamed to disk, so memory stays near one tensor's size.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from worker.gguf_tokenizer import GGUFVocab, UnsupportedTokenizer, metadata_value, read_vocab, write_tokenizer
+
+logger = logging.getLogger(__name__)
+
+GROUP_SIZE = 32  # both the Q4_0/Q4_1 block size and the MLX group size written
+SUPPORTED_TYPES = (
+    "F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
+)  # fmt: skip
+_Q4_TYPES = ("Q4_0", "Q4_1")
+
+_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+
+class GGUFImportError(ValueError):
+    """The GGUF file cannot be imported; the message names the architecture, tensor or type at fault."""
+
+
+@dataclass(frozen=True)
+class LlamaHParams:
+    """The llama hyper-parameters of a GGUF file (`llama.*` metadata)."""
+
+    n_layers: int
+    hidden: int
+    ffn: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    rms_eps: float
+    rope_theta: float
+    context: int
+    rope_scaling: dict[str, Any] | None
+
+
+@dataclass(frozen=True)
+class _Planned:
+    """One GGUF tensor and what it becomes."""
+
+    source: Any  # gguf.ReaderTensor
+    hf_name: str  # e.g. model.layers.0.self_attn.q_proj.weight
+    shape: tuple[int, ...]  # logical (rows, cols), Hugging Face order
+    unpermute_heads: int | None  # Q/K rows: number of heads to undo GGUF's RoPE row order with
+    packed: bool  # kept as MLX 4-bit
+
+
+def import_gguf(gguf_path: str | Path, out_dir: str | Path, *, quantize: bool | None = None) -> Path:
+    """Convert a llama GGUF file into a Hugging Face-layout folder at `out_dir` and return its path.
+
+    `quantize=None` keeps Q4_0/Q4_1 weights as an MLX 4-bit checkpoint when every layer's linear
+    weight is Q4_0/Q4_1, else writes bfloat16; `True` demands the 4-bit checkpoint; `False` always
+    writes bfloat16. Raises `GGUFImportError` for an unsupported architecture, tensor, type or tokenizer.
+    """
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(gguf_path))
+    hp = read_hparams(reader)
+    vocab = read_vocab(reader)
+    plan = _plan(reader.tensors, hp, quantize)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        write_tokenizer(vocab, out, hp.context)
+    except UnsupportedTokenizer as e:
+        raise GGUFImportError(f"{gguf_path}: {e}") from e
+    embed = next(p for p in plan if p.hf_name == "model.embed_tokens.weight")
+    tied = not any(p.hf_name == "lm_head.weight" for p in plan)
+    packed = any(p.packed for p in plan)
+    config = _hf_config(hp, vocab, vocab_size=embed.shape[0], tied=tied, packed=packed)
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    (out / "generation_config.json").write_text(json.dumps(_generation_config(vocab), indent=2))
+    _write_safetensors(out / "model.safetensors", _header_entries(plan), _tensor_blobs(plan))
+    logger.info("gguf imported path=%s out=%s tensors=%d packed=%s", gguf_path, out, len(plan), packed)
+    return out
+
+
+def read_hparams(reader: Any) -> LlamaHParams:
+    """Read and check the model hyper-parameters of an open `gguf.GGUFReader`."""
+    arch = metadata_value(reader, "general.architecture")
+    if arch != "llama":
+        raise GGUFImportError(f"architecture {arch!r} is not supported; supported: ['llama']")
+
+    def need(key: str) -> Any:
+        value = metadata_value(reader, f"llama.{key}")
+        if value is None:
+            raise GGUFImportError(f"GGUF metadata llama.{key} is missing")
+        return value
+
+    hidden, n_heads = int(need("embedding_length")), int(need("attention.head_count"))
+    head_dim = int(metadata_value(reader, "llama.attention.key_length", hidden // n_heads))
+    rope_dim = int(metadata_value(reader, "llama.rope.dimension_count", head_dim))
+    if rope_dim != head_dim:
+        raise GGUFImportError(f"partial RoPE (llama.rope.dimension_count={rope_dim}, head dim {head_dim})")
+    return LlamaHParams(
+        n_layers=int(need("block_count")),
+        hidden=hidden,
+        ffn=int(need("feed_forward_length")),
+        n_heads=n_heads,
+        n_kv_heads=int(metadata_value(reader, "llama.attention.head_count_kv", n_heads)),
+        head_dim=head_dim,
+        rms_eps=_f32_to_float(need("attention.layer_norm_rms_epsilon")),
+        rope_theta=_f32_to_float(metadata_value(reader, "llama.rope.freq_base", 10000.0)),
+        context=int(metadata_value(reader, "llama.context_length", 2048)),
+        rope_scaling=_rope_scaling(reader),
+    )
+
+
+def _f32_to_float(x: float) -> float:
+    # GGUF stores float32, so 1e-5 reads back as 9.9999997e-06: keep the shortest decimal for that float32.
+    return float(str(np.float32(x)))
+
+
+def _rope_scaling(reader: Any) -> dict[str, Any] | None:
+    kind = metadata_value(reader, "llama.rope.scaling.type", "none")
+    if kind == "none":
+        return None
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": float(metadata_value(reader, "llama.rope.scaling.factor"))}
+    raise GGUFImportError(f"RoPE scaling {kind!r} is not supported; supported: ['none', 'linear']")
+
+
+def _hf_config(
+    hp: LlamaHParams, vocab: GGUFVocab, *, vocab_size: int, tied: bool, packed: bool
+) -> dict[str, Any]:
+    config: dict[str, Any] = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": hp.hidden,
+        "intermediate_size": hp.ffn,
+        "num_hidden_layers": hp.n_layers,
+        "num_attention_heads": hp.n_heads,
+        "num_key_value_heads": hp.n_kv_heads,
+        "head_dim": hp.head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": hp.rms_eps,
+        "rope_theta": hp.rope_theta,
+        "rope_scaling": hp.rope_scaling,
+        "max_position_embeddings": hp.context,
+        "vocab_size": vocab_size,
+        "tie_word_embeddings": tied,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "bos_token_id": vocab.bos_id,
+        "eos_token_id": vocab.eos_id,
+        "pad_token_id": vocab.pad_id,
+        "torch_dtype": "bfloat16",
+    }
+    if packed:
+        config["quantization"] = {"group_size": GROUP_SIZE, "bits": 4}
+    return config
+
+
+def _generation_config(vocab: GGUFVocab) -> dict[str, Any]:
+    eos = [i for i in (vocab.eos_id, *vocab.extra_eos_ids) if i is not None]
+    return {
+        "bos_token_id": vocab.bos_id,
+        "eos_token_id": eos[0] if len(eos) == 1 else eos or None,
+        "pad_token_id": vocab.pad_id,
+    }
+
+
+def hf_tensor_name(gguf_name: str) -> str:
+    """The Hugging Face name of a llama GGUF tensor.
+
+    `blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`; unknown names raise.
+    """
+    base, _, suffix = gguf_name.rpartition(".")
+    parts = base.split(".")
+    if len(parts) == 1 and parts[0] in _TOP_NAMES and suffix == "weight":
+        return f"{_TOP_NAMES[parts[0]]}.weight"
+    in_layer = len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_NAMES
+    if in_layer and (suffix == "weight" or (suffix == "bias" and parts[2].startswith("attn_"))):
+        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{suffix}"
+    raise GGUFImportError(f"tensor {gguf_name!r} has no llama equivalent (not supported)")
+
+
+def unpermute_qk(rows: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's Q/K row order: per head, rows (d/2, 2) interleaved back to HF's (2, d/2) halves.
+
+    Works on any array whose first axis is the output rows (float weights, packed 4-bit codes, scales).
+    """
+    half = rows.shape[0] // n_heads // 2
+    return rows.reshape(n_heads, half, 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
+
+
+def _plan(tensors: list[Any], hp: LlamaHParams, quantize: bool | None) -> list[_Planned]:
+    named = [(t, hf_tensor_name(t.name)) for t in tensors]
+    for t, _ in named:
+        if t.tensor_type.name not in SUPPORTED_TYPES:
+            kind = t.tensor_type.name
+            raise GGUFImportError(
+                f"tensor {t.name!r} has type {kind}, not supported: {list(SUPPORTED_TYPES)}"
+            )
+    if not any(name == "model.embed_tokens.weight" for _, name in named):
+        raise GGUFImportError("the GGUF file has no token_embd.weight")
+    layer_linear = [t for t, name in named if name.startswith("model.layers.") and _is_linear(name, t)]
+    all_q4 = bool(layer_linear) and all(t.tensor_type.name in _Q4_TYPES for t in layer_linear)
+    if quantize and not all_q4:
+        bad = next((t for t in layer_linear if t.tensor_type.name not in _Q4_TYPES), None)
+        found = f"{bad.name} is {bad.tensor_type.name}" if bad is not None else "no layer weights"
+        raise GGUFImportError(f"quantize=True needs Q4_0/Q4_1 layer weights, but {found}")
+    pack = all_q4 and quantize is not False
+    heads = {".q_proj.": hp.n_heads, ".k_proj.": hp.n_kv_heads}
+    plan = []
+    for t, name in named:
+        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+        packed = (
+            pack and t.tensor_type.name in _Q4_TYPES and _is_linear(name, t) and shape[-1] % GROUP_SIZE == 0
+        )
+        unpermute = next((n for key, n in heads.items() if key in name), None)
+        plan.append(_Planned(t, name, shape, unpermute, packed))
+    return plan
+
+
+def _is_linear(hf_name: str, tensor: Any) -> bool:
+    return hf_name.endswith(".weight") and len(tensor.shape) == 2
+
+
+def _header_entries(plan: list[_Planned]) -> list[tuple[str, str, tuple[int, ...]]]:
+    entries = []
+    for p in plan:
+        if p.packed:
+            rows, cols = p.shape
+            base = p.hf_name.removesuffix(".weight")
+            entries.append((p.hf_name, "U32", (rows, cols // 8)))
+            entries.append((f"{base}.scales", "F16", (rows, cols // GROUP_SIZE)))
+            entries.append((f"{base}.biases", "F16", (rows, cols // GROUP_SIZE)))
+        else:
+            entries.append((p.hf_name, "BF16", p.shape))
+    return entries
+
+
+def _tensor_blobs(plan: list[_Planned]) -> Iterator[np.ndarray]:
+    from gguf.quants import dequantize
+
+    for p in plan:
+        raw = p.source.data
+        if p.packed:
+            arrays = list(q4_to_mlx(raw, p.source.tensor_type.name))
+        else:
+            arrays = [dequantize(raw, p.source.tensor_type).reshape(p.shape)]
+        for a in arrays:
+            a = unpermute_qk(a, p.unpermute_heads) if p.unpermute_heads else a
+            yield bf16_bits(a) if a.dtype == np.float32 else a
+        # The GGUF file is memory-mapped: drop our views as we go so pages can be released.
+        del raw, arrays
+
+
+def q4_to_mlx(raw: np.ndarray, qtype: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Turn GGUF Q4_0/Q4_1 rows (uint8, blocks of 32 weights) into MLX affine 4-bit arrays.
+
+    Returns (codes uint32 [rows, cols/8], scales float16 [rows, cols/32], biases float16 [rows, cols/32])
+    such that `mx.dequantize(codes, scales, biases, group_size=32, bits=4)` gives the GGUF's weights.
+    """
+    block_bytes = {"Q4_0": 18, "Q4_1": 20}[qtype]
+    rows = raw.shape[0]
+    blocks = np.ascontiguousarray(raw).reshape(rows, -1, block_bytes)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0]
+    # Q4_0: w = d * (q - 8) = d * q + (-8 d); -8 d is exact in float16 (a power-of-two scaling).
+    m = blocks[..., 2:4].copy().view(np.float16)[..., 0] if qtype == "Q4_1" else d * np.float16(-8)
+    qs = blocks[..., -16:]
+    # GGUF: byte i holds weight i (low nibble) and weight i + 16 (high nibble) of its block.
+    codes = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).reshape(rows, -1, 8).astype(np.uint32)
+    # MLX: eight codes per uint32, the first in the lowest nibble.
+    packed = (codes << (np.arange(8, dtype=np.uint32) * 4)).sum(axis=-1, dtype=np.uint32)
+    return packed, d, m
+
+
+def bf16_bits(x: np.ndarray) -> np.ndarray:
+    """Round float32 to bfloat16 (nearest, ties to even) and return the bits as uint16."""
+    bits = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    rounded = ((bits + np.uint32(0x7FFF) + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+    rounded[np.isnan(x)] = 0x7FC0
+    return rounded
+
+
+_DTYPE_BYTES = {"BF16": 2, "F16": 2, "U32": 4}
+
+
+def _write_safetensors(
+    path: Path, entries: list[tuple[str, str, tuple[int, ...]]], blobs: Iterator[np.ndarray]
+) -> None:
+    """Write a safetensors file whose header is known up front, streaming the tensors in order."""
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, dtype, shape in entries:
+        size = _DTYPE_BYTES[dtype] * int(np.prod(shape, dtype=np.int64))
+        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)
+    with open(path, "wb") as f:
+        f.write(len(head).to_bytes(8, "little"))
+        f.write(head)
+        for (name, dtype, shape), blob in zip(entries, blobs, strict=True):
+            data = np.ascontiguousarray(blob)
+            if data.shape != shape or data.itemsize != _DTYPE_BYTES[dtype]:
+                raise AssertionError(f"{name}: wrote {data.dtype}{data.shape}, header says {dtype}{shape}")
+            f.write(data.tobytes())
