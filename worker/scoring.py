@@ -1,0 +1,196 @@
+"""Scoring: next-token logits of candidates after many prompts, sharing every common prefix.
+
+Rows (from one job or many) are put in a radix tree over their prompt tokens. Walking it depth-first
+with one batch-1 KV cache, each shared span is computed once (extend the cache, recurse, trim back);
+where a node's children are rows with nothing more in common, their suffixes run as one right-padded
+batch on top of the node's cache. Right padding needs no special mask: a real token never attends to
+a pad that sits after it. Only the positions whose logits are needed go through the LM head.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+
+from jobs.errors import InvalidCandidate
+
+from .kv_cache import broadcast_batch
+
+
+@dataclass
+class ScoreStats:
+    computed_tokens: int = 0  # prompt tokens that went through the model
+    batches: int = 0
+    computed_per_row: list[int] = field(default_factory=list)  # see `computed_per_row`
+
+
+@dataclass
+class _Node:
+    span: list[int]
+    children: dict[int, _Node] = field(default_factory=dict)
+    rows: list[int] = field(default_factory=list)  # rows whose prompt ends at this node's last token
+
+
+def candidate_token_ids(
+    encode: Callable[[str], list[int]],
+    special_ids: frozenset[int],
+    prompt: str,
+    candidates: Sequence[str],
+    row: int,
+) -> tuple[list[int], list[int]]:
+    """Prompt tokens and, per candidate, the one ordinary token it appends; else `InvalidCandidate`."""
+    base = encode(prompt)
+    if not base:
+        raise InvalidCandidate(f"row {row}: the prompt is empty (it encodes to no tokens)")
+    out = []
+    for cand in candidates:
+        ids = encode(prompt + cand)
+        if len(ids) != len(base) + 1 or ids[: len(base)] != base:
+            raise InvalidCandidate(
+                f"row {row}: candidate {cand!r} does not add exactly one token to the prompt "
+                f"(prompt is {len(base)} tokens, prompt+candidate is {len(ids)} tokens"
+                + (", and the prompt's own tokens change" if ids[: len(base)] != base else "")
+                + ")"
+            )
+        if ids[-1] in special_ids:
+            raise InvalidCandidate(f"row {row}: candidate {cand!r} is a special token (id {ids[-1]})")
+        out.append(ids[-1])
+    return base, out
+
+
+def _insert(root: _Node, tokens: list[int], row: int) -> None:
+    node, i = root, 0
+    while i < len(tokens):
+        child = node.children.get(tokens[i])
+        if child is None:
+            node.children[tokens[i]] = _Node(span=tokens[i:], rows=[row])
+            return
+        span = child.span
+        k = 0
+        while k < len(span) and i + k < len(tokens) and span[k] == tokens[i + k]:
+            k += 1
+        if k < len(span):  # split the child at the first difference
+            tail = _Node(span=span[k:], children=child.children, rows=child.rows)
+            child.span, child.children, child.rows = span[:k], {span[k]: tail}, []
+        node, i = child, i + k
+    node.rows.append(row)
+
+
+def build_tree(prompts: Sequence[list[int]]) -> _Node:
+    """Radix tree of prompts; identical prompts share one node."""
+    root = _Node(span=[])
+    for row, tokens in enumerate(prompts):
+        _insert(root, tokens, row)
+    return root
+
+
+class PrefixScorer:
+    """Computes last-position logits for many prompts, each shared prefix once."""
+
+    def __init__(
+        self, model: Any, *, prefill_chunk: int = 2048, max_batch_rows: int = 32, max_batch_tokens: int = 8192
+    ) -> None:
+        self.model = model
+        self.prefill_chunk = prefill_chunk
+        self.max_batch_rows = max_batch_rows
+        self.max_batch_tokens = max_batch_tokens
+
+    def last_logits(self, prompts: Sequence[list[int]], stats: ScoreStats | None = None) -> list[mx.array]:
+        """One (vocab,) float32 logits array per prompt: the distribution of the token after it."""
+        stats = stats if stats is not None else ScoreStats()
+        out: list[mx.array | None] = [None] * len(prompts)
+        root = build_tree(prompts)
+        stats.computed_per_row = computed_per_row(root, len(prompts))
+        cache = self.model.make_cache()
+        self._visit(root, cache, out, stats)
+        return [o for o in out if o is not None]  # every row is filled by construction
+
+    def _visit(self, node: _Node, cache: list[Any], out: list[mx.array | None], stats: ScoreStats) -> None:
+        leaves = []
+        for child in node.children.values():
+            if child.children or len(child.span) > self.prefill_chunk:
+                self._extend(child, cache, out, stats)
+                self._visit(child, cache, out, stats)
+                for c in cache:
+                    c.trim(len(child.span))
+            else:
+                leaves.append(child)
+        self._run_leaves(leaves, cache, out, stats)
+
+    def _extend(self, node: _Node, cache: list[Any], out: list[mx.array | None], stats: ScoreStats) -> None:
+        """Append the node's span to the batch-1 cache; fill rows that end here."""
+        ids = mx.array(node.span, dtype=mx.int32)[None]
+        start = 0
+        while len(node.span) - start > self.prefill_chunk:
+            self.model(ids[:, start : start + self.prefill_chunk], cache=cache)
+            mx.eval([c.state for c in cache])
+            start += self.prefill_chunk
+        hidden = self.model.hidden(ids[:, start:], cache=cache)
+        stats.computed_tokens += len(node.span)
+        if not node.rows:
+            mx.eval([c.state for c in cache])
+            return
+        logits = self.model.logits(hidden[:, -1, :]).astype(mx.float32)[0]
+        mx.eval(logits, [c.state for c in cache])
+        for row in node.rows:
+            out[row] = logits
+
+    def _run_leaves(
+        self, leaves: list[_Node], cache: list[Any], out: list[mx.array | None], stats: ScoreStats
+    ) -> None:
+        for group in self._batches(leaves):
+            width = max(len(n.span) for n in group)
+            pad = group[0].span[0]  # any real id; padded positions are never read
+            ids = mx.array([n.span + [pad] * (width - len(n.span)) for n in group], dtype=mx.int32)
+            batch_cache = broadcast_batch(cache, len(group)) if cache[0].offset else None
+            hidden = self.model.hidden(ids, cache=batch_cache or self.model.make_cache())
+            last = mx.array([len(n.span) - 1 for n in group])
+            picked = hidden[mx.arange(len(group)), last]  # (B, H): only what the LM head needs
+            logits = self.model.logits(picked).astype(mx.float32)
+            mx.eval(logits)
+            stats.computed_tokens += sum(len(n.span) for n in group)
+            stats.batches += 1
+            for i, n in enumerate(group):
+                for row in n.rows:
+                    out[row] = logits[i]
+
+    def _batches(self, leaves: list[_Node]) -> list[list[_Node]]:
+        """Group leaf suffixes (similar lengths together) under the row and padded-token budgets."""
+        groups: list[list[_Node]] = []
+        current: list[_Node] = []
+        for n in sorted(leaves, key=lambda n: len(n.span)):
+            width = len(n.span)  # sorted ascending: the newest is the widest
+            if current and (
+                len(current) >= self.max_batch_rows or width * (len(current) + 1) > self.max_batch_tokens
+            ):
+                groups.append(current)
+                current = []
+            current.append(n)
+        if current:
+            groups.append(current)
+        return groups
+
+
+def computed_per_row(root: _Node, n_rows: int) -> list[int]:
+    """Prompt tokens each row computed itself: a shared span counts for the first row under it."""
+    computed = [0] * n_rows
+
+    def first_row(node: _Node) -> int:
+        firsts = [first_row(c) for c in node.children.values()] + node.rows
+        first = min(firsts)
+        computed[first] += len(node.span)
+        return first
+
+    for child in root.children.values():
+        first_row(child)
+    return computed
+
+
+def candidate_scores(logits: mx.array, candidate_ids: list[int]) -> tuple[list[float], list[float]]:
+    """Raw logits and full-vocabulary log-probabilities of the candidates."""
+    lse = mx.logsumexp(logits)
+    picked = logits[mx.array(candidate_ids)]
+    return picked.tolist(), (picked - lse).tolist()

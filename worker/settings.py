@@ -1,0 +1,37 @@
+"""Worker settings: `MLXQ_` environment variables and `.env`, overridden by command-line flags."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class WorkerSettings(BaseSettings):
+    """Everything a worker process can be told. Environment: `MLXQ_<NAME>`, e.g. `MLXQ_REDIS_URL`."""
+
+    model_config = SettingsConfigDict(env_prefix="MLXQ_", env_file=".env", extra="ignore")
+
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    model: str = Field(default="", description="model folder (Hugging Face layout) or a Hub repo id")
+    queues: list[str] = Field(default_factory=lambda: ["default"])
+    name: str | None = Field(default=None, description="worker name; RQ makes one if unset")
+
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    prefill_chunk: int = Field(default=2048, ge=16)
+    max_context: int | None = Field(default=None, ge=16, description="cap below the model's own context")
+
+    stream_maxlen: int = Field(default=10_000, ge=10, description="approximate cap on a stream's entries")
+    stream_ttl_s: int = Field(default=3600, ge=1)
+    stream_flush_tokens: int = Field(default=8, ge=1, description="flush after this many tokens...")
+    stream_flush_ms: float = Field(default=20.0, ge=0.0, description="...or after this many milliseconds")
+    result_ttl_s: int = Field(default=86_400, ge=1)
+    job_timeout_s: int = Field(default=3600, ge=1, description="default for jobs enqueued without one")
+    heartbeat_s: float = Field(default=10.0, gt=0.0, description="how often a busy worker proves it lives")
+    cancel_poll_s: float = Field(default=0.1, gt=0.0)
+
+    redis_retry_attempts: int = Field(default=8, ge=1)
+    redis_retry_max_wait_s: float = Field(default=5.0, gt=0.0)
+
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"

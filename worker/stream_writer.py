@@ -1,0 +1,145 @@
+"""Writes one job's events to its Redis stream, in small batches, exactly once.
+
+Entries get explicit, increasing ids (`<ms>-<seq>`) chosen here, so a write retried after a lost reply
+is refused by Redis as a duplicate instead of being appended twice: nothing streamed is emitted twice.
+Every flush is one pipeline: `XADD ... MAXLEN ~ N` and `EXPIRE` (which does nothing on a key that does
+not exist yet, hence after the XADD, every time).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+from tenacity import Retrying, retry_if_exception_type, stop_after_attempt, wait_exponential
+
+from jobs import keys
+from jobs.schema import DoneEvent, ErrorEvent, GenerateResult, RestartEvent, ScoreResult, TokenEvent
+
+log = logging.getLogger(__name__)
+
+REDIS_TRANSIENT = (redis.ConnectionError, redis.TimeoutError)
+
+
+@dataclass(frozen=True)
+class StreamOptions:
+    maxlen: int = 10_000
+    ttl_s: int = 3600
+    result_ttl_s: int = 86_400
+    flush_tokens: int = 8
+    flush_ms: float = 20.0
+    retry_attempts: int = 8
+    retry_max_wait_s: float = 5.0
+
+
+def retrying(options: StreamOptions) -> Retrying:
+    """Bounded retries with exponential backoff for Redis connection hiccups (e.g. a restart)."""
+    return Retrying(
+        retry=retry_if_exception_type(REDIS_TRANSIENT),
+        stop=stop_after_attempt(options.retry_attempts),
+        wait=wait_exponential(multiplier=0.05, max=options.retry_max_wait_s),
+        reraise=True,
+        before_sleep=lambda rs: log.warning(
+            "redis write retry attempt=%d error=%s",
+            rs.attempt_number,
+            rs.outcome.exception() if rs.outcome else None,
+        ),
+    )
+
+
+class StreamWriter:
+    """Token sink for one job: buffers deltas, flushes every few tokens or milliseconds."""
+
+    def __init__(self, conn: redis.Redis, job_id: str, options: StreamOptions) -> None:
+        self.conn = conn
+        self.job_id = job_id
+        self.key = keys.stream_key(job_id)
+        self.options = options
+        self._retry = retrying(options)
+        self._text: list[str] = []
+        self._ids: list[int] = []
+        self._index = 0  # completion-token index of the first buffered id
+        self._last_flush = time.monotonic()
+        self._ms = 0
+        self._seq = 0
+
+    def open(self, attempt: int) -> None:
+        """Start writing; if the stream already has entries (a retried job), announce a restart."""
+        if self._seek_end() is not None:
+            self._write([RestartEvent(attempt=attempt).fields()])
+
+    def error_once(self, message: str) -> None:
+        """End the stream with an `error` event unless it already ended (done or error)."""
+        last_event = self._seek_end()
+        if last_event not in ("done", "error"):
+            self._write([ErrorEvent(message=message).fields()])
+
+    def _seek_end(self) -> str | None:
+        """Place new entry ids after the stream's last one; return that entry's event, if any."""
+        last = self._retry(self.conn.xrevrange, self.key, count=1)
+        now_ms = int(time.time() * 1000)
+        if not last:
+            self._ms = now_ms
+            return None
+        entry_id, fields = last[0]
+        self._ms = max(now_ms, int(_text(entry_id).split("-")[0]) + 1)
+        return _text(fields.get(b"event", fields.get("event", b"")))
+
+    def __call__(self, text: str, ids: list[int]) -> None:
+        self._text.append(text)
+        self._ids.extend(ids)
+        elapsed_ms = (time.monotonic() - self._last_flush) * 1000
+        if len(self._ids) >= self.options.flush_tokens or elapsed_ms >= self.options.flush_ms:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self._ids and not any(self._text):
+            return
+        event = TokenEvent(text="".join(self._text), ids=self._ids, index=self._index)
+        self._index += len(self._ids)
+        self._text, self._ids = [], []
+        self._write([event.fields()])
+        self._last_flush = time.monotonic()
+
+    def finish(self, result: GenerateResult | ScoreResult, done: DoneEvent) -> None:
+        """Flush what is buffered, then the `done` event and the result key, in one pipeline."""
+        self.flush()
+        payload = json.dumps(result.model_dump(mode="json"))
+        self._write([done.fields()], extra=(keys.result_key(self.job_id), payload))
+
+    def error(self, message: str) -> None:
+        """End the stream with an `error` event (buffered text is flushed first)."""
+        self.flush()
+        self._write([ErrorEvent(message=message).fields()])
+
+    def _next_id(self) -> str:
+        self._seq += 1
+        return f"{self._ms}-{self._seq}"
+
+    def _write(self, entries: list[dict[str, str]], extra: tuple[str, str] | None = None) -> None:
+        ids = [self._next_id() for _ in entries]
+        self._retry(self._pipeline, entries, ids, extra)
+
+    def _pipeline(self, entries: list[dict[str, str]], ids: list[str], extra: tuple[str, str] | None) -> None:
+        pipe = self.conn.pipeline(transaction=False)
+        for entry_id, fields in zip(ids, entries, strict=True):
+            pipe.xadd(self.key, fields, id=entry_id, maxlen=self.options.maxlen, approximate=True)  # type: ignore[arg-type]
+        pipe.expire(self.key, self.options.ttl_s)
+        if extra is not None:
+            pipe.set(extra[0], extra[1], ex=self.options.result_ttl_s)
+        for reply in pipe.execute(raise_on_error=False):
+            if isinstance(reply, redis.ResponseError) and not _already_written(reply):
+                raise reply
+
+
+def _already_written(err: redis.ResponseError) -> bool:
+    # A retried XADD whose first attempt landed: Redis refuses the same explicit id.
+    return "equal or smaller than the target stream top item" in str(err)
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
