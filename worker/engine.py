@@ -30,6 +30,7 @@ from jobs.schema import (
 from .detokenizer import IncrementalDetokenizer
 from .generate import GenerationCancelled, decode, prefill
 from .loader import load_model, resolve_model_path
+from .prefix_cache import PrefixCache
 from .sampler import Sampler
 from .scoring import PrefixScorer, ScoreStats, candidate_scores, candidate_token_ids
 from .stop_strings import StopStringMatcher
@@ -49,6 +50,7 @@ class EngineOptions:
     dtype: str | None = None  # None: float32 on CPU, the checkpoint's dtype on a GPU
     prefill_chunk: int = 2048
     max_context: int | None = None
+    prefix_cache_bytes: int = 1 << 30  # 0 turns the prefix cache off
 
 
 class Engine:
@@ -64,6 +66,9 @@ class Engine:
         self.options = options
         own = int(config.get("max_position_embeddings") or model.args.max_position_embeddings)
         self.context_length = min(own, options.max_context) if options.max_context else own
+        self.prefix_cache = (
+            PrefixCache(options.prefix_cache_bytes) if options.prefix_cache_bytes > 0 else None
+        )
 
     @classmethod
     def load(cls, model: str, options: EngineOptions | None = None) -> Engine:
@@ -100,6 +105,12 @@ class Engine:
             raise ContextTooLong(len(ids), self.context_length)
         return ids
 
+    def _begin(self, prompt: list[int]) -> tuple[list[Any], int]:
+        """A KV cache for `prompt`: the longest cached prefix already in it, and that prefix's length."""
+        if self.prefix_cache is None:
+            return self.model.make_cache(), 0
+        return self.prefix_cache.begin(prompt, len(self.model.layers))
+
     # --- scoring --------------------------------------------------------------------------------
 
     def score_tokens(self, request: ScoreRequest) -> list[tuple[list[int], list[int]]]:
@@ -122,9 +133,10 @@ class Engine:
         """Score one request's rows (shared prefixes computed once)."""
         rows = self.score_tokens(request)
         stats = ScoreStats()
-        logits = PrefixScorer(self.model, prefill_chunk=self.options.prefill_chunk).last_logits(
-            [p for p, _ in rows], stats
+        scorer = PrefixScorer(
+            self.model, prefix_cache=self.prefix_cache, prefill_chunk=self.options.prefill_chunk
         )
+        logits = scorer.last_logits([p for p, _ in rows], stats)
         scored = []
         for (prompt, cands), row_logits, computed in zip(rows, logits, stats.computed_per_row, strict=True):
             raw, logprobs = candidate_scores(row_logits, cands)
@@ -157,11 +169,11 @@ class Engine:
         except ValueError as e:
             raise InvalidRequest(str(e)) from e
         run = _Run(self.tokenizer, request.stop, sink)
-        cache = self.model.make_cache()
+        cache, n_cached = self._begin(prompt)
         finish: FinishReason = "length"
         t_first: float | None = None
         try:
-            logits = prefill(self.model, prompt, cache, self.options.prefill_chunk, cancelled)
+            logits = prefill(self.model, prompt[n_cached:], cache, self.options.prefill_chunk, cancelled)
             t_prefill = time.perf_counter()
             for token in decode(self.model, logits, cache, sampler, max_tokens):
                 if t_first is None:
@@ -177,6 +189,9 @@ class Engine:
                     break
         except GenerationCancelled:
             finish, t_prefill = "cancelled", time.perf_counter()
+        finally:  # what was computed stays useful: a retried, extended or repeated prompt reuses it
+            if self.prefix_cache is not None:
+                self.prefix_cache.offer(prompt + run.ids, cache)
         run.finish(stopped=finish == "stop")
         t_end = time.perf_counter()
         n = len(run.ids)
@@ -186,7 +201,7 @@ class Engine:
             prefill_s=t_prefill - t_start,
             decode_s=decode_s,
             total_s=t_end - t_start,
-            prefill_tokens_per_s=len(prompt) / max(t_prefill - t_start, 1e-9),
+            prefill_tokens_per_s=(len(prompt) - n_cached) / max(t_prefill - t_start, 1e-9),
             decode_tokens_per_s=(n - 1) / decode_s if n > 1 and decode_s > 0 else None,
         )
         return GenerateResult(
@@ -194,7 +209,7 @@ class Engine:
             finish_reason=finish,
             token_ids=run.ids,
             model=self.name,
-            usage=Usage(prompt_tokens=len(prompt), completion_tokens=n, cached_tokens=0),
+            usage=Usage(prompt_tokens=len(prompt), completion_tokens=n, cached_tokens=n_cached),
             timings=timings,
         )
 

@@ -84,6 +84,10 @@ class PrefixCache:
             node = child
         return path, i
 
+    def peek(self, tokens: list[int]) -> int:
+        """How many tokens `begin` would reuse, without touching the cache."""
+        return max(0, min(self._match(tokens)[1], len(tokens) - 1))
+
     def begin(self, tokens: list[int], n_layers: int) -> tuple[list[KVCache], int]:
         """A cache holding the longest cached prefix of `tokens` (at most len-1 tokens) and its length."""
         self.stats.lookups += 1

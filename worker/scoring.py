@@ -18,6 +18,7 @@ import mlx.core as mx
 from jobs.errors import InvalidCandidate
 
 from .kv_cache import broadcast_batch
+from .prefix_cache import PrefixCache
 
 
 @dataclass
@@ -88,12 +89,23 @@ def build_tree(prompts: Sequence[list[int]]) -> _Node:
 
 
 class PrefixScorer:
-    """Computes last-position logits for many prompts, each shared prefix once."""
+    """Computes last-position logits for many prompts, each shared prefix once.
+
+    With a `PrefixCache`, a top-level span starts from the longest cached prefix, and every span
+    computed on the batch-1 path is offered back to the cache for later jobs.
+    """
 
     def __init__(
-        self, model: Any, *, prefill_chunk: int = 2048, max_batch_rows: int = 32, max_batch_tokens: int = 8192
+        self,
+        model: Any,
+        *,
+        prefix_cache: PrefixCache | None = None,
+        prefill_chunk: int = 2048,
+        max_batch_rows: int = 32,
+        max_batch_tokens: int = 8192,
     ) -> None:
         self.model = model
+        self.prefix_cache = prefix_cache
         self.prefill_chunk = prefill_chunk
         self.max_batch_rows = max_batch_rows
         self.max_batch_tokens = max_batch_tokens
@@ -103,33 +115,51 @@ class PrefixScorer:
         stats = stats if stats is not None else ScoreStats()
         out: list[mx.array | None] = [None] * len(prompts)
         root = build_tree(prompts)
-        stats.computed_per_row = computed_per_row(root, len(prompts))
-        cache = self.model.make_cache()
-        self._visit(root, cache, out, stats)
+        reused: dict[int, int] = {}  # id(node) -> its tokens taken from the prefix cache
+        leaves = []
+        for child in root.children.values():
+            hit = self.prefix_cache.peek(child.span) if self.prefix_cache is not None else 0
+            if not (hit or child.children or len(child.span) > self.prefill_chunk):
+                leaves.append(child)
+                continue
+            if hit and self.prefix_cache is not None:
+                cache, reused[id(child)] = self.prefix_cache.begin(child.span, len(self.model.layers))
+            else:
+                cache = self.model.make_cache()
+            self._extend(child, cache, out, stats, start=reused.get(id(child), 0))
+            self._visit(child, child.span, cache, out, stats)
+        self._run_leaves(leaves, self.model.make_cache(), out, stats)
+        stats.computed_per_row = computed_per_row(root, len(prompts), reused)
         return [o for o in out if o is not None]  # every row is filled by construction
 
-    def _visit(self, node: _Node, cache: list[Any], out: list[mx.array | None], stats: ScoreStats) -> None:
+    def _visit(
+        self, node: _Node, prefix: list[int], cache: list[Any], out: list[mx.array | None], stats: ScoreStats
+    ) -> None:
+        """Offer `prefix` (what `cache` holds) to the prefix cache, then score everything below `node`."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.offer(prefix, cache)
         leaves = []
         for child in node.children.values():
             if child.children or len(child.span) > self.prefill_chunk:
                 self._extend(child, cache, out, stats)
-                self._visit(child, cache, out, stats)
+                self._visit(child, prefix + child.span, cache, out, stats)
                 for c in cache:
                     c.trim(len(child.span))
             else:
                 leaves.append(child)
         self._run_leaves(leaves, cache, out, stats)
 
-    def _extend(self, node: _Node, cache: list[Any], out: list[mx.array | None], stats: ScoreStats) -> None:
-        """Append the node's span to the batch-1 cache; fill rows that end here."""
+    def _extend(
+        self, node: _Node, cache: list[Any], out: list[mx.array | None], stats: ScoreStats, start: int = 0
+    ) -> None:
+        """Append the node's span (from `start`) to the batch-1 cache; fill rows that end here."""
         ids = mx.array(node.span, dtype=mx.int32)[None]
-        start = 0
+        stats.computed_tokens += len(node.span) - start
         while len(node.span) - start > self.prefill_chunk:
             self.model(ids[:, start : start + self.prefill_chunk], cache=cache)
             mx.eval([c.state for c in cache])
             start += self.prefill_chunk
         hidden = self.model.hidden(ids[:, start:], cache=cache)
-        stats.computed_tokens += len(node.span)
         if not node.rows:
             mx.eval([c.state for c in cache])
             return
@@ -174,14 +204,18 @@ class PrefixScorer:
         return groups
 
 
-def computed_per_row(root: _Node, n_rows: int) -> list[int]:
-    """Prompt tokens each row computed itself: a shared span counts for the first row under it."""
+def computed_per_row(root: _Node, n_rows: int, reused: dict[int, int] | None = None) -> list[int]:
+    """Prompt tokens each row computed itself: a shared span counts for the first row under it.
+
+    `reused` maps id(node) to how many of its tokens came from the prefix cache (computed by no row).
+    """
     computed = [0] * n_rows
+    reused = reused or {}
 
     def first_row(node: _Node) -> int:
         firsts = [first_row(c) for c in node.children.values()] + node.rows
         first = min(firsts)
-        computed[first] += len(node.span)
+        computed[first] += len(node.span) - reused.get(id(node), 0)
         return first
 
     for child in root.children.values():
