@@ -51,6 +51,8 @@ class EngineOptions:
     prefill_chunk: int = 2048
     max_context: int | None = None
     prefix_cache_bytes: int = 1 << 30  # 0 turns the prefix cache off
+    max_score_rows: int = 64
+    max_score_candidates: int = 26
 
 
 class Engine:
@@ -119,8 +121,18 @@ class Engine:
         def encode(text: str) -> list[int]:
             return self.tokenizer.encode(text, add_special_tokens=request.add_special_tokens)
 
+        if len(request.rows) > self.options.max_score_rows:
+            raise InvalidRequest(
+                f"the score job has {len(request.rows)} rows; this worker takes at most "
+                f"{self.options.max_score_rows} per job (MLXQ_MAX_SCORE_ROWS): split it into several jobs"
+            )
         out = []
         for i, row in enumerate(request.rows):
+            if len(row.candidates) > self.options.max_score_candidates:
+                raise InvalidRequest(
+                    f"row {i} has {len(row.candidates)} candidates; this worker takes at most "
+                    f"{self.options.max_score_candidates} (MLXQ_MAX_SCORE_CANDIDATES)"
+                )
             prompt, cands = candidate_token_ids(
                 encode, self.tokenizer.special_ids, row.prompt, row.candidates, i
             )
@@ -131,14 +143,22 @@ class Engine:
 
     def score(self, request: ScoreRequest) -> ScoreResult:
         """Score one request's rows (shared prefixes computed once)."""
-        rows = self.score_tokens(request)
+        return self.score_many([self.score_tokens(request)])[0]
+
+    def score_many(self, jobs: list[list[tuple[list[int], list[int]]]]) -> list[ScoreResult]:
+        """Score the prepared rows (`score_tokens`) of several jobs together; one result per job.
+
+        All rows go into one prefix tree, so a prefix shared across jobs is computed once. A row's
+        `cached_tokens` counts prompt tokens it did not compute itself (shared, or from the cache).
+        """
+        flat = [row for rows in jobs for row in rows]
         stats = ScoreStats()
         scorer = PrefixScorer(
             self.model, prefix_cache=self.prefix_cache, prefill_chunk=self.options.prefill_chunk
         )
-        logits = scorer.last_logits([p for p, _ in rows], stats)
+        logits = scorer.last_logits([p for p, _ in flat], stats)
         scored = []
-        for (prompt, cands), row_logits, computed in zip(rows, logits, stats.computed_per_row, strict=True):
+        for (prompt, cands), row_logits, computed in zip(flat, logits, stats.computed_per_row, strict=True):
             raw, logprobs = candidate_scores(row_logits, cands)
             scored.append(
                 ScoredRow(
@@ -148,12 +168,19 @@ class Engine:
                     cached_tokens=len(prompt) - computed,
                 )
             )
-        return ScoreResult(
-            rows=scored,
-            input_tokens=sum(r.input_tokens for r in scored),
-            cached_tokens=sum(r.cached_tokens for r in scored),
-            model=self.name,
-        )
+        results, start = [], 0
+        for rows in jobs:
+            mine = scored[start : start + len(rows)]
+            start += len(rows)
+            results.append(
+                ScoreResult(
+                    rows=mine,
+                    input_tokens=sum(r.input_tokens for r in mine),
+                    cached_tokens=sum(r.cached_tokens for r in mine),
+                    model=self.name,
+                )
+            )
+        return results
 
     # --- generation -----------------------------------------------------------------------------
 

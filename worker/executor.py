@@ -9,16 +9,20 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from typing import Any
 
 import redis
 from rq import get_current_job
 
+from jobs import parse_score
 from jobs.schema import DoneEvent, GenerateRequest, GenerateResult, ScoreRequest, ScoreResult
 
 from .engine import Engine
 from .stream_writer import StreamOptions, StreamWriter
 
 log = logging.getLogger(__name__)
+
+PreparedRows = list[tuple[list[int], list[int]]]  # per row: prompt tokens, candidate token ids
 
 
 class JobExecutor:
@@ -75,8 +79,23 @@ class JobExecutor:
         return result
 
     def score(self, job_id: str, request: ScoreRequest) -> ScoreResult:
-        writer = self._open_stream(job_id)
         result = self.engine.score(request)
+        self.finish_score(job_id, result)
+        return result
+
+    # --- score batches across jobs (driven by the worker, see `MlxqWorker`) --------------------------
+
+    def prepare_score(self, payload: Any) -> PreparedRows:
+        """Validate and tokenize one score job's payload; raises the job's own error if it is bad."""
+        return self.engine.score_tokens(parse_score(payload))
+
+    def score_batch(self, prepared: list[PreparedRows]) -> list[ScoreResult]:
+        """Score several jobs' rows together, shared prefixes computed once across jobs."""
+        return self.engine.score_many(prepared)
+
+    def finish_score(self, job_id: str, result: ScoreResult) -> None:
+        """Write a score job's `done` event and result key."""
+        writer = self._open_stream(job_id)
         done = DoneEvent(
             finish_reason="stop",
             prompt_tokens=result.input_tokens,
@@ -92,4 +111,3 @@ class JobExecutor:
             result.input_tokens,
             result.cached_tokens,
         )
-        return result

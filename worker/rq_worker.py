@@ -1,16 +1,18 @@
 """The RQ worker: one process, one loaded model, jobs run in-process.
 
 Built on RQ's `SimpleWorker` (RQ's forking `Worker` would lose the model after every job) with what it
-lacks for long model jobs: a watcher thread that heartbeats while a job runs (so RQ never reaps a live
-job as abandoned, and a killed worker's jobs are found within a few heartbeats) and polls the job's
-cancel key; an allowlist of job functions checked before anything runs; and a failure hook that ends
-the job's stream with an `error` event.
+lacks for model jobs: a `JobWatch` thread that heartbeats while jobs run (so RQ never reaps a live job
+as abandoned, and a killed worker's jobs are found within a few heartbeats) and polls cancel keys; an
+allowlist of job functions checked before anything is imported by name; a failure hook that ends the
+job's stream with an `error` event; and score batches: after RQ hands over a score job, more queued
+score jobs are claimed (`ScoreClaimer`) and scored together, each finishing or failing on its own
+through RQ's own lifecycle.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -18,51 +20,17 @@ import redis
 from rq import Queue, SimpleWorker
 from rq.job import Job
 from rq.serializers import JSONSerializer
+from rq.utils import now
 
 from jobs import keys
 from jobs.errors import ForbiddenJob
 
-from .stream_writer import REDIS_TRANSIENT, StreamOptions, StreamWriter
+from .executor import JobExecutor
+from .job_watch import JobWatch
+from .score_claim import ScoreClaimer
+from .stream_writer import StreamOptions, StreamWriter
 
 log = logging.getLogger(__name__)
-
-
-class JobWatch:
-    """Background thread for the running job: heartbeats and cancellation, never touching MLX."""
-
-    def __init__(self, worker: MlxqWorker, job: Job, execution: Any) -> None:
-        self.worker = worker
-        self.job = job
-        self.execution = execution
-        self.cancelled = False
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=f"watch-{job.id}", daemon=True)
-
-    def __enter__(self) -> JobWatch:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)
-
-    def _run(self) -> None:
-        conn = self.worker.connection
-        key = keys.cancel_key(self.job.id)
-        beat_every = self.worker.heartbeat_s
-        poll = self.worker.cancel_poll_s
-        since_beat = 0.0
-        while not self._stop.wait(poll):
-            try:
-                if not self.cancelled and conn.exists(key):
-                    log.info("cancel requested job=%s", self.job.id)
-                    self.cancelled = True
-                since_beat += poll
-                if since_beat >= beat_every:
-                    since_beat = 0.0
-                    self.worker.maintain_heartbeats(self.job, self.execution)
-            except REDIS_TRANSIENT as e:  # Redis restarting: keep the job running, try again next tick
-                log.warning("watch redis error job=%s error=%s", self.job.id, e)
 
 
 class MlxqWorker(SimpleWorker):
@@ -79,21 +47,24 @@ class MlxqWorker(SimpleWorker):
         default_job_timeout: int = 3600,
         **kwargs: Any,
     ) -> None:
+        kwargs.setdefault("log_job_description", False)  # descriptions hold prompts: keep them out of logs
         super().__init__(queues, connection=connection, serializer=JSONSerializer, **kwargs)
         self.stream_options = stream_options
-        self.default_job_timeout = default_job_timeout
-        self.after_job: Callable[[], None] = lambda: None
         self.heartbeat_s = heartbeat_s
         self.cancel_poll_s = cancel_poll_s
+        self.default_job_timeout = default_job_timeout
+        self.executor: JobExecutor | None = None
+        self.score_claimer: ScoreClaimer | None = None  # None: one score job at a time
+        self.after_job: Callable[[], None] = lambda: None
         self._watch: JobWatch | None = None
         self._force_stop = False
 
     # --- what the executor asks --------------------------------------------------------------------
 
     def is_cancelled(self, job_id: str) -> bool:
-        """True once the running job's cancel key was seen, or a second SIGTERM/SIGINT arrived."""
+        """True once the job's cancel key was seen, or a second SIGTERM/SIGINT arrived."""
         watch = self._watch
-        return self._force_stop or (watch is not None and watch.job.id == job_id and watch.cancelled)
+        return self._force_stop or (watch is not None and job_id in watch.cancelled)
 
     # --- RQ hooks ----------------------------------------------------------------------------------
 
@@ -105,16 +76,12 @@ class MlxqWorker(SimpleWorker):
         problem = _forbidden_reason(job)
         if problem is not None:
             self._reject(job, queue, problem)
-            return
-        if job.timeout is None:  # RQ's own default (180 s) is too short for long generations
-            job.timeout = self.default_job_timeout
-        execution = self.prepare_execution(job)
-        with JobWatch(self, job, execution) as watch:
-            self._watch = watch
-            try:
-                self.perform_job(job, queue, execution)
-            finally:
-                self._watch = None
+        elif (
+            job.func_name == keys.SCORE_FUNC and self.score_claimer is not None and self.executor is not None
+        ):
+            self._execute_score_batch(job, queue)
+        else:
+            self._execute_one(job, queue)
         self.set_state("idle")
         self.after_job()
 
@@ -136,12 +103,66 @@ class MlxqWorker(SimpleWorker):
     def request_force_stop(self, signum: int, frame: Any) -> None:
         """Second SIGTERM/SIGINT: cancel the running job cleanly (it ends `cancelled`), then exit."""
         if self._watch is not None and not self._force_stop:
-            log.warning("second stop signal: cancelling job=%s", self._watch.job.id)
+            log.warning("second stop signal: cancelling jobs=%s", ",".join(self._watch.job_ids()))
             self._force_stop = True
             return
         super().request_force_stop(signum, frame)
 
-    # --- helpers -----------------------------------------------------------------------------------
+    # --- running jobs ------------------------------------------------------------------------------
+
+    def _start(self, job: Job) -> Any:
+        if job.timeout is None:  # RQ's own default (180 s) is too short for long generations
+            job.timeout = self.default_job_timeout
+        return self.prepare_execution(job)
+
+    def _execute_one(self, job: Job, queue: Queue) -> None:
+        execution = self._start(job)
+        with JobWatch(self, [(job, execution)], self.heartbeat_s, self.cancel_poll_s) as watch:
+            self._watch = watch
+            try:
+                self.perform_job(job, queue, execution)
+            finally:
+                self._watch = None
+
+    def _execute_score_batch(self, first: Job, queue: Queue) -> None:
+        """Score `first` together with more queued score jobs; each job ends on its own."""
+        assert self.score_claimer is not None and self.executor is not None
+        jobs = [first, *self.score_claimer.claim(queue, rows_taken=_rows_of(first))]
+        runs = []
+        for job in jobs:
+            execution = self._start(job)
+            self.prepare_job_execution(job, remove_from_intermediate_queue=True)
+            job.started_at = now()
+            runs.append((job, execution))
+        with JobWatch(self, runs, self.heartbeat_s, self.cancel_poll_s) as watch:
+            self._watch = watch
+            try:
+                self._score_runs(runs, queue)
+            finally:
+                self._watch = None
+
+    def _score_runs(self, runs: list[tuple[Job, Any]], queue: Queue) -> None:
+        assert self.executor is not None
+        ready = []
+        for job, execution in runs:
+            try:
+                ready.append((job, execution, self.executor.prepare_score(job.args[0])))
+            except Exception:  # a bad job fails alone; its batch-mates go on
+                self._finalize_failure(job, queue, execution, sys.exc_info())
+        if not ready:
+            return
+        try:
+            results = self.executor.score_batch([rows for _, _, rows in ready])
+        except Exception:
+            log.exception("score batch failed; scoring its jobs one by one jobs=%d", len(ready))
+            results = None
+        for i, (job, execution, rows) in enumerate(ready):
+            try:
+                result = results[i] if results is not None else self.executor.score_batch([rows])[0]
+                self.executor.finish_score(job.id, result)
+                self._finalize_success(job, queue, execution, result.model_dump(mode="json"))
+            except Exception:
+                self._finalize_failure(job, queue, execution, sys.exc_info())
 
     def _reject(self, job: Job, queue: Queue, reason: str) -> None:
         log.warning("rejected job=%s reason=%s", job.id, reason)
@@ -150,7 +171,6 @@ class MlxqWorker(SimpleWorker):
         self.handle_job_failure(
             job, queue, exc_string=f"{ForbiddenJob.__name__}: {reason}", execution=execution
         )
-        self.set_state("idle")
 
     def _end_stream_with_error(self, job: Job, exc_string: str) -> None:
         message = _last_line(exc_string) or "the job failed"
@@ -164,17 +184,24 @@ def _forbidden_reason(job: Job) -> str | None:
     """Why this job must not run here, or None. Checked before RQ imports anything by name."""
     try:
         func_name = job.func_name
+        args, kwargs = job.args, job.kwargs
     except Exception as e:
         return f"the payload is not JSON in RQ's JSON format ({type(e).__name__}: {e}); mlxq never unpickles"
     if func_name not in keys.JOB_FUNCS:
         allowed = ", ".join(sorted(keys.JOB_FUNCS))
         return f"function {func_name!r} is not an mlxq job; this worker runs only {allowed}"
-    if len(job.args) != 1 or job.kwargs:
+    if len(args) != 1 or kwargs:
         return (
-            f"{func_name} takes exactly one argument, the request object (got {len(job.args)} "
-            f"positional and {len(job.kwargs)} keyword arguments)"
+            f"{func_name} takes exactly one argument, the request object (got {len(args)} "
+            f"positional and {len(kwargs)} keyword arguments)"
         )
     return None
+
+
+def _rows_of(job: Job) -> int:
+    payload = job.args[0]
+    rows = payload.get("rows") if isinstance(payload, dict) else None
+    return len(rows) if isinstance(rows, list) else 0
 
 
 def _last_line(exc_string: str) -> str:

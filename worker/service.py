@@ -13,6 +13,7 @@ from jobs import keys, runtime
 from .engine import Engine, EngineOptions
 from .executor import JobExecutor
 from .rq_worker import MlxqWorker
+from .score_claim import ClaimBudget, ScoreClaimer
 from .settings import WorkerSettings
 from .stream_writer import StreamOptions
 
@@ -46,7 +47,12 @@ class WorkerService:
             engine = Engine.load(
                 settings.model,
                 EngineOptions(
-                    dtype=dtype, prefill_chunk=settings.prefill_chunk, max_context=settings.max_context
+                    dtype=dtype,
+                    prefill_chunk=settings.prefill_chunk,
+                    max_context=settings.max_context,
+                    prefix_cache_bytes=settings.prefix_cache_bytes,
+                    max_score_rows=settings.max_score_rows,
+                    max_score_candidates=settings.max_score_candidates,
                 ),
             )
         stream_options = StreamOptions(
@@ -69,6 +75,10 @@ class WorkerService:
             default_job_timeout=settings.job_timeout_s,
         )
         executor = JobExecutor(engine, conn, stream_options, cancelled=worker.is_cancelled)
+        worker.executor = executor
+        if settings.score_batch_rows > 0:
+            budget = ClaimBudget(max_rows=settings.score_batch_rows, max_jobs=settings.score_batch_jobs)
+            worker.score_claimer = ScoreClaimer(conn, worker.serializer, budget)
         worker.after_job = lambda: _publish_stats(conn, worker, executor)
         return cls(settings, conn, engine, worker, executor)
 

@@ -22,6 +22,16 @@ class WorkerSettings(BaseSettings):
     prefill_chunk: int = Field(default=2048, ge=16)
     max_context: int | None = Field(default=None, ge=16, description="cap below the model's own context")
 
+    prefix_cache_bytes: int = Field(
+        default=1 << 30, ge=0, description="KV bytes the prefix cache may hold; 0: off"
+    )
+    score_batch_rows: int = Field(
+        default=256, ge=0, description="rows of queued score jobs per batch; 0: one job"
+    )
+    score_batch_jobs: int = Field(default=64, ge=1)
+    max_score_rows: int = Field(default=64, ge=1, description="rows one score job may have")
+    max_score_candidates: int = Field(default=26, ge=1, description="candidates one score row may have")
+
     stream_maxlen: int = Field(default=10_000, ge=10, description="approximate cap on a stream's entries")
     stream_ttl_s: int = Field(default=3600, ge=1)
     stream_flush_tokens: int = Field(default=8, ge=1, description="flush after this many tokens...")

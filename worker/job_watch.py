@@ -1,0 +1,74 @@
+"""A background thread beside running jobs: heartbeats and cancel requests, never touching MLX."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any, Protocol
+
+import redis
+from rq.job import Job
+
+from jobs import keys
+
+from .stream_writer import REDIS_TRANSIENT
+
+log = logging.getLogger(__name__)
+
+
+class Heartbeats(Protocol):
+    connection: redis.Redis
+
+    def maintain_heartbeats(self, job: Job, execution: Any) -> None: ...
+
+
+class JobWatch:
+    """While jobs run: refresh their heartbeats every `beat_s`, poll their cancel keys every `poll_s`.
+
+    The main thread reads `cancelled` between decode steps, so a cancel takes effect within one step
+    of being seen, without a Redis round trip on the hot path.
+    """
+
+    def __init__(self, worker: Heartbeats, runs: list[tuple[Job, Any]], beat_s: float, poll_s: float) -> None:
+        self.worker = worker
+        self.runs = runs
+        self.beat_s = beat_s
+        self.poll_s = poll_s
+        self.cancelled: set[str] = set()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="mlxq-job-watch", daemon=True)
+
+    def __enter__(self) -> JobWatch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def job_ids(self) -> list[str]:
+        return [job.id for job, _ in self.runs]
+
+    def _poll_cancels(self) -> None:
+        pipe = self.worker.connection.pipeline(transaction=False)
+        for job, _ in self.runs:
+            pipe.exists(keys.cancel_key(job.id))
+        for (job, _), hit in zip(self.runs, pipe.execute(), strict=True):
+            if hit and job.id not in self.cancelled:
+                log.info("cancel requested job=%s", job.id)
+                self.cancelled.add(job.id)
+
+    def _run(self) -> None:
+        since_beat = 0.0
+        while not self._stop.wait(self.poll_s):
+            try:
+                self._poll_cancels()
+                since_beat += self.poll_s
+                if since_beat >= self.beat_s:
+                    since_beat = 0.0
+                    for job, execution in self.runs:
+                        self.worker.maintain_heartbeats(job, execution)
+            except REDIS_TRANSIENT as e:  # Redis restarting: the jobs go on; try again next tick
+                log.warning("job watch redis error=%s", e)
+            except Exception:  # a bug here must not kill the thread that keeps jobs alive
+                log.exception("job watch failed a tick")
