@@ -1,0 +1,76 @@
+"""Rotary position embeddings (RoPE) as Hugging Face Llama-family models apply them.
+
+Hugging Face rotates the two halves of each head (`rotate_half`), which is MLX's `traditional=False`.
+Scaled variants are expressed through `mx.fast.rope`: `linear` through its `scale`, `llama3` through its
+`freqs` argument (per-dimension periods, the reciprocal of Hugging Face's `inv_freq`).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from .errors import UnsupportedArchitecture
+
+ROPE_TYPES = ("default", "linear", "llama3")
+
+
+class RoPE(nn.Module):
+    """Applies RoPE to (B, heads, L, head_dim) arrays; positions start at `offset` (the cache length)."""
+
+    def __init__(self, dims: int, base: float, scale: float = 1.0, freqs: mx.array | None = None) -> None:
+        super().__init__()
+        self.dims = dims
+        self.base = base
+        self.scale = scale
+        # Leading underscore keeps it out of parameters(): it is derived from the config, not loaded.
+        self._freqs = freqs
+
+    def __call__(self, x: mx.array, offset: int = 0) -> mx.array:
+        return mx.fast.rope(
+            x,
+            self.dims,
+            traditional=False,
+            base=None if self._freqs is not None else self.base,
+            scale=self.scale,
+            offset=offset,
+            freqs=self._freqs,
+        )
+
+
+def inverse_frequencies(dims: int, base: float) -> np.ndarray:
+    """Hugging Face's `inv_freq`: base^(-2i/dims), computed in float32 as transformers does."""
+    exponents = np.arange(0, dims, 2, dtype=np.int64).astype(np.float32) / np.float32(dims)
+    return (1.0 / (np.float32(base) ** exponents)).astype(np.float32)
+
+
+def llama3_inverse_frequencies(dims: int, base: float, scaling: dict[str, Any]) -> np.ndarray:
+    """Llama 3.1's rescaling: long wavelengths slowed by `factor`, short ones kept, blended between."""
+    inv_freq = inverse_frequencies(dims, base)
+    factor = float(scaling["factor"])
+    low = float(scaling.get("low_freq_factor", 1.0))
+    high = float(scaling.get("high_freq_factor", 4.0))
+    old_context = float(scaling["original_max_position_embeddings"])
+    wavelen = 2 * math.pi / inv_freq
+    scaled = np.where(wavelen > old_context / low, inv_freq / factor, inv_freq)
+    smooth = (old_context / wavelen - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_context / high) & (wavelen <= old_context / low)
+    return np.where(medium, blended, scaled).astype(np.float32)
+
+
+def make_rope(head_dim: int, base: float, scaling: dict[str, Any] | None) -> RoPE:
+    """Build the RoPE for a config's `rope_theta` and normalised scaling dict (`rope_type` key or None)."""
+    rope_type = (scaling or {}).get("rope_type", "default")
+    if scaling is None or rope_type == "default":
+        return RoPE(head_dim, base)
+    if rope_type == "linear":
+        return RoPE(head_dim, base, scale=1.0 / float(scaling["factor"]))
+    if rope_type == "llama3":
+        periods = 1.0 / llama3_inverse_frequencies(head_dim, base, scaling)
+        return RoPE(head_dim, base, freqs=mx.array(periods))
+    raise UnsupportedArchitecture(str(rope_type), ROPE_TYPES, what="rope_type")
