@@ -1,0 +1,64 @@
+"""Model architectures, registered by the name in config.json `architectures[0]`.
+
+`build_model(config)` picks the class and its switches from the registry and returns an uninitialised
+model (random weights); `worker.loader.load_model` fills it from a checkpoint. A new architecture is a
+module with `ModelArgs` (with `from_dict`) and `Model`, plus one `register(...)` line below.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.nn as nn
+
+from ..errors import UnsupportedArchitecture
+from . import llama
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """How to build one architecture: its module's `ModelArgs` and `Model`, and fixed config switches."""
+
+    args: Any
+    model: type[nn.Module]
+    switches: dict[str, Any] = field(default_factory=dict)
+
+
+_REGISTRY: dict[str, Architecture] = {}
+
+
+def register(name: str, args: Any, model: type[nn.Module], **switches: Any) -> None:
+    """Make `name` (a config.json `architectures[0]` value) buildable; `switches` override config keys."""
+    _REGISTRY[name] = Architecture(args, model, dict(switches))
+
+
+def supported_architectures() -> list[str]:
+    """Every registered architecture name, sorted."""
+    return sorted(_REGISTRY)
+
+
+def architecture_name(config: dict[str, Any]) -> str:
+    """config.json's `architectures[0]` (raises `UnsupportedArchitecture` if absent)."""
+    names = config.get("architectures") or []
+    if not names:
+        raise UnsupportedArchitecture("<none: config.json has no 'architectures'>", supported_architectures())
+    return str(names[0])
+
+
+def build_model(config: dict[str, Any]) -> nn.Module:
+    """A randomly initialised model for this config; `UnsupportedArchitecture` if it is not registered."""
+    name = architecture_name(config)
+    arch = _REGISTRY.get(name)
+    if arch is None:
+        raise UnsupportedArchitecture(name, supported_architectures())
+    return arch.model(arch.args.from_dict({**config, **arch.switches}))
+
+
+register("LlamaForCausalLM", llama.ModelArgs, llama.Model)
+# Mistral is Llama's layout; its sliding window is not implemented (full attention, see llama.Model).
+register("MistralForCausalLM", llama.ModelArgs, llama.Model)
+register("Qwen2ForCausalLM", llama.ModelArgs, llama.Model, qkv_bias=True)
+register("Qwen3ForCausalLM", llama.ModelArgs, llama.Model, qk_norm=True)
+
+__all__ = ["Architecture", "build_model", "register", "supported_architectures"]

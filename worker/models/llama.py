@@ -1,0 +1,218 @@
+"""The Llama family: Llama 2/3.x, SmolLM, TinyLlama, Mistral, Qwen2 (QKV bias) and Qwen3 (Q/K norm).
+
+These differ only in two switches, so one file holds them all: `qkv_bias` (Qwen2 always has biases on
+q/k/v, never on o) and `qk_norm` (Qwen3 RMS-normalises each head of q and k before RoPE). Module
+attribute names equal the Hugging Face checkpoint keys, so weights load without a mapping table.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ..errors import UnsupportedArchitecture
+from ..kv_cache import KVCache
+from ..rope import make_rope
+
+log = logging.getLogger(__name__)
+
+Mask = mx.array | str | None
+
+
+@dataclass
+class ModelArgs:
+    """The config.json fields the Llama family needs; `from_dict` ignores everything else."""
+
+    hidden_size: int
+    num_hidden_layers: int
+    intermediate_size: int
+    num_attention_heads: int
+    vocab_size: int
+    rms_norm_eps: float = 1e-6
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    max_position_embeddings: int = 2048
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    hidden_act: str = "silu"
+    sliding_window: int | None = None
+    use_sliding_window: bool | None = None  # Qwen2/3 write it (False); Mistral's window is on when set
+    qkv_bias: bool = False  # set by the registry for Qwen2, not read from config.json
+    qk_norm: bool = False  # set by the registry for Qwen3
+    n_kv_heads: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.num_key_value_heads = self.num_key_value_heads or self.num_attention_heads
+        self.n_kv_heads = self.num_key_value_heads
+        self.head_dim = self.head_dim or self.hidden_size // self.num_attention_heads
+        if self.hidden_act != "silu":
+            raise UnsupportedArchitecture(self.hidden_act, ["silu"], what="hidden_act")
+
+    @classmethod
+    def from_dict(cls, config: dict[str, Any]) -> ModelArgs:
+        """Keep known keys; read RoPE as transformers 4 (`rope_theta`, `rope_scaling`) or 5 wrote it."""
+        known = inspect.signature(cls).parameters
+        args = {k: v for k, v in config.items() if k in known}
+        args["rope_theta"], args["rope_scaling"] = _rope_settings(config)
+        return cls(**args)
+
+
+def _rope_settings(config: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """(theta, scaling dict with a `rope_type` key or None) from either config.json layout."""
+    params = config.get("rope_parameters")  # transformers 5: one dict with theta and scaling together
+    if not isinstance(params, dict):
+        params = {**(config.get("rope_scaling") or {}), "rope_theta": config.get("rope_theta", 10000.0)}
+    params = dict(params)
+    theta = float(params.pop("rope_theta", config.get("rope_theta", 10000.0)))
+    rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"  # "type": old v4
+    if rope_type == "default":
+        return theta, None
+    return theta, {**params, "rope_type": rope_type}
+
+
+class Attention(nn.Module):
+    """Grouped-query attention with RoPE; positions continue from the layer's cache offset."""
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        assert args.head_dim is not None
+        self.n_heads = args.num_attention_heads
+        self.n_kv_heads = args.n_kv_heads
+        self.head_dim = args.head_dim
+        self.scale = args.head_dim**-0.5
+        h, qkv_bias = args.hidden_size, args.attention_bias or args.qkv_bias
+        self.q_proj = nn.Linear(h, self.n_heads * self.head_dim, bias=qkv_bias)
+        self.k_proj = nn.Linear(h, self.n_kv_heads * self.head_dim, bias=qkv_bias)
+        self.v_proj = nn.Linear(h, self.n_kv_heads * self.head_dim, bias=qkv_bias)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, h, bias=args.attention_bias)
+        if args.qk_norm:
+            self.q_norm = nn.RMSNorm(self.head_dim, eps=args.rms_norm_eps)
+            self.k_norm = nn.RMSNorm(self.head_dim, eps=args.rms_norm_eps)
+        self.qk_norm = args.qk_norm
+        self.rope = make_rope(self.head_dim, args.rope_theta, args.rope_scaling)
+
+    def __call__(self, x: mx.array, mask: Mask, cache: KVCache | None) -> mx.array:
+        b, n, _ = x.shape
+        q = self.q_proj(x).reshape(b, n, self.n_heads, self.head_dim)
+        k = self.k_proj(x).reshape(b, n, self.n_kv_heads, self.head_dim)
+        v = self.v_proj(x).reshape(b, n, self.n_kv_heads, self.head_dim).transpose(0, 2, 1, 3)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3)
+        offset = cache.offset if cache is not None else 0
+        q, k = self.rope(q, offset=offset), self.rope(k, offset=offset)
+        if cache is not None:
+            k, v = cache.update_and_fetch(k, v)
+        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(b, n, -1))
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        h, inter, bias = args.hidden_size, args.intermediate_size, args.mlp_bias
+        self.gate_proj = nn.Linear(h, inter, bias=bias)
+        self.up_proj = nn.Linear(h, inter, bias=bias)
+        self.down_proj = nn.Linear(inter, h, bias=bias)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm residual block: attention then MLP."""
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.self_attn = Attention(args)
+        self.mlp = MLP(args)
+        self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+
+    def __call__(self, x: mx.array, mask: Mask, cache: KVCache | None) -> mx.array:
+        h = x + self.self_attn(self.input_layernorm(x), mask, cache)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaModel(nn.Module):
+    """Embedding, decoder layers and final norm (the checkpoint's `model.` prefix)."""
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = [TransformerBlock(args) for _ in range(args.num_hidden_layers)]
+        self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+
+    def __call__(
+        self, inputs: mx.array, cache: list[KVCache] | None = None, mask: mx.array | None = None
+    ) -> mx.array:
+        h = self.embed_tokens(inputs)
+        layer_mask: Mask = mask
+        if mask is None and inputs.shape[1] > 1:
+            # MLX's "causal" aligns the last query with the last key, so it is right with a cache offset.
+            layer_mask = "causal"
+        caches: list[KVCache | None] = list(cache) if cache is not None else [None] * len(self.layers)
+        for layer, c in zip(self.layers, caches, strict=True):
+            h = layer(h, layer_mask, c)
+        return self.norm(h)
+
+
+class Model(nn.Module):
+    """A causal LM: `model(inputs, cache, mask) -> logits`, or `hidden` and `logits` separately."""
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.args = args
+        self.model = LlamaModel(args)
+        if not args.tie_word_embeddings:
+            self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        window = args.sliding_window if args.use_sliding_window is not False else None
+        if window and window < args.max_position_embeddings:
+            log.warning("sliding window ignored window=%d: attention is full-length", window)
+
+    def __call__(
+        self, inputs: mx.array, cache: list[KVCache] | None = None, mask: mx.array | None = None
+    ) -> mx.array:
+        """Logits (B, L, vocab) for int32 token ids (B, L).
+
+        `mask=None` is causal over the cache's positions plus these L; an explicit mask (boolean, True =
+        attend, or additive) must broadcast to (B, heads, L, offset + L).
+        """
+        return self.logits(self.hidden(inputs, cache=cache, mask=mask))
+
+    def hidden(
+        self, inputs: mx.array, cache: list[KVCache] | None = None, mask: mx.array | None = None
+    ) -> mx.array:
+        """Final normed hidden states (B, L, hidden_size); same arguments as `__call__`."""
+        return self.model(inputs, cache=cache, mask=mask)
+
+    def logits(self, hidden: mx.array) -> mx.array:
+        """Project hidden states (..., hidden_size) to vocabulary logits (..., vocab)."""
+        if self.args.tie_word_embeddings:
+            return self.model.embed_tokens.as_linear(hidden)
+        return self.lm_head(hidden)
+
+    @property
+    def layers(self) -> list[TransformerBlock]:
+        return self.model.layers
+
+    def make_cache(self) -> list[KVCache]:
+        """One empty `KVCache` per layer."""
+        return [KVCache() for _ in self.layers]
+
+    def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
+        """Drop what a checkpoint may carry but the model computes itself (RoPE tables, a tied lm_head)."""
+        weights = {k: v for k, v in weights.items() if "rotary_emb.inv_freq" not in k}
+        if self.args.tie_word_embeddings:
+            weights = {k: v for k, v in weights.items() if not k.startswith("lm_head.")}
+        return weights
