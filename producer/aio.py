@@ -1,0 +1,275 @@
+"""The asyncio producer (FastAPI, aiohttp): `AsyncClient` and `AsyncJobHandle`, the sync API as coroutines.
+
+RQ is sync, so jobs are enqueued by writing RQ's job hash and queue push with redis.asyncio in one
+transaction (`rq_wire`, shared with the sync client). Canceling a still-queued job is RQ's own
+`Job.cancel`, run in a thread on a sync connection that is opened only when first needed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from typing import Any, Generic, TypeVar
+
+import redis
+import redis.asyncio
+from rq import Retry
+
+from jobs import keys
+from jobs.schema import (
+    ChatMessage,
+    DoneEvent,
+    ErrorEvent,
+    GenerateRequest,
+    GenerateResult,
+    RestartEvent,
+    ScoreRequest,
+    ScoreResult,
+    ScoreRow,
+    TokenEvent,
+)
+
+from . import job_state, payload, rq_wire
+from .client import CANCEL_KEY_TTL_S, RESULT_GRACE_S, Client, job_options, rq_cancel
+from .connection import RetryPolicy, connect_async
+from .errors import JobFailed, JobNotFound
+from .job_state import CancelOutcome
+from .settings import ProducerSettings
+from .tail import START_ID, Deadline, Follower, StreamItem, decode_entries, decode_xread
+
+log = logging.getLogger(__name__)
+
+R = TypeVar("R")
+
+
+class AsyncJobHandle(Generic[R]):
+    """One submitted job, as coroutines and async iterators. See `producer.JobHandle` for the semantics."""
+
+    def __init__(self, client: AsyncClient, job_id: str, parse: Callable[[payload.ResultData], R]) -> None:
+        self._client = client
+        self._conn = client.connection
+        self._retry = client.retry.acall
+        self._parse = parse
+        self.id = job_id
+
+    def __repr__(self) -> str:
+        return f"AsyncJobHandle({self.id!r})"
+
+    async def status(self) -> str:
+        """RQ's status (`queued`, `started`, `finished`, `failed`, `canceled`, ...) or `missing`."""
+        raw = await self._retry(self._conn.hget, keys.rq_job_key(self.id), "status")
+        return rq_wire.decode_status(raw)
+
+    def stream(self, from_id: str = START_ID, timeout: float | None = None) -> AsyncIterator[StreamItem]:
+        """The job's events from `from_id`, ending after `done` or `error` (as `JobHandle.stream`)."""
+        return self._follow(Follower(last_id=from_id, deadline=Deadline(timeout)))
+
+    async def text_deltas(
+        self, timeout: float | None = None, on_restart: Callable[[RestartEvent], None] | None = None
+    ) -> AsyncIterator[str]:
+        """The generated text, piece by piece; `JobFailed` on an `error` event (as the sync handle)."""
+        async for item in self.stream(timeout=timeout):
+            event = item.event
+            if isinstance(event, TokenEvent) and event.text:
+                yield event.text
+            elif isinstance(event, RestartEvent) and on_restart is not None:
+                on_restart(event)
+            elif isinstance(event, ErrorEvent):
+                raise await self._error_event_failure(event)
+
+    async def result(self, timeout: float | None = None) -> R:
+        """Wait for the job to end and return its validated result; `JobFailed` if it failed."""
+        deadline = Deadline(timeout)
+        raw = await self._retry(self._conn.get, keys.result_key(self.id))
+        if raw is not None:
+            return self._parse(raw)
+        entries = await self._retry(self._conn.xrevrange, keys.stream_key(self.id), count=1)
+        newest = decode_entries(entries or [])
+        if newest and newest[0].terminal:
+            return await self._conclude(newest[0])
+        follower = Follower(last_id=newest[0].stream_id if newest else START_ID, deadline=deadline)
+        async for item in self._follow(follower):
+            if item.terminal:
+                return await self._conclude(item)
+        return await self._fetch_result(wait_s=0.0)
+
+    async def cancel(self) -> CancelOutcome:
+        """Cancel the job: RQ cancels it if it is still waiting; a running job is asked to stop."""
+        status = await self.status()
+        if status in job_state.WAITING:
+            await self._request_stop()
+            sync = self._client.sync_client()
+            return await asyncio.to_thread(sync.retry.call, rq_cancel, sync.connection, self.id)
+        if status in job_state.RUNNING:
+            await self._request_stop()
+            return CancelOutcome.REQUESTED
+        return CancelOutcome.MISSING if status == job_state.MISSING else CancelOutcome.ALREADY_OVER
+
+    # --- internals (mirror JobHandle's) -------------------------------------------------------------
+
+    async def _follow(self, follower: Follower) -> AsyncIterator[StreamItem]:
+        key = keys.stream_key(self.id)
+        while not follower.ended:
+            reply = await self._retry(self._conn.xread, {key: follower.last_id}, block=follower.block_ms())
+            items = follower.accept(decode_xread(reply))
+            for item in items:
+                yield item
+            if not follower.ended and follower.status_due(bool(items)):
+                status = await self.status()
+                if status in job_state.OVER or status == job_state.MISSING:
+                    rest = await self._retry(self._conn.xread, {key: follower.last_id})
+                    for item in follower.accept(decode_xread(rest)):
+                        yield item
+                    if not follower.ended:
+                        await self._ended_without_event(status)
+                        return
+            if not follower.ended:
+                follower.deadline.check(f"job {self.id}")
+
+    async def _ended_without_event(self, status: str) -> None:
+        if status in job_state.UNSUCCESSFUL:
+            raise job_state.failure(self.id, status, await self._failure_text())
+        if status == job_state.MISSING and not await self._retry(self._conn.exists, keys.result_key(self.id)):
+            raise JobNotFound(self.id)
+
+    async def _conclude(self, item: StreamItem) -> R:
+        if isinstance(item.event, ErrorEvent):
+            raise await self._error_event_failure(item.event)
+        assert isinstance(item.event, DoneEvent)
+        return await self._fetch_result(wait_s=RESULT_GRACE_S)
+
+    async def _fetch_result(self, wait_s: float) -> R:
+        deadline = Deadline(wait_s)
+        while True:
+            raw = await self._retry(self._conn.get, keys.result_key(self.id))
+            if raw is not None:
+                return self._parse(raw)
+            latest = await self._latest_rq_result()
+            if latest is not None and isinstance(latest.return_value, dict):
+                return self._parse(latest.return_value)
+            if deadline.expired():
+                raise JobNotFound(self.id)
+            await asyncio.sleep(0.05)
+
+    async def _latest_rq_result(self) -> Any:
+        entries = await self._retry(self._conn.xrevrange, rq_wire.results_key(self.id), count=1)
+        return rq_wire.latest_result(self.id, entries)
+
+    async def _failure_text(self) -> str | None:
+        return rq_wire.failure_text(await self._latest_rq_result())
+
+    async def _error_event_failure(self, event: ErrorEvent) -> JobFailed:
+        details = await self._failure_text() or event.message
+        return JobFailed(self.id, job_state.last_line(event.message), details=details, status="failed")
+
+    async def _request_stop(self) -> None:
+        await self._retry(self._conn.set, keys.cancel_key(self.id), "1", ex=CANCEL_KEY_TTL_S)
+
+
+class AsyncClient:
+    """Submits mlxq jobs with redis.asyncio. Use `async with AsyncClient(url) as client:` or `aclose()`."""
+
+    def __init__(
+        self,
+        redis_url: str | None = None,
+        *,
+        queue: str | None = None,
+        settings: ProducerSettings | None = None,
+    ) -> None:
+        self.settings = settings or ProducerSettings()
+        self.redis_url = redis_url or self.settings.redis_url
+        self.queue = queue or self.settings.queue
+        self.connection: redis.asyncio.Redis = connect_async(self.redis_url, self.settings)
+        self.retry = RetryPolicy.from_settings(self.settings)
+        self._sync: Client | None = None
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        """Close the connection pools."""
+        await self.connection.aclose()
+        if self._sync is not None:
+            self._sync.close()
+
+    def sync_client(self) -> Client:
+        """A sync `Client` on the same Redis and queue, for RQ's own (sync) operations."""
+        if self._sync is None:
+            self._sync = Client(self.redis_url, queue=self.queue, settings=self.settings)
+        return self._sync
+
+    async def submit_generate(
+        self,
+        prompt: str | GenerateRequest | None = None,
+        *,
+        messages: Sequence[ChatMessage | Mapping[str, Any]] | None = None,
+        job_id: str | None = None,
+        queue: str | None = None,
+        job_timeout: int | None = None,
+        result_ttl: int | None = None,
+        failure_ttl: int | None = None,
+        retry: int | Retry | None = None,
+        at_front: bool = False,
+        meta: dict[str, Any] | None = None,
+        **params: Any,
+    ) -> AsyncJobHandle[GenerateResult]:
+        """Validate and enqueue a generation job (arguments as `Client.submit_generate`)."""
+        request = payload.generate_request(prompt, messages, params)
+        options = job_options(self.settings, job_timeout, result_ttl, failure_ttl, retry, at_front, meta)
+        job_id = await self.enqueue(keys.GENERATE_FUNC, payload.wire_payload(request), options, queue, job_id)
+        return AsyncJobHandle(self, job_id, payload.generate_result)
+
+    async def submit_score(
+        self,
+        rows: ScoreRequest | Sequence[ScoreRow | Mapping[str, Any]],
+        *,
+        job_id: str | None = None,
+        queue: str | None = None,
+        job_timeout: int | None = None,
+        result_ttl: int | None = None,
+        failure_ttl: int | None = None,
+        retry: int | Retry | None = None,
+        at_front: bool = False,
+        meta: dict[str, Any] | None = None,
+        **params: Any,
+    ) -> AsyncJobHandle[ScoreResult]:
+        """Validate and enqueue a scoring job (arguments as `Client.submit_score`)."""
+        request = payload.score_request(rows, params)
+        options = job_options(self.settings, job_timeout, result_ttl, failure_ttl, retry, at_front, meta)
+        job_id = await self.enqueue(keys.SCORE_FUNC, payload.wire_payload(request), options, queue, job_id)
+        return AsyncJobHandle(self, job_id, payload.score_result)
+
+    def job(self, job_id: str) -> AsyncJobHandle[GenerateResult | ScoreResult]:
+        """A handle on an existing job: resume its stream, fetch its result."""
+        return AsyncJobHandle(self, job_id, payload.any_result)
+
+    async def enqueue(
+        self,
+        func_name: str,
+        job_payload: dict[str, Any],
+        options: rq_wire.JobOptions,
+        queue: str | None = None,
+        job_id: str | None = None,
+    ) -> str:
+        """Write the RQ job in one transaction; retried on connection errors, never enqueued twice."""
+        queue = queue or self.queue
+        job = rq_wire.build_job(func_name, job_payload, queue=queue, options=options, job_id=job_id)
+        await self.retry.acall(self._enqueue_once, job)
+        log.debug("enqueued job=%s func=%s queue=%s", job.id, func_name, job.queue)
+        return job.id
+
+    async def _enqueue_once(self, job: rq_wire.WireJob) -> None:
+        async with self.connection.pipeline() as pipe:
+            try:
+                await pipe.watch(job.key)
+                if await pipe.exists(job.key):  # an earlier try got through before its reply was lost
+                    return
+                pipe.multi()  # type: ignore[no-untyped-call]
+                rq_wire.queue_commands(pipe, job)
+                await pipe.execute()
+            except redis.WatchError:  # the same id was written meanwhile: it is there, once
+                return

@@ -1,0 +1,281 @@
+"""The `mlxq` command: submit and follow jobs, show queues and workers; `worker`/`import-gguf` need MLX.
+
+Exit codes: 0 ok, 1 the job failed (or was not found, or timed out), 2 usage or connection errors,
+130 interrupted (Ctrl-C during `mlxq generate` cancels the job).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+from collections.abc import Iterable
+from typing import Any, TextIO
+
+import redis
+
+from jobs import errors
+from jobs.schema import DoneEvent, ErrorEvent, GenerateResult, RestartEvent, ScoreResult, TokenEvent
+
+from . import status_report
+from .client import Client, JobHandle
+from .connection import redact_url
+from .errors import JobFailed, JobNotFound
+from .job_state import CancelOutcome
+from .settings import ProducerSettings
+from .tail import START_ID, StreamItem
+
+WORKER_COMMANDS = ("worker", "import-gguf")
+NEEDS_MLX = "mlxq: the worker needs MLX: pip install 'mlxq[cpu]' on Linux, 'mlxq[worker]' on macOS"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="mlxq", description="Submit and follow mlxq jobs.")
+    parser.add_argument("--redis-url", help="redis://, rediss:// or unix:// URL [MLXQ_REDIS_URL]")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="submit a generation job and stream its text")
+    gen.add_argument("prompt")
+    gen.add_argument("--chat", action="store_true", help="send the prompt as a user message (chat template)")
+    gen.add_argument("--system", help="system message (implies --chat)")
+    gen.add_argument("--max-tokens", type=int)
+    gen.add_argument("--temperature", type=float)
+    gen.add_argument("--top-p", type=float)
+    gen.add_argument("--top-k", type=int)
+    gen.add_argument("--min-p", type=float)
+    gen.add_argument("--seed", type=int)
+    gen.add_argument("--stop", action="append", help="stop string (repeatable)")
+    gen.add_argument("--queue", help="queue name [MLXQ_QUEUE, default: default]")
+    gen.add_argument("--timeout", type=float, help="give up (and cancel the job) after this many seconds")
+    gen.add_argument("--json", action="store_true", help="print the final result as JSON, not the text")
+
+    tail = sub.add_parser("tail", help="print a job's stream")
+    tail.add_argument("job_id")
+    tail.add_argument("--from", dest="from_id", default=START_ID, help="resume after this stream id")
+    tail.add_argument("--timeout", type=float)
+    tail.add_argument("--json", action="store_true", help="one JSON object per event, with its id")
+
+    status = sub.add_parser("status", help="queues and workers")
+    status.add_argument("--queue", action="append", dest="queues", help="only this queue (repeatable)")
+    status.add_argument("--json", action="store_true")
+
+    cancel = sub.add_parser("cancel", help="cancel a job (queued: never runs; running: stops)")
+    cancel.add_argument("job_id")
+
+    result = sub.add_parser("result", help="wait for a job's result and print it as JSON")
+    result.add_argument("job_id")
+    result.add_argument("--timeout", type=float)
+
+    # Listed for --help only: main() hands these to worker.cli before parsing.
+    sub.add_parser("worker", help="run a worker (needs MLX; see `mlxq worker --help`)", add_help=False)
+    sub.add_parser("import-gguf", help="convert a GGUF file to a model folder (needs MLX)", add_help=False)
+    return parser
+
+
+# --- rendering -------------------------------------------------------------------------------------
+
+
+def format_stats(result: GenerateResult) -> str:
+    """One line of figures for a person: finish reason, token counts, ttft, decode speed."""
+    u, t = result.usage, result.timings
+    ttft = f"{t.ttft_s:.3f}s" if t.ttft_s is not None else "-"
+    speed = f"{t.decode_tokens_per_s:.1f}" if t.decode_tokens_per_s is not None else "-"
+    return (
+        f"finish={result.finish_reason} prompt_tokens={u.prompt_tokens} "
+        f"completion_tokens={u.completion_tokens} cached_tokens={u.cached_tokens} "
+        f"ttft={ttft} tokens/s={speed} total={t.total_s:.3f}s"
+    )
+
+
+def render_stream(items: Iterable[StreamItem], out: TextIO, err: TextIO) -> StreamItem | None:
+    """Write token text to `out` as it arrives, restarts to `err`; return the terminal item, if any."""
+    last: StreamItem | None = None
+    for item in items:
+        last = item
+        event = item.event
+        if isinstance(event, TokenEvent):
+            out.write(event.text)
+            out.flush()
+        elif isinstance(event, RestartEvent):
+            err.write(f"\n[job retried: attempt {event.attempt}, text starts over]\n")
+            err.flush()
+    if last is not None and last.terminal:
+        out.write("\n")
+        out.flush()
+        return last
+    return None
+
+
+def _print_json(value: Any, out: TextIO) -> None:
+    out.write(json.dumps(value, indent=2, ensure_ascii=False) + "\n")
+
+
+# --- commands --------------------------------------------------------------------------------------
+
+
+def _generate_params(args: argparse.Namespace) -> dict[str, Any]:
+    given = {
+        "max_tokens": args.max_tokens,
+        "temperature": args.temperature,
+        "top_p": args.top_p,
+        "top_k": args.top_k,
+        "min_p": args.min_p,
+        "seed": args.seed,
+        "stop": args.stop,
+    }
+    params = {k: v for k, v in given.items() if v is not None}
+    if args.chat or args.system is not None:
+        system = [{"role": "system", "content": args.system}] if args.system is not None else []
+        params["messages"] = [*system, {"role": "user", "content": args.prompt}]
+    else:
+        params["prompt"] = args.prompt
+    return params
+
+
+def cmd_generate(client: Client, args: argparse.Namespace) -> int:
+    params = _generate_params(args)
+    handle = client.submit_generate(queue=args.queue, **params)
+    print(f"job {handle.id}", file=sys.stderr)
+    try:
+        if args.json:
+            result = handle.result(timeout=args.timeout)
+        else:
+            end = render_stream(handle.stream(timeout=args.timeout), sys.stdout, sys.stderr)
+            if end is not None and isinstance(end.event, ErrorEvent):
+                return _failed(JobFailed(handle.id, end.event.message))
+            result = handle.result(timeout=args.timeout)
+    except KeyboardInterrupt:
+        outcome = handle.cancel()
+        print(f"\nmlxq: interrupted; job {handle.id} cancel: {outcome.value}", file=sys.stderr)
+        return 130
+    except TimeoutError as e:
+        outcome = handle.cancel()
+        print(f"mlxq: {e}; job cancel: {outcome.value}", file=sys.stderr)
+        return 1
+    if args.json:
+        _print_json(result.model_dump(mode="json"), sys.stdout)
+    print(format_stats(result), file=sys.stderr)
+    return 0
+
+
+def cmd_tail(client: Client, args: argparse.Namespace) -> int:
+    handle = client.job(args.job_id)
+    items = handle.stream(from_id=args.from_id, timeout=args.timeout)
+    if args.json:
+        for item in items:
+            print(json.dumps({"id": item.stream_id, **item.event.model_dump(mode="json")}), flush=True)
+            if isinstance(item.event, ErrorEvent):
+                return 1
+        return 0
+    end = render_stream(items, sys.stdout, sys.stderr)
+    if end is not None:
+        print(f"[last id {end.stream_id}]", file=sys.stderr)
+        if isinstance(end.event, ErrorEvent):
+            return _failed(JobFailed(handle.id, end.event.message))
+        if isinstance(end.event, DoneEvent):
+            print(f"finish={end.event.finish_reason} tokens={end.event.completion_tokens}", file=sys.stderr)
+    return 0
+
+
+def cmd_status(client: Client, args: argparse.Namespace) -> int:
+    report = client.retry.call(status_report.collect, client.connection, args.queues)
+    if args.json:
+        _print_json(report.as_dict(), sys.stdout)
+    else:
+        print(status_report.render(report))
+    return 0
+
+
+def cmd_cancel(client: Client, args: argparse.Namespace) -> int:
+    outcome = client.job(args.job_id).cancel()
+    messages = {
+        CancelOutcome.CANCELED: "canceled before it ran",
+        CancelOutcome.REQUESTED: "running: asked the worker to stop it",
+        CancelOutcome.ALREADY_OVER: "already over: nothing to cancel",
+        CancelOutcome.MISSING: "no such job",
+    }
+    print(f"job {args.job_id}: {messages[outcome]}")
+    return 0 if outcome in (CancelOutcome.CANCELED, CancelOutcome.REQUESTED) else 1
+
+
+def cmd_result(client: Client, args: argparse.Namespace) -> int:
+    handle: JobHandle[GenerateResult | ScoreResult] = client.job(args.job_id)
+    _print_json(handle.result(timeout=args.timeout).model_dump(mode="json"), sys.stdout)
+    return 0
+
+
+COMMANDS = {
+    "generate": cmd_generate,
+    "tail": cmd_tail,
+    "status": cmd_status,
+    "cancel": cmd_cancel,
+    "result": cmd_result,
+}
+
+
+# --- entry point -----------------------------------------------------------------------------------
+
+
+def _failed(e: errors.JobFailed) -> int:
+    print(f"mlxq: job {e.job_id} failed: {e.reason}", file=sys.stderr)
+    return 1
+
+
+def _split_worker_command(argv: list[str]) -> tuple[list[str], str | None] | None:
+    """`[worker|import-gguf, ...]` and the global --redis-url, if argv runs one of those; else None."""
+    i, redis_url = 0, None
+    while i < len(argv) and argv[i].startswith("-"):
+        if argv[i] == "--redis-url" and i + 1 < len(argv):
+            redis_url, i = argv[i + 1], i + 2
+            continue
+        if argv[i].startswith("--redis-url="):
+            redis_url = argv[i].split("=", 1)[1]
+        i += 1
+    if i < len(argv) and argv[i] in WORKER_COMMANDS:
+        return argv[i:], redis_url
+    return None
+
+
+def run_worker_command(argv: list[str], redis_url: str | None) -> int:
+    """Hand `mlxq worker ...`/`mlxq import-gguf ...` to `worker.cli`, imported only now (it needs MLX)."""
+    if redis_url is not None and argv[0] == "worker" and "--redis-url" not in argv:
+        argv = [*argv, "--redis-url", redis_url]
+    try:
+        module = importlib.import_module("worker.cli")
+        return int(module.main(argv))
+    except ModuleNotFoundError as e:
+        if (e.name or "").split(".")[0] != "mlx":
+            raise
+        print(NEEDS_MLX, file=sys.stderr)
+        return 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run `mlxq` with `argv` (default: the process's arguments); returns the exit code."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    delegated = _split_worker_command(argv)
+    if delegated is not None:
+        return run_worker_command(*delegated)
+    args = build_parser().parse_args(argv)
+    settings = ProducerSettings(**({"redis_url": args.redis_url} if args.redis_url else {}))
+    try:
+        with Client(settings=settings) as client:
+            return COMMANDS[args.command](client, args)
+    except KeyboardInterrupt:
+        return 130
+    except (redis.ConnectionError, redis.TimeoutError) as e:
+        print(f"mlxq: cannot reach Redis at {redact_url(settings.redis_url)}: {e}", file=sys.stderr)
+        return 2
+    except errors.InvalidRequest as e:
+        print(f"mlxq: {e}", file=sys.stderr)
+        return 2
+    except errors.JobFailed as e:
+        return _failed(e)
+    except (JobNotFound, TimeoutError) as e:
+        print(f"mlxq: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,311 @@
+"""The sync producer: `Client` submits jobs, `JobHandle` follows one (stream, result, status, cancel)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, Generic, TypeVar
+
+import redis
+from rq import Retry
+from rq.exceptions import InvalidJobOperation, NoSuchJobError
+from rq.job import Job
+from rq.serializers import JSONSerializer
+
+from jobs import keys
+from jobs.schema import (
+    ChatMessage,
+    DoneEvent,
+    ErrorEvent,
+    GenerateRequest,
+    GenerateResult,
+    RestartEvent,
+    ScoreRequest,
+    ScoreResult,
+    ScoreRow,
+    TokenEvent,
+)
+
+from . import job_state, payload, rq_wire
+from .connection import RetryPolicy, connect
+from .errors import JobFailed, JobNotFound
+from .job_state import CancelOutcome
+from .settings import ProducerSettings
+from .tail import START_ID, Deadline, Follower, StreamItem, decode_entries, decode_xread
+
+log = logging.getLogger(__name__)
+
+R = TypeVar("R")
+
+CANCEL_KEY_TTL_S = 3600
+RESULT_GRACE_S = 1.0
+"""How long to look for the result after a `done` event (the worker writes both in one pipeline)."""
+
+
+class JobHandle(Generic[R]):
+    """One submitted job. Every read retries Redis connection errors under the client's policy."""
+
+    def __init__(self, client: Client, job_id: str, parse: Callable[[payload.ResultData], R]) -> None:
+        self._client = client
+        self._conn = client.connection
+        self._retry = client.retry.call
+        self._parse = parse
+        self.id = job_id
+
+    def __repr__(self) -> str:
+        return f"JobHandle({self.id!r})"
+
+    def status(self) -> str:
+        """RQ's status (`queued`, `started`, `finished`, `failed`, `canceled`, ...) or `missing`."""
+        return rq_wire.decode_status(self._retry(self._conn.hget, keys.rq_job_key(self.id), "status"))
+
+    def stream(self, from_id: str = START_ID, timeout: float | None = None) -> Iterator[StreamItem]:
+        """The job's events (token, restart, then done or error) from `from_id`; ends after the last one.
+
+        Save an item's `stream_id` to resume later from there. Raises `JobFailed` if RQ reports the job
+        failed, stopped or canceled without a terminal event, `TimeoutError` after `timeout` seconds.
+        """
+        return self._follow(Follower(last_id=from_id, deadline=Deadline(timeout)))
+
+    def text_deltas(
+        self, timeout: float | None = None, on_restart: Callable[[RestartEvent], None] | None = None
+    ) -> Iterator[str]:
+        """The generated text, piece by piece. Raises `JobFailed` on an `error` event.
+
+        A retried job starts over: its text comes again after a `restart`; `on_restart` is told so the
+        caller can drop what it showed (without it, the earlier attempt's text simply stays).
+        """
+        for item in self.stream(timeout=timeout):
+            event = item.event
+            if isinstance(event, TokenEvent) and event.text:
+                yield event.text
+            elif isinstance(event, RestartEvent) and on_restart is not None:
+                on_restart(event)
+            elif isinstance(event, ErrorEvent):
+                raise self._error_event_failure(event)
+
+    def result(self, timeout: float | None = None) -> R:
+        """Wait for the job to end and return its validated result; `JobFailed` if it failed.
+
+        A job cancelled while running ends normally, with `finish_reason == "cancelled"`.
+        """
+        deadline = Deadline(timeout)
+        raw = self._retry(self._conn.get, keys.result_key(self.id))
+        if raw is not None:
+            return self._parse(raw)
+        # Start from the newest entry: the terminal event is always last, older tokens do not matter.
+        entries = self._retry(self._conn.xrevrange, keys.stream_key(self.id), count=1)
+        newest = decode_entries(entries or [])
+        if newest and newest[0].terminal:
+            return self._conclude(newest[0])
+        follower = Follower(last_id=newest[0].stream_id if newest else START_ID, deadline=deadline)
+        for item in self._follow(follower):
+            if item.terminal:
+                return self._conclude(item)
+        return self._fetch_result(wait_s=0.0)
+
+    def cancel(self) -> CancelOutcome:
+        """Cancel the job: RQ cancels it if it is still waiting; a running job is asked to stop."""
+        status = self.status()
+        if status in job_state.WAITING:
+            self._request_stop()  # in case a worker dequeues it right now: it sees the key as it starts
+            return self._retry(rq_cancel, self._conn, self.id)
+        if status in job_state.RUNNING:
+            self._request_stop()
+            return CancelOutcome.REQUESTED
+        return CancelOutcome.MISSING if status == job_state.MISSING else CancelOutcome.ALREADY_OVER
+
+    # --- internals ---------------------------------------------------------------------------------
+
+    def _follow(self, follower: Follower) -> Iterator[StreamItem]:
+        key = keys.stream_key(self.id)
+        while not follower.ended:
+            reply = self._retry(self._conn.xread, {key: follower.last_id}, block=follower.block_ms())
+            items = follower.accept(decode_xread(reply))
+            yield from items
+            if not follower.ended and follower.status_due(bool(items)):
+                status = self.status()
+                if status in job_state.OVER or status == job_state.MISSING:
+                    # The worker writes its last event before RQ's status changes: read what is left.
+                    rest = self._retry(self._conn.xread, {key: follower.last_id})
+                    yield from follower.accept(decode_xread(rest))
+                    if not follower.ended:
+                        self._ended_without_event(status)
+                        return
+            if not follower.ended:
+                follower.deadline.check(f"job {self.id}")
+
+    def _ended_without_event(self, status: str) -> None:
+        """The job is over but its stream has no terminal event: RQ says why (or it all expired)."""
+        if status in job_state.UNSUCCESSFUL:
+            raise job_state.failure(self.id, status, self._failure_text())
+        if status == job_state.MISSING and not self._retry(self._conn.exists, keys.result_key(self.id)):
+            raise JobNotFound(self.id)
+
+    def _conclude(self, item: StreamItem) -> R:
+        if isinstance(item.event, ErrorEvent):
+            raise self._error_event_failure(item.event)
+        assert isinstance(item.event, DoneEvent)
+        return self._fetch_result(wait_s=RESULT_GRACE_S)
+
+    def _fetch_result(self, wait_s: float) -> R:
+        """The result key, else RQ's return value; looked for up to `wait_s` seconds."""
+        deadline = Deadline(wait_s)
+        while True:
+            raw = self._retry(self._conn.get, keys.result_key(self.id))
+            if raw is not None:
+                return self._parse(raw)
+            latest = self._latest_rq_result()
+            if latest is not None and isinstance(latest.return_value, dict):
+                return self._parse(latest.return_value)
+            if deadline.expired():
+                raise JobNotFound(self.id)
+            time.sleep(0.05)
+
+    def _latest_rq_result(self) -> Any:
+        entries = self._retry(self._conn.xrevrange, rq_wire.results_key(self.id), count=1)
+        return rq_wire.latest_result(self.id, entries)
+
+    def _failure_text(self) -> str | None:
+        return rq_wire.failure_text(self._latest_rq_result())
+
+    def _error_event_failure(self, event: ErrorEvent) -> JobFailed:
+        details = self._failure_text() or event.message
+        return JobFailed(self.id, job_state.last_line(event.message), details=details, status="failed")
+
+    def _request_stop(self) -> None:
+        self._retry(self._conn.set, keys.cancel_key(self.id), "1", ex=CANCEL_KEY_TTL_S)
+
+
+class Client:
+    """Submits mlxq jobs to one Redis and queue. Give `redis_url` or a ready `connection` (bytes replies)."""
+
+    def __init__(
+        self,
+        redis_url: str | None = None,
+        *,
+        connection: redis.Redis | None = None,
+        queue: str | None = None,
+        settings: ProducerSettings | None = None,
+    ) -> None:
+        self.settings = settings or ProducerSettings()
+        self.queue = queue or self.settings.queue
+        self.connection = connection or connect(redis_url or self.settings.redis_url, self.settings)
+        self.retry = RetryPolicy.from_settings(self.settings)
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Close the connection pool."""
+        self.connection.close()
+
+    def submit_generate(
+        self,
+        prompt: str | GenerateRequest | None = None,
+        *,
+        messages: Sequence[ChatMessage | Mapping[str, Any]] | None = None,
+        job_id: str | None = None,
+        queue: str | None = None,
+        job_timeout: int | None = None,
+        result_ttl: int | None = None,
+        failure_ttl: int | None = None,
+        retry: int | Retry | None = None,
+        at_front: bool = False,
+        meta: dict[str, Any] | None = None,
+        **params: Any,
+    ) -> JobHandle[GenerateResult]:
+        """Validate and enqueue a generation job; `params` are `GenerateRequest` fields (max_tokens, ...).
+
+        `retry=N` lets RQ run a failed job again up to N times; `job_id` defaults to a fresh uuid4 hex.
+        """
+        request = payload.generate_request(prompt, messages, params)
+        options = job_options(self.settings, job_timeout, result_ttl, failure_ttl, retry, at_front, meta)
+        job_id = self.enqueue(keys.GENERATE_FUNC, payload.wire_payload(request), options, queue, job_id)
+        return JobHandle(self, job_id, payload.generate_result)
+
+    def submit_score(
+        self,
+        rows: ScoreRequest | Sequence[ScoreRow | Mapping[str, Any]],
+        *,
+        job_id: str | None = None,
+        queue: str | None = None,
+        job_timeout: int | None = None,
+        result_ttl: int | None = None,
+        failure_ttl: int | None = None,
+        retry: int | Retry | None = None,
+        at_front: bool = False,
+        meta: dict[str, Any] | None = None,
+        **params: Any,
+    ) -> JobHandle[ScoreResult]:
+        """Validate and enqueue a scoring job of `rows` (`{prompt, candidates}`); options as for generate."""
+        request = payload.score_request(rows, params)
+        options = job_options(self.settings, job_timeout, result_ttl, failure_ttl, retry, at_front, meta)
+        job_id = self.enqueue(keys.SCORE_FUNC, payload.wire_payload(request), options, queue, job_id)
+        return JobHandle(self, job_id, payload.score_result)
+
+    def job(self, job_id: str) -> JobHandle[GenerateResult | ScoreResult]:
+        """A handle on an existing job (submitted by anyone): resume its stream, fetch its result."""
+        return JobHandle(self, job_id, payload.any_result)
+
+    def enqueue(
+        self,
+        func_name: str,
+        job_payload: dict[str, Any],
+        options: rq_wire.JobOptions,
+        queue: str | None = None,
+        job_id: str | None = None,
+    ) -> str:
+        """Write the RQ job in one transaction; retried on connection errors, never enqueued twice."""
+        queue = queue or self.queue
+        job = rq_wire.build_job(func_name, job_payload, queue=queue, options=options, job_id=job_id)
+        self.retry.call(self._enqueue_once, job)
+        log.debug("enqueued job=%s func=%s queue=%s", job.id, func_name, job.queue)
+        return job.id
+
+    def _enqueue_once(self, job: rq_wire.WireJob) -> None:
+        with self.connection.pipeline() as pipe:
+            try:
+                pipe.watch(job.key)  # type: ignore[no-untyped-call]
+                if pipe.exists(job.key):  # an earlier try got through before its reply was lost
+                    return
+                pipe.multi()
+                rq_wire.queue_commands(pipe, job)
+                pipe.execute()
+            except redis.WatchError:  # the same id was written meanwhile: it is there, once
+                return
+
+
+def rq_cancel(connection: redis.Redis, job_id: str) -> CancelOutcome:
+    """Cancel a waiting job with RQ's own `Job.cancel` (status, queue, canceled registry in one go)."""
+    try:
+        Job.fetch(job_id, connection=connection, serializer=JSONSerializer).cancel()
+    except NoSuchJobError:
+        return CancelOutcome.MISSING
+    except InvalidJobOperation:  # canceled by someone else in the meantime
+        return CancelOutcome.ALREADY_OVER
+    return CancelOutcome.CANCELED
+
+
+def job_options(
+    settings: ProducerSettings,
+    job_timeout: int | None,
+    result_ttl: int | None,
+    failure_ttl: int | None,
+    retry: int | Retry | None,
+    at_front: bool,
+    meta: dict[str, Any] | None,
+) -> rq_wire.JobOptions:
+    """RQ options from a submit call's arguments, with the settings' defaults where none was given."""
+    return rq_wire.JobOptions(
+        job_timeout=job_timeout if job_timeout is not None else settings.job_timeout,
+        result_ttl=result_ttl if result_ttl is not None else settings.result_ttl,
+        failure_ttl=failure_ttl if failure_ttl is not None else settings.failure_ttl,
+        retry=Retry(max=retry) if isinstance(retry, int) else retry,
+        at_front=at_front,
+        meta=dict(meta or {}),
+    )

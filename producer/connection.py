@@ -1,0 +1,104 @@
+"""Redis connections from a URL, and the one retry policy both clients use for connection errors.
+
+`redis://[user:password@]host:port/db`, `rediss://` (TLS) and `unix:///path/redis.sock?db=N` are all
+`redis.Redis.from_url` URLs. redis-py's own per-command retry is switched off: the tenacity policy here is
+the only one, so "how many tries, how long" has a single, bounded answer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import ParamSpec, TypeVar
+from urllib.parse import urlsplit, urlunsplit
+
+import redis
+import redis.asyncio
+from redis.asyncio.retry import Retry as AsyncRetry
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+from tenacity import (
+    AsyncRetrying,
+    Retrying,
+    retry_if_exception_type,
+    stop_after_attempt,
+    wait_exponential,
+)
+
+from .settings import ProducerSettings
+
+P = ParamSpec("P")
+T = TypeVar("T")
+
+TRANSIENT_ERRORS: tuple[type[Exception], ...] = (redis.ConnectionError, redis.TimeoutError)
+"""Errors worth another try: Redis restarting, a dropped connection, a failover (BusyLoadingError too)."""
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """Bounded tries with exponential backoff, for Redis connection errors only."""
+
+    attempts: int = 5
+    initial_wait_s: float = 0.1
+    max_wait_s: float = 2.0
+
+    @classmethod
+    def from_settings(cls, settings: ProducerSettings) -> RetryPolicy:
+        return cls(
+            attempts=settings.redis_retry_attempts,
+            initial_wait_s=settings.redis_retry_initial_wait_s,
+            max_wait_s=settings.redis_retry_max_wait_s,
+        )
+
+    def _options(self) -> dict[str, object]:
+        return {
+            "stop": stop_after_attempt(self.attempts),
+            "wait": wait_exponential(multiplier=self.initial_wait_s, max=self.max_wait_s),
+            "retry": retry_if_exception_type(TRANSIENT_ERRORS),
+            "reraise": True,
+        }
+
+    def call(self, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
+        """Run `fn`, trying again on a connection error; the last error is raised as it was."""
+        retrying = Retrying(**self._options())  # type: ignore[arg-type]
+        return retrying(fn, *args, **kwargs)
+
+    async def acall(self, fn: Callable[P, Awaitable[T]], *args: P.args, **kwargs: P.kwargs) -> T:
+        """Await `fn`, trying again on a connection error; the last error is raised as it was."""
+        retrying = AsyncRetrying(**self._options())  # type: ignore[arg-type]
+        return await retrying(fn, *args, **kwargs)
+
+
+def connect(url: str, settings: ProducerSettings | None = None) -> redis.Redis:
+    """A sync client (bytes replies, as RQ needs) for `url`; connects lazily."""
+    settings = settings or ProducerSettings()
+    return redis.Redis.from_url(
+        url,
+        retry=Retry(NoBackoff(), 0),
+        socket_timeout=settings.socket_timeout_s,
+        socket_connect_timeout=settings.socket_connect_timeout_s,
+        health_check_interval=30,
+    )
+
+
+def connect_async(url: str, settings: ProducerSettings | None = None) -> redis.asyncio.Redis:
+    """An asyncio client (bytes replies) for `url`; connects lazily."""
+    settings = settings or ProducerSettings()
+    return redis.asyncio.Redis.from_url(
+        url,
+        retry=AsyncRetry(NoBackoff(), 0),
+        socket_timeout=settings.socket_timeout_s,
+        socket_connect_timeout=settings.socket_connect_timeout_s,
+        health_check_interval=30,
+    )
+
+
+def redact_url(url: str) -> str:
+    """`url` with its password replaced by `***`, for messages and logs."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    user = parts.username or ""
+    host = parts.hostname or ""
+    netloc = f"{user}:***@{host}" + (f":{parts.port}" if parts.port else "")
+    return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))

@@ -1,0 +1,43 @@
+"""Producer settings: `MLXQ_` environment variables and `.env`, overridden by arguments.
+
+The names shared with the worker (`MLXQ_REDIS_URL`, `MLXQ_REDIS_RETRY_*`) mean the same thing on both
+sides, so one `.env` can serve a host that runs both. `job_timeout`, `result_ttl` and `failure_ttl` are
+RQ's per-job options, written into each job this producer enqueues.
+"""
+
+from __future__ import annotations
+
+from pydantic import Field, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+READ_BLOCK_MS = 1000
+"""Longest XREAD BLOCK a reader issues; RQ's status is checked between blocks (so at least every second)."""
+
+
+class ProducerSettings(BaseSettings):
+    """Everything a producer can be told. Environment: `MLXQ_<NAME>`, e.g. `MLXQ_REDIS_URL`."""
+
+    model_config = SettingsConfigDict(env_prefix="MLXQ_", env_file=".env", extra="ignore")
+
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    queue: str = Field(default="default", min_length=1)
+    job_timeout: int | None = Field(
+        default=None, ge=1, description="seconds a job may run; None leaves it to the worker's default"
+    )
+    result_ttl: int | None = Field(default=None, description="seconds RQ keeps a finished job (RQ: 500)")
+    failure_ttl: int | None = Field(default=None, description="seconds RQ keeps a failed job (RQ: 1 year)")
+
+    redis_retry_attempts: int = Field(default=5, ge=1, description="tries per Redis operation")
+    redis_retry_initial_wait_s: float = Field(default=0.1, gt=0.0)
+    redis_retry_max_wait_s: float = Field(default=2.0, gt=0.0)
+    socket_timeout_s: float = Field(default=10.0, description="must exceed the longest XREAD BLOCK (1 s)")
+    socket_connect_timeout_s: float = Field(default=5.0, gt=0.0)
+
+    @model_validator(mode="after")
+    def _socket_outlasts_block(self) -> ProducerSettings:
+        if self.socket_timeout_s <= READ_BLOCK_MS / 1000:
+            raise ValueError(
+                f"socket_timeout_s must be above the {READ_BLOCK_MS} ms XREAD BLOCK, "
+                f"got {self.socket_timeout_s}"
+            )
+        return self

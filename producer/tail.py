@@ -1,0 +1,118 @@
+"""Following a job's stream: the reading logic both clients share, with no I/O of its own.
+
+A reader issues `XREAD BLOCK` from its last id (at most `READ_BLOCK_MS` at a time) and, between blocks,
+asks RQ for the job's status, because a job that fails before the worker reaches its stream never gets
+a terminal event. `Follower` decides what to read next and when to ask; the clients do the reading.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from jobs.schema import DoneEvent, ErrorEvent, StreamEvent, parse_event
+
+from .settings import READ_BLOCK_MS
+
+START_ID = "0-0"
+"""Read from the start: `$` would miss whatever the worker wrote before the read was issued."""
+
+STATUS_EVERY_S = 1.0
+
+
+@dataclass(frozen=True)
+class StreamItem:
+    """One stream entry: its id (save it to resume with `stream(from_id=...)`) and its parsed event."""
+
+    stream_id: str
+    event: StreamEvent
+
+    @property
+    def terminal(self) -> bool:
+        """True for `done` and `error`: nothing follows them."""
+        return isinstance(self.event, DoneEvent | ErrorEvent)
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def decode_entries(entries: list[Any]) -> list[StreamItem]:
+    """Stream entries as redis-py returns them (`[(id, {field: value})]`, bytes or str) → items."""
+    items = []
+    for entry_id, fields in entries:
+        decoded = {_text(k): _text(v) for k, v in fields.items()}
+        items.append(StreamItem(stream_id=_text(entry_id), event=parse_event(decoded)))
+    return items
+
+
+def decode_xread(reply: Any) -> list[StreamItem]:
+    """The entries of an `XREAD` reply on one stream (RESP2 list or RESP3 map) → items."""
+    if not reply:
+        return []
+    streams = reply.values() if isinstance(reply, Mapping) else [entries for _, entries in reply]
+    items: list[StreamItem] = []
+    for entries in streams:
+        if len(entries) == 1 and isinstance(entries[0], list):
+            entries = entries[0]  # RESP3 nests the entry list once more; entries themselves are tuples
+        items.extend(decode_entries(entries))
+    return items
+
+
+@dataclass
+class Deadline:
+    """A point in monotonic time after which a wait gives up; `timeout=None` never does."""
+
+    timeout: float | None
+    clock: Callable[[], float] = time.monotonic
+    _end: float = field(init=False)
+
+    def __post_init__(self) -> None:
+        self._end = math.inf if self.timeout is None else self.clock() + max(self.timeout, 0.0)
+
+    def remaining(self) -> float:
+        return max(self._end - self.clock(), 0.0)
+
+    def expired(self) -> bool:
+        return self.clock() >= self._end
+
+    def check(self, what: str) -> None:
+        """Raise `TimeoutError` naming `what` once the deadline has passed."""
+        if self.expired():
+            raise TimeoutError(f"{what}: no answer within {self.timeout} s")
+
+
+@dataclass
+class Follower:
+    """Where a reader is in one stream, and when it owes RQ a status check."""
+
+    last_id: str = START_ID
+    deadline: Deadline = field(default_factory=lambda: Deadline(None))
+    ended: bool = False
+    _next_status_at: float = field(default=0.0, init=False)
+
+    def block_ms(self) -> int:
+        """How long the next XREAD may block: at most a second, never past the deadline (at least 1 ms)."""
+        return max(1, min(READ_BLOCK_MS, int(self.deadline.remaining() * 1000)))
+
+    def accept(self, items: list[StreamItem]) -> list[StreamItem]:
+        """Take newly read items: moves `last_id`, keeps nothing after a terminal event."""
+        kept: list[StreamItem] = []
+        for item in items:
+            if self.ended:
+                break
+            kept.append(item)
+            self.last_id = item.stream_id
+            self.ended = item.terminal
+        return kept
+
+    def status_due(self, got_items: bool) -> bool:
+        """After an empty read, or a second after the last check, the reader asks RQ for the status."""
+        clock = self.deadline.clock()
+        if got_items and clock < self._next_status_at:
+            return False
+        self._next_status_at = clock + STATUS_EVERY_S
+        return True
