@@ -1,0 +1,225 @@
+"""A model's tokenizer: `tokenizers` for the text <-> ids work, the model's configs for the special tokens.
+
+Loads a Hugging Face folder (tokenizer.json, tokenizer_config.json, generation_config.json, config.json)
+and encodes as `transformers.AutoTokenizer` (v5) does: tokenizer.json's post-processor decides which
+special tokens are added. Two deliberate differences: a tokenizer.json without a post-processor takes
+`add_bos_token`/`add_eos_token` from the config (transformers would add nothing), and a text that already
+starts with the BOS token does not get a second one.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterable, Mapping, Sequence
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import tokenizers
+from tokenizers import AddedToken, processors
+
+from .chat_template import SPECIAL_TOKEN_NAMES, ChatTemplate, ChatTemplateError
+
+log = logging.getLogger(__name__)
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    data = json.loads(path.read_text(encoding="utf-8"))
+    return data if isinstance(data, dict) else {}
+
+
+def _token_content(value: Any) -> str | None:
+    """A special token as configs write it: a string or an AddedToken dict with `content`."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def special_tokens_of(config: Mapping[str, Any]) -> dict[str, str]:
+    """The named special tokens (`bos_token`, `eos_token`, ...) a tokenizer config sets, as strings."""
+    return {
+        name: tok for name in SPECIAL_TOKEN_NAMES if (tok := _token_content(config.get(name))) is not None
+    }
+
+
+def _ids(value: Any) -> list[int]:
+    """`eos_token_id` as configs write it: an int, a list of ints, or absent."""
+    if isinstance(value, bool) or value is None:
+        return []
+    if isinstance(value, int):
+        return [value]
+    if isinstance(value, list):
+        return [v for v in value if isinstance(v, int) and not isinstance(v, bool)]
+    return []
+
+
+def _byte_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level alphabet: the printable character that stands for each byte in vocab strings."""
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    chars = {b: b for b in printable}
+    shifted = 0
+    for b in range(256):
+        if b not in chars:
+            chars[b] = 256 + shifted
+            shifted += 1
+    return {chr(c): b for b, c in chars.items()}
+
+
+def _is_byte_level(decoder: Any) -> bool:
+    """True when the decoder is ByteLevel alone, so each token stands for fixed bytes."""
+    if decoder is None:
+        return False
+    spec = json.loads(decoder.__getstate__())
+    if spec.get("type") == "Sequence":
+        return bool(spec["decoders"]) and all(d.get("type") == "ByteLevel" for d in spec["decoders"])
+    return bool(spec.get("type") == "ByteLevel")
+
+
+class Tokenizer:
+    """Encode, decode, special tokens and chat template of one model."""
+
+    def __init__(
+        self,
+        backend: tokenizers.Tokenizer,
+        config: Mapping[str, Any],
+        extra_eos_ids: Iterable[int] = (),
+        chat_template: ChatTemplate | None = None,
+    ) -> None:
+        self.backend = backend
+        self.special_tokens = special_tokens_of(config)
+        self._register_special_tokens(config)
+        self.bos_token = self.special_tokens.get("bos_token")
+        self.bos_id: int | None = None if self.bos_token is None else backend.token_to_id(self.bos_token)
+        eos_token = self.special_tokens.get("eos_token")
+        eos_from_config = [] if eos_token is None else [backend.token_to_id(eos_token)]
+        self.eos_ids: frozenset[int] = frozenset(
+            i for i in [*eos_from_config, *extra_eos_ids] if i is not None
+        )
+        self.special_ids: frozenset[int] = frozenset(
+            i for i, tok in backend.get_added_tokens_decoder().items() if tok.special
+        )
+        self._set_post_processor(config)
+        self.chat_template = chat_template
+        self.byte_level = _is_byte_level(backend.decoder)
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> Tokenizer:
+        """Load the tokenizer of the model folder `path` (Hugging Face layout)."""
+        folder = Path(path)
+        tokenizer_file = folder / "tokenizer.json"
+        if not tokenizer_file.is_file():
+            raise FileNotFoundError(
+                f"no tokenizer.json in {folder}: the model folder needs a fast (tokenizers) tokenizer file"
+            )
+        backend = tokenizers.Tokenizer.from_file(str(tokenizer_file))
+        # special_tokens_map.json is the legacy home of the special tokens; tokenizer_config.json wins.
+        config = {
+            **_read_json(folder / "special_tokens_map.json"),
+            **_read_json(folder / "tokenizer_config.json"),
+        }
+        eos = _ids(_read_json(folder / "generation_config.json").get("eos_token_id"))
+        eos += _ids(_read_json(folder / "config.json").get("eos_token_id"))
+        template = ChatTemplate.from_dir(folder, config, special_tokens_of(config))
+        tok = cls(backend, config, eos, template)
+        log.debug(
+            "tokenizer loaded path=%s vocab=%d eos=%s bos=%s",
+            folder,
+            tok.vocab_size,
+            sorted(tok.eos_ids),
+            tok.bos_id,
+        )
+        return tok
+
+    def _register_special_tokens(self, config: Mapping[str, Any]) -> None:
+        # As transformers does: named special tokens and config entries marked special become special added
+        # tokens of the backend, so encoding keeps them whole and `skip_special_tokens` drops them.
+        marked = config.get("added_tokens_decoder") or {}
+        contents = [c for entry in marked.values() if entry.get("special") and (c := _token_content(entry))]
+        contents += list(self.special_tokens.values())
+        known = {tok.content for tok in self.backend.get_added_tokens_decoder().values() if tok.special}
+        missing = [c for c in dict.fromkeys(contents) if c not in known]
+        if missing:
+            self.backend.add_special_tokens([AddedToken(c, special=True, normalized=False) for c in missing])
+
+    def _set_post_processor(self, config: Mapping[str, Any]) -> None:
+        # transformers 5 ignores add_bos_token/add_eos_token when tokenizer.json exists: its post-processor
+        # decides. Only a tokenizer.json without one (as converters write) takes the flags from the config.
+        if self.backend.post_processor is not None:
+            return
+        add_bos = bool(config.get("add_bos_token")) and self.bos_id is not None
+        eos_token = self.special_tokens.get("eos_token")
+        eos_id = None if eos_token is None else self.backend.token_to_id(eos_token)
+        add_eos = bool(config.get("add_eos_token")) and eos_id is not None
+        if not (add_bos or add_eos):
+            return
+        bos, eos = [f"{self.bos_token}:0"] * add_bos, [f"{eos_token}:0"] * add_eos
+        pair = [*bos, "$A:0", *eos, *[f"{self.bos_token}:1"] * add_bos, "$B:1", *[f"{eos_token}:1"] * add_eos]
+        special = [(self.bos_token, self.bos_id)] * add_bos + [(eos_token, eos_id)] * add_eos
+        self.backend.post_processor = processors.TemplateProcessing(
+            single=" ".join([*bos, "$A:0", *eos]), pair=" ".join(pair), special_tokens=special
+        )
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of ids the tokenizer knows, added tokens included (the model's embedding may be larger)."""
+        return int(self.backend.get_vocab_size(with_added_tokens=True))
+
+    @property
+    def has_chat_template(self) -> bool:
+        """Whether the model ships a chat template."""
+        return self.chat_template is not None
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`; with `add_special_tokens`, BOS/EOS as the model's config asks.
+
+        Unlike transformers, a text that already starts with the BOS token does not get a second one.
+        """
+        ids: list[int] = self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        if (
+            add_special_tokens
+            and self.bos_id is not None
+            and ids[:2] == [self.bos_id, self.bos_id]
+            and self.bos_token is not None
+            and text.startswith(self.bos_token)
+        ):
+            return ids[1:]
+        return ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        """Text of `ids`; ids the tokenizer does not know decode to nothing."""
+        return str(self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens))
+
+    @cached_property
+    def token_bytes(self) -> list[bytes]:
+        """For byte-level tokenizers: the bytes each id stands for (index = id; unknown ids give b"")."""
+        if not self.byte_level:
+            raise ValueError("token_bytes exists only for byte-level (GPT-2 style) tokenizers")
+        alphabet = _byte_alphabet()
+        vocab: dict[str, int] = self.backend.get_vocab(with_added_tokens=True)
+        table = [b""] * (max(vocab.values(), default=-1) + 1)
+        for token, i in vocab.items():
+            try:
+                table[i] = bytes(alphabet[c] for c in token)
+            except KeyError:  # an added token outside the alphabet is decoded as its own UTF-8
+                table[i] = token.encode("utf-8")
+        return table
+
+    def apply_chat_template(
+        self,
+        messages: Sequence[Any],
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        **kwargs: Any,
+    ) -> str:
+        """Render `messages` with the model's chat template (as transformers' `tokenize=False` does)."""
+        if self.chat_template is None:
+            raise ChatTemplateError(
+                "this model has no chat template (no chat_template in tokenizer_config.json and no "
+                "chat_template.jinja); send a raw `prompt` instead of `messages`"
+            )
+        return self.chat_template.render(
+            messages, add_generation_prompt=add_generation_prompt, tools=tools, **kwargs
+        )
