@@ -10,10 +10,12 @@ import numpy as np
 import pytest
 from reference import hf_greedy, hf_logits, load_hf_model, make_hf_checkpoint, prompt_ids, rel_err
 
+from worker.errors import CheckpointError
 from worker.kv_cache import broadcast_batch, copy_cache
 from worker.loader import load_model
 from worker.models import build_model, supported_architectures
 from worker.models.llama import ModelArgs
+from worker.tiny_model import write_random_checkpoint
 
 LLAMA3_ROPE = {
     "rope_type": "llama3",
@@ -129,6 +131,28 @@ def test_model_args_read_both_config_styles() -> None:
         {**base, "vocab_size": 10, "rope_parameters": {"rope_theta": 1e4, "rope_type": "default"}}
     )
     assert plain.rope_scaling is None
+
+
+def test_config_missing_required_keys_is_checkpoint_error() -> None:
+    with pytest.raises(CheckpointError, match="lacks intermediate_size, vocab_size"):
+        build_model(
+            {
+                "architectures": ["LlamaForCausalLM"],
+                "hidden_size": 8,
+                "num_hidden_layers": 1,
+                "num_attention_heads": 2,
+            }
+        )
+
+
+def test_additive_float32_mask_on_bfloat16_model(tmp_path: Path) -> None:
+    model, _ = load_model(write_random_checkpoint(tmp_path), dtype="bfloat16")
+    ids = mx.array([[3, 1, 4, 1, 5, 9]], dtype=mx.int32)
+    allowed = mx.tril(mx.ones((6, 6), dtype=mx.bool_))
+    additive = mx.where(allowed, 0.0, -1e9).astype(mx.float32)
+    by_bool = model(ids, mask=allowed)
+    assert mx.array_equal(model(ids, mask=additive), by_bool).item()
+    assert mx.array_equal(model(ids), by_bool).item()
 
 
 def test_build_model_is_lazy_and_shaped() -> None:

@@ -15,7 +15,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..errors import UnsupportedArchitecture
+from ..errors import CheckpointError, UnsupportedArchitecture
 from ..kv_cache import KVCache
 from ..rope import make_rope
 
@@ -61,6 +61,11 @@ class ModelArgs:
         """Keep known keys; read RoPE as transformers 4 (`rope_theta`, `rope_scaling`) or 5 wrote it."""
         known = inspect.signature(cls).parameters
         args = {k: v for k, v in config.items() if k in known}
+        missing = [k for k, p in known.items() if p.default is inspect.Parameter.empty and k not in args]
+        if missing:
+            raise CheckpointError(
+                f"config.json lacks {', '.join(missing)}, needed for {config.get('architectures')}"
+            )
         args["rope_theta"], args["rope_scaling"] = _rope_settings(config)
         return cls(**args)
 
@@ -158,7 +163,9 @@ class LlamaModel(nn.Module):
     ) -> mx.array:
         h = self.embed_tokens(inputs)
         layer_mask: Mask = mask
-        if mask is None and inputs.shape[1] > 1:
+        if mask is not None and mx.issubdtype(mask.dtype, mx.floating) and mask.dtype != h.dtype:
+            layer_mask = mask.astype(h.dtype)  # SDPA refuses an additive mask wider than its output
+        elif mask is None and inputs.shape[1] > 1:
             # MLX's "causal" aligns the last query with the last key, so it is right with a cache offset.
             layer_mask = "causal"
         caches: list[KVCache | None] = list(cache) if cache is not None else [None] * len(self.layers)
