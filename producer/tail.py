@@ -93,9 +93,14 @@ class Follower:
     deadline: Deadline = field(default_factory=lambda: Deadline(None))
     ended: bool = False
     _next_status_at: float = field(default=0.0, init=False)
+    _read_once: bool = field(default=False, init=False)
 
-    def block_ms(self) -> int:
-        """How long the next XREAD may block: at most a second, never past the deadline (at least 1 ms)."""
+    def block_ms(self) -> int | None:
+        """How long the next XREAD may block: None (not at all) the first time, so that a job that is
+        already over is seen at once; then at most a second, never past the deadline, at least 1 ms."""
+        if not self._read_once:
+            self._read_once = True
+            return None
         return max(1, min(READ_BLOCK_MS, int(self.deadline.remaining() * 1000)))
 
     def accept(self, items: list[StreamItem]) -> list[StreamItem]:

@@ -1,0 +1,154 @@
+"""Shared fixtures, in sections. Add new ones to the section they belong to (or a new section).
+
+Redis: tests use a real server. `redis_url`/`redis_conn` give a DB index of the test module's own,
+flushed before and after each test: a module sets `REDIS_DB = N` (default 9) so that modules run by
+parallel pytest processes never flush each other's keys. The server is `MLXQ_TEST_REDIS_SERVER`
+(default `redis://127.0.0.1:6379`, no DB in it). DB 0 is never used.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import pytest
+import redis
+from rq.job import Job, JobStatus
+from rq.serializers import JSONSerializer
+
+from jobs import keys
+from jobs.schema import (
+    DoneEvent,
+    ErrorEvent,
+    GenerateResult,
+    RestartEvent,
+    ScoreResult,
+    Timings,
+    TokenEvent,
+    Usage,
+)
+
+# --- Redis -----------------------------------------------------------------------------------------
+
+REDIS_SERVER = os.environ.get("MLXQ_TEST_REDIS_SERVER", "redis://127.0.0.1:6379").rstrip("/")
+DEFAULT_TEST_DB = 9
+
+
+@pytest.fixture
+def redis_url(request: pytest.FixtureRequest) -> Iterator[str]:
+    """URL of an empty test DB (the module's `REDIS_DB`, default 9), flushed again afterwards."""
+    db = int(getattr(request.module, "REDIS_DB", DEFAULT_TEST_DB))
+    if db == 0:
+        raise ValueError("tests never use Redis DB 0: set REDIS_DB to another index")
+    url = f"{REDIS_SERVER}/{db}"
+    conn = redis.Redis.from_url(url)
+    try:
+        conn.ping()
+    except redis.ConnectionError as e:
+        pytest.fail(f"these tests need a Redis server at {REDIS_SERVER} ({e})")
+    conn.flushdb()
+    try:
+        yield url
+    finally:
+        conn.flushdb()
+        conn.close()
+
+
+@pytest.fixture
+def redis_conn(redis_url: str) -> Iterator[redis.Redis]:
+    """A client (bytes replies, as RQ needs) on the test DB of `redis_url`."""
+    conn = redis.Redis.from_url(redis_url)
+    try:
+        yield conn
+    finally:
+        conn.close()
+
+
+# --- The worker's side of the Redis contract, simulated (for producer tests) -----------------------
+
+
+def generate_result(text: str = "Paris.", finish_reason: str = "stop") -> GenerateResult:
+    """A plausible finished generation, as a worker would return it."""
+    return GenerateResult.model_validate(
+        {
+            "text": text,
+            "finish_reason": finish_reason,
+            "token_ids": [1, 2, 3],
+            "usage": Usage(prompt_tokens=7, completion_tokens=3, cached_tokens=4),
+            "timings": Timings(ttft_s=0.05, decode_tokens_per_s=42.5, total_s=0.2),
+            "model": "tiny",
+        }
+    )
+
+
+def score_result() -> ScoreResult:
+    return ScoreResult.model_validate(
+        {
+            "rows": [{"logits": [2.0, 1.0], "logprobs": [-0.3, -1.3], "input_tokens": 3, "cached_tokens": 0}],
+            "input_tokens": 3,
+            "cached_tokens": 0,
+        }
+    )
+
+
+class WorkerSide:
+    """Writes what an mlxq worker writes for a job, as the contract says: stream events, result key."""
+
+    def __init__(self, conn: redis.Redis) -> None:
+        self.conn = conn
+
+    def _add(self, job_id: str, fields: dict[str, str]) -> str:
+        entry_id = self.conn.xadd(keys.stream_key(job_id), fields)  # type: ignore[arg-type]
+        return entry_id.decode()
+
+    def tokens(self, job_id: str, *texts: str, index: int = 0) -> list[str]:
+        """One `token` event per text; returns their stream ids."""
+        return [
+            self._add(job_id, TokenEvent(text=t, ids=[100 + i], index=index + i).fields())
+            for i, t in enumerate(texts)
+        ]
+
+    def restart(self, job_id: str, attempt: int = 1) -> str:
+        return self._add(job_id, RestartEvent(attempt=attempt).fields())
+
+    def error(self, job_id: str, message: str) -> str:
+        return self._add(job_id, ErrorEvent(message=message).fields())
+
+    def done(self, job_id: str, result: GenerateResult | ScoreResult | None = None) -> str:
+        """The result key and the `done` event, in one transaction (as the worker's stream writer)."""
+        result = result if result is not None else generate_result()
+        if isinstance(result, GenerateResult):
+            usage = result.usage
+            event = DoneEvent(
+                finish_reason=result.finish_reason,
+                prompt_tokens=usage.prompt_tokens,
+                completion_tokens=usage.completion_tokens,
+                cached_tokens=usage.cached_tokens,
+                ttft_s=result.timings.ttft_s,
+                decode_tokens_per_s=result.timings.decode_tokens_per_s,
+                total_s=result.timings.total_s,
+            )
+        else:
+            event = DoneEvent(
+                finish_reason="stop",
+                prompt_tokens=result.input_tokens,
+                completion_tokens=0,
+                cached_tokens=result.cached_tokens,
+            )
+        pipe = self.conn.pipeline(transaction=True)
+        pipe.xadd(keys.stream_key(job_id), event.fields())  # type: ignore[arg-type]
+        pipe.set(keys.result_key(job_id), result.model_dump_json(), ex=3600)
+        entry_id = pipe.execute()[0]
+        return str(entry_id.decode())
+
+    def start(self, job_id: str) -> None:
+        """Take the job off its queue and mark it `started`, as a worker does when it takes it."""
+        job = Job.fetch(job_id, connection=self.conn, serializer=JSONSerializer)
+        self.conn.lrem(keys.rq_queue_key(job.origin), 0, job_id)
+        job.set_status(JobStatus.STARTED)
+
+
+@pytest.fixture
+def worker_side(redis_conn: redis.Redis) -> WorkerSide:
+    """Plays the worker's part of the Redis contract in producer tests."""
+    return WorkerSide(redis_conn)
