@@ -11,6 +11,8 @@ from jobs import keys
 from jobs.schema import DoneEvent, GenerateResult, Timings, TokenEvent, Usage, parse_event
 from worker.stream_writer import StreamOptions, StreamWriter
 
+REDIS_DB = 10
+
 
 @pytest.fixture
 def conn(redis_conn: redis.Redis) -> redis.Redis:

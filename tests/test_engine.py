@@ -1,0 +1,181 @@
+"""The engine on a tiny random-weight checkpoint: generation, stops, limits, cache reuse, scoring."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+
+from jobs.errors import ContextTooLong, InvalidCandidate, InvalidRequest
+from jobs.schema import GenerateRequest, ScoreRequest
+from worker.engine import Engine, EngineOptions
+from worker.tiny_model import write_random_checkpoint
+
+LONG = "The capital of France is Paris. " * 12
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_random_checkpoint(tmp_path_factory.mktemp("tiny"), {"max_position_embeddings": 1024})
+
+
+@pytest.fixture
+def engine(model_dir: Path) -> Engine:
+    return Engine.load(str(model_dir), EngineOptions(prefill_chunk=32))
+
+
+def _run(engine: Engine, **fields: object) -> tuple[list[tuple[str, list[int]]], object]:
+    deltas: list[tuple[str, list[int]]] = []
+    result = engine.generate(GenerateRequest.model_validate(fields), lambda t, i: deltas.append((t, list(i))))
+    return deltas, result
+
+
+def _no_eos(engine: Engine) -> dict[int, float]:
+    return {i: -100.0 for i in engine.tokenizer.eos_ids}
+
+
+def test_deltas_add_up_to_the_text_and_ids(engine: Engine) -> None:
+    deltas, result = _run(engine, prompt=LONG, max_tokens=40, temperature=0, logit_bias=_no_eos(engine))
+    assert "".join(t for t, _ in deltas) == result.text
+    assert [i for _, ids in deltas for i in ids] == result.token_ids
+    assert result.finish_reason == "length"
+    assert result.usage.completion_tokens == 40 == len(result.token_ids)
+    assert result.text == engine.tokenizer.decode(result.token_ids)
+
+
+def test_greedy_matches_a_plain_full_forward_loop(engine: Engine) -> None:
+    _, result = _run(engine, prompt=LONG, max_tokens=12, temperature=0, logit_bias=_no_eos(engine))
+    ids = engine.tokenizer.encode(LONG)
+    for _ in range(12):  # no cache, no chunks: the whole sequence every step
+        logits = engine.model(mx.array([ids]))[0, -1]
+        for eos in engine.tokenizer.eos_ids:
+            logits[eos] = -1e9
+        ids.append(int(mx.argmax(logits).item()))
+    assert result.token_ids == ids[-12:]
+
+
+def test_eos_ends_with_stop_and_is_not_in_the_text(engine: Engine) -> None:
+    eos = min(engine.tokenizer.eos_ids)
+    _, result = _run(engine, prompt="hi", max_tokens=50, temperature=0, logit_bias={eos: 100.0})
+    assert result.finish_reason == "stop"
+    assert result.token_ids == [] and result.text == ""
+
+
+def test_stop_string_is_never_emitted(engine: Engine) -> None:
+    _, free = _run(engine, prompt=LONG, max_tokens=30, temperature=0, logit_bias=_no_eos(engine))
+    stop = free.text[10:13]
+    deltas, result = _run(
+        engine, prompt=LONG, max_tokens=30, temperature=0, logit_bias=_no_eos(engine), stop=[stop]
+    )
+    assert result.finish_reason == "stop"
+    assert stop not in result.text
+    assert free.text.startswith(result.text) and len(result.text) <= free.text.index(stop)
+    assert "".join(t for t, _ in deltas) == result.text
+
+
+def test_same_seed_same_tokens_and_different_seed_differs(engine: Engine) -> None:
+    opts = {"prompt": LONG, "max_tokens": 24, "temperature": 1.5, "logit_bias": _no_eos(engine)}
+    a = _run(engine, seed=7, **opts)[1].token_ids
+    b = _run(engine, seed=7, **opts)[1].token_ids
+    c = _run(engine, seed=8, **opts)[1].token_ids
+    assert a == b and a != c
+
+
+def test_context_limits(model_dir: Path) -> None:
+    engine = Engine.load(str(model_dir), EngineOptions(max_context=64))
+    with pytest.raises(ContextTooLong, match="context length is 64"):
+        _run(engine, prompt=LONG)
+    short = "The capital of France"
+    n = len(engine.tokenizer.encode(short))
+    _, result = _run(engine, prompt=short, max_tokens=1000, temperature=0, logit_bias=_no_eos(engine))
+    assert result.usage.completion_tokens == 64 - n and result.finish_reason == "length"
+
+
+def test_bad_requests_say_what_is_wrong(engine: Engine) -> None:
+    with pytest.raises(InvalidRequest, match="empty"):
+        _run(engine, prompt="", add_special_tokens=False)
+    with pytest.raises(InvalidRequest, match="logit_bias"):
+        _run(engine, prompt="hi", logit_bias={10**6: 1.0})
+
+
+def test_cancel_between_tokens(engine: Engine) -> None:
+    seen: list[str] = []
+    result = engine.generate(
+        GenerateRequest(prompt=LONG, max_tokens=200, temperature=0, logit_bias=_no_eos(engine)),
+        lambda t, i: seen.append(t),
+        cancelled=lambda: len(seen) >= 5,
+    )
+    assert result.finish_reason == "cancelled"
+    assert 5 <= result.usage.completion_tokens <= 6
+
+
+def test_chat_messages_use_the_template(engine: Engine) -> None:
+    req = GenerateRequest(messages=[{"role": "user", "content": "hi"}], max_tokens=1)
+    ids = engine.prompt_tokens(req)
+    assert engine.tokenizer.decode(ids) == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_prefix_cache_reuse_gives_the_same_tokens(engine: Engine) -> None:
+    opts = {"prompt": LONG, "max_tokens": 16, "temperature": 0, "logit_bias": _no_eos(engine)}
+    _, cold = _run(engine, **opts)
+    _, warm = _run(engine, **opts)
+    n = len(engine.tokenizer.encode(LONG))
+    assert cold.usage.cached_tokens == 0
+    assert warm.usage.cached_tokens == n - 1  # the last prompt token is always recomputed
+    assert warm.token_ids == cold.token_ids
+    # An extended prompt (a chat's next turn) reuses the prompt and the generated answer.
+    _, extended = _run(engine, **{**opts, "prompt": LONG + cold.text + " more"})
+    assert extended.usage.cached_tokens >= n
+
+
+def _score_rows() -> list[dict[str, object]]:
+    return [
+        {"prompt": LONG + "The capital of France is", "candidates": [" the", " a", " is"]},
+        {"prompt": LONG + "The capital of Italy is", "candidates": [" the"]},
+        {"prompt": LONG + "The capital of France", "candidates": [" is"]},
+        {"prompt": "Queues hold jobs", "candidates": [" a", " the"]},
+        {"prompt": LONG + "The capital of France is", "candidates": [" a"]},
+    ]
+
+
+def test_scores_equal_a_full_forward_and_do_not_depend_on_grouping(model_dir: Path) -> None:
+    engine = Engine.load(str(model_dir), EngineOptions(prefix_cache_bytes=0))
+    rows = _score_rows()
+    together = engine.score(ScoreRequest.model_validate({"rows": rows}))
+    for row, got in zip(rows, together.rows, strict=True):
+        alone = engine.score(ScoreRequest.model_validate({"rows": [row]})).rows[0]
+        ids = engine.tokenizer.encode(str(row["prompt"]))
+        logits = engine.model(mx.array([ids]))[0, -1].astype(mx.float32)
+        cand = [engine.tokenizer.encode(str(row["prompt"]) + c)[-1] for c in row["candidates"]]  # type: ignore[attr-defined]
+        want = logits[mx.array(cand)].tolist()
+        want_lp = (logits[mx.array(cand)] - mx.logsumexp(logits)).tolist()
+        assert got.logits == pytest.approx(want, rel=1e-4, abs=1e-5)
+        assert got.logprobs == pytest.approx(want_lp, rel=1e-4, abs=1e-4)
+        assert alone.logits == pytest.approx(got.logits, rel=1e-5, abs=1e-6)
+    # The shared prefix is computed once: rows after the first report it as cached.
+    assert together.rows[0].cached_tokens == 0
+    assert together.rows[1].cached_tokens > 100
+    assert together.rows[4].cached_tokens == together.rows[4].input_tokens  # identical prompt
+
+
+def test_scores_from_a_warm_cache_are_the_same(engine: Engine) -> None:
+    req = ScoreRequest.model_validate({"rows": _score_rows()})
+    cold = engine.score(req)
+    warm = engine.score(req)
+    assert warm.cached_tokens > cold.cached_tokens
+    for a, b in zip(cold.rows, warm.rows, strict=True):
+        assert a.logits == pytest.approx(b.logits, rel=1e-5, abs=1e-6)
+
+
+def test_bad_candidates_name_the_row_and_candidate(engine: Engine) -> None:
+    with pytest.raises(InvalidCandidate, match=r"row 1: candidate ' Paris'"):
+        engine.score(
+            ScoreRequest.model_validate(
+                {"rows": [{"prompt": "a", "candidates": [" the"]}, {"prompt": "b", "candidates": [" Paris"]}]}
+            )
+        )
+    with pytest.raises(InvalidCandidate, match="special token"):
+        engine.score(ScoreRequest.model_validate({"rows": [{"prompt": "a", "candidates": ["<|im_end|>"]}]}))
+    with pytest.raises(InvalidRequest, match="at most 64"):
+        engine.score(ScoreRequest.model_validate({"rows": [{"prompt": "a", "candidates": [" the"]}] * 65}))

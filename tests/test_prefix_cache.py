@@ -1,0 +1,85 @@
+"""The prefix cache: longest match, splits, byte budget, LRU eviction, statistics."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+
+from worker.kv_cache import KVCache
+from worker.prefix_cache import PrefixCache
+
+LAYERS, HEADS, DIM = 2, 2, 4
+BYTES_PER_TOKEN = LAYERS * 2 * HEADS * DIM * 4  # keys+values, float32
+
+
+def _cache_for(tokens: list[int]) -> list[KVCache]:
+    """A KV cache whose entries encode the token and its position, so a mix-up shows."""
+    caches = []
+    for layer in range(LAYERS):
+        c = KVCache()
+        vals = mx.array([[t * 1000 + p + layer * 0.5] * DIM for p, t in enumerate(tokens)], dtype=mx.float32)
+        kv = mx.broadcast_to(vals[None, None], (1, HEADS, len(tokens), DIM))
+        c.update_and_fetch(kv, -kv)
+        caches.append(c)
+    return caches
+
+
+def _assert_holds(caches: list[KVCache], tokens: list[int]) -> None:
+    want = _cache_for(tokens)
+    for got, ref in zip(caches, want, strict=True):
+        assert got.offset == len(tokens)
+        assert mx.array_equal(got.state[0], ref.state[0]) and mx.array_equal(got.state[1], ref.state[1])
+
+
+def test_longest_prefix_always_leaves_one_token() -> None:
+    pc = PrefixCache(budget_bytes=1 << 20)
+    a = [1, 2, 3, 4, 5, 6]
+    assert pc.offer(a, _cache_for(a)) == 6
+    caches, n = pc.begin(a, LAYERS)
+    assert n == 5
+    _assert_holds(caches, a[:5])
+    caches, n = pc.begin([1, 2, 3, 9, 9], LAYERS)
+    assert n == 3
+    _assert_holds(caches, [1, 2, 3])
+    assert pc.begin([7, 8], LAYERS)[1] == 0
+    assert pc.stats.lookups == 3 and pc.stats.hits == 2 and pc.stats.hit_tokens == 8
+
+
+def test_diverging_offer_splits_and_stores_only_new_tokens() -> None:
+    pc = PrefixCache(budget_bytes=1 << 20)
+    a, b = [1, 2, 3, 4, 5], [1, 2, 3, 7, 8, 9]
+    pc.offer(a, _cache_for(a))
+    assert pc.offer(b, _cache_for(b)) == 3
+    assert pc.stats.bytes == 8 * BYTES_PER_TOKEN  # 5 + 3 distinct tokens, nothing stored twice
+    _assert_holds(pc.begin(b + [0], LAYERS)[0], b)
+    _assert_holds(pc.begin(a + [0], LAYERS)[0], a)
+
+
+def test_budget_holds_and_least_recently_used_goes_first() -> None:
+    pc = PrefixCache(budget_bytes=10 * BYTES_PER_TOKEN)
+    old, new = [1, 1, 1, 1], [2, 2, 2, 2]
+    pc.offer(old, _cache_for(old))
+    pc.offer(new, _cache_for(new))
+    pc.begin(old + [0], LAYERS)  # touch `old`: `new` is now the least recently used
+    third = [3, 3, 3, 3]
+    pc.offer(third, _cache_for(third))
+    assert pc.stats.bytes <= pc.budget_bytes
+    assert pc.peek(old + [0]) == 4 and pc.peek(third + [0]) == 4
+    assert pc.peek(new + [0]) == 0
+    assert pc.stats.evictions == 1
+
+
+@pytest.mark.parametrize("budget", [0, 3 * BYTES_PER_TOKEN])
+def test_too_small_a_budget_keeps_nothing_it_cannot_afford(budget: int) -> None:
+    pc = PrefixCache(budget_bytes=budget)
+    a = [5, 6, 7, 8, 9]
+    pc.offer(a, _cache_for(a))
+    assert pc.stats.bytes <= budget
+    assert pc.stats.bytes == sum(n.nbytes for n in pc._leaves())
+
+
+def test_offer_never_stores_more_than_the_cache_holds() -> None:
+    pc = PrefixCache(budget_bytes=1 << 20)
+    tokens = [1, 2, 3, 4, 5, 6, 7]
+    assert pc.offer(tokens, _cache_for(tokens[:4])) == 4  # e.g. a prefill cancelled half-way
+    assert pc.peek(tokens) == 4
