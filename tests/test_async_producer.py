@@ -20,7 +20,7 @@ from jobs import errors, keys
 from jobs.schema import GenerateResult, RestartEvent, ScoreResult
 from producer import AsyncClient, CancelOutcome, Client, JobFailed, JobNotFound, ProducerSettings
 
-REDIS_DB = 10
+REDIS_DB = 12
 
 T = TypeVar("T")
 

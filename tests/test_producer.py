@@ -21,7 +21,7 @@ from jobs.schema import DoneEvent, GenerateRequest, GenerateResult, RestartEvent
 from producer import CancelOutcome, Client, JobFailed, JobNotFound, JobOptions, ProducerSettings
 from producer.connection import RetryPolicy, redact_url
 
-REDIS_DB = 9
+REDIS_DB = 11
 
 FAST_RETRY = {"redis_retry_initial_wait_s": 0.01, "redis_retry_max_wait_s": 0.02}
 
