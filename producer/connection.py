@@ -65,6 +65,7 @@ class RetryPolicy:
 
     async def acall(self, fn: Callable[P, Awaitable[T]], *args: P.args, **kwargs: P.kwargs) -> T:
         """Await `fn`, trying again on a connection error; the last error is raised as it was."""
+
         async def attempt() -> T:  # redis.asyncio's commands return awaitables without being `async def`
             return await fn(*args, **kwargs)
 

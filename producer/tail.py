@@ -101,7 +101,7 @@ class Follower:
         if not self._read_once:
             self._read_once = True
             return None
-        return max(1, min(READ_BLOCK_MS, int(self.deadline.remaining() * 1000)))
+        return max(1, int(min(READ_BLOCK_MS, self.deadline.remaining() * 1000)))
 
     def accept(self, items: list[StreamItem]) -> list[StreamItem]:
         """Take newly read items: moves `last_id`, keeps nothing after a terminal event."""

@@ -9,10 +9,12 @@ parallel pytest processes never flush each other's keys. The server is `MLXQ_TES
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+import signal
+from collections.abc import Callable, Iterator
 
 import pytest
 import redis
+from rq import Queue, SimpleWorker
 from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
 
@@ -62,6 +64,31 @@ def redis_conn(redis_url: str) -> Iterator[redis.Redis]:
         yield conn
     finally:
         conn.close()
+
+
+# --- RQ ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def run_rq_worker(redis_conn: redis.Redis) -> Callable[..., None]:
+    """Run a plain `rq.SimpleWorker` (JSON serializer) in this process until the queues are empty.
+
+    RQ installs its own SIGINT/SIGTERM handlers and leaves them behind; they are put back afterwards
+    so a later test's Ctrl-C is a KeyboardInterrupt again.
+    """
+
+    def run(*queue_names: str) -> None:
+        queues = [
+            Queue(n, connection=redis_conn, serializer=JSONSerializer) for n in queue_names or ["default"]
+        ]
+        saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            SimpleWorker(queues, connection=redis_conn, serializer=JSONSerializer).work(burst=True)
+        finally:
+            for sig, handler in saved.items():
+                signal.signal(sig, handler)
+
+    return run
 
 
 # --- The worker's side of the Redis contract, simulated (for producer tests) -----------------------

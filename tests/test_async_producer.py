@@ -12,7 +12,7 @@ import pytest
 import redis
 import redis.asyncio.client
 from conftest import WorkerSide, generate_result, score_result
-from rq import Queue, SimpleWorker
+from rq import Queue
 from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
 
@@ -106,7 +106,7 @@ def test_async_result_waits_for_done_and_scores(redis_url: str, worker_side: Wor
 
 
 def test_async_failures_and_timeouts(
-    redis_url: str, redis_conn: redis.Redis, worker_side: WorkerSide
+    redis_url: str, worker_side: WorkerSide, run_rq_worker: Callable[..., None]
 ) -> None:
     async def submit(client: AsyncClient) -> tuple[str, str, str]:
         failing = await client.submit_generate("Hi")
@@ -117,8 +117,7 @@ def test_async_failures_and_timeouts(
     failing, erroring, waiting = run_with_client(redis_url, submit)
     worker_side.start(erroring)  # taken off the queue, so the RQ worker below runs only `failing`
     worker_side.error(erroring, "InvalidCandidate: 'xyz' is 3 tokens")
-    queue = Queue("default", connection=redis_conn, serializer=JSONSerializer)
-    SimpleWorker([queue], connection=redis_conn, serializer=JSONSerializer).work(burst=True)
+    run_rq_worker()
 
     async def check(client: AsyncClient) -> None:
         with pytest.raises(errors.JobFailed) as info:

@@ -6,12 +6,13 @@ from __future__ import annotations
 import json
 import re
 import shlex
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import redis
 from conftest import WorkerSide, generate_result
-from rq import Queue, SimpleWorker
+from rq import Queue
 from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
 
@@ -57,9 +58,10 @@ def test_rq_reads_the_plain_job_back_as_a_jobs_generate_job(enqueued: str, redis
     assert taken is not None and taken[0].id == enqueued and taken[0].args == [payload]
 
 
-def test_the_job_function_accepts_the_plain_payload(enqueued: str, redis_conn: redis.Redis) -> None:
-    queue = Queue("default", connection=redis_conn, serializer=JSONSerializer)
-    SimpleWorker([queue], connection=redis_conn, serializer=JSONSerializer).work(burst=True)
+def test_the_job_function_accepts_the_plain_payload(
+    enqueued: str, redis_conn: redis.Redis, run_rq_worker: Callable[..., None]
+) -> None:
+    run_rq_worker()
     job = Job.fetch(enqueued, connection=redis_conn, serializer=JSONSerializer)
     result = job.latest_result()
     # jobs.generate validated the request, then found no mlxq executor in a plain RQ worker.

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 import redis
 from conftest import WorkerSide, generate_result, score_result
-from rq import Queue, Retry, SimpleWorker
+from rq import Queue, Retry
 from rq.job import Job, JobStatus
 from rq.registry import CanceledJobRegistry
 from rq.serializers import JSONSerializer
@@ -34,12 +34,6 @@ def client(redis_url: str) -> Iterator[Client]:
 
 def fetch(conn: redis.Redis, job_id: str) -> Job:
     return Job.fetch(job_id, connection=conn, serializer=JSONSerializer)
-
-
-def run_rq_worker(conn: redis.Redis, queue: str = "default") -> None:
-    """A plain RQ worker, in this process, until the queue is empty (no mlxq executor installed)."""
-    q = Queue(queue, connection=conn, serializer=JSONSerializer)
-    SimpleWorker([q], connection=conn, serializer=JSONSerializer).work(burst=True)
 
 
 def returns_a_generate_result(payload: dict[str, Any]) -> dict[str, Any]:
@@ -250,7 +244,10 @@ def test_restart_event_starts_the_text_over(client: Client, worker_side: WorkerS
     assert handle.result(timeout=2).text == "right"
 
 
-def test_result_waits_for_a_done_event_written_later(client: Client, worker_side: WorkerSide) -> None:
+@pytest.mark.timeout(10)
+def test_result_and_stream_wait_for_a_done_event_written_later(
+    client: Client, worker_side: WorkerSide
+) -> None:
     handle = client.submit_generate("Hi")
     worker_side.start(handle.id)
     worker_side.tokens(handle.id, "x")
@@ -258,10 +255,11 @@ def test_result_waits_for_a_done_event_written_later(client: Client, worker_side
     timer.start()
     try:
         started = time.monotonic()
-        assert handle.result(timeout=3).text == "late"
+        assert handle.result().text == "late"  # no timeout: waits as long as it takes
         assert time.monotonic() - started < 2
     finally:
         timer.join()
+    assert [type(i.event) for i in handle.stream()] == [TokenEvent, DoneEvent]
 
 
 def test_score_result_and_handles_by_id(client: Client, worker_side: WorkerSide) -> None:
@@ -286,10 +284,10 @@ def test_error_event_raises_job_failed_with_the_reason(client: Client, worker_si
 
 
 def test_a_job_failing_in_a_real_rq_worker_reports_rqs_reason(
-    client: Client, redis_conn: redis.Redis
+    client: Client, run_rq_worker: Callable[..., None]
 ) -> None:
     handle = client.submit_generate("Hi")
-    run_rq_worker(redis_conn)  # no mlxq executor here: jobs.generate raises NotInWorker
+    run_rq_worker()  # no mlxq executor here: jobs.generate raises NotInWorker
     assert handle.status() == "failed"
     with pytest.raises(errors.JobFailed) as info:
         handle.result(timeout=3)
@@ -302,12 +300,12 @@ def test_a_job_failing_in_a_real_rq_worker_reports_rqs_reason(
 
 
 def test_a_finished_job_without_stream_gives_rqs_return_value(
-    client: Client, redis_conn: redis.Redis
+    client: Client, redis_conn: redis.Redis, run_rq_worker: Callable[..., None]
 ) -> None:
     job = Queue(connection=redis_conn, serializer=JSONSerializer).enqueue(
         returns_a_generate_result, {"prompt": "hi"}
     )
-    run_rq_worker(redis_conn)
+    run_rq_worker()
     started = time.monotonic()
     assert client.job(job.id).result(timeout=3) == generate_result("HI")
     assert list(client.job(job.id).stream(timeout=3)) == []
@@ -335,10 +333,12 @@ def test_unknown_jobs(client: Client) -> None:
 # --- cancellation ----------------------------------------------------------------------------------
 
 
-def test_cancel_a_queued_job_so_it_never_runs(client: Client, redis_conn: redis.Redis) -> None:
+def test_cancel_a_queued_job_so_it_never_runs(
+    client: Client, redis_conn: redis.Redis, run_rq_worker: Callable[..., None]
+) -> None:
     handle = client.submit_generate("Hi")
     assert handle.cancel() == CancelOutcome.CANCELED
-    run_rq_worker(redis_conn)  # would fail the job with NotInWorker if it ran
+    run_rq_worker()  # would fail the job with NotInWorker if it ran
     assert handle.status() == JobStatus.CANCELED.value
     assert handle.id in CanceledJobRegistry("default", connection=redis_conn).get_job_ids()
     assert Queue("default", connection=redis_conn).job_ids == []
