@@ -39,6 +39,10 @@ class JobWatch:
         self._thread = threading.Thread(target=self._run, name="mlxq-job-watch", daemon=True)
 
     def __enter__(self) -> JobWatch:
+        try:  # a job cancelled just before it started stops at its first check
+            self._poll_cancels()
+        except REDIS_TRANSIENT as e:
+            log.warning("job watch redis error=%s", e)
         self._thread.start()
         return self
 

@@ -125,12 +125,13 @@ class StreamWriter:
         self._retry(self._pipeline, entries, ids, extra)
 
     def _pipeline(self, entries: list[dict[str, str]], ids: list[str], extra: tuple[str, str] | None) -> None:
-        pipe = self.conn.pipeline(transaction=False)
+        # One transaction; the result key goes first, so a reader who sees `done` always finds it.
+        pipe = self.conn.pipeline(transaction=True)
+        if extra is not None:
+            pipe.set(extra[0], extra[1], ex=self.options.result_ttl_s)
         for entry_id, fields in zip(ids, entries, strict=True):
             pipe.xadd(self.key, fields, id=entry_id, maxlen=self.options.maxlen, approximate=True)  # type: ignore[arg-type]
         pipe.expire(self.key, self.options.ttl_s)
-        if extra is not None:
-            pipe.set(extra[0], extra[1], ex=self.options.result_ttl_s)
         for reply in pipe.execute(raise_on_error=False):
             if isinstance(reply, redis.ResponseError) and not _already_written(reply):
                 raise reply
