@@ -18,7 +18,15 @@ from typing import Any
 
 import numpy as np
 
-from worker.gguf_tokenizer import GGUFVocab, UnsupportedTokenizer, metadata_value, read_vocab, write_tokenizer
+from worker.errors import WorkerError
+from worker.gguf_tokenizer import (
+    GGUFVocab,
+    UnsupportedTokenizer,
+    build_tokenizer,
+    metadata_value,
+    read_vocab,
+    write_tokenizer,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +50,7 @@ _LAYER_NAMES = {
 }
 
 
-class GGUFImportError(ValueError):
+class GGUFImportError(WorkerError, ValueError):
     """The GGUF file cannot be imported; the message names the architecture, tensor or type at fault."""
 
 
@@ -86,12 +94,13 @@ def import_gguf(gguf_path: str | Path, out_dir: str | Path, *, quantize: bool | 
     hp = read_hparams(reader)
     vocab = read_vocab(reader)
     plan = _plan(reader.tensors, hp, quantize)
+    try:
+        tokenizer = build_tokenizer(vocab)
+    except UnsupportedTokenizer as e:
+        raise GGUFImportError(str(e)) from e
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    try:
-        write_tokenizer(vocab, out, hp.context)
-    except UnsupportedTokenizer as e:
-        raise GGUFImportError(f"{gguf_path}: {e}") from e
+    write_tokenizer(tokenizer, vocab, out, hp.context)
     embed = next(p for p in plan if p.hf_name == "model.embed_tokens.weight")
     tied = not any(p.hf_name == "lm_head.weight" for p in plan)
     packed = any(p.packed for p in plan)

@@ -198,8 +198,8 @@ def tokenizer_config(vocab: GGUFVocab, model_max_length: int) -> dict[str, Any]:
     return config
 
 
-def write_tokenizer(vocab: GGUFVocab, out_dir: Path, model_max_length: int) -> None:
-    """Write `tokenizer.json` and `tokenizer_config.json` for `vocab` into `out_dir`."""
-    build_tokenizer(vocab).save(str(out_dir / "tokenizer.json"))
+def write_tokenizer(tokenizer: Tokenizer, vocab: GGUFVocab, out_dir: Path, model_max_length: int) -> None:
+    """Write `tokenizer.json` (from `build_tokenizer(vocab)`) and `tokenizer_config.json` into `out_dir`."""
+    tokenizer.save(str(out_dir / "tokenizer.json"))
     config = tokenizer_config(vocab, model_max_length)
     (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False))
