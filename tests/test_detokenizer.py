@@ -177,7 +177,8 @@ def test_encoded_unicode_byte_level(
     for text, special in zip(texts, [*specials, *[None] * len(texts)], strict=False):
         ids += tok.encode(text) + ([] if special is None else [special])
     deltas = _check(tok, ids)
-    assert all("\ufffd" not in d for d in deltas)  # valid text never shows a replacement character
+    # Valid text never shows a replacement character that it does not contain itself.
+    assert "".join(deltas).count("\ufffd") == sum(t.count("\ufffd") for t in texts)
     _check(tok, ids, skip=True)
 
 
