@@ -71,6 +71,8 @@ class WorkerService:
             stream_options=stream_options,
             heartbeat_s=settings.heartbeat_s,
             cancel_poll_s=settings.cancel_poll_s,
+            worker_ttl=settings.worker_ttl_s,
+            maintenance_interval=settings.maintenance_interval_s,
             default_result_ttl=settings.result_ttl_s,
             default_job_timeout=settings.job_timeout_s,
         )

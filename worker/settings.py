@@ -40,6 +40,10 @@ class WorkerSettings(BaseSettings):
     job_timeout_s: int = Field(default=3600, ge=1, description="default for jobs enqueued without one")
     heartbeat_s: float = Field(default=10.0, gt=0.0, description="how often a busy worker proves it lives")
     cancel_poll_s: float = Field(default=0.1, gt=0.0)
+    worker_ttl_s: int = Field(default=60, ge=20, description="an idle worker's registration lifetime")
+    maintenance_interval_s: int = Field(
+        default=30, ge=1, description="how often a worker moves dead workers' jobs to failed or retry"
+    )
 
     redis_retry_attempts: int = Field(default=8, ge=1)
     redis_retry_max_wait_s: float = Field(default=5.0, gt=0.0)
