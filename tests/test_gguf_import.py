@@ -19,7 +19,7 @@ from tokenizers import Tokenizer
 
 from worker import default_model
 from worker.default_model import cached_import, default_model_dir
-from worker.gguf_import import GGUFImportError, import_gguf, unpermute_qk
+from worker.gguf_import import GGUFImportError, hf_tensor_name, import_gguf, unpermute_qk
 from worker.tiny_model import CHATML_TEMPLATE, write_random_checkpoint
 
 # Q6_K (the usual type of output.weight in Q4_K_M files) has 256-weight blocks: ffn_down needs 256 columns.
@@ -517,3 +517,83 @@ def _count_imports(monkeypatch: pytest.MonkeyPatch) -> list[Path]:
 
     monkeypatch.setattr(default_model, "import_gguf", counting)
     return calls
+
+
+# --- slow: the real SmolLM2-135M-Instruct GGUF -------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def smollm_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    try:
+        default_model.default_gguf_path()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+    return tmp_path_factory.mktemp("mlxq-cache")
+
+
+@pytest.mark.slow
+def test_smollm_tokenizer_and_chat_template(smollm_cache: Path) -> None:
+    from transformers import AutoTokenizer
+
+    folder = default_model_dir(cache_dir=smollm_cache)
+    assert folder == smollm_cache / "models" / "SmolLM2-135M-Instruct"
+    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    assert [tok.token_to_id(t) for t in ("<|endoftext|>", "<|im_start|>", "<|im_end|>")] == [0, 1, 2]
+    for text in ["What is the capital of France?", *TEXTS]:
+        assert tok.decode(tok.encode(text).ids, skip_special_tokens=False) == text
+    assert tok.encode("What is the capital of France?").tokens == [
+        "What", "Ġis", "Ġthe", "Ġcapital", "Ġof", "ĠFrance", "?",
+    ]  # fmt: skip
+    assert tok.encode("<|im_start|>user\n2024").tokens == ["<|im_start|>", "user", "Ċ", "2", "0", "2", "4"]
+    hf_tok = AutoTokenizer.from_pretrained(folder)
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    rendered = hf_tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert rendered.startswith("<|im_start|>system\nYou are a helpful AI assistant named SmolLM")
+    assert rendered.endswith(
+        "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
+    )
+
+
+@pytest.mark.slow
+def test_smollm_bf16_import_answers_paris_in_transformers(smollm_cache: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder = default_model_dir(cache_dir=smollm_cache)
+    tok = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    enc = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    with torch.no_grad():
+        out = model.generate(**enc, max_new_tokens=16, do_sample=False, pad_token_id=tok.pad_token_id)
+    answer = tok.decode(out[0, enc["input_ids"].shape[1] :], skip_special_tokens=True)
+    assert "Paris" in answer, answer
+
+
+@pytest.mark.slow
+def test_smollm_4bit_import_is_exact_and_loads(smollm_cache: Path) -> None:
+    import mlx.core as mx
+
+    from worker.loader import load_model
+
+    q4 = default_model_dir(quantized=True, cache_dir=smollm_cache)
+    assert q4.name == "SmolLM2-135M-Instruct-4bit"
+    got = mx.load(str(q4 / "model.safetensors"))
+    reader = gguf.GGUFReader(str(default_model.default_gguf_path()))
+    for t in reader.tensors:
+        if t.name in ("blk.0.attn_q.weight", "blk.0.attn_k.weight", "blk.29.ffn_down.weight"):
+            ref = dequantize(t.data, t.tensor_type)
+            ref = hf_permute(ref, 9 if "attn_q" in t.name else 3) if "attn_" in t.name else ref
+            base = hf_tensor_name(t.name).removesuffix(".weight")
+            scales, biases = (
+                got[f"{base}.scales"].astype(mx.float32),
+                got[f"{base}.biases"].astype(mx.float32),
+            )
+            deq = mx.dequantize(got[f"{base}.weight"], scales, biases, group_size=32, bits=4)
+            np.testing.assert_array_equal(np.array(deq), ref, err_msg=t.name)
+    ids = mx.array([[1, 4093, 198, 1780, 314, 260, 3575, 282, 4649, 47, 2, 198, 1, 520, 9531, 198]])
+    bf16_model, _ = load_model(default_model_dir(cache_dir=smollm_cache), "float32")
+    q4_model, _ = load_model(q4, "float32")
+    a, b = np.array(bf16_model(ids)[0]), np.array(q4_model(ids)[0])
+    assert (a.argmax(-1) == b.argmax(-1)).mean() > 0.9
+    np.testing.assert_allclose(b, a, atol=0.5)  # bf16 rounding of the GGUF weights is the only difference
