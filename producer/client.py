@@ -305,7 +305,7 @@ def job_options(
         job_timeout=job_timeout if job_timeout is not None else settings.job_timeout,
         result_ttl=result_ttl if result_ttl is not None else settings.result_ttl,
         failure_ttl=failure_ttl if failure_ttl is not None else settings.failure_ttl,
-        retry=Retry(max=retry) if isinstance(retry, int) else retry,
+        retry=(Retry(max=retry) if retry > 0 else None) if isinstance(retry, int) else retry,
         at_front=at_front,
         meta=dict(meta or {}),
     )

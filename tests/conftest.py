@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import signal
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 import redis
@@ -179,3 +180,24 @@ class WorkerSide:
 def worker_side(redis_conn: redis.Redis) -> WorkerSide:
     """Plays the worker's part of the Redis contract in producer tests."""
     return WorkerSide(redis_conn)
+
+
+# --- Real worker processes -------------------------------------------------------------------------
+
+
+@pytest.fixture
+def spawn_worker(tmp_path: Any) -> Iterator[Any]:
+    """Start real `mlxq worker` processes (see tests/worker_process.py); all are killed at teardown,
+    even when the test fails half-way, so no stray worker takes a later test's jobs."""
+    from worker_process import WorkerProcess
+
+    started: list[WorkerProcess] = []
+
+    def spawn(model_dir: Any, redis_url: str, *args: str, name: str = "worker", **env: str) -> WorkerProcess:
+        w = WorkerProcess(model_dir, redis_url, tmp_path / f"{name}-{len(started)}.log", *args, **env)
+        started.append(w)
+        return w
+
+    yield spawn
+    for w in started:
+        w.stop()

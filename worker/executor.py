@@ -22,6 +22,7 @@ from .stream_writer import StreamOptions, StreamWriter
 
 log = logging.getLogger(__name__)
 
+ATTEMPT_META = "mlxq_attempt"
 PreparedRows = list[tuple[list[int], list[int]]]  # per row: prompt tokens, candidate token ids
 
 
@@ -44,7 +45,11 @@ class JobExecutor:
 
     def _open_stream(self, job_id: str) -> StreamWriter:
         job = get_current_job()
-        attempt = 1 + (job.number_of_retries or 0) - (job.retries_left or 0) if job is not None else 1
+        attempt = 1
+        if job is not None and job.id == job_id:  # counted in the job's meta: it survives RQ's retries
+            attempt = int(job.meta.get(ATTEMPT_META, 0)) + 1
+            job.meta[ATTEMPT_META] = attempt
+            job.save_meta()
         writer = StreamWriter(self.conn, job_id, self.stream_options)
         writer.open(attempt=attempt)
         return writer
