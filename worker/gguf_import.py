@@ -225,10 +225,8 @@ def _plan(tensors: list[Any], hp: LlamaHParams, quantize: bool | None) -> list[_
     named = [(t, hf_tensor_name(t.name)) for t in tensors]
     for t, _ in named:
         if t.tensor_type.name not in SUPPORTED_TYPES:
-            kind = t.tensor_type.name
-            raise GGUFImportError(
-                f"tensor {t.name!r} has type {kind}, not supported: {list(SUPPORTED_TYPES)}"
-            )
+            kind, known = t.tensor_type.name, list(SUPPORTED_TYPES)
+            raise GGUFImportError(f"tensor {t.name!r} has type {kind}, not supported; supported: {known}")
     if not any(name == "model.embed_tokens.weight" for _, name in named):
         raise GGUFImportError("the GGUF file has no token_embd.weight")
     layer_linear = [t for t, name in named if name.startswith("model.layers.") and _is_linear(name, t)]
@@ -242,9 +240,7 @@ def _plan(tensors: list[Any], hp: LlamaHParams, quantize: bool | None) -> list[_
     plan = []
     for t, name in named:
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))
-        packed = (
-            pack and t.tensor_type.name in _Q4_TYPES and _is_linear(name, t) and shape[-1] % GROUP_SIZE == 0
-        )
+        packed = pack and t.tensor_type.name in _Q4_TYPES and _is_linear(name, t)
         unpermute = next((n for key, n in heads.items() if key in name), None)
         plan.append(_Planned(t, name, shape, unpermute, packed))
     return plan
@@ -280,8 +276,7 @@ def _tensor_blobs(plan: list[_Planned]) -> Iterator[np.ndarray]:
         for a in arrays:
             a = unpermute_qk(a, p.unpermute_heads) if p.unpermute_heads else a
             yield bf16_bits(a) if a.dtype == np.float32 else a
-        # The GGUF file is memory-mapped: drop our views as we go so pages can be released.
-        del raw, arrays
+        del raw, arrays  # free this tensor before converting the next: peak memory is one tensor
 
 
 def q4_to_mlx(raw: np.ndarray, qtype: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
