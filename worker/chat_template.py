@@ -104,7 +104,6 @@ def _compile(source: str) -> jinja2.Template:
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
-    env.globals["dict"] = dict
     env.globals["namespace"] = _Namespace
     try:
         return env.from_string(source)

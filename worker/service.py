@@ -107,6 +107,10 @@ def _publish_stats(conn: redis.Redis, worker: MlxqWorker, executor: JobExecutor)
         "memory_bytes": mx.get_active_memory(),
         "peak_memory_bytes": mx.get_peak_memory(),
     }
+    cache = executor.engine.prefix_cache
+    if cache is not None:
+        stats.update({f"cache_{k}": v for k, v in cache.stats.as_dict().items()})
+        stats["cache_budget_bytes"] = cache.budget_bytes
     try:
         pipe = conn.pipeline(transaction=False)
         pipe.hset(keys.worker_stats_key(worker.name), mapping=stats)
