@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
-from typing import Any, Generic, TypeVar
+from pathlib import Path
+from typing import Any, Generic, TextIO, TypeVar
 
 import redis
 import redis.asyncio
@@ -30,7 +32,8 @@ from jobs.schema import (
     TokenEvent,
 )
 
-from . import job_state, payload, rq_wire
+from . import bulk, job_state, payload, rq_wire
+from .bulk_files import BulkSource, BulkSummary
 from .client import CANCEL_KEY_TTL_S, RESULT_GRACE_S, Client, job_options, rq_cancel
 from .connection import RetryPolicy, connect_async
 from .errors import JobFailed, JobNotFound
@@ -246,6 +249,33 @@ class AsyncClient:
     def job(self, job_id: str) -> AsyncJobHandle[GenerateResult | ScoreResult]:
         """A handle on an existing job: resume its stream, fetch its result."""
         return AsyncJobHandle(self, job_id, payload.any_result)
+
+    async def score_dataset(
+        self,
+        source: BulkSource,
+        out_path: str | Path,
+        *,
+        errors_path: str | Path | None = None,
+        queue: str | None = None,
+        rows_per_job: int = 16,
+        in_flight: int = 64,
+        retry_errors: bool = True,
+        add_special_tokens: bool = True,
+        progress: TextIO | None = None,
+        stop: threading.Event | None = None,
+    ) -> BulkSummary:
+        """`Client.score_dataset`, run in a thread on this client's sync twin (it is file and Redis I/O
+        with a blocking read). Cancelling the task stops the run and cancels its outstanding jobs."""
+        options = bulk.BulkOptions(
+            rows_per_job=rows_per_job,
+            in_flight=in_flight,
+            queue=queue or self.queue,
+            retry_errors=retry_errors,
+            add_special_tokens=add_special_tokens,
+        )
+        return await bulk.score_dataset_async(
+            self.sync_client(), source, out_path, errors_path, options, progress=progress, stop=stop
+        )
 
     async def enqueue(
         self,

@@ -1,16 +1,20 @@
 """The `mlxq` command: submit and follow jobs, show queues and workers; `worker`/`import-gguf` need MLX.
 
-Exit codes: 0 ok, 1 the job failed (or was not found, or timed out), 2 usage or connection errors,
-130 interrupted (Ctrl-C during `mlxq generate` cancels the job).
+Exit codes: 0 ok, 1 the job failed (or was not found, or timed out; for `score-file`: some rows failed),
+2 usage or connection errors, 130 interrupted (Ctrl-C during `mlxq generate` cancels the job; during
+`mlxq score-file` it stops submitting, cancels outstanding jobs and keeps what is complete).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
+import signal
 import sys
-from collections.abc import Iterable
+import threading
+from collections.abc import Iterable, Iterator
 from typing import Any, TextIO
 
 import redis
@@ -66,6 +70,18 @@ def build_parser() -> argparse.ArgumentParser:
     result = sub.add_parser("result", help="wait for a job's result and print it as JSON")
     result.add_argument("job_id")
     result.add_argument("--timeout", type=float)
+
+    score = sub.add_parser("score-file", help="score a JSONL file of rows in bulk (resumable)")
+    score.add_argument("input", help='JSONL: {"custom_id": ..., "prompt": ..., "candidates": [...]} per line')
+    score.add_argument("-o", "--output", required=True, help="JSONL results, in input order (appended to)")
+    score.add_argument("--errors", help="JSONL of failed lines and why [default: <output>.errors.jsonl]")
+    score.add_argument("--rows-per-job", type=int, default=16, help="rows per score job (1..64) [16]")
+    score.add_argument("--in-flight", type=int, default=64, help="most jobs outstanding at once [64]")
+    score.add_argument("--queue", help="queue name [MLXQ_QUEUE, default: default]")
+    score.add_argument(
+        "--no-retry-errors", action="store_true", help="on a rerun, skip lines already in the errors file"
+    )
+    score.add_argument("--progress", action="store_true", help="draw progress even when not on a terminal")
 
     # Listed for --help only: main() hands these to worker.cli before parsing.
     sub.add_parser("worker", help="run a worker (needs MLX; see `mlxq worker --help`)", add_help=False)
@@ -205,12 +221,59 @@ def cmd_result(client: Client, args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_score_file(client: Client, args: argparse.Namespace) -> int:
+    """Exit 0 when every row is in the output, 1 when some failed, 130 when stopped by Ctrl-C."""
+    stop = threading.Event()
+    progress = sys.stderr if args.progress or sys.stderr.isatty() else None
+    with _first_sigint_stops(stop):
+        try:
+            summary = client.score_dataset(
+                args.input,
+                args.output,
+                errors_path=args.errors,
+                queue=args.queue,
+                rows_per_job=args.rows_per_job,
+                in_flight=args.in_flight,
+                retry_errors=not args.no_retry_errors,
+                progress=progress,
+                stop=stop,
+            )
+        except (OSError, ValueError) as e:
+            print(f"mlxq: {e}", file=sys.stderr)
+            return 2
+    print(summary.render(), file=sys.stderr)
+    if summary.interrupted:
+        return 130
+    return 1 if summary.failed else 0
+
+
+@contextlib.contextmanager
+def _first_sigint_stops(stop: threading.Event) -> Iterator[None]:
+    """While inside, the first Ctrl-C sets `stop` (a clean stop); the second one interrupts at once."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def on_sigint(signum: int, frame: object) -> None:
+        if stop.is_set():
+            raise KeyboardInterrupt
+        stop.set()
+        print("\nmlxq: stopping: cancelling outstanding jobs (Ctrl-C again to quit now)", file=sys.stderr)
+
+    previous = signal.signal(signal.SIGINT, on_sigint)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 COMMANDS = {
     "generate": cmd_generate,
     "tail": cmd_tail,
     "status": cmd_status,
     "cancel": cmd_cancel,
     "result": cmd_result,
+    "score-file": cmd_score_file,
 }
 
 

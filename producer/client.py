@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any, Generic, TypeVar
+from pathlib import Path
+from typing import Any, Generic, TextIO, TypeVar
 
 import redis
 from rq import Retry
@@ -27,7 +29,8 @@ from jobs.schema import (
     TokenEvent,
 )
 
-from . import job_state, payload, rq_wire
+from . import bulk, job_state, payload, rq_wire
+from .bulk_files import BulkSource, BulkSummary
 from .connection import RetryPolicy, connect
 from .errors import JobFailed, JobNotFound
 from .job_state import CancelOutcome
@@ -251,6 +254,37 @@ class Client:
     def job(self, job_id: str) -> JobHandle[GenerateResult | ScoreResult]:
         """A handle on an existing job (submitted by anyone): resume its stream, fetch its result."""
         return JobHandle(self, job_id, payload.any_result)
+
+    def score_dataset(
+        self,
+        source: BulkSource,
+        out_path: str | Path,
+        *,
+        errors_path: str | Path | None = None,
+        queue: str | None = None,
+        rows_per_job: int = 16,
+        in_flight: int = 64,
+        retry_errors: bool = True,
+        add_special_tokens: bool = True,
+        progress: TextIO | None = None,
+        stop: threading.Event | None = None,
+    ) -> BulkSummary:
+        """Score a dataset: a JSONL file's path, or rows `{custom_id, prompt, candidates}`.
+
+        Writes `{custom_id, logits, logprobs, input_tokens, cached_tokens}` per row to `out_path` in input
+        order; failed and malformed rows go to `errors_path` (default `<out>.errors.jsonl`) with the reason.
+        Rerunning with the same `out_path` skips rows already there (and, unless `retry_errors`, rows in
+        the errors file). Rows travel `rows_per_job` to a job, at most `in_flight` jobs at once. Setting
+        `stop` ends the run early (outstanding jobs cancelled). See `docs/bulk-scoring.md`.
+        """
+        options = bulk.BulkOptions(
+            rows_per_job=rows_per_job,
+            in_flight=in_flight,
+            queue=queue,
+            retry_errors=retry_errors,
+            add_special_tokens=add_special_tokens,
+        )
+        return bulk.score_dataset(self, source, out_path, errors_path, options, progress=progress, stop=stop)
 
     def enqueue(
         self,
