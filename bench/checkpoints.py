@@ -1,0 +1,51 @@
+"""The checkpoints benchmarks run on: random-weight ones of a named shape, or the real SmolLM2-135M."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from worker.tiny_model import write_random_checkpoint
+
+# Small enough for a 2-core CPU with a reference BLAS; long context so 8k-token prefixes fit.
+TINY: dict[str, Any] = {"max_position_embeddings": 16384}
+
+LLAMA_1B: dict[str, Any] = {
+    "hidden_size": 2048,
+    "num_hidden_layers": 16,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "intermediate_size": 8192,
+    "vocab_size": 128256,
+    "tie_word_embeddings": True,
+    "rope_theta": 500000.0,
+    "max_position_embeddings": 131072,
+    "rms_norm_eps": 1e-5,
+}
+
+SHAPES = {"tiny": (TINY, "float32"), "llama-1b": (LLAMA_1B, "bfloat16")}
+
+
+def checkpoint(name: str, cache_dir: Path) -> Path:
+    """Folder of checkpoint `name`: `tiny`, `llama-1b` (random weights, written once into `cache_dir`),
+    `smollm2` (the real model, imported by `worker.default_model`), or a path."""
+    if name == "smollm2":
+        from worker.default_model import default_model_dir  # not there yet: the caller skips it
+
+        return Path(default_model_dir())
+    if name not in SHAPES:
+        path = Path(name)
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(
+                f"{name!r} is neither a known shape ({', '.join(SHAPES)}) nor a model folder"
+            )
+        return path
+    config, dtype = SHAPES[name]
+    out = cache_dir / name
+    done = out / "bench-config.json"
+    wanted = json.dumps({"config": config, "dtype": dtype}, sort_keys=True)
+    if not (done.is_file() and done.read_text() == wanted):
+        write_random_checkpoint(out, config, dtype=dtype, std=0.02)
+        done.write_text(wanted)
+    return out

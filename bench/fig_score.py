@@ -1,0 +1,265 @@
+"""Figures 3 and 5: scoring rows that share a long prefix, and the queue's own cost per small job."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import mlx.core as mx
+import redis
+
+import worker.engine
+from jobs.schema import ScoreRequest
+from worker.prefix_cache import PrefixCache
+from worker.scoring import PrefixScorer
+
+from .common import Bench, mem_fields, memory, phase_timers, worker_memory
+from .prompts import PromptMaker
+from .queue_client import BenchWorker, cleanup, enqueue_many, follow, job_failures
+
+# Each of these synchronises (mx.eval / .tolist()) inside, so its wall time is its work's time.
+SCORE_PHASES = {
+    "shared spans (PrefixScorer._extend)": (PrefixScorer, "_extend"),
+    "suffix batches (PrefixScorer._run_leaves)": (PrefixScorer, "_run_leaves"),
+    "prefix cache offer (KV copy)": (PrefixCache, "offer"),
+    "candidate_scores (per row)": (worker.engine, "candidate_scores"),
+}
+
+
+def _rows(b: Bench, prefix: str, n: int) -> list[dict[str, Any]]:
+    """`n` rows: `prefix` plus own tokens each, with the same one-token candidates."""
+    s = b.sizes
+    rows = []
+    for _ in range(n):
+        prompt = prefix + b.maker.pieces(s.score_own)
+        rows.append({"prompt": prompt, "candidates": b.maker.candidates(prompt, s.score_candidates)})
+    return rows
+
+
+def _prefix(b: Bench) -> str:
+    return b.maker.pieces(b.sizes.score_prefix - b.maker.special)
+
+
+def _queue_run(b: Bench, w: BenchWorker, payloads: list[dict[str, Any]]) -> dict[str, Any]:
+    """Enqueue all jobs in one pipeline, read every stream to its end; rows/s over that wall time."""
+    since = time.time()
+    t0 = time.perf_counter()
+    job_ids = enqueue_many(w.queue, "jobs.score", payloads)
+    traces = follow(b.conn, job_ids, t0, b.sizes.timeout_s)
+    wall = max(tr.entries[-1][0] for tr in traces.values()) - t0
+    failed = job_failures(b.conn, job_ids)
+    if failed:
+        raise RuntimeError(f"{len(failed)} score jobs failed, first: {failed[0]}")
+    records = w.records(since)
+    batches = [r for r in records if r.get("fn") == "score_many"]
+    rows = sum(len(p["rows"]) for p in payloads)
+    dones = [tr.done or {} for tr in traces.values()]
+    out = {
+        "jobs": len(payloads),
+        "rows": rows,
+        "wall_s": wall,
+        "rows_s": rows / wall,
+        "batches": len(batches),
+        "rows_per_batch": [r["rows"] for r in batches],
+        "batch1_spans": sum(r.get("extend", 0) for r in batches),
+        "suffix_batches": sum(r.get("leaf_batches", 0) for r in batches),
+        "engine_score_s": sum(r["s"] for r in batches),
+        "tokenize_s": sum(r["s"] for r in records if r.get("fn") == "score_tokens"),
+        "finish_s": sum(r["s"] for r in records if r.get("fn") == "finish_score"),
+        "prompt_tokens": sum(int(d["prompt_tokens"]) for d in dones),
+        "cached_tokens": sum(int(d["cached_tokens"]) for d in dones),
+        **worker_memory(records),
+    }
+    cleanup(b.conn, job_ids)
+    return out
+
+
+def scoring(b: Bench) -> dict[str, Any]:
+    s = b.sizes
+    tok = b.engine.tokenizer
+    table: dict[str, Any] = {}
+
+    # Plain MLX on mlx-lm's model: one forward per row (no sharing), then the ideal shared-prefix plan.
+    prefix = _prefix(b)
+    rows = _rows(b, prefix, s.score_rows)
+    encoded = [
+        (tok.encode(r["prompt"]), [tok.encode(r["prompt"] + c)[-1] for c in r["candidates"]]) for r in rows
+    ]
+
+    def score_plain(logits: mx.array, cands: list[int]) -> None:
+        picked = logits[mx.array(cands)]
+        (picked - mx.logsumexp(logits)).tolist()
+
+    for full in (True, False):
+        name = "mlx-lm model, one forward per row" + (
+            " (full logits)" if full else " (LM head on last token)"
+        )
+        score_plain(b.mlxlm.last_logits(encoded[0][0], full), encoded[0][1])  # warm-up
+        with memory() as mem:
+            t0 = time.perf_counter()
+            for ids, cands in encoded[: s.score_baseline_rows]:
+                score_plain(b.mlxlm.last_logits(ids, full), cands)
+            dt = time.perf_counter() - t0
+        table[name] = {
+            "rows": s.score_baseline_rows,
+            "wall_s": dt,
+            "rows_s": s.score_baseline_rows / dt,
+            **mem_fields(mem["peak"], mem["active0"]),
+        }
+
+    n_prefix = len(tok.encode(prefix))
+    suffixes = [ids[n_prefix:] for ids, _ in encoded]
+    for _rep in range(2):  # the first warms up
+        with memory() as mem:
+            t0 = time.perf_counter()
+            logits = b.mlxlm.shared_prefix_logits(encoded[0][0][:n_prefix], suffixes)
+            for i, (_ids, cands) in enumerate(encoded):
+                score_plain(logits[i], cands)
+            dt = time.perf_counter() - t0
+    table["plain MLX ideal: prefix once, suffixes in one batch"] = {
+        "rows": len(rows),
+        "wall_s": dt,
+        "rows_s": len(rows) / dt,
+        **mem_fields(mem["peak"], mem["active0"]),
+    }
+
+    # The engine alone: one 64-row job, cold then warm (same prefix, new rows).
+    engine = b.engine
+    engine.score(ScoreRequest.model_validate({"rows": _rows(b, _prefix(b), s.score_rows)}))  # warm-up
+    cold_prefix = _prefix(b)
+    for label, rows_ in (
+        ("cold", _rows(b, cold_prefix, s.score_rows)),
+        ("warm cache", _rows(b, cold_prefix, s.score_rows)),
+    ):
+        request = ScoreRequest.model_validate({"rows": rows_})
+        with memory() as mem, phase_timers(SCORE_PHASES) as phases:
+            t0 = time.perf_counter()
+            prepared = engine.score_tokens(request)
+            t1 = time.perf_counter()
+            result = engine.score_many([prepared])[0]
+            t2 = time.perf_counter()
+        table[f"mlxq engine, one {s.score_rows}-row job ({label})"] = {
+            "rows": len(rows_),
+            "wall_s": t2 - t0,
+            "rows_s": len(rows_) / (t2 - t0),
+            "tokenize_s": t1 - t0,
+            "engine_score_s": t2 - t1,
+            "prompt_tokens": result.input_tokens,
+            "cached_tokens": result.cached_tokens,
+            "phases": phases,
+            **mem_fields(mem["peak"], mem["active0"]),
+        }
+
+    # Through Redis and a long-lived worker (default settings: cross-job batches, prefix cache on).
+    w = b.worker()
+    _queue_run(b, w, [{"rows": [r]} for r in _rows(b, _prefix(b), s.score_rows)])  # warm-up
+    shared = _prefix(b)
+    one_row_jobs = [{"rows": [r]} for r in _rows(b, shared, s.score_rows)]
+    table[f"mlxq via Redis: {s.score_rows} one-row jobs (batched across jobs, cold)"] = _queue_run(
+        b, w, one_row_jobs
+    )
+    table[f"mlxq via Redis: one {s.score_rows}-row job (cold)"] = _queue_run(
+        b, w, [{"rows": _rows(b, _prefix(b), s.score_rows)}]
+    )
+    warm_jobs = [{"rows": [r]} for r in _rows(b, shared, s.score_rows)]
+    table[f"mlxq via Redis: {s.score_rows} one-row jobs (grouped, warm cache)"] = _queue_run(b, w, warm_jobs)
+
+    # One row per job, no cross-job batches, no prefix cache: every job is one full forward.
+    plain = b.worker("nobatch-nocache", env={"MLXQ_SCORE_BATCH_ROWS": "0", "MLXQ_PREFIX_CACHE_BYTES": "0"})
+    _queue_run(b, plain, [{"rows": [r]} for r in _rows(b, _prefix(b), 2)])  # warm-up
+    jobs = [{"rows": [r]} for r in _rows(b, _prefix(b), s.score_baseline_rows)]
+    table["mlxq via Redis: one row per job, no batching, no cache"] = _queue_run(b, plain, jobs)
+    plain.stop()
+    del b.workers["nobatch-nocache"]
+
+    base = table["mlx-lm model, one forward per row (LM head on last token)"]["rows_s"]
+    for row in table.values():
+        row["x_one_forward_per_row"] = row["rows_s"] / base
+    return {
+        "rows": s.score_rows,
+        "prefix_tokens": s.score_prefix,
+        "own_tokens": s.score_own,
+        "candidates": s.score_candidates,
+        "table": table,
+    }
+
+
+def redis_calls(conn: redis.Redis) -> dict[str, int]:
+    """Calls per command since the server started (INFO commandstats); a private server counts only ours."""
+    stats = conn.info("commandstats")
+    return {k.removeprefix("cmdstat_"): int(v["calls"]) for k, v in stats.items()}
+
+
+def queue_overhead(b: Bench) -> dict[str, Any]:
+    """Many small score jobs through one burst worker on the tiny model: jobs/s and where time goes."""
+    from worker.tokenizer import Tokenizer
+
+    s = b.sizes
+    maker = PromptMaker(Tokenizer.from_dir(b.tiny_path), seed=5)
+    passes = [
+        ("batched (default)", s.queue_jobs, {}, False),
+        (
+            "one job at a time (MLXQ_SCORE_BATCH_ROWS=0)",
+            s.queue_jobs_unbatched,
+            {"MLXQ_SCORE_BATCH_ROWS": "0"},
+            False,
+        ),
+    ]
+    if s.profile_jobs:
+        passes.append(("batched, under cProfile", s.profile_jobs, {}, True))
+    table: dict[str, Any] = {}
+    profiles: dict[str, str] = {}
+    for label, n, env, profile in [p for p in passes if p[1] > 0]:
+        payloads = []
+        for _ in range(n):
+            prompt = maker.prompt(s.queue_prompt)
+            payloads.append({"rows": [{"prompt": prompt, "candidates": maker.candidates(prompt, 2)}]})
+        w = BenchWorker(
+            b.tiny_path, b.redis_url, b.workdir, f"queue-{len(table)}", env=env, burst=True, cprofile=profile
+        )
+        job_ids = enqueue_many(w.queue, "jobs.score", payloads)
+        calls0 = redis_calls(b.conn)
+        with w:
+            w.start()
+            w.wait_ready()
+            w.wait_exit(s.timeout_s)
+            records = w.records()
+        calls = {k: v - calls0.get(k, 0) for k, v in redis_calls(b.conn).items() if v > calls0.get(k, 0)}
+        ready = next(r for r in records if r.get("event") == "ready")
+        exit_ = next(r for r in records if r.get("event") == "exit")
+        pipe = b.conn.pipeline(transaction=False)
+        for j in job_ids:
+            pipe.exists(f"mlxq:result:{j}")
+        finished = sum(pipe.execute())
+        jobs_run = [r for r in records if r.get("fn") == "execute_job"]
+        # Steady state: first job's start to last job's end (worker start-up and teardown left out).
+        wall = max(r["start"] + r["s"] for r in jobs_run) - min(r["start"] for r in jobs_run)
+        sums = {
+            fn: sum(r["s"] for r in records if r.get("fn") == fn)
+            for fn in ("score_many", "score_tokens", "finish_score", "execute_job")
+        }
+        table[label] = {
+            "jobs": n,
+            "finished": finished,
+            "wall_s": wall,
+            "process_wall_s": exit_["start"] - ready["start"],
+            "jobs_s": n / wall,
+            "batches": sum(1 for r in records if r.get("fn") == "score_many"),
+            "batch1_spans": sum(r.get("extend", 0) for r in records if r.get("fn") == "score_many"),
+            "suffix_batches": sum(r.get("leaf_batches", 0) for r in records if r.get("fn") == "score_many"),
+            "engine_score_s": sums["score_many"],
+            "tokenize_s": sums["score_tokens"],
+            "finish_score_s": sums["finish_score"],
+            "in_execute_job_s": sums["execute_job"],
+            "outside_execute_job_s": wall - sums["execute_job"],
+            "share_outside_mlx": 1 - sums["score_many"] / wall,
+            "ms_per_job_outside_mlx": 1000 * (wall - sums["score_many"]) / n,
+            "load_s": ready["load_s"],
+            "redis_commands_per_job": sum(calls.values()) / n,
+            "redis_commands": dict(sorted(calls.items(), key=lambda kv: -kv[1])),
+            **worker_memory(records),
+        }
+        if w.profile_path is not None and w.profile_path.exists():
+            profiles[label] = w.profile_path.read_text()
+        cleanup(b.conn, job_ids, w.queue_name)
+    return {"prompt_tokens": s.queue_prompt, "candidates": 2, "table": table, "cprofile": profiles}

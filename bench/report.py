@@ -1,0 +1,288 @@
+"""Tables for the terminal and the README, target verdicts, and the run's metadata."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import subprocess
+from collections.abc import Callable
+from typing import Any
+
+import mlx.core as mx
+
+
+def _fmt(v: Any, digits: int = 1) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:,.{digits}f}"
+    return str(v)
+
+
+def table(headers: list[str], rows: list[list[Any]]) -> str:
+    """A GitHub-flavoured markdown table (readable as plain text too)."""
+    cells = [[_fmt(c) if not isinstance(c, str) else c for c in r] for r in rows]
+    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join(" --- " for _ in headers) + "|"]
+    lines += ["| " + " | ".join(r) + " |" for r in cells]
+    return "\n".join(lines)
+
+
+def _ms(s: float | None) -> float | None:
+    return None if s is None else 1000 * s
+
+
+def _mem(r: dict[str, Any]) -> str:
+    if "peak_mib" not in r:
+        return "-"
+    return f"{r['peak_mib']:,.0f} (+{r['over_resident_mib']:,.0f})"
+
+
+Column = tuple[str, Callable[[str, dict[str, Any]], Any]]
+
+
+def _columns(cols: list[Column], rows: dict[str, dict[str, Any]]) -> str:
+    return table([h for h, _ in cols], [[fn(k, r) for _, fn in cols] for k, r in rows.items()])
+
+
+def _get(key: str, scale: float = 1.0, digits: int = 1) -> Callable[[str, dict[str, Any]], str]:
+    def fn(_k: str, r: dict[str, Any]) -> str:
+        v = r.get(key)
+        return _fmt(v * scale if isinstance(v, (int, float)) and scale != 1.0 else v, digits)
+
+    return fn
+
+
+def _cached(_k: str, r: dict[str, Any]) -> str:
+    return f"{r['cached_tokens']}/{r['prompt_tokens']}" if "cached_tokens" in r else "-"
+
+
+def _parts(_k: str, r: dict[str, Any]) -> str:
+    return f"{r['batch1_spans']} / {r['suffix_batches']}" if "batch1_spans" in r else "-"
+
+
+PATH: Column = ("path", lambda k, _r: k)
+MEM: Column = ("peak MiB (+over resident)", lambda _k, r: _mem(r))
+
+GENERATION: list[Column] = [
+    PATH,
+    ("TTFT ms", _get("ttft_s", 1000)),
+    ("decode tok/s", _get("decode_tok_s")),
+    ("vs mlx-lm", _get("decode_vs_mlx_lm", digits=3)),
+    ("decode tok/s, median gap", _get("decode_median_gap_tok_s")),
+    ("vs mlx-lm (median gap)", _get("median_gap_vs_mlx_lm", digits=3)),
+    ("worker TTFT ms", _get("worker_ttft_s", 1000)),
+    ("worker decode tok/s", _get("worker_decode_tok_s")),
+    ("tokens", _get("tokens")),
+    MEM,
+]
+PREFILL: list[Column] = [
+    ("tokens", _get("tokens")),
+    PATH,
+    ("tok/s", _get("tok_s")),
+    ("ms", _get("s", 1000)),
+    ("vs mlx-lm", _get("vs_mlx_lm", digits=3)),
+    MEM,
+]
+WARM: list[Column] = [
+    PATH,
+    ("first TTFT ms", lambda _k, r: _fmt(_ms(r["first"]["ttft_s"]))),
+    ("second TTFT ms", lambda _k, r: _fmt(_ms(r["second"]["ttft_s"]))),
+    ("second/first", _get("ttft_ratio", digits=3)),
+    ("all reps' ratios", lambda _k, r: ", ".join(f"{x:.3f}" for x in r.get("ratios", []))),
+    ("cached tokens (2nd)", lambda _k, r: _fmt(r["second"]["cached_tokens"])),
+    (
+        "worker TTFT ms 1st → 2nd",
+        lambda _k, r: f"{_fmt(_ms(r['first']['worker_ttft_s']))} → {_fmt(_ms(r['second']['worker_ttft_s']))}",
+    ),
+    ("peak MiB (+over resident)", lambda _k, r: _mem(r["first"])),
+]
+SCORING: list[Column] = [
+    PATH,
+    ("rows", _get("rows")),
+    ("wall ms", _get("wall_s", 1000)),
+    ("rows/s", _get("rows_s")),
+    ("x one-forward-per-row", _get("x_one_forward_per_row")),
+    ("batches", _get("batches")),
+    ("batch-1 spans / suffix batches", _parts),
+    ("engine score ms", _get("engine_score_s", 1000)),
+    ("tokenize ms", _get("tokenize_s", 1000)),
+    ("cached/prompt tokens", _cached),
+    MEM,
+]
+QUEUE: list[Column] = [
+    ("pass", lambda k, _r: k),
+    ("jobs", _get("jobs")),
+    ("done", _get("finished")),
+    ("wall s (1st job start → last end)", _get("wall_s", digits=2)),
+    ("jobs/s", _get("jobs_s")),
+    ("batches", _get("batches")),
+    ("batch-1 spans / suffix batches", _parts),
+    ("engine score s", _get("engine_score_s", digits=2)),
+    ("tokenize s", _get("tokenize_s", digits=2)),
+    ("finish_score s", _get("finish_score_s", digits=2)),
+    ("between jobs s", _get("outside_execute_job_s", digits=2)),
+    ("share outside MLX", lambda _k, r: f"{100 * r['share_outside_mlx']:.0f}%"),
+    ("ms/job outside MLX", _get("ms_per_job_outside_mlx", digits=2)),
+    ("Redis cmds/job", _get("redis_commands_per_job")),
+    MEM,
+]
+
+
+def render(result: dict[str, Any]) -> str:
+    """Every figure of a run as markdown tables, with each target's verdict."""
+    meta, figs = result["meta"], result["figures"]
+    out = [
+        f"**{meta['machine']}** · model `{meta['model']}` ({meta['dtype']}) · sizes `{meta['sizes']}` · "
+        f"{meta['date']} · commit `{meta['commit']}` · mlx {meta['mlx']} · mlx-lm {meta['mlx_lm']} · "
+        f"load average at start {meta.get('loadavg', '-')}"
+    ]
+    if (g := figs.get("generation")) and "rows" in g:
+        reps = next(iter(g["rows"].values()))["reps"]
+        out.append(
+            f"\n### 1. Generation, one job at a time ({g['prompt_tokens']}-token prompt, "
+            f"{g['max_tokens']} new tokens, greedy, median of {reps})"
+        )
+        out.append(_columns(GENERATION, g["rows"]))
+        e = g["rows"].get("mlxq engine.generate", {})
+        if e.get("after_last_token_s") is not None:
+            out.append(
+                f"\nEngine phase timers (median): after the last token until `generate` returns "
+                f"{_fmt(_ms(e['after_last_token_s']), 2)} ms, of which prefix-cache offer "
+                f"{_fmt(_ms(e.get('offer_s')), 2)} ms; engine-reported `prefill_s` "
+                f"{_fmt(_ms(e.get('reported_prefill_s')), 2)} ms against TTFT "
+                f"{_fmt(_ms(e.get('ttft_s')), 2)} ms."
+            )
+    if (p := figs.get("prefill")) and "rows" in p:
+        out.append(
+            f"\n### 2. Prefill (prompt to first token, from token ids; chunk {p['chunk']}, "
+            f"median of {p['reps']})"
+        )
+        rows = [[fn(k, r) for _, fn in PREFILL] for paths in p["rows"].values() for k, r in paths.items()]
+        out.append(table([h for h, _ in PREFILL], rows))
+    if (c := figs.get("warm_cache")) and "rows" in c:
+        out.append(
+            f"\n### 4. Warm prefix cache ({c['prefix_tokens']}-token prefix twice, "
+            f"{c['tail_tokens']}-token tails; median of {c.get('reps', 1)})"
+        )
+        out.append(_columns(WARM, c["rows"]))
+    if (sc := figs.get("scoring")) and "table" in sc:
+        out.append(
+            f"\n### 3. Scoring ({sc['rows']} rows sharing a {sc['prefix_tokens']}-token prefix, "
+            f"{sc['own_tokens']} own tokens, {sc['candidates']} candidates)"
+        )
+        out.append(_columns(SCORING, sc["table"]))
+        for name, r in sc["table"].items():
+            if "phases" in r:
+                parts = ", ".join(
+                    f"{k} {_fmt(_ms(v['s']))} ms ({v['calls']} calls)" for k, v in r["phases"].items()
+                )
+                out.append(f"\nPhase timers, {name}: {parts}.")
+    if (q := figs.get("queue")) and "table" in q:
+        out.append(
+            f"\n### 5. Queue overhead (tiny model, one-row score jobs of {q['prompt_tokens']} tokens, "
+            "one burst worker)"
+        )
+        out.append(_columns(QUEUE, q["table"]))
+    for name, fig in figs.items():
+        if "error" in fig:
+            out.append(f"\n**{name}: FAILED** `{fig['error']}`")
+    out.append("\n### Targets")
+    out.append(
+        table(
+            ["target", "figure", "value", "verdict"],
+            [[t["target"], t["figure"], t["value"], t["verdict"]] for t in result["targets"]],
+        )
+    )
+    return "\n".join(out)
+
+
+def targets(figs: dict[str, Any]) -> list[dict[str, str]]:
+    """Each target of the brief, met or missed, with the figure it is judged on."""
+    out = []
+
+    def add(target: str, figure: str, value: float | None, ok: bool | None, fmt: str) -> None:
+        verdict = "n/a" if ok is None else ("met" if ok else "MISSED")
+        out.append(
+            {
+                "target": target,
+                "figure": figure,
+                "value": "-" if value is None else fmt.format(value),
+                "verdict": verdict,
+            }
+        )
+
+    if (g := figs.get("generation")) and "rows" in g:
+        for k in ("mlxq engine.generate", "mlxq via Redis (worker + XREAD)"):
+            v = g["rows"][k]["decode_vs_mlx_lm"]
+            add("decode ≥ 95% of mlx-lm", k, v, None if v is None else v >= 0.95, "{:.1%}")
+    if (p := figs.get("prefill")) and "rows" in p:
+        for n, paths in p["rows"].items():
+            for k in ("mlxq prefill (engine's chunked prefill)", "mlxq engine.generate (text, max_tokens=1)"):
+                v = paths[k]["vs_mlx_lm"]
+                add("prefill ≥ 95% of mlx-lm", f"{n} tokens, {k}", v, v >= 0.95, "{:.1%}")
+    if (sc := figs.get("scoring")) and "table" in sc:
+        for k, r in sc["table"].items():
+            if k.startswith("mlxq via Redis") and "no batching" not in k:
+                v = r["x_one_forward_per_row"]
+                add("scoring rows/s ≥ 25x one forward per row", k, v, v >= 25, "{:.1f}x")
+    if (c := figs.get("warm_cache")) and "rows" in c:
+        for k, r in c["rows"].items():
+            add("second TTFT < 10% of first", k, r["ttft_ratio"], r["ttft_ratio"] < 0.10, "{:.1%}")
+    return out
+
+
+def _git_commit() -> str:
+    env = os.environ.get("MLXQ_BENCH_COMMIT")
+    if env:
+        return env
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+        )
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True
+        )
+        return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def machine() -> str:
+    """A short description of where this ran."""
+    device = mx.default_device()
+    if device.type == mx.gpu:
+        try:
+            name = subprocess.run(
+                ["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader"],
+                capture_output=True,
+                text=True,
+                check=True,
+            ).stdout.strip()
+        except (OSError, subprocess.CalledProcessError):
+            name = "GPU"
+        return f"GPU: {name}, {os.cpu_count()} CPU cores (device tool)"
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
+        cpu = names[0] if names else cpu
+    except OSError:
+        pass
+    return f"CPU: {os.cpu_count()} cores, {cpu}, MLX Linux CPU build (reference BLAS)"
+
+
+def metadata(model: str, dtype: str, sizes: str, mlx_lm_version: str) -> dict[str, Any]:
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "machine": machine(),
+        "device": str(mx.default_device()),
+        "commit": _git_commit(),
+        "mlx": mx.__version__,
+        "mlx_lm": mlx_lm_version,
+        "python": platform.python_version(),
+        "model": model,
+        "dtype": dtype,
+        "sizes": sizes,
+        "loadavg": " ".join(f"{x:.1f}" for x in os.getloadavg()),
+    }

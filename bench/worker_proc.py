@@ -1,0 +1,145 @@
+"""A real mlxq worker process for benchmarks: `WorkerService` as `mlxq worker` builds it, plus timers.
+
+Run as `python -m bench.worker_proc --model PATH --queue Q --records FILE [--burst] [--cprofile FILE]`.
+Settings come from `MLXQ_*` environment variables exactly as for `mlxq worker`. The only addition is a
+timer around the engine's and executor's entry points: each call appends one JSON line to `--records`
+(what ran, when, how long, MLX peak memory during it), so the benchmark can split a job's wall time into
+engine (MLX) time and everything else (RQ, Redis, pydantic, logging) without guessing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import functools
+import json
+import os
+import pstats
+import time
+from collections.abc import Callable
+from typing import Any, TextIO
+
+import mlx.core as mx
+
+from worker.cli import configure_logging
+from worker.scoring import PrefixScorer
+from worker.service import WorkerService
+from worker.settings import WorkerSettings
+
+
+class Recorder:
+    """Appends one JSON object per line to a file, flushed at once (the benchmark reads it live)."""
+
+    def __init__(self, path: str) -> None:
+        self._f: TextIO = open(path, "a", buffering=1)  # noqa: SIM115 - lives as long as the process
+
+    def write(self, record: dict[str, Any]) -> None:
+        self._f.write(json.dumps(record) + "\n")
+
+
+# Inside a score batch: how the prefix tree was cut (batch-1 shared spans vs batched suffix groups).
+_SCORER_PARTS = {"extend": "_extend", "leaf_batches": "_run_leaves"}
+_parts: dict[str, float] = {}
+
+
+def _count_scorer_parts() -> None:
+    for key, attr in _SCORER_PARTS.items():
+        original = getattr(PrefixScorer, attr)
+
+        def counted(*args: Any, _fn: Any = original, _key: str = key, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return _fn(*args, **kwargs)
+            finally:
+                _parts[_key] = _parts.get(_key, 0) + 1
+                _parts[_key + "_s"] = _parts.get(_key + "_s", 0.0) + time.perf_counter() - t0
+
+        setattr(PrefixScorer, attr, counted)
+
+
+def _timed(recorder: Recorder, name: str, fn: Callable[..., Any], *, memory: bool) -> Callable[..., Any]:
+    """`fn` wrapped: wall time (and, for engine calls, MLX peak memory) of each call is recorded."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        active = mx.get_active_memory() if memory else 0
+        if memory:
+            mx.reset_peak_memory()
+        start, t0 = time.time(), time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            rec: dict[str, Any] = {"fn": name, "start": start, "s": time.perf_counter() - t0}
+            if memory:
+                rec["peak"], rec["active0"] = mx.get_peak_memory(), active
+            if name == "score_many":
+                rec["jobs"] = len(args[0])
+                rec["rows"] = sum(len(rows) for rows in args[0])
+                rec.update(_parts)
+                _parts.clear()
+            recorder.write(rec)
+
+    return wrapper
+
+
+def instrument(service: WorkerService, recorder: Recorder) -> None:
+    """Put timers on the instance methods the worker calls (instance attributes shadow the class's)."""
+    engine, executor, worker = service.engine, service.executor, service.worker
+    for name in ("generate", "score_tokens", "score_many"):
+        setattr(engine, name, _timed(recorder, name, getattr(engine, name), memory=True))
+    _count_scorer_parts()
+    executor.finish_score = _timed(recorder, "finish_score", executor.finish_score, memory=False)  # type: ignore[method-assign]
+    worker.execute_job = _timed(recorder, "execute_job", worker.execute_job, memory=False)  # type: ignore[method-assign]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.worker_proc")
+    p.add_argument("--model", required=True)
+    p.add_argument("--queue", required=True)
+    p.add_argument("--redis-url", required=True)
+    p.add_argument("--name", required=True)
+    p.add_argument("--records", required=True, help="JSON-lines file the timers append to")
+    p.add_argument("--burst", action="store_true")
+    p.add_argument("--cprofile", help="profile the work loop; write the top functions to this file")
+    args = p.parse_args(argv)
+
+    settings = WorkerSettings(model=args.model, queues=[args.queue], redis_url=args.redis_url, name=args.name)
+    configure_logging(settings.log_level)
+    recorder = Recorder(args.records)
+    t0 = time.perf_counter()
+    service = WorkerService.start(settings)
+    instrument(service, recorder)
+    recorder.write(
+        {
+            "event": "ready",
+            "start": time.time(),
+            "load_s": time.perf_counter() - t0,
+            "pid": os.getpid(),
+            "device": str(mx.default_device()),
+        }
+    )
+    profiler = cProfile.Profile() if args.cprofile else None
+    if profiler is not None:
+        profiler.enable()
+    try:
+        code = service.work(burst=args.burst)
+    finally:
+        if profiler is not None:
+            profiler.disable()
+            with open(args.cprofile, "w") as f:
+                stats = pstats.Stats(profiler, stream=f)
+                stats.sort_stats("tottime").print_stats(25)
+                stats.sort_stats("cumulative").print_stats(r"(rq|worker|jobs|redis)/.*\.py", 45)
+        cache = service.engine.prefix_cache
+        recorder.write(
+            {
+                "event": "exit",
+                "start": time.time(),
+                "prefix_cache": cache.stats.as_dict() if cache is not None else None,
+            }
+        )
+    return code
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
