@@ -201,3 +201,29 @@ def spawn_worker(tmp_path: Any) -> Iterator[Any]:
     yield spawn
     for w in started:
         w.stop()
+
+
+# --- Reliability figures, reported at the end of the run ---------------------------------------------
+
+_RELIABILITY: dict[str, Any] = {}
+
+
+@pytest.fixture(scope="session")
+def reliability_report() -> dict[str, Any]:
+    """Tests put measured figures here (faults survived, inputs tried, load, memory slope); they are
+    printed at the end of the run and written to `.pytest_cache/mlxq-reliability.json`."""
+    return _RELIABILITY
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    if not _RELIABILITY:
+        return
+    import json
+    from pathlib import Path
+
+    terminalreporter.section("mlxq reliability figures")
+    for name, figures in sorted(_RELIABILITY.items()):
+        terminalreporter.write_line(f"{name}: {json.dumps(figures)}")
+    out = Path(str(terminalreporter.config.rootpath)) / ".pytest_cache" / "mlxq-reliability.json"
+    out.parent.mkdir(exist_ok=True)
+    out.write_text(json.dumps(_RELIABILITY, indent=2))
