@@ -20,7 +20,7 @@ from .common import Bench, median, mem_fields, memory, phase_timers, worker_memo
 from .queue_client import cleanup, enqueue, follow
 
 
-def _gen_payload(b: Bench, prompt: str, max_tokens: int) -> dict[str, Any]:
+def gen_payload(b: Bench, prompt: str, max_tokens: int) -> dict[str, Any]:
     return {
         "prompt": prompt,
         "max_tokens": max_tokens,
@@ -29,14 +29,14 @@ def _gen_payload(b: Bench, prompt: str, max_tokens: int) -> dict[str, Any]:
     }
 
 
-def _rate(times: list[tuple[float, int]]) -> float | None:
+def rate(times: list[tuple[float, int]]) -> float | None:
     """Tokens after the first arrival over the time from first to last arrival."""
     if len(times) < 2:
         return None
     return sum(k for _, k in times[1:]) / max(times[-1][0] - times[0][0], 1e-9)
 
 
-def _gap_rate(times: list[tuple[float, int]]) -> float | None:
+def gap_rate(times: list[tuple[float, int]]) -> float | None:
     """1 / the median time per token between arrivals: robust to a busy machine's stalls."""
     gaps = [(t1 - t0) / k for (t0, _), (t1, k) in itertools.pairwise(times) if k]
     return 1 / statistics.median(gaps) if gaps and statistics.median(gaps) > 0 else None
@@ -51,8 +51,8 @@ def _engine_generate(engine: Engine, request: GenerateRequest) -> dict[str, Any]
         t_end = time.perf_counter()
     return {
         "ttft_s": arrivals[0][0] - t0 if arrivals else None,
-        "decode_tok_s": _rate(arrivals),
-        "decode_median_gap_tok_s": _gap_rate(arrivals),
+        "decode_tok_s": rate(arrivals),
+        "decode_median_gap_tok_s": gap_rate(arrivals),
         "tokens": result.usage.completion_tokens,
         "cached_tokens": result.usage.cached_tokens,
         "worker_ttft_s": result.timings.ttft_s,
@@ -77,8 +77,8 @@ def _mlx_lm_run(b: Bench, text: str, max_tokens: int) -> dict[str, Any]:
         t0, times = b.mlxlm.generate_times(ids, max_tokens)
     return {
         "ttft_s": times[0] - t0,
-        "decode_tok_s": _rate([(t, 1) for t in times]),
-        "decode_median_gap_tok_s": _gap_rate([(t, 1) for t in times]),
+        "decode_tok_s": rate([(t, 1) for t in times]),
+        "decode_median_gap_tok_s": gap_rate([(t, 1) for t in times]),
         "tokens": len(times),
         **mem_fields(mem["peak"], mem["active0"]),
     }
@@ -88,7 +88,7 @@ def _queue_run(b: Bench, text: str, max_tokens: int) -> tuple[str, dict[str, Any
     w = b.worker()
     since = time.time()
     t0 = time.perf_counter()
-    job_id = enqueue(w.queue, "jobs.generate", _gen_payload(b, text, max_tokens))
+    job_id = enqueue(w.queue, "jobs.generate", gen_payload(b, text, max_tokens))
     trace = follow(b.conn, [job_id], t0, b.sizes.timeout_s)[job_id]
     done = trace.done or {}
     if done.get("event") != "done":
@@ -96,8 +96,9 @@ def _queue_run(b: Bench, text: str, max_tokens: int) -> tuple[str, dict[str, Any
     return job_id, {
         "ttft_s": trace.ttft_s(),
         "decode_tok_s": trace.decode_tokens_per_s(),
-        "decode_median_gap_tok_s": _gap_rate(trace.token_entries()),
+        "decode_median_gap_tok_s": gap_rate(trace.token_entries()),
         "tokens": trace.completion_tokens(),
+        "first_entry_tokens": trace.token_entries()[0][1] if trace.token_entries() else None,
         "cached_tokens": int(done["cached_tokens"]),
         "worker_ttft_s": float(done["ttft_s"]) if done.get("ttft_s") else None,
         "worker_decode_tok_s": float(done["decode_tokens_per_s"])
@@ -120,7 +121,7 @@ def generation(b: Bench) -> dict[str, Any]:
     job_ids = []
     for rep in range(s.gen_reps + 1):
         text = b.maker.prompt(s.gen_prompt)
-        request = GenerateRequest.model_validate(_gen_payload(b, text, s.gen_tokens))
+        request = GenerateRequest.model_validate(gen_payload(b, text, s.gen_tokens))
         job_id, queued = _queue_run(b, text, s.gen_tokens)
         job_ids.append(job_id)
         results = [_mlx_lm_run(b, text, s.gen_tokens), _engine_generate(b.engine, request), queued]
@@ -225,14 +226,14 @@ def warm_cache(b: Bench) -> dict[str, Any]:
         prefix = m.pieces(s.cache_prefix - m.special)
         first, second = prefix + m.pieces(s.cache_tail), prefix + m.pieces(s.cache_tail)
         runs = [
-            _engine_generate(b.engine, GenerateRequest.model_validate(_gen_payload(b, t, 4)))
+            _engine_generate(b.engine, GenerateRequest.model_validate(gen_payload(b, t, 4)))
             for t in (first, second)
         ]
         queued = []
         for text in (first, second):
             since = time.time()
             t0 = time.perf_counter()
-            job_id = enqueue(w.queue, "jobs.generate", _gen_payload(b, text, 4))
+            job_id = enqueue(w.queue, "jobs.generate", gen_payload(b, text, 4))
             job_ids.append(job_id)
             trace = follow(b.conn, [job_id], t0, s.timeout_s)[job_id]
             done = trace.done or {}

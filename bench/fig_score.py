@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import random
 import time
+from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
@@ -123,32 +125,8 @@ def scoring(b: Bench) -> dict[str, Any]:
         **mem_fields(mem["peak"], mem["active0"]),
     }
 
-    # The engine alone: one 64-row job, cold then warm (same prefix, new rows).
-    engine = b.engine
-    engine.score(ScoreRequest.model_validate({"rows": _rows(b, _prefix(b), s.score_rows)}))  # warm-up
-    cold_prefix = _prefix(b)
-    for label, rows_ in (
-        ("cold", _rows(b, cold_prefix, s.score_rows)),
-        ("warm cache", _rows(b, cold_prefix, s.score_rows)),
-    ):
-        request = ScoreRequest.model_validate({"rows": rows_})
-        with memory() as mem, phase_timers(SCORE_PHASES) as phases:
-            t0 = time.perf_counter()
-            prepared = engine.score_tokens(request)
-            t1 = time.perf_counter()
-            result = engine.score_many([prepared])[0]
-            t2 = time.perf_counter()
-        table[f"mlxq engine, one {s.score_rows}-row job ({label})"] = {
-            "rows": len(rows_),
-            "wall_s": t2 - t0,
-            "rows_s": len(rows_) / (t2 - t0),
-            "tokenize_s": t1 - t0,
-            "engine_score_s": t2 - t1,
-            "prompt_tokens": result.input_tokens,
-            "cached_tokens": result.cached_tokens,
-            "phases": phases,
-            **mem_fields(mem["peak"], mem["active0"]),
-        }
+    _engine_alone(b, table)
+    _engine_from_ids(b, table)
 
     # Through Redis and a long-lived worker (default settings: cross-job batches, prefix cache on).
     w = b.worker()
@@ -188,6 +166,86 @@ def redis_calls(conn: redis.Redis) -> dict[str, int]:
     """Calls per command since the server started (INFO commandstats); a private server counts only ours."""
     stats = conn.info("commandstats")
     return {k.removeprefix("cmdstat_"): int(v["calls"]) for k, v in stats.items()}
+
+
+def _engine_alone(b: Bench, table: dict[str, Any]) -> None:
+    """One 64-row job through the engine, cold then warm (same prefix, new rows), phases timed."""
+    s, engine = b.sizes, b.engine
+    engine.score(ScoreRequest.model_validate({"rows": _rows(b, _prefix(b), s.score_rows)}))  # warm-up
+    cold_prefix = _prefix(b)
+    for label in ("cold", "warm cache"):
+        rows = _rows(b, cold_prefix, s.score_rows)
+        request = ScoreRequest.model_validate({"rows": rows})
+        with memory() as mem, phase_timers(SCORE_PHASES) as phases:
+            t0 = time.perf_counter()
+            prepared = engine.score_tokens(request)
+            t1 = time.perf_counter()
+            result = engine.score_many([prepared])[0]
+            t2 = time.perf_counter()
+        row = table[f"mlxq engine, one {s.score_rows}-row job ({label})"] = {
+            "rows": len(rows),
+            "wall_s": t2 - t0,
+            "rows_s": len(rows) / (t2 - t0),
+            "tokenize_s": t1 - t0,
+            "engine_score_s": t2 - t1,
+            "prompt_tokens": result.input_tokens,
+            "cached_tokens": result.cached_tokens,
+            "phases": phases,
+            **mem_fields(mem["peak"], mem["active0"]),
+        }
+        if label == "cold":
+            row["tokenize_alternatives_ms"] = _tokenize_alternatives(b, rows)
+
+
+def _tokenize_alternatives(b: Bench, rows: list[dict[str, Any]]) -> dict[str, float]:
+    """What tokenizing these rows costs done differently (the engine encodes prompt+candidate each time)."""
+    tok = b.engine.tokenizer
+    texts = [r["prompt"] + c for r in rows for c in ["", *r["candidates"]]]
+    t0 = time.perf_counter()
+    for r in rows:
+        tok.encode(r["prompt"])
+    t1 = time.perf_counter()
+    tok.backend.encode_batch(texts, add_special_tokens=True)
+    t2 = time.perf_counter()
+    return {"each prompt once": 1000 * (t1 - t0), "all texts, one encode_batch call": 1000 * (t2 - t1)}
+
+
+def _engine_from_ids(b: Bench, table: dict[str, Any]) -> None:
+    """`score_many` on token ids (no tokenizer): rows whose own tokens start with distinct ids, against
+    rows whose first own token is one of 8 (as rows opening with a few common words do). Cold prefixes."""
+    s, engine = b.sizes, b.engine
+    rng = random.Random(7)
+    vocab = engine.model.args.vocab_size
+    cands = list(range(10, 10 + s.score_candidates))
+
+    def rows(first: Callable[[int], int]) -> list[tuple[list[int], list[int]]]:
+        prefix = [rng.randrange(100, vocab) for _ in range(s.score_prefix)]
+        own = [
+            [first(i)] + [rng.randrange(100, vocab) for _ in range(s.score_own - 1)]
+            for i in range(s.score_rows)
+        ]
+        return [(prefix + o, cands) for o in own]
+
+    engine.score_many([rows(lambda i: 20 + i)])  # warm-up
+    for label, first in (
+        ("distinct first own token", lambda i: 20 + i),
+        ("first own token one of 8", lambda i: 20 + i % 8),
+    ):
+        prepared = rows(first)
+        with memory() as mem, phase_timers(SCORE_PHASES) as phases:
+            t0 = time.perf_counter()
+            result = engine.score_many([prepared])[0]
+            dt = time.perf_counter() - t0
+        table[f"diagnostic: engine.score_many from token ids, {label}"] = {
+            "rows": len(prepared),
+            "wall_s": dt,
+            "rows_s": len(prepared) / dt,
+            "engine_score_s": dt,
+            "prompt_tokens": result.input_tokens,
+            "cached_tokens": result.cached_tokens,
+            "phases": phases,
+            **mem_fields(mem["peak"], mem["active0"]),
+        }
 
 
 def queue_overhead(b: Bench) -> dict[str, Any]:
@@ -246,6 +304,10 @@ def queue_overhead(b: Bench) -> dict[str, Any]:
             "jobs_s": n / wall,
             "batches": sum(1 for r in records if r.get("fn") == "score_many"),
             "batch1_spans": sum(r.get("extend", 0) for r in records if r.get("fn") == "score_many"),
+            "batch1_spans_s": sum(r.get("extend_s", 0) for r in records if r.get("fn") == "score_many"),
+            "suffix_batches_s": sum(
+                r.get("leaf_batches_s", 0) for r in records if r.get("fn") == "score_many"
+            ),
             "suffix_batches": sum(r.get("leaf_batches", 0) for r in records if r.get("fn") == "score_many"),
             "engine_score_s": sums["score_many"],
             "tokenize_s": sums["score_tokens"],

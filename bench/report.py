@@ -74,6 +74,7 @@ GENERATION: list[Column] = [
     ("worker TTFT ms", _get("worker_ttft_s", 1000)),
     ("worker decode tok/s", _get("worker_decode_tok_s")),
     ("tokens", _get("tokens")),
+    ("tokens in 1st stream entry", _get("first_entry_tokens")),
     MEM,
 ]
 PREFILL: list[Column] = [
@@ -129,6 +130,15 @@ QUEUE: list[Column] = [
 ]
 
 
+DECODE: list[Column] = [
+    PATH,
+    ("decode tok/s", _get("decode_tok_s")),
+    ("vs mlx-lm", _get("vs_mlx_lm", digits=3)),
+    ("decode tok/s, median gap", _get("decode_median_gap_tok_s")),
+    ("vs mlx-lm (median gap)", _get("median_gap_vs_mlx_lm", digits=3)),
+]
+
+
 def render(result: dict[str, Any]) -> str:
     """Every figure of a run as markdown tables, with each target's verdict."""
     meta, figs = result["meta"], result["figures"]
@@ -178,12 +188,28 @@ def render(result: dict[str, Any]) -> str:
                     f"{k} {_fmt(_ms(v['s']))} ms ({v['calls']} calls)" for k, v in r["phases"].items()
                 )
                 out.append(f"\nPhase timers, {name}: {parts}.")
+            if "tokenize_alternatives_ms" in r:
+                alt = ", ".join(f"{k} {v:,.1f} ms" for k, v in r["tokenize_alternatives_ms"].items())
+                out.append(
+                    f"\nTokenizing the same rows otherwise ({name}: {_fmt(_ms(r['tokenize_s']))} ms): {alt}."
+                )
     if (q := figs.get("queue")) and "table" in q:
         out.append(
             f"\n### 5. Queue overhead (tiny model, one-row score jobs of {q['prompt_tokens']} tokens, "
             "one burst worker)"
         )
         out.append(_columns(QUEUE, q["table"]))
+    if (d := figs.get("diagnostics")) and "decode" in d:
+        out.append("\n### Diagnostics: decode, loop × model × stream (same prompts, taking turns)")
+        out.append(_columns(DECODE, d["decode"]))
+        out.append("\n### Diagnostics: engine.generate TTFT on a long prefix, phases forced to finish (ms)")
+        phases = list(next(iter(d["warm_cache_phases"].values()))["phases_ms"])
+        rows = [
+            [k, _fmt(r["ttft_ms"]), _fmt(r["total_ms"]), r["cached_tokens"]]
+            + [_fmt(r["phases_ms"][p], 2) for p in phases]
+            for k, r in d["warm_cache_phases"].items()
+        ]
+        out.append(table(["job", "TTFT", "total", "cached tokens", *phases], rows))
     for name, fig in figs.items():
         if "error" in fig:
             out.append(f"\n**{name}: FAILED** `{fig['error']}`")
