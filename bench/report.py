@@ -11,6 +11,8 @@ from typing import Any
 
 import mlx.core as mx
 
+import worker
+
 
 def _fmt(v: Any, digits: int = 1) -> str:
     if v is None:
@@ -311,4 +313,5 @@ def metadata(model: str, dtype: str, sizes: str, mlx_lm_version: str) -> dict[st
         "dtype": dtype,
         "sizes": sizes,
         "loadavg": " ".join(f"{x:.1f}" for x in os.getloadavg()),
+        "worker_src": os.path.dirname(worker.__file__ or ""),
     }

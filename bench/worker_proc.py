@@ -21,6 +21,8 @@ from typing import Any, TextIO
 
 import mlx.core as mx
 
+import worker
+
 from worker.cli import configure_logging
 from worker.scoring import PrefixScorer
 from worker.service import WorkerService
@@ -116,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
             "load_s": time.perf_counter() - t0,
             "pid": os.getpid(),
             "device": str(mx.default_device()),
+            "worker_src": os.path.dirname(worker.__file__ or ""),
         }
     )
     profiler = cProfile.Profile() if args.cprofile else None
