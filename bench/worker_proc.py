@@ -22,7 +22,6 @@ from typing import Any, TextIO
 import mlx.core as mx
 
 import worker
-
 from worker.cli import configure_logging
 from worker.scoring import PrefixScorer
 from worker.service import WorkerService
