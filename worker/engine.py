@@ -107,7 +107,7 @@ class Engine:
             raise ContextTooLong(len(ids), self.context_length)
         return ids
 
-    def _begin(self, prompt: list[int]) -> tuple[list[Any], int]:
+    def begin_cache(self, prompt: list[int]) -> tuple[list[Any], int]:
         """A KV cache for `prompt`: the longest cached prefix already in it, and that prefix's length."""
         if self.prefix_cache is None:
             return self.model.make_cache(), 0
@@ -184,64 +184,107 @@ class Engine:
 
     # --- generation -----------------------------------------------------------------------------
 
-    def generate(
-        self, request: GenerateRequest, sink: TokenSink, cancelled: Callable[[], bool] = lambda: False
-    ) -> GenerateResult:
-        """Generate for one request, reporting text deltas to `sink`; returns the final result."""
-        t_start = time.perf_counter()
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of keys and values one token adds to a sequence's cache (all layers)."""
+        args = self.model.args
+        itemsize = self.model.model.norm.weight.dtype.size  # floating weights are in the compute dtype
+        return 2 * len(self.model.layers) * args.n_kv_heads * args.head_dim * itemsize
+
+    def prepare_generation(self, request: GenerateRequest) -> tuple[list[int], int, Sampler]:
+        """Prompt tokens, the token budget and the sampler of a request; `InvalidRequest` if it is bad."""
         prompt = self.prompt_tokens(request)
         max_tokens = min(request.max_tokens, self.context_length - len(prompt))
         try:
             sampler = Sampler.from_request(request, vocab_size=self.model.args.vocab_size, prompt=prompt)
         except ValueError as e:
             raise InvalidRequest(str(e)) from e
-        run = _Run(self.tokenizer, request.stop, sink)
-        cache, n_cached = self._begin(prompt)
+        return prompt, max_tokens, sampler
+
+    def finish_reason_after(
+        self, run: TextRun, token: int, cancelled: Callable[[], bool]
+    ) -> FinishReason | None:
+        """Take one generated token; the reason to stop now (EOS, a stop string, a cancel) or None."""
+        if token in self.tokenizer.eos_ids:
+            return "stop"
+        if run.add(token):
+            return "stop"
+        if cancelled():
+            return "cancelled"
+        return None
+
+    def generate(
+        self, request: GenerateRequest, sink: TokenSink, cancelled: Callable[[], bool] = lambda: False
+    ) -> GenerateResult:
+        """Generate for one request, reporting text deltas to `sink`; returns the final result."""
+        clock = GenerationClock()
+        prompt, max_tokens, sampler = self.prepare_generation(request)
+        run = TextRun(self.tokenizer, request.stop, sink)
+        cache, n_cached = self.begin_cache(prompt)
         finish: FinishReason = "length"
-        t_first: float | None = None
         try:
             logits = prefill(self.model, prompt[n_cached:], cache, self.options.prefill_chunk, cancelled)
-            t_prefill = time.perf_counter()
+            clock.prefilled()
             for token in decode(self.model, logits, cache, sampler, max_tokens):
-                if t_first is None:
-                    t_first = time.perf_counter()
-                if token in self.tokenizer.eos_ids:
-                    finish = "stop"
-                    break
-                if run.add(token):
-                    finish = "stop"
-                    break
-                if cancelled():
-                    finish = "cancelled"
+                clock.token()
+                reason = self.finish_reason_after(run, token, cancelled)
+                if reason is not None:
+                    finish = reason
                     break
         except GenerationCancelled:
-            finish, t_prefill = "cancelled", time.perf_counter()
+            finish = "cancelled"
+            clock.prefilled()
         finally:  # what was computed stays useful: a retried, extended or repeated prompt reuses it
             if self.prefix_cache is not None:
                 self.prefix_cache.offer(prompt + run.ids, cache)
         run.finish(stopped=finish == "stop")
-        t_end = time.perf_counter()
-        n = len(run.ids)
-        decode_s = t_end - (t_first or t_end)
-        timings = Timings(
-            ttft_s=None if t_first is None else t_first - t_start,
-            prefill_s=t_prefill - t_start,
-            decode_s=decode_s,
-            total_s=t_end - t_start,
-            prefill_tokens_per_s=(len(prompt) - n_cached) / max(t_prefill - t_start, 1e-9),
-            decode_tokens_per_s=(n - 1) / decode_s if n > 1 and decode_s > 0 else None,
-        )
+        return self.generate_result(run, finish, prompt, n_cached, clock)
+
+    def generate_result(
+        self, run: TextRun, finish: FinishReason, prompt: list[int], n_cached: int, clock: GenerationClock
+    ) -> GenerateResult:
+        """The result of a finished generation (timings from `clock`, up to now)."""
         return GenerateResult(
             text=run.text,
             finish_reason=finish,
             token_ids=run.ids,
             model=self.name,
-            usage=Usage(prompt_tokens=len(prompt), completion_tokens=n, cached_tokens=n_cached),
-            timings=timings,
+            usage=Usage(prompt_tokens=len(prompt), completion_tokens=len(run.ids), cached_tokens=n_cached),
+            timings=clock.timings(len(prompt) - n_cached, len(run.ids)),
         )
 
 
-class _Run:
+class GenerationClock:
+    """When a generation started, finished its prefill and produced its first token."""
+
+    def __init__(self) -> None:
+        self.start = time.perf_counter()
+        self.prefill_end: float | None = None
+        self.first_token: float | None = None
+
+    def prefilled(self) -> None:
+        self.prefill_end = time.perf_counter()
+
+    def token(self) -> None:
+        if self.first_token is None:
+            self.first_token = time.perf_counter()
+
+    def timings(self, prefill_tokens: int, generated: int) -> Timings:
+        end = time.perf_counter()
+        prefill_end = self.prefill_end if self.prefill_end is not None else end
+        first = self.first_token if self.first_token is not None else end
+        decode_s = end - first
+        return Timings(
+            ttft_s=None if self.first_token is None else self.first_token - self.start,
+            prefill_s=prefill_end - self.start,
+            decode_s=decode_s,
+            total_s=end - self.start,
+            prefill_tokens_per_s=prefill_tokens / max(prefill_end - self.start, 1e-9),
+            decode_tokens_per_s=(generated - 1) / decode_s if generated > 1 and decode_s > 0 else None,
+        )
+
+
+class TextRun:
     """Per-request text state: detokenizer, stop strings, what was emitted."""
 
     def __init__(self, tokenizer: Tokenizer, stops: list[str], sink: TokenSink) -> None:

@@ -1,6 +1,8 @@
-"""Token-level generation: chunked prefill, then decode with one step in flight.
+"""Token-level generation: chunked prefill, then decode with one step in flight, alone or batched.
 
-Yields token ids only; text, stop strings, streaming and Redis live one layer up (`engine.py`).
+Yields token ids only; text, stop strings, streaming and Redis live one layer up (`engine.py`,
+`generation_batch.py`). `DecodeBatch` decodes many sequences in one forward per step, each row with its
+own sampler; its cache layout (left padding, per-row RoPE offsets) is explained in `batch_cache.py`.
 """
 
 from __future__ import annotations
@@ -9,6 +11,8 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
 
 import mlx.core as mx
+
+from .batch_cache import BatchKVCache
 
 # Release MLX's buffer cache at intervals, not every token: freeing is cheap, reallocating is not.
 _CLEAR_CACHE_EVERY = 256
@@ -33,19 +37,36 @@ def prefill(
 
     The cache state is evaluated after every chunk so a long prompt never builds one huge graph.
     """
-    if not tokens:
-        raise ValueError("prefill needs at least one token")
-    ids = mx.array(list(tokens), dtype=mx.int32)[None]
-    n = ids.shape[1]
-    start = 0
-    while n - start > chunk:
-        model(ids[:, start : start + chunk], cache=cache)
-        mx.eval([c.state for c in cache])
-        start += chunk
+    run = ChunkedPrefill(model, tokens, cache, chunk)
+    while (logits := run.advance()) is None:
         if cancelled():
             raise GenerationCancelled()
-    hidden = model.hidden(ids[:, start:], cache=cache)
-    return model.logits(hidden[:, -1:, :])[:, -1, :]
+    return logits
+
+
+class ChunkedPrefill:
+    """A prompt's prefill, one chunk per `advance`, so other work (a batch's decode steps) runs between."""
+
+    def __init__(self, model: Any, tokens: Sequence[int], cache: list[Any], chunk: int) -> None:
+        if not tokens:
+            raise ValueError("prefill needs at least one token")
+        self.model = model
+        self.cache = cache
+        self.chunk = chunk
+        self._ids = mx.array(list(tokens), dtype=mx.int32)[None]
+        self.done = 0  # tokens in the cache so far
+
+    def advance(self) -> mx.array | None:
+        """Compute the next chunk; after the last one, return the last position's logits (1, V)."""
+        n = self._ids.shape[1]
+        if n - self.done > self.chunk:
+            self.model(self._ids[:, self.done : self.done + self.chunk], cache=self.cache)
+            mx.eval([c.state for c in self.cache])
+            self.done += self.chunk
+            return None
+        hidden = self.model.hidden(self._ids[:, self.done :], cache=self.cache)
+        self.done = n
+        return self.model.logits(hidden[:, -1:, :])[:, -1, :]
 
 
 class GenerationCancelled(Exception):
@@ -77,3 +98,72 @@ def decode(
             token = next_token
         if n % _CLEAR_CACHE_EVERY == _CLEAR_CACHE_EVERY - 1:
             mx.clear_cache()
+
+
+def _sample(sampler: TokenSampler, logits: mx.array) -> mx.array:
+    token = sampler(logits)
+    sampler.observe(token)
+    return token
+
+
+class DecodeBatch:
+    """Sequences decoded together: one forward per step for every row, each row sampled on its own.
+
+    Rows join with their prefilled batch-1 cache and last logits (`add`) and leave with their cache
+    (`remove`) between steps; the others never recompute anything. Like `decode`, one step stays in
+    flight: `step` queues the next tokens before it reads the current ones back.
+    """
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+        self.cache = [BatchKVCache() for _ in model.layers]
+        self.samplers: list[TokenSampler] = []
+        self._pending: mx.array | None = None  # (B,) each row's sampled token, not fed to the model yet
+        self._steps = 0
+
+    def __len__(self) -> int:
+        return len(self.samplers)
+
+    def add(self, rows: list[tuple[list[Any], mx.array, TokenSampler]]) -> None:
+        """New last rows, each its prefilled batch-1 cache, the (1, V) logits its first token is sampled
+        from, and its sampler. Rows joining at once cost one copy of the batch's cache, not one each."""
+        if not rows:
+            return
+        tokens = [_sample(sampler, logits).reshape(1) for _, logits, sampler in rows]
+        for n, layer in enumerate(self.cache):
+            layer.add([cache[n] for cache, _, _ in rows])
+        if self._pending is not None:
+            tokens.insert(0, self._pending)
+        self._pending = mx.concatenate(tokens) if len(tokens) > 1 else tokens[0]
+        self.samplers.extend(sampler for _, _, sampler in rows)
+        mx.async_eval(self._pending)
+
+    def step(self) -> list[int]:
+        """Feed every row's pending token, queue the next ones, and return the fed tokens (one per row)."""
+        if self._pending is None:
+            raise ValueError("an empty batch has no step to take")
+        mask = self.cache[0].mask()
+        logits = self.model(self._pending[:, None], cache=self.cache, mask=mask)[:, -1, :]
+        rows = [_sample(s, logits[i : i + 1]).reshape(1) for i, s in enumerate(self.samplers)]
+        next_tokens = mx.concatenate(rows) if len(rows) > 1 else rows[0]
+        mx.async_eval(next_tokens)
+        tokens = [int(t) for t in self._pending.tolist()]
+        self._pending = next_tokens
+        self._steps += 1
+        if self._steps % _CLEAR_CACHE_EVERY == 0:
+            mx.clear_cache()
+        return tokens
+
+    def remove(self, rows: list[int]) -> list[list[Any]]:
+        """Drop `rows`; return each one's batch-1 cache (exactly its tokens), in the order given."""
+        caches = [[layer.row(i) for layer in self.cache] for i in rows]
+        gone = set(rows)
+        keep = [i for i in range(len(self)) if i not in gone]
+        for layer in self.cache:
+            layer.keep(keep)
+        self.samplers = [self.samplers[i] for i in keep]
+        if not keep or self._pending is None:
+            self._pending = None
+        else:
+            self._pending = self._pending[mx.array(keep, dtype=mx.int32)]
+        return caches

@@ -1,0 +1,217 @@
+"""Batched generation on the engine (no Redis): every request's result equals running it alone.
+
+float32 on the CPU: a batched forward is bit-identical per row, so greedy tokens, seeded draws, stop
+strings and finish reasons must all be exactly those of `Engine.generate`, whoever the batch-mates are
+and whenever they join or leave.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import pytest
+
+from jobs.errors import ContextTooLong, InvalidRequest
+from jobs.schema import GenerateRequest, GenerateResult
+from worker.batch_cache import BatchKVCache
+from worker.engine import Engine, EngineOptions
+from worker.generation_batch import Finished, GenerationBatch
+from worker.kv_cache import KVCache
+from worker.tiny_model import write_random_checkpoint
+
+PROMPT = "The capital of France is Paris. "
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_random_checkpoint(tmp_path_factory.mktemp("tiny"), {"max_position_embeddings": 512})
+
+
+def _engine(model_dir: Path, **options: Any) -> Engine:
+    return Engine.load(str(model_dir), EngineOptions(prefill_chunk=16, **options))
+
+
+@pytest.fixture
+def engine(model_dir: Path) -> Engine:
+    return _engine(model_dir, prefix_cache_bytes=0)
+
+
+def _no_eos(engine: Engine) -> dict[int, float]:
+    return {i: -100.0 for i in engine.tokenizer.eos_ids}
+
+
+def _requests(engine: Engine, n: int) -> list[GenerateRequest]:
+    """Different prompt lengths, token budgets, greedy and seeded sampling, with and without penalties."""
+    out = []
+    for i in range(n):
+        fields: dict[str, Any] = {
+            "prompt": PROMPT * (1 + (i * 5) % 7) + f"#{i}",
+            "max_tokens": 5 + (i * 11) % 29,
+            "logit_bias": _no_eos(engine),
+            "temperature": 0.0 if i % 2 == 0 else 1.3,
+            "seed": 100 + i,
+        }
+        if i % 3 == 1:
+            fields.update(top_k=20, repetition_penalty=1.2, frequency_penalty=0.3)
+        out.append(GenerateRequest.model_validate(fields))
+    return out
+
+
+def _alone(engine: Engine, request: GenerateRequest) -> tuple[GenerateResult, list[str]]:
+    deltas: list[str] = []
+    return engine.generate(request, lambda t, _ids: deltas.append(t)), deltas
+
+
+def _run_batch(
+    batch: GenerationBatch,
+    requests: list[GenerateRequest],
+    *,
+    join_every: int = 1,
+    cancelled: dict[int, Callable[[], bool]] | None = None,
+    sinks: dict[int, Callable[[str, list[int]], None]] | None = None,
+    peak: list[int] | None = None,
+) -> tuple[dict[int, Finished], dict[int, list[str]]]:
+    """Admit `requests` as slots free up, one at most every `join_every` steps; run until all finish.
+
+    `peak[0]` is set to the most requests seen decoding together."""
+    peak = peak if peak is not None else [0]
+    done: dict[int, Finished] = {}
+    deltas: dict[int, list[str]] = {i: [] for i in range(len(requests))}
+    todo = list(enumerate(requests))
+    while todo or len(batch):
+        peak[0] = max(peak[0], len(batch.decoding))
+        if todo and batch.free_slots > 0 and batch.steps % join_every == 0:
+            i, request = todo.pop(0)
+            sink = (sinks or {}).get(i) or (lambda t, _ids, i=i: deltas[i].append(t))
+            batch.admit(str(i), request, sink, (cancelled or {}).get(i, lambda: False))
+        for f in batch.step():
+            done[int(f.key)] = f
+    return done, deltas
+
+
+def test_batch_cache_keeps_each_row_at_its_own_positions() -> None:
+    def row(n: int, base: float) -> KVCache:
+        keys = mx.broadcast_to((mx.arange(n, dtype=mx.float32) + base)[None, None, :, None], (1, 2, n, 4))
+        return KVCache.from_state(keys, -keys)
+
+    cache = BatchKVCache()
+    cache.add([row(3, 0.0)])
+    cache.add([row(5, 100.0), row(1, 200.0)])  # longer: the first row is padded further
+    assert (cache.starts, cache.end, cache.lengths) == ([2, 0, 4], 5, [3, 5, 1])
+    assert cache.offset.tolist() == [3, 5, 1]
+    mask = cache.mask()
+    assert mask is not None and mask.shape == (3, 1, 1, 6)
+    assert mask[:, 0, 0, :].tolist()[2] == [False] * 4 + [True, True]
+    cache.update_and_fetch(mx.ones((3, 2, 1, 4)), mx.ones((3, 2, 1, 4)))
+    assert cache.offset.tolist() == [4, 6, 2]
+    assert cache.row(0).state[0][0, 0, :, 0].tolist() == [0.0, 1.0, 2.0, 1.0]
+    cache.keep([0, 2])  # the longest row leaves: the padding both others share is trimmed
+    assert (cache.starts, cache.end, cache.lengths) == ([0, 2], 4, [4, 2])
+    assert cache.row(1).state[0][0, 0, :, 0].tolist() == [200.0, 1.0]
+    cache.keep([])
+    assert cache.batch == 0 and cache.keys is None
+
+
+def test_results_are_identical_to_running_alone_whatever_joins_and_leaves(engine: Engine) -> None:
+    requests = _requests(engine, 9)
+    alone = [_alone(engine, r) for r in requests]
+    for max_sequences, join_every in ((3, 2), (9, 1)):
+        batch = GenerationBatch(engine, max_sequences=max_sequences)
+        peak = [0]
+        done, deltas = _run_batch(batch, requests, join_every=join_every, peak=peak)
+        assert peak[0] >= 3
+        for i, (want, want_deltas) in enumerate(alone):
+            got = done[i].result
+            assert got is not None, done[i].error
+            assert got.token_ids == want.token_ids, f"request {i}"
+            assert (got.text, got.finish_reason, got.usage) == (want.text, want.finish_reason, want.usage)
+            assert "".join(deltas[i]) == "".join(want_deltas) == got.text
+
+
+def test_finish_reasons_stop_strings_and_eos_match_running_alone(engine: Engine) -> None:
+    free = _alone(
+        engine, GenerateRequest(prompt=PROMPT, max_tokens=30, temperature=0, logit_bias=_no_eos(engine))
+    )
+    stop = free[0].text[8:11]
+    eos = min(engine.tokenizer.eos_ids)
+    requests = [
+        GenerateRequest(prompt=PROMPT, max_tokens=30, temperature=0, logit_bias=_no_eos(engine), stop=[stop]),
+        GenerateRequest(prompt=PROMPT * 3, max_tokens=7, temperature=0, logit_bias=_no_eos(engine)),
+        GenerateRequest(prompt="hi", max_tokens=50, temperature=0, logit_bias={eos: 100.0}),
+        GenerateRequest(prompt=PROMPT * 2, max_tokens=1000, temperature=0, logit_bias=_no_eos(engine)),
+    ]
+    done, _ = _run_batch(GenerationBatch(engine, max_sequences=4), requests)
+    reasons = [done[i].result.finish_reason for i in range(4)]  # type: ignore[union-attr]
+    assert reasons == ["stop", "length", "stop", "length"]
+    for i, request in enumerate(requests):
+        assert done[i].result == _alone(engine, request)[0].model_copy(
+            update={"timings": done[i].result.timings}
+        )  # type: ignore[union-attr]
+    assert stop not in done[0].result.text  # type: ignore[union-attr]
+    assert done[2].result.token_ids == []  # type: ignore[union-attr]
+    n = len(engine.tokenizer.encode(PROMPT * 2))
+    assert done[3].result.usage.completion_tokens == engine.context_length - n  # type: ignore[union-attr]
+
+
+def test_seeded_sampling_does_not_depend_on_batch_mates(engine: Engine) -> None:
+    sampled = GenerateRequest(
+        prompt=PROMPT, max_tokens=20, temperature=1.5, seed=7, logit_bias=_no_eos(engine)
+    )
+    runs = []
+    for mates in (0, 2, 5):
+        requests = [sampled, *_requests(engine, mates)]
+        done, _ = _run_batch(GenerationBatch(engine, max_sequences=6), requests[::-1])
+        runs.append(done[len(requests) - 1].result.token_ids)  # type: ignore[union-attr]
+    assert runs[0] == runs[1] == runs[2] == _alone(engine, sampled)[0].token_ids
+
+
+def test_one_cancelled_or_failing_sequence_leaves_the_others_untouched(engine: Engine) -> None:
+    requests = _requests(engine, 4)
+    seen: list[str] = []
+
+    def broken_sink(text: str, _ids: list[int]) -> None:
+        seen.append(text)
+        if len(seen) == 3:
+            raise ConnectionError("stream write failed")
+
+    done, _ = _run_batch(
+        GenerationBatch(engine, max_sequences=4),
+        requests,
+        cancelled={1: lambda: len(seen) >= 2},
+        sinks={2: broken_sink},
+    )
+    assert done[1].result is not None and done[1].result.finish_reason == "cancelled"
+    assert isinstance(done[2].error, ConnectionError) and done[2].result is None
+    for i in (0, 3):
+        assert done[i].result.token_ids == _alone(engine, requests[i])[0].token_ids  # type: ignore[union-attr]
+
+
+def test_bad_requests_are_refused_at_admission(engine: Engine) -> None:
+    batch = GenerationBatch(engine, max_sequences=2)
+    with pytest.raises(InvalidRequest, match="logit_bias"):
+        batch.admit(
+            "a", GenerateRequest(prompt="hi", logit_bias={10**6: 1.0}), lambda t, i: None, lambda: False
+        )
+    with pytest.raises(ContextTooLong):
+        batch.admit("b", GenerateRequest(prompt="word " * 600), lambda t, i: None, lambda: False)
+    assert len(batch) == 0
+
+
+def test_kv_budget_holds_newcomers_back_and_the_prefix_cache_is_shared(model_dir: Path) -> None:
+    engine = _engine(model_dir)
+    one = GenerateRequest(prompt=PROMPT * 4, max_tokens=12, temperature=0, logit_bias=_no_eos(engine))
+    per_sequence = (len(engine.prompt_tokens(one)) + 12) * engine.kv_bytes_per_token
+    batch = GenerationBatch(engine, max_sequences=3, kv_budget_bytes=per_sequence)  # room for one
+    for i in range(3):
+        batch.admit(str(i), one, lambda t, ids: None, lambda: False)
+    done: list[Finished] = []
+    while len(batch):
+        assert len(batch.decoding) + (batch.prefilling is not None) <= 1
+        done.extend(batch.step())
+    results = [f.result for f in done]
+    assert all(r is not None and r.token_ids == results[0].token_ids for r in results)  # type: ignore[union-attr]
+    n = len(engine.prompt_tokens(one))
+    assert [r.usage.cached_tokens for r in results] == [0, n - 1, n - 1]  # type: ignore[union-attr]

@@ -1,0 +1,148 @@
+"""One layer's keys/values for a batch of sequences of different lengths, decoded together.
+
+Layout: left padding. Row i holds its own sequence in columns `start[i] .. end-1` of a shared
+(B, n_kv_heads, capacity, head_dim) buffer; columns before `start[i]` are zeros that a boolean mask
+hides. Every row ends at the same column, so one decode step writes all rows' new keys with one slice
+assignment (no per-row scatter), and the model's attention is unchanged.
+
+Positions stay per row: `offset` is an array of each row's own length, which the model passes straight
+to `mx.fast.rope` (it takes a vector of per-row offsets). So a row is rotated exactly as it would be
+alone; with float32 on the CPU, masked zeros add exact zeros to attention, and every matmul is row by
+row, so a row's logits are bit-identical to running it alone (the batch tests check this).
+
+Why not right padding with masks (rows start at column 0)? Then each row writes its new token at its
+own column: a scatter per step, and a mask per step anyway. Left padding costs memory instead: the
+buffer is as long as the longest row. Rows that join are padded to the current end (or, when longer,
+everyone else is padded further); rows that leave are dropped and the common left padding is trimmed,
+so the waste is bounded by the spread of the current rows' lengths. Membership changes copy the
+buffer (like one step's attention reads it); steps never do.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from .kv_cache import KVCache
+
+
+def _pad_columns(a: mx.array, left: int, right: int) -> mx.array:
+    """`a` (B, H, T, D) with `left` zero columns before and `right` after."""
+    if left == 0 and right == 0:
+        return a
+    b, h, _, d = a.shape
+    parts = [mx.zeros((b, h, left, d), a.dtype)] if left else []
+    parts.append(a)
+    if right:
+        parts.append(mx.zeros((b, h, right, d), a.dtype))
+    return mx.concatenate(parts, axis=2)
+
+
+class BatchKVCache:
+    """Keys and values of one attention layer for B left-padded rows ending at the same column."""
+
+    step = 256
+
+    def __init__(self) -> None:
+        self.keys: mx.array | None = None
+        self.values: mx.array | None = None
+        self.starts: list[int] = []  # per row: first column it owns
+        self.end = 0  # columns written (the same for every row)
+        self._starts = mx.zeros((0,), dtype=mx.int32)
+
+    @property
+    def batch(self) -> int:
+        return len(self.starts)
+
+    @property
+    def lengths(self) -> list[int]:
+        """Tokens each row holds."""
+        return [self.end - s for s in self.starts]
+
+    @property
+    def offset(self) -> mx.array:
+        """Per-row position of the next token (the row's own length): RoPE's offset vector."""
+        return self.end - self._starts
+
+    def mask(self, n: int = 1) -> mx.array | None:
+        """Boolean (B, 1, n, end + n) attention mask for `n` new tokens per row; None if no row is padded.
+
+        Only n == 1 (decode) is needed here: the new column is visible to its own row.
+        """
+        if not any(self.starts):
+            return None
+        columns = mx.arange(self.end + n, dtype=mx.int32)
+        visible = columns[None, :] >= self._starts[:, None]
+        return visible[:, None, None, :]
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """Append (B, n_kv_heads, L, head_dim) at column `end` for every row; return all columns so far."""
+        assert self.keys is not None and self.values is not None, "add rows before decoding"
+        start, n = self.end, keys.shape[2]
+        if start + n > self.keys.shape[2]:
+            extra = -(-(start + n - self.keys.shape[2]) // self.step) * self.step
+            self.keys = _pad_columns(self.keys, 0, extra)
+            self.values = _pad_columns(self.values, 0, extra)
+        self.end = start + n
+        self.keys[..., start : self.end, :] = keys
+        self.values[..., start : self.end, :] = values
+        return self.keys[..., : self.end, :], self.values[..., : self.end, :]
+
+    # --- membership -----------------------------------------------------------------------------
+
+    def add(self, rows: list[KVCache]) -> None:
+        """Append batch-1 caches (e.g. freshly prefilled prompts) as new rows, left-padded to fit."""
+        if not rows:
+            return
+        new_end = max(self.end, *(r.offset for r in rows))
+        grow = new_end - self.end
+        parts_k, parts_v = [], []
+        if self.keys is not None and self.values is not None:
+            parts_k.append(_pad_columns(self.keys[..., : self.end, :], grow, 0))
+            parts_v.append(_pad_columns(self.values[..., : self.end, :], grow, 0))
+        starts = [s + grow for s in self.starts]
+        for row in rows:
+            keys, values = row.state
+            if keys.shape[0] != 1:
+                raise ValueError(f"rows join a batch one at a time, got a batch-{keys.shape[0]} cache")
+            pad = new_end - row.offset
+            parts_k.append(_pad_columns(keys, pad, 0))
+            parts_v.append(_pad_columns(values, pad, 0))
+            starts.append(pad)
+        self.keys = mx.concatenate(parts_k, axis=0)
+        self.values = mx.concatenate(parts_v, axis=0)
+        self._set(starts, new_end)
+
+    def row(self, i: int) -> KVCache:
+        """Row `i` alone, as a batch-1 cache holding exactly its own tokens."""
+        assert self.keys is not None and self.values is not None
+        s = self.starts[i]
+        return KVCache.from_state(
+            self.keys[i : i + 1, :, s : self.end, :], self.values[i : i + 1, :, s : self.end, :]
+        )
+
+    def keep(self, rows: list[int]) -> None:
+        """Keep only `rows` (in this order); trim the left padding they all share."""
+        if not rows:
+            self.keys = self.values = None
+            self._set([], 0)
+            return
+        assert self.keys is not None and self.values is not None
+        index = mx.array(rows, dtype=mx.int32)
+        starts = [self.starts[i] for i in rows]
+        trim = min(starts)
+        self.keys = self.keys[index, :, trim:, :]
+        self.values = self.values[index, :, trim:, :]
+        self._set([s - trim for s in starts], self.end - trim)
+
+    def _set(self, starts: list[int], end: int) -> None:
+        self.starts, self.end = starts, end
+        self._starts = mx.array(starts, dtype=mx.int32)
+
+    @property
+    def nbytes(self) -> int:
+        if self.keys is None or self.values is None:
+            return 0
+        return int(self.keys.nbytes + self.values.nbytes)
+
+    def __repr__(self) -> str:
+        return f"BatchKVCache(batch={self.batch}, end={self.end}, starts={self.starts})"

@@ -1,0 +1,228 @@
+"""Continuous batching of generation requests on one engine: join any time, decode together, leave alone.
+
+A `GenerationBatch` holds up to `max_sequences` requests in three stages:
+- waiting: admitted (validated, tokenized), not started: the KV budget has no room for it yet;
+- prefilling: one request at a time, one prefill chunk per `step`, from the longest prefix in the prefix
+  cache; its prompt is offered back to the prefix cache as soon as it is computed, so batch-mates with
+  the same prefix reuse it;
+- decoding: every decoding request is a row of one `DecodeBatch`: one forward per step for all rows,
+  each row with its own sampler, stop strings, token budget and cancel check.
+
+A request leaves the moment it finishes (EOS, stop string, length, cancel, or an error of its own) with
+its `GenerateResult` or exception in a `Finished`; its row is dropped and a newcomer takes its place,
+with no other row recomputed. A batched forward computes each row exactly as it would run alone (see
+`batch_cache.py`), so results never depend on batch-mates: greedy tokens are identical, and a seeded
+sampler draws from its own PRNG key. Knows nothing of Redis or RQ.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from jobs.schema import FinishReason, GenerateRequest, GenerateResult
+
+from .engine import Engine, GenerationClock, TextRun, TokenSink
+from .generate import ChunkedPrefill, DecodeBatch
+from .sampler import Sampler
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Finished:
+    """A request that left the batch: its result, or the exception that ended it."""
+
+    key: str
+    result: GenerateResult | None = None
+    error: BaseException | None = None
+
+
+@dataclass(eq=False)
+class _Sequence:
+    key: str
+    prompt: list[int]
+    max_tokens: int
+    sampler: Sampler
+    run: TextRun
+    cancelled: Callable[[], bool]
+    clock: GenerationClock = field(default_factory=GenerationClock)
+    cache: list[Any] | None = None
+    n_cached: int = 0
+    prefill: ChunkedPrefill | None = None
+
+    @property
+    def longest(self) -> int:
+        """Tokens its cache may reach: prompt plus every token it may generate."""
+        return len(self.prompt) + self.max_tokens
+
+
+class GenerationBatch:
+    """Requests decoded together on one engine; see the module docstring."""
+
+    def __init__(self, engine: Engine, max_sequences: int, kv_budget_bytes: int = 0) -> None:
+        if max_sequences < 1:
+            raise ValueError(f"max_sequences must be >= 1, got {max_sequences}")
+        self.engine = engine
+        self.max_sequences = max_sequences
+        self.kv_budget_bytes = kv_budget_bytes  # 0: no limit
+        self.waiting: list[_Sequence] = []
+        self.prefilling: _Sequence | None = None
+        self.decoding: list[_Sequence] = []  # in the order of the decode batch's rows
+        self.decode = DecodeBatch(engine.model)
+        self.steps = 0
+
+    def __len__(self) -> int:
+        return len(self.waiting) + (self.prefilling is not None) + len(self.decoding)
+
+    @property
+    def free_slots(self) -> int:
+        return self.max_sequences - len(self)
+
+    def admit(
+        self, key: str, request: GenerateRequest, sink: TokenSink, cancelled: Callable[[], bool]
+    ) -> None:
+        """Add a request (it starts when the KV budget allows); raises the request's own error if bad."""
+        if self.free_slots <= 0:
+            raise ValueError(f"the batch is full ({self.max_sequences} sequences)")
+        prompt, max_tokens, sampler = self.engine.prepare_generation(request)
+        run = TextRun(self.engine.tokenizer, request.stop, sink)
+        self.waiting.append(_Sequence(key, prompt, max_tokens, sampler, run, cancelled))
+
+    def step(self) -> list[Finished]:
+        """One unit of work: about one prefill chunk of tokens (several short prompts, or one chunk of a
+        long one), then one decode step for every decoding request."""
+        finished: list[Finished] = []
+        self._drop_cancelled_waiting(finished)
+        self._prefill(finished)
+        if self.decoding:
+            self._decode_step(finished)
+        self.steps += 1
+        return finished
+
+    # --- admission ----------------------------------------------------------------------------
+
+    def _fits(self, seq: _Sequence) -> bool:
+        """Whether `seq` may start: the rows' padded KV at their longest stays within the budget."""
+        active = [*self.decoding, *([self.prefilling] if self.prefilling else [])]
+        if not active or self.kv_budget_bytes <= 0:
+            return True
+        rows = [*active, seq]
+        need = len(rows) * max(s.longest for s in rows) * self.engine.kv_bytes_per_token
+        return need <= self.kv_budget_bytes
+
+    def _drop_cancelled_waiting(self, finished: list[Finished]) -> None:
+        for seq in list(self.waiting):
+            try:
+                stop = seq.cancelled()
+            except Exception as e:  # e.g. the job's timeout
+                self.waiting.remove(seq)
+                finished.append(Finished(seq.key, error=e))
+                continue
+            if stop:
+                self.waiting.remove(seq)
+                seq.clock.prefilled()
+                finished.append(self._finish(seq, "cancelled", None))
+
+    def _start_prefill(self, seq: _Sequence, finished: list[Finished]) -> None:
+        try:
+            seq.cache, seq.n_cached = self.engine.begin_cache(seq.prompt)
+            seq.prefill = ChunkedPrefill(
+                self.engine.model, seq.prompt[seq.n_cached :], seq.cache, self.engine.options.prefill_chunk
+            )
+            self.prefilling = seq
+        except Exception as e:
+            finished.append(Finished(seq.key, error=e))
+
+    def _prefill(self, finished: list[Finished]) -> None:
+        """Prefill waiting requests (one at a time, in order) for about one chunk of tokens; the ones
+        done join the decode batch together."""
+        budget = self.engine.options.prefill_chunk
+        joined: list[tuple[list[Any], Any, Sampler]] = []
+        while budget > 0:
+            if self.prefilling is None:
+                if not (self.waiting and self._fits(self.waiting[0])):
+                    break
+                self._start_prefill(self.waiting.pop(0), finished)
+                continue
+            budget -= self._advance_prefill(self.prefilling, finished, joined)
+        self.decode.add(joined)
+
+    def _advance_prefill(
+        self, seq: _Sequence, finished: list[Finished], joined: list[tuple[list[Any], Any, Sampler]]
+    ) -> int:
+        """One chunk of `seq`'s prefill; returns the tokens it computed. Once done, `seq` is decoding."""
+        assert seq.prefill is not None and seq.cache is not None
+        before = seq.prefill.done
+        try:
+            if seq.cancelled():
+                self.prefilling = None
+                seq.clock.prefilled()
+                finished.append(self._finish(seq, "cancelled", seq.cache))
+                return 0
+            logits = seq.prefill.advance()
+            if logits is not None:
+                self.prefilling = None
+                seq.clock.prefilled()
+                if self.engine.prefix_cache is not None:  # batch-mates sharing the prompt reuse it now
+                    self.engine.prefix_cache.offer(seq.prompt, seq.cache)
+                joined.append((seq.cache, logits, seq.sampler))
+                self.decoding.append(seq)
+                seq.cache = None
+        except Exception as e:
+            self.prefilling = None
+            finished.append(Finished(seq.key, error=e))
+        return max(1, seq.prefill.done - before)
+
+    # --- decoding -----------------------------------------------------------------------------
+
+    def _decode_step(self, finished: list[Finished]) -> None:
+        try:
+            tokens = self.decode.step()
+        except Exception as e:  # the shared forward failed: no row can go on
+            log.exception("batched decode step failed rows=%d", len(self.decoding))
+            finished.extend(Finished(seq.key, error=e) for seq in self.decoding)
+            self.decoding, self.decode = [], DecodeBatch(self.engine.model)
+            return
+        leaving: list[tuple[int, FinishReason | BaseException]] = []
+        for i, (seq, token) in enumerate(zip(self.decoding, tokens, strict=True)):
+            seq.clock.token()
+            try:
+                reason = self.engine.finish_reason_after(seq.run, token, seq.cancelled)
+                if reason is None and len(seq.run.ids) >= seq.max_tokens:
+                    reason = "length"
+            except Exception as e:  # this row's sink or cancel check failed: it alone ends
+                leaving.append((i, e))
+                continue
+            if reason is not None:
+                leaving.append((i, reason))
+        if not leaving:
+            return
+        caches = self.decode.remove([i for i, _ in leaving])
+        for (i, outcome), cache in zip(leaving, caches, strict=True):
+            seq = self.decoding[i]
+            if isinstance(outcome, BaseException):
+                finished.append(Finished(seq.key, error=outcome))
+            else:
+                finished.append(self._finish(seq, outcome, cache))
+        gone = {i for i, _ in leaving}
+        self.decoding = [s for i, s in enumerate(self.decoding) if i not in gone]
+
+    def _finish(self, seq: _Sequence, reason: FinishReason, cache: list[Any] | None) -> Finished:
+        try:
+            if cache is not None and self.engine.prefix_cache is not None:
+                self.engine.prefix_cache.offer(seq.prompt + seq.run.ids, cache)
+            seq.run.finish(stopped=reason == "stop")
+            result = self.engine.generate_result(seq.run, reason, seq.prompt, seq.n_cached, seq.clock)
+        except Exception as e:
+            return Finished(seq.key, error=e)
+        return Finished(seq.key, result=result)
+
+    def abort(self, error: BaseException) -> list[Finished]:
+        """End every request with `error` (the caller could not go on); the batch is empty afterwards."""
+        seqs = [*self.waiting, *([self.prefilling] if self.prefilling else []), *self.decoding]
+        self.waiting, self.prefilling, self.decoding = [], None, []
+        self.decode = DecodeBatch(self.engine.model)
+        return [Finished(s.key, error=error) for s in seqs]
