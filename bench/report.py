@@ -212,6 +212,25 @@ def render(result: dict[str, Any]) -> str:
             for k, r in d["warm_cache_phases"].items()
         ]
         out.append(table(["job", "TTFT", "total", "cached tokens", *phases], rows))
+    if (ab := figs.get("decode_ab")) and "rows" in ab:
+        out.append(
+            f"\n### Probe: decode rate, {ab['reps']} repetitions in rotating order ({ab['tokens']} tokens)"
+        )
+        out.append(_columns(DECODE, ab["rows"]))
+        out.append(
+            "\nAll repetitions (tok/s): "
+            + "; ".join(f"{k}: {', '.join(f'{x:.0f}' for x in r['all'] if x)}" for k, r in ab["rows"].items())
+        )
+    if (jit := figs.get("shape_jit")) and "error" not in jit:
+        out.append(
+            "\n### Probe: prefill + first token for prompt lengths seen for the first time, then again (ms)"
+        )
+        out.append(
+            table(
+                ["lengths", "ms each"],
+                [[k, ", ".join(f"{x:.1f}" for x in v)] for k, v in jit.items() if isinstance(v, list)],
+            )
+        )
     for name, fig in figs.items():
         if "error" in fig:
             out.append(f"\n**{name}: FAILED** `{fig['error']}`")
