@@ -6,14 +6,11 @@ Runs its own `redis-server` (append-only file, fsync always) on a free port, so 
 from __future__ import annotations
 
 import shutil
-import socket
-import subprocess
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import redis
+from redis_server import PrivateRedis
 from worker_process import WorkerProcess
 
 from jobs.schema import TokenEvent
@@ -21,50 +18,6 @@ from producer import Client
 from worker.tiny_model import write_random_checkpoint
 
 pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs redis-server on PATH")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class PrivateRedis:
-    def __init__(self, folder: Path) -> None:
-        self.port = _free_port()
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-        self.cmd = [
-            "redis-server",
-            "--port",
-            str(self.port),
-            "--bind",
-            "127.0.0.1",
-            "--dir",
-            str(folder),
-            "--appendonly",
-            "yes",
-            "--appendfsync",
-            "always",
-            "--save",
-            "",
-        ]
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> None:
-        self.proc = subprocess.Popen(self.cmd, stdout=subprocess.DEVNULL)
-        conn = redis.Redis.from_url(self.url)
-        for _ in range(100):
-            try:
-                conn.ping()
-                return
-            except redis.ConnectionError:
-                time.sleep(0.05)
-        raise RuntimeError("private redis-server did not start")
-
-    def stop(self) -> None:
-        if self.proc is not None:
-            self.proc.terminate()  # SIGTERM: Redis flushes the append-only file and exits
-            self.proc.wait(10)
 
 
 @pytest.fixture
@@ -85,9 +38,7 @@ def test_generation_survives_a_redis_restart(private_redis: PrivateRedis, tmp_pa
                 "The capital of France is", max_tokens=2500, temperature=0, logit_bias={0: -100.0, 2: -100.0}
             )
             next(i for i in job.stream(timeout=30) if isinstance(i.event, TokenEvent))
-            private_redis.stop()
-            time.sleep(1.0)
-            private_redis.start()
+            private_redis.restart(down_s=1.0)
             result = job.result(timeout=120)
             tokens = [i.event for i in job.stream(timeout=30) if isinstance(i.event, TokenEvent)]
         assert result.finish_reason == "length" and result.usage.completion_tokens == 2500

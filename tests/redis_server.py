@@ -1,0 +1,131 @@
+"""Redis servers of a test's own: a private `redis-server` that can be restarted, and a TCP proxy in
+front of one that can cut the network for a while (imported by test modules, like worker_process.py)."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import redis
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class PrivateRedis:
+    """`redis-server` on a free loopback port, append-only file fsynced always, so a restart keeps all."""
+
+    def __init__(self, folder: Path) -> None:
+        self.port = free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.cmd = [
+            "redis-server",
+            "--port",
+            str(self.port),
+            "--bind",
+            "127.0.0.1",
+            "--dir",
+            str(folder),
+            "--appendonly",
+            "yes",
+            "--appendfsync",
+            "always",
+            "--save",
+            "",
+        ]
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(self.cmd, stdout=subprocess.DEVNULL)
+        conn = redis.Redis.from_url(self.url)
+        for _ in range(200):
+            with contextlib.suppress(redis.ConnectionError):
+                conn.ping()
+                return
+            time.sleep(0.05)
+        raise RuntimeError("private redis-server did not start")
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()  # SIGTERM: Redis flushes the append-only file and exits
+            self.proc.wait(10)
+
+    def restart(self, down_s: float = 1.0) -> None:
+        self.stop()
+        time.sleep(down_s)
+        self.start()
+
+
+class CuttableProxy:
+    """A loopback TCP proxy to a Redis port. `cut(seconds)` drops every connection and refuses new ones
+    for that long: Redis itself keeps running, but nobody can reach it."""
+
+    def __init__(self, target_port: int) -> None:
+        self.target_port = target_port
+        self.port = free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self._open = threading.Event()
+        self._open.set()
+        self._conns: list[socket.socket] = []
+        self._lock = threading.Lock()
+        self._server = socket.create_server(("127.0.0.1", self.port))
+        self._server.settimeout(0.1)
+        self._stop = threading.Event()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while not self._stop.is_set():
+            try:
+                client, _ = self._server.accept()
+            except TimeoutError:
+                continue
+            except OSError:  # closed
+                return
+            if not self._open.is_set():
+                client.close()
+                continue
+            try:
+                upstream = socket.create_connection(("127.0.0.1", self.target_port))
+            except OSError:
+                client.close()
+                continue
+            with self._lock:
+                self._conns += [client, upstream]
+            for a, b in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pipe(src: socket.socket, dst: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            while data := src.recv(65536):
+                dst.sendall(data)
+        for s in (src, dst):
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
+            s.close()
+
+    def cut(self, seconds: float) -> None:
+        self._open.clear()
+        with self._lock:
+            conns, self._conns = self._conns, []
+        for s in conns:
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
+                s.close()
+        time.sleep(seconds)
+        self._open.set()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._server.close()
+        with self._lock:
+            conns, self._conns = self._conns, []
+        for s in conns:
+            s.close()
