@@ -13,6 +13,7 @@ from typing import Any
 
 import redis
 from rq import get_current_job
+from rq.job import Job
 
 from jobs import parse_score
 from jobs.schema import DoneEvent, GenerateRequest, GenerateResult, ScoreRequest, ScoreResult
@@ -43,8 +44,12 @@ class JobExecutor:
         self.jobs_done = 0
         self.last_tokens_per_s: float | None = None
 
-    def _open_stream(self, job_id: str) -> StreamWriter:
-        job = get_current_job()
+    def open_stream(self, job_id: str, job: Job | None = None) -> StreamWriter:
+        """The job's stream writer, opened (a `restart` entry if an earlier attempt wrote to it).
+
+        `job` is the RQ job when it runs in a batch (RQ's current job is then another one).
+        """
+        job = job if job is not None else get_current_job()
         attempt = 1
         if job is not None and job.id == job_id:  # counted in the job's meta: it survives RQ's retries
             attempt = int(job.meta.get(ATTEMPT_META, 0)) + 1
@@ -55,8 +60,13 @@ class JobExecutor:
         return writer
 
     def generate(self, job_id: str, request: GenerateRequest) -> GenerateResult:
-        writer = self._open_stream(job_id)
+        writer = self.open_stream(job_id)
         result = self.engine.generate(request, writer, cancelled=lambda: self.cancelled(job_id))
+        self.finish_generate(job_id, writer, result)
+        return result
+
+    def finish_generate(self, job_id: str, writer: StreamWriter, result: GenerateResult) -> None:
+        """Write a generation job's `done` event and result key (after its text went through `writer`)."""
         t = result.timings
         done = DoneEvent(
             finish_reason=result.finish_reason,
@@ -81,7 +91,6 @@ class JobExecutor:
             t.ttft_s or 0.0,
             t.decode_tokens_per_s or 0.0,
         )
-        return result
 
     def score(self, job_id: str, request: ScoreRequest) -> ScoreResult:
         result = self.engine.score(request)
@@ -100,7 +109,7 @@ class JobExecutor:
 
     def finish_score(self, job_id: str, result: ScoreResult) -> None:
         """Write a score job's `done` event and result key."""
-        writer = self._open_stream(job_id)
+        writer = self.open_stream(job_id)
         done = DoneEvent(
             finish_reason="stop",
             prompt_tokens=result.input_tokens,

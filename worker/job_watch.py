@@ -26,15 +26,17 @@ class JobWatch:
     """While jobs run: refresh their heartbeats every `beat_s`, poll their cancel keys every `poll_s`.
 
     The main thread reads `cancelled` between decode steps, so a cancel takes effect within one step
-    of being seen, without a Redis round trip on the hot path.
+    of being seen, without a Redis round trip on the hot path. Runs may be added and removed while it
+    watches (a generation batch admits and retires jobs between steps).
     """
 
     def __init__(self, worker: Heartbeats, runs: list[tuple[Job, Any]], beat_s: float, poll_s: float) -> None:
         self.worker = worker
-        self.runs = runs
+        self.runs = list(runs)
         self.beat_s = beat_s
         self.poll_s = poll_s
         self.cancelled: set[str] = set()
+        self._lock = threading.Lock()  # guards `runs` against the thread iterating it
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="mlxq-job-watch", daemon=True)
 
@@ -51,14 +53,38 @@ class JobWatch:
         self._thread.join(timeout=5)
 
     def job_ids(self) -> list[str]:
-        return [job.id for job, _ in self.runs]
+        return [job.id for job, _ in self._snapshot()]
 
-    def _poll_cancels(self) -> None:
+    def add(self, job: Job, execution: Any) -> None:
+        """Watch one more running job; its cancel key is checked at once."""
+        with self._lock:
+            self.runs.append((job, execution))
+        try:
+            self._poll_cancels([(job, execution)])
+        except REDIS_TRANSIENT as e:
+            log.warning("job watch redis error=%s", e)
+
+    def remove(self, job_id: str) -> None:
+        """Stop watching a job that ended."""
+        with self._lock:
+            self.runs = [(job, ex) for job, ex in self.runs if job.id != job_id]
+        self.cancelled.discard(job_id)
+
+    def _snapshot(self) -> list[tuple[Job, Any]]:
+        with self._lock:
+            return list(self.runs)
+
+    def _poll_cancels(self, runs: list[tuple[Job, Any]] | None = None) -> None:
+        runs = self._snapshot() if runs is None else runs
+        if not runs:
+            return
         pipe = self.worker.connection.pipeline(transaction=False)
-        for job, _ in self.runs:
+        for job, _ in runs:
             pipe.exists(keys.cancel_key(job.id))
-        for (job, _), hit in zip(self.runs, pipe.execute(), strict=True):
-            if hit and job.id not in self.cancelled:
+        hits = pipe.execute()
+        live = {job.id for job, _ in self._snapshot()}  # a job removed meanwhile stays removed
+        for (job, _), hit in zip(runs, hits, strict=True):
+            if hit and job.id in live and job.id not in self.cancelled:
                 log.info("cancel requested job=%s", job.id)
                 self.cancelled.add(job.id)
 
@@ -70,8 +96,9 @@ class JobWatch:
                 since_beat += self.poll_s
                 if since_beat >= self.beat_s:
                     since_beat = 0.0
-                    for job, execution in self.runs:
-                        self.worker.maintain_heartbeats(job, execution)
+                    with self._lock:  # once `remove` returns, that job gets no more heartbeats
+                        for job, execution in self.runs:
+                            self.worker.maintain_heartbeats(job, execution)
             except REDIS_TRANSIENT as e:  # Redis restarting: the jobs go on; try again next tick
                 log.warning("job watch redis error=%s", e)
             except Exception:  # a bug here must not kill the thread that keeps jobs alive

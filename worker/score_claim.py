@@ -1,17 +1,8 @@
-"""Claiming more queued score jobs for one batch, safely, beside RQ's own dequeue.
-
-RQ hands a worker one job at a time. After it hands us a score job, we look at the next ids waiting in
-the same queue, pick score jobs up to a row budget, and move each from the queue to RQ's intermediate
-list in one Lua call (exactly where RQ's own dequeue puts a job it pops). A job another worker took in
-the meantime is simply not there to move; a job we moved but never started (we were killed) is put
-back by RQ's intermediate-queue cleanup. So nothing is run twice and nothing is lost.
-"""
+"""Claiming more queued score jobs for one score batch, up to a row budget (see `job_claim.py`)."""
 
 from __future__ import annotations
 
-import json
 import logging
-import zlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,18 +12,9 @@ from rq.job import Job
 
 from jobs import keys
 
-log = logging.getLogger(__name__)
+from .job_claim import JobClaimer, QueuedJob
 
-_MOVE = """
-local moved = {}
-for i, id in ipairs(ARGV) do
-  if redis.call('LREM', KEYS[1], 1, id) == 1 then
-    redis.call('RPUSH', KEYS[2], id)
-    moved[#moved + 1] = id
-  end
-end
-return moved
-"""
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -42,59 +24,46 @@ class ClaimBudget:
     scan: int = 128  # queued ids looked at
 
 
-def _score_rows(data: bytes | None) -> int | None:
-    """Rows in a queued job's payload if it is a well-formed `jobs.score` job, else None."""
-    if not data:
+def score_rows(queued: QueuedJob) -> int | None:
+    """Rows of a queued `jobs.score` job whose payload has a list of rows, else None."""
+    if queued.func != keys.SCORE_FUNC or not isinstance(queued.payload, dict):
         return None
-    try:
-        raw = zlib.decompress(data)
-    except zlib.error:
-        raw = data
-    try:
-        func, _instance, args, kwargs = json.loads(raw)
-        rows = args[0]["rows"]
-    except (ValueError, TypeError, KeyError, IndexError):
-        return None
-    if func != keys.SCORE_FUNC or kwargs or len(args) != 1 or not isinstance(rows, list):
-        return None
-    return len(rows)
+    rows = queued.payload.get("rows")
+    return len(rows) if isinstance(rows, list) else None
 
 
 class ScoreClaimer:
     """Moves queued score jobs from a queue into RQ's intermediate list for this worker."""
 
     def __init__(self, conn: redis.Redis, serializer: Any, budget: ClaimBudget) -> None:
-        self.conn = conn
-        self.serializer = serializer
         self.budget = budget
-        self._move = conn.register_script(_MOVE)
+        self.claimer = JobClaimer(conn, serializer, scan=budget.scan)
 
     def claim(self, queue: Queue, rows_taken: int) -> list[Job]:
-        """Score jobs claimed from `queue` to join a batch that already has `rows_taken` rows."""
-        ids = [i.decode() for i in self.conn.lrange(queue.key, 0, self.budget.scan - 1)]
-        if not ids:
-            return []
-        pipe = self.conn.pipeline(transaction=False)
-        for job_id in ids:
-            pipe.hget(keys.rq_job_key(job_id), "data")
-        chosen, rows = [], rows_taken
-        for job_id, data in zip(ids, pipe.execute(), strict=True):
-            n = _score_rows(data)
-            if n is None or rows + n > self.budget.max_rows:
-                continue
-            chosen.append(job_id)
-            rows += n
-            if len(chosen) + 1 >= self.budget.max_jobs:
-                break
-        if not chosen:
-            return []
-        moved = self._move(keys=[queue.key, queue.intermediate_queue_key], args=chosen)
-        jobs = []
-        for job_id in (m.decode() for m in moved):
-            try:
-                jobs.append(Job.fetch(job_id, connection=self.conn, serializer=self.serializer))
-            except Exception as e:  # deleted meanwhile: nothing to run; leave it to RQ's cleanup
-                log.warning("claimed job vanished job=%s error=%s", job_id, e)
+        """Score jobs claimed from `queue` to join a batch that already has one job of `rows_taken` rows."""
+        pick = ScorePicker(self.budget, rows_taken, jobs_taken=1)
+        jobs = self.claimer.claim(queue, pick, limit=pick.jobs_left)
         if jobs:
-            log.info("score batch claimed=%d rows=%d", len(jobs), rows)
+            log.info("score batch claimed=%d rows=%d", len(jobs), pick.rows)
         return jobs
+
+
+class ScorePicker:
+    """Says yes to well-formed score jobs while the batch's row and job budget allows (a `pick`)."""
+
+    def __init__(self, budget: ClaimBudget, rows_taken: int = 0, jobs_taken: int = 0) -> None:
+        self.budget = budget
+        self.rows = rows_taken
+        self.jobs = jobs_taken
+
+    @property
+    def jobs_left(self) -> int:
+        return self.budget.max_jobs - self.jobs
+
+    def __call__(self, queued: QueuedJob) -> bool:
+        n = score_rows(queued)
+        if n is None or self.rows + n > self.budget.max_rows or self.jobs_left <= 0:
+            return False
+        self.rows += n
+        self.jobs += 1
+        return True

@@ -12,7 +12,8 @@ from jobs import keys, runtime
 
 from .engine import Engine, EngineOptions
 from .executor import JobExecutor
-from .rq_worker import MlxqWorker
+from .job_claim import JobClaimer
+from .rq_worker import BatchOptions, MlxqWorker
 from .score_claim import ClaimBudget, ScoreClaimer
 from .settings import WorkerSettings
 from .stream_writer import StreamOptions
@@ -81,7 +82,15 @@ class WorkerService:
         if settings.score_batch_rows > 0:
             budget = ClaimBudget(max_rows=settings.score_batch_rows, max_jobs=settings.score_batch_jobs)
             worker.score_claimer = ScoreClaimer(conn, worker.serializer, budget)
+        if settings.max_batch_sequences > 1:
+            worker.batch_options = BatchOptions(
+                max_sequences=settings.max_batch_sequences,
+                kv_budget_bytes=settings.batch_kv_bytes,
+                admit_every=settings.batch_admit_every,
+            )
+            worker.job_claimer = JobClaimer(conn, worker.serializer)
         worker.after_job = lambda: _publish_stats(conn, worker, executor)
+        worker.publish_stats = worker.after_job
         return cls(settings, conn, engine, worker, executor)
 
     def work(self, *, burst: bool = False, max_jobs: int | None = None) -> int:
@@ -103,6 +112,8 @@ def _publish_stats(conn: redis.Redis, worker: MlxqWorker, executor: JobExecutor)
         "device": str(mx.default_device()),
         "queues": ",".join(worker.queue_names()),
         "jobs_done": executor.jobs_done,
+        "active_sequences": worker.active_sequences,
+        "max_batch_sequences": worker.batch_options.max_sequences,
         "tokens_per_s": f"{executor.last_tokens_per_s or 0.0:.1f}",
         "memory_bytes": mx.get_active_memory(),
         "peak_memory_bytes": mx.get_peak_memory(),

@@ -29,6 +29,17 @@ class WorkerSettings(BaseSettings):
         default=256, ge=0, description="rows of queued score jobs per batch; 0: one job"
     )
     score_batch_jobs: int = Field(default=64, ge=1)
+    max_batch_sequences: int = Field(
+        default=1,
+        ge=1,
+        description="generation jobs decoded together in one running batch; 1: one job at a time",
+    )
+    batch_kv_bytes: int = Field(
+        default=2 << 30, ge=0, description="padded KV bytes a generation batch may grow to; 0: no limit"
+    )
+    batch_admit_every: int = Field(
+        default=4, ge=1, description="decode steps between looks at the queue for jobs to admit"
+    )
     max_score_rows: int = Field(default=64, ge=1, description="rows one score job may have")
     max_score_candidates: int = Field(default=26, ge=1, description="candidates one score row may have")
 

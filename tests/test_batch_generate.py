@@ -1,0 +1,183 @@
+"""Generation jobs batched in one real worker process: each job ends exactly as it would alone.
+
+Expected results come from the engine in this process (same tiny checkpoint, float32 on the CPU):
+batching must not change a single token id, finish reason or streamed character.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from rq import Queue
+from rq.serializers import JSONSerializer
+
+from jobs import keys
+from jobs.schema import DoneEvent, GenerateRequest, GenerateResult, TokenEvent
+from producer import Client, JobFailed
+from worker.engine import Engine, EngineOptions
+from worker.tiny_model import write_random_checkpoint
+
+REDIS_DB = 5
+PROMPT = "The capital of France is Paris. "
+NO_EOS = {0: -100.0, 2: -100.0}  # the tiny tokenizer's <|endoftext|> and <|im_end|>
+BATCH = {"MLXQ_MAX_BATCH_SEQUENCES": "4", "MLXQ_BATCH_ADMIT_EVERY": "2"}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_random_checkpoint(tmp_path_factory.mktemp("tiny"), {"max_position_embeddings": 2048})
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir: Path) -> Engine:
+    return Engine.load(str(model_dir), EngineOptions(prefix_cache_bytes=0))
+
+
+@pytest.fixture
+def client(redis_url: str) -> Iterator[Client]:
+    with Client(redis_url) as c:
+        yield c
+
+
+def _alone(engine: Engine, fields: dict[str, Any]) -> GenerateResult:
+    return engine.generate(GenerateRequest.model_validate(fields), lambda _t, _i: None)
+
+
+def _eventually(check: Callable[[], bool], timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.05)
+
+
+def _stream(conn: redis.Redis, job_id: str) -> list[dict[str, str]]:
+    return [{k.decode(): v.decode() for k, v in f.items()} for _, f in conn.xrange(keys.stream_key(job_id))]
+
+
+def _first_token(job: Any) -> None:
+    next(i for i in job.stream(timeout=30) if isinstance(i.event, TokenEvent))
+
+
+def _check_stream(job: Any, result: GenerateResult) -> None:
+    """The stream holds the whole text, in order, then one `done` that agrees with the result."""
+    items = [i.event for i in job.stream(timeout=10)]
+    tokens = [e for e in items if isinstance(e, TokenEvent)]
+    assert [type(e) for e in items[len(tokens) :]] == [DoneEvent], "token events, then exactly one done"
+    assert "".join(t.text for t in tokens) == result.text
+    assert [i for t in tokens for i in t.ids] == result.token_ids
+    index = 0
+    for t in tokens:
+        assert t.index == index
+        index += len(t.ids)
+    done = items[-1]
+    assert isinstance(done, DoneEvent)
+    assert (done.finish_reason, done.completion_tokens) == (result.finish_reason, len(result.token_ids))
+
+
+def test_queued_jobs_run_batched_with_the_results_of_running_alone(
+    model_dir: Path, redis_url: str, client: Client, engine: Engine, spawn_worker: Any
+) -> None:
+    free = _alone(engine, {"prompt": PROMPT, "max_tokens": 30, "temperature": 0, "logit_bias": NO_EOS})
+    requests: list[dict[str, Any]] = [
+        {"prompt": PROMPT * (1 + i % 5) + str(i), "max_tokens": 6 + 9 * i, "logit_bias": NO_EOS, "seed": i}
+        | ({"temperature": 0} if i % 2 == 0 else {"temperature": 1.2, "top_p": 0.9})
+        for i in range(9)
+    ]
+    requests += [
+        {
+            "prompt": PROMPT,
+            "max_tokens": 30,
+            "temperature": 0,
+            "logit_bias": NO_EOS,
+            "stop": [free.text[9:12]],
+        },
+        {"prompt": "hi", "max_tokens": 40, "temperature": 0, "logit_bias": {2: 100.0}},  # EOS at once
+    ]
+    jobs = [client.submit_generate(**fields) for fields in requests]
+    worker = spawn_worker(model_dir, redis_url, "--burst", **BATCH)
+    assert worker.wait(120) == 0, worker.log()
+    for job, fields in zip(jobs, requests, strict=True):
+        result = job.result(timeout=5)
+        want = _alone(engine, fields)
+        assert result.token_ids == want.token_ids, fields
+        assert (result.text, result.finish_reason) == (want.text, want.finish_reason)
+        assert result.usage.completion_tokens == want.usage.completion_tokens
+        _check_stream(job, result)
+        assert job.status() == "finished"
+    assert [j.result(timeout=1).finish_reason for j in jobs[-2:]] == ["stop", "stop"]
+    assert "generation batch claimed=3" in worker.log()  # the first job's batch filled its 4 slots
+
+
+def test_cancel_one_job_mid_batch_and_a_bad_job_fails_alone(
+    model_dir: Path,
+    redis_url: str,
+    client: Client,
+    engine: Engine,
+    spawn_worker: Any,
+    redis_conn: redis.Redis,
+) -> None:
+    worker = spawn_worker(model_dir, redis_url, **BATCH)
+    worker.wait_ready()
+    long = {"prompt": PROMPT * 2, "max_tokens": 1900, "temperature": 0, "logit_bias": NO_EOS}
+    keep = {"prompt": PROMPT * 3, "max_tokens": 1200, "temperature": 0, "logit_bias": NO_EOS}
+    doomed = client.submit_generate(**long)
+    kept = client.submit_generate(**keep)
+    _first_token(doomed)
+    _first_token(kept)
+    # Both decode together now; bad jobs join the running batch and fail alone.
+    typo = Queue("default", connection=redis_conn, serializer=JSONSerializer).enqueue_call(
+        "jobs.generate", args=({"prompt": "a", "max_token": 3},)
+    )
+    bad = {
+        "field": typo.id,
+        "long": client.submit_generate("word " * 3000, max_tokens=2).id,
+        "bias": client.submit_generate("hi", logit_bias={10**6: 1.0}).id,
+    }
+    reasons = {}
+    for name, job_id in bad.items():
+        with pytest.raises(JobFailed) as err:
+            client.job(job_id).result(timeout=30)
+        reasons[name] = str(err.value)
+        assert _stream(redis_conn, job_id)[-1]["event"] == "error"
+    assert "max_token: Extra inputs are not permitted" in reasons["field"]
+    assert "context length is 2048" in reasons["long"]
+    assert "logit_bias token 1000000" in reasons["bias"]
+    stats_key = keys.worker_stats_key(_worker_name(redis_conn))
+    _eventually(lambda: int(redis_conn.hget(stats_key, "active_sequences") or 0) == 2)
+    assert int(redis_conn.hget(stats_key, "max_batch_sequences") or 0) == 4
+    assert doomed.cancel().value == "requested"
+    cancelled = doomed.result(timeout=30)
+    assert cancelled.finish_reason == "cancelled" and 0 < cancelled.usage.completion_tokens < 1900
+    result = kept.result(timeout=60)
+    assert result.token_ids == _alone(engine, keep).token_ids and result.finish_reason == "length"
+    _check_stream(kept, result)
+    _check_stream(doomed, cancelled)
+    assert "generation batch claimed=" in worker.log()
+
+
+def test_a_score_job_runs_between_decode_steps(
+    model_dir: Path, redis_url: str, client: Client, spawn_worker: Any
+) -> None:
+    worker = spawn_worker(model_dir, redis_url, **BATCH)
+    worker.wait_ready()
+    running = client.submit_generate(PROMPT, max_tokens=1900, temperature=0, logit_bias=NO_EOS)
+    _first_token(running)
+    scored = client.submit_score(
+        [{"prompt": PROMPT + "The capital of France is", "candidates": [" the", " a"]}]
+    )
+    assert len(scored.result(timeout=30).rows[0].logits) == 2
+    assert running.status() == "started"  # it did not wait for the generation batch to drain
+    assert running.cancel().value == "requested"
+    assert running.result(timeout=30).finish_reason == "cancelled"
+    assert "scored=1" in worker.log()
+
+
+def _worker_name(conn: redis.Redis) -> str:
+    names = [k.decode().removeprefix("mlxq:worker:") for k in conn.keys("mlxq:worker:*")]
+    assert len(names) == 1, names
+    return names[0]

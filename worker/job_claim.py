@@ -1,0 +1,107 @@
+"""Claiming more queued jobs for a batch, safely, beside RQ's own dequeue.
+
+RQ hands a worker one job at a time. To batch, we look at the next ids waiting in a queue, let a
+`pick` callback choose among the well-formed mlxq jobs there (score jobs up to a row budget, generation
+jobs up to free batch slots), and move each chosen id from the queue to RQ's intermediate list in one
+Lua call (exactly where RQ's own dequeue puts a job it pops). A job another worker took meanwhile is
+simply not there to move; a job we moved but never started (we were killed) is put back by RQ's
+intermediate-queue cleanup. So nothing is run twice and nothing is lost. The caller then starts each
+claimed job through RQ (`prepare_execution`, `prepare_job_execution(remove_from_intermediate_queue=True)`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+from rq import Queue
+from rq.job import Job
+
+from jobs import keys
+
+log = logging.getLogger(__name__)
+
+_MOVE = """
+local moved = {}
+for i, id in ipairs(ARGV) do
+  if redis.call('LREM', KEYS[1], 1, id) == 1 then
+    redis.call('RPUSH', KEYS[2], id)
+    moved[#moved + 1] = id
+  end
+end
+return moved
+"""
+
+
+@dataclass(frozen=True)
+class QueuedJob:
+    """A queued job as stored by RQ's JSON serializer: an mlxq function and its one argument."""
+
+    id: str
+    func: str
+    payload: Any
+
+
+def parse_queued(job_id: str, data: bytes | None) -> QueuedJob | None:
+    """The job in RQ's `data` field if it is an mlxq job with exactly one argument, else None.
+
+    Anything else (pickle, another function, extra arguments) is left in the queue for RQ's own
+    dequeue, where the worker rejects it with a reason.
+    """
+    if not data:
+        return None
+    try:
+        raw = zlib.decompress(data)
+    except zlib.error:
+        raw = data
+    try:
+        func, _instance, args, kwargs = json.loads(raw)
+    except (ValueError, TypeError):
+        return None
+    if func not in keys.JOB_FUNCS or kwargs or not isinstance(args, list) or len(args) != 1:
+        return None
+    return QueuedJob(job_id, func, args[0])
+
+
+class JobClaimer:
+    """Moves chosen queued jobs from a queue into RQ's intermediate list for this worker."""
+
+    def __init__(self, conn: redis.Redis, serializer: Any, scan: int = 128) -> None:
+        self.conn = conn
+        self.serializer = serializer
+        self.scan = scan  # queued ids looked at per claim
+        self._move = conn.register_script(_MOVE)
+
+    def claim(self, queue: Queue, pick: Callable[[QueuedJob], bool], limit: int) -> list[Job]:
+        """Up to `limit` jobs, in queue order, for which `pick` says yes (it may keep a budget)."""
+        if limit <= 0:
+            return []
+        ids = [i.decode() for i in self.conn.lrange(queue.key, 0, self.scan - 1)]
+        if not ids:
+            return []
+        pipe = self.conn.pipeline(transaction=False)
+        for job_id in ids:
+            pipe.hget(keys.rq_job_key(job_id), "data")
+        chosen: list[str] = []
+        for job_id, data in zip(ids, pipe.execute(), strict=True):
+            queued = parse_queued(job_id, data)
+            if queued is None or not pick(queued):
+                continue
+            chosen.append(job_id)
+            if len(chosen) >= limit:
+                break
+        if not chosen:
+            return []
+        moved = self._move(keys=[queue.key, queue.intermediate_queue_key], args=chosen)
+        jobs = []
+        for job_id in (m.decode() for m in moved):
+            try:
+                jobs.append(Job.fetch(job_id, connection=self.conn, serializer=self.serializer))
+            except Exception as e:  # deleted meanwhile: nothing to run; leave it to RQ's cleanup
+                log.warning("claimed job vanished job=%s error=%s", job_id, e)
+        return jobs
