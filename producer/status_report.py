@@ -1,8 +1,15 @@
-"""A read-only picture of queues and workers for `mlxq status`: RQ's registries plus mlxq's worker stats."""
+"""A read-only picture of queues and workers for `mlxq status`: RQ's registries plus mlxq's worker stats.
+
+Each worker publishes its `mlxq:worker:<name>` hash (model, device, jobs done, decode speed, prefix
+cache, memory; see docs/operations.md); RQ's own worker registration says its state, current job and
+heartbeat. With one queue per model, two warnings matter: a queue holding jobs that no registered worker
+listens on (a model nobody serves), and a queue whose workers announce different models.
+"""
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
 from typing import Any
 
 import redis
@@ -28,6 +35,54 @@ class QueueReport:
 
 
 @dataclass(frozen=True)
+class WorkerHealth:
+    """The numbers of a worker's stats hash, parsed; None where the worker did not publish one."""
+
+    model: str | None = None
+    device: str | None = None
+    version: str | None = None
+    jobs_done: int | None = None
+    tokens_per_s: float | None = None
+    cache_lookups: int | None = None
+    cache_hits: int | None = None
+    cache_hit_tokens: int | None = None
+    cache_bytes: int | None = None
+    cache_budget_bytes: int | None = None
+    memory_active_bytes: int | None = None
+    memory_peak_bytes: int | None = None
+    memory_cache_bytes: int | None = None
+
+    @property
+    def cache_hit_rate(self) -> float | None:
+        """Share of prefix-cache lookups that reused at least one token."""
+        if self.cache_lookups is None or self.cache_hits is None or self.cache_lookups == 0:
+            return None
+        return self.cache_hits / self.cache_lookups
+
+    @classmethod
+    def from_stats(cls, stats: dict[str, str]) -> WorkerHealth:
+        def num(name: str) -> int | None:
+            value = _float(stats.get(name))
+            return int(value) if value is not None else None
+
+        return cls(
+            model=stats.get("model"),
+            device=stats.get("device"),
+            version=stats.get("version"),
+            jobs_done=num("jobs_done"),
+            tokens_per_s=_float(stats.get("tokens_per_s")),
+            cache_lookups=num("cache_lookups"),
+            cache_hits=num("cache_hits"),
+            cache_hit_tokens=num("cache_hit_tokens"),
+            cache_bytes=num("cache_bytes"),
+            cache_budget_bytes=num("cache_budget_bytes"),
+            memory_active_bytes=num("memory_bytes"),
+            memory_peak_bytes=num("peak_memory_bytes"),
+            memory_cache_bytes=num("memory_cache_bytes"),
+        )
+
+
+@dataclass(frozen=True)
 class WorkerReport:
     """One registered RQ worker, with the fields of its `mlxq:worker:<name>` hash when it wrote one."""
 
@@ -39,15 +94,49 @@ class WorkerReport:
     successful_jobs: int
     failed_jobs: int
     stats: dict[str, str] = field(default_factory=dict)
+    host: str | None = None
+    pid: int | None = None
+    heartbeat_age_s: float | None = None
+    health: WorkerHealth = field(default_factory=WorkerHealth)
+
+
+@dataclass(frozen=True)
+class UnservedQueue:
+    """A queue with jobs waiting and no registered worker listening on it."""
+
+    name: str
+    queued: int
+
+
+@dataclass(frozen=True)
+class MixedQueue:
+    """A queue whose workers announce different models: model -> the workers serving it."""
+
+    name: str
+    models: dict[str, list[str]]
 
 
 @dataclass(frozen=True)
 class StatusReport:
     queues: list[QueueReport]
     workers: list[WorkerReport]
+    unserved: list[UnservedQueue] = field(default_factory=list)
+    mixed: list[MixedQueue] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        out = asdict(self)
+        for entry, worker in zip(out["workers"], self.workers, strict=True):
+            entry["health"]["cache_hit_rate"] = worker.health.cache_hit_rate
+        return out
+
+
+def _float(text: str | None) -> float | None:
+    if text is None:
+        return None
+    try:
+        return float(text)
+    except ValueError:
+        return None
 
 
 def _queue_report(queue: Queue) -> QueueReport:
@@ -73,9 +162,11 @@ def _text_map(raw: dict[Any, Any]) -> dict[str, str]:
     return {text(k): text(v) for k, v in sorted(raw.items())}
 
 
-def _worker_report(conn: redis.Redis, worker: BaseWorker) -> WorkerReport:
+def _worker_report(conn: redis.Redis, worker: BaseWorker, now: datetime) -> WorkerReport:
     stats = _text_map(conn.hgetall(keys.worker_stats_key(worker.name)))
     beat = worker.last_heartbeat
+    if beat is not None and beat.tzinfo is None:
+        beat = beat.replace(tzinfo=timezone.utc)  # RQ stores UTC without an offset
     return WorkerReport(
         name=worker.name,
         state=worker.get_state(),
@@ -85,7 +176,28 @@ def _worker_report(conn: redis.Redis, worker: BaseWorker) -> WorkerReport:
         successful_jobs=worker.successful_job_count,
         failed_jobs=worker.failed_job_count,
         stats=stats,
+        host=worker.hostname,
+        pid=worker.pid,
+        heartbeat_age_s=round((now - beat).total_seconds(), 1) if beat else None,
+        health=WorkerHealth.from_stats(stats),
     )
+
+
+def unserved_queues(queues: list[QueueReport], workers: list[WorkerReport]) -> list[UnservedQueue]:
+    """Queues with waiting jobs that no registered worker listens on."""
+    served = {name for w in workers for name in w.queues}
+    return [UnservedQueue(q.name, q.queued) for q in queues if q.queued > 0 and q.name not in served]
+
+
+def mixed_queues(workers: list[WorkerReport]) -> list[MixedQueue]:
+    """Queues served by workers that announce different models (one queue should mean one model)."""
+    by_queue: dict[str, dict[str, list[str]]] = {}
+    for w in workers:
+        if w.health.model is None:
+            continue
+        for queue in w.queues:
+            by_queue.setdefault(queue, {}).setdefault(w.health.model, []).append(w.name)
+    return [MixedQueue(q, models) for q, models in sorted(by_queue.items()) if len(models) > 1]
 
 
 def collect(conn: redis.Redis, queue_names: list[str] | None = None) -> StatusReport:
@@ -95,10 +207,56 @@ def collect(conn: redis.Redis, queue_names: list[str] | None = None) -> StatusRe
     else:
         queues = sorted(Queue.all(connection=conn, serializer=JSONSerializer), key=lambda q: q.name)
     workers = sorted(Worker.all(connection=conn, serializer=JSONSerializer), key=lambda w: w.name)
+    now = datetime.now(timezone.utc)
+    queue_reports = [_queue_report(q) for q in queues]
+    worker_reports = [_worker_report(conn, w, now) for w in workers]
     return StatusReport(
-        queues=[_queue_report(q) for q in queues],
-        workers=[_worker_report(conn, w) for w in workers],
+        queues=queue_reports,
+        workers=worker_reports,
+        unserved=unserved_queues(queue_reports, worker_reports),
+        mixed=mixed_queues(worker_reports),
     )
+
+
+# --- text ------------------------------------------------------------------------------------------
+
+
+def human_bytes(n: int | None) -> str:
+    """`1536` -> `1.5 KiB`; None -> `-`."""
+    if n is None:
+        return "-"
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if value < 1024 or unit == "GiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+def _health_lines(h: WorkerHealth) -> list[str]:
+    lines = []
+    if h.model is not None or h.device is not None:
+        version = f"  mlxq {h.version}" if h.version else ""
+        lines.append(f"model: {h.model or '-'}  device: {h.device or '-'}{version}")
+    if h.jobs_done is not None:
+        speed = f"{h.tokens_per_s:.1f}" if h.tokens_per_s is not None else "-"
+        lines.append(f"jobs_done: {h.jobs_done}  tokens/s: {speed} (last generation)")
+    if h.cache_lookups is not None:
+        rate = h.cache_hit_rate
+        share = f"{rate:.0%}" if rate is not None else "-"
+        lines.append(
+            f"prefix cache: hit rate {share} ({h.cache_hits or 0}/{h.cache_lookups} lookups, "
+            f"{h.cache_hit_tokens or 0} tokens reused)  "
+            f"bytes: {human_bytes(h.cache_bytes)} of {human_bytes(h.cache_budget_bytes)}"
+        )
+    elif h.model is not None:
+        lines.append("prefix cache: off")
+    if h.memory_active_bytes is not None:
+        lines.append(
+            f"memory: active {human_bytes(h.memory_active_bytes)}, "
+            f"peak {human_bytes(h.memory_peak_bytes)}, cache {human_bytes(h.memory_cache_bytes)}"
+        )
+    return lines
 
 
 def render(report: StatusReport) -> str:
@@ -115,9 +273,16 @@ def render(report: StatusReport) -> str:
     if not report.workers:
         lines.append("  (none)")
     for w in report.workers:
+        age = f"{w.heartbeat_age_s:.0f}s ago" if w.heartbeat_age_s is not None else "-"
         lines.append(
             f"  {w.name} state={w.state} queues={','.join(w.queues)} job={w.current_job or '-'} "
-            f"ok={w.successful_jobs} failed={w.failed_jobs} heartbeat={w.last_heartbeat or '-'}"
+            f"ok={w.successful_jobs} failed={w.failed_jobs} heartbeat={age} "
+            f"host={w.host or '-'} pid={w.pid if w.pid is not None else '-'}"
         )
-        lines.extend(f"    {k}: {v}" for k, v in w.stats.items())
+        lines.extend(f"    {line}" for line in _health_lines(w.health))
+    for u in report.unserved:
+        lines.append(f"warning: queue {u.name} has {u.queued} jobs and no worker")
+    for m in report.mixed:
+        served = "; ".join(f"{model} ({', '.join(names)})" for model, names in sorted(m.models.items()))
+        lines.append(f"warning: queue {m.name} is served by different models: {served}")
     return "\n".join(lines)

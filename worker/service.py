@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 import logging
+import os
+import socket
 from dataclasses import dataclass
+from typing import Any
 
 import mlx.core as mx
 import redis
 
-from jobs import keys, runtime
+from jobs import runtime
 
 from .engine import Engine, EngineOptions
 from .executor import JobExecutor
 from .job_claim import JobClaimer
+from .metrics import MetricsServer, StatsPublisher, require_prometheus
 from .rq_worker import BatchOptions, MlxqWorker
 from .score_claim import ClaimBudget, ScoreClaimer
 from .settings import WorkerSettings
@@ -31,6 +35,17 @@ def redis_from_url(url: str) -> redis.Redis:
     )
 
 
+class ServiceWorker(MlxqWorker):
+    """`MlxqWorker` whose RQ heartbeats also refresh its stats hash (see `StatsPublisher.on_heartbeat`)."""
+
+    stats: StatsPublisher | None = None
+
+    def heartbeat(self, timeout: int | None = None, pipeline: Any = None) -> None:
+        super().heartbeat(timeout, pipeline)
+        if self.stats is not None:
+            self.stats.on_heartbeat(timeout or self.worker_ttl + 60, pipeline)
+
+
 @dataclass
 class WorkerService:
     settings: WorkerSettings
@@ -38,11 +53,14 @@ class WorkerService:
     engine: Engine
     worker: MlxqWorker
     executor: JobExecutor
+    stats: StatsPublisher
 
     @classmethod
     def start(cls, settings: WorkerSettings, engine: Engine | None = None) -> WorkerService:
         """Load the model (unless given) and build the worker; nothing is dequeued yet."""
         conn = redis_from_url(settings.redis_url)
+        if settings.metrics_port is not None:
+            require_prometheus()  # before the model loads: a missing extra should fail fast
         if engine is None:
             dtype = None if settings.dtype == "auto" else settings.dtype
             engine = Engine.load(
@@ -65,7 +83,7 @@ class WorkerService:
             retry_attempts=settings.redis_retry_attempts,
             retry_max_wait_s=settings.redis_retry_max_wait_s,
         )
-        worker = MlxqWorker(
+        worker = ServiceWorker(
             settings.queues,
             connection=conn,
             name=settings.name,
@@ -89,24 +107,69 @@ class WorkerService:
                 admit_every=settings.batch_admit_every,
             )
             worker.job_claimer = JobClaimer(conn, worker.serializer)
-        worker.after_job = lambda: _publish_stats(conn, worker, executor)
+        stats = StatsPublisher(
+            conn,
+            worker.name,
+            lambda: _stats_fields(worker, executor),
+            model_path=settings.model,
+            ttl_s=worker.worker_ttl + 60,  # as RQ's heartbeat gives the worker's own key
+        )
+        worker.stats = stats
+        worker.after_job = stats.publish
         worker.publish_stats = worker.after_job
-        return cls(settings, conn, engine, worker, executor)
+        return cls(settings, conn, engine, worker, executor, stats)
 
     def work(self, *, burst: bool = False, max_jobs: int | None = None) -> int:
         """Serve jobs until stopped; returns a process exit code."""
         runtime.install(self.executor)
-        _publish_stats(self.conn, self.worker, self.executor)
+        _reclaim_name(self.conn, self.worker)
+        metrics = self._start_metrics()
+        self.stats.publish()
         try:
             self.worker.work(burst=burst, max_jobs=max_jobs, logging_level=self.settings.log_level)
         finally:
             runtime.install(None)
-            self.conn.delete(keys.worker_stats_key(self.worker.name))
+            if metrics is not None:
+                metrics.stop()
+            self.stats.remove()
         return 0
 
+    def _start_metrics(self) -> MetricsServer | None:
+        if self.settings.metrics_port is None:
+            return None
+        server = MetricsServer(self.stats, self.worker, self.conn)
+        self.stats.metrics_port = server.start(self.settings.metrics_port, self.settings.metrics_addr)
+        return server
 
-def _publish_stats(conn: redis.Redis, worker: MlxqWorker, executor: JobExecutor) -> None:
-    """Live numbers for `mlxq status`: a hash per worker, expiring if the worker dies."""
+
+def _reclaim_name(conn: redis.Redis, worker: MlxqWorker) -> None:
+    """Free a fixed worker name still registered by this host's previous, dead process (SIGKILL, OOM).
+
+    RQ refuses a name that is registered and alive, so a unit restarted after a crash would fail until
+    the dead process's key expired. Only a registration from this host whose process is gone is freed.
+    """
+    raw = conn.hmget(worker.key, ["hostname", "pid", "death"])
+    host, pid, death = (v.decode() if isinstance(v, bytes) else v for v in raw)
+    if host != socket.gethostname() or death is not None or not (pid or "").isdigit():
+        return
+    if int(pid) != os.getpid() and _pid_alive(int(pid)):
+        return  # a live worker of that name: RQ refuses to start a second one, as it should
+    log.warning("freeing worker name left by a dead process name=%s pid=%s", worker.name, pid)
+    worker.register_death()  # same name, same key: marks it dead so RQ's register_birth may take it
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's live process
+        return True
+    return True
+
+
+def _stats_fields(worker: MlxqWorker, executor: JobExecutor) -> dict[str, Any]:
+    """The worker's live numbers for `mlxq status` and Prometheus (published by `StatsPublisher`)."""
     stats = {
         "model": executor.engine.name,
         "device": str(mx.default_device()),
@@ -122,10 +185,4 @@ def _publish_stats(conn: redis.Redis, worker: MlxqWorker, executor: JobExecutor)
     if cache is not None:
         stats.update({f"cache_{k}": v for k, v in cache.stats.as_dict().items()})
         stats["cache_budget_bytes"] = cache.budget_bytes
-    try:
-        pipe = conn.pipeline(transaction=False)
-        pipe.hset(keys.worker_stats_key(worker.name), mapping=stats)
-        pipe.expire(keys.worker_stats_key(worker.name), max(worker.worker_ttl, 60))
-        pipe.execute()
-    except redis.RedisError as e:
-        log.warning("could not publish worker stats error=%s", e)
+    return stats

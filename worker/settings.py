@@ -59,4 +59,12 @@ class WorkerSettings(BaseSettings):
     redis_retry_attempts: int = Field(default=8, ge=1)
     redis_retry_max_wait_s: float = Field(default=5.0, gt=0.0)
 
+    metrics_port: int | None = Field(
+        default=None,
+        ge=0,
+        le=65535,
+        description="serve Prometheus metrics here (0: any free port); unset: off",
+    )
+    metrics_addr: str = Field(default="127.0.0.1", description="address the metrics endpoint binds")
+
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
