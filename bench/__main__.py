@@ -55,6 +55,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default="redis://127.0.0.1:6379/15",
         help="the Redis to use, or `private`: start a throw-away redis-server for this run [DB 15 of :6379]",
     )
+    p.add_argument("--render", metavar="JSON", help="only print (and rewrite the .md of) a saved result")
     p.add_argument("--cache-dir", default=str(Path.home() / ".cache" / "mlxq" / "bench-models"))
     return p.parse_args(argv)
 
@@ -68,6 +69,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     # `timeout` sends SIGTERM: exit through `finally` so workers stop and what was measured is written.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    if args.render:
+        saved = Path(args.render)
+        text = report.render(json.loads(saved.read_text()))
+        saved.with_suffix(".md").write_text(text + "\n")
+        print(text)
+        return 0
     if args.redis_url == "private":
         with private_redis() as url:
             args.redis_url = url

@@ -172,12 +172,6 @@ def render(result: dict[str, Any]) -> str:
         )
         rows = [[fn(k, r) for _, fn in PREFILL] for paths in p["rows"].values() for k, r in paths.items()]
         out.append(table([h for h, _ in PREFILL], rows))
-    if (c := figs.get("warm_cache")) and "rows" in c:
-        out.append(
-            f"\n### 4. Warm prefix cache ({c['prefix_tokens']}-token prefix twice, "
-            f"{c['tail_tokens']}-token tails; median of {c.get('reps', 1)})"
-        )
-        out.append(_columns(WARM, c["rows"]))
     if (sc := figs.get("scoring")) and "table" in sc:
         out.append(
             f"\n### 3. Scoring ({sc['rows']} rows sharing a {sc['prefix_tokens']}-token prefix, "
@@ -195,6 +189,12 @@ def render(result: dict[str, Any]) -> str:
                 out.append(
                     f"\nTokenizing the same rows otherwise ({name}: {_fmt(_ms(r['tokenize_s']))} ms): {alt}."
                 )
+    if (c := figs.get("warm_cache")) and "rows" in c:
+        out.append(
+            f"\n### 4. Warm prefix cache ({c['prefix_tokens']}-token prefix twice, "
+            f"{c['tail_tokens']}-token tails; median of {c.get('reps', 1)})"
+        )
+        out.append(_columns(WARM, c["rows"]))
     if (q := figs.get("queue")) and "table" in q:
         out.append(
             f"\n### 5. Queue overhead (tiny model, one-row score jobs of {q['prompt_tokens']} tokens, "
