@@ -51,6 +51,8 @@ class WorkerHealth:
     memory_active_bytes: int | None = None
     memory_peak_bytes: int | None = None
     memory_cache_bytes: int | None = None
+    active_sequences: int | None = None
+    max_batch_sequences: int | None = None
 
     @property
     def cache_hit_rate(self) -> float | None:
@@ -79,6 +81,8 @@ class WorkerHealth:
             memory_active_bytes=num("memory_bytes"),
             memory_peak_bytes=num("peak_memory_bytes"),
             memory_cache_bytes=num("memory_cache_bytes"),
+            active_sequences=num("active_sequences"),
+            max_batch_sequences=num("max_batch_sequences"),
         )
 
 
@@ -241,6 +245,9 @@ def _health_lines(h: WorkerHealth) -> list[str]:
     if h.jobs_done is not None:
         speed = f"{h.tokens_per_s:.1f}" if h.tokens_per_s is not None else "-"
         lines.append(f"jobs_done: {h.jobs_done}  tokens/s: {speed} (last generation)")
+    if h.active_sequences is not None:
+        limit = f" of {h.max_batch_sequences}" if h.max_batch_sequences is not None else ""
+        lines.append(f"generation batch: {h.active_sequences}{limit} sequences active")
     if h.cache_lookups is not None:
         rate = h.cache_hit_rate
         share = f"{rate:.0%}" if rate is not None else "-"

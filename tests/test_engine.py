@@ -179,3 +179,16 @@ def test_bad_candidates_name_the_row_and_candidate(engine: Engine) -> None:
         engine.score(ScoreRequest.model_validate({"rows": [{"prompt": "a", "candidates": ["<|im_end|>"]}]}))
     with pytest.raises(InvalidRequest, match="at most 64"):
         engine.score(ScoreRequest.model_validate({"rows": [{"prompt": "a", "candidates": [" the"]}] * 65}))
+
+
+def test_a_stop_string_completed_by_the_final_flush_still_stops(engine: Engine) -> None:
+    # Two stops, one inside the other: "cd" alone is held while "abcdef" could still match; at the end
+    # the held text is released up to "cd" and the finish reason is `stop`.
+    from worker.engine import TextRun
+
+    emitted: list[str] = []
+    run = TextRun(engine.tokenizer, ["abcdef", "cd"], lambda t, i: emitted.append(t))
+    for token in engine.tokenizer.encode("xxabcd", add_special_tokens=False):
+        assert not run.add(token)
+    assert run.finish("length") == "stop"
+    assert run.text == "xxab" == "".join(emitted)

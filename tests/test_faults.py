@@ -77,7 +77,7 @@ def test_a_poison_job_fails_after_its_retries_and_the_worker_lives(
 ) -> None:
     # Too long for the context: every attempt fails the same way, bounded by the retry count.
     poison = client.submit_generate("word " * 5000, max_tokens=2, retry=2)
-    good = client.submit_generate("hello", max_tokens=2)
+    good = client.submit_generate("hello", max_tokens=2, temperature=0, logit_bias=NO_EOS)
     worker = spawn_worker(model_dir, redis_url, "--burst", **FAST)
     assert worker.wait(60) == 0
     with pytest.raises(JobFailed, match="context length is 4096"):

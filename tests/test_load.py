@@ -85,7 +85,11 @@ def test_two_workers_ten_thousand_mixed_jobs(
     reliability_report: dict[str, Any],
 ) -> None:
     model = write_random_checkpoint(tmp_path / "tiny", {"max_position_embeddings": 256})
-    env = {"MLXQ_PREFIX_CACHE_BYTES": str(CACHE_BUDGET), "MLXQ_LOG_LEVEL": "WARNING"}
+    env = {
+        "MLXQ_PREFIX_CACHE_BYTES": str(CACHE_BUDGET),
+        "MLXQ_LOG_LEVEL": "WARNING",
+        "MLXQ_MLX_CACHE_LIMIT_BYTES": str(16 << 20),
+    }
     workers = [spawn_worker(model, redis_url, name=f"load{i}", **env) for i in range(2)]
     for w in workers:
         w.wait_ready()

@@ -12,7 +12,7 @@ def _paths(node: _Node, prefix: list[int], out: dict[int, list[int]]) -> None:
     here = prefix + node.span
     for row in node.rows:
         out[row] = here
-    for child in node.children.values():
+    for child in node.below():
         _paths(child, here, out)
 
 
@@ -40,3 +40,27 @@ def test_a_prompt_that_is_a_prefix_of_another_ends_inside() -> None:
     (node,) = root.children.values()
     assert node.span == [1, 2, 3] and node.rows == [1]
     assert computed_per_row(root, 2) == [5, 0]
+
+
+@given(
+    st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=40), min_size=1, max_size=20),
+    st.integers(2, 12),
+)
+def test_compaction_keeps_every_prompt_and_only_long_shared_spans(
+    prompts: list[list[int]], min_shared: int
+) -> None:
+    root = build_tree(prompts, min_shared)
+    found: dict[int, list[int]] = {}
+    _paths(root, [], found)
+    assert found == dict(enumerate(prompts))
+    computed = computed_per_row(root, len(prompts))
+    assert all(0 <= c <= len(p) for c, p in zip(computed, prompts, strict=True))
+    assert sum(computed) <= sum(len(p) for p in prompts)
+
+    def check(node: _Node) -> None:
+        for child in node.children.values():
+            if child.below():  # a span computed once for several rows is long, or has long spans below
+                assert len(child.span) >= min_shared or any(c.below() for c in child.children.values())
+            check(child)
+
+    check(root)

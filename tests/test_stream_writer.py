@@ -41,7 +41,8 @@ def test_tokens_are_batched_and_flushed_in_order(conn: redis.Redis) -> None:
     w.open(attempt=1)
     for i, t in enumerate(["a", "b", "c", "d", "e"]):
         w(t, [i])
-    assert len(conn.xrange(keys.stream_key("j1"))) == 1  # one flush after 3 tokens, 2 still buffered
+    # The first token at once, then one flush per 3 tokens: "a" | "bcd" | "e" still buffered.
+    assert len(conn.xrange(keys.stream_key("j1"))) == 2
     w.finish(
         _result("abcde"),
         DoneEvent(finish_reason="stop", prompt_tokens=4, completion_tokens=5, cached_tokens=0),
@@ -49,7 +50,7 @@ def test_tokens_are_batched_and_flushed_in_order(conn: redis.Redis) -> None:
     events = _events(conn, "j1")
     tokens = [e for e in events if isinstance(e, TokenEvent)]
     assert "".join(e.text for e in tokens) == "abcde"
-    assert [e.index for e in tokens] == [0, 3]
+    assert [e.index for e in tokens] == [0, 1, 4]
     assert [i for e in tokens for i in e.ids] == [0, 1, 2, 3, 4]
     assert events[-1].event == "done"
     assert json.loads(conn.get(keys.result_key("j1")))["text"] == "abcde"

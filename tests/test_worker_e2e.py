@@ -38,7 +38,10 @@ def no_eos(model_dir: Path) -> dict[int, float]:
 
 @pytest.fixture
 def worker(model_dir: Path, redis_url: str, tmp_path: Path) -> Iterator[WorkerProcess]:
-    w = WorkerProcess(model_dir, redis_url, tmp_path / "worker.log", "--queue", "default")
+    # One job at a time: these tests reason about which job is queued while another runs.
+    w = WorkerProcess(
+        model_dir, redis_url, tmp_path / "worker.log", "--queue", "default", MLXQ_MAX_BATCH_SEQUENCES="1"
+    )
     w.wait_ready()
     yield w
     w.stop()

@@ -25,6 +25,9 @@ def _worker_parser(sub: Any) -> None:
     p.add_argument("--name", help="worker name (default: RQ's)")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--prefill-chunk", type=int)
+    p.add_argument(
+        "--max-batch-sequences", type=int, help="generation jobs decoded together (1: one at a time)"
+    )
     p.add_argument("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     p.add_argument("--max-jobs", type=int, help="exit after this many jobs")
 
@@ -48,6 +51,7 @@ def settings_from_args(args: argparse.Namespace) -> WorkerSettings:
             "dtype": args.dtype,
             "prefill_chunk": args.prefill_chunk,
             "log_level": args.log_level,
+            "max_batch_sequences": args.max_batch_sequences,
         }.items()
         if v is not None
     }

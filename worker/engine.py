@@ -117,10 +117,6 @@ class Engine:
 
     def score_tokens(self, request: ScoreRequest) -> list[tuple[list[int], list[int]]]:
         """Per row: prompt tokens and candidate token ids, validated (prompts are never truncated)."""
-
-        def encode(text: str) -> list[int]:
-            return self.tokenizer.encode(text, add_special_tokens=request.add_special_tokens)
-
         if len(request.rows) > self.options.max_score_rows:
             raise InvalidRequest(
                 f"the score job has {len(request.rows)} rows; this worker takes at most "
@@ -134,7 +130,7 @@ class Engine:
                     f"{self.options.max_score_candidates} (MLXQ_MAX_SCORE_CANDIDATES)"
                 )
             prompt, cands = candidate_token_ids(
-                encode, self.tokenizer.special_ids, row.prompt, row.candidates, i
+                self.tokenizer, row.prompt, row.candidates, i, request.add_special_tokens
             )
             if len(prompt) >= self.context_length:
                 raise ContextTooLong(len(prompt), self.context_length)
@@ -154,12 +150,15 @@ class Engine:
         flat = [row for rows in jobs for row in rows]
         stats = ScoreStats()
         scorer = PrefixScorer(
-            self.model, prefix_cache=self.prefix_cache, prefill_chunk=self.options.prefill_chunk
+            self.model,
+            prefix_cache=self.prefix_cache,
+            prefill_chunk=self.options.prefill_chunk,
+            max_batch_rows=64,
         )
         logits = scorer.last_logits([p for p, _ in flat], stats)
+        scores = candidate_scores(logits, [cands for _, cands in flat])
         scored = []
-        for (prompt, cands), row_logits, computed in zip(flat, logits, stats.computed_per_row, strict=True):
-            raw, logprobs = candidate_scores(row_logits, cands)
+        for (prompt, _), (raw, logprobs), computed in zip(flat, scores, stats.computed_per_row, strict=True):
             scored.append(
                 ScoredRow(
                     logits=raw,
@@ -224,6 +223,7 @@ class Engine:
         finish: FinishReason = "length"
         try:
             logits = prefill(self.model, prompt[n_cached:], cache, self.options.prefill_chunk, cancelled)
+            mx.eval(logits)  # so the clock measures the prefill, not the building of its graph
             clock.prefilled()
             for token in decode(self.model, logits, cache, sampler, max_tokens):
                 clock.token()
@@ -237,7 +237,7 @@ class Engine:
         finally:  # what was computed stays useful: a retried, extended or repeated prompt reuses it
             if self.prefix_cache is not None:
                 self.prefix_cache.offer(prompt + run.ids, cache)
-        run.finish(stopped=finish == "stop")
+        finish = run.finish(finish)
         return self.generate_result(run, finish, prompt, n_cached, clock)
 
     def generate_result(
@@ -317,13 +317,20 @@ class TextRun:
         self._emit(safe)
         return stopped
 
-    def finish(self, stopped: bool) -> None:
-        """Release held-back text at a natural end (nothing after a stop string is ever shown)."""
-        if stopped and self.stops is not None:
+    def finish(self, reason: FinishReason) -> FinishReason:
+        """Release held-back text at the end (nothing after a stop string is ever shown).
+
+        Returns the final finish reason: `stop` if the released tail itself completes a stop string
+        (e.g. the last bytes of a character, or a longer stop that could still have matched).
+        """
+        if reason == "stop" and self.stops is not None:
             self._emit("")
-            return
+            return reason
         tail = self.detok.flush()
         if self.stops is not None:
-            safe, _ = self.stops.feed(tail)
-            tail = safe + self.stops.flush()
+            safe, hit = self.stops.feed(tail)
+            tail = safe if hit else safe + self.stops.flush()
+            if self.stops.stopped:
+                reason = "stop"
         self._emit(tail)
+        return reason

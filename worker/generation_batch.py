@@ -22,6 +22,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import mlx.core as mx
+
 from jobs.schema import FinishReason, GenerateRequest, GenerateResult
 
 from .engine import Engine, GenerationClock, TextRun, TokenSink
@@ -165,6 +167,7 @@ class GenerationBatch:
             logits = seq.prefill.advance()
             if logits is not None:
                 self.prefilling = None
+                mx.eval(logits)  # so the clock measures the prefill, not the building of its graph
                 seq.clock.prefilled()
                 if self.engine.prefix_cache is not None:  # batch-mates sharing the prompt reuse it now
                     self.engine.prefix_cache.offer(seq.prompt, seq.cache)
@@ -214,7 +217,7 @@ class GenerationBatch:
         try:
             if cache is not None and self.engine.prefix_cache is not None:
                 self.engine.prefix_cache.offer(seq.prompt + seq.run.ids, cache)
-            seq.run.finish(stopped=reason == "stop")
+            reason = seq.run.finish(reason)
             result = self.engine.generate_result(seq.run, reason, seq.prompt, seq.n_cached, seq.clock)
         except Exception as e:
             return Finished(seq.key, error=e)

@@ -9,7 +9,7 @@ a pad that sits after it. Only the positions whose logits are needed go through 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,6 +19,7 @@ from jobs.errors import InvalidCandidate
 
 from .kv_cache import broadcast_batch
 from .prefix_cache import PrefixCache
+from .tokenizer import Tokenizer
 
 
 @dataclass
@@ -33,32 +34,55 @@ class _Node:
     span: list[int]
     children: dict[int, _Node] = field(default_factory=dict)
     rows: list[int] = field(default_factory=list)  # rows whose prompt ends at this node's last token
+    flat: list[_Node] = field(default_factory=list)  # leaves of subtrees not worth sharing (`compact`)
+
+    def below(self) -> list[_Node]:
+        return [*self.children.values(), *self.flat]
+
+
+TAIL_TOKENS = 16  # prompt tokens re-encoded with each candidate (see `_appended`)
+
+
+def _appended(
+    tokenizer: Tokenizer, prompt: str, base: list[int], candidate: str, add_special_tokens: bool
+) -> tuple[int, bool, int]:
+    """How prompt+candidate tokenizes: (token count, whether the prompt's tokens are kept, last id).
+
+    Re-encoding a long prompt once per candidate dominated scoring time, so only the prompt's last
+    `TAIL_TOKENS` tokens are re-encoded with the candidate — when that tail is verified to encode to the
+    same ids on its own (tokenizers that add a prefix space, for example, fail the check and take the
+    full encode).
+    """
+    if len(base) > TAIL_TOKENS:
+        tail = base[-TAIL_TOKENS:]
+        tail_text = tokenizer.decode(tail)
+        if prompt.endswith(tail_text) and tokenizer.encode(tail_text, add_special_tokens=False) == tail:
+            ids = tokenizer.encode(tail_text + candidate, add_special_tokens=False)
+            return len(base) - TAIL_TOKENS + len(ids), ids[:TAIL_TOKENS] == tail, ids[-1]
+    ids = tokenizer.encode(prompt + candidate, add_special_tokens=add_special_tokens)
+    return len(ids), ids[: len(base)] == base, ids[-1]
 
 
 def candidate_token_ids(
-    encode: Callable[[str], list[int]],
-    special_ids: frozenset[int],
-    prompt: str,
-    candidates: Sequence[str],
-    row: int,
+    tokenizer: Tokenizer, prompt: str, candidates: Sequence[str], row: int, add_special_tokens: bool = True
 ) -> tuple[list[int], list[int]]:
     """Prompt tokens and, per candidate, the one ordinary token it appends; else `InvalidCandidate`."""
-    base = encode(prompt)
+    base = tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
     if not base:
         raise InvalidCandidate(f"row {row}: the prompt is empty (it encodes to no tokens)")
     out = []
     for cand in candidates:
-        ids = encode(prompt + cand)
-        if len(ids) != len(base) + 1 or ids[: len(base)] != base:
+        n, kept, last = _appended(tokenizer, prompt, base, cand, add_special_tokens)
+        if n != len(base) + 1 or not kept:
             raise InvalidCandidate(
                 f"row {row}: candidate {cand!r} does not add exactly one token to the prompt "
-                f"(prompt is {len(base)} tokens, prompt+candidate is {len(ids)} tokens"
-                + (", and the prompt's own tokens change" if ids[: len(base)] != base else "")
+                f"(the prompt is {len(base)} tokens, prompt+candidate is {n}"
+                + ("" if kept else ", and the prompt's own tokens change")
                 + ")"
             )
-        if ids[-1] in special_ids:
-            raise InvalidCandidate(f"row {row}: candidate {cand!r} is a special token (id {ids[-1]})")
-        out.append(ids[-1])
+        if last in tokenizer.special_ids:
+            raise InvalidCandidate(f"row {row}: candidate {cand!r} is a special token (id {last})")
+        out.append(last)
     return base, out
 
 
@@ -80,12 +104,39 @@ def _insert(root: _Node, tokens: list[int], row: int) -> None:
     node.rows.append(row)
 
 
-def build_tree(prompts: Sequence[list[int]]) -> _Node:
-    """Radix tree of prompts; identical prompts share one node."""
+def build_tree(prompts: Sequence[list[int]], min_shared: int = 0) -> _Node:
+    """Radix tree of prompts; identical prompts share one node. See `compact` for `min_shared`."""
     root = _Node(span=[])
     for row, tokens in enumerate(prompts):
         _insert(root, tokens, row)
+    if min_shared > 1:
+        compact(root, min_shared)
     return root
+
+
+def _flatten(node: _Node, prefix: list[int]) -> list[_Node]:
+    here = prefix + node.span
+    out = [_Node(span=here, rows=list(node.rows))] if node.rows else []
+    for child in node.below():
+        out.extend(_flatten(child, here))
+    return out
+
+
+def compact(node: _Node, min_shared: int) -> None:
+    """Fold subtrees whose shared spans are all shorter than `min_shared` into plain leaves.
+
+    A shared span costs a batch-1 forward of its own and splits its rows into separate batches; a few
+    tokens common to some rows (a first word, a space) are cheaper to recompute inside one padded batch.
+    """
+    for key, child in list(node.children.items()):
+        compact(child, min_shared)
+        if (
+            child.below()
+            and len(child.span) < min_shared
+            and not any(c.below() for c in child.children.values())
+        ):
+            del node.children[key]
+            node.flat.extend(_flatten(child, []))
 
 
 class PrefixScorer:
@@ -103,23 +154,25 @@ class PrefixScorer:
         prefill_chunk: int = 2048,
         max_batch_rows: int = 32,
         max_batch_tokens: int = 8192,
+        min_shared: int = 32,
     ) -> None:
         self.model = model
         self.prefix_cache = prefix_cache
         self.prefill_chunk = prefill_chunk
         self.max_batch_rows = max_batch_rows
         self.max_batch_tokens = max_batch_tokens
+        self.min_shared = min_shared
 
     def last_logits(self, prompts: Sequence[list[int]], stats: ScoreStats | None = None) -> list[mx.array]:
         """One (vocab,) float32 logits array per prompt: the distribution of the token after it."""
         stats = stats if stats is not None else ScoreStats()
         out: list[mx.array | None] = [None] * len(prompts)
-        root = build_tree(prompts)
+        root = build_tree(prompts, self.min_shared)
         reused: dict[int, int] = {}  # id(node) -> its tokens taken from the prefix cache
         leaves = []
-        for child in root.children.values():
+        for child in root.below():
             hit = self.prefix_cache.peek(child.span) if self.prefix_cache is not None else 0
-            if not (hit or child.children or len(child.span) > self.prefill_chunk):
+            if not (hit or child.below() or len(child.span) > self.prefill_chunk):
                 leaves.append(child)
                 continue
             if hit and self.prefix_cache is not None:
@@ -139,8 +192,8 @@ class PrefixScorer:
         if self.prefix_cache is not None:
             self.prefix_cache.offer(prefix, cache)
         leaves = []
-        for child in node.children.values():
-            if child.children or len(child.span) > self.prefill_chunk:
+        for child in node.below():
+            if child.below() or len(child.span) > self.prefill_chunk:
                 self._extend(child, cache, out, stats)
                 self._visit(child, prefix + child.span, cache, out, stats)
                 for c in cache:
@@ -213,18 +266,29 @@ def computed_per_row(root: _Node, n_rows: int, reused: dict[int, int] | None = N
     reused = reused or {}
 
     def first_row(node: _Node) -> int:
-        firsts = [first_row(c) for c in node.children.values()] + node.rows
+        firsts = [first_row(c) for c in node.below()] + node.rows
         first = min(firsts)
         computed[first] += len(node.span) - reused.get(id(node), 0)
         return first
 
-    for child in root.children.values():
+    for child in root.below():
         first_row(child)
     return computed
 
 
-def candidate_scores(logits: mx.array, candidate_ids: list[int]) -> tuple[list[float], list[float]]:
-    """Raw logits and full-vocabulary log-probabilities of the candidates."""
-    lse = mx.logsumexp(logits)
-    picked = logits[mx.array(candidate_ids)]
-    return picked.tolist(), (picked - lse).tolist()
+def candidate_scores(
+    logits: list[mx.array], candidate_ids: list[list[int]]
+) -> list[tuple[list[float], list[float]]]:
+    """Per row: the candidates' raw logits and full-vocabulary log-probabilities (one device sync)."""
+    table = mx.stack(logits)  # (rows, vocab)
+    rows = mx.array([r for r, cands in enumerate(candidate_ids) for _ in cands])
+    cols = mx.array([c for cands in candidate_ids for c in cands])
+    picked = table[rows, cols]
+    lse = mx.logsumexp(table, axis=-1)[rows]
+    raw, logprobs = picked.tolist(), (picked - lse).tolist()
+    out, start = [], 0
+    for cands in candidate_ids:
+        end = start + len(cands)
+        out.append((raw[start:end], logprobs[start:end]))
+        start = end
+    return out

@@ -59,6 +59,8 @@ class WorkerService:
     def start(cls, settings: WorkerSettings, engine: Engine | None = None) -> WorkerService:
         """Load the model (unless given) and build the worker; nothing is dequeued yet."""
         conn = redis_from_url(settings.redis_url)
+        # MLX keeps freed buffers for reuse; varied prompt and batch shapes would otherwise grow it unbounded.
+        mx.set_cache_limit(settings.mlx_cache_limit_bytes)
         if settings.metrics_port is not None:
             require_prometheus()  # before the model loads: a missing extra should fail fast
         if engine is None:

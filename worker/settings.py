@@ -30,7 +30,7 @@ class WorkerSettings(BaseSettings):
     )
     score_batch_jobs: int = Field(default=64, ge=1)
     max_batch_sequences: int = Field(
-        default=1,
+        default=8,
         ge=1,
         description="generation jobs decoded together in one running batch; 1: one job at a time",
     )
@@ -66,5 +66,11 @@ class WorkerSettings(BaseSettings):
         description="serve Prometheus metrics here (0: any free port); unset: off",
     )
     metrics_addr: str = Field(default="127.0.0.1", description="address the metrics endpoint binds")
+
+    mlx_cache_limit_bytes: int = Field(
+        default=1 << 30,
+        ge=0,
+        description="freed MLX buffers kept for reuse; bounds memory under varied shapes",
+    )
 
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"

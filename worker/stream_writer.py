@@ -93,7 +93,8 @@ class StreamWriter:
         self._text.append(text)
         self._ids.extend(ids)
         elapsed_ms = (time.monotonic() - self._last_flush) * 1000
-        if len(self._ids) >= self.options.flush_tokens or elapsed_ms >= self.options.flush_ms:
+        first = self._index == 0  # the first token goes out at once: it is what a reader waits for
+        if first or len(self._ids) >= self.options.flush_tokens or elapsed_ms >= self.options.flush_ms:
             self.flush()
 
     def flush(self) -> None:
