@@ -79,6 +79,7 @@ def test_generation_streams_the_text_it_returns(
     assert done.completion_tokens == result.usage.completion_tokens == 40
     assert done.prompt_tokens == result.usage.prompt_tokens > 10
     assert result.finish_reason == done.finish_reason == "length"
+    assert result.timings.queued_s is not None and 0 <= result.timings.queued_s < 30
     _eventually(lambda: job.status() == "finished")  # RQ's bookkeeping follows the result key
     # The same job, submitted again, finds its prompt in the warm prefix cache.
     again = client.submit_generate(PROMPT, max_tokens=40, temperature=0, logit_bias=no_eos).result(timeout=30)

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from datetime import timezone
 from typing import Any
 
 import redis
 from rq import get_current_job
 from rq.job import Job
+from rq.utils import now
 
 from jobs import parse_score
 from jobs.schema import DoneEvent, GenerateRequest, GenerateResult, ScoreRequest, ScoreResult
@@ -43,6 +45,7 @@ class JobExecutor:
         self.cancelled = cancelled
         self.jobs_done = 0
         self.last_tokens_per_s: float | None = None
+        self._queued_s: dict[str, float] = {}  # job id -> seconds from enqueue to its stream opening
 
     def open_stream(self, job_id: str, job: Job | None = None) -> StreamWriter:
         """The job's stream writer, opened (a `restart` entry if an earlier attempt wrote to it).
@@ -55,6 +58,9 @@ class JobExecutor:
             attempt = int(job.meta.get(ATTEMPT_META, 0)) + 1
             job.meta[ATTEMPT_META] = attempt
             job.save_meta()
+            if job.enqueued_at is not None:
+                enqueued = job.enqueued_at.replace(tzinfo=job.enqueued_at.tzinfo or timezone.utc)
+                self._queued_s[job_id] = max(0.0, (now() - enqueued).total_seconds())
         writer = StreamWriter(self.conn, job_id, self.stream_options)
         writer.open(attempt=attempt)
         return writer
@@ -62,11 +68,18 @@ class JobExecutor:
     def generate(self, job_id: str, request: GenerateRequest) -> GenerateResult:
         writer = self.open_stream(job_id)
         result = self.engine.generate(request, writer, cancelled=lambda: self.cancelled(job_id))
-        self.finish_generate(job_id, writer, result)
-        return result
+        return self.finish_generate(job_id, writer, result)
 
-    def finish_generate(self, job_id: str, writer: StreamWriter, result: GenerateResult) -> None:
-        """Write a generation job's `done` event and result key (after its text went through `writer`)."""
+    def finish_generate(self, job_id: str, writer: StreamWriter, result: GenerateResult) -> GenerateResult:
+        """Write a generation job's `done` event and result key (after its text went through `writer`).
+
+        Returns the result as stored: with the time the job waited in the queue.
+        """
+        queued_s = self._queued_s.pop(job_id, None)
+        if queued_s is not None:
+            result = result.model_copy(
+                update={"timings": result.timings.model_copy(update={"queued_s": queued_s})}
+            )
         t = result.timings
         done = DoneEvent(
             finish_reason=result.finish_reason,
@@ -82,15 +95,25 @@ class JobExecutor:
         self.last_tokens_per_s = t.decode_tokens_per_s
         log.info(
             "generate done job=%s finish=%s prompt_tokens=%d cached_tokens=%d completion_tokens=%d "
-            "ttft_s=%.3f tokens_per_s=%.1f",
+            "queued_s=%.3f ttft_s=%.3f tokens_per_s=%.1f%s",
             job_id,
             result.finish_reason,
             result.usage.prompt_tokens,
             result.usage.cached_tokens,
             result.usage.completion_tokens,
+            t.queued_s or 0.0,
             t.ttft_s or 0.0,
             t.decode_tokens_per_s or 0.0,
+            self._cache_fields(),
         )
+        return result
+
+    def _cache_fields(self) -> str:
+        cache = self.engine.prefix_cache
+        if cache is None:
+            return ""
+        s = cache.stats
+        return f" cache_hits={s.hits}/{s.lookups} cache_hit_tokens={s.hit_tokens} cache_bytes={s.bytes}"
 
     def score(self, job_id: str, request: ScoreRequest) -> ScoreResult:
         result = self.engine.score(request)
@@ -118,10 +141,12 @@ class JobExecutor:
         )
         writer.finish(result, done)
         self.jobs_done += 1
+        self._queued_s.pop(job_id, None)
         log.info(
-            "score done job=%s rows=%d input_tokens=%d cached_tokens=%d",
+            "score done job=%s rows=%d input_tokens=%d cached_tokens=%d%s",
             job_id,
             len(result.rows),
             result.input_tokens,
             result.cached_tokens,
+            self._cache_fields(),
         )

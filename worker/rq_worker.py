@@ -335,8 +335,8 @@ class MlxqWorker(SimpleWorker):
             return
         assert done.result is not None and entry.writer is not None
         try:
-            self.executor.finish_generate(job.id, entry.writer, done.result)
-            self._finalize_success(job, queue, execution, done.result.model_dump(mode="json"))
+            result = self.executor.finish_generate(job.id, entry.writer, done.result)
+            self._finalize_success(job, queue, execution, result.model_dump(mode="json"))
         except Exception:
             self._finalize_failure(job, queue, execution, sys.exc_info())
 
