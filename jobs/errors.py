@@ -30,6 +30,10 @@ class InvalidCandidate(InvalidRequest):
     """A scoring candidate that does not add exactly one ordinary token to its prompt."""
 
 
+class OutOfMemory(MlxqError):
+    """The worker could not allocate what a job needs, even after freeing its caches."""
+
+
 class ForbiddenJob(MlxqError):
     """A job that names a function other than mlxq's own, or a payload that is not JSON."""
 

@@ -32,7 +32,7 @@ from worker.tiny_model import write_random_checkpoint
 
 REDIS_DB = 4
 # What a failed job may say: mlxq's own errors, each with a message written for a person.
-READABLE = ("InvalidRequest", "ContextTooLong", "InvalidCandidate", "ForbiddenJob")
+READABLE = ("InvalidRequest", "ContextTooLong", "InvalidCandidate", "ForbiddenJob", "OutOfMemory")
 
 texts = st.text(st.characters(codec="utf-8"), max_size=40)
 numbers = st.one_of(

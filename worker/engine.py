@@ -6,6 +6,7 @@ in a worker, a list in tests) and checks a `cancelled` callable between prefill 
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from collections.abc import Callable
@@ -30,6 +31,7 @@ from jobs.schema import (
 from .detokenizer import IncrementalDetokenizer
 from .generate import GenerationCancelled, decode, prefill
 from .loader import load_model, resolve_model_path
+from .memory_guard import with_memory_retry
 from .prefix_cache import PrefixCache
 from .sampler import Sampler
 from .scoring import PrefixScorer, ScoreStats, candidate_scores, candidate_token_ids
@@ -146,7 +148,12 @@ class Engine:
 
         All rows go into one prefix tree, so a prefix shared across jobs is computed once. A row's
         `cached_tokens` counts prompt tokens it did not compute itself (shared, or from the cache).
+        Out of memory: caches are emptied and the rows scored once more.
         """
+        rows = sum(len(j) for j in jobs)
+        return with_memory_retry(lambda: self._score_many(jobs), self.free_memory, f"scoring {rows} rows")
+
+    def _score_many(self, jobs: list[list[tuple[list[int], list[int]]]]) -> list[ScoreResult]:
         flat = [row for rows in jobs for row in rows]
         stats = ScoreStats()
         scorer = PrefixScorer(
@@ -212,10 +219,37 @@ class Engine:
             return "cancelled"
         return None
 
+    def free_memory(self) -> None:
+        """Give back what can be rebuilt: the prefix cache and MLX's pool of freed buffers."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.evict_all()
+        gc.collect()
+        mx.clear_cache()
+
     def generate(
         self, request: GenerateRequest, sink: TokenSink, cancelled: Callable[[], bool] = lambda: False
     ) -> GenerateResult:
-        """Generate for one request, reporting text deltas to `sink`; returns the final result."""
+        """Generate for one request, reporting text deltas to `sink`; returns the final result.
+
+        Out of memory before any text was streamed: caches are emptied and the request runs once more.
+        """
+        streamed = False
+
+        def tracked(text: str, ids: list[int]) -> None:
+            nonlocal streamed
+            streamed = True
+            sink(text, ids)
+
+        return with_memory_retry(
+            lambda: self._generate(request, tracked, cancelled),
+            self.free_memory,
+            f"a generation of up to {request.max_tokens} tokens",
+            may_retry=lambda: not streamed,
+        )
+
+    def _generate(
+        self, request: GenerateRequest, sink: TokenSink, cancelled: Callable[[], bool]
+    ) -> GenerateResult:
         clock = GenerationClock()
         prompt, max_tokens, sampler = self.prepare_generation(request)
         run = TextRun(self.tokenizer, request.stop, sink)
@@ -234,11 +268,23 @@ class Engine:
         except GenerationCancelled:
             finish = "cancelled"
             clock.prefilled()
-        finally:  # what was computed stays useful: a retried, extended or repeated prompt reuses it
-            if self.prefix_cache is not None:
-                self.prefix_cache.offer(prompt + run.ids, cache)
+        except BaseException:
+            self._offer(prompt + run.ids, cache, failing=True)
+            raise
+        self._offer(prompt + run.ids, cache)
         finish = run.finish(finish)
         return self.generate_result(run, finish, prompt, n_cached, clock)
+
+    def _offer(self, tokens: list[int], cache: list[Any], failing: bool = False) -> None:
+        """What was computed stays useful: a retried, extended or repeated prompt reuses it."""
+        if self.prefix_cache is None:
+            return
+        try:
+            self.prefix_cache.offer(tokens, cache)
+        except Exception:
+            if not failing:
+                raise
+            log.warning("could not keep a failed job's prefix in the cache", exc_info=True)
 
     def generate_result(
         self, run: TextRun, finish: FinishReason, prompt: list[int], n_cached: int, clock: GenerationClock

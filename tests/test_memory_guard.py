@@ -1,0 +1,104 @@
+"""Out of memory: the engine empties its caches and tries once more, else the job fails clearly.
+
+MLX on the Linux CPU build cannot be made to fail an allocation on purpose (its memory limit is not
+enforced there, and a refused allocation ends the process), so the model raises MLX's own Metal
+message here, the way a GPU worker sees it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from jobs.errors import OutOfMemory
+from jobs.schema import GenerateRequest, ScoreRequest
+from worker.engine import Engine
+from worker.tiny_model import write_random_checkpoint
+
+METAL_OOM = (
+    "[metal::malloc] Attempting to allocate 9663676416 bytes which is greater than the maximum allowed"
+)
+PROMPT = "The capital of France is Paris. " * 6
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_random_checkpoint(tmp_path_factory.mktemp("tiny"), {"max_position_embeddings": 1024})
+
+
+@pytest.fixture
+def engine(model_dir: Path) -> Engine:
+    return Engine.load(str(model_dir))
+
+
+def _fail(
+    monkeypatch: pytest.MonkeyPatch,
+    engine: Engine,
+    method: str,
+    times: int,
+    message: str = METAL_OOM,
+    after: int = 0,
+) -> list[int]:
+    """Make the model's `method` raise `message` on calls after+1 .. after+times; returns the call count."""
+    cls = type(engine.model)
+    real = getattr(cls, method)
+    calls = [0]
+
+    def flaky(self: Any, *args: Any, **kwargs: Any) -> Any:
+        calls[0] += 1
+        if after < calls[0] <= after + times:
+            raise RuntimeError(message)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(cls, method, flaky)
+    return calls
+
+
+def _generate(engine: Engine, **fields: Any) -> Any:
+    req = GenerateRequest(prompt=PROMPT, temperature=0, logit_bias={0: -100.0, 2: -100.0}, **fields)
+    return engine.generate(req, lambda text, ids: None)
+
+
+def test_one_allocation_failure_empties_the_caches_and_the_job_succeeds(
+    engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    expected = _generate(engine, max_tokens=8).token_ids
+    assert engine.prefix_cache is not None and engine.prefix_cache.stats.bytes > 0
+    _fail(monkeypatch, engine, "hidden", times=1)
+    result = _generate(engine, max_tokens=8)
+    assert result.token_ids == expected
+    assert result.usage.cached_tokens == 0  # the prefix cache was emptied before the retry
+    assert engine.prefix_cache.stats.evictions > 0
+
+
+def test_a_second_failure_fails_the_job_with_a_clear_error(
+    engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _fail(monkeypatch, engine, "hidden", times=2)
+    with pytest.raises(OutOfMemory, match=r"even after emptying its caches.*metal::malloc"):
+        _generate(engine, max_tokens=8)
+    assert len(_generate(engine, max_tokens=3).token_ids) == 3  # the engine is fine afterwards
+
+
+def test_no_retry_once_text_was_streamed(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    _fail(monkeypatch, engine, "__call__", times=1, after=3)  # during decoding
+    with pytest.raises(OutOfMemory, match="ran out of memory for a generation"):
+        _generate(engine, max_tokens=20)
+
+
+def test_other_runtime_errors_are_not_mistaken_for_memory(
+    engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls = _fail(monkeypatch, engine, "hidden", times=1, message="[reshape] Cannot reshape array")
+    with pytest.raises(RuntimeError, match="reshape"):
+        _generate(engine, max_tokens=4)
+    assert calls[0] == 1  # not retried
+
+
+def test_scoring_retries_once_too(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    req = ScoreRequest.model_validate({"rows": [{"prompt": PROMPT, "candidates": [" the", " a"]}]})
+    expected = engine.score(req).rows[0].logits
+    _fail(monkeypatch, engine, "hidden", times=1)
+    assert engine.score(req).rows[0].logits == pytest.approx(expected, rel=1e-5)
