@@ -1,40 +1,51 @@
-"""Batched generation through the queue: aggregate tokens/s and per-job latency, batched vs one at a time.
+"""Batched generation: aggregate tokens/s and per-job latency for N concurrent jobs, four ways.
 
-    python -m bench.batch_generate [--model PATH] [--sizes 1,8,32] [--max-tokens 64]
+    python -m bench.batch_generate [--model tiny|llama-1b|PATH] [--sizes 1,8,32,64] [--max-tokens 64]
+        [--batch N] [--redis-url URL|private] [--out DIR --label NAME] [--no-inproc]
 
-For each size N, N generation jobs are enqueued at once (one pipeline, as a bulk producer would) into a
-fresh queue served by one real `mlxq worker` process, and every job's stream is read back (XREAD from
-0-0, each entry timed on arrival). The same jobs run twice: through a worker with
-`MLXQ_MAX_BATCH_SEQUENCES=1` (one job at a time, today's path) and through one that batches up to
-`--batch` sequences. Jobs are greedy with EOS masked, so each writes exactly `--max-tokens` tokens and
-both paths must return identical token ids (checked, and printed).
+For each size N the same N jobs run
+- through the queue, one at a time: one real worker (`bench.worker_proc`, i.e. `mlxq worker` plus
+  timers) with `MLXQ_MAX_BATCH_SEQUENCES=1`;
+- through the queue, batched: a worker with `MLXQ_MAX_BATCH_SEQUENCES=--batch` (default: the largest
+  size). Jobs are enqueued at once (one pipeline, as a bulk producer would) and every job's stream is
+  read back (XREAD from 0-0, each entry timed on arrival);
+- in this process, no Redis: the worker's own `GenerationBatch` on an `Engine`, all N admitted at once,
+  stepped until empty (what the batched worker does, minus RQ and the streams);
+- in this process: mlx-lm's `BatchGenerator` (continuous batching, mlx-lm 0.32.2) on the same prompt
+  ids, `completion_batch_size=N`, its default `prefill_batch_size` (8), greedy with the same EOS mask.
 
-Without `--model` a tiny random-weight checkpoint is written to a temporary folder (CPU-sized). On a
-GPU host point `--model` at a real checkpoint and raise `--sizes`/`--batch`.
+Jobs are greedy with EOS masked (`logit_bias`), so each writes exactly `--max-tokens` tokens; the paths'
+token ids are compared with the one-at-a-time run's (rows identical / N). "agg tok/s" is all generated
+tokens over enqueue (or call) → last job done, prefill included; "decode tok/s" is the tokens that
+arrived after every job had its first token, over that window (the steady batched decode). Each worker
+first runs every size once with 4 tokens (new shapes compile once per process), then the measured runs.
+The batched worker's phase timers (`bench/worker_proc.py`: batch steps, prefill, forward, stream
+flushes, claims, retire) split its wall time. `--out` writes `LABEL.json` and `LABEL.md`.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-import uuid
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import redis
 from rq import Queue
-from rq.serializers import JSONSerializer
 
 from jobs import keys
 
-ROOT = Path(__file__).resolve().parent.parent
+from .checkpoints import checkpoint
+from .queue_client import BenchWorker, private_redis
+
 WORDS = [
     "the",
     "queue",
@@ -53,6 +64,7 @@ WORDS = [
     "at",
     "once",
 ]
+EOS_MASK = {"0": -100.0, "1": -100.0, "2": -100.0}
 
 
 @dataclass
@@ -64,47 +76,21 @@ class Run:
     latencies: list[float]
     ttfts: list[float]
     token_ids: list[list[int]]
+    decode_window_tokens: int = 0  # tokens that arrived after every job had its first one
+    decode_window_s: float = 0.0
+    prompt_tokens: list[int] = field(default_factory=list)
+    phases: dict[str, float] = field(default_factory=dict)  # the worker's timers (queue paths)
+    same_rows: int | None = None  # rows whose token ids equal the one-at-a-time run's
 
     @property
     def tokens_per_s(self) -> float:
         return self.tokens / max(self.wall_s, 1e-9)
 
-
-class Worker:
-    """One `mlxq worker` process on its own queue."""
-
-    def __init__(self, model: str, redis_url: str, max_batch: int, log_path: Path) -> None:
-        self.queue_name = f"bench-batch-{max_batch}-{uuid.uuid4().hex[:8]}"
-        env = {
-            **os.environ,
-            "PYTHONPATH": str(ROOT),
-            "MLXQ_MAX_BATCH_SEQUENCES": str(max_batch),
-            "MLXQ_LOG_LEVEL": "WARNING",
-        }
-        cmd = [sys.executable, "-m", "producer.cli", "worker", "--model", model, "--redis-url", redis_url]
-        cmd += ["--queue", self.queue_name, "--name", self.queue_name]
-        self._log = open(log_path, "w")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=self._log, stderr=subprocess.STDOUT)
-        self.conn = redis.Redis.from_url(redis_url)
-        self.queue = Queue(self.queue_name, connection=self.conn, serializer=JSONSerializer)
-
-    def wait_ready(self, timeout: float = 600.0) -> None:
-        deadline = time.monotonic() + timeout
-        while not self.conn.exists(keys.worker_stats_key(self.queue_name)):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"worker did not start (exit {self.proc.poll()}); see {self._log.name}")
-            time.sleep(0.1)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        self._log.close()
-        self.queue.delete(delete_jobs=True)
+    @property
+    def decode_tokens_per_s(self) -> float | None:
+        if self.decode_window_s <= 0 or self.decode_window_tokens <= 0:
+            return None
+        return self.decode_window_tokens / self.decode_window_s
 
 
 def _payloads(n: int, max_tokens: int, prompt_words: int, tag: str) -> list[dict[str, Any]]:
@@ -117,18 +103,25 @@ def _payloads(n: int, max_tokens: int, prompt_words: int, tag: str) -> list[dict
                 "prompt": f"{tag}{i}: " + " ".join(words),
                 "max_tokens": max_tokens,
                 "temperature": 0,
-                "logit_bias": {"0": -100.0, "1": -100.0, "2": -100.0},
+                "logit_bias": dict(EOS_MASK),
             }
         )
     return out
 
 
-def run_jobs(worker: Worker, payloads: list[dict[str, Any]], mode: str, timeout: float) -> Run:
+def _decode_window(arrivals: list[tuple[float, int]], all_started: float, end: float) -> tuple[int, float]:
+    """Tokens that arrived strictly after `all_started`, and the window's length."""
+    n = sum(count for t, count in arrivals if t > all_started)
+    return n, max(0.0, end - all_started)
+
+
+def run_jobs(worker: BenchWorker, payloads: list[dict[str, Any]], mode: str, timeout: float) -> Run:
     """Enqueue all payloads at once; follow every stream to its end."""
     datas = [
         Queue.prepare_data(keys.GENERATE_FUNC, args=(p,), timeout=3600, result_ttl=600) for p in payloads
     ]
     conn = worker.conn
+    since = time.time()
     t0 = time.perf_counter()
     with conn.pipeline() as pipe:
         jobs = worker.queue.enqueue_many(datas, pipeline=pipe)
@@ -136,6 +129,7 @@ def run_jobs(worker: Worker, payloads: list[dict[str, Any]], mode: str, timeout:
     ids = [str(j.id) for j in jobs]
     first: dict[str, float] = {}
     ended: dict[str, float] = {}
+    arrivals: list[tuple[float, int]] = []
     cursor = {keys.stream_key(j): "0-0" for j in ids}
     owner = {keys.stream_key(j): j for j in ids}
     deadline = time.monotonic() + timeout
@@ -151,6 +145,7 @@ def run_jobs(worker: Worker, payloads: list[dict[str, Any]], mode: str, timeout:
                 job_id = owner[key]
                 if event == "token":
                     first.setdefault(job_id, now)
+                    arrivals.append((now, len(json.loads(fields[b"ids"]))))
                 elif event in ("done", "error"):
                     if event == "error":
                         raise RuntimeError(f"job {job_id} failed: {fields[b'message'].decode()}")
@@ -158,15 +153,134 @@ def run_jobs(worker: Worker, payloads: list[dict[str, Any]], mode: str, timeout:
                     del cursor[key]
                     break
     results = [json.loads(conn.get(keys.result_key(j)) or b"{}") for j in ids]
+    end = max(ended.values())
+    all_started = max(first.values()) if len(first) == len(ids) else end
+    window_tokens, window_s = _decode_window(arrivals, all_started, end)
+    time.sleep(0.05)  # the worker's timer record of the job that ran the batch is written after `done`
+    phases: dict[str, float] = {}
+    for rec in worker.records(since):
+        if rec.get("fn") == "execute_job":
+            phases["execute_job_s"] = phases.get("execute_job_s", 0.0) + rec["s"]
+            phases["execute_job"] = phases.get("execute_job", 0) + 1
+            for k, v in (rec.get("batch") or {}).items():
+                phases[k] = phases.get(k, 0) + v
     return Run(
         mode=mode,
         jobs=len(ids),
-        wall_s=max(ended.values()) - t0,
+        wall_s=end - t0,
         tokens=sum(r["usage"]["completion_tokens"] for r in results),
         latencies=[ended[j] - t0 for j in ids],
         ttfts=[first[j] - t0 for j in ids if j in first],
         token_ids=[r["token_ids"] for r in results],
+        decode_window_tokens=window_tokens,
+        decode_window_s=window_s,
+        prompt_tokens=[r["usage"]["prompt_tokens"] for r in results],
+        phases=phases,
     )
+
+
+# --- in this process: the engine's GenerationBatch, and mlx-lm's BatchGenerator ----------------------
+
+
+class _NoSink:
+    def __call__(self, text: str, ids: list[int]) -> None:
+        pass
+
+
+def run_engine_batch(engine: Any, payloads: list[dict[str, Any]], max_batch: int) -> Run:
+    """The worker's `GenerationBatch`, all requests admitted at once, stepped until empty; no Redis."""
+    import mlx.core as mx
+
+    from jobs.schema import GenerateRequest
+    from worker.generation_batch import GenerationBatch
+
+    mx.synchronize()
+    t0 = time.perf_counter()
+    batch = GenerationBatch(engine, max(max_batch, 1), 2 << 30)
+    keys_ = [f"r{i}" for i in range(len(payloads))]
+    for key, p in zip(keys_, payloads, strict=True):
+        batch.admit(key, GenerateRequest(**p), _NoSink(), lambda: False)
+    results: dict[str, Any] = {}
+    ended: dict[str, float] = {}
+    first_all: float | None = None
+    arrivals: list[tuple[float, int]] = []
+    while len(batch):
+        decoding_before = len(batch.decoding)
+        for done in batch.step():
+            if done.error is not None:
+                raise done.error
+            results[done.key] = done.result
+            ended[done.key] = time.perf_counter()
+        now = time.perf_counter()
+        if first_all is None and not batch.waiting and batch.prefilling is None:
+            first_all = now
+        elif first_all is not None:
+            arrivals.append((now, decoding_before))
+    end = max(ended.values())
+    window_tokens, window_s = _decode_window(arrivals, first_all or end, end)
+    res = [results[k] for k in keys_]
+    return Run(
+        mode="engine GenerationBatch (no queue)",
+        jobs=len(payloads),
+        wall_s=end - t0,
+        tokens=sum(r.usage.completion_tokens for r in res),
+        latencies=[ended[k] - t0 for k in keys_],
+        ttfts=[(r.timings.ttft_s or 0.0) for r in res],
+        token_ids=[list(r.token_ids) for r in res],
+        decode_window_tokens=window_tokens,
+        decode_window_s=window_s,
+        prompt_tokens=[r.usage.prompt_tokens for r in res],
+    )
+
+
+def run_mlx_lm_batch(model: Any, prompts: list[list[int]], max_tokens: int) -> Run:
+    """mlx-lm's `BatchGenerator` on the same prompt ids: greedy, EOS masked by the same bias, no stop."""
+    import mlx.core as mx
+    from mlx_lm.generate import BatchGenerator, generation_stream
+
+    vocab = model.args.vocab_size
+    bias = mx.zeros((vocab,), dtype=mx.float32)
+    bias[mx.array([int(k) for k in EOS_MASK])] = -100.0
+
+    def sampler(logprobs: mx.array) -> mx.array:  # one batched call for all rows
+        return mx.argmax(logprobs + bias, axis=-1)
+
+    mx.synchronize()
+    t0 = time.perf_counter()
+    gen = BatchGenerator(model, max_tokens=max_tokens, sampler=sampler, completion_batch_size=len(prompts))
+    uids = gen.insert(prompts, [max_tokens] * len(prompts))
+    out: dict[int, list[int]] = {u: [] for u in uids}
+    first: dict[int, float] = {}
+    ended: dict[int, float] = {}
+    arrivals: list[tuple[float, int]] = []
+    while responses := gen.next_generated():
+        now = time.perf_counter()
+        arrivals.append((now, len(responses)))
+        for r in responses:
+            out[r.uid].append(r.token)
+            first.setdefault(r.uid, now)
+            if r.finish_reason is not None:
+                ended[r.uid] = now
+    gen.close()
+    mx.synchronize(generation_stream)
+    end = max(ended.values())
+    all_started = max(first.values())
+    window_tokens, window_s = _decode_window(arrivals, all_started, end)
+    return Run(
+        mode="mlx-lm BatchGenerator",
+        jobs=len(prompts),
+        wall_s=end - t0,
+        tokens=sum(len(v) for v in out.values()),
+        latencies=[ended[u] - t0 for u in uids],
+        ttfts=[first[u] - t0 for u in uids],
+        token_ids=[out[u] for u in uids],
+        decode_window_tokens=window_tokens,
+        decode_window_s=window_s,
+        prompt_tokens=[len(p) for p in prompts],
+    )
+
+
+# --- report ------------------------------------------------------------------------------------------
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -176,59 +290,199 @@ def _pct(xs: list[float], q: float) -> float:
 
 def render(runs: list[Run]) -> str:
     head = (
-        f"{'mode':<14}{'jobs':>5}{'tokens':>8}{'wall s':>9}{'agg tok/s':>11}{'speedup':>9}"
-        f"{'lat p50':>9}{'lat p95':>9}{'lat max':>9}{'ttft p50':>10}  same tokens"
+        "| mode | jobs | prompt tok | tokens | wall s | agg tok/s | x alone | decode tok/s | lat p50 s "
+        "| lat max s | TTFT p50 s | TTFT max s | same ids |"
     )
-    lines = [head, "-" * len(head)]
-    alone = {r.jobs: r for r in runs if r.mode == "one-at-a-time"}
+    lines = [head, "|" + " --- |" * (head.count("|") - 1)]
+    alone = {r.jobs: r for r in runs if r.mode == "queue, one at a time"}
     for r in runs:
         base = alone.get(r.jobs)
-        speedup = r.tokens_per_s / base.tokens_per_s if base else float("nan")
-        same = "-" if base is None or base is r else ("yes" if base.token_ids == r.token_ids else "NO")
+        speedup = f"{r.tokens_per_s / base.tokens_per_s:.2f}" if base else "-"
+        same = "-" if r.same_rows is None else f"{r.same_rows}/{r.jobs}"
+        dec = r.decode_tokens_per_s
         lines.append(
-            f"{r.mode:<14}{r.jobs:>5}{r.tokens:>8}{r.wall_s:>9.2f}{r.tokens_per_s:>11.1f}{speedup:>8.2f}x"
-            f"{statistics.median(r.latencies):>9.2f}{_pct(r.latencies, 0.95):>9.2f}{max(r.latencies):>9.2f}"
-            f"{statistics.median(r.ttfts) if r.ttfts else float('nan'):>10.2f}  {same}"
+            f"| {r.mode} | {r.jobs} | {statistics.mean(r.prompt_tokens):.0f} | {r.tokens} | {r.wall_s:.2f} "
+            f"| {r.tokens_per_s:,.0f} | {speedup} | {'-' if dec is None else f'{dec:,.0f}'} "
+            f"| {statistics.median(r.latencies):.2f} | {max(r.latencies):.2f} "
+            f"| {statistics.median(r.ttfts) if r.ttfts else float('nan'):.3f} "
+            f"| {max(r.ttfts) if r.ttfts else float('nan'):.3f} | {same} |"
         )
     return "\n".join(lines)
 
 
+def render_phases(runs: list[Run]) -> str:
+    """The batched worker's phase timers, seconds (calls), per size."""
+    cols = [
+        "execute_job",
+        "batch_step",
+        "prefill",
+        "decode_add",
+        "decode_step",
+        "forward",
+        "stream_flush",
+        "claim",
+        "admit",
+        "retire",
+    ]
+    rows = [r for r in runs if r.mode.startswith("queue, batched") and r.phases]
+    if not rows:
+        return ""
+    head = "| jobs | wall s | " + " | ".join(f"{c} s (calls)" for c in cols) + " |"
+    lines = [head, "|" + " --- |" * (len(cols) + 2)]
+    for r in rows:
+        cells = [f"{r.phases.get(c + '_s', 0.0):.3f} ({int(r.phases.get(c, 0))})" for c in cols]
+        lines.append(f"| {r.jobs} | {r.wall_s:.2f} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _metadata(model_arg: str) -> dict[str, Any]:
+    import platform
+    import subprocess
+
+    import mlx.core as mx
+
+    meta: dict[str, Any] = {
+        "date_utc": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "model": model_arg,
+        "mlx": mx.__version__,
+        "device": str(mx.default_device()),
+        "python": platform.python_version(),
+        "commit": os.environ.get("MLXQ_BENCH_COMMIT"),
+    }
+    try:
+        import mlx_lm
+
+        meta["mlx_lm"] = mlx_lm.__version__
+    except ImportError:
+        meta["mlx_lm"] = None
+    if meta["commit"] is None:
+        with contextlib.suppress(OSError, subprocess.CalledProcessError):
+            meta["commit"] = subprocess.run(
+                ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+            ).stdout.strip()
+    return meta
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.batch_generate", description=__doc__.split("\n")[0])
-    p.add_argument("--model", help="checkpoint folder; default: a tiny random checkpoint (CPU-sized)")
+    p.add_argument("--model", default="tiny", help="tiny | llama-1b | a model folder [tiny]")
     p.add_argument("--sizes", default="1,8,32", help="concurrent jobs per run, comma-separated [1,8,32]")
     p.add_argument("--batch", type=int, help="MLXQ_MAX_BATCH_SEQUENCES of the batched worker [max size]")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--prompt-words", type=int, default=24)
-    p.add_argument("--redis-url", default="redis://127.0.0.1:6379/7")
+    p.add_argument("--redis-url", default="redis://127.0.0.1:6379/7", help="URL, or `private`")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds per run")
+    p.add_argument("--out", help="folder for LABEL.json and LABEL.md (not written without it)")
+    p.add_argument("--label", default="batch-generate")
+    p.add_argument("--no-inproc", action="store_true", help="skip the in-process engine and mlx-lm paths")
+    p.add_argument("--cache-dir", default=str(Path.home() / ".cache" / "mlxq" / "bench-models"))
     args = p.parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # `timeout`: stop the workers on the way out
+    if args.redis_url == "private":
+        with private_redis() as url:
+            args.redis_url = url
+            return run(args)
+    return run(args)
+
+
+def run(args: argparse.Namespace) -> int:
     sizes = [int(s) for s in args.sizes.split(",") if s.strip()]
     batch = args.batch or max(sizes)
+    model = str(checkpoint(args.model, Path(args.cache_dir)))
     workdir = Path(tempfile.mkdtemp(prefix="mlxq-batch-bench-"))
-    model = args.model
-    if model is None:
-        from worker.tiny_model import write_random_checkpoint
-
-        model = str(write_random_checkpoint(workdir / "tiny", {"max_position_embeddings": 4096}))
+    print(f"model={model} sizes={sizes} batch={batch} max_tokens={args.max_tokens}", flush=True)
+    redis.Redis.from_url(args.redis_url).ping()
     runs: list[Run] = []
-    for mode, max_batch in (("one-at-a-time", 1), (f"batched({batch})", batch)):
-        worker = Worker(model, args.redis_url, max_batch, workdir / f"worker-{max_batch}.log")
+    result: dict[str, Any] = {
+        "meta": _metadata(args.model),
+        "args": {k: v for k, v in vars(args).items() if k != "cache_dir"},
+        "batch": batch,
+    }
+    for mode, max_batch in (("queue, one at a time", 1), (f"queue, batched ({batch})", batch)):
+        worker = BenchWorker(
+            model,
+            args.redis_url,
+            workdir,
+            f"gen{max_batch}",
+            env={"MLXQ_MAX_BATCH_SEQUENCES": str(max_batch)},
+        )
         try:
-            worker.wait_ready()
-            run_jobs(worker, _payloads(1, 4, 4, "warmup"), mode, args.timeout)
+            worker.start().wait_ready(600)
+            t_warm = time.perf_counter()
+            for n in sizes:  # every batch and prompt shape once, so the measured runs compile nothing new
+                run_jobs(worker, _payloads(n, 4, args.prompt_words, f"warm{n}-"), mode, args.timeout)
+            print(f"{mode}: warm-up {time.perf_counter() - t_warm:.1f}s", file=sys.stderr, flush=True)
             for n in sizes:
                 payloads = _payloads(n, args.max_tokens, args.prompt_words, f"size{n}-")
                 runs.append(run_jobs(worker, payloads, mode, args.timeout))
-                print(f"{mode} jobs={n} done in {runs[-1].wall_s:.2f}s", file=sys.stderr, flush=True)
+                print(f"{mode} jobs={n}: {runs[-1].tokens_per_s:,.0f} tok/s", file=sys.stderr, flush=True)
         finally:
             worker.stop()
-    runs.sort(key=lambda r: (r.jobs, r.mode != "one-at-a-time"))
-    print(
-        f"model={model} max_tokens={args.max_tokens} prompt_words={args.prompt_words} (latency from enqueue)"
+            worker.queue.delete(delete_jobs=True)
+    if not args.no_inproc:
+        runs += _inproc(model, sizes, batch, args)
+    alone = {r.jobs: r for r in runs if r.mode == "queue, one at a time"}
+    for r in runs:
+        base = alone.get(r.jobs)
+        if base is not None and base is not r:
+            r.same_rows = sum(a == b for a, b in zip(base.token_ids, r.token_ids, strict=True))
+    order = {"queue, one at a time": 0, "mlx-lm BatchGenerator": 3, "engine GenerationBatch (no queue)": 2}
+    runs.sort(key=lambda r: (r.jobs, order.get(r.mode, 1)))
+    text = (
+        f"model={args.model} max_tokens={args.max_tokens} prompt_words={args.prompt_words} batch={batch} "
+        "(latency and TTFT from enqueue, or from the call in this process)\n\n"
+        + render(runs)
+        + "\n\nBatched worker, phase timers (seconds, calls):\n\n"
+        + render_phases(runs)
     )
-    print(render(runs))
+    print(text, flush=True)
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        rows = []
+        for r in runs:
+            d = asdict(r)
+            d.pop("token_ids")
+            d["tokens_per_s"] = r.tokens_per_s
+            d["decode_tokens_per_s"] = r.decode_tokens_per_s
+            rows.append(d)
+        result["runs"] = rows
+        (out / f"{args.label}.json").write_text(json.dumps(result, indent=1))
+        (out / f"{args.label}.md").write_text(text + "\n")
     return 0
+
+
+def _inproc(model: str, sizes: list[int], batch: int, args: argparse.Namespace) -> list[Run]:
+    """The engine's GenerationBatch and mlx-lm's BatchGenerator in this process, warmed up the same way."""
+    from mlx.utils import tree_flatten
+
+    from jobs.schema import GenerateRequest
+    from worker.engine import Engine
+
+    from .baseline import MlxLm
+
+    engine = Engine.load(model)
+    dtype = next(v.dtype for _, v in tree_flatten(engine.model.parameters()))
+    try:
+        mlxlm: MlxLm | None = MlxLm.load(model, dtype)
+    except ImportError as e:
+        print(f"mlx-lm not installed, its path skipped ({e})", file=sys.stderr)
+        mlxlm = None
+    runs: list[Run] = []
+    for n in sizes:  # warm-up, as for the workers
+        warm = _payloads(n, 4, args.prompt_words, f"warm{n}-")
+        run_engine_batch(engine, warm, min(n, batch))
+        if mlxlm is not None:
+            run_mlx_lm_batch(mlxlm.model, [engine.prompt_tokens(GenerateRequest(**p)) for p in warm], 4)
+    for n in sizes:
+        payloads = _payloads(n, args.max_tokens, args.prompt_words, f"size{n}-")
+        runs.append(run_engine_batch(engine, payloads, min(n, batch)))
+        print(f"engine jobs={n}: {runs[-1].tokens_per_s:,.0f} tok/s", file=sys.stderr, flush=True)
+        if mlxlm is not None:
+            prompts = [engine.prompt_tokens(GenerateRequest(**p)) for p in payloads]
+            runs.append(run_mlx_lm_batch(mlxlm.model, prompts, args.max_tokens))
+            print(f"mlx-lm jobs={n}: {runs[-1].tokens_per_s:,.0f} tok/s", file=sys.stderr, flush=True)
+    return runs
 
 
 if __name__ == "__main__":

@@ -23,9 +23,13 @@ import mlx.core as mx
 
 import worker
 from worker.cli import configure_logging
+from worker.generate import DecodeBatch
+from worker.generation_batch import GenerationBatch
+from worker.rq_worker import MlxqWorker
 from worker.scoring import PrefixScorer
 from worker.service import WorkerService
 from worker.settings import WorkerSettings
+from worker.stream_writer import StreamWriter
 
 
 class Recorder:
@@ -58,6 +62,40 @@ def _count_scorer_parts() -> None:
         setattr(PrefixScorer, attr, counted)
 
 
+# Inside a generation batch (`execute_job` of the batch's first job runs the whole batch): seconds and
+# calls of each phase, added up and attached to that `execute_job` record. Nested: `batch_step` holds
+# `prefill` (which holds `decode_add`) and `decode_step`; `decode_step` holds `forward` (DecodeBatch.step:
+# graph building plus the wait for the step in flight) and the rows' token handling, with `stream_flush`
+# (the sinks' Redis writes); `claim` holds `admit`. `retire` is each finished job's done event and RQ end.
+_BATCH_PARTS = {
+    "batch_step": (GenerationBatch, "step"),
+    "prefill": (GenerationBatch, "_prefill"),
+    "decode_add": (DecodeBatch, "add"),
+    "decode_step": (GenerationBatch, "_decode_step"),
+    "forward": (DecodeBatch, "step"),
+    "stream_flush": (StreamWriter, "flush"),
+    "claim": (MlxqWorker, "_claim_between_steps"),
+    "admit": (MlxqWorker, "_admit"),
+    "retire": (MlxqWorker, "_retire"),
+}
+_batch: dict[str, float] = {}
+
+
+def _time_batch_parts() -> None:
+    for key, (owner, attr) in _BATCH_PARTS.items():
+        original = getattr(owner, attr)
+
+        def timed(*args: Any, _fn: Any = original, _key: str = key, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return _fn(*args, **kwargs)
+            finally:
+                _batch[_key + "_s"] = _batch.get(_key + "_s", 0.0) + time.perf_counter() - t0
+                _batch[_key] = _batch.get(_key, 0) + 1
+
+        setattr(owner, attr, timed)
+
+
 def _timed(recorder: Recorder, name: str, fn: Callable[..., Any], *, memory: bool) -> Callable[..., Any]:
     """`fn` wrapped: wall time (and, for engine calls, MLX peak memory) of each call is recorded."""
 
@@ -78,6 +116,9 @@ def _timed(recorder: Recorder, name: str, fn: Callable[..., Any], *, memory: boo
                 rec["rows"] = sum(len(rows) for rows in args[0])
                 rec.update(_parts)
                 _parts.clear()
+            if name == "execute_job" and _batch:
+                rec["batch"] = dict(_batch)
+                _batch.clear()
             recorder.write(rec)
 
     return wrapper
@@ -89,6 +130,7 @@ def instrument(service: WorkerService, recorder: Recorder) -> None:
     for name in ("generate", "score_tokens", "score_many"):
         setattr(engine, name, _timed(recorder, name, getattr(engine, name), memory=True))
     _count_scorer_parts()
+    _time_batch_parts()
     executor.finish_score = _timed(recorder, "finish_score", executor.finish_score, memory=False)  # type: ignore[method-assign]
     worker.execute_job = _timed(recorder, "execute_job", worker.execute_job, memory=False)  # type: ignore[method-assign]
 
