@@ -95,3 +95,26 @@ def test_stream_is_capped(conn: redis.Redis) -> None:
     for i in range(500):
         w("t", [i])
     assert conn.xlen(keys.stream_key("j5")) < 200  # MAXLEN ~ trims whole nodes, approximately
+
+
+def test_deferred_writers_are_flushed_together(conn: redis.Redis) -> None:
+    from worker.stream_writer import flush_streams
+
+    opts = StreamOptions(flush_tokens=2, flush_ms=1e9)
+    writers = [StreamWriter(conn, f"d{i}", opts, deferred=True) for i in range(3)]
+    for w in writers:
+        w.open(attempt=1)
+        w("a", [1])
+    assert all(conn.xlen(keys.stream_key(f"d{i}")) == 0 for i in range(3))  # deferred: nothing yet
+    flush_streams(conn, writers, opts)  # first tokens are due at once
+    writers[0]("b", [2])
+    flush_streams(conn, writers, opts)  # 1 token < flush_tokens: not due
+    assert [conn.xlen(keys.stream_key(f"d{i}")) for i in range(3)] == [1, 1, 1]
+    writers[0]("c", [3])
+    flush_streams(conn, writers, opts)
+    writers[0].finish(
+        _result("abc"), DoneEvent(finish_reason="stop", prompt_tokens=1, completion_tokens=3, cached_tokens=0)
+    )
+    events = _events(conn, "d0")
+    assert [e.event for e in events] == ["token", "token", "done"]
+    assert "".join(e.text for e in events if isinstance(e, TokenEvent)) == "abc"

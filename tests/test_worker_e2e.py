@@ -210,5 +210,6 @@ def test_result_key_and_rq_result_agree(
     stored = json.loads(redis_conn.get(keys.result_key(job.id)))
     from rq.job import Job
 
+    _eventually(lambda: job.status() == "finished")  # RQ stores its copy right after the result key
     rq_job = Job.fetch(job.id, connection=redis_conn, serializer=JSONSerializer)
     assert stored == rq_job.return_value() == result.model_dump(mode="json")

@@ -47,10 +47,11 @@ class JobExecutor:
         self.last_tokens_per_s: float | None = None
         self._queued_s: dict[str, float] = {}  # job id -> seconds from enqueue to its stream opening
 
-    def open_stream(self, job_id: str, job: Job | None = None) -> StreamWriter:
+    def open_stream(self, job_id: str, job: Job | None = None, deferred: bool = False) -> StreamWriter:
         """The job's stream writer, opened (a `restart` entry if an earlier attempt wrote to it).
 
-        `job` is the RQ job when it runs in a batch (RQ's current job is then another one).
+        `job` is the RQ job when it runs in a batch (RQ's current job is then another one); `deferred`
+        writers only buffer, for `flush_streams` to write a whole batch's tokens at once.
         """
         job = job if job is not None else get_current_job()
         attempt = 1
@@ -61,7 +62,7 @@ class JobExecutor:
             if job.enqueued_at is not None:
                 enqueued = job.enqueued_at.replace(tzinfo=job.enqueued_at.tzinfo or timezone.utc)
                 self._queued_s[job_id] = max(0.0, (now() - enqueued).total_seconds())
-        writer = StreamWriter(self.conn, job_id, self.stream_options)
+        writer = StreamWriter(self.conn, job_id, self.stream_options, deferred=deferred)
         writer.open(attempt=attempt)
         return writer
 

@@ -43,7 +43,7 @@ from .generation_batch import Finished, GenerationBatch
 from .job_claim import JobClaimer, QueuedJob
 from .job_watch import JobWatch
 from .score_claim import ScoreClaimer, ScorePicker
-from .stream_writer import REDIS_TRANSIENT, StreamOptions, StreamWriter
+from .stream_writer import REDIS_TRANSIENT, StreamOptions, StreamWriter, flush_streams
 
 log = logging.getLogger(__name__)
 
@@ -235,6 +235,8 @@ class MlxqWorker(SimpleWorker):
                             log.warning("generation batch could not claim jobs error=%s", e)
                     for done in batch.step():
                         self._retire(jobs.pop(done.key), done, watch)
+                    writers = [j.writer for j in jobs.values() if j.writer is not None]
+                    flush_streams(self.connection, writers, self.stream_options)
                     self.active_sequences = len(batch)
                     if time.monotonic() - last_stats >= _STATS_EVERY_S:
                         last_stats = time.monotonic()
@@ -304,7 +306,7 @@ class MlxqWorker(SimpleWorker):
         watch.add(job, entry.execution)
         try:
             request = parse_generate(job.args[0])
-            entry.writer = self.executor.open_stream(job.id, job)
+            entry.writer = self.executor.open_stream(job.id, job, deferred=True)
             batch.admit(job.id, request, entry.writer, self._cancel_check(job))
         except Exception:
             watch.remove(job.id)
