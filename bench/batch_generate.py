@@ -20,7 +20,8 @@ tokens over enqueue (or call) → last job done, prefill included; "decode tok/s
 arrived after every job had its first token, over that window (the steady batched decode). Each worker
 first runs every size once with 4 tokens (new shapes compile once per process), then the measured runs.
 The batched worker's phase timers (`bench/worker_proc.py`: batch steps, prefill, forward, stream
-flushes, claims, retire) split its wall time. `--out` writes `LABEL.json` and `LABEL.md`.
+flushes, the per-step `flush_streams` pipeline and its XADD count, claims, retire) split its wall
+time. `--out` writes `LABEL.json` and `LABEL.md`.
 """
 
 from __future__ import annotations
@@ -320,6 +321,8 @@ def render_phases(runs: list[Run]) -> str:
         "decode_step",
         "forward",
         "stream_flush",
+        "stream_write",
+        "stream_entries",
         "claim",
         "admit",
         "retire",
@@ -327,10 +330,16 @@ def render_phases(runs: list[Run]) -> str:
     rows = [r for r in runs if r.mode.startswith("queue, batched") and r.phases]
     if not rows:
         return ""
-    head = "| jobs | wall s | " + " | ".join(f"{c} s (calls)" for c in cols) + " |"
+    names = [c if c == "stream_entries" else f"{c} s (calls)" for c in cols]
+    head = "| jobs | wall s | " + " | ".join(names) + " |"
     lines = [head, "|" + " --- |" * (len(cols) + 2)]
     for r in rows:
-        cells = [f"{r.phases.get(c + '_s', 0.0):.3f} ({int(r.phases.get(c, 0))})" for c in cols]
+        cells = [
+            f"{int(r.phases.get(c, 0))}"
+            if c == "stream_entries"
+            else f"{r.phases.get(c + '_s', 0.0):.3f} ({int(r.phases.get(c, 0))})"
+            for c in cols
+        ]
         lines.append(f"| {r.jobs} | {r.wall_s:.2f} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

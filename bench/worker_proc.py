@@ -22,6 +22,7 @@ from typing import Any, TextIO
 import mlx.core as mx
 
 import worker
+import worker.rq_worker as rq_worker_module
 from worker.cli import configure_logging
 from worker.generate import DecodeBatch
 from worker.generation_batch import GenerationBatch
@@ -66,7 +67,10 @@ def _count_scorer_parts() -> None:
 # calls of each phase, added up and attached to that `execute_job` record. Nested: `batch_step` holds
 # `prefill` (which holds `decode_add`) and `decode_step`; `decode_step` holds `forward` (DecodeBatch.step:
 # graph building plus the wait for the step in flight) and the rows' token handling, with `stream_flush`
-# (the sinks' Redis writes); `claim` holds `admit`. `retire` is each finished job's done event and RQ end.
+# (a sink's own Redis write: since `a2c9dc7` only non-deferred writers, and `finish` inside `retire`);
+# `claim` holds `admit`. `retire` is each finished job's done event and RQ end. `stream_write` is
+# `flush_streams`, called by the batch loop after each step (outside `batch_step`): all jobs' due tokens
+# in one pipeline; `stream_entries` counts the XADDs it sent (writers whose buffer it took).
 _BATCH_PARTS = {
     "batch_step": (GenerationBatch, "step"),
     "prefill": (GenerationBatch, "_prefill"),
@@ -94,6 +98,20 @@ def _time_batch_parts() -> None:
                 _batch[_key] = _batch.get(_key, 0) + 1
 
         setattr(owner, attr, timed)
+
+    original_flush = rq_worker_module.flush_streams  # the batch loop's name for it (imported by name)
+
+    def timed_flush(conn: Any, writers: list[StreamWriter], options: Any) -> None:
+        t0, mono = time.perf_counter(), time.monotonic()
+        try:
+            original_flush(conn, writers, options)
+        finally:
+            _batch["stream_write_s"] = _batch.get("stream_write_s", 0.0) + time.perf_counter() - t0
+            _batch["stream_write"] = _batch.get("stream_write", 0) + 1
+            taken = sum(1 for w in writers if w._last_flush >= mono)  # `_take` stamps the writers it emptied
+            _batch["stream_entries"] = _batch.get("stream_entries", 0) + taken
+
+    rq_worker_module.flush_streams = timed_flush  # type: ignore[assignment]
 
 
 def _timed(recorder: Recorder, name: str, fn: Callable[..., Any], *, memory: bool) -> Callable[..., Any]:
