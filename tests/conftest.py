@@ -227,3 +227,38 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
     out = Path(str(terminalreporter.config.rootpath)) / ".pytest_cache" / "mlxq-reliability.json"
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps(_RELIABILITY, indent=2))
+
+
+# --- Models and private servers --------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """A tiny random-weight Llama checkpoint (2 layers, 4096-token context) with a trained tokenizer.
+    Modules that need another shape define their own `model_dir`."""
+    from worker.tiny_model import write_random_checkpoint
+
+    return write_random_checkpoint(tmp_path_factory.mktemp("tiny"), {"max_position_embeddings": 4096})
+
+
+@pytest.fixture(scope="session")
+def no_eos(model_dir: Any) -> dict[int, float]:
+    """A `logit_bias` that keeps the tiny model from ending early (its EOS ids at -100)."""
+    from worker.tokenizer import Tokenizer
+
+    return {i: -100.0 for i in Tokenizer.from_dir(model_dir).eos_ids}
+
+
+@pytest.fixture
+def private_redis(tmp_path: Any) -> Iterator[Any]:
+    """A `redis-server` of the test's own (append-only, fsync always) that the test may restart."""
+    import shutil
+
+    from redis_server import PrivateRedis
+
+    if shutil.which("redis-server") is None:
+        pytest.skip("needs redis-server on PATH")
+    server = PrivateRedis(tmp_path)
+    server.start()
+    yield server
+    server.stop()

@@ -20,17 +20,11 @@ from jobs import keys
 from jobs.schema import DoneEvent, GenerateRequest, GenerateResult, TokenEvent
 from producer import Client, JobFailed
 from worker.engine import Engine, EngineOptions
-from worker.tiny_model import write_random_checkpoint
 
 REDIS_DB = 5
 PROMPT = "The capital of France is Paris. "
 NO_EOS = {0: -100.0, 2: -100.0}  # the tiny tokenizer's <|endoftext|> and <|im_end|>
 BATCH = {"MLXQ_MAX_BATCH_SEQUENCES": "4", "MLXQ_BATCH_ADMIT_EVERY": "2"}
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_random_checkpoint(tmp_path_factory.mktemp("tiny"), {"max_position_embeddings": 2048})
 
 
 @pytest.fixture(scope="module")
@@ -145,7 +139,7 @@ def test_cancel_one_job_mid_batch_and_a_bad_job_fails_alone(
         reasons[name] = str(err.value)
         assert _stream(redis_conn, job_id)[-1]["event"] == "error"
     assert "max_token: Extra inputs are not permitted" in reasons["field"]
-    assert "context length is 2048" in reasons["long"]
+    assert "context length is 4096" in reasons["long"]
     assert "logit_bias token 1000000" in reasons["bias"]
     stats_key = keys.worker_stats_key(_worker_name(redis_conn))
     _eventually(lambda: int(redis_conn.hget(stats_key, "active_sequences") or 0) == 2)

@@ -23,16 +23,10 @@ from jobs import keys
 from jobs.schema import ScoredRow, ScoreRequest
 from producer import AsyncClient, Client
 from producer.bulk_files import BulkSummary
-from worker.tiny_model import write_random_checkpoint
 
 REDIS_DB = 15
 BASE = "The capital of France is Paris. " * 3
 QUEUE_KEY = keys.rq_queue_key("default")
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_random_checkpoint(tmp_path_factory.mktemp("tiny"), {"max_position_embeddings": 2048})
 
 
 @pytest.fixture

@@ -29,7 +29,6 @@ from rq.serializers import JSONSerializer
 
 from jobs.schema import RestartEvent, TokenEvent
 from producer import Client, JobFailed
-from worker.tiny_model import write_random_checkpoint
 
 REDIS_DB = 7
 ROOT = Path(__file__).resolve().parent.parent
@@ -38,18 +37,6 @@ MLXQ_BIN = Path(sys.executable).parent / "mlxq"  # this venv's entry point stand
 PROMPT = "The capital of France is Paris. " * 4
 HAVE_PROMETHEUS = importlib.util.find_spec("prometheus_client") is not None  # the `metrics` extra
 PASSWORDS = {u: f"CHANGE-ME-{u}" for u in ("admin", "producer", "worker", "ops")}  # users.acl's placeholders
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_random_checkpoint(tmp_path_factory.mktemp("tiny"), {"max_position_embeddings": 2048})
-
-
-@pytest.fixture(scope="module")
-def no_eos(model_dir: Path) -> dict[int, float]:
-    from worker.tokenizer import Tokenizer
-
-    return {i: -100.0 for i in Tokenizer.from_dir(model_dir).eos_ids}
 
 
 @pytest.fixture(scope="module", autouse=True)

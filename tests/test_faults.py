@@ -12,17 +12,11 @@ import pytest
 
 from jobs.schema import RestartEvent, TokenEvent
 from producer import Client, JobFailed
-from worker.tiny_model import write_random_checkpoint
 
 REDIS_DB = 6
 NO_EOS = {0: -100.0, 2: -100.0}  # the tiny tokenizer's <|endoftext|> and <|im_end|>
 # Fast failure detection for tests: heartbeat TTL 1*3+5 = 8 s, maintenance every 2 s, idle wake-ups 5 s.
 FAST = {"MLXQ_HEARTBEAT_S": "1", "MLXQ_MAINTENANCE_INTERVAL_S": "2", "MLXQ_WORKER_TTL_S": "20"}
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_random_checkpoint(tmp_path_factory.mktemp("tiny"), {"max_position_embeddings": 4096})
 
 
 @pytest.fixture

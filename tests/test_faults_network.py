@@ -7,7 +7,6 @@ import shutil
 import signal
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +17,6 @@ from redis_server import CuttableProxy, PrivateRedis
 from jobs import keys
 from jobs.schema import TokenEvent
 from producer import Client
-from worker.tiny_model import write_random_checkpoint
 
 REDIS_DB = 1
 NO_EOS = {0: -100.0, 2: -100.0}
@@ -26,19 +24,6 @@ FAST = {"MLXQ_HEARTBEAT_S": "1", "MLXQ_MAINTENANCE_INTERVAL_S": "2", "MLXQ_WORKE
 LONG = "Queues hold jobs; workers take jobs from queues and write results. " * 12
 
 needs_server = pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs redis-server on PATH")
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_random_checkpoint(tmp_path_factory.mktemp("tiny"), {"max_position_embeddings": 4096})
-
-
-@pytest.fixture
-def private_redis(tmp_path: Path) -> Iterator[PrivateRedis]:
-    server = PrivateRedis(tmp_path)
-    server.start()
-    yield server
-    server.stop()
 
 
 @needs_server

@@ -6,7 +6,6 @@ Runs its own `redis-server` (append-only file, fsync always) on a free port, so 
 from __future__ import annotations
 
 import shutil
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -18,14 +17,6 @@ from producer import Client
 from worker.tiny_model import write_random_checkpoint
 
 pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs redis-server on PATH")
-
-
-@pytest.fixture
-def private_redis(tmp_path: Path) -> Iterator[PrivateRedis]:
-    server = PrivateRedis(tmp_path)
-    server.start()
-    yield server
-    server.stop()
 
 
 def test_generation_survives_a_redis_restart(private_redis: PrivateRedis, tmp_path: Path) -> None:

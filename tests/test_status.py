@@ -20,23 +20,10 @@ from jobs.schema import TokenEvent
 from producer import Client
 from producer.cli import main
 from producer.status_report import collect, human_bytes, render
-from worker.tiny_model import write_random_checkpoint
 
 REDIS_DB = 8
 HAVE_PROMETHEUS = importlib.util.find_spec("prometheus_client") is not None  # the `metrics` extra
 PROMPT = "The capital of France is Paris. " * 4
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_random_checkpoint(tmp_path_factory.mktemp("tiny"), {"max_position_embeddings": 2048})
-
-
-@pytest.fixture(scope="module")
-def no_eos(model_dir: Path) -> dict[int, float]:
-    from worker.tokenizer import Tokenizer
-
-    return {i: -100.0 for i in Tokenizer.from_dir(model_dir).eos_ids}
 
 
 @pytest.fixture

@@ -18,22 +18,9 @@ from worker_process import WorkerProcess
 from jobs import keys
 from jobs.schema import DoneEvent, TokenEvent
 from producer import Client, JobFailed
-from worker.tiny_model import write_random_checkpoint
 
 REDIS_DB = 11
 PROMPT = "The capital of France is Paris. " * 4
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_random_checkpoint(tmp_path_factory.mktemp("tiny"), {"max_position_embeddings": 2048})
-
-
-@pytest.fixture(scope="module")
-def no_eos(model_dir: Path) -> dict[int, float]:
-    from worker.tokenizer import Tokenizer
-
-    return {i: -100.0 for i in Tokenizer.from_dir(model_dir).eos_ids}
 
 
 @pytest.fixture
