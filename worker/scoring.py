@@ -25,7 +25,6 @@ from .tokenizer import Tokenizer
 @dataclass
 class ScoreStats:
     computed_tokens: int = 0  # prompt tokens that went through the model
-    batches: int = 0
     computed_per_row: list[int] = field(default_factory=list)  # see `computed_per_row`
 
 
@@ -235,7 +234,6 @@ class PrefixScorer:
             logits = self.model.logits(picked).astype(mx.float32)
             mx.eval(logits)
             stats.computed_tokens += sum(len(n.span) for n in group)
-            stats.batches += 1
             for i, n in enumerate(group):
                 for row in n.rows:
                     out[row] = logits[i]

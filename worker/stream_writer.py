@@ -131,11 +131,6 @@ class StreamWriter:
         payload = json.dumps(result.model_dump(mode="json"))
         self._write([done.fields()], extra=(keys.result_key(self.job_id), payload))
 
-    def error(self, message: str) -> None:
-        """End the stream with an `error` event (buffered text is flushed first)."""
-        self.flush()
-        self._write([ErrorEvent(message=message).fields()])
-
     def _next_id(self) -> str:
         self._seq += 1
         return f"{self._ms}-{self._seq}"
