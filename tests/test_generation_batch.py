@@ -18,6 +18,7 @@ from jobs.errors import ContextTooLong, InvalidRequest
 from jobs.schema import GenerateRequest, GenerateResult
 from worker.batch_cache import BatchKVCache
 from worker.engine import Engine, EngineOptions
+from worker.generate import prefill, prefill_rows
 from worker.generation_batch import Finished, GenerationBatch
 from worker.kv_cache import KVCache
 from worker.tiny_model import write_random_checkpoint
@@ -215,3 +216,72 @@ def test_kv_budget_holds_newcomers_back_and_the_prefix_cache_is_shared(model_dir
     assert all(r is not None and r.token_ids == results[0].token_ids for r in results)  # type: ignore[union-attr]
     n = len(engine.prompt_tokens(one))
     assert [r.usage.cached_tokens for r in results] == [0, n - 1, n - 1]  # type: ignore[union-attr]
+
+
+def test_prompts_prefilled_together_equal_each_prefilled_alone(engine: Engine) -> None:
+    """`prefill_rows`: ragged rows (different cached prefixes and new lengths) give each row exactly the
+    logits and cache it gets alone."""
+    model = engine.model
+    prompts = [engine.tokenizer.encode(PROMPT * k + f"#{k}") for k in (1, 3, 2, 1)]
+    cached = [0, 9, 4, 0]
+
+    def cache_of(prompt: list[int], n: int) -> list[KVCache]:
+        cache = model.make_cache()
+        if n:
+            prefill(model, prompt[:n], cache, chunk=64)
+        return cache
+
+    together, logits = prefill_rows(
+        model, [(p[n:], cache_of(p, n)) for p, n in zip(prompts, cached, strict=True)]
+    )
+    for i, (p, n) in enumerate(zip(prompts, cached, strict=True)):
+        alone_cache = cache_of(p, n)
+        alone_logits = prefill(model, p[n:], alone_cache, chunk=64)
+        assert mx.array_equal(logits[i : i + 1], alone_logits), f"row {i}"
+        for got, want in zip(together[i], alone_cache, strict=True):
+            assert got.offset == want.offset == len(p)
+            assert mx.array_equal(got.state[0], want.state[0]) and mx.array_equal(got.state[1], want.state[1])
+
+
+def test_short_prompts_start_together_and_a_shared_prefix_is_computed_once(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import worker.generation_batch as generation_batch
+
+    groups: list[int] = []
+    real = generation_batch.prefill_rows
+
+    def recorded(model: Any, rows: Any) -> Any:
+        groups.append(len(rows))
+        return real(model, rows)
+
+    monkeypatch.setattr(generation_batch, "prefill_rows", recorded)
+    engine = Engine.load(str(model_dir), EngineOptions(prefill_chunk=256))
+    system = "You are a careful assistant who answers in one short sentence. " * 2
+    prompts = [f"question {i} " * (1 + i % 4) for i in range(6)] + [system + f"ask {i}" for i in range(4)]
+    requests = [
+        GenerateRequest(
+            prompt=p,
+            max_tokens=6 + i % 5,
+            logit_bias=_no_eos(engine),
+            temperature=0.0 if i % 3 else 0.9,
+            seed=i,
+            repetition_penalty=1.3 if i % 4 == 1 else 1.0,
+        )
+        for i, p in enumerate(prompts)
+    ]
+    batch = GenerationBatch(engine, max_sequences=len(requests))
+    for i, request in enumerate(requests):  # all waiting before the first step
+        batch.admit(str(i), request, lambda t, ids: None, lambda: False)
+    done = {int(f.key): f for _ in range(100) for f in batch.step()}
+    assert len(batch) == 0
+    assert max(groups) >= 6, groups  # the short distinct prompts started in one forward
+    n_system = len(engine.tokenizer.encode(system))
+    shared = [done[i].result.usage.cached_tokens for i in range(6, 10)]  # type: ignore[union-attr]
+    assert shared[0] < n_system and all(c >= n_system - 1 for c in shared[1:]), shared
+    alone_engine = Engine.load(str(model_dir), EngineOptions(prefill_chunk=256, prefix_cache_bytes=0))
+    for i, request in enumerate(requests):
+        want = _alone(alone_engine, request)[0]
+        got = done[i].result
+        assert got is not None, done[i].error
+        assert (got.token_ids, got.text, got.finish_reason) == (want.token_ids, want.text, want.finish_reason)

@@ -146,3 +146,83 @@ class BatchKVCache:
 
     def __repr__(self) -> str:
         return f"BatchKVCache(batch={self.batch}, end={self.end}, starts={self.starts})"
+
+
+class PrefillRowsCache:
+    """One layer's keys/values while several prompts are prefilled in one forward (`prefill_rows`).
+
+    Row i arrives with `cached[i]` tokens already in its batch-1 cache and `new[i]` tokens to compute.
+    The cached parts are left-padded to a common end column E; the forward appends M = max(new) columns
+    for every row, each row's new tokens right-aligned in them (so every row's last token is the last
+    column and one slice gives all rows' last logits). Between a row's cached part and its new tokens sit
+    M - new[i] padding columns: the mask (`prefill_mask`) hides them from the row's real tokens, and
+    `offset` (each row's RoPE position of column E) makes the real tokens' positions continue right
+    after the cached part, exactly as when the row is prefilled alone. `row_cache` then gives each row
+    back its own tokens only, without the padding.
+    """
+
+    def __init__(self, rows: list[KVCache], new: list[int]) -> None:
+        self.cached = [r.offset for r in rows]
+        self.new = new
+        self.end = max(self.cached)  # E
+        self.width = max(new)  # M
+        self.starts = [self.end - c for c in self.cached]
+        self.keys: mx.array | None = None
+        self.values: mx.array | None = None
+        if self.end:
+            like_k, like_v = next(r.state for r in rows if r.offset)
+            b_shape = (1, like_k.shape[1], self.end, like_k.shape[3])
+            parts_k = [
+                _pad_columns(r.state[0], s, 0) if r.offset else mx.zeros(b_shape, like_k.dtype)
+                for r, s in zip(rows, self.starts, strict=True)
+            ]
+            parts_v = [
+                _pad_columns(r.state[1], s, 0) if r.offset else mx.zeros(b_shape, like_v.dtype)
+                for r, s in zip(rows, self.starts, strict=True)
+            ]
+            self.keys = mx.concatenate(parts_k, axis=0)
+            self.values = mx.concatenate(parts_v, axis=0)
+        self.offset = mx.array([c - (self.width - n) for c, n in zip(self.cached, new, strict=True)])
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """Append the (B, n_kv_heads, M, head_dim) new columns; return all columns."""
+        if keys.shape[2] != self.width:
+            raise ValueError(f"a rows prefill takes its {self.width} columns at once, got {keys.shape[2]}")
+        if self.keys is None or self.values is None:
+            self.keys, self.values = keys, values
+        else:
+            self.keys = mx.concatenate([self.keys, keys], axis=2)
+            self.values = mx.concatenate([self.values, values], axis=2)
+        return self.keys, self.values
+
+    def row_cache(self, i: int) -> KVCache:
+        """Row `i`'s batch-1 cache after the forward: its cached tokens, then its new ones."""
+        assert self.keys is not None and self.values is not None, "run the forward first"
+        first_new = self.end + self.width - self.new[i]
+        parts = []
+        for a in (self.keys, self.values):
+            row = a[i : i + 1]
+            if self.cached[i]:
+                row = mx.concatenate([row[:, :, self.starts[i] : self.end], row[:, :, first_new:]], axis=2)
+            else:
+                row = row[:, :, first_new:]
+            parts.append(row)
+        return KVCache.from_state(*parts)
+
+
+def prefill_mask(cache: PrefillRowsCache) -> mx.array | None:
+    """Boolean (B, 1, M, E + M) mask of a rows prefill; None when plain causal attention is exact (no
+    row has padding)."""
+    if not any(cache.starts) and all(n == cache.width for n in cache.new):
+        return None
+    e, m = cache.end, cache.width
+    columns = mx.arange(e + m, dtype=mx.int32)[None, None, :]
+    query = mx.arange(m, dtype=mx.int32)[None, :, None] + e  # each query's own column
+    starts = mx.array(cache.starts, dtype=mx.int32)[:, None, None]
+    first_new = mx.array([e + m - n for n in cache.new], dtype=mx.int32)[:, None, None]
+    cached = (columns >= starts) & (columns < e)
+    own = (columns >= first_new) & (columns <= query)
+    # Padding queries see themselves: a query that sees nothing would turn its row into NaNs, and
+    # NaN keys/values poison even the rows that mask them (0 * NaN).
+    visible = cached | own | (columns == query)
+    return visible[:, None, :, :]

@@ -12,7 +12,9 @@ from typing import Any, Protocol
 
 import mlx.core as mx
 
-from .batch_cache import BatchKVCache
+from .batch_cache import BatchKVCache, PrefillRowsCache, prefill_mask
+from .kv_cache import KVCache
+from .sampler import Sampler, sample_rows, stack_bias
 
 # Release MLX's buffer cache at intervals, not every token: freeing is cheap, reallocating is not.
 _CLEAR_CACHE_EVERY = 256
@@ -69,6 +71,25 @@ class ChunkedPrefill:
         return self.model.logits(hidden[:, -1:, :])[:, -1, :]
 
 
+def prefill_rows(
+    model: Any, rows: Sequence[tuple[Sequence[int], list[KVCache]]]
+) -> tuple[list[list[KVCache]], mx.array]:
+    """Prefill several prompts in one forward: each row is its new tokens and its batch-1 cache (a
+    cached prefix, or empty). Returns each row's cache holding its prefix and new tokens, and the
+    (B, vocab) logits of each row's last token. A row's result is what `prefill` gives it alone (the
+    layout and masking are in `PrefillRowsCache`). Meant for prompts that fit one chunk each."""
+    if not rows or any(not tokens for tokens, _ in rows):
+        raise ValueError("prefill_rows needs rows with at least one new token each")
+    new = [len(tokens) for tokens, _ in rows]
+    width = max(new)
+    layers = [PrefillRowsCache([cache[n] for _, cache in rows], new) for n in range(len(model.layers))]
+    ids = mx.array([[0] * (width - len(t)) + list(t) for t, _ in rows], dtype=mx.int32)
+    hidden = model.hidden(ids, cache=layers, mask=prefill_mask(layers[0]))
+    logits = model.logits(hidden[:, -1, :])
+    caches = [[layer.row_cache(i) for layer in layers] for i in range(len(rows))]
+    return caches, logits
+
+
 class GenerationCancelled(Exception):
     """Raised inside prefill when the job was cancelled between chunks."""
 
@@ -100,12 +121,6 @@ def decode(
             mx.clear_cache()
 
 
-def _sample(sampler: TokenSampler, logits: mx.array) -> mx.array:
-    token = sampler(logits)
-    sampler.observe(token)
-    return token
-
-
 class DecodeBatch:
     """Sequences decoded together: one forward per step for every row, each row sampled on its own.
 
@@ -117,25 +132,26 @@ class DecodeBatch:
     def __init__(self, model: Any) -> None:
         self.model = model
         self.cache = [BatchKVCache() for _ in model.layers]
-        self.samplers: list[TokenSampler] = []
+        self.samplers: list[Sampler] = []
+        self._bias: mx.array | None = None  # (B, vocab): the rows' logit biases, see `sample_rows`
         self._pending: mx.array | None = None  # (B,) each row's sampled token, not fed to the model yet
         self._steps = 0
 
     def __len__(self) -> int:
         return len(self.samplers)
 
-    def add(self, rows: list[tuple[list[Any], mx.array, TokenSampler]]) -> None:
-        """New last rows, each its prefilled batch-1 cache, the (1, V) logits its first token is sampled
-        from, and its sampler. Rows joining at once cost one copy of the batch's cache, not one each."""
-        if not rows:
+    def add(self, caches: list[list[Any]], logits: mx.array, samplers: list[Sampler]) -> None:
+        """New last rows: their prefilled batch-1 caches, the (k, V) logits their first tokens are sampled
+        from, and their samplers. Rows joining at once cost one copy of the batch's cache, not one each."""
+        if not caches:
             return
-        tokens = [_sample(sampler, logits).reshape(1) for _, logits, sampler in rows]
+        vocab = logits.shape[-1]
+        tokens = sample_rows(logits, samplers, stack_bias(samplers, vocab))
         for n, layer in enumerate(self.cache):
-            layer.add([cache[n] for cache, _, _ in rows])
-        if self._pending is not None:
-            tokens.insert(0, self._pending)
-        self._pending = mx.concatenate(tokens) if len(tokens) > 1 else tokens[0]
-        self.samplers.extend(sampler for _, _, sampler in rows)
+            layer.add([cache[n] for cache in caches])
+        self._pending = tokens if self._pending is None else mx.concatenate([self._pending, tokens])
+        self.samplers.extend(samplers)
+        self._bias = stack_bias(self.samplers, vocab)
         mx.async_eval(self._pending)
 
     def step(self) -> list[int]:
@@ -144,8 +160,7 @@ class DecodeBatch:
             raise ValueError("an empty batch has no step to take")
         mask = self.cache[0].mask()
         logits = self.model(self._pending[:, None], cache=self.cache, mask=mask)[:, -1, :]
-        rows = [_sample(s, logits[i : i + 1]).reshape(1) for i, s in enumerate(self.samplers)]
-        next_tokens = mx.concatenate(rows) if len(rows) > 1 else rows[0]
+        next_tokens = sample_rows(logits, self.samplers, self._bias)
         mx.async_eval(next_tokens)
         tokens = [int(t) for t in self._pending.tolist()]
         self._pending = next_tokens
@@ -163,7 +178,9 @@ class DecodeBatch:
             layer.keep(keep)
         self.samplers = [self.samplers[i] for i in keep]
         if not keep or self._pending is None:
-            self._pending = None
+            self._pending = self._bias = None
         else:
-            self._pending = self._pending[mx.array(keep, dtype=mx.int32)]
+            index = mx.array(keep, dtype=mx.int32)
+            self._pending = self._pending[index]
+            self._bias = None if self._bias is None else self._bias[index]
         return caches

@@ -2,9 +2,11 @@
 
 A `GenerationBatch` holds up to `max_sequences` requests in three stages:
 - waiting: admitted (validated, tokenized), not started: the KV budget has no room for it yet;
-- prefilling: one request at a time, one prefill chunk per `step`, from the longest prefix in the prefix
-  cache; its prompt is offered back to the prefix cache as soon as it is computed, so batch-mates with
-  the same prefix reuse it;
+- prefilling: about one chunk of prompt tokens per `step`, each prompt from the longest prefix in the
+  prefix cache: several short prompts together in one forward (`prefill_rows`), or a long one alone,
+  chunk by chunk. Prompts are offered back to the prefix cache as soon as they are computed, and a
+  prompt sharing a long uncached prefix with one being prefilled waits a step, so batch-mates with the
+  same prefix (a system prompt) compute it once;
 - decoding: every decoding request is a row of one `DecodeBatch`: one forward per step for all rows,
   each row with its own sampler, stop strings, token budget and cancel check.
 
@@ -27,10 +29,22 @@ import mlx.core as mx
 from jobs.schema import FinishReason, GenerateRequest, GenerateResult
 
 from .engine import Engine, GenerationClock, TextRun, TokenSink
-from .generate import ChunkedPrefill, DecodeBatch
+from .generate import ChunkedPrefill, DecodeBatch, prefill_rows
 from .sampler import Sampler
 
 log = logging.getLogger(__name__)
+
+# Prompts sharing at least this many uncached tokens are not prefilled in one forward (see `_prefill`).
+_SHARED_MIN = 32
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 @dataclass
@@ -106,9 +120,10 @@ class GenerationBatch:
 
     # --- admission ----------------------------------------------------------------------------
 
-    def _fits(self, seq: _Sequence) -> bool:
-        """Whether `seq` may start: the rows' padded KV at their longest stays within the budget."""
-        active = [*self.decoding, *([self.prefilling] if self.prefilling else [])]
+    def _fits(self, seq: _Sequence, joining: list[_Sequence] | None = None) -> bool:
+        """Whether `seq` may start (beside `joining`, starting with it): the rows' padded KV at their
+        longest stays within the budget."""
+        active = [*self.decoding, *([self.prefilling] if self.prefilling else []), *(joining or [])]
         if not active or self.kv_budget_bytes <= 0:
             return True
         rows = [*active, seq]
@@ -128,6 +143,86 @@ class GenerationBatch:
                 seq.clock.prefilled()
                 finished.append(self._finish(seq, "cancelled", None))
 
+    def _cached(self, seq: _Sequence) -> int:
+        """Prompt tokens of `seq` the prefix cache would give it now."""
+        return self.engine.prefix_cache.peek(seq.prompt) if self.engine.prefix_cache is not None else 0
+
+    def _prefill(self, finished: list[Finished]) -> None:
+        """About one prefill chunk of tokens: the next chunk of a long prompt, or several short prompts
+        together in one forward. The ones done join the decode batch together."""
+        if self.prefilling is not None:
+            self._advance_prefill(self.prefilling, finished)
+            return
+        chunk = self.engine.options.prefill_chunk
+        group: list[_Sequence] = []
+        group_cached: list[int] = []
+        width = 0  # the group's longest uncached part: each row of the forward is that long
+        while self.waiting and self._fits(self.waiting[0], group):
+            seq = self.waiting[0]
+            cached = self._cached(seq)
+            new = len(seq.prompt) - cached
+            if new > chunk:  # a long prompt goes alone, one chunk per step
+                if not group:
+                    self._start_prefill(self.waiting.pop(0), finished)
+                break
+            if group and (len(group) + 1) * max(width, new) > chunk:
+                break
+            # A prompt sharing a long uncached prefix with a batch-mate waits one step: it then finds
+            # that prefix in the prefix cache instead of computing it again.
+            if any(
+                _common_prefix(seq.prompt, m.prompt) >= max(cached, c) + _SHARED_MIN
+                for m, c in zip(group, group_cached, strict=True)
+            ):
+                break
+            group.append(self.waiting.pop(0))
+            group_cached.append(cached)
+            width = max(width, new)
+        if group:
+            self._prefill_together(group, finished)
+
+    def _prefill_together(self, group: list[_Sequence], finished: list[Finished]) -> None:
+        ready: list[_Sequence] = []
+        for seq in group:
+            try:
+                seq.cache, seq.n_cached = self.engine.begin_cache(seq.prompt)
+                ready.append(seq)
+            except Exception as e:
+                finished.append(Finished(seq.key, error=e))
+        if not ready:
+            return
+        try:
+            caches, logits = prefill_rows(
+                self.engine.model, [(s.prompt[s.n_cached :], s.cache or []) for s in ready]
+            )
+            mx.eval(logits)  # so the clocks measure the prefill, not the building of its graph
+        except Exception as e:  # the shared forward failed: none of these rows can start
+            log.exception("batched prefill failed rows=%d", len(ready))
+            finished.extend(Finished(s.key, error=e) for s in ready)
+            return
+        joined: list[int] = []
+        for i, (seq, cache) in enumerate(zip(ready, caches, strict=True)):
+            seq.cache = None
+            seq.clock.prefilled()
+            try:
+                if self.engine.prefix_cache is not None:  # later prompts with this prefix reuse it
+                    self.engine.prefix_cache.offer(seq.prompt, cache)
+            except Exception as e:
+                finished.append(Finished(seq.key, error=e))
+                continue
+            joined.append(i)
+        self._join([ready[i] for i in joined], [caches[i] for i in joined], logits, joined)
+
+    def _join(
+        self, seqs: list[_Sequence], caches: list[list[Any]], logits: mx.array, rows: list[int]
+    ) -> None:
+        """Prefilled `seqs` start decoding; `logits[rows]` are their last positions' logits."""
+        if not seqs:
+            return
+        if len(rows) != logits.shape[0]:
+            logits = logits[mx.array(rows, dtype=mx.int32)]
+        self.decode.add(caches, logits, [s.sampler for s in seqs])
+        self.decoding.extend(seqs)
+
     def _start_prefill(self, seq: _Sequence, finished: list[Finished]) -> None:
         try:
             seq.cache, seq.n_cached = self.engine.begin_cache(seq.prompt)
@@ -138,46 +233,29 @@ class GenerationBatch:
         except Exception as e:
             finished.append(Finished(seq.key, error=e))
 
-    def _prefill(self, finished: list[Finished]) -> None:
-        """Prefill waiting requests (one at a time, in order) for about one chunk of tokens; the ones
-        done join the decode batch together."""
-        budget = self.engine.options.prefill_chunk
-        joined: list[tuple[list[Any], Any, Sampler]] = []
-        while budget > 0:
-            if self.prefilling is None:
-                if not (self.waiting and self._fits(self.waiting[0])):
-                    break
-                self._start_prefill(self.waiting.pop(0), finished)
-                continue
-            budget -= self._advance_prefill(self.prefilling, finished, joined)
-        self.decode.add(joined)
-
-    def _advance_prefill(
-        self, seq: _Sequence, finished: list[Finished], joined: list[tuple[list[Any], Any, Sampler]]
-    ) -> int:
-        """One chunk of `seq`'s prefill; returns the tokens it computed. Once done, `seq` is decoding."""
+    def _advance_prefill(self, seq: _Sequence, finished: list[Finished]) -> None:
+        """One chunk of a long prompt's prefill; once done, `seq` is decoding."""
         assert seq.prefill is not None and seq.cache is not None
-        before = seq.prefill.done
         try:
             if seq.cancelled():
                 self.prefilling = None
                 seq.clock.prefilled()
                 finished.append(self._finish(seq, "cancelled", seq.cache))
-                return 0
+                return
             logits = seq.prefill.advance()
-            if logits is not None:
-                self.prefilling = None
-                mx.eval(logits)  # so the clock measures the prefill, not the building of its graph
-                seq.clock.prefilled()
-                if self.engine.prefix_cache is not None:  # batch-mates sharing the prompt reuse it now
-                    self.engine.prefix_cache.offer(seq.prompt, seq.cache)
-                joined.append((seq.cache, logits, seq.sampler))
-                self.decoding.append(seq)
-                seq.cache = None
+            if logits is None:
+                return
+            self.prefilling = None
+            mx.eval(logits)
+            seq.clock.prefilled()
+            if self.engine.prefix_cache is not None:
+                self.engine.prefix_cache.offer(seq.prompt, seq.cache)
+            cache, seq.cache = seq.cache, None
         except Exception as e:
             self.prefilling = None
             finished.append(Finished(seq.key, error=e))
-        return max(1, seq.prefill.done - before)
+            return
+        self._join([seq], [cache], logits, [0])
 
     # --- decoding -----------------------------------------------------------------------------
 

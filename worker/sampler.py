@@ -207,6 +207,17 @@ class Sampler:
         """Temperature 0: always the most likely token, no randomness."""
         return self.temperature == 0.0
 
+    @property
+    def batchable(self) -> bool:
+        """Greedy without penalties: its token is an argmax of the logits plus a fixed bias, so a batch
+        picks it together with its batch-mates' (`sample_rows`)."""
+        return self.greedy and self._counts is None
+
+    @property
+    def bias(self) -> mx.array | None:
+        """The dense (vocab,) float32 logit bias, or None."""
+        return self._bias
+
     def __call__(self, logits: mx.array, history: Sequence[int] | None = None) -> mx.array:
         """The next token, shape (1,), from (1, vocab) logits; lazy, nothing is evaluated here.
 
@@ -263,3 +274,46 @@ def _validate(vocab_size: int, temperature: float, top_p: float, top_k: int, min
         raise ValueError(f"top_k must be an integer >= 0 (0 turns it off), got {top_k!r}")
     if not 0.0 <= min_p <= 1.0:
         raise ValueError(f"min_p must be in [0, 1], got {min_p}")
+
+
+def stack_bias(samplers: Sequence[Sampler], vocab_size: int) -> mx.array | None:
+    """The rows' logit biases as one (B, vocab) float32 array (zeros where a row has none); None if no
+    row has one."""
+    if all(s.bias is None for s in samplers):
+        return None
+    zeros = mx.zeros((vocab_size,), dtype=mx.float32)
+    return mx.stack([zeros if s.bias is None else s.bias for s in samplers])
+
+
+def sample_rows(logits: mx.array, samplers: Sequence[Sampler], bias: mx.array | None = None) -> mx.array:
+    """One token per row of (B, vocab) logits, shape (B,), row i picked as `samplers[i]` would alone.
+
+    Batchable rows (greedy, no penalties) share one argmax over `logits + bias` (`bias` from
+    `stack_bias`; adding a row of zeros, or casting to float32, never changes a row's argmax), so a
+    batch of greedy rows costs one small graph per step instead of one per row. Other rows call their
+    own sampler (penalty counts, PRNG key). Every sampler observes its token.
+    """
+    if len(samplers) != logits.shape[0]:
+        raise ValueError(f"{len(samplers)} samplers for {logits.shape[0]} rows of logits")
+    together = logits if bias is None else logits.astype(mx.float32) + bias
+    picked = mx.argmax(together, axis=-1)
+    if all(s.batchable for s in samplers):
+        for s in samplers:
+            s.observe(picked)  # counts nothing (no penalties): only the number of tokens
+        return picked
+    pieces: list[mx.array] = []
+    run_start: int | None = None  # first row of the current run of batchable rows
+    for i, s in enumerate(samplers):
+        if s.batchable:
+            s.observe(picked)
+            run_start = i if run_start is None else run_start
+            continue
+        if run_start is not None:
+            pieces.append(picked[run_start:i])
+            run_start = None
+        token = s(logits[i : i + 1]).reshape(1)
+        s.observe(token)
+        pieces.append(token)
+    if run_start is not None:
+        pieces.append(picked[run_start:])
+    return mx.concatenate(pieces) if len(pieces) > 1 else pieces[0]
