@@ -118,3 +118,25 @@ def test_deferred_writers_are_flushed_together(conn: redis.Redis) -> None:
     events = _events(conn, "d0")
     assert [e.event for e in events] == ["token", "token", "done"]
     assert "".join(e.text for e in events if isinstance(e, TokenEvent)) == "abc"
+
+
+def test_a_stream_has_its_ttl_from_the_first_token_on_without_an_expire_per_flush(
+    conn: redis.Redis,
+) -> None:
+    def calls(command: str) -> int:  # a difference, so other clients of this server do not matter much
+        return int(conn.info("commandstats").get(f"cmdstat_{command}", {}).get("calls", 0))
+
+    before = {c: calls(c) for c in ("xadd", "expire")}
+    w = StreamWriter(conn, "j9", StreamOptions(flush_tokens=1, ttl_s=600))
+    w.open(attempt=1)
+    w("a", [1])
+    assert 0 < conn.ttl(keys.stream_key("j9")) <= 600  # readers' keys never outlive their TTL
+    conn.expire(keys.stream_key("j9"), 5)  # as if a while passed since then
+    for i in range(20):
+        w("b", [2 + i])
+    assert 0 < conn.ttl(keys.stream_key("j9")) <= 5  # no refresh before a quarter of the TTL
+    assert calls("xadd") - before["xadd"] == 21
+    assert calls("expire") - before["expire"] == 2  # the first flush's, and the test's own
+    w._expired_at = -1e9  # long ago: the next flush refreshes it
+    w("c", [30])
+    assert conn.ttl(keys.stream_key("j9")) > 5

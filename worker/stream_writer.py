@@ -2,8 +2,10 @@
 
 Entries get explicit, increasing ids (`<ms>-<seq>`) chosen here, so a write retried after a lost reply
 is refused by Redis as a duplicate instead of being appended twice: nothing streamed is emitted twice.
-Every flush is one pipeline: `XADD ... MAXLEN ~ N` and `EXPIRE` (which does nothing on a key that does
-not exist yet, hence after the XADD, every time).
+Every flush is one pipeline: `XADD ... MAXLEN ~ N`, and `EXPIRE` after it (it does nothing on a key
+that does not exist yet) when the stream's TTL was last set long enough ago (`_EXPIRE_EVERY_S`, or a
+quarter of the TTL): XADD keeps a key's TTL, so refreshing it on every flush only doubled the commands.
+The last write of a job (`done` or `error`) always sets it.
 """
 
 from __future__ import annotations
@@ -23,6 +25,9 @@ from jobs.schema import DoneEvent, ErrorEvent, GenerateResult, RestartEvent, Sco
 log = logging.getLogger(__name__)
 
 REDIS_TRANSIENT = (redis.ConnectionError, redis.TimeoutError)
+
+# How often a stream being written refreshes its TTL (at most; a quarter of a short TTL).
+_EXPIRE_EVERY_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -68,6 +73,7 @@ class StreamWriter:
         self._last_flush = time.monotonic()
         self._ms = 0
         self._seq = 0
+        self._expired_at: float | None = None  # when the stream's TTL was last set (monotonic)
         self.deferred = deferred  # buffer only: `flush_streams` writes many jobs' tokens in one pipeline
 
     def open(self, attempt: int) -> None:
@@ -113,7 +119,12 @@ class StreamWriter:
     def flush(self) -> None:
         entry = self._take()
         if entry is not None:
-            self._retry(self._pipeline, [entry[1]], [entry[0]], None)
+            self._retry(self._pipeline, [entry[1]], [entry[0]], None, self.expire_due())
+
+    def expire_due(self) -> bool:
+        """Whether the next write should (re)set the stream's TTL."""
+        every = min(_EXPIRE_EVERY_S, self.options.ttl_s / 4)
+        return self._expired_at is None or time.monotonic() - self._expired_at >= every
 
     def _take(self) -> tuple[str, dict[str, str]] | None:
         """The buffered tokens as one `token` entry with its id; the buffer is empty afterwards."""
@@ -139,36 +150,50 @@ class StreamWriter:
         ids = [self._next_id() for _ in entries]
         self._retry(self._pipeline, entries, ids, extra)
 
-    def _pipeline(self, entries: list[dict[str, str]], ids: list[str], extra: tuple[str, str] | None) -> None:
+    def _pipeline(
+        self,
+        entries: list[dict[str, str]],
+        ids: list[str],
+        extra: tuple[str, str] | None,
+        expire: bool = True,
+    ) -> None:
         # One transaction; the result key goes first, so a reader who sees `done` always finds it.
         pipe = self.conn.pipeline(transaction=True)
         if extra is not None:
             pipe.set(extra[0], extra[1], ex=self.options.result_ttl_s)
         for entry_id, fields in zip(ids, entries, strict=True):
             pipe.xadd(self.key, fields, id=entry_id, maxlen=self.options.maxlen, approximate=True)  # type: ignore[arg-type]
-        pipe.expire(self.key, self.options.ttl_s)
+        if expire:
+            pipe.expire(self.key, self.options.ttl_s)
         for reply in pipe.execute(raise_on_error=False):
             if isinstance(reply, redis.ResponseError) and not _already_written(reply):
                 raise reply
+        if expire:
+            self._expired_at = time.monotonic()
 
 
 def flush_streams(conn: redis.Redis, writers: list[StreamWriter], options: StreamOptions) -> None:
     """Write the due tokens of many jobs' streams in one pipeline: one round trip per decode step of a
     generation batch, instead of one per job."""
-    entries = [(w, e) for w in writers if w.due() for e in [w._take()] if e is not None]
+    entries = [(w, e, w.expire_due()) for w in writers if w.due() for e in [w._take()] if e is not None]
     if not entries:
         return
 
     def write() -> None:
         pipe = conn.pipeline(transaction=False)
-        for w, (entry_id, fields) in entries:
+        for w, (entry_id, fields), expire in entries:
             pipe.xadd(w.key, fields, id=entry_id, maxlen=options.maxlen, approximate=True)  # type: ignore[arg-type]
-            pipe.expire(w.key, options.ttl_s)
+            if expire:
+                pipe.expire(w.key, options.ttl_s)
         for reply in pipe.execute(raise_on_error=False):
             if isinstance(reply, redis.ResponseError) and not _already_written(reply):
                 raise reply
 
     retrying(options)(write)
+    now = time.monotonic()
+    for w, _, expire in entries:
+        if expire:
+            w._expired_at = now
 
 
 def _already_written(err: redis.ResponseError) -> bool:
