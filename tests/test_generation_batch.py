@@ -218,9 +218,10 @@ def test_kv_budget_holds_newcomers_back_and_the_prefix_cache_is_shared(model_dir
     assert [r.usage.cached_tokens for r in results] == [0, n - 1, n - 1]  # type: ignore[union-attr]
 
 
-def test_prompts_prefilled_together_equal_each_prefilled_alone(engine: Engine) -> None:
+@pytest.mark.parametrize("pad_shapes", [False, True])
+def test_prompts_prefilled_together_equal_each_prefilled_alone(engine: Engine, pad_shapes: bool) -> None:
     """`prefill_rows`: ragged rows (different cached prefixes and new lengths) give each row exactly the
-    logits and cache it gets alone."""
+    logits and cache it gets alone, with or without rows, columns and cached columns padded."""
     model = engine.model
     prompts = [engine.tokenizer.encode(PROMPT * k + f"#{k}") for k in (1, 3, 2, 1)]
     cached = [0, 9, 4, 0]
@@ -232,31 +233,33 @@ def test_prompts_prefilled_together_equal_each_prefilled_alone(engine: Engine) -
         return cache
 
     together, logits = prefill_rows(
-        model, [(p[n:], cache_of(p, n)) for p, n in zip(prompts, cached, strict=True)]
+        model, [(p[n:], cache_of(p, n)) for p, n in zip(prompts, cached, strict=True)], pad_shapes
     )
+    assert logits.shape[0] == len(prompts)
     for i, (p, n) in enumerate(zip(prompts, cached, strict=True)):
         alone_cache = cache_of(p, n)
-        alone_logits = prefill(model, p[n:], alone_cache, chunk=64)
+        alone_logits = prefill(model, p[n:], alone_cache, chunk=64, pad_shapes=pad_shapes)
         assert mx.array_equal(logits[i : i + 1], alone_logits), f"row {i}"
         for got, want in zip(together[i], alone_cache, strict=True):
             assert got.offset == want.offset == len(p)
             assert mx.array_equal(got.state[0], want.state[0]) and mx.array_equal(got.state[1], want.state[1])
 
 
+@pytest.mark.parametrize("pad_shapes", [False, True])
 def test_short_prompts_start_together_and_a_shared_prefix_is_computed_once(
-    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch, pad_shapes: bool
 ) -> None:
     import worker.generation_batch as generation_batch
 
     groups: list[int] = []
     real = generation_batch.prefill_rows
 
-    def recorded(model: Any, rows: Any) -> Any:
+    def recorded(model: Any, rows: Any, *args: Any) -> Any:
         groups.append(len(rows))
-        return real(model, rows)
+        return real(model, rows, *args)
 
     monkeypatch.setattr(generation_batch, "prefill_rows", recorded)
-    engine = Engine.load(str(model_dir), EngineOptions(prefill_chunk=256))
+    engine = Engine.load(str(model_dir), EngineOptions(prefill_chunk=256, pad_shapes=pad_shapes))
     system = "You are a careful assistant who answers in one short sentence. " * 2
     prompts = [f"question {i} " * (1 + i % 4) for i in range(6)] + [system + f"ask {i}" for i in range(4)]
     requests = [
@@ -285,3 +288,16 @@ def test_short_prompts_start_together_and_a_shared_prefix_is_computed_once(
         got = done[i].result
         assert got is not None, done[i].error
         assert (got.token_ids, got.text, got.finish_reason) == (want.token_ids, want.text, want.finish_reason)
+
+
+def test_a_prompt_padded_to_a_common_length_prefills_exactly_as_unpadded(engine: Engine) -> None:
+    model = engine.model
+    tokens = engine.tokenizer.encode(PROMPT * 5)  # several chunks of 16, the last one short
+    assert len(tokens) % 16 != 0
+    plain, padded = model.make_cache(), model.make_cache()
+    want = prefill(model, tokens, plain, chunk=16)
+    got = prefill(model, tokens, padded, chunk=16, pad_shapes=True)
+    assert mx.array_equal(got, want)
+    for a, b in zip(padded, plain, strict=True):
+        assert a.offset == b.offset == len(tokens)
+        assert mx.array_equal(a.state[0], b.state[0]) and mx.array_equal(a.state[1], b.state[1])

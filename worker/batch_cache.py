@@ -161,11 +161,11 @@ class PrefillRowsCache:
     back its own tokens only, without the padding.
     """
 
-    def __init__(self, rows: list[KVCache], new: list[int]) -> None:
+    def __init__(self, rows: list[KVCache], new: list[int], width: int = 0, end: int = 0) -> None:
         self.cached = [r.offset for r in rows]
         self.new = new
-        self.end = max(self.cached)  # E
-        self.width = max(new)  # M
+        self.end = max(end, *self.cached)  # E
+        self.width = max(width, *new)  # M
         self.starts = [self.end - c for c in self.cached]
         self.keys: mx.array | None = None
         self.values: mx.array | None = None

@@ -29,7 +29,7 @@ from jobs.schema import (
 )
 
 from .detokenizer import IncrementalDetokenizer
-from .generate import GenerationCancelled, decode, prefill
+from .generate import GenerationCancelled, decode, pad_shapes_by_default, prefill
 from .loader import load_model, resolve_model_path
 from .memory_guard import with_memory_retry
 from .prefix_cache import PrefixCache
@@ -55,6 +55,7 @@ class EngineOptions:
     prefix_cache_bytes: int = 1 << 30  # 0 turns the prefix cache off
     max_score_rows: int = 64
     max_score_candidates: int = 26
+    pad_shapes: bool | None = None  # None: on a GPU only (see `generate.padded_size`)
 
 
 class Engine:
@@ -73,6 +74,7 @@ class Engine:
         self.prefix_cache = (
             PrefixCache(options.prefix_cache_bytes) if options.prefix_cache_bytes > 0 else None
         )
+        self.pad_shapes = pad_shapes_by_default() if options.pad_shapes is None else options.pad_shapes
 
     @classmethod
     def load(cls, model: str, options: EngineOptions | None = None) -> Engine:
@@ -256,7 +258,9 @@ class Engine:
         cache, n_cached = self.begin_cache(prompt)
         finish: FinishReason = "length"
         try:
-            logits = prefill(self.model, prompt[n_cached:], cache, self.options.prefill_chunk, cancelled)
+            logits = prefill(
+                self.model, prompt[n_cached:], cache, self.options.prefill_chunk, cancelled, self.pad_shapes
+            )
             mx.eval(logits)  # so the clock measures the prefill, not the building of its graph
             clock.prefilled()
             for token in decode(self.model, logits, cache, sampler, max_tokens):

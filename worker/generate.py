@@ -20,6 +20,26 @@ from .sampler import Sampler, sample_rows, stack_bias
 _CLEAR_CACHE_EVERY = 256
 
 
+def padded_size(n: int, smallest: int = 16) -> int:
+    """`n` rounded up to one of a few sizes: powers of two from `smallest` to 512, then multiples of 512.
+
+    On a GPU (MLX's CUDA build above all) the first forward of a new input shape costs 0.1-1 s of kernel
+    building, then ~10 ms: measured on an H200 (`bench/batch_step.py`). Padding prompt chunks and batch
+    sizes to a few sizes makes a worker meet each shape once in its life, not once per prompt length.
+    """
+    if n <= smallest:
+        return smallest
+    if n <= 512:
+        return 1 << (n - 1).bit_length()
+    return -(-n // 512) * 512
+
+
+def pad_shapes_by_default() -> bool:
+    """Whether to pad shapes (`padded_size`): on a GPU yes; on a CPU a new shape costs nothing, padding
+    would only add work."""
+    return mx.default_device().type == mx.DeviceType.gpu
+
+
 class TokenSampler(Protocol):
     """Picks the next token from (1, vocab) logits; may keep state (penalty counts, PRNG key)."""
 
@@ -34,12 +54,14 @@ def prefill(
     cache: list[Any],
     chunk: int,
     cancelled: Callable[[], bool] = lambda: False,
+    pad_shapes: bool = False,
 ) -> mx.array:
     """Run `tokens` through the model into `cache` in chunks; return the last position's logits (1, V).
 
     The cache state is evaluated after every chunk so a long prompt never builds one huge graph.
+    `pad_shapes`: see `ChunkedPrefill`.
     """
-    run = ChunkedPrefill(model, tokens, cache, chunk)
+    run = ChunkedPrefill(model, tokens, cache, chunk, pad_shapes)
     while (logits := run.advance()) is None:
         if cancelled():
             raise GenerationCancelled()
@@ -47,14 +69,22 @@ def prefill(
 
 
 class ChunkedPrefill:
-    """A prompt's prefill, one chunk per `advance`, so other work (a batch's decode steps) runs between."""
+    """A prompt's prefill, one chunk per `advance`, so other work (a batch's decode steps) runs between.
 
-    def __init__(self, model: Any, tokens: Sequence[int], cache: list[Any], chunk: int) -> None:
+    With `pad_shapes` the last chunk is padded on the right to a `padded_size`, and the padding's keys
+    and values are trimmed off the cache afterwards: causal attention never lets a real token see a
+    later one, so the result is the same while the forward's shape is one of a few.
+    """
+
+    def __init__(
+        self, model: Any, tokens: Sequence[int], cache: list[Any], chunk: int, pad_shapes: bool = False
+    ) -> None:
         if not tokens:
             raise ValueError("prefill needs at least one token")
         self.model = model
         self.cache = cache
         self.chunk = chunk
+        self.pad_shapes = pad_shapes
         self._ids = mx.array(list(tokens), dtype=mx.int32)[None]
         self.done = 0  # tokens in the cache so far
 
@@ -66,26 +96,46 @@ class ChunkedPrefill:
             mx.eval([c.state for c in self.cache])
             self.done += self.chunk
             return None
-        hidden = self.model.hidden(self._ids[:, self.done :], cache=self.cache)
+        last = self._ids[:, self.done :]
+        real = last.shape[1]
+        pad = padded_size(real) - real if self.pad_shapes else 0
+        if pad:
+            last = mx.concatenate([last, mx.zeros((1, pad), dtype=mx.int32)], axis=1)
+        hidden = self.model.hidden(last, cache=self.cache)
+        for layer in self.cache:
+            layer.trim(pad)
         self.done = n
-        return self.model.logits(hidden[:, -1:, :])[:, -1, :]
+        return self.model.logits(hidden[:, real - 1 : real, :])[:, -1, :]
 
 
 def prefill_rows(
-    model: Any, rows: Sequence[tuple[Sequence[int], list[KVCache]]]
+    model: Any, rows: Sequence[tuple[Sequence[int], list[KVCache]]], pad_shapes: bool = False
 ) -> tuple[list[list[KVCache]], mx.array]:
     """Prefill several prompts in one forward: each row is its new tokens and its batch-1 cache (a
     cached prefix, or empty). Returns each row's cache holding its prefix and new tokens, and the
     (B, vocab) logits of each row's last token. A row's result is what `prefill` gives it alone (the
-    layout and masking are in `PrefillRowsCache`). Meant for prompts that fit one chunk each."""
+    layout and masking are in `PrefillRowsCache`). Meant for prompts that fit one chunk each.
+
+    `pad_shapes`: the forward's rows, width and cached columns are each rounded up to a `padded_size`
+    (rows of padding, masked columns), so a GPU meets few shapes."""
     if not rows or any(not tokens for tokens, _ in rows):
         raise ValueError("prefill_rows needs rows with at least one new token each")
     new = [len(tokens) for tokens, _ in rows]
-    width = max(new)
-    layers = [PrefillRowsCache([cache[n] for _, cache in rows], new) for n in range(len(model.layers))]
-    ids = mx.array([[0] * (width - len(t)) + list(t) for t, _ in rows], dtype=mx.int32)
+    caches_in = [cache for _, cache in rows]
+    width, end = max(new), max(c[0].offset if c else 0 for c in caches_in)
+    if pad_shapes:
+        width, end = padded_size(width), padded_size(end) if end else 0
+        extra = padded_size(len(rows), smallest=1) - len(rows)
+        new += [1] * extra  # a padding row: one token that sees only itself
+        caches_in += [model.make_cache() for _ in range(extra)]
+    layers = [
+        PrefillRowsCache([cache[n] for cache in caches_in], new, width, end) for n in range(len(model.layers))
+    ]
+    padded = [[0] * (width - len(t)) + list(t) for t, _ in rows]
+    padded += [[0] * width for _ in range(len(new) - len(rows))]
+    ids = mx.array(padded, dtype=mx.int32)
     hidden = model.hidden(ids, cache=layers, mask=prefill_mask(layers[0]))
-    logits = model.logits(hidden[:, -1, :])
+    logits = model.logits(hidden[: len(rows), -1, :])
     caches = [[layer.row_cache(i) for layer in layers] for i in range(len(rows))]
     return caches, logits
 

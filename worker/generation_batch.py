@@ -29,7 +29,7 @@ import mlx.core as mx
 from jobs.schema import FinishReason, GenerateRequest, GenerateResult
 
 from .engine import Engine, GenerationClock, TextRun, TokenSink
-from .generate import ChunkedPrefill, DecodeBatch, prefill_rows
+from .generate import ChunkedPrefill, DecodeBatch, padded_size, prefill_rows
 from .sampler import Sampler
 
 log = logging.getLogger(__name__)
@@ -165,7 +165,7 @@ class GenerationBatch:
                 if not group:
                     self._start_prefill(self.waiting.pop(0), finished)
                 break
-            if group and (len(group) + 1) * max(width, new) > chunk:
+            if group and self._prefill_cost(len(group) + 1, max(width, new)) > chunk:
                 break
             # A prompt sharing a long uncached prefix with a batch-mate waits one step: it then finds
             # that prefix in the prefix cache instead of computing it again.
@@ -180,6 +180,12 @@ class GenerationBatch:
         if group:
             self._prefill_together(group, finished)
 
+    def _prefill_cost(self, rows: int, width: int) -> int:
+        """Tokens a forward of `rows` prompts of `width` new tokens computes (with shape padding)."""
+        if self.engine.pad_shapes:
+            return padded_size(rows, smallest=1) * padded_size(width)
+        return rows * width
+
     def _prefill_together(self, group: list[_Sequence], finished: list[Finished]) -> None:
         ready: list[_Sequence] = []
         for seq in group:
@@ -192,7 +198,9 @@ class GenerationBatch:
             return
         try:
             caches, logits = prefill_rows(
-                self.engine.model, [(s.prompt[s.n_cached :], s.cache or []) for s in ready]
+                self.engine.model,
+                [(s.prompt[s.n_cached :], s.cache or []) for s in ready],
+                self.engine.pad_shapes,
             )
             mx.eval(logits)  # so the clocks measure the prefill, not the building of its graph
         except Exception as e:  # the shared forward failed: none of these rows can start
@@ -227,7 +235,11 @@ class GenerationBatch:
         try:
             seq.cache, seq.n_cached = self.engine.begin_cache(seq.prompt)
             seq.prefill = ChunkedPrefill(
-                self.engine.model, seq.prompt[seq.n_cached :], seq.cache, self.engine.options.prefill_chunk
+                self.engine.model,
+                seq.prompt[seq.n_cached :],
+                seq.cache,
+                self.engine.options.prefill_chunk,
+                self.engine.pad_shapes,
             )
             self.prefilling = seq
         except Exception as e:

@@ -1,0 +1,154 @@
+"""Probe: what one batched decode step costs, and what a prefill shape seen for the first time costs.
+
+    python -m bench.batch_step [--model tiny|llama-1b|PATH] [--rows 64] [--context 128] [--steps 64]
+
+Per-step milliseconds, B rows at about `--context` tokens, each path warmed up first:
+- hand loop: the model with a plain batch `KVCache`, rows of equal length, one argmax (the floor);
+- mlx-lm's model in the same hand loop (its own cache);
+- `DecodeBatch`, rows of equal length (no mask), greedy samplers;
+- `DecodeBatch`, ragged rows (left padding: the boolean mask), greedy samplers;
+- the same with a logit bias on every row (the benchmarks' EOS mask);
+and for the last one, the Python time to build a step's graph (no evaluation).
+Then `prefill_rows` for (rows, width) shapes seen for the first time and again.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+
+from .checkpoints import checkpoint
+
+
+def _time_steps(step: Any, steps: int) -> float:
+    for _ in range(4):
+        step()
+    mx.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        step()
+    mx.synchronize()
+    return (time.perf_counter() - t0) / steps * 1000
+
+
+def _hand_loop(model: Any, cache: list[Any], rows: int, context: int) -> Any:
+    ids = mx.array([[random.randrange(100, 1000) for _ in range(context)] for _ in range(rows)])
+    logits = model(ids, cache=cache)[:, -1, :]
+    state = {"tok": mx.argmax(logits, axis=-1)}
+    mx.eval(state["tok"])
+
+    def step() -> None:
+        nxt = mx.argmax(model(state["tok"][:, None], cache=cache)[:, -1, :], axis=-1)
+        mx.async_eval(nxt)
+        state["tok"].tolist()
+        state["tok"] = nxt
+
+    return step
+
+
+def _decode_batch(engine: Any, rows: int, context: int, ragged: bool, bias: bool) -> Any:
+    from worker.generate import DecodeBatch, prefill
+    from worker.sampler import Sampler
+
+    vocab = engine.model.args.vocab_size
+    batch = DecodeBatch(engine.model)
+    caches, logits, samplers = [], [], []
+    for i in range(rows):
+        n = context - (i * 7) % 48 if ragged else context
+        cache = engine.model.make_cache()
+        logits.append(prefill(engine.model, [random.randrange(100, 1000) for _ in range(n)], cache, 4096))
+        caches.append(cache)
+        samplers.append(Sampler(vocab, temperature=0.0, logit_bias={0: -100.0} if bias else None))
+    batch.add(caches, mx.concatenate(logits), samplers)
+    return batch.step, batch
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.batch_step")
+    ap.add_argument("--model", default="tiny")
+    ap.add_argument("--rows", type=int, default=64)
+    ap.add_argument("--context", type=int, default=128)
+    ap.add_argument("--steps", type=int, default=64)
+    args = ap.parse_args(argv)
+    random.seed(0)
+    from worker.engine import Engine
+
+    path = checkpoint(args.model, Path.home() / ".cache/mlxq/bench-models")
+    engine = Engine.load(str(path))
+    b, n, steps = args.rows, args.context, args.steps
+    out: list[tuple[str, float]] = []
+    out.append(
+        (
+            "hand loop, mlxq model",
+            _time_steps(_hand_loop(engine.model, engine.model.make_cache(), b, n), steps),
+        )
+    )
+    try:
+        from mlx_lm import load as mlx_lm_load
+        from mlx_lm.models.cache import make_prompt_cache
+
+        ref, _ = mlx_lm_load(str(path))
+        out.append(
+            ("hand loop, mlx-lm model", _time_steps(_hand_loop(ref, make_prompt_cache(ref), b, n), steps))
+        )
+        del ref
+    except ImportError:
+        pass
+    for name, ragged, bias in (
+        ("DecodeBatch, equal rows", False, False),
+        ("DecodeBatch, ragged rows (mask)", True, False),
+        ("DecodeBatch, ragged rows, logit bias", True, True),
+    ):
+        step, batch = _decode_batch(engine, b, n, ragged, bias)
+        out.append((name, _time_steps(step, steps)))
+    from worker.sampler import sample_rows
+
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        mask = batch.cache[0].mask()
+        logits = batch.model(batch._pending[:, None], cache=batch.cache, mask=mask)[:, -1, :]
+        sample_rows(logits, batch.samplers, batch._bias)
+        for layer in batch.cache:  # undo the column the unevaluated graph appended
+            layer.end -= 1
+    out.append(("graph building only (ragged, bias), no eval", (time.perf_counter() - t0) / steps * 1000))
+    print(f"model={args.model} rows={b} context~{n} steps={steps} device={mx.default_device()}")
+    print("| path | ms/step | tok/s |\n| --- | --- | --- |")
+    for name, ms in out:
+        print(f"| {name} | {ms:.2f} | {b / ms * 1000:,.0f} |")
+    from worker.generate import prefill_rows
+
+    print("\n| prefill_rows (rows x width) | padded | first ms | again ms |\n| --- | --- | --- | --- |")
+    for pad in (True, False):
+        for rows, width in ((16, 127), (13, 121), (16, 128), (7, 99)):
+            times = []
+            for _ in range(2):
+                mx.synchronize()
+                t0 = time.perf_counter()
+                rows_in = [
+                    ([random.randrange(100, 1000) for _ in range(width - (i % 3))], engine.model.make_cache())
+                    for i in range(rows)
+                ]
+                _, logits = prefill_rows(engine.model, rows_in, pad)
+                mx.eval(logits)
+                times.append((time.perf_counter() - t0) * 1000)
+            print(f"| {rows} x {width} | {pad} | {times[0]:.1f} | {times[1]:.1f} |")
+    print("\n| DecodeBatch rows (new count) | first step ms | next steps ms |\n| --- | --- | --- |")
+    for rows in (33, 35, 37):
+        step, _ = _decode_batch(engine, rows, n, True, True)
+        mx.synchronize()
+        t0 = time.perf_counter()
+        step()
+        step()
+        mx.synchronize()
+        first = (time.perf_counter() - t0) * 1000
+        print(f"| {rows} | {first:.1f} | {_time_steps(step, 8):.2f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
