@@ -18,9 +18,10 @@ from jobs.errors import ContextTooLong, InvalidRequest
 from jobs.schema import GenerateRequest, GenerateResult
 from worker.batch_cache import BatchKVCache
 from worker.engine import Engine, EngineOptions
-from worker.generate import prefill, prefill_rows
+from worker.generate import DecodeBatch, prefill, prefill_rows
 from worker.generation_batch import Finished, GenerationBatch
 from worker.kv_cache import KVCache
+from worker.sampler import Sampler
 from worker.tiny_model import write_random_checkpoint
 
 PROMPT = "The capital of France is Paris. "
@@ -116,11 +117,16 @@ def test_batch_cache_keeps_each_row_at_its_own_positions() -> None:
     assert cache.batch == 0 and cache.keys is None
 
 
-def test_results_are_identical_to_running_alone_whatever_joins_and_leaves(engine: Engine) -> None:
+@pytest.mark.parametrize("pad_shapes", [False, True])
+def test_results_are_identical_to_running_alone_whatever_joins_and_leaves(
+    engine: Engine, model_dir: Path, pad_shapes: bool
+) -> None:
+    """With `pad_shapes` too: prompts padded, decode batches padded to 4, 8, 16 rows."""
     requests = _requests(engine, 9)
     alone = [_alone(engine, r) for r in requests]
+    batched = _engine(model_dir, prefix_cache_bytes=0, pad_shapes=pad_shapes)
     for max_sequences, join_every in ((3, 2), (9, 1)):
-        batch = GenerationBatch(engine, max_sequences=max_sequences)
+        batch = GenerationBatch(batched, max_sequences=max_sequences)
         peak = [0]
         done, deltas = _run_batch(batch, requests, join_every=join_every, peak=peak)
         assert peak[0] >= 3
@@ -301,3 +307,26 @@ def test_a_prompt_padded_to_a_common_length_prefills_exactly_as_unpadded(engine:
     for a, b in zip(padded, plain, strict=True):
         assert a.offset == b.offset == len(tokens)
         assert mx.array_equal(a.state[0], b.state[0]) and mx.array_equal(a.state[1], b.state[1])
+
+
+def test_a_padded_decode_batch_runs_power_of_two_rows_and_decodes_the_same(engine: Engine) -> None:
+    model = engine.model
+    prompts = [engine.tokenizer.encode(PROMPT * k) for k in (1, 2, 3)]
+
+    def start(pad: bool) -> DecodeBatch:
+        batch = DecodeBatch(model, pad_shapes=pad)
+        caches = [model.make_cache() for _ in prompts]
+        logits = [prefill(model, p, c, chunk=64) for p, c in zip(prompts, caches, strict=True)]
+        batch.add(
+            caches, mx.concatenate(logits), [Sampler(model.args.vocab_size, temperature=0) for _ in prompts]
+        )
+        return batch
+
+    plain, padded = start(False), start(True)
+    assert (plain.cache[0].batch, padded.cache[0].batch) == (3, 4)
+    steps = [(plain.step(), padded.step()) for _ in range(3)]
+    plain.remove([1])
+    padded.remove([1])
+    assert (len(padded), padded.cache[0].batch) == (2, 2)  # the padding row went with it
+    steps += [(plain.step(), padded.step()) for _ in range(3)]
+    assert all(a == b for a, b in steps), steps

@@ -112,6 +112,24 @@ class BatchKVCache:
         self.values = mx.concatenate(parts_v, axis=0)
         self._set(starts, new_end)
 
+    def add_padding(self, n: int) -> None:
+        """Append `n` rows that hold no tokens (all columns masked): they keep the batch at a padded
+        size. A padding row's query sees only its own new column, so it stays finite."""
+        if n <= 0:
+            return
+        assert self.keys is not None and self.values is not None, "add real rows first"
+        _, h, _, d = self.keys.shape
+        self.keys = mx.concatenate(
+            [self.keys[..., : self.end, :], mx.zeros((n, h, self.end, d), self.keys.dtype)]
+        )
+        self.values = mx.concatenate(
+            [
+                self.values[..., : self.end, :],
+                mx.zeros((n, h, self.end, self.values.shape[3]), self.values.dtype),
+            ]
+        )
+        self._set([*self.starts, *([self.end] * n)], self.end)
+
     def row(self, i: int) -> KVCache:
         """Row `i` alone, as a batch-1 cache holding exactly its own tokens."""
         assert self.keys is not None and self.values is not None

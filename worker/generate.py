@@ -177,10 +177,15 @@ class DecodeBatch:
     Rows join with their prefilled batch-1 cache and last logits (`add`) and leave with their cache
     (`remove`) between steps; the others never recompute anything. Like `decode`, one step stays in
     flight: `step` queues the next tokens before it reads the current ones back.
+
+    With `pad_shapes` the forward runs on a power-of-two number of rows: padding rows (no tokens, all
+    masked) follow the real ones, so a GPU meets 7 batch shapes up to 64 rows instead of 64 (a new one
+    cost ~0.23 s on the H200).
     """
 
-    def __init__(self, model: Any) -> None:
+    def __init__(self, model: Any, pad_shapes: bool = False) -> None:
         self.model = model
+        self.pad_shapes = pad_shapes
         self.cache = [BatchKVCache() for _ in model.layers]
         self.samplers: list[Sampler] = []
         self._bias: mx.array | None = None  # (B, vocab): the rows' logit biases, see `sample_rows`
@@ -190,6 +195,11 @@ class DecodeBatch:
     def __len__(self) -> int:
         return len(self.samplers)
 
+    @property
+    def _padding(self) -> int:
+        """Padding rows the cache holds after the real ones."""
+        return self.cache[0].batch - len(self)
+
     def add(self, caches: list[list[Any]], logits: mx.array, samplers: list[Sampler]) -> None:
         """New last rows: their prefilled batch-1 caches, the (k, V) logits their first tokens are sampled
         from, and their samplers. Rows joining at once cost one copy of the batch's cache, not one each."""
@@ -197,11 +207,14 @@ class DecodeBatch:
             return
         vocab = logits.shape[-1]
         tokens = sample_rows(logits, samplers, stack_bias(samplers, vocab))
+        if self._padding:
+            self._keep(list(range(len(self))))
         for n, layer in enumerate(self.cache):
             layer.add([cache[n] for cache in caches])
         self._pending = tokens if self._pending is None else mx.concatenate([self._pending, tokens])
         self.samplers.extend(samplers)
         self._bias = stack_bias(self.samplers, vocab)
+        self._pad()
         mx.async_eval(self._pending)
 
     def step(self) -> list[int]:
@@ -209,8 +222,11 @@ class DecodeBatch:
         if self._pending is None:
             raise ValueError("an empty batch has no step to take")
         mask = self.cache[0].mask()
-        logits = self.model(self._pending[:, None], cache=self.cache, mask=mask)[:, -1, :]
-        next_tokens = sample_rows(logits, self.samplers, self._bias)
+        fed = self._pending
+        if self._padding:
+            fed = mx.concatenate([fed, mx.zeros((self._padding,), dtype=fed.dtype)])
+        logits = self.model(fed[:, None], cache=self.cache, mask=mask)[:, -1, :]
+        next_tokens = sample_rows(logits[: len(self)], self.samplers, self._bias)
         mx.async_eval(next_tokens)
         tokens = [int(t) for t in self._pending.tolist()]
         self._pending = next_tokens
@@ -224,8 +240,7 @@ class DecodeBatch:
         caches = [[layer.row(i) for layer in self.cache] for i in rows]
         gone = set(rows)
         keep = [i for i in range(len(self)) if i not in gone]
-        for layer in self.cache:
-            layer.keep(keep)
+        self._keep(keep)
         self.samplers = [self.samplers[i] for i in keep]
         if not keep or self._pending is None:
             self._pending = self._bias = None
@@ -233,4 +248,21 @@ class DecodeBatch:
             index = mx.array(keep, dtype=mx.int32)
             self._pending = self._pending[index]
             self._bias = None if self._bias is None else self._bias[index]
+        self._pad()
         return caches
+
+    def _keep(self, rows: list[int]) -> None:
+        for layer in self.cache:
+            layer.keep(rows)
+
+    def _pad(self) -> None:
+        """Bring the padding rows to what a power-of-two batch needs (none without `pad_shapes`)."""
+        if not self.pad_shapes or not len(self):
+            return
+        want = padded_size(len(self), smallest=1) - len(self)
+        if want < self._padding:
+            self._keep(list(range(len(self) + want)))
+        elif want > self._padding:
+            more = want - self._padding
+            for layer in self.cache:
+                layer.add_padding(more)

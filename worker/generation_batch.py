@@ -87,7 +87,7 @@ class GenerationBatch:
         self.waiting: list[_Sequence] = []
         self.prefilling: _Sequence | None = None
         self.decoding: list[_Sequence] = []  # in the order of the decode batch's rows
-        self.decode = DecodeBatch(engine.model)
+        self.decode = DecodeBatch(engine.model, engine.pad_shapes)
         self.steps = 0
 
     def __len__(self) -> int:
@@ -277,7 +277,7 @@ class GenerationBatch:
         except Exception as e:  # the shared forward failed: no row can go on
             log.exception("batched decode step failed rows=%d", len(self.decoding))
             finished.extend(Finished(seq.key, error=e) for seq in self.decoding)
-            self.decoding, self.decode = [], DecodeBatch(self.engine.model)
+            self.decoding, self.decode = [], DecodeBatch(self.engine.model, self.engine.pad_shapes)
             return
         leaving: list[tuple[int, FinishReason | BaseException]] = []
         for i, (seq, token) in enumerate(zip(self.decoding, tokens, strict=True)):
@@ -317,5 +317,5 @@ class GenerationBatch:
         """End every request with `error` (the caller could not go on); the batch is empty afterwards."""
         seqs = [*self.waiting, *([self.prefilling] if self.prefilling else []), *self.decoding]
         self.waiting, self.prefilling, self.decoding = [], None, []
-        self.decode = DecodeBatch(self.engine.model)
+        self.decode = DecodeBatch(self.engine.model, self.engine.pad_shapes)
         return [Finished(s.key, error=error) for s in seqs]
