@@ -1,0 +1,126 @@
+"""Encoding a text from where it parts from a recent one gives exactly the text's own encoding."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+
+from worker.shared_encoding import SharedPrefixEncoder, reusable
+from worker.tiny_model import build_tokenizer
+
+# Llama 3's pre-tokenizer regex (as its tokenizer.json writes it).
+LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+CORPUS = [
+    "The queue holds 12345 jobs; workers take them.\n\nIt's   done, isn't it?",
+    "def add(a, b):\n    return a + b  # 3.14159",
+    "東京 café 🙂 naïve — résumé, 'quoted' and \"double\"",
+]
+PIECES = st.sampled_from(
+    ["the", " queue", "  ", "\n", "\n\n", "\t", "123", "4567", "'s", "'ll", "!!", "...", "é", "🙂", "東京",
+     "<|im_end|>", " ", "a", "word", "—", "x1", " 99", "\r\n"]
+)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def byte_level(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
+    folder = tmp_path_factory.mktemp("byte-level")
+    build_tokenizer(folder)
+    return Tokenizer.from_file(str(folder / "tokenizer.json"))
+
+
+def _llama3_style(eos: bool) -> Tokenizer:
+    tok = Tokenizer(models.BPE())
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(LLAMA3_SPLIT), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        special_tokens=["<|begin_of_text|>", "<|eot_id|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(CORPUS * 8, trainer=trainer)
+    ends = " <|eot_id|>:0" if eos else ""
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"<|begin_of_text|>:0 $A:0{ends}",
+        pair="<|begin_of_text|>:0 $A:0 $B:1",
+        special_tokens=[("<|begin_of_text|>", 0), ("<|eot_id|>", 1)],
+    )
+    return tok
+
+
+@pytest.fixture(scope="module")
+def llama3_style() -> Tokenizer:
+    return _llama3_style(eos=False)
+
+
+@pytest.fixture(scope="module")
+def with_eos() -> Tokenizer:
+    return _llama3_style(eos=True)
+
+
+def _text(pieces: list[str]) -> str:
+    return "".join(pieces)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    base=st.lists(PIECES, min_size=500, max_size=700),
+    tails=st.lists(st.tuples(st.integers(0, 60), st.lists(PIECES, max_size=30)), min_size=1, max_size=4),
+    special=st.booleans(),
+    which=st.sampled_from(["byte_level", "llama3_style", "with_eos"]),
+)
+def test_every_text_encodes_to_its_own_ids(
+    base: list[str],
+    tails: list[tuple[int, list[str]]],
+    special: bool,
+    which: str,
+    request: pytest.FixtureRequest,
+) -> None:
+    backend: Tokenizer = request.getfixturevalue(which)
+    encoder = SharedPrefixEncoder(backend, min_shared_chars=256)
+    assert encoder.enabled
+    texts = [_text(base)] + [_text(base[: len(base) - drop] + tail) for drop, tail in tails]
+    for text in texts:
+        assert encoder.encode(text, special) == backend.encode(text, add_special_tokens=special).ids
+
+
+def test_rows_sharing_a_long_document_are_encoded_in_part(llama3_style: Tokenizer) -> None:
+    document = " ".join(CORPUS) * 40
+    encoder = SharedPrefixEncoder(llama3_style)
+    rows = [f"{document}\nQuestion {i}: which is it? Answer:" for i in range(20)]
+    for text in rows:
+        assert encoder.encode(text, True) == llama3_style.encode(text).ids
+    assert encoder.reused == 19  # every row after the first
+
+
+def test_short_texts_and_unsuitable_tokenizers_are_encoded_whole(tmp_path: Path) -> None:
+    meta = Tokenizer(models.BPE())
+    meta.pre_tokenizer = pre_tokenizers.Metaspace()
+    assert not reusable(meta)
+    prefixed = Tokenizer(models.BPE())
+    prefixed.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=True)
+    assert not reusable(prefixed)
+    lowercase = Tokenizer(models.BPE())
+    lowercase.normalizer = normalizers.Lowercase()
+    lowercase.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    assert not reusable(lowercase)
+    build_tokenizer(tmp_path)
+    backend = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    encoder = SharedPrefixEncoder(backend, min_shared_chars=1024)
+    short = "the queue holds jobs " * 10
+    for text in (short, short + "and more"):
+        assert encoder.encode(text, True) == backend.encode(text).ids
+    assert encoder.reused == 0
