@@ -139,8 +139,9 @@ def _score_rows() -> list[dict[str, object]]:
     ]
 
 
-def test_scores_equal_a_full_forward_and_do_not_depend_on_grouping(model_dir: Path) -> None:
-    engine = Engine.load(str(model_dir), EngineOptions(prefix_cache_bytes=0))
+@pytest.mark.parametrize("pad_shapes", [False, True])
+def test_scores_equal_a_full_forward_and_do_not_depend_on_grouping(model_dir: Path, pad_shapes: bool) -> None:
+    engine = Engine.load(str(model_dir), EngineOptions(prefix_cache_bytes=0, pad_shapes=pad_shapes))
     rows = _score_rows()
     together = engine.score(ScoreRequest.model_validate({"rows": rows}))
     for row, got in zip(rows, together.rows, strict=True):

@@ -163,6 +163,7 @@ class Engine:
             prefix_cache=self.prefix_cache,
             prefill_chunk=self.options.prefill_chunk,
             max_batch_rows=64,
+            pad_shapes=self.pad_shapes,
         )
         logits = scorer.last_logits([p for p, _ in flat], stats)
         scores = candidate_scores(logits, [cands for _, cands in flat])

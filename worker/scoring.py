@@ -17,6 +17,7 @@ import mlx.core as mx
 
 from jobs.errors import InvalidCandidate
 
+from .generate import padded_size
 from .kv_cache import broadcast_batch
 from .prefix_cache import PrefixCache
 from .tokenizer import Tokenizer
@@ -142,7 +143,9 @@ class PrefixScorer:
     """Computes last-position logits for many prompts, each shared prefix once.
 
     With a `PrefixCache`, a top-level span starts from the longest cached prefix, and every span
-    computed on the batch-1 path is offered back to the cache for later jobs.
+    computed on the batch-1 path is offered back to the cache for later jobs. With `pad_shapes` (GPUs:
+    see `generate.padded_size`) spans and suffix batches are padded on the right, and suffix batches to
+    a power-of-two number of rows, so the forwards take few distinct shapes.
     """
 
     def __init__(
@@ -154,8 +157,10 @@ class PrefixScorer:
         max_batch_rows: int = 32,
         max_batch_tokens: int = 8192,
         min_shared: int = 32,
+        pad_shapes: bool = False,
     ) -> None:
         self.model = model
+        self.pad_shapes = pad_shapes
         self.prefix_cache = prefix_cache
         self.prefill_chunk = prefill_chunk
         self.max_batch_rows = max_batch_rows
@@ -211,11 +216,18 @@ class PrefixScorer:
             self.model(ids[:, start : start + self.prefill_chunk], cache=cache)
             mx.eval([c.state for c in cache])
             start += self.prefill_chunk
-        hidden = self.model.hidden(ids[:, start:], cache=cache)
+        tail = ids[:, start:]
+        real = tail.shape[1]
+        pad = padded_size(real) - real if self.pad_shapes else 0
+        if pad:  # right padding: no real token sees it, and the cache forgets it at once
+            tail = mx.concatenate([tail, mx.zeros((1, pad), dtype=mx.int32)], axis=1)
+        hidden = self.model.hidden(tail, cache=cache)
+        for c in cache:
+            c.trim(pad)
         if not node.rows:
             mx.eval([c.state for c in cache])
             return
-        logits = self.model.logits(hidden[:, -1, :]).astype(mx.float32)[0]
+        logits = self.model.logits(hidden[:, real - 1, :]).astype(mx.float32)[0]
         mx.eval(logits, [c.state for c in cache])
         for row in node.rows:
             out[row] = logits
@@ -226,8 +238,12 @@ class PrefixScorer:
         for group in self._batches(leaves):
             width = max(len(n.span) for n in group)
             pad = group[0].span[0]  # any real id; padded positions are never read
-            ids = mx.array([n.span + [pad] * (width - len(n.span)) for n in group], dtype=mx.int32)
-            batch_cache = broadcast_batch(cache, len(group)) if cache[0].offset else None
+            spans = [n.span for n in group]
+            if self.pad_shapes:
+                width = padded_size(width)
+                spans += [[pad]] * (padded_size(len(group), smallest=1) - len(group))
+            ids = mx.array([span + [pad] * (width - len(span)) for span in spans], dtype=mx.int32)
+            batch_cache = broadcast_batch(cache, len(spans)) if cache[0].offset else None
             hidden = self.model.hidden(ids, cache=batch_cache or self.model.make_cache())
             last = mx.array([len(n.span) - 1 for n in group])
             picked = hidden[mx.arange(len(group)), last]  # (B, H): only what the LM head needs
