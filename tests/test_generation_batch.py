@@ -103,16 +103,20 @@ def test_batch_cache_keeps_each_row_at_its_own_positions() -> None:
     cache.add([row(3, 0.0)])
     cache.add([row(5, 100.0), row(1, 200.0)])  # longer: the first row is padded further
     assert (cache.starts, cache.end, cache.lengths) == ([2, 0, 4], 5, [3, 5, 1])
-    assert cache.offset.tolist() == [3, 5, 1]
+    assert cache.offset.tolist() == [3, 5, 1]  # type: ignore[union-attr]
     mask = cache.mask()
     assert mask is not None and mask.shape == (3, 1, 1, 6)
     assert mask[:, 0, 0, :].tolist()[2] == [False] * 4 + [True, True]
     cache.update_and_fetch(mx.ones((3, 2, 1, 4)), mx.ones((3, 2, 1, 4)))
-    assert cache.offset.tolist() == [4, 6, 2]
+    assert cache.offset.tolist() == [4, 6, 2]  # type: ignore[union-attr]
     assert cache.row(0).state[0][0, 0, :, 0].tolist() == [0.0, 1.0, 2.0, 1.0]
+    cache.keep([1])  # alone, the longest row holds no padding: a plain int offset, as one sequence has
+    assert cache.offset == 6 and cache.mask() is None
+    cache = BatchKVCache()
+    cache.add([row(4, 0.0), row(6, 100.0), row(2, 200.0)])
     cache.keep([0, 2])  # the longest row leaves: the padding both others share is trimmed
     assert (cache.starts, cache.end, cache.lengths) == ([0, 2], 4, [4, 2])
-    assert cache.row(1).state[0][0, 0, :, 0].tolist() == [200.0, 1.0]
+    assert cache.row(1).state[0][0, 0, :, 0].tolist() == [200.0, 201.0]
     cache.keep([])
     assert cache.batch == 0 and cache.keys is None
 

@@ -48,6 +48,7 @@ class BatchKVCache:
         self.starts: list[int] = []  # per row: first column it owns
         self.end = 0  # columns written (the same for every row)
         self._starts = mx.zeros((0,), dtype=mx.int32)
+        self._aligned = True
 
     @property
     def batch(self) -> int:
@@ -59,9 +60,10 @@ class BatchKVCache:
         return [self.end - s for s in self.starts]
 
     @property
-    def offset(self) -> mx.array:
-        """Per-row position of the next token (the row's own length): RoPE's offset vector."""
-        return self.end - self._starts
+    def offset(self) -> mx.array | int:
+        """Per-row position of the next token (the row's own length): RoPE's offset vector; a plain int
+        when no row is padded (all rows the same length: RoPE's scalar path, as for one sequence)."""
+        return self.end if self._aligned else self.end - self._starts
 
     def mask(self, n: int = 1) -> mx.array | None:
         """Boolean (B, 1, n, end + n) attention mask for `n` new tokens per row; None if no row is padded.
@@ -155,6 +157,7 @@ class BatchKVCache:
     def _set(self, starts: list[int], end: int) -> None:
         self.starts, self.end = starts, end
         self._starts = mx.array(starts, dtype=mx.int32)
+        self._aligned = not any(starts)
 
     @property
     def nbytes(self) -> int:
