@@ -149,6 +149,9 @@ def decode(
 ) -> Iterator[int]:
     """Yield up to `max_tokens` sampled token ids, keeping the next step computing while one is consumed.
 
+    The first token is read back before the second step is queued: reading a token can wait for work
+    queued after it (measured on CUDA: ~3.8 ms of TTFT were one decode step), and time to first token is
+    what a reader waits on. From the second token on, one step stays in flight.
     The caller stops early by closing the generator (or just not asking for more).
     """
 
@@ -157,9 +160,15 @@ def decode(
         sampler.observe(token)
         return token
 
+    if max_tokens <= 0:
+        return
     token = step(first_logits)
+    yield int(token.item())
+    if max_tokens == 1:
+        return
+    token = step(model(token.reshape(1, 1), cache=cache)[:, -1, :])
     mx.async_eval(token)
-    for n in range(max_tokens):
+    for n in range(1, max_tokens):
         if n + 1 < max_tokens:
             logits = model(token.reshape(1, 1), cache=cache)[:, -1, :]
             next_token = step(logits)
