@@ -40,39 +40,49 @@ class _Node:
         return [*self.children.values(), *self.flat]
 
 
-TAIL_TOKENS = 16  # prompt tokens re-encoded with each candidate (see `_appended`)
+TAIL_TOKENS = 16  # prompt tokens re-encoded with each candidate (see `candidate_token_ids`)
 
 
-def _appended(
-    tokenizer: Tokenizer, prompt: str, base: list[int], candidate: str, add_special_tokens: bool
-) -> tuple[int, bool, int]:
-    """How prompt+candidate tokenizes: (token count, whether the prompt's tokens are kept, last id).
-
-    Re-encoding a long prompt once per candidate dominated scoring time, so only the prompt's last
-    `TAIL_TOKENS` tokens are re-encoded with the candidate — when that tail is verified to encode to the
-    same ids on its own (tokenizers that add a prefix space, for example, fail the check and take the
-    full encode).
-    """
-    if len(base) > TAIL_TOKENS:
-        tail = base[-TAIL_TOKENS:]
-        tail_text = tokenizer.decode(tail)
-        if prompt.endswith(tail_text) and tokenizer.encode(tail_text, add_special_tokens=False) == tail:
-            ids = tokenizer.encode(tail_text + candidate, add_special_tokens=False)
-            return len(base) - TAIL_TOKENS + len(ids), ids[:TAIL_TOKENS] == tail, ids[-1]
-    ids = tokenizer.encode(prompt + candidate, add_special_tokens=add_special_tokens)
-    return len(ids), ids[: len(base)] == base, ids[-1]
+def _tail(tokenizer: Tokenizer, prompt: str, base: list[int]) -> str | None:
+    """The text of the prompt's last `TAIL_TOKENS` tokens when it encodes back to those same ids on its
+    own (tokenizers that add a prefix space, for example, fail the check), else None."""
+    if len(base) <= TAIL_TOKENS:
+        return None
+    tail_text = tokenizer.decode(base[-TAIL_TOKENS:])
+    if (
+        prompt.endswith(tail_text)
+        and tokenizer.encode(tail_text, add_special_tokens=False) == base[-TAIL_TOKENS:]
+    ):
+        return tail_text
+    return None
 
 
 def candidate_token_ids(
     tokenizer: Tokenizer, prompt: str, candidates: Sequence[str], row: int, add_special_tokens: bool = True
 ) -> tuple[list[int], list[int]]:
-    """Prompt tokens and, per candidate, the one ordinary token it appends; else `InvalidCandidate`."""
+    """Prompt tokens and, per candidate, the one ordinary token it appends; else `InvalidCandidate`.
+
+    Re-encoding a long prompt once per candidate dominated scoring time, so only the prompt's last
+    `TAIL_TOKENS` tokens are re-encoded with each candidate when that tail encodes to the same ids on
+    its own (checked once per row); otherwise prompt+candidate is encoded whole.
+    """
     base = tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
     if not base:
         raise InvalidCandidate(f"row {row}: the prompt is empty (it encodes to no tokens)")
+    tail_text = _tail(tokenizer, prompt, base)
+    # Per candidate: (tokens of prompt+candidate, whether the prompt's own tokens are kept, last id).
+    if tail_text is not None:
+        # One encode per candidate: a batch call costs more in thread hand-offs than these short texts.
+        tails = [tokenizer.encode(tail_text + c, add_special_tokens=False) for c in candidates]
+        shape = [
+            (len(base) - TAIL_TOKENS + len(ids), ids[:TAIL_TOKENS] == base[-TAIL_TOKENS:], ids[-1])
+            for ids in tails
+        ]
+    else:
+        whole = [tokenizer.encode(prompt + c, add_special_tokens=add_special_tokens) for c in candidates]
+        shape = [(len(ids), ids[: len(base)] == base, ids[-1]) for ids in whole]
     out = []
-    for cand in candidates:
-        n, kept, last = _appended(tokenizer, prompt, base, cand, add_special_tokens)
+    for cand, (n, kept, last) in zip(candidates, shape, strict=True):
         if n != len(base) + 1 or not kept:
             raise InvalidCandidate(
                 f"row {row}: candidate {cand!r} does not add exactly one token to the prompt "

@@ -181,7 +181,11 @@ class Tokenizer:
         A long text starting like one encoded just before is encoded only from where they part
         (`shared_encoding.py`): the same ids, in a fraction of the time.
         """
-        ids = self.shared_encoder.encode(text, add_special_tokens)
+        return self._drop_double_bos(
+            text, self.shared_encoder.encode(text, add_special_tokens), add_special_tokens
+        )
+
+    def _drop_double_bos(self, text: str, ids: list[int], add_special_tokens: bool) -> list[int]:
         if (
             add_special_tokens
             and self.bos_id is not None
@@ -190,7 +194,7 @@ class Tokenizer:
             and text.startswith(self.bos_token)
         ):
             return ids[1:]
-        return ids
+        return list(ids)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         """Text of `ids`; ids the tokenizer does not know decode to nothing."""
