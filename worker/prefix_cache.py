@@ -105,11 +105,19 @@ class PrefixCache:
             node.last_used = now
             parts.append([(kk[:, :, :take], vv[:, :, :take]) for kk, vv in node.layers])
             left -= take
+        # One copy into buffers with room for the rest of the prompt, so its prefill writes in place
+        # instead of copying the whole prefix again to grow (an 8k prefix is ~270 MB on a 1B model).
+        room = -(-(len(tokens) - use + 1) // KVCache.step) * KVCache.step
         caches = []
         for layer in range(n_layers):
-            keys = mx.concatenate([p[layer][0] for p in parts], axis=2)
-            values = mx.concatenate([p[layer][1] for p in parts], axis=2)
-            caches.append(KVCache.from_state(keys, values))
+            k0, v0 = parts[0][layer]
+            spare_k = mx.zeros((*k0.shape[:2], room, k0.shape[3]), k0.dtype)
+            spare_v = mx.zeros((*v0.shape[:2], room, v0.shape[3]), v0.dtype)
+            keys = mx.concatenate([*(p[layer][0] for p in parts), spare_k], axis=2)
+            values = mx.concatenate([*(p[layer][1] for p in parts), spare_v], axis=2)
+            cache = KVCache()
+            cache.keys, cache.values, cache.offset = keys, values, use
+            caches.append(cache)
         self.stats.hits += 1
         self.stats.hit_tokens += use
         return caches, use
