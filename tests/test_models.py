@@ -87,6 +87,29 @@ def test_hidden_then_logits_equals_call(pair: tuple[Path, Any, Any]) -> None:
     assert mx.allclose(last, model(x)[:, -1:, :], atol=1e-5).item()
 
 
+@pytest.mark.parametrize("last_from_end", [1, 3])
+def test_hidden_of_one_position_equals_its_row_of_all_positions(
+    pair: tuple[Path, Any, Any], last_from_end: int
+) -> None:
+    """`hidden(last=i)`: the final layer computes position i only (a prefill's last token, or the last
+    real one before right padding), yet writes every position's keys and values, as a full forward."""
+    folder, model, _ = pair
+    ids = prompt_ids(folder)
+    prefix, rest = ids[:5], ids[5:]
+    full_cache, one_cache = model.make_cache(), model.make_cache()
+    for cache in (full_cache, one_cache):
+        model(mx.array([prefix], dtype=mx.int32), cache=cache)
+    x = mx.array([rest], dtype=mx.int32)
+    i = len(rest) - last_from_end
+    full = model.hidden(x, cache=full_cache)
+    one = model.hidden(x, cache=one_cache, last=i)
+    assert one.shape == (1, 1, model.args.hidden_size)
+    assert mx.allclose(one[:, 0], full[:, i], atol=1e-5).item()
+    for a, b in zip(one_cache, full_cache, strict=True):
+        assert a.offset == b.offset == len(ids)
+        assert mx.array_equal(a.state[0], b.state[0]) and mx.array_equal(a.state[1], b.state[1])
+
+
 def test_right_padded_batch_on_shared_prefix_with_explicit_mask(pair: tuple[Path, Any, Any]) -> None:
     """Scoring's use: one cached prefix, rows of different lengths batched with a boolean mask."""
     folder, model, _ = pair

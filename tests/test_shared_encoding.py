@@ -124,3 +124,30 @@ def test_short_texts_and_unsuitable_tokenizers_are_encoded_whole(tmp_path: Path)
     for text in (short, short + "and more"):
         assert encoder.encode(text, True) == backend.encode(text).ids
     assert encoder.reused == 0
+
+
+def test_the_real_smollm2_tokenizer_gives_its_own_ids(tmp_path: Path) -> None:
+    """SmolLM2's tokenizer (digits split one by one, then GPT-2's regex), as the worker builds it from the
+    GGUF file the default model ships in: random texts sharing long starts encode to their own ids."""
+    import random
+
+    from gguf import GGUFReader
+
+    from worker.default_model import default_gguf_path
+    from worker.gguf_tokenizer import build_tokenizer as from_gguf
+    from worker.gguf_tokenizer import read_vocab
+
+    backend = from_gguf(read_vocab(GGUFReader(default_gguf_path())))
+    encoder = SharedPrefixEncoder(backend, min_shared_chars=256)
+    assert encoder.enabled
+    pieces = [*CORPUS, "12345", " 3.14", "\n\n", "  ", "é", "🙂", "<|im_start|>", "<|im_end|>", " word", "!?"]
+    rng = random.Random(7)
+    checked = 0
+    for _ in range(40):
+        base = [rng.choice(pieces) for _ in range(120)]
+        for cut in (0, 3, 10, 30):
+            text = "".join(base[: len(base) - cut] + [rng.choice(pieces) for _ in range(rng.randint(0, 8))])
+            for special in (True, False):
+                assert encoder.encode(text, special) == backend.encode(text, add_special_tokens=special).ids
+                checked += 1
+    assert encoder.reused > checked // 2

@@ -101,11 +101,11 @@ class ChunkedPrefill:
         pad = padded_size(real) - real if self.pad_shapes else 0
         if pad:
             last = mx.concatenate([last, mx.zeros((1, pad), dtype=mx.int32)], axis=1)
-        hidden = self.model.hidden(last, cache=self.cache)
-        for layer in self.cache:
+        hidden = self.model.hidden(last, cache=self.cache, last=real - 1)  # (1, 1, H): the final layer
+        for layer in self.cache:  # computes only the last real position (all positions' keys/values)
             layer.trim(pad)
         self.done = n
-        return self.model.logits(hidden[:, real - 1 : real, :])[:, -1, :]
+        return self.model.logits(hidden[:, -1, :])
 
 
 def prefill_rows(
@@ -134,7 +134,7 @@ def prefill_rows(
     padded = [[0] * (width - len(t)) + list(t) for t, _ in rows]
     padded += [[0] * width for _ in range(len(new) - len(rows))]
     ids = mx.array(padded, dtype=mx.int32)
-    hidden = model.hidden(ids, cache=layers, mask=prefill_mask(layers[0]))
+    hidden = model.hidden(ids, cache=layers, mask=prefill_mask(layers[0]), last=width - 1)
     logits = model.logits(hidden[: len(rows), -1, :])
     caches = [[layer.row_cache(i) for layer in layers] for i in range(len(rows))]
     return caches, logits

@@ -127,7 +127,8 @@ class GenerationBatch:
         if not active or self.kv_budget_bytes <= 0:
             return True
         rows = [*active, seq]
-        need = len(rows) * max(s.longest for s in rows) * self.engine.kv_bytes_per_token
+        n = padded_size(len(rows), smallest=1) if self.engine.pad_shapes else len(rows)  # padding rows too
+        need = n * max(s.longest for s in rows) * self.engine.kv_bytes_per_token
         return need <= self.kv_budget_bytes
 
     def _drop_cancelled_waiting(self, finished: list[Finished]) -> None:

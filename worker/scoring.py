@@ -231,13 +231,13 @@ class PrefixScorer:
         pad = padded_size(real) - real if self.pad_shapes else 0
         if pad:  # right padding: no real token sees it, and the cache forgets it at once
             tail = mx.concatenate([tail, mx.zeros((1, pad), dtype=mx.int32)], axis=1)
-        hidden = self.model.hidden(tail, cache=cache)
+        hidden = self.model.hidden(tail, cache=cache, last=real - 1)  # (1, 1, H)
         for c in cache:
             c.trim(pad)
         if not node.rows:
             mx.eval([c.state for c in cache])
             return
-        logits = self.model.logits(hidden[:, real - 1, :]).astype(mx.float32)[0]
+        logits = self.model.logits(hidden[:, -1, :]).astype(mx.float32)[0]
         mx.eval(logits, [c.state for c in cache])
         for row in node.rows:
             out[row] = logits

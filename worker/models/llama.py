@@ -104,20 +104,24 @@ class Attention(nn.Module):
         self.qk_norm = args.qk_norm
         self.rope = make_rope(self.head_dim, args.rope_theta, args.rope_scaling)
 
-    def __call__(self, x: mx.array, mask: Mask, cache: KVCache | None) -> mx.array:
+    def __call__(self, x: mx.array, mask: Mask, cache: KVCache | None, last: int | None = None) -> mx.array:
+        """Attention output for every position, or with `last` for that position only (keys and values of
+        every position still go into the cache)."""
         b, n, _ = x.shape
-        q = self.q_proj(x).reshape(b, n, self.n_heads, self.head_dim)
+        xq = x if last is None else x[:, last : last + 1]
+        q = self.q_proj(xq).reshape(b, xq.shape[1], self.n_heads, self.head_dim)
         k = self.k_proj(x).reshape(b, n, self.n_kv_heads, self.head_dim)
         v = self.v_proj(x).reshape(b, n, self.n_kv_heads, self.head_dim).transpose(0, 2, 1, 3)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3)
         offset = cache.offset if cache is not None else 0
-        q, k = self.rope(q, offset=offset), self.rope(k, offset=offset)
+        q = self.rope(q, offset=offset if last is None else offset + last)
+        k = self.rope(k, offset=offset)
         if cache is not None:
             k, v = cache.update_and_fetch(k, v)
         out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
-        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(b, n, -1))
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(b, xq.shape[1], -1))
 
 
 class MLP(nn.Module):
@@ -144,9 +148,24 @@ class TransformerBlock(nn.Module):
         self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
 
-    def __call__(self, x: mx.array, mask: Mask, cache: KVCache | None) -> mx.array:
-        h = x + self.self_attn(self.input_layernorm(x), mask, cache)
+    def __call__(self, x: mx.array, mask: Mask, cache: KVCache | None, last: int | None = None) -> mx.array:
+        """The block's output for every position, or with `last` for that position only."""
+        attn = self.self_attn(self.input_layernorm(x), mask, cache, last)
+        h = (x if last is None else x[:, last : last + 1]) + attn
         return h + self.mlp(self.post_attention_layernorm(h))
+
+
+def _mask_for_one_query(mask: Mask, last: int, n: int, cache: KVCache | None) -> Mask:
+    """The mask of query `last` alone (of `n` new positions): its row of an explicit mask; for causal
+    attention nothing when it is the last position (it sees every key), else the keys up to its own."""
+    if isinstance(mask, mx.array):
+        return mask[..., last : last + 1, :] if mask.shape[-2] == n else mask
+    if last == n - 1:
+        return None
+    offset = cache.offset if cache is not None else 0
+    if not isinstance(offset, int):
+        raise ValueError("a causal one-query mask needs one offset for every row")
+    return mx.arange(offset + n) <= offset + last
 
 
 class LlamaModel(nn.Module):
@@ -159,7 +178,11 @@ class LlamaModel(nn.Module):
         self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
 
     def __call__(
-        self, inputs: mx.array, cache: list[KVCache] | None = None, mask: mx.array | None = None
+        self,
+        inputs: mx.array,
+        cache: list[KVCache] | None = None,
+        mask: mx.array | None = None,
+        last: int | None = None,
     ) -> mx.array:
         h = self.embed_tokens(inputs)
         layer_mask: Mask = mask
@@ -169,8 +192,11 @@ class LlamaModel(nn.Module):
             # MLX's "causal" aligns the last query with the last key, so it is right with a cache offset.
             layer_mask = "causal"
         caches: list[KVCache | None] = list(cache) if cache is not None else [None] * len(self.layers)
-        for layer, c in zip(self.layers, caches, strict=True):
+        for layer, c in zip(self.layers[:-1], caches[:-1], strict=True):
             h = layer(h, layer_mask, c)
+        if last is not None:
+            layer_mask = _mask_for_one_query(layer_mask, last, inputs.shape[1], caches[-1])
+        h = self.layers[-1](h, layer_mask, caches[-1], last)
         return self.norm(h)
 
 
@@ -198,10 +224,19 @@ class Model(nn.Module):
         return self.logits(self.hidden(inputs, cache=cache, mask=mask))
 
     def hidden(
-        self, inputs: mx.array, cache: list[KVCache] | None = None, mask: mx.array | None = None
+        self,
+        inputs: mx.array,
+        cache: list[KVCache] | None = None,
+        mask: mx.array | None = None,
+        last: int | None = None,
     ) -> mx.array:
-        """Final normed hidden states (B, L, hidden_size); same arguments as `__call__`."""
-        return self.model(inputs, cache=cache, mask=mask)
+        """Final normed hidden states (B, L, hidden_size); same arguments as `__call__`.
+
+        `last`: only position `last`'s, (B, 1, hidden_size). Every layer still writes every position's
+        keys and values into the cache, but the final layer computes attention and MLP for that one
+        position: what a prefill needs, and a whole layer's work saved on the rest.
+        """
+        return self.model(inputs, cache=cache, mask=mask, last=last)
 
     def logits(self, hidden: mx.array) -> mx.array:
         """Project hidden states (..., hidden_size) to vocabulary logits (..., vocab)."""
