@@ -43,7 +43,12 @@ def reusable(backend: tokenizers.Tokenizer) -> bool:
     pre = _kinds(spec.get("pre_tokenizer"), "pretokenizers")
     if not pre or any(p.get("type") not in ("ByteLevel", "Split", "Digits", "Punctuation") for p in pre):
         return False
-    return not any(p.get("type") == "ByteLevel" and p.get("add_prefix_space") for p in pre)
+    if any(p.get("type") == "ByteLevel" and p.get("add_prefix_space") for p in pre):
+        return False
+    # Something must split text into words: a Split, or ByteLevel's own regex.
+    return any(
+        p.get("type") == "Split" or (p.get("type") == "ByteLevel" and p.get("use_regex", True)) for p in pre
+    )
 
 
 def _trailer(backend: tokenizers.Tokenizer) -> list[int] | None:
