@@ -150,6 +150,8 @@ def instrument(service: WorkerService, recorder: Recorder) -> None:
     _count_scorer_parts()
     _time_batch_parts()
     executor.finish_score = _timed(recorder, "finish_score", executor.finish_score, memory=False)  # type: ignore[method-assign]
+    # A score batch ends its jobs with one `finish_scores` call: timed under the same name.
+    executor.finish_scores = _timed(recorder, "finish_score", executor.finish_scores, memory=False)  # type: ignore[method-assign]
     worker.execute_job = _timed(recorder, "execute_job", worker.execute_job, memory=False)  # type: ignore[method-assign]
 
 

@@ -9,7 +9,7 @@ import redis
 
 from jobs import keys
 from jobs.schema import DoneEvent, GenerateResult, Timings, TokenEvent, Usage, parse_event
-from worker.stream_writer import StreamOptions, StreamWriter
+from worker.stream_writer import StreamOptions, StreamWriter, finish_streams, open_streams
 
 REDIS_DB = 10
 
@@ -140,3 +140,30 @@ def test_a_stream_has_its_ttl_from_the_first_token_on_without_an_expire_per_flus
     w._expired_at = -1e9  # long ago: the next flush refreshes it
     w("c", [30])
     assert conn.ttl(keys.stream_key("j9")) > 5
+
+
+def test_many_streams_open_and_finish_together(conn: redis.Redis) -> None:
+    old = StreamWriter(conn, "m2", StreamOptions(flush_tokens=1))
+    old.open(attempt=1)
+    old("before a crash", [5])
+    writers = [StreamWriter(conn, job, StreamOptions()) for job in ("m1", "m2")]
+    open_streams(conn, [(writers[0], 1), (writers[1], 2)], StreamOptions())
+    writers[1]("again", [6])  # buffered: finish writes it before `done`
+    finish_streams(
+        conn,
+        [
+            (
+                w,
+                _result(text),
+                DoneEvent(finish_reason="stop", prompt_tokens=4, completion_tokens=3, cached_tokens=0),
+            )
+            for w, text in zip(writers, ("first", "again"), strict=True)
+        ],
+        StreamOptions(),
+    )
+    assert [e.event for e in _events(conn, "m1")] == ["done"]
+    assert [e.event for e in _events(conn, "m2")] == ["token", "restart", "token", "done"]
+    assert _events(conn, "m2")[1].attempt == 2
+    for job, text in (("m1", "first"), ("m2", "again")):
+        assert json.loads(conn.get(keys.result_key(job)))["text"] == text
+        assert 0 < conn.ttl(keys.stream_key(job)) <= 3600

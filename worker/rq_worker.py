@@ -198,10 +198,26 @@ class MlxqWorker(SimpleWorker):
         except Exception:
             log.exception("score batch failed; scoring its jobs one by one jobs=%d", len(ready))
             results = None
+        scored = []
         for i, (job, execution, rows) in enumerate(ready):
             try:
-                result = results[i] if results is not None else self.executor.score_batch([rows])[0]
-                self.executor.finish_score(job.id, result)
+                scored.append(
+                    (
+                        job,
+                        execution,
+                        results[i] if results is not None else self.executor.score_batch([rows])[0],
+                    )
+                )
+            except Exception:
+                self._finalize_failure(job, queue, execution, sys.exc_info())
+        try:  # every job's result and `done` in one go; a failed write fails them all (RQ may retry)
+            self.executor.finish_scores([(job, result) for job, _, result in scored])
+        except Exception:
+            for job, execution, _ in scored:
+                self._finalize_failure(job, queue, execution, sys.exc_info())
+            return
+        for job, execution, result in scored:
+            try:
                 self._finalize_success(job, queue, execution, result.model_dump(mode="json"))
             except Exception:
                 self._finalize_failure(job, queue, execution, sys.exc_info())

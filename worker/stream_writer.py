@@ -89,7 +89,10 @@ class StreamWriter:
 
     def _seek_end(self) -> str | None:
         """Place new entry ids after the stream's last one; return that entry's event, if any."""
-        last = self._retry(self.conn.xrevrange, self.key, count=1)
+        return self._seek_to(self._retry(self.conn.xrevrange, self.key, count=1))
+
+    def _seek_to(self, last: list[Any]) -> str | None:
+        """`_seek_end` given the stream's last entry as XREVRANGE returned it."""
         now_ms = int(time.time() * 1000)
         if not last:
             self._ms = now_ms
@@ -170,6 +173,52 @@ class StreamWriter:
                 raise reply
         if expire:
             self._expired_at = time.monotonic()
+
+
+def open_streams(conn: redis.Redis, openings: list[tuple[StreamWriter, int]], options: StreamOptions) -> None:
+    """`StreamWriter.open(attempt)` for many writers with one round trip for all their seeks (a
+    `restart` entry, where a stream already has entries, is written as `open` writes it)."""
+    if not openings:
+        return
+
+    def seek() -> list[Any]:
+        pipe = conn.pipeline(transaction=False)
+        for w, _ in openings:
+            pipe.xrevrange(w.key, count=1)
+        return list(pipe.execute())
+
+    for (w, attempt), last in zip(openings, retrying(options)(seek), strict=True):
+        if w._seek_to(last) is not None:
+            w._write([RestartEvent(attempt=attempt).fields()])
+
+
+def finish_streams(
+    conn: redis.Redis,
+    finals: list[tuple[StreamWriter, GenerateResult | ScoreResult, DoneEvent]],
+    options: StreamOptions,
+) -> None:
+    """`StreamWriter.finish` for many jobs in one transaction: per job its result key, then what it has
+    buffered and its `done` event (so a reader who sees `done` finds the result), and the TTL."""
+    if not finals:
+        return
+    writes = []
+    for w, result, done in finals:
+        buffered = w._take()
+        entries = [*([buffered] if buffered is not None else []), (w._next_id(), done.fields())]
+        writes.append((w, entries, json.dumps(result.model_dump(mode="json"))))
+
+    def write() -> None:
+        pipe = conn.pipeline(transaction=True)
+        for w, entries, payload in writes:
+            pipe.set(keys.result_key(w.job_id), payload, ex=options.result_ttl_s)
+            for entry_id, fields in entries:
+                pipe.xadd(w.key, fields, id=entry_id, maxlen=options.maxlen, approximate=True)  # type: ignore[arg-type]
+            pipe.expire(w.key, options.ttl_s)
+        for reply in pipe.execute(raise_on_error=False):
+            if isinstance(reply, redis.ResponseError) and not _already_written(reply):
+                raise reply
+
+    retrying(options)(write)
 
 
 def flush_streams(conn: redis.Redis, writers: list[StreamWriter], options: StreamOptions) -> None:
