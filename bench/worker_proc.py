@@ -68,7 +68,8 @@ def _count_scorer_parts() -> None:
 # `prefill` (which holds `decode_add`) and `decode_step`; `decode_step` holds `forward` (DecodeBatch.step:
 # graph building plus the wait for the step in flight) and the rows' token handling, with `stream_flush`
 # (a sink's own Redis write: since `a2c9dc7` only non-deferred writers, and `finish` inside `retire`);
-# `claim` holds `admit`. `retire` is each finished job's done event and RQ end. `stream_write` is
+# `claim` holds `admit` (one call per round of claimed jobs, streams opened together). `retire` is the
+# jobs a step ended: their done events in one transaction, then RQ's end of each. `stream_write` is
 # `flush_streams`, called by the batch loop after each step (outside `batch_step`): all jobs' due tokens
 # in one pipeline; `stream_entries` counts the XADDs it sent (writers whose buffer it took).
 _BATCH_PARTS = {
@@ -80,7 +81,7 @@ _BATCH_PARTS = {
     "stream_flush": (StreamWriter, "flush"),
     "claim": (MlxqWorker, "_claim_between_steps"),
     "admit": (MlxqWorker, "_admit"),
-    "retire": (MlxqWorker, "_retire"),
+    "retire": (MlxqWorker, "_retire_all"),
 }
 _batch: dict[str, float] = {}
 

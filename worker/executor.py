@@ -56,12 +56,8 @@ class JobExecutor:
         job = job if job is not None else get_current_job()
         attempt = 1
         if job is not None and job.id == job_id:  # counted in the job's meta: it survives RQ's retries
-            attempt = int(job.meta.get(ATTEMPT_META, 0)) + 1
-            job.meta[ATTEMPT_META] = attempt
+            attempt = self._attempt(job)
             job.save_meta()
-            if job.enqueued_at is not None:
-                enqueued = job.enqueued_at.replace(tzinfo=job.enqueued_at.tzinfo or timezone.utc)
-                self._queued_s[job_id] = max(0.0, (now() - enqueued).total_seconds())
         writer = StreamWriter(self.conn, job_id, self.stream_options, deferred=deferred)
         writer.open(attempt=attempt)
         return writer
@@ -76,6 +72,46 @@ class JobExecutor:
 
         Returns the result as stored: with the time the job waited in the queue.
         """
+        result, done = self._generate_final(job_id, result)
+        writer.finish(result, done)
+        self._generate_written(job_id, result)
+        return result
+
+    def finish_generates(
+        self, finished: list[tuple[str, StreamWriter, GenerateResult]]
+    ) -> list[GenerateResult]:
+        """`finish_generate` for the jobs a generation batch ends at one step, in one transaction."""
+        finals = [(w, *self._generate_final(job_id, result)) for job_id, w, result in finished]
+        finish_streams(self.conn, finals, self.stream_options)
+        for (job_id, _, _), (_, result, _) in zip(finished, finals, strict=True):
+            self._generate_written(job_id, result)
+        return [result for _, result, _ in finals]
+
+    def open_streams(self, jobs: list[Job]) -> list[StreamWriter]:
+        """Deferred writers (see `open_stream`) for jobs a generation batch admits together: their attempt
+        counts in one round trip, their streams' seeks in another."""
+        pipe = self.conn.pipeline(transaction=False)
+        openings = []
+        for job in jobs:
+            openings.append(
+                (StreamWriter(self.conn, job.id, self.stream_options, deferred=True), self._attempt(job))
+            )
+            pipe.hset(job.key, "meta", job.serializer.dumps(job.meta))  # as `job.save_meta()` does
+        retrying(self.stream_options)(pipe.execute)
+        open_streams(self.conn, openings, self.stream_options)
+        return [w for w, _ in openings]
+
+    def _attempt(self, job: Job) -> int:
+        """Count one more attempt of `job` in its meta (saved by the caller); note its time in the queue."""
+        attempt = int(job.meta.get(ATTEMPT_META, 0)) + 1
+        job.meta[ATTEMPT_META] = attempt
+        if job.enqueued_at is not None:
+            enqueued = job.enqueued_at.replace(tzinfo=job.enqueued_at.tzinfo or timezone.utc)
+            self._queued_s[job.id] = max(0.0, (now() - enqueued).total_seconds())
+        return attempt
+
+    def _generate_final(self, job_id: str, result: GenerateResult) -> tuple[GenerateResult, DoneEvent]:
+        """The result as stored (with its time in the queue) and its `done` event."""
         queued_s = self._queued_s.pop(job_id, None)
         if queued_s is not None:
             result = result.model_copy(
@@ -91,7 +127,10 @@ class JobExecutor:
             decode_tokens_per_s=t.decode_tokens_per_s,
             total_s=t.total_s,
         )
-        writer.finish(result, done)
+        return result, done
+
+    def _generate_written(self, job_id: str, result: GenerateResult) -> None:
+        t = result.timings
         self.jobs_done += 1
         self.last_tokens_per_s = t.decode_tokens_per_s
         log.info(
@@ -107,7 +146,6 @@ class JobExecutor:
             t.decode_tokens_per_s or 0.0,
             self._cache_fields(),
         )
-        return result
 
     def _cache_fields(self) -> str:
         cache = self.engine.prefix_cache
@@ -143,10 +181,8 @@ class JobExecutor:
         pipe = self.conn.pipeline(transaction=False)
         openings = []
         for job, _ in finished:
-            attempt = int(job.meta.get(ATTEMPT_META, 0)) + 1
-            job.meta[ATTEMPT_META] = attempt
+            openings.append((StreamWriter(self.conn, job.id, self.stream_options), self._attempt(job)))
             pipe.hset(job.key, "meta", job.serializer.dumps(job.meta))  # as `job.save_meta()` does
-            openings.append((StreamWriter(self.conn, job.id, self.stream_options), attempt))
         retrying(self.stream_options)(pipe.execute)
         open_streams(self.conn, openings, self.stream_options)
         finals = [

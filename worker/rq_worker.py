@@ -242,15 +242,14 @@ class MlxqWorker(SimpleWorker):
             self._watch = watch
             last_stats = time.monotonic()
             try:
-                self._admit(batch, jobs, first, queue, watch)
+                self._admit(batch, jobs, [first], queue, watch)
                 while len(batch):
                     if batch.steps % opts.admit_every == 0:
                         try:
                             self._claim_between_steps(batch, jobs, watch)
                         except REDIS_TRANSIENT as e:  # the running jobs go on; claimed ones return
                             log.warning("generation batch could not claim jobs error=%s", e)
-                    for done in batch.step():
-                        self._retire(jobs.pop(done.key), done, watch)
+                    self._retire_all([(jobs.pop(done.key), done) for done in batch.step()], watch)
                     writers = [j.writer for j in jobs.values() if j.writer is not None]
                     flush_streams(self.connection, writers, self.stream_options)
                     self.active_sequences = len(batch)
@@ -281,9 +280,9 @@ class MlxqWorker(SimpleWorker):
                 return
             claimed = self.job_claimer.claim(queue, pick, pick.limit)
             scores = [job for job in claimed if job.func_name == keys.SCORE_FUNC]
-            for job in claimed:
-                if job.func_name != keys.SCORE_FUNC:
-                    self._admit(batch, jobs, job, queue, watch)
+            self._admit(
+                batch, jobs, [job for job in claimed if job.func_name != keys.SCORE_FUNC], queue, watch
+            )
             if claimed:
                 log.info(
                     "generation batch claimed=%d scored=%d active=%d",
@@ -310,25 +309,42 @@ class MlxqWorker(SimpleWorker):
                 watch.remove(job.id)
 
     def _admit(
-        self, batch: GenerationBatch, jobs: dict[str, _BatchJob], job: Job, queue: Queue, watch: JobWatch
+        self,
+        batch: GenerationBatch,
+        jobs: dict[str, _BatchJob],
+        claimed: list[Job],
+        queue: Queue,
+        watch: JobWatch,
     ) -> None:
-        """Start one generation job in the batch; a bad one fails alone, at once."""
+        """Start generation jobs in the batch (their streams opened together); a bad one fails alone."""
         assert self.executor is not None
-        problem = _forbidden_reason(job)
-        if problem is not None:
-            self._reject(job, queue, problem)
+        started = []
+        for job in claimed:
+            problem = _forbidden_reason(job)
+            if problem is not None:
+                self._reject(job, queue, problem)
+                continue
+            started.append(_BatchJob(job, queue, self._start_claimed(job)))
+            watch.add(job, started[-1].execution)
+        if not started:
             return
-        entry = _BatchJob(job, queue, self._start_claimed(job))
-        watch.add(job, entry.execution)
         try:
-            request = parse_generate(job.args[0])
-            entry.writer = self.executor.open_stream(job.id, job, deferred=True)
-            batch.admit(job.id, request, entry.writer, self._cancel_check(job))
+            writers = self.executor.open_streams([entry.job for entry in started])
         except Exception:
-            watch.remove(job.id)
-            self._finalize_failure(job, queue, entry.execution, sys.exc_info())
+            for entry in started:
+                watch.remove(entry.job.id)
+                self._finalize_failure(entry.job, queue, entry.execution, sys.exc_info())
             return
-        jobs[job.id] = entry
+        for entry, writer in zip(started, writers, strict=True):
+            entry.writer = writer
+            try:
+                request = parse_generate(entry.job.args[0])
+                batch.admit(entry.job.id, request, writer, self._cancel_check(entry.job))
+            except Exception:
+                watch.remove(entry.job.id)
+                self._finalize_failure(entry.job, queue, entry.execution, sys.exc_info())
+                continue
+            jobs[entry.job.id] = entry
 
     def _cancel_check(self, job: Job) -> Callable[[], bool]:
         """The job's cancel check; past its timeout it raises, as RQ's death penalty would."""
@@ -341,6 +357,34 @@ class MlxqWorker(SimpleWorker):
             return self.is_cancelled(job.id)
 
         return cancelled
+
+    def _retire_all(self, ended: list[tuple[_BatchJob, Finished]], watch: JobWatch) -> None:
+        """Finish the jobs one step ended: results and `done` events in one transaction, then each
+        job through RQ. Failed ones go one by one."""
+        assert self.executor is not None
+        ok = []
+        for entry, done in ended:
+            if done.error is None and done.result is not None and entry.writer is not None:
+                ok.append((entry, entry.writer, done.result))
+            else:
+                self._retire(entry, done, watch)
+        if not ok:
+            return
+        try:
+            results = self.executor.finish_generates([(entry.job.id, w, result) for entry, w, result in ok])
+        except Exception:
+            for entry, _, _ in ok:
+                watch.remove(entry.job.id)
+                self._finalize_failure(entry.job, entry.queue, entry.execution, sys.exc_info())
+            return
+        for (entry, _, _), result in zip(ok, results, strict=True):
+            watch.remove(entry.job.id)
+            try:
+                self._finalize_success(
+                    entry.job, entry.queue, entry.execution, result.model_dump(mode="json")
+                )
+            except Exception:
+                self._finalize_failure(entry.job, entry.queue, entry.execution, sys.exc_info())
 
     def _retire(self, entry: _BatchJob, done: Finished, watch: JobWatch) -> None:
         """Finish one job of the batch through RQ: its stream's end, result and status."""
