@@ -22,7 +22,7 @@ from typing import Any, TextIO
 import mlx.core as mx
 
 import worker
-import worker.rq_worker as rq_worker_module
+import worker.generation_jobs as batch_loop_module
 from worker.cli import configure_logging
 from worker.generate import DecodeBatch
 from worker.generation_batch import GenerationBatch
@@ -100,7 +100,7 @@ def _time_batch_parts() -> None:
 
         setattr(owner, attr, timed)
 
-    original_flush = rq_worker_module.flush_streams  # the batch loop's name for it (imported by name)
+    original_flush = batch_loop_module.flush_streams  # the batch loop's name for it (imported by name)
 
     def timed_flush(conn: Any, writers: list[StreamWriter], options: Any) -> None:
         t0, mono = time.perf_counter(), time.monotonic()
@@ -112,7 +112,7 @@ def _time_batch_parts() -> None:
             taken = sum(1 for w in writers if w._last_flush >= mono)  # `_take` stamps the writers it emptied
             _batch["stream_entries"] = _batch.get("stream_entries", 0) + taken
 
-    rq_worker_module.flush_streams = timed_flush  # type: ignore[assignment]
+    batch_loop_module.flush_streams = timed_flush  # type: ignore[assignment]
 
 
 def _timed(recorder: Recorder, name: str, fn: Callable[..., Any], *, memory: bool) -> Callable[..., Any]:

@@ -26,8 +26,8 @@ from rq.serializers import JSONSerializer
 
 from jobs import keys, parse_generate, parse_score
 from producer import Client
+from worker.allowlist import forbidden_reason
 from worker.engine import Engine
-from worker.rq_worker import _forbidden_reason
 from worker.tiny_model import write_random_checkpoint
 
 REDIS_DB = 4
@@ -115,7 +115,7 @@ def _outcome_in_process(engine: Engine, blob: bytes) -> str:
     """What the worker does with this payload, run in this process: 'finished' or the error's type name."""
     job = Job(id="fuzz", connection=redis.Redis(), serializer=JSONSerializer)
     job.data = blob
-    if _forbidden_reason(job) is not None:
+    if forbidden_reason(job) is not None:
         return "ForbiddenJob"
     try:
         if job.func_name == keys.GENERATE_FUNC:

@@ -1,0 +1,256 @@
+"""Generation batches inside the RQ worker (`MlxqWorker` mixes `GenerationJobs` in).
+
+After RQ hands over a generation job, the worker keeps a running `GenerationBatch`. Every
+`admit_every` steps, never blocking, it claims more queued generation jobs up to the free slots
+(`JobClaimer`, the same Lua move as score claims) and admits them while the others decode, their
+streams opened together; the jobs a step ends write their results and `done` events in one
+transaction, then each ends through RQ's own lifecycle. Score jobs found in the queue at those points
+are claimed and scored right there, between two decode steps: a decode stall of one score batch, so
+scoring never waits for a busy batch to drain and streams pause a bounded time. The batch ends when
+its last job does; then RQ's own loop dequeues again. A first SIGTERM stops the admissions and lets
+the batch finish; a second one cancels every job in it.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from rq import Queue
+from rq.job import Job
+from rq.timeouts import JobTimeoutException
+
+from jobs import keys, parse_generate
+
+from .allowlist import forbidden_reason
+from .generation_batch import Finished, GenerationBatch
+from .job_claim import QueuedJob
+from .job_watch import JobWatch
+from .score_claim import ScorePicker
+from .stream_writer import REDIS_TRANSIENT, StreamWriter, flush_streams
+
+log = logging.getLogger(__name__)
+
+_STATS_EVERY_S = 1.0  # how often a running generation batch republishes the worker's stats
+
+
+@dataclass(frozen=True)
+class BatchOptions:
+    """How a worker batches generation jobs (see the module docstring)."""
+
+    max_sequences: int = 1  # 1: one generation job at a time, no batching
+    kv_budget_bytes: int = 0  # padded KV of the running batch; 0: no limit
+    admit_every: int = 4  # decode steps between looks at the queue
+
+
+@dataclass
+class _BatchJob:
+    job: Job
+    queue: Queue
+    execution: Any
+    writer: StreamWriter | None = None
+
+
+class GenerationJobs:
+    """The generation-batch half of `MlxqWorker`: a mixin whose methods use the worker's RQ lifecycle
+    (`_start_claimed`, `_finalize_success`, ...), its executor, claimers and batch options."""
+
+    @property
+    def _batching(self) -> bool:
+        return (
+            self.batch_options.max_sequences > 1
+            and self.job_claimer is not None
+            and self.executor is not None
+        )
+
+    def _execute_generate_batch(self, first: Job, queue: Queue) -> None:
+        """Run `first` in a generation batch that admits more queued jobs until the batch is empty."""
+        assert self.executor is not None
+        opts = self.batch_options
+        batch = GenerationBatch(self.executor.engine, opts.max_sequences, opts.kv_budget_bytes)
+        jobs: dict[str, _BatchJob] = {}
+        with JobWatch(self, [], self.heartbeat_s, self.cancel_poll_s) as watch:
+            self._watch = watch
+            last_stats = time.monotonic()
+            try:
+                self._admit(batch, jobs, [first], queue, watch)
+                while len(batch):
+                    if batch.steps % opts.admit_every == 0:
+                        try:
+                            self._claim_between_steps(batch, jobs, watch)
+                        except REDIS_TRANSIENT as e:  # the running jobs go on; claimed ones return
+                            log.warning("generation batch could not claim jobs error=%s", e)
+                    self._retire_all([(jobs.pop(done.key), done) for done in batch.step()], watch)
+                    writers = [j.writer for j in jobs.values() if j.writer is not None]
+                    flush_streams(self.connection, writers, self.stream_options)
+                    self.active_sequences = len(batch)
+                    if time.monotonic() - last_stats >= _STATS_EVERY_S:
+                        last_stats = time.monotonic()
+                        self.publish_stats()
+            except BaseException as e:  # as RQ's perform_job: whatever stops the loop fails what is left
+                for done in batch.abort(e):
+                    self._retire(jobs.pop(done.key), done, watch)
+                raise
+            finally:
+                self._watch = None
+                self.active_sequences = 0
+
+    def _claim_between_steps(
+        self, batch: GenerationBatch, jobs: dict[str, _BatchJob], watch: JobWatch
+    ) -> None:
+        """Admit queued generation jobs into free slots; score queued score jobs right now."""
+        assert self.job_claimer is not None
+        if self._stop_requested or self._force_stop:
+            return
+        if self.should_run_maintenance_tasks:  # a batch may run for hours: keep RQ's housekeeping going
+            self.run_maintenance_tasks()
+        for queue in self.queues:
+            score = ScorePicker(self.score_claimer.budget) if self.score_claimer is not None else None
+            pick = _BatchPicker(batch.free_slots, score)
+            if pick.limit <= 0:
+                return
+            claimed = self.job_claimer.claim(queue, pick, pick.limit)
+            scores = [job for job in claimed if job.func_name == keys.SCORE_FUNC]
+            self._admit(
+                batch, jobs, [job for job in claimed if job.func_name != keys.SCORE_FUNC], queue, watch
+            )
+            if claimed:
+                log.info(
+                    "generation batch claimed=%d scored=%d active=%d",
+                    len(claimed) - len(scores),
+                    len(scores),
+                    len(batch),
+                )
+            if scores:
+                self._score_between_steps(scores, queue, watch)
+
+    def _score_between_steps(self, scores: list[Job], queue: Queue, watch: JobWatch) -> None:
+        runs = []
+        for job in scores:
+            problem = forbidden_reason(job)
+            if problem is not None:
+                self._reject(job, queue, problem)
+                continue
+            runs.append((job, self._start_claimed(job)))
+            watch.add(*runs[-1])
+        try:
+            self._score_runs(runs, queue)
+        finally:
+            for job, _ in runs:
+                watch.remove(job.id)
+
+    def _admit(
+        self,
+        batch: GenerationBatch,
+        jobs: dict[str, _BatchJob],
+        claimed: list[Job],
+        queue: Queue,
+        watch: JobWatch,
+    ) -> None:
+        """Start generation jobs in the batch (their streams opened together); a bad one fails alone."""
+        assert self.executor is not None
+        started = []
+        for job in claimed:
+            problem = forbidden_reason(job)
+            if problem is not None:
+                self._reject(job, queue, problem)
+                continue
+            started.append(_BatchJob(job, queue, self._start_claimed(job)))
+            watch.add(job, started[-1].execution)
+        if not started:
+            return
+        try:
+            writers = self.executor.open_streams([entry.job for entry in started])
+        except Exception:
+            for entry in started:
+                watch.remove(entry.job.id)
+                self._finalize_failure(entry.job, queue, entry.execution, sys.exc_info())
+            return
+        for entry, writer in zip(started, writers, strict=True):
+            entry.writer = writer
+            try:
+                request = parse_generate(entry.job.args[0])
+                batch.admit(entry.job.id, request, writer, self._cancel_check(entry.job))
+            except Exception:
+                watch.remove(entry.job.id)
+                self._finalize_failure(entry.job, queue, entry.execution, sys.exc_info())
+                continue
+            jobs[entry.job.id] = entry
+
+    def _cancel_check(self, job: Job) -> Callable[[], bool]:
+        """The job's cancel check; past its timeout it raises, as RQ's death penalty would."""
+        timeout = int(job.timeout or self.default_job_timeout)
+        deadline = time.monotonic() + timeout if timeout > 0 else float("inf")
+
+        def cancelled() -> bool:
+            if time.monotonic() > deadline:
+                raise JobTimeoutException(f"Task exceeded maximum timeout value ({timeout} seconds)")
+            return self.is_cancelled(job.id)
+
+        return cancelled
+
+    def _retire_all(self, ended: list[tuple[_BatchJob, Finished]], watch: JobWatch) -> None:
+        """Finish the jobs one step ended: results and `done` events in one transaction, then each
+        job through RQ. Failed ones go one by one."""
+        assert self.executor is not None
+        ok = []
+        for entry, done in ended:
+            if done.error is None and done.result is not None and entry.writer is not None:
+                ok.append((entry, entry.writer, done.result))
+            else:
+                self._retire(entry, done, watch)
+        if not ok:
+            return
+        try:
+            results = self.executor.finish_generates([(entry.job.id, w, result) for entry, w, result in ok])
+        except Exception:
+            for entry, _, _ in ok:
+                watch.remove(entry.job.id)
+                self._finalize_failure(entry.job, entry.queue, entry.execution, sys.exc_info())
+            return
+        for (entry, _, _), result in zip(ok, results, strict=True):
+            watch.remove(entry.job.id)
+            try:
+                self._finalize_success(
+                    entry.job, entry.queue, entry.execution, result.model_dump(mode="json")
+                )
+            except Exception:
+                self._finalize_failure(entry.job, entry.queue, entry.execution, sys.exc_info())
+
+    def _retire(self, entry: _BatchJob, done: Finished, watch: JobWatch) -> None:
+        """Finish one job of the batch through RQ: its stream's end, result and status."""
+        assert self.executor is not None
+        job, queue, execution = entry.job, entry.queue, entry.execution
+        watch.remove(job.id)
+        if done.error is not None:
+            e = done.error
+            self._finalize_failure(job, queue, execution, (type(e), e, e.__traceback__))
+            return
+        assert done.result is not None and entry.writer is not None
+        try:
+            result = self.executor.finish_generate(job.id, entry.writer, done.result)
+            self._finalize_success(job, queue, execution, result.model_dump(mode="json"))
+        except Exception:
+            self._finalize_failure(job, queue, execution, sys.exc_info())
+
+
+class _BatchPicker:
+    """Chooses queued jobs at a generation batch's admission point: generation jobs for its free
+    slots, and score jobs within the score batch budget (scored between two decode steps)."""
+
+    def __init__(self, free_slots: int, score: ScorePicker | None) -> None:
+        self.free = max(0, free_slots)
+        self.score = score
+        self.limit = self.free + (score.jobs_left if score is not None else 0)
+
+    def __call__(self, queued: QueuedJob) -> bool:
+        if queued.func == keys.GENERATE_FUNC:
+            if self.free <= 0:
+                return False
+            self.free -= 1
+            return True
+        return self.score is not None and self.score(queued)
