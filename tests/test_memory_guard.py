@@ -102,3 +102,26 @@ def test_scoring_retries_once_too(engine: Engine, monkeypatch: pytest.MonkeyPatc
     expected = engine.score(req).rows[0].logits
     _fail(monkeypatch, engine, "hidden", times=1)
     assert engine.score(req).rows[0].logits == pytest.approx(expected, rel=1e-5)
+
+
+def test_a_batched_prefill_retries_once_then_its_jobs_fail_clearly(
+    engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from worker.generation_batch import GenerationBatch
+
+    def run_batch() -> list[Any]:
+        batch = GenerationBatch(engine, max_sequences=3)
+        for i in range(3):
+            req = GenerateRequest(prompt=f"{i} {PROMPT}", max_tokens=4, temperature=0, logit_bias={0: -100.0})
+            batch.admit(str(i), req, lambda text, ids: None, lambda: False)
+        done = [f for _ in range(20) for f in batch.step()]
+        assert len(batch) == 0
+        return sorted(done, key=lambda f: f.key)
+
+    want = [f.result.token_ids for f in run_batch()]
+    calls = _fail(monkeypatch, engine, "hidden", times=1)
+    got = run_batch()
+    assert [f.result.token_ids for f in got] == want and calls[0] >= 2  # retried, same tokens
+    _fail(monkeypatch, engine, "hidden", times=2)  # wraps the first wrapper: fresh count
+    failed = run_batch()
+    assert all(isinstance(f.error, OutOfMemory) and "3 prompts together" in str(f.error) for f in failed)

@@ -30,6 +30,7 @@ from jobs.schema import FinishReason, GenerateRequest, GenerateResult
 
 from .engine import Engine, GenerationClock, TextRun, TokenSink
 from .generate import ChunkedPrefill, DecodeBatch, padded_size, prefill_rows
+from .memory_guard import with_memory_retry
 from .sampler import Sampler
 
 log = logging.getLogger(__name__)
@@ -197,13 +198,17 @@ class GenerationBatch:
                 finished.append(Finished(seq.key, error=e))
         if not ready:
             return
-        try:
-            caches, logits = prefill_rows(
-                self.engine.model,
-                [(s.prompt[s.n_cached :], s.cache or []) for s in ready],
-                self.engine.pad_shapes,
-            )
+        rows = [(s.prompt[s.n_cached :], s.cache or []) for s in ready]
+
+        def run() -> tuple[list[list[Any]], mx.array]:
+            caches, logits = prefill_rows(self.engine.model, rows, self.engine.pad_shapes)
             mx.eval(logits)  # so the clocks measure the prefill, not the building of its graph
+            return caches, logits
+
+        try:  # out of memory: caches emptied, one more try (the rows' own caches are left as they were)
+            caches, logits = with_memory_retry(
+                run, self.engine.free_memory, f"prefilling {len(rows)} prompts together"
+            )
         except Exception as e:  # the shared forward failed: none of these rows can start
             log.exception("batched prefill failed rows=%d", len(ready))
             finished.extend(Finished(s.key, error=e) for s in ready)
