@@ -20,7 +20,7 @@ from redis.retry import Retry
 from tenacity import (
     AsyncRetrying,
     Retrying,
-    retry_if_exception_type,
+    retry_if_exception,
     stop_after_attempt,
     wait_exponential,
 )
@@ -32,6 +32,14 @@ T = TypeVar("T")
 
 TRANSIENT_ERRORS: tuple[type[Exception], ...] = (redis.ConnectionError, redis.TimeoutError)
 """Errors worth another try: Redis restarting, a dropped connection, a failover (BusyLoadingError too)."""
+
+
+def is_transient(e: BaseException) -> bool:
+    """Worth another try: a `TRANSIENT_ERRORS` error, or the ValueError ("I/O operation on closed file")
+    redis-py raises when Redis drops the connection while a thread is reading from it and the
+    connection's buffer was closed under it (seen when Redis restarts under a multi-threaded bulk run;
+    a long-known redis-py behaviour, its issues #633 and #947)."""
+    return isinstance(e, TRANSIENT_ERRORS) or (isinstance(e, ValueError) and "closed file" in str(e))
 
 
 @dataclass(frozen=True)
@@ -54,7 +62,7 @@ class RetryPolicy:
         return {
             "stop": stop_after_attempt(self.attempts),
             "wait": wait_exponential(multiplier=self.initial_wait_s, max=self.max_wait_s),
-            "retry": retry_if_exception_type(TRANSIENT_ERRORS),
+            "retry": retry_if_exception(is_transient),
             "reraise": True,
         }
 

@@ -157,6 +157,19 @@ def test_connection_errors_are_retried_a_bounded_number_of_times() -> None:
 
     policy = RetryPolicy(attempts=3, initial_wait_s=0.01, max_wait_s=0.02)
     assert policy.call(flaky) == "up" and len(calls) == 3
+    # redis-py's ValueError from a connection buffer closed under a reading thread is a dropped
+    # connection too; any other ValueError is a bug and is raised at once.
+    closed: list[int] = []
+
+    def closed_under_us() -> str:
+        closed.append(1)
+        if len(closed) < 2:
+            raise ValueError("I/O operation on closed file.")
+        return "up"
+
+    assert policy.call(closed_under_us) == "up" and len(closed) == 2
+    with pytest.raises(ValueError, match="bad value"):
+        policy.call(lambda: (_ for _ in ()).throw(ValueError("bad value")))
     settings = ProducerSettings(redis_retry_attempts=2, **FAST_RETRY)
     started = time.monotonic()
     with Client("redis://127.0.0.1:1/0", settings=settings) as dead, pytest.raises(redis.ConnectionError):

@@ -34,7 +34,7 @@ from .generation_jobs import BatchOptions, GenerationJobs
 from .job_claim import JobClaimer
 from .job_watch import JobWatch
 from .score_claim import ScoreClaimer
-from .stream_writer import StreamOptions, StreamWriter
+from .stream_writer import REDIS_TRANSIENT, StreamOptions, StreamWriter, retrying
 
 log = logging.getLogger(__name__)
 
@@ -137,16 +137,37 @@ class MlxqWorker(GenerationJobs, SimpleWorker):
                 self._watch = None
 
     def _start_claimed(self, job: Job) -> Any:
-        """Start a job that is in RQ's intermediate list (dequeued or claimed) outside `perform_job`."""
-        execution = self._start(job)
-        self.prepare_job_execution(job, remove_from_intermediate_queue=True)
+        """Start a job that is in RQ's intermediate list (dequeued or claimed) outside `perform_job`.
+
+        Redis restarting meanwhile is retried (as stream writes are), not fatal: an error escaping
+        `execute_job` makes RQ's loop stop the whole worker."""
+
+        def start() -> Any:
+            execution = self._start(job)
+            self.prepare_job_execution(job, remove_from_intermediate_queue=True)
+            return execution
+
+        execution = retrying(self.stream_options)(start)
         job.started_at = now()
         return execution
+
+    def _finalize_success(self, job: Job, queue: Queue, execution: Any, return_value: Any) -> None:
+        """RQ's end of a successful job, retried while Redis restarts (see `_start_claimed`)."""
+        retrying(self.stream_options)(super()._finalize_success, job, queue, execution, return_value)
+
+    def _finalize_failure(self, job: Job, queue: Queue, execution: Any, exc_info: Any) -> None:
+        """RQ's end of a failed job, retried while Redis restarts (see `_start_claimed`)."""
+        retrying(self.stream_options)(super()._finalize_failure, job, queue, execution, exc_info)
 
     def _execute_score_batch(self, first: Job, queue: Queue) -> None:
         """Score `first` together with more queued score jobs; each job ends on its own."""
         assert self.score_claimer is not None and self.executor is not None
-        jobs = [first, *self.score_claimer.claim(queue, rows_taken=_rows_of(first))]
+        try:
+            claimed = self.score_claimer.claim(queue, rows_taken=_rows_of(first))
+        except REDIS_TRANSIENT as e:  # Redis restarting: score `first` alone; the rest stay queued
+            log.warning("score batch could not claim jobs error=%s", e)
+            claimed = []
+        jobs = [first, *claimed]
         runs = [(job, self._start_claimed(job)) for job in jobs]
         with JobWatch(self, runs, self.heartbeat_s, self.cancel_poll_s) as watch:
             self._watch = watch

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import redis
-from tenacity import Retrying, retry_if_exception_type, stop_after_attempt, wait_exponential
+from tenacity import Retrying, retry_if_exception, stop_after_attempt, wait_exponential
 
 from jobs import keys
 from jobs.schema import DoneEvent, ErrorEvent, GenerateResult, RestartEvent, ScoreResult, TokenEvent
@@ -25,6 +25,13 @@ from jobs.schema import DoneEvent, ErrorEvent, GenerateResult, RestartEvent, Sco
 log = logging.getLogger(__name__)
 
 REDIS_TRANSIENT = (redis.ConnectionError, redis.TimeoutError)
+
+
+def is_transient(e: BaseException) -> bool:
+    """A `REDIS_TRANSIENT` error, or redis-py's ValueError on a connection buffer closed under a reading
+    thread when Redis went away (see `producer.connection.is_transient`)."""
+    return isinstance(e, REDIS_TRANSIENT) or (isinstance(e, ValueError) and "closed file" in str(e))
+
 
 # How often a stream being written refreshes its TTL (at most; a quarter of a short TTL).
 _EXPIRE_EVERY_S = 60.0
@@ -44,7 +51,7 @@ class StreamOptions:
 def retrying(options: StreamOptions) -> Retrying:
     """Bounded retries with exponential backoff for Redis connection hiccups (e.g. a restart)."""
     return Retrying(
-        retry=retry_if_exception_type(REDIS_TRANSIENT),
+        retry=retry_if_exception(is_transient),
         stop=stop_after_attempt(options.retry_attempts),
         wait=wait_exponential(multiplier=0.05, max=options.retry_max_wait_s),
         reraise=True,
