@@ -25,21 +25,12 @@ from tenacity import (
     wait_exponential,
 )
 
+from jobs.transient import is_transient
+
 from .settings import ProducerSettings
 
 P = ParamSpec("P")
 T = TypeVar("T")
-
-TRANSIENT_ERRORS: tuple[type[Exception], ...] = (redis.ConnectionError, redis.TimeoutError)
-"""Errors worth another try: Redis restarting, a dropped connection, a failover (BusyLoadingError too)."""
-
-
-def is_transient(e: BaseException) -> bool:
-    """Worth another try: a `TRANSIENT_ERRORS` error, or the ValueError ("I/O operation on closed file")
-    redis-py raises when Redis drops the connection while a thread is reading from it and the
-    connection's buffer was closed under it (seen when Redis restarts under a multi-threaded bulk run;
-    a long-known redis-py behaviour, its issues #633 and #947)."""
-    return isinstance(e, TRANSIENT_ERRORS) or (isinstance(e, ValueError) and "closed file" in str(e))
 
 
 @dataclass(frozen=True)

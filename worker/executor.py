@@ -87,19 +87,21 @@ class JobExecutor:
             self._generate_written(job_id, result)
         return [result for _, result, _ in finals]
 
-    def open_streams(self, jobs: list[Job]) -> list[StreamWriter]:
-        """Deferred writers (see `open_stream`) for jobs a generation batch admits together: their attempt
-        counts in one round trip, their streams' seeks in another."""
-        pipe = self.conn.pipeline(transaction=False)
-        openings = []
-        for job in jobs:
-            openings.append(
-                (StreamWriter(self.conn, job.id, self.stream_options, deferred=True), self._attempt(job))
-            )
-            pipe.hset(job.key, "meta", job.serializer.dumps(job.meta))  # as `job.save_meta()` does
-        retrying(self.stream_options)(pipe.execute)
-        open_streams(self.conn, openings, self.stream_options)
-        return [w for w, _ in openings]
+    def open_streams(self, jobs: list[Job], deferred: bool = True) -> list[StreamWriter]:
+        """Writers (see `open_stream`; deferred by default) for jobs a batch runs together: their attempt
+        counts saved in one round trip, their streams' seeks in another."""
+        attempts = [self._attempt(job) for job in jobs]
+
+        def save_meta() -> None:  # a fresh pipeline per try: a failed execute() empties the old one
+            pipe = self.conn.pipeline(transaction=False)
+            for job in jobs:
+                pipe.hset(job.key, "meta", job.serializer.dumps(job.meta))  # as `job.save_meta()` does
+            pipe.execute()
+
+        retrying(self.stream_options)(save_meta)
+        writers = [StreamWriter(self.conn, job.id, self.stream_options, deferred=deferred) for job in jobs]
+        open_streams(self.conn, list(zip(writers, attempts, strict=True)), self.stream_options)
+        return writers
 
     def _attempt(self, job: Job) -> int:
         """Count one more attempt of `job` in its meta (saved by the caller); note its time in the queue."""
@@ -178,16 +180,8 @@ class JobExecutor:
     def finish_scores(self, finished: list[tuple[Job, ScoreResult]]) -> None:
         """`finish_score` for a batch of score jobs in three round trips, not three per job: their
         attempt counts, their streams' seeks, then one transaction with every result and `done`."""
-        pipe = self.conn.pipeline(transaction=False)
-        openings = []
-        for job, _ in finished:
-            openings.append((StreamWriter(self.conn, job.id, self.stream_options), self._attempt(job)))
-            pipe.hset(job.key, "meta", job.serializer.dumps(job.meta))  # as `job.save_meta()` does
-        retrying(self.stream_options)(pipe.execute)
-        open_streams(self.conn, openings, self.stream_options)
-        finals = [
-            (w, result, _score_done(result)) for (w, _), (_, result) in zip(openings, finished, strict=True)
-        ]
+        writers = self.open_streams([job for job, _ in finished], deferred=False)
+        finals = [(w, result, _score_done(result)) for w, (_, result) in zip(writers, finished, strict=True)]
         finish_streams(self.conn, finals, self.stream_options)
         for job, result in finished:
             self._score_written(job.id, result)

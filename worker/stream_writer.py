@@ -21,17 +21,11 @@ from tenacity import Retrying, retry_if_exception, stop_after_attempt, wait_expo
 
 from jobs import keys
 from jobs.schema import DoneEvent, ErrorEvent, GenerateResult, RestartEvent, ScoreResult, TokenEvent
+from jobs.transient import TRANSIENT_ERRORS, is_transient
 
 log = logging.getLogger(__name__)
 
-REDIS_TRANSIENT = (redis.ConnectionError, redis.TimeoutError)
-
-
-def is_transient(e: BaseException) -> bool:
-    """A `REDIS_TRANSIENT` error, or redis-py's ValueError on a connection buffer closed under a reading
-    thread when Redis went away (see `producer.connection.is_transient`)."""
-    return isinstance(e, REDIS_TRANSIENT) or (isinstance(e, ValueError) and "closed file" in str(e))
-
+REDIS_TRANSIENT = TRANSIENT_ERRORS
 
 # How often a stream being written refreshes its TTL (at most; a quarter of a short TTL).
 _EXPIRE_EVERY_S = 60.0
@@ -129,7 +123,7 @@ class StreamWriter:
     def flush(self) -> None:
         entry = self._take()
         if entry is not None:
-            self._retry(self._pipeline, [entry[1]], [entry[0]], None, self.expire_due())
+            self._retry(self._pipeline, [entry[1]], [entry[0]], self.expire_due())
 
     def expire_due(self) -> bool:
         """Whether the next write should (re)set the stream's TTL."""
@@ -147,30 +141,19 @@ class StreamWriter:
         return self._next_id(), event.fields()
 
     def finish(self, result: GenerateResult | ScoreResult, done: DoneEvent) -> None:
-        """Flush what is buffered, then the `done` event and the result key, in one pipeline."""
-        self.flush()
-        payload = json.dumps(result.model_dump(mode="json"))
-        self._write([done.fields()], extra=(keys.result_key(self.job_id), payload))
+        """What is buffered, the `done` event and the result key, in one transaction (`finish_streams`)."""
+        finish_streams(self.conn, [(self, result, done)], self.options)
 
     def _next_id(self) -> str:
         self._seq += 1
         return f"{self._ms}-{self._seq}"
 
-    def _write(self, entries: list[dict[str, str]], extra: tuple[str, str] | None = None) -> None:
+    def _write(self, entries: list[dict[str, str]]) -> None:
         ids = [self._next_id() for _ in entries]
-        self._retry(self._pipeline, entries, ids, extra)
+        self._retry(self._pipeline, entries, ids)
 
-    def _pipeline(
-        self,
-        entries: list[dict[str, str]],
-        ids: list[str],
-        extra: tuple[str, str] | None,
-        expire: bool = True,
-    ) -> None:
-        # One transaction; the result key goes first, so a reader who sees `done` always finds it.
+    def _pipeline(self, entries: list[dict[str, str]], ids: list[str], expire: bool = True) -> None:
         pipe = self.conn.pipeline(transaction=True)
-        if extra is not None:
-            pipe.set(extra[0], extra[1], ex=self.options.result_ttl_s)
         for entry_id, fields in zip(ids, entries, strict=True):
             pipe.xadd(self.key, fields, id=entry_id, maxlen=self.options.maxlen, approximate=True)  # type: ignore[arg-type]
         if expire:
