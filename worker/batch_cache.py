@@ -120,15 +120,9 @@ class BatchKVCache:
         if n <= 0:
             return
         assert self.keys is not None and self.values is not None, "add real rows first"
-        _, h, _, d = self.keys.shape
-        self.keys = mx.concatenate(
-            [self.keys[..., : self.end, :], mx.zeros((n, h, self.end, d), self.keys.dtype)]
-        )
-        self.values = mx.concatenate(
-            [
-                self.values[..., : self.end, :],
-                mx.zeros((n, h, self.end, self.values.shape[3]), self.values.dtype),
-            ]
+        self.keys, self.values = (
+            mx.concatenate([a[..., : self.end, :], mx.zeros((n, a.shape[1], self.end, a.shape[3]), a.dtype)])
+            for a in (self.keys, self.values)
         )
         self._set([*self.starts, *([self.end] * n)], self.end)
 
@@ -191,18 +185,17 @@ class PrefillRowsCache:
         self.keys: mx.array | None = None
         self.values: mx.array | None = None
         if self.end:
-            like_k, like_v = next(r.state for r in rows if r.offset)
-            b_shape = (1, like_k.shape[1], self.end, like_k.shape[3])
-            parts_k = [
-                _pad_columns(r.state[0], s, 0) if r.offset else mx.zeros(b_shape, like_k.dtype)
-                for r, s in zip(rows, self.starts, strict=True)
-            ]
-            parts_v = [
-                _pad_columns(r.state[1], s, 0) if r.offset else mx.zeros(b_shape, like_v.dtype)
-                for r, s in zip(rows, self.starts, strict=True)
-            ]
-            self.keys = mx.concatenate(parts_k, axis=0)
-            self.values = mx.concatenate(parts_v, axis=0)
+            like = next(r.state for r in rows if r.offset)
+
+            def stacked(i: int) -> mx.array:  # 0: keys, 1: values; an empty row is all padding
+                empty = mx.zeros((1, like[i].shape[1], self.end, like[i].shape[3]), like[i].dtype)
+                padded = [
+                    _pad_columns(r.state[i], s, 0) if r.offset else empty
+                    for r, s in zip(rows, self.starts, strict=True)
+                ]
+                return mx.concatenate(padded, axis=0)
+
+            self.keys, self.values = stacked(0), stacked(1)
         self.offset = mx.array([c - (self.width - n) for c, n in zip(self.cached, new, strict=True)])
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
