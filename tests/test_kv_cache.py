@@ -122,3 +122,15 @@ def test_trim_then_recompute_matches_fresh(model: Any) -> None:
     replay = model(ids[:, 5:], cache=cache)
     assert mx.allclose(replay, model(ids)[:, 5:], atol=1e-5).item()
     assert sum(c.nbytes for c in cache) > 0
+
+
+def test_broadcast_batch_with_room_writes_in_place_and_reads_whole_steps() -> None:
+    cache = KVCache()
+    cache.update_and_fetch(*kv(3))
+    (batch,) = broadcast_batch([cache], 2, room=5)
+    assert batch.offset == 3 and batch.keys is not None and batch.keys.shape == (2, H, KVCache.step, D)
+    buffer = batch.keys
+    keys, _ = batch.update_and_fetch(*kv(5, start=9.0, batch=2), columns=KVCache.step)
+    assert batch.keys is buffer  # written in place, no growth
+    assert keys.shape == (2, H, KVCache.step, D) and batch.offset == 8
+    assert batch.state[0][1, 0, :, 0].tolist() == [0, 1, 2, 9, 10, 11, 12, 13]

@@ -110,6 +110,35 @@ def test_hidden_of_one_position_equals_its_row_of_all_positions(
         assert mx.array_equal(a.state[0], b.state[0]) and mx.array_equal(a.state[1], b.state[1])
 
 
+@pytest.mark.parametrize("last", [None, 2])
+def test_bucketed_key_columns_give_what_exact_keys_give(
+    pair: tuple[Path, Any, Any], last: int | None
+) -> None:
+    """`bucket_keys` (GPUs): a forward on top of a cached prefix reads whole cache steps, the extra
+    columns masked. Its hidden states and cache equal the exact-length forward's; stale keys past the
+    prefix (a trimmed cache) stay hidden."""
+    folder, model, _ = pair
+    ids = prompt_ids(folder)
+    prefix, rest = ids[:6], ids[6:]
+    exact, bucketed = model.make_cache(), model.make_cache()
+    for cache in (exact, bucketed):
+        model(mx.array([prefix + rest], dtype=mx.int32), cache=cache)  # then trimmed: stale columns
+        for c in cache:
+            c.trim(len(rest))
+    x = mx.array([rest], dtype=mx.int32)
+    want = model.hidden(x, cache=exact, last=last)
+    model.bucket_keys = True
+    try:
+        got = model.hidden(x, cache=bucketed, last=last)
+    finally:
+        model.bucket_keys = False
+    assert bucketed[0].keys.shape[2] % bucketed[0].step == 0
+    assert mx.allclose(got, want, atol=1e-5).item()
+    for a, b in zip(bucketed, exact, strict=True):
+        assert a.offset == b.offset == len(ids)
+        assert mx.array_equal(a.state[0], b.state[0]) and mx.array_equal(a.state[1], b.state[1])
+
+
 def test_right_padded_batch_on_shared_prefix_with_explicit_mask(pair: tuple[Path, Any, Any]) -> None:
     """Scoring's use: one cached prefix, rows of different lengths batched with a boolean mask."""
     folder, model, _ = pair

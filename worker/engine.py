@@ -75,6 +75,7 @@ class Engine:
             PrefixCache(options.prefix_cache_bytes) if options.prefix_cache_bytes > 0 else None
         )
         self.pad_shapes = pad_shapes_by_default() if options.pad_shapes is None else options.pad_shapes
+        model.bucket_keys = self.pad_shapes  # attention over a cached prefix: few key shapes too
 
     @classmethod
     def load(cls, model: str, options: EngineOptions | None = None) -> Engine:

@@ -23,17 +23,25 @@ class KVCache:
         self.values: mx.array | None = None
         self.offset = 0
 
-    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        """Append (B, n_kv_heads, L, head_dim) keys/values; return all of them so far (up to offset + L)."""
+    def update_and_fetch(
+        self, keys: mx.array, values: mx.array, columns: int | None = None
+    ) -> tuple[mx.array, mx.array]:
+        """Append (B, n_kv_heads, L, head_dim) keys/values; return all of them so far (up to offset + L).
+
+        `columns`: return that many columns instead (at least offset + L): the ones past the written
+        positions hold zeros or stale keys, which the caller's mask must hide (see `key_columns`).
+        """
         start, n = self.offset, keys.shape[2]
+        end = max(start + n, columns or 0)
         capacity = 0 if self.keys is None else self.keys.shape[2]
-        if start + n > capacity:
-            self._grow(keys, values, start + n)
+        if end > capacity:
+            self._grow(keys, values, end)
         assert self.keys is not None and self.values is not None
         self.offset = start + n
         self.keys[..., start : self.offset, :] = keys
         self.values[..., start : self.offset, :] = values
-        return self.keys[..., : self.offset, :], self.values[..., : self.offset, :]
+        end = columns or self.offset
+        return self.keys[..., :end, :], self.values[..., :end, :]
 
     def _grow(self, keys: mx.array, values: mx.array, needed: int) -> None:
         """Extend the buffers to `needed` rounded up to a whole number of steps."""
@@ -87,6 +95,18 @@ class KVCache:
         return f"KVCache(offset={self.offset}, nbytes={self.nbytes})"
 
 
+def key_columns(total: int) -> int:
+    """Key columns attention reads for `total` positions when shapes are bucketed: `total` rounded up to
+    a whole number of cache steps.
+
+    On MLX's CUDA build attention over many queries goes through cuDNN, whose plans are built per shape
+    of the keys: measured on an H200 (`bench/sdpa_probe.py`), a 16-token prompt tail over a cached 8k
+    prefix cost ~44 ms the first time each prefix length was met and ~4 ms again. Reading whole steps
+    of the cache (the extra columns masked) leaves one shape per 256 positions.
+    """
+    return -(-total // KVCache.step) * KVCache.step
+
+
 def copy_cache(caches: list[KVCache]) -> list[KVCache]:
     """Independent copies holding the same positions; writing to one never changes the other.
 
@@ -96,8 +116,9 @@ def copy_cache(caches: list[KVCache]) -> list[KVCache]:
     return [KVCache.from_state(*c.state) if c.keys is not None else KVCache() for c in caches]
 
 
-def broadcast_batch(caches: list[KVCache], batch: int) -> list[KVCache]:
-    """Turn a batch-1 cache (e.g. a shared prompt prefix) into a batch of `batch` identical rows.
+def broadcast_batch(caches: list[KVCache], batch: int, room: int = 0) -> list[KVCache]:
+    """Turn a batch-1 cache (e.g. a shared prompt prefix) into a batch of `batch` identical rows, with
+    buffers holding `room` more positions (rounded up to whole steps) so the next forward writes in place.
 
     The rows are materialised (not a stride-0 view) because each row is then written independently.
     """
@@ -109,5 +130,15 @@ def broadcast_batch(caches: list[KVCache], batch: int) -> list[KVCache]:
         keys, values = c.state
         if keys.shape[0] != 1:
             raise ValueError(f"broadcast_batch needs a batch-1 cache, got batch {keys.shape[0]}")
-        out.append(KVCache.from_state(mx.repeat(keys, batch, axis=0), mx.repeat(values, batch, axis=0)))
+        n = keys.shape[2]
+        spare = key_columns(n + room) - n if room else 0
+
+        def rows(a: mx.array, spare: int = spare) -> mx.array:
+            if spare:
+                a = mx.concatenate([a, mx.zeros((1, a.shape[1], spare, a.shape[3]), a.dtype)], axis=2)
+            return mx.repeat(a, batch, axis=0)
+
+        cache = KVCache()
+        cache.keys, cache.values, cache.offset = rows(keys), rows(values), n
+        out.append(cache)
     return out

@@ -17,7 +17,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from .kv_cache import KVCache
+from .kv_cache import KVCache, key_columns
 
 log = logging.getLogger(__name__)
 
@@ -107,7 +107,8 @@ class PrefixCache:
             left -= take
         # One copy into buffers with room for the rest of the prompt, so its prefill writes in place
         # instead of copying the whole prefix again to grow (an 8k prefix is ~270 MB on a 1B model).
-        room = -(-(len(tokens) - use + 1) // KVCache.step) * KVCache.step
+        # A whole number of steps: the size bucketed attention reads (`key_columns`).
+        room = key_columns(len(tokens)) - use
         caches = []
         for layer in range(n_layers):
             k0, v0 = parts[0][layer]

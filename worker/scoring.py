@@ -253,7 +253,7 @@ class PrefixScorer:
                 width = padded_size(width)
                 spans += [[pad]] * (padded_size(len(group), smallest=1) - len(group))
             ids = mx.array([span + [pad] * (width - len(span)) for span in spans], dtype=mx.int32)
-            batch_cache = broadcast_batch(cache, len(spans)) if cache[0].offset else None
+            batch_cache = broadcast_batch(cache, len(spans), width) if cache[0].offset else None
             hidden = self.model.hidden(ids, cache=batch_cache or self.model.make_cache())
             last = mx.array([len(n.span) - 1 for n in group])
             picked = hidden[mx.arange(len(group)), last]  # (B, H): only what the LM head needs

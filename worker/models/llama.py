@@ -16,7 +16,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..errors import CheckpointError, UnsupportedArchitecture
-from ..kv_cache import KVCache
+from ..kv_cache import KVCache, key_columns
 from ..rope import make_rope
 
 log = logging.getLogger(__name__)
@@ -104,9 +104,17 @@ class Attention(nn.Module):
         self.qk_norm = args.qk_norm
         self.rope = make_rope(self.head_dim, args.rope_theta, args.rope_scaling)
 
-    def __call__(self, x: mx.array, mask: Mask, cache: KVCache | None, last: int | None = None) -> mx.array:
+    def __call__(
+        self,
+        x: mx.array,
+        mask: Mask,
+        cache: KVCache | None,
+        last: int | None = None,
+        columns: int | None = None,
+    ) -> mx.array:
         """Attention output for every position, or with `last` for that position only (keys and values of
-        every position still go into the cache)."""
+        every position still go into the cache). `columns`: read that many cache columns (the mask
+        hides the ones past each query; see `kv_cache.key_columns`)."""
         b, n, _ = x.shape
         xq = x if last is None else x[:, last : last + 1]
         q = self.q_proj(xq).reshape(b, xq.shape[1], self.n_heads, self.head_dim)
@@ -119,7 +127,7 @@ class Attention(nn.Module):
         q = self.rope(q, offset=offset if last is None else offset + last)
         k = self.rope(k, offset=offset)
         if cache is not None:
-            k, v = cache.update_and_fetch(k, v)
+            k, v = cache.update_and_fetch(k, v) if columns is None else cache.update_and_fetch(k, v, columns)
         out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(b, xq.shape[1], -1))
 
@@ -148,9 +156,16 @@ class TransformerBlock(nn.Module):
         self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
 
-    def __call__(self, x: mx.array, mask: Mask, cache: KVCache | None, last: int | None = None) -> mx.array:
+    def __call__(
+        self,
+        x: mx.array,
+        mask: Mask,
+        cache: KVCache | None,
+        last: int | None = None,
+        columns: int | None = None,
+    ) -> mx.array:
         """The block's output for every position, or with `last` for that position only."""
-        attn = self.self_attn(self.input_layernorm(x), mask, cache, last)
+        attn = self.self_attn(self.input_layernorm(x), mask, cache, last, columns)
         h = (x if last is None else x[:, last : last + 1]) + attn
         return h + self.mlp(self.post_attention_layernorm(h))
 
@@ -168,14 +183,36 @@ def _mask_for_one_query(mask: Mask, last: int, n: int, cache: KVCache | None) ->
     return mx.arange(offset + n) <= offset + last
 
 
+def _bucketed_keys(
+    inputs: mx.array, caches: list[KVCache | None], dtype: mx.Dtype
+) -> tuple[int, mx.array] | None:
+    """For L new positions on top of a cached prefix: the cache columns to read (`key_columns`) and the
+    additive (1, 1, L, columns) causal mask hiding the columns past each query; None when the exact
+    key count is already a whole number of steps (or there is no cached prefix to bucket)."""
+    cache, n = caches[0], inputs.shape[1]
+    if n <= 1 or type(cache) is not KVCache or not cache.offset:
+        return None
+    offset = cache.offset
+    columns = key_columns(offset + n)
+    if columns == offset + n:
+        return None
+    visible = mx.arange(columns)[None, :] <= mx.arange(offset, offset + n)[:, None]
+    return columns, mx.where(visible, mx.array(0, dtype), mx.array(-mx.inf, dtype))[None, None]
+
+
 class LlamaModel(nn.Module):
-    """Embedding, decoder layers and final norm (the checkpoint's `model.` prefix)."""
+    """Embedding, decoder layers and final norm (the checkpoint's `model.` prefix).
+
+    `bucket_keys` (set by the engine on GPUs): a forward of several positions on top of a cached prefix
+    reads whole steps of the cache, masked, so attention meets few key shapes (`kv_cache.key_columns`).
+    """
 
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
         self.layers = [TransformerBlock(args) for _ in range(args.num_hidden_layers)]
         self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self.bucket_keys = False
 
     def __call__(
         self,
@@ -192,11 +229,14 @@ class LlamaModel(nn.Module):
             # MLX's "causal" aligns the last query with the last key, so it is right with a cache offset.
             layer_mask = "causal"
         caches: list[KVCache | None] = list(cache) if cache is not None else [None] * len(self.layers)
+        columns = None
+        if self.bucket_keys and mask is None and (bucketed := _bucketed_keys(inputs, caches, h.dtype)):
+            columns, layer_mask = bucketed
         for layer, c in zip(self.layers[:-1], caches[:-1], strict=True):
-            h = layer(h, layer_mask, c)
+            h = layer(h, layer_mask, c, columns=columns)
         if last is not None:
             layer_mask = _mask_for_one_query(layer_mask, last, inputs.shape[1], caches[-1])
-        h = self.layers[-1](h, layer_mask, caches[-1], last)
+        h = self.layers[-1](h, layer_mask, caches[-1], last, columns)
         return self.norm(h)
 
 
@@ -243,6 +283,15 @@ class Model(nn.Module):
         if self.args.tie_word_embeddings:
             return self.model.embed_tokens.as_linear(hidden)
         return self.lm_head(hidden)
+
+    @property
+    def bucket_keys(self) -> bool:
+        """Whether multi-position forwards on a cached prefix read bucketed key columns (`LlamaModel`)."""
+        return self.model.bucket_keys
+
+    @bucket_keys.setter
+    def bucket_keys(self, on: bool) -> None:
+        self.model.bucket_keys = on
 
     @property
     def layers(self) -> list[TransformerBlock]:

@@ -1,0 +1,97 @@
+"""Probe: where a generation batch's time goes, step by step (no Redis).
+
+    python -m bench.batch_trace [--model tiny|llama-1b|PATH] [--jobs 64] [--max-tokens 128]
+        [--prompt-words 48] [--runs 3]
+
+The worker's `GenerationBatch` on `bench.batch_generate`'s prompts, all admitted at once and stepped
+until empty, `--runs` times (the first meets every shape for the first time). Per run: wall time and
+tokens/s stepping freely, then once more with a device sync after every step, to split the time into
+steps that prefilled (with how many prompts) and decode-only steps (by row count).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import mlx.core as mx
+
+from .batch_generate import _NoSink, _payloads
+from .checkpoints import checkpoint
+
+
+def _run(engine: object, payloads: list[dict], sync: bool) -> tuple[float, int, list[tuple[int, int, float]]]:
+    from jobs.schema import GenerateRequest
+    from worker.generation_batch import GenerationBatch
+
+    batch = GenerationBatch(engine, len(payloads), 2 << 30)  # type: ignore[arg-type]
+    for i, p in enumerate(payloads):
+        batch.admit(f"r{i}", GenerateRequest(**p), _NoSink(), lambda: False)
+    steps: list[tuple[int, int, float]] = []  # (prompts started this step, decode rows, ms)
+    tokens = 0
+    mx.synchronize()
+    t0 = time.perf_counter()
+    while len(batch):
+        waiting, rows = len(batch.waiting), len(batch.decoding)
+        s0 = time.perf_counter()
+        for done in batch.step():
+            if done.error is not None:
+                raise done.error
+            tokens += done.result.usage.completion_tokens if done.result else 0
+        if sync:
+            mx.synchronize()
+        steps.append((waiting - len(batch.waiting), rows, (time.perf_counter() - s0) * 1000))
+    mx.synchronize()
+    return time.perf_counter() - t0, tokens, steps
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.batch_trace")
+    ap.add_argument("--model", default="tiny")
+    ap.add_argument("--jobs", type=int, default=64)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--prompt-words", type=int, default=48)
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--idle-chunks", type=int, help="GenerationBatch.idle_prefill_chunks (default: its own)")
+    args = ap.parse_args(argv)
+    from worker.engine import Engine, EngineOptions
+    from worker.generation_batch import GenerationBatch
+
+    if args.idle_chunks is not None:
+        GenerationBatch.idle_prefill_chunks = args.idle_chunks
+
+    path = checkpoint(args.model, Path.home() / ".cache/mlxq/bench-models")
+    engine = Engine.load(str(path), EngineOptions(prefix_cache_bytes=0))
+    print(
+        f"model={args.model} jobs={args.jobs} max_tokens={args.max_tokens} device={mx.default_device()} "
+        f"idle_prefill_chunks={GenerationBatch.idle_prefill_chunks}"
+    )
+    print("\n| run | wall s | tok/s | steps |\n| --- | --- | --- | --- |")
+    for r in range(args.runs):
+        payloads = _payloads(args.jobs, args.max_tokens, args.prompt_words, f"t{r}-")
+        wall, tokens, steps = _run(engine, payloads, sync=False)
+        print(f"| {r + 1} | {wall:.3f} | {tokens / wall:,.0f} | {len(steps)} |")
+    payloads = _payloads(args.jobs, args.max_tokens, args.prompt_words, "sync-")
+    wall, tokens, steps = _run(engine, payloads, sync=True)
+    print(f"\nSynced after every step: wall {wall:.3f} s, {tokens / wall:,.0f} tok/s, {len(steps)} steps")
+    print("\n| step | prompts started | decode rows | ms |\n| --- | --- | --- | --- |")
+    for i, (started, rows, ms) in enumerate(steps):
+        if started or i < 3:
+            print(f"| {i} | {started} | {rows} | {ms:.2f} |")
+    by_rows: dict[int, list[float]] = defaultdict(list)
+    for started, rows, ms in steps:
+        if not started:
+            by_rows[rows].append(ms)
+    print("\n| decode-only steps: rows | steps | median ms | total ms |\n| --- | --- | --- | --- |")
+    for rows, times in sorted(by_rows.items()):
+        print(f"| {rows} | {len(times)} | {statistics.median(times):.2f} | {sum(times):.1f} |")
+    prefill_ms = sum(ms for started, _, ms in steps if started)
+    print(f"\nsteps that started prompts: {prefill_ms:.1f} ms of {wall * 1000:.1f} ms")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
