@@ -129,14 +129,15 @@ class GenerationJobs:
                 self._score_between_steps(scores, queue, watch)
 
     def _score_between_steps(self, scores: list[Job], queue: Queue, watch: JobWatch) -> None:
-        runs = []
+        allowed = []
         for job in scores:
             problem = forbidden_reason(job)
             if problem is not None:
                 self._reject(job, queue, problem)
                 continue
-            runs.append((job, self._start_claimed(job)))
-            watch.add(*runs[-1])
+            allowed.append(job)
+        runs = list(zip(allowed, self._start_claimed(allowed), strict=True))
+        watch.add(runs)
         try:
             self._score_runs(runs, queue)
         finally:
@@ -153,16 +154,20 @@ class GenerationJobs:
     ) -> None:
         """Start generation jobs in the batch (their streams opened together); a bad one fails alone."""
         assert self.executor is not None
-        started = []
+        allowed = []
         for job in claimed:
             problem = forbidden_reason(job)
             if problem is not None:
                 self._reject(job, queue, problem)
                 continue
-            started.append(_BatchJob(job, queue, self._start_claimed(job)))
-            watch.add(job, started[-1].execution)
-        if not started:
+            allowed.append(job)
+        if not allowed:
             return
+        started = [
+            _BatchJob(job, queue, execution)
+            for job, execution in zip(allowed, self._start_claimed(allowed), strict=True)
+        ]
+        watch.add([(entry.job, entry.execution) for entry in started])
         try:
             writers = self.executor.open_streams([entry.job for entry in started])
         except Exception:

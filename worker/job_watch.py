@@ -55,12 +55,14 @@ class JobWatch:
     def job_ids(self) -> list[str]:
         return [job.id for job, _ in self._snapshot()]
 
-    def add(self, job: Job, execution: Any) -> None:
-        """Watch one more running job; its cancel key is checked at once."""
+    def add(self, runs: list[tuple[Job, Any]]) -> None:
+        """Watch more running jobs (job, execution); their cancel keys are checked at once, together."""
+        if not runs:
+            return
         with self._lock:
-            self.runs.append((job, execution))
+            self.runs.extend(runs)
         try:
-            self._poll_cancels([(job, execution)])
+            self._poll_cancels(runs)
         except REDIS_TRANSIENT as e:
             log.warning("job watch redis error=%s", e)
 
