@@ -55,20 +55,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--prompt-words", type=int, default=48)
     ap.add_argument("--runs", type=int, default=3)
-    ap.add_argument("--idle-chunks", type=int, help="GenerationBatch.idle_prefill_chunks (default: its own)")
     args = ap.parse_args(argv)
     from worker.engine import Engine, EngineOptions
-    from worker.generation_batch import GenerationBatch
-
-    if args.idle_chunks is not None:
-        GenerationBatch.idle_prefill_chunks = args.idle_chunks
 
     path = checkpoint(args.model, Path.home() / ".cache/mlxq/bench-models")
     engine = Engine.load(str(path), EngineOptions(prefix_cache_bytes=0))
-    print(
-        f"model={args.model} jobs={args.jobs} max_tokens={args.max_tokens} device={mx.default_device()} "
-        f"idle_prefill_chunks={GenerationBatch.idle_prefill_chunks}"
-    )
+    print(f"model={args.model} jobs={args.jobs} max_tokens={args.max_tokens} device={mx.default_device()}")
     print("\n| run | wall s | tok/s | steps |\n| --- | --- | --- | --- |")
     for r in range(args.runs):
         payloads = _payloads(args.jobs, args.max_tokens, args.prompt_words, f"t{r}-")
