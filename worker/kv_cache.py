@@ -101,8 +101,8 @@ def key_columns(total: int) -> int:
 
     On MLX's CUDA build attention over many queries goes through cuDNN, whose plans are built per shape
     of the keys: measured on an H200 (`bench/sdpa_probe.py`), a 16-token prompt tail over a cached 8k
-    prefix cost ~44 ms the first time each prefix length was met and ~4 ms again. Reading whole steps
-    of the cache (the extra columns masked) leaves one shape per 256 positions.
+    prefix cost 44-65 ms the first time each prefix length was met and 4-6 ms again. Reading whole
+    steps of the cache (the extra columns masked) leaves one shape per 256 positions.
     """
     return -(-total // KVCache.step) * KVCache.step
 
