@@ -21,6 +21,7 @@ from worker.engine import Engine, EngineOptions
 from worker.generate import DecodeBatch, prefill, prefill_rows
 from worker.generation_batch import Finished, GenerationBatch
 from worker.kv_cache import KVCache
+from worker.models import llama
 from worker.sampler import Sampler
 from worker.tiny_model import write_random_checkpoint
 
@@ -334,3 +335,35 @@ def test_a_padded_decode_batch_runs_power_of_two_rows_and_decodes_the_same(engin
     assert (len(padded), padded.cache[0].batch) == (2, 2)  # the padding row went with it
     steps += [(plain.step(), padded.step()) for _ in range(3)]
     assert all(a == b for a, b in steps), steps
+
+
+@pytest.mark.parametrize("pad", [False, True])
+def test_the_ragged_attention_path_decodes_what_the_mask_path_decodes(
+    engine: Engine, monkeypatch: pytest.MonkeyPatch, pad: bool
+) -> None:
+    """With `ragged_kernel` the model gets each row's first column instead of a mask (on a GPU the
+    CUDA kernel reads the buffers; here `decode_attention` computes the same with MLX): same tokens,
+    across a growth of the buffers (rows near 256 columns) and with padding rows."""
+    model = engine.model
+    ids = engine.tokenizer.encode(PROMPT * 60)
+    prompts = [ids[:n] for n in (40, 120, 250)]
+    calls = []
+    original = llama.decode_attention
+    monkeypatch.setattr(llama, "decode_attention", lambda *a, **k: calls.append(1) or original(*a, **k))
+
+    def start(kernel: bool) -> DecodeBatch:
+        batch = DecodeBatch(model, pad_shapes=pad, ragged_kernel=kernel)
+        caches = [model.make_cache() for _ in prompts]
+        logits = [prefill(model, p, c, chunk=64) for p, c in zip(prompts, caches, strict=True)]
+        samplers = [Sampler(model.args.vocab_size, temperature=0) for _ in prompts]
+        batch.add(caches, mx.concatenate(logits), samplers)
+        return batch
+
+    masked, ragged = start(False), start(True)
+    steps = [(masked.step(), ragged.step()) for _ in range(12)]  # the longest row passes 256 columns
+    assert ragged.cache[0].capacity > 256
+    masked.remove([0])
+    ragged.remove([0])
+    steps += [(masked.step(), ragged.step()) for _ in range(3)]
+    assert all(a == b for a, b in steps), steps
+    assert calls and len(calls) == 15 * len(model.layers)

@@ -76,14 +76,24 @@ class BatchKVCache:
         visible = columns[None, :] >= self._starts[:, None]
         return visible[:, None, None, :]
 
-    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        """Append (B, n_kv_heads, L, head_dim) at column `end` for every row; return all columns so far."""
+    def reserve(self, n: int) -> None:
+        """Make room for `n` more columns (whole steps at a time), so the next writes grow nothing."""
         assert self.keys is not None and self.values is not None, "add rows before decoding"
-        start, n = self.end, keys.shape[2]
-        if start + n > self.keys.shape[2]:
-            extra = -(-(start + n - self.keys.shape[2]) // self.step) * self.step
+        if self.end + n > self.keys.shape[2]:
+            extra = -(-(self.end + n - self.keys.shape[2]) // self.step) * self.step
             self.keys = _pad_columns(self.keys, 0, extra)
             self.values = _pad_columns(self.values, 0, extra)
+
+    @property
+    def capacity(self) -> int:
+        """Columns the buffers hold (written or not)."""
+        return 0 if self.keys is None else self.keys.shape[2]
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """Append (B, n_kv_heads, L, head_dim) at column `end` for every row; return all columns so far."""
+        start, n = self.end, keys.shape[2]
+        self.reserve(n)
+        assert self.keys is not None and self.values is not None
         self.end = start + n
         self.keys[..., start : self.end, :] = keys
         self.values[..., start : self.end, :] = values

@@ -17,11 +17,12 @@ import mlx.nn as nn
 
 from ..errors import CheckpointError, UnsupportedArchitecture
 from ..kv_cache import KVCache, key_columns
+from ..ragged_attention import RaggedRows, decode_attention
 from ..rope import make_rope
 
 log = logging.getLogger(__name__)
 
-Mask = mx.array | str | None
+Mask = mx.array | str | RaggedRows | None
 
 
 @dataclass
@@ -128,7 +129,11 @@ class Attention(nn.Module):
         k = self.rope(k, offset=offset)
         if cache is not None:
             k, v = cache.update_and_fetch(k, v) if columns is None else cache.update_and_fetch(k, v, columns)
-        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
+        if isinstance(mask, RaggedRows):  # a decode step of left-padded rows: see ragged_attention.py
+            assert cache is not None and cache.keys is not None and cache.values is not None
+            out = decode_attention(q, cache.keys, cache.values, mask, self.scale)
+        else:
+            out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(b, xq.shape[1], -1))
 
 
@@ -218,12 +223,12 @@ class LlamaModel(nn.Module):
         self,
         inputs: mx.array,
         cache: list[KVCache] | None = None,
-        mask: mx.array | None = None,
+        mask: mx.array | RaggedRows | None = None,
         last: int | None = None,
     ) -> mx.array:
         h = self.embed_tokens(inputs)
         layer_mask: Mask = mask
-        if mask is not None and mx.issubdtype(mask.dtype, mx.floating) and mask.dtype != h.dtype:
+        if isinstance(mask, mx.array) and mx.issubdtype(mask.dtype, mx.floating) and mask.dtype != h.dtype:
             layer_mask = mask.astype(h.dtype)  # SDPA refuses an additive mask wider than its output
         elif mask is None and inputs.shape[1] > 1:
             # MLX's "causal" aligns the last query with the last key, so it is right with a cache offset.
@@ -254,7 +259,7 @@ class Model(nn.Module):
             log.warning("sliding window ignored window=%d: attention is full-length", window)
 
     def __call__(
-        self, inputs: mx.array, cache: list[KVCache] | None = None, mask: mx.array | None = None
+        self, inputs: mx.array, cache: list[KVCache] | None = None, mask: mx.array | RaggedRows | None = None
     ) -> mx.array:
         """Logits (B, L, vocab) for int32 token ids (B, L).
 
@@ -267,7 +272,7 @@ class Model(nn.Module):
         self,
         inputs: mx.array,
         cache: list[KVCache] | None = None,
-        mask: mx.array | None = None,
+        mask: mx.array | RaggedRows | None = None,
         last: int | None = None,
     ) -> mx.array:
         """Final normed hidden states (B, L, hidden_size); same arguments as `__call__`.
