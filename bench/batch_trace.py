@@ -55,17 +55,28 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--prompt-words", type=int, default=48)
     ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument(
+        "--ab-kernel",
+        action="store_true",
+        help="alternate runs with and without the ragged-attention kernel (where it runs: CUDA)",
+    )
     args = ap.parse_args(argv)
+    from worker import ragged_attention
     from worker.engine import Engine, EngineOptions
 
     path = checkpoint(args.model, Path.home() / ".cache/mlxq/bench-models")
     engine = Engine.load(str(path), EngineOptions(prefix_cache_bytes=0))
     print(f"model={args.model} jobs={args.jobs} max_tokens={args.max_tokens} device={mx.default_device()}")
-    print("\n| run | wall s | tok/s | steps |\n| --- | --- | --- | --- |")
+    print("\n| run | ragged kernel | wall s | tok/s | steps |\n| --- | --- | --- | --- | --- |")
+    on = ragged_attention.available()
+    modes = [on, False] if args.ab_kernel and on else [on]
     for r in range(args.runs):
-        payloads = _payloads(args.jobs, args.max_tokens, args.prompt_words, f"t{r}-")
-        wall, tokens, steps = _run(engine, payloads, sync=False)
-        print(f"| {r + 1} | {wall:.3f} | {tokens / wall:,.0f} | {len(steps)} |")
+        for kernel in modes:
+            ragged_attention.available = lambda kernel=kernel: kernel  # type: ignore[assignment]
+            payloads = _payloads(args.jobs, args.max_tokens, args.prompt_words, f"t{r}-{kernel}-")
+            wall, tokens, steps = _run(engine, payloads, sync=False)
+            print(f"| {r + 1} | {kernel} | {wall:.3f} | {tokens / wall:,.0f} | {len(steps)} |")
+    ragged_attention.available = lambda: on  # type: ignore[assignment]
     payloads = _payloads(args.jobs, args.max_tokens, args.prompt_words, "sync-")
     wall, tokens, steps = _run(engine, payloads, sync=True)
     print(f"\nSynced after every step: wall {wall:.3f} s, {tokens / wall:,.0f} tok/s, {len(steps)} steps")
