@@ -23,29 +23,39 @@ from .batch_generate import _NoSink, _payloads
 from .checkpoints import checkpoint
 
 
-def _run(engine: object, payloads: list[dict], sync: bool) -> tuple[float, int, list[tuple[int, int, float]]]:
+def _run(
+    engine: object, payloads: list[dict], sync: bool
+) -> tuple[float, int, list[tuple[int, int, int, float]]]:
     from jobs.schema import GenerateRequest
     from worker.generation_batch import GenerationBatch
 
     batch = GenerationBatch(engine, len(payloads), 2 << 30)  # type: ignore[arg-type]
     for i, p in enumerate(payloads):
         batch.admit(f"r{i}", GenerateRequest(**p), _NoSink(), lambda: False)
-    steps: list[tuple[int, int, float]] = []  # (prompts started this step, decode rows, ms)
+    steps: list[tuple[int, int, int, float]] = []  # (prompts started, decode rows, rows that left, ms)
     tokens = 0
     mx.synchronize()
     t0 = time.perf_counter()
     while len(batch):
         waiting, rows = len(batch.waiting), len(batch.decoding)
         s0 = time.perf_counter()
-        for done in batch.step():
+        ended = batch.step()
+        for done in ended:
             if done.error is not None:
                 raise done.error
             tokens += done.result.usage.completion_tokens if done.result else 0
         if sync:
             mx.synchronize()
-        steps.append((waiting - len(batch.waiting), rows, (time.perf_counter() - s0) * 1000))
+        steps.append((waiting - len(batch.waiting), rows, len(ended), (time.perf_counter() - s0) * 1000))
     mx.synchronize()
     return time.perf_counter() - t0, tokens, steps
+
+
+def _stagger(payloads: list[dict], args: argparse.Namespace) -> list[dict]:
+    """Jobs' max tokens spread over 1/4 .. 1 of --max-tokens: rows leave the batch at different steps."""
+    for i, p in enumerate(payloads):
+        p["max_tokens"] = max(1, args.max_tokens // 4 + (i * 37) % (args.max_tokens * 3 // 4))
+    return payloads
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -55,6 +65,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--prompt-words", type=int, default=48)
     ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--staggered", action="store_true", help="jobs' max tokens spread over 1/4..1 of it")
+    ap.add_argument("--prefix-cache", action="store_true", help="the engine's prefix cache on (1 GiB)")
     ap.add_argument(
         "--ab-kernel",
         action="store_true",
@@ -65,34 +77,38 @@ def main(argv: list[str] | None = None) -> int:
     from worker.engine import Engine, EngineOptions
 
     path = checkpoint(args.model, Path.home() / ".cache/mlxq/bench-models")
-    engine = Engine.load(str(path), EngineOptions(prefix_cache_bytes=0))
+    engine = Engine.load(str(path), EngineOptions(prefix_cache_bytes=(1 << 30) if args.prefix_cache else 0))
     print(f"model={args.model} jobs={args.jobs} max_tokens={args.max_tokens} device={mx.default_device()}")
     print("\n| run | ragged kernel | wall s | tok/s | steps |\n| --- | --- | --- | --- | --- |")
     on = ragged_attention.available()
-    modes = [on, False] if args.ab_kernel and on else [on]
     for r in range(args.runs):
-        for kernel in modes:
+        for kernel in [on, False] if args.ab_kernel and on else [on]:
             ragged_attention.available = lambda kernel=kernel: kernel  # type: ignore[assignment]
             payloads = _payloads(args.jobs, args.max_tokens, args.prompt_words, f"t{r}-{kernel}-")
-            wall, tokens, steps = _run(engine, payloads, sync=False)
+            wall, tokens, steps = _run(
+                engine, _stagger(payloads, args) if args.staggered else payloads, False
+            )
             print(f"| {r + 1} | {kernel} | {wall:.3f} | {tokens / wall:,.0f} | {len(steps)} |")
     ragged_attention.available = lambda: on  # type: ignore[assignment]
     payloads = _payloads(args.jobs, args.max_tokens, args.prompt_words, "sync-")
-    wall, tokens, steps = _run(engine, payloads, sync=True)
+    wall, tokens, steps = _run(engine, _stagger(payloads, args) if args.staggered else payloads, True)
     print(f"\nSynced after every step: wall {wall:.3f} s, {tokens / wall:,.0f} tok/s, {len(steps)} steps")
-    print("\n| step | prompts started | decode rows | ms |\n| --- | --- | --- | --- |")
-    for i, (started, rows, ms) in enumerate(steps):
+    print("\n| step | prompts started | decode rows | rows that left | ms |\n| --- | --- | --- | --- | --- |")
+    for i, (started, rows, left, ms) in enumerate(steps):
         if started or i < 3:
-            print(f"| {i} | {started} | {rows} | {ms:.2f} |")
-    by_rows: dict[int, list[float]] = defaultdict(list)
-    for started, rows, ms in steps:
+            print(f"| {i} | {started} | {rows} | {left} | {ms:.2f} |")
+    by_rows: dict[tuple[int, bool], list[float]] = defaultdict(list)
+    for started, rows, left, ms in steps:
         if not started:
-            by_rows[rows].append(ms)
-    print("\n| decode-only steps: rows | steps | median ms | total ms |\n| --- | --- | --- | --- |")
-    for rows, times in sorted(by_rows.items()):
-        print(f"| {rows} | {len(times)} | {statistics.median(times):.2f} | {sum(times):.1f} |")
-    prefill_ms = sum(ms for started, _, ms in steps if started)
+            by_rows[(rows, left > 0)].append(ms)
+    print("\n| decode-only steps: rows | rows left in it | steps | median ms | total ms |")
+    print("| --- | --- | --- | --- | --- |")
+    for (rows, left), times in sorted(by_rows.items()):
+        print(f"| {rows} | {left} | {len(times)} | {statistics.median(times):.2f} | {sum(times):.1f} |")
+    prefill_ms = sum(ms for started, _, _, ms in steps if started)
+    leaving_ms = sum(ms for started, _, left, ms in steps if left and not started)
     print(f"\nsteps that started prompts: {prefill_ms:.1f} ms of {wall * 1000:.1f} ms")
+    print(f"decode steps in which rows left: {leaving_ms:.1f} ms")
     return 0
 
 
