@@ -115,11 +115,18 @@ def test_batch_cache_keeps_each_row_at_its_own_positions() -> None:
     assert cache.offset == 6 and cache.mask() is None
     cache = BatchKVCache()
     cache.add([row(4, 0.0), row(6, 100.0), row(2, 200.0)])
-    cache.keep([0, 2])  # the longest row leaves: the padding both others share is trimmed
-    assert (cache.starts, cache.end, cache.lengths) == ([0, 2], 4, [4, 2])
+    assert cache.capacity == cache.step  # whole steps, so the buffers keep one shape for a while
+    cache.keep([0, 2])  # the longest row leaves: less than a step of shared padding stays
+    assert (cache.starts, cache.end, cache.lengths, cache.capacity) == ([2, 4], 6, [4, 2], cache.step)
     assert cache.row(1).state[0][0, 0, :, 0].tolist() == [200.0, 201.0]
     cache.keep([])
     assert cache.batch == 0 and cache.keys is None
+    cache = BatchKVCache()
+    cache.add([row(300, 0.0), row(10, 1000.0), row(20, 2000.0)])
+    assert cache.capacity == 2 * cache.step
+    cache.keep([1, 2])  # 280 columns of shared padding: the whole step of them goes
+    assert (cache.starts, cache.end, cache.lengths, cache.capacity) == ([34, 24], 44, [10, 20], cache.step)
+    assert cache.row(0).state[0][0, 0, :, 0].tolist() == [1000.0 + i for i in range(10)]
 
 
 @pytest.mark.parametrize("pad_shapes", [False, True])

@@ -13,16 +13,19 @@ row, so a row's logits are bit-identical to running it alone (the batch tests ch
 Why not right padding with masks (rows start at column 0)? Then each row writes its new token at its
 own column: a scatter per step, and a mask per step anyway. Left padding costs memory instead: the
 buffer is as long as the longest row. Rows that join are padded to the current end (or, when longer,
-everyone else is padded further); rows that leave are dropped and the common left padding is trimmed,
-so the waste is bounded by the spread of the current rows' lengths. Membership changes copy the
-buffer (like one step's attention reads it); steps never do.
+everyone else is padded further); rows that leave are dropped and the common left padding is trimmed
+in whole steps, so the waste is bounded by the spread of the current rows' lengths plus a step.
+Membership changes copy the buffer once (like one step's attention reads it); steps never do. The
+buffers always hold a whole number of steps (256 columns), spare room kept across membership changes:
+on a GPU every new buffer shape may cost kernel building, and rows leaving one by one made a new shape
+at almost every departure.
 """
 
 from __future__ import annotations
 
 import mlx.core as mx
 
-from .kv_cache import KVCache
+from .kv_cache import KVCache, key_columns
 
 
 def _pad_columns(a: mx.array, left: int, right: int) -> mx.array:
@@ -107,18 +110,19 @@ class BatchKVCache:
             return
         new_end = max(self.end, *(r.offset for r in rows))
         grow = new_end - self.end
+        spare = key_columns(new_end + 1) - new_end  # whole steps, room for the next token
         parts_k, parts_v = [], []
         if self.keys is not None and self.values is not None:
-            parts_k.append(_pad_columns(self.keys[..., : self.end, :], grow, 0))
-            parts_v.append(_pad_columns(self.values[..., : self.end, :], grow, 0))
+            parts_k.append(_pad_columns(self.keys[..., : self.end, :], grow, spare))
+            parts_v.append(_pad_columns(self.values[..., : self.end, :], grow, spare))
         starts = [s + grow for s in self.starts]
         for row in rows:
             keys, values = row.state
             if keys.shape[0] != 1:
                 raise ValueError(f"rows join a batch one at a time, got a batch-{keys.shape[0]} cache")
             pad = new_end - row.offset
-            parts_k.append(_pad_columns(keys, pad, 0))
-            parts_v.append(_pad_columns(values, pad, 0))
+            parts_k.append(_pad_columns(keys, pad, spare))
+            parts_v.append(_pad_columns(values, pad, spare))
             starts.append(pad)
         self.keys = mx.concatenate(parts_k, axis=0)
         self.values = mx.concatenate(parts_v, axis=0)
@@ -131,8 +135,7 @@ class BatchKVCache:
             return
         assert self.keys is not None and self.values is not None, "add real rows first"
         self.keys, self.values = (
-            mx.concatenate([a[..., : self.end, :], mx.zeros((n, a.shape[1], self.end, a.shape[3]), a.dtype)])
-            for a in (self.keys, self.values)
+            mx.concatenate([a, mx.zeros((n, *a.shape[1:]), a.dtype)]) for a in (self.keys, self.values)
         )
         self._set([*self.starts, *([self.end] * n)], self.end)
 
@@ -145,7 +148,7 @@ class BatchKVCache:
         )
 
     def keep(self, rows: list[int]) -> None:
-        """Keep only `rows` (in this order); trim the left padding they all share."""
+        """Keep only `rows` (in this order); trim the whole steps of left padding they all share."""
         if not rows:
             self.keys = self.values = None
             self._set([], 0)
@@ -153,7 +156,7 @@ class BatchKVCache:
         assert self.keys is not None and self.values is not None
         index = mx.array(rows, dtype=mx.int32)
         starts = [self.starts[i] for i in rows]
-        trim = min(starts)
+        trim = min(starts) // self.step * self.step
         self.keys = self.keys[index, :, trim:, :]
         self.values = self.values[index, :, trim:, :]
         self._set([s - trim for s in starts], self.end - trim)

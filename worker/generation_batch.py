@@ -28,8 +28,10 @@ import mlx.core as mx
 
 from jobs.schema import FinishReason, GenerateRequest, GenerateResult
 
+from .batch_cache import BatchKVCache
 from .engine import Engine, GenerationClock, TextRun, TokenSink
 from .generate import ChunkedPrefill, DecodeBatch, padded_size, prefill_rows
+from .kv_cache import key_columns
 from .memory_guard import with_memory_retry
 from .sampler import Sampler
 
@@ -122,14 +124,16 @@ class GenerationBatch:
     # --- admission ----------------------------------------------------------------------------
 
     def _fits(self, seq: _Sequence, joining: list[_Sequence] | None = None) -> bool:
-        """Whether `seq` may start (beside `joining`, starting with it): the rows' padded KV at their
-        longest stays within the budget."""
+        """Whether `seq` may start (beside `joining`, starting with it): the decode batch's buffers at
+        the rows' longest stay within the budget (padding rows, less than a step of shared left
+        padding and the spare room to a whole step included: see `batch_cache.py`)."""
         active = [*self.decoding, *([self.prefilling] if self.prefilling else []), *(joining or [])]
         if not active or self.kv_budget_bytes <= 0:
             return True
         rows = [*active, seq]
         n = padded_size(len(rows), smallest=1) if self.engine.pad_shapes else len(rows)  # padding rows too
-        need = n * max(s.longest for s in rows) * self.engine.kv_bytes_per_token
+        columns = key_columns(max(s.longest for s in rows) + BatchKVCache.step)
+        need = n * columns * self.engine.kv_bytes_per_token
         return need <= self.kv_budget_bytes
 
     def _drop_cancelled_waiting(self, finished: list[Finished]) -> None:
