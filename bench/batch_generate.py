@@ -1,7 +1,7 @@
 """Batched generation: aggregate tokens/s and per-job latency for N concurrent jobs, four ways.
 
     python -m bench.batch_generate [--model tiny|llama-1b|PATH] [--sizes 1,8,32,64] [--max-tokens 64]
-        [--batch N] [--redis-url URL|private] [--out DIR --label NAME] [--no-inproc]
+        [--staggered] [--batch N] [--redis-url URL|private] [--out DIR --label NAME] [--no-inproc]
 
 For each size N the same N jobs run
 - through the queue, one at a time: one real worker (`bench.worker_proc`, i.e. `mlxq worker` plus
@@ -14,7 +14,9 @@ For each size N the same N jobs run
 - in this process: mlx-lm's `BatchGenerator` (continuous batching, mlx-lm 0.32.2) on the same prompt
   ids, `completion_batch_size=N`, its default `prefill_batch_size` (8), greedy with the same EOS mask.
 
-Jobs are greedy with EOS masked (`logit_bias`), so each writes exactly `--max-tokens` tokens; the paths'
+Jobs are greedy with EOS masked (`logit_bias`), so each writes exactly `--max-tokens` tokens (with
+`--staggered`, job i writes `staggered_max_tokens(i)`: 1/4 .. 1 of it, so rows leave at different steps,
+as real jobs do; mlx-lm gets the same lengths); the paths'
 token ids are compared with the one-at-a-time run's (rows identical / N). "agg tok/s" is all generated
 tokens over enqueue (or call) → last job done, prefill included; "decode tok/s" is the tokens that
 arrived after every job had its first token, over that window (the steady batched decode). Each worker
@@ -94,15 +96,24 @@ class Run:
         return self.decode_window_tokens / self.decode_window_s
 
 
-def _payloads(n: int, max_tokens: int, prompt_words: int, tag: str) -> list[dict[str, Any]]:
-    """Distinct prompts (they differ from the first token: no shared prefix), greedy, EOS masked."""
+def staggered_max_tokens(i: int, max_tokens: int) -> int:
+    """Job i's length in a staggered run: spread over 1/4 .. 1 of `max_tokens`, so rows leave a batch at
+    different steps, as real jobs (EOS, stop strings, their own limits) do."""
+    return max(1, max_tokens // 4 + (i * 37) % max(1, max_tokens * 3 // 4))
+
+
+def _payloads(
+    n: int, max_tokens: int, prompt_words: int, tag: str, staggered: bool = False
+) -> list[dict[str, Any]]:
+    """Distinct prompts (they differ from the first token: no shared prefix), greedy, EOS masked; with
+    `staggered`, lengths spread by `staggered_max_tokens`."""
     out = []
     for i in range(n):
         words = [WORDS[(i * 7 + k) % len(WORDS)] for k in range(prompt_words)]
         out.append(
             {
                 "prompt": f"{tag}{i}: " + " ".join(words),
-                "max_tokens": max_tokens,
+                "max_tokens": staggered_max_tokens(i, max_tokens) if staggered else max_tokens,
                 "temperature": 0,
                 "logit_bias": dict(EOS_MASK),
             }
@@ -234,8 +245,9 @@ def run_engine_batch(engine: Any, payloads: list[dict[str, Any]], max_batch: int
     )
 
 
-def run_mlx_lm_batch(model: Any, prompts: list[list[int]], max_tokens: int) -> Run:
-    """mlx-lm's `BatchGenerator` on the same prompt ids: greedy, EOS masked by the same bias, no stop."""
+def run_mlx_lm_batch(model: Any, prompts: list[list[int]], max_tokens: list[int]) -> Run:
+    """mlx-lm's `BatchGenerator` on the same prompt ids and lengths: greedy, EOS masked by the same bias,
+    no stop."""
     import mlx.core as mx
     from mlx_lm.generate import BatchGenerator, generation_stream
 
@@ -248,8 +260,10 @@ def run_mlx_lm_batch(model: Any, prompts: list[list[int]], max_tokens: int) -> R
 
     mx.synchronize()
     t0 = time.perf_counter()
-    gen = BatchGenerator(model, max_tokens=max_tokens, sampler=sampler, completion_batch_size=len(prompts))
-    uids = gen.insert(prompts, [max_tokens] * len(prompts))
+    gen = BatchGenerator(
+        model, max_tokens=max(max_tokens), sampler=sampler, completion_batch_size=len(prompts)
+    )
+    uids = gen.insert(prompts, max_tokens)
     out: dict[int, list[int]] = {u: [] for u in uids}
     first: dict[int, float] = {}
     ended: dict[int, float] = {}
@@ -378,6 +392,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sizes", default="1,8,32", help="concurrent jobs per run, comma-separated [1,8,32]")
     p.add_argument("--batch", type=int, help="MLXQ_MAX_BATCH_SEQUENCES of the batched worker [max size]")
     p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument(
+        "--staggered", action="store_true", help="jobs' max tokens spread over 1/4..1 of --max-tokens"
+    )
     p.add_argument("--prompt-words", type=int, default=24)
     p.add_argument("--redis-url", default="redis://127.0.0.1:6379/7", help="URL, or `private`")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds per run")
@@ -422,7 +439,7 @@ def run(args: argparse.Namespace) -> int:
                 run_jobs(worker, _payloads(n, 4, args.prompt_words, f"warm{n}-"), mode, args.timeout)
             print(f"{mode}: warm-up {time.perf_counter() - t_warm:.1f}s", file=sys.stderr, flush=True)
             for n in sizes:
-                payloads = _payloads(n, args.max_tokens, args.prompt_words, f"size{n}-")
+                payloads = _payloads(n, args.max_tokens, args.prompt_words, f"size{n}-", args.staggered)
                 runs.append(run_jobs(worker, payloads, mode, args.timeout))
                 print(f"{mode} jobs={n}: {runs[-1].tokens_per_s:,.0f} tok/s", file=sys.stderr, flush=True)
         finally:
@@ -438,7 +455,8 @@ def run(args: argparse.Namespace) -> int:
     order = {"queue, one at a time": 0, "mlx-lm BatchGenerator": 3, "engine GenerationBatch (no queue)": 2}
     runs.sort(key=lambda r: (r.jobs, order.get(r.mode, 1)))
     text = (
-        f"model={args.model} max_tokens={args.max_tokens} prompt_words={args.prompt_words} batch={batch} "
+        f"model={args.model} max_tokens={args.max_tokens}{' (staggered)' if args.staggered else ''} "
+        f"prompt_words={args.prompt_words} batch={batch} "
         "(latency and TTFT from enqueue, or from the call in this process)\n\n"
         + render(runs)
         + "\n\nBatched worker, phase timers (seconds, calls):\n\n"
@@ -482,14 +500,16 @@ def _inproc(model: str, sizes: list[int], batch: int, args: argparse.Namespace) 
         warm = _payloads(n, 4, args.prompt_words, f"warm{n}-")
         run_engine_batch(engine, warm, min(n, batch))
         if mlxlm is not None:
-            run_mlx_lm_batch(mlxlm.model, [engine.prompt_tokens(GenerateRequest(**p)) for p in warm], 4)
+            run_mlx_lm_batch(
+                mlxlm.model, [engine.prompt_tokens(GenerateRequest(**p)) for p in warm], [4] * len(warm)
+            )
     for n in sizes:
-        payloads = _payloads(n, args.max_tokens, args.prompt_words, f"size{n}-")
+        payloads = _payloads(n, args.max_tokens, args.prompt_words, f"size{n}-", args.staggered)
         runs.append(run_engine_batch(engine, payloads, min(n, batch)))
         print(f"engine jobs={n}: {runs[-1].tokens_per_s:,.0f} tok/s", file=sys.stderr, flush=True)
         if mlxlm is not None:
             prompts = [engine.prompt_tokens(GenerateRequest(**p)) for p in payloads]
-            runs.append(run_mlx_lm_batch(mlxlm.model, prompts, args.max_tokens))
+            runs.append(run_mlx_lm_batch(mlxlm.model, prompts, [p["max_tokens"] for p in payloads]))
             print(f"mlx-lm jobs={n}: {runs[-1].tokens_per_s:,.0f} tok/s", file=sys.stderr, flush=True)
     return runs
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from .batch_generate import _NoSink, _payloads
+from .batch_generate import _NoSink, _payloads, staggered_max_tokens
 from .checkpoints import checkpoint
 
 
@@ -54,7 +54,7 @@ def _run(
 def _stagger(payloads: list[dict], args: argparse.Namespace) -> list[dict]:
     """Jobs' max tokens spread over 1/4 .. 1 of --max-tokens: rows leave the batch at different steps."""
     for i, p in enumerate(payloads):
-        p["max_tokens"] = max(1, args.max_tokens // 4 + (i * 37) % (args.max_tokens * 3 // 4))
+        p["max_tokens"] = staggered_max_tokens(i, args.max_tokens)
     return payloads
 
 
