@@ -19,7 +19,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from .batch_generate import _NoSink, _payloads, staggered_max_tokens
+from .batch_generate import _NoSink, _payloads
 from .checkpoints import checkpoint
 
 
@@ -51,13 +51,6 @@ def _run(
     return time.perf_counter() - t0, tokens, steps
 
 
-def _stagger(payloads: list[dict], args: argparse.Namespace) -> list[dict]:
-    """Jobs' max tokens spread over 1/4 .. 1 of --max-tokens: rows leave the batch at different steps."""
-    for i, p in enumerate(payloads):
-        p["max_tokens"] = staggered_max_tokens(i, args.max_tokens)
-    return payloads
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.batch_trace")
     ap.add_argument("--model", default="tiny")
@@ -84,14 +77,13 @@ def main(argv: list[str] | None = None) -> int:
     for r in range(args.runs):
         for kernel in [on, False] if args.ab_kernel and on else [on]:
             ragged_attention.available = lambda kernel=kernel: kernel  # type: ignore[assignment]
-            payloads = _payloads(args.jobs, args.max_tokens, args.prompt_words, f"t{r}-{kernel}-")
-            wall, tokens, steps = _run(
-                engine, _stagger(payloads, args) if args.staggered else payloads, False
-            )
+            tag = f"t{r}-{kernel}-"
+            payloads = _payloads(args.jobs, args.max_tokens, args.prompt_words, tag, args.staggered)
+            wall, tokens, steps = _run(engine, payloads, False)
             print(f"| {r + 1} | {kernel} | {wall:.3f} | {tokens / wall:,.0f} | {len(steps)} |")
     ragged_attention.available = lambda: on  # type: ignore[assignment]
-    payloads = _payloads(args.jobs, args.max_tokens, args.prompt_words, "sync-")
-    wall, tokens, steps = _run(engine, _stagger(payloads, args) if args.staggered else payloads, True)
+    payloads = _payloads(args.jobs, args.max_tokens, args.prompt_words, "sync-", args.staggered)
+    wall, tokens, steps = _run(engine, payloads, True)
     print(f"\nSynced after every step: wall {wall:.3f} s, {tokens / wall:,.0f} tok/s, {len(steps)} steps")
     print("\n| step | prompts started | decode rows | rows that left | ms |\n| --- | --- | --- | --- | --- |")
     for i, (started, rows, left, ms) in enumerate(steps):

@@ -166,6 +166,27 @@ def test_bad_payloads_fail_alone_and_the_worker_goes_on(
     assert pickle.dumps  # the pickled payload above never reached pickle.loads in the worker
 
 
+def test_a_bad_score_job_among_claimable_ones_fails_alone(
+    worker: WorkerProcess, client: Client, redis_conn: redis.Redis
+) -> None:
+    """A score batch claims the good jobs queued behind its first; the bad one is left for RQ's dequeue,
+    where the allowlist fails it with its reason."""
+    queue = Queue("default", connection=redis_conn, serializer=JSONSerializer)
+    row = {"rows": [{"prompt": PROMPT + "The capital of France is", "candidates": [" the", " a"]}]}
+    datas = [
+        Queue.prepare_data(keys.SCORE_FUNC, args=args)
+        for args in ((row,), (row, "extra"), (row,))  # the middle one has a second argument
+    ]
+    with redis_conn.pipeline() as pipe:  # all queued at once: the worker takes the first, claims the rest
+        jobs = queue.enqueue_many(datas, pipeline=pipe)
+        pipe.execute()
+    good = [client.job(jobs[0].id).result(timeout=30), client.job(jobs[2].id).result(timeout=30)]
+    assert all(len(r.rows) == 1 for r in good)
+    with pytest.raises(JobFailed, match="exactly one argument"):
+        client.job(jobs[1].id).result(timeout=10)
+    assert worker.proc.poll() is None
+
+
 def test_sigterm_finishes_the_job_then_exits_and_a_second_cancels(
     model_dir: Path, redis_url: str, client: Client, tmp_path: Path, no_eos: dict[int, float]
 ) -> None:

@@ -26,7 +26,6 @@ from rq.timeouts import JobTimeoutException
 
 from jobs import keys, parse_generate
 
-from .allowlist import forbidden_reason
 from .generation_batch import Finished, GenerationBatch
 from .job_claim import QueuedJob
 from .job_watch import JobWatch
@@ -57,7 +56,7 @@ class _BatchJob:
 
 class GenerationJobs:
     """The generation-batch half of `MlxqWorker`: a mixin whose methods use the worker's RQ lifecycle
-    (`_start_claimed`, `_finalize_success`, ...), its executor, claimers and batch options."""
+    (`_start_allowed`, `_finalize_success`, ...), its executor, claimers and batch options."""
 
     @property
     def _batching(self) -> bool:
@@ -129,14 +128,7 @@ class GenerationJobs:
                 self._score_between_steps(scores, queue, watch)
 
     def _score_between_steps(self, scores: list[Job], queue: Queue, watch: JobWatch) -> None:
-        allowed = []
-        for job in scores:
-            problem = forbidden_reason(job)
-            if problem is not None:
-                self._reject(job, queue, problem)
-                continue
-            allowed.append(job)
-        runs = list(zip(allowed, self._start_claimed(allowed), strict=True))
+        runs = self._start_allowed(scores, queue)
         watch.add(runs)
         try:
             self._score_runs(runs, queue)
@@ -154,20 +146,11 @@ class GenerationJobs:
     ) -> None:
         """Start generation jobs in the batch (their streams opened together); a bad one fails alone."""
         assert self.executor is not None
-        allowed = []
-        for job in claimed:
-            problem = forbidden_reason(job)
-            if problem is not None:
-                self._reject(job, queue, problem)
-                continue
-            allowed.append(job)
-        if not allowed:
+        runs = self._start_allowed(claimed, queue)
+        if not runs:
             return
-        started = [
-            _BatchJob(job, queue, execution)
-            for job, execution in zip(allowed, self._start_claimed(allowed), strict=True)
-        ]
-        watch.add([(entry.job, entry.execution) for entry in started])
+        started = [_BatchJob(job, queue, execution) for job, execution in runs]
+        watch.add(runs)
         try:
             writers = self.executor.open_streams([entry.job for entry in started])
         except Exception:

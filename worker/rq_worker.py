@@ -173,6 +173,19 @@ class MlxqWorker(GenerationJobs, SimpleWorker):
             job.started_at = now()
         return executions
 
+    def _start_allowed(self, jobs: list[Job], queue: Queue) -> list[tuple[Job, Any]]:
+        """Fail the claimed jobs this worker must not run (`forbidden_reason`: claims already leave such
+        jobs queued, this is the same check a dequeued job gets), start the others together
+        (`_start_claimed`); returns (job, execution) for those started."""
+        allowed = []
+        for job in jobs:
+            problem = forbidden_reason(job)
+            if problem is None:
+                allowed.append(job)
+            else:
+                self._reject(job, queue, problem)
+        return list(zip(allowed, self._start_claimed(allowed), strict=True))
+
     def _finalize_success(self, job: Job, queue: Queue, execution: Any, return_value: Any) -> None:
         """RQ's end of a successful job, retried while Redis restarts (see `_start_claimed`)."""
         retrying(self.stream_options)(super()._finalize_success, job, queue, execution, return_value)
@@ -189,8 +202,7 @@ class MlxqWorker(GenerationJobs, SimpleWorker):
         except REDIS_TRANSIENT as e:  # Redis restarting: score `first` alone; the rest stay queued
             log.warning("score batch could not claim jobs error=%s", e)
             claimed = []
-        jobs = [first, *claimed]
-        runs = list(zip(jobs, self._start_claimed(jobs), strict=True))
+        runs = self._start_allowed([first, *claimed], queue)
         with JobWatch(self, runs, self.heartbeat_s, self.cancel_poll_s) as watch:
             self._watch = watch
             try:
