@@ -50,9 +50,23 @@ class _Node:
         return sum(int(k.nbytes + v.nbytes) for k, v in self.layers)
 
 
-def _own(a: mx.array) -> mx.array:
-    """A copy that owns its memory, so a slice never keeps a whole job's buffer alive."""
-    return mx.contiguous(a * 1) if a.size else a
+def _own(layers: list[tuple[mx.array, mx.array]]) -> list[tuple[mx.array, mx.array]]:
+    """Copies of per-layer (keys, values) that own their memory, so a slice never keeps a whole job's
+    buffer alive. Where every array has one shape and dtype (most models), the copies are views of one
+    new (2 * layers, ...) block: one allocation, one concatenate. The copies are queued, not waited on
+    (`mx.async_eval`): a decode step already in flight keeps the device busy meanwhile, and nothing
+    reads them before later work on the same stream."""
+    flat = [a for kv in layers for a in kv]
+    if not flat or not flat[0].size:
+        return layers
+    if all(a.shape == flat[0].shape and a.dtype == flat[0].dtype for a in flat) and flat[0].shape[0] == 1:
+        block = mx.concatenate(flat, axis=0)
+        mx.async_eval(block)
+        views = [block[i : i + 1] for i in range(len(flat))]
+    else:
+        views = [mx.contiguous(a * 1) for a in flat]
+        mx.async_eval(views)
+    return [(views[2 * i], views[2 * i + 1]) for i in range(len(layers))]
 
 
 class PrefixCache:
@@ -146,12 +160,8 @@ class PrefixCache:
         now = next(self._clock)
         for node, _ in path:
             node.last_used = now
-        layers = []
-        for c in cache:
-            keys, values = c.state
-            layers.append((_own(keys[:, :, matched:n]), _own(values[:, :, matched:n])))
+        layers = _own([(k[:, :, matched:n], v[:, :, matched:n]) for k, v in (c.state for c in cache)])
         child = _Node(span=tokens[matched:], layers=layers, parent=parent, depth=matched, last_used=now)
-        mx.eval([a for kv in layers for a in kv])
         parent.children[tokens[matched]] = child
         self.stats.bytes += child.nbytes
         self.stats.nodes += 1
@@ -167,14 +177,13 @@ class PrefixCache:
             parent=node.parent,
             depth=node.depth,
             last_used=node.last_used,
-            layers=[(_own(kk[:, :, :k]), _own(vv[:, :, :k])) for kk, vv in node.layers],
+            layers=_own([(kk[:, :, :k], vv[:, :, :k]) for kk, vv in node.layers]),
         )
-        tail_layers = [(_own(kk[:, :, k:]), _own(vv[:, :, k:])) for kk, vv in node.layers]
+        tail_layers = _own([(kk[:, :, k:], vv[:, :, k:]) for kk, vv in node.layers])
         before = node.nbytes
         node.parent.children[node.span[0]] = head
         node.span, node.layers, node.parent, node.depth = node.span[k:], tail_layers, head, node.depth + k
         head.children[node.span[0]] = node
-        mx.eval([a for kv in head.layers + node.layers for a in kv])
         self.stats.bytes += head.nbytes + node.nbytes - before
         self.stats.nodes += 1
         return head
