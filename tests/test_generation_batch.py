@@ -344,6 +344,44 @@ def test_a_padded_decode_batch_runs_power_of_two_rows_and_decodes_the_same(engin
     assert all(a == b for a, b in steps), steps
 
 
+def test_rows_that_leave_a_padded_batch_stay_idle_until_it_can_shrink(engine: Engine) -> None:
+    """A padded batch keeps a departed row's buffer row as an idle row (no copy of the buffers) while
+    the live rows still need that many; it compacts once they fit half, and rows joining take the idle
+    rows' place. The tokens are those of a batch that compacts at every departure (`pad_shapes` off)."""
+    model = engine.model
+    ids = engine.tokenizer.encode(PROMPT * 8)
+    prompts = [ids[: 20 + 7 * k] for k in range(8)]
+
+    def join(batch: DecodeBatch, rows: list[list[int]]) -> None:
+        caches = [model.make_cache() for _ in rows]
+        logits = [prefill(model, p, c, chunk=64) for p, c in zip(rows, caches, strict=True)]
+        samplers = [Sampler(model.args.vocab_size, temperature=0) for _ in rows]
+        batch.add(caches, mx.concatenate(logits), samplers)
+
+    plain, padded = DecodeBatch(model, pad_shapes=False), DecodeBatch(model, pad_shapes=True)
+    for b in (plain, padded):
+        join(b, prompts[:6])
+    steps = [(plain.step(), padded.step()) for _ in range(2)]
+    left = [(plain.remove([1]), padded.remove([1]))]
+    assert (len(padded), padded.cache[0].batch, padded.slots) == (5, 8, [0, 2, 3, 4, 5])
+    steps += [(plain.step(), padded.step()) for _ in range(2)]
+    left.append((plain.remove([3]), padded.remove([3])))  # 4 live rows fit 4: compacted
+    assert (len(padded), padded.cache[0].batch, padded.slots) == (4, 4, [0, 1, 2, 3])
+    steps += [(plain.step(), padded.step()) for _ in range(2)]
+    left.append((plain.remove([2]), padded.remove([2])))
+    assert (padded.cache[0].batch, padded.slots) == (4, [0, 1, 3])
+    steps += [(plain.step(), padded.step()) for _ in range(2)]
+    for b in (plain, padded):
+        join(b, prompts[6:])
+    assert (len(padded), padded.cache[0].batch, padded.slots) == (5, 8, [0, 1, 2, 3, 4])
+    steps += [(plain.step(), padded.step()) for _ in range(3)]
+    assert all(a == b for a, b in steps), steps
+    for want, got in left:  # each departed row's cache holds exactly its own tokens
+        for a, b in zip(want, got, strict=True):
+            assert [x.offset for x in a] == [x.offset for x in b]
+            assert all(mx.array_equal(x.state[0], y.state[0]) for x, y in zip(a, b, strict=True))
+
+
 @pytest.mark.parametrize("pad", [False, True])
 def test_the_ragged_attention_path_decodes_what_the_mask_path_decodes(
     engine: Engine, monkeypatch: pytest.MonkeyPatch, pad: bool

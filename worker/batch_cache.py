@@ -147,19 +147,23 @@ class BatchKVCache:
             self.keys[i : i + 1, :, s : self.end, :], self.values[i : i + 1, :, s : self.end, :]
         )
 
-    def keep(self, rows: list[int]) -> None:
-        """Keep only `rows` (in this order); trim the whole steps of left padding they all share."""
+    def keep(self, rows: list[int], padding: list[int] | None = None) -> None:
+        """Keep only `rows` (in this order), then the rows `padding` as padding rows (their tokens masked,
+        as `add_padding`'s: reusing rows saves a copy); trim the whole steps of left padding `rows` all
+        share."""
+        padding = padding or []
         if not rows:
             self.keys = self.values = None
             self._set([], 0)
             return
         assert self.keys is not None and self.values is not None
-        index = mx.array(rows, dtype=mx.int32)
+        index = mx.array([*rows, *padding], dtype=mx.int32)
         starts = [self.starts[i] for i in rows]
         trim = min(starts) // self.step * self.step
         self.keys = self.keys[index, :, trim:, :]
         self.values = self.values[index, :, trim:, :]
-        self._set([s - trim for s in starts], self.end - trim)
+        end = self.end - trim
+        self._set([*(s - trim for s in starts), *([end] * len(padding))], end)
 
     def _set(self, starts: list[int], end: int) -> None:
         self.starts, self.end = starts, end

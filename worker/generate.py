@@ -190,7 +190,9 @@ class DecodeBatch:
 
     With `pad_shapes` the forward runs on a power-of-two number of rows: padding rows (no tokens, all
     masked) follow the real ones, so a GPU meets 7 batch shapes up to 64 rows instead of 64 (a new one
-    cost ~0.23 s on the H200).
+    cost ~0.23 s on the H200). A row that leaves then becomes an idle row where it is, like a padding
+    row: the buffers are compacted (one copy) only when the live rows fit a smaller power of two or
+    rows join, not at every departure. `slots` maps each live row to its row of the buffers.
 
     With `ragged_kernel` (default: where it runs, MLX's CUDA build) rows of different lengths attend
     through `ragged_attention.decode_attention` instead of MLX's attention with a mask.
@@ -204,14 +206,16 @@ class DecodeBatch:
         self.samplers: list[Sampler] = []
         self._bias: mx.array | None = None  # (B, vocab): the rows' logit biases, see `sample_rows`
         self._pending: mx.array | None = None  # (B,) each row's sampled token, not fed to the model yet
+        self.slots: list[int] = []  # each live row's row of the buffers, in row order
+        self._slot_index: mx.array | None = None  # `slots` as an array; None while slots are 0..B-1
         self._steps = 0
 
     def __len__(self) -> int:
         return len(self.samplers)
 
     @property
-    def _padding(self) -> int:
-        """Padding rows the cache holds after the real ones."""
+    def _idle(self) -> int:
+        """Rows of the buffers that hold no live row: padding, and rows whose request left."""
         return self.cache[0].batch - len(self)
 
     def add(self, caches: list[list[Any]], logits: mx.array, samplers: list[Sampler]) -> None:
@@ -221,11 +225,12 @@ class DecodeBatch:
             return
         vocab = logits.shape[-1]
         tokens = sample_rows(logits, samplers, stack_bias(samplers, vocab))
-        if self._padding:
-            self._keep(list(range(len(self))))
+        if self._idle:
+            self._compact([])
         for n, layer in enumerate(self.cache):
             layer.add([cache[n] for cache in caches])
         self._pending = tokens if self._pending is None else mx.concatenate([self._pending, tokens])
+        self._set_slots(list(range(len(self.samplers) + len(samplers))))
         self.samplers.extend(samplers)
         self._bias = stack_bias(self.samplers, vocab)
         self._pad()
@@ -237,10 +242,14 @@ class DecodeBatch:
             raise ValueError("an empty batch has no step to take")
         mask = self._step_mask()
         fed = self._pending
-        if self._padding:
-            fed = mx.concatenate([fed, mx.zeros((self._padding,), dtype=fed.dtype)])
+        if self._slot_index is not None:  # live rows scattered among idle ones
+            fed = mx.zeros((self.cache[0].batch,), dtype=fed.dtype)
+            fed[self._slot_index] = self._pending
+        elif self._idle:
+            fed = mx.concatenate([fed, mx.zeros((self._idle,), dtype=fed.dtype)])
         logits = self.model(fed[:, None], cache=self.cache, mask=mask)[:, -1, :]
-        next_tokens = sample_rows(logits[: len(self)], self.samplers, self._bias)
+        logits = logits[: len(self)] if self._slot_index is None else logits[self._slot_index]
+        next_tokens = sample_rows(logits, self.samplers, self._bias)
         mx.async_eval(next_tokens)
         tokens = [int(t) for t in self._pending.tolist()]
         self._pending = next_tokens
@@ -261,11 +270,11 @@ class DecodeBatch:
         return ragged_attention.RaggedRows(first._starts, first.end + 1, first.capacity)
 
     def remove(self, rows: list[int]) -> list[list[Any]]:
-        """Drop `rows`; return each one's batch-1 cache (exactly its tokens), in the order given."""
-        caches = [[layer.row(i) for layer in self.cache] for i in rows]
+        """Drop `rows`; return each one's batch-1 cache (exactly its tokens), in the order given. Their
+        buffer rows become idle rows; the buffers are compacted only when the batch can shrink."""
+        caches = [[layer.row(self.slots[i]) for layer in self.cache] for i in rows]
         gone = set(rows)
         keep = [i for i in range(len(self)) if i not in gone]
-        self._keep(keep)
         self.samplers = [self.samplers[i] for i in keep]
         if not keep or self._pending is None:
             self._pending = self._bias = None
@@ -273,21 +282,29 @@ class DecodeBatch:
             index = mx.array(keep, dtype=mx.int32)
             self._pending = self._pending[index]
             self._bias = None if self._bias is None else self._bias[index]
+        self._set_slots([self.slots[i] for i in keep])
         self._pad()
         return caches
 
-    def _keep(self, rows: list[int]) -> None:
+    def _set_slots(self, slots: list[int]) -> None:
+        self.slots = slots
+        contiguous = slots == list(range(len(slots)))
+        self._slot_index = None if contiguous else mx.array(slots, dtype=mx.int32)
+
+    def _compact(self, idle: list[int]) -> None:
+        """One copy of the buffers: the live rows first (in row order), then the buffer rows `idle`."""
         for layer in self.cache:
-            layer.keep(rows)
+            layer.keep(self.slots, idle)
+        self._set_slots(list(range(len(self.slots))))
 
     def _pad(self) -> None:
-        """Bring the padding rows to what a power-of-two batch needs (none without `pad_shapes`)."""
-        if not self.pad_shapes or not len(self):
-            return
-        want = padded_size(len(self), smallest=1) - len(self)
-        if want < self._padding:
-            self._keep(list(range(len(self) + want)))
-        elif want > self._padding:
-            more = want - self._padding
+        """Fit the buffers to the live rows: with `pad_shapes` a power-of-two number of rows, idle rows
+        kept until the live ones fit a smaller power of two; without, exactly the live rows."""
+        live, rows = len(self), self.cache[0].batch
+        want = padded_size(live, smallest=1) if self.pad_shapes and live else live
+        if rows > want:
+            taken = set(self.slots)
+            self._compact([r for r in range(rows) if r not in taken][: want - live])
+        elif rows < want:
             for layer in self.cache:
-                layer.add_padding(more)
+                layer.add_padding(want - rows)
