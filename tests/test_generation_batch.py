@@ -308,6 +308,38 @@ def test_short_prompts_start_together_and_a_shared_prefix_is_computed_once(
         assert (got.token_ids, got.text, got.finish_reason) == (want.token_ids, want.text, want.finish_reason)
 
 
+def test_prompts_prefilled_together_reuse_a_cached_prefix_only_from_32_tokens(model_dir: Path) -> None:
+    """Splicing a short cached prefix into a rows forward costs more than computing it (see
+    `_SHARED_MIN`): a prompt sharing a few cached tokens starts from scratch, one sharing a long
+    prefix reuses it; both generate what they generate alone."""
+    engine = _engine(model_dir, prefix_cache_bytes=1 << 24)
+    first = PROMPT * 12
+    batch = GenerationBatch(engine, max_sequences=2)
+    batch.admit("first", GenerateRequest(prompt=first, max_tokens=2), lambda t, ids: None, lambda: False)
+    while len(batch):
+        batch.step()
+    ids = engine.tokenizer.encode(first)
+    short, long = engine.tokenizer.decode(ids[:4]), engine.tokenizer.decode(ids[:48])
+    assert engine.tokenizer.encode(long) == ids[:48]
+    requests = {
+        "short": GenerateRequest(
+            prompt=short + " and Rome is in Italy.", max_tokens=4, temperature=0, logit_bias=_no_eos(engine)
+        ),
+        "long": GenerateRequest(
+            prompt=long + " and Rome is in Italy.", max_tokens=4, temperature=0, logit_bias=_no_eos(engine)
+        ),
+    }
+    for key, request in requests.items():
+        batch.admit(key, request, lambda t, ids: None, lambda: False)
+    done = {f.key: f for _ in range(20) for f in batch.step()}
+    results = {key: done[key].result for key in requests}
+    assert results["short"] is not None and results["short"].usage.cached_tokens == 0
+    assert results["long"] is not None and results["long"].usage.cached_tokens >= 32
+    alone = _engine(model_dir, prefix_cache_bytes=0)
+    for key, request in requests.items():
+        assert results[key].token_ids == _alone(alone, request)[0].token_ids  # type: ignore[union-attr]
+
+
 def test_a_prompt_padded_to_a_common_length_prefills_exactly_as_unpadded(engine: Engine) -> None:
     model = engine.model
     tokens = engine.tokenizer.encode(PROMPT * 5)  # several chunks of 16, the last one short

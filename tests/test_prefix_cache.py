@@ -45,6 +45,18 @@ def test_longest_prefix_always_leaves_one_token() -> None:
     assert pc.stats.lookups == 3 and pc.stats.hits == 2 and pc.stats.hit_tokens == 8
 
 
+def test_a_prefix_shorter_than_min_tokens_is_not_reused() -> None:
+    pc = PrefixCache(budget_bytes=1 << 20)
+    a = [1, 2, 3, 4, 5, 6]
+    pc.offer(a, _cache_for(a))
+    assert (pc.peek([1, 2, 3, 9], min_tokens=4), pc.peek([1, 2, 3, 4, 9], min_tokens=4)) == (0, 4)
+    caches, n = pc.begin([1, 2, 3, 9], LAYERS, min_tokens=4)
+    assert n == 0 and all(c.offset == 0 for c in caches)
+    caches, n = pc.begin([1, 2, 3, 4, 9], LAYERS, min_tokens=4)
+    assert n == 4
+    _assert_holds(caches, [1, 2, 3, 4])
+
+
 def test_diverging_offer_splits_and_stores_only_new_tokens() -> None:
     pc = PrefixCache(budget_bytes=1 << 20)
     a, b = [1, 2, 3, 4, 5], [1, 2, 3, 7, 8, 9]

@@ -112,11 +112,12 @@ class Engine:
             raise ContextTooLong(len(ids), self.context_length)
         return ids
 
-    def begin_cache(self, prompt: list[int]) -> tuple[list[Any], int]:
-        """A KV cache for `prompt`: the longest cached prefix already in it, and that prefix's length."""
+    def begin_cache(self, prompt: list[int], min_reuse: int = 1) -> tuple[list[Any], int]:
+        """A KV cache for `prompt`: the longest cached prefix already in it (none if shorter than
+        `min_reuse` tokens), and that prefix's length."""
         if self.prefix_cache is None:
             return self.model.make_cache(), 0
-        return self.prefix_cache.begin(prompt, len(self.model.layers))
+        return self.prefix_cache.begin(prompt, len(self.model.layers), min_reuse)
 
     # --- scoring --------------------------------------------------------------------------------
 

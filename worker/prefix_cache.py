@@ -98,16 +98,18 @@ class PrefixCache:
             node = child
         return path, i
 
-    def peek(self, tokens: list[int]) -> int:
+    def peek(self, tokens: list[int], min_tokens: int = 1) -> int:
         """How many tokens `begin` would reuse, without touching the cache."""
-        return max(0, min(self._match(tokens)[1], len(tokens) - 1))
+        use = min(self._match(tokens)[1], len(tokens) - 1)
+        return use if use >= max(1, min_tokens) else 0
 
-    def begin(self, tokens: list[int], n_layers: int) -> tuple[list[KVCache], int]:
-        """A cache holding the longest cached prefix of `tokens` (at most len-1 tokens) and its length."""
+    def begin(self, tokens: list[int], n_layers: int, min_tokens: int = 1) -> tuple[list[KVCache], int]:
+        """A cache holding the longest cached prefix of `tokens` (at most len-1 tokens) and its length;
+        an empty one where that prefix is shorter than `min_tokens`."""
         self.stats.lookups += 1
         path, matched = self._match(tokens)
         use = min(matched, len(tokens) - 1)
-        if use <= 0:
+        if use < max(1, min_tokens):
             return [KVCache() for _ in range(n_layers)], 0
         now = next(self._clock)
         parts: list[list[tuple[mx.array, mx.array]]] = []
