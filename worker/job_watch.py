@@ -15,6 +15,8 @@ from .stream_writer import REDIS_TRANSIENT
 
 log = logging.getLogger(__name__)
 
+_mget_refused = False  # this process's Redis user may not run MGET (said once, then EXISTS)
+
 
 class Heartbeats(Protocol):
     connection: redis.Redis
@@ -80,15 +82,29 @@ class JobWatch:
         runs = self._snapshot() if runs is None else runs
         if not runs:
             return
-        pipe = self.worker.connection.pipeline(transaction=False)
-        for job, _ in runs:
-            pipe.exists(keys.cancel_key(job.id))
-        hits = pipe.execute()
+        hits = self._cancel_keys_set([keys.cancel_key(job.id) for job, _ in runs])
         live = {job.id for job, _ in self._snapshot()}  # a job removed meanwhile stays removed
         for (job, _), hit in zip(runs, hits, strict=True):
             if hit and job.id in live and job.id not in self.cancelled:
                 log.info("cancel requested job=%s", job.id)
                 self.cancelled.add(job.id)
+
+    def _cancel_keys_set(self, names: list[str]) -> list[bool]:
+        """Which of these keys exist: one MGET for all (a pipeline of one EXISTS per job cost 64
+        commands per poll in a full batch), or EXISTS where the Redis user may not run MGET (an ACL
+        file from before MGET was needed; `deploy/redis/users.acl` grants it)."""
+        global _mget_refused
+        conn = self.worker.connection
+        if not _mget_refused:
+            try:
+                return [value is not None for value in conn.mget(names)]
+            except redis.exceptions.NoPermissionError:
+                log.warning("the worker's Redis user may not run MGET: cancel keys polled with EXISTS")
+                _mget_refused = True
+        pipe = conn.pipeline(transaction=False)
+        for name in names:
+            pipe.exists(name)
+        return [bool(n) for n in pipe.execute()]
 
     def _run(self) -> None:
         since_beat = 0.0
