@@ -378,8 +378,9 @@ def test_a_padded_decode_batch_runs_power_of_two_rows_and_decodes_the_same(engin
 
 def test_rows_that_leave_a_padded_batch_stay_idle_until_it_can_shrink(engine: Engine) -> None:
     """A padded batch keeps a departed row's buffer row as an idle row (no copy of the buffers) while
-    the live rows still need that many; it compacts once they fit half, and rows joining take the idle
-    rows' place. The tokens are those of a batch that compacts at every departure (`pad_shapes` off)."""
+    the live rows still need that many; it compacts once they fit half. A row joining is written into
+    an idle row when one is free, else the buffers grow. The tokens are those of a batch that compacts
+    at every departure and appends every newcomer (`pad_shapes` off)."""
     model = engine.model
     ids = engine.tokenizer.encode(PROMPT * 8)
     prompts = [ids[: 20 + 7 * k] for k in range(8)]
@@ -403,11 +404,18 @@ def test_rows_that_leave_a_padded_batch_stay_idle_until_it_can_shrink(engine: En
     left.append((plain.remove([2]), padded.remove([2])))
     assert (padded.cache[0].batch, padded.slots) == (4, [0, 1, 3])
     steps += [(plain.step(), padded.step()) for _ in range(2)]
+    keys_before = padded.cache[0].keys
     for b in (plain, padded):
-        join(b, prompts[6:])
-    assert (len(padded), padded.cache[0].batch, padded.slots) == (5, 8, [0, 1, 2, 3, 4])
+        join(b, prompts[:1])  # fits the idle row: written there, the buffers not copied
+    assert (len(padded), padded.cache[0].batch, padded.slots) == (4, 4, [0, 1, 3, 2])
+    assert padded.cache[0].keys.shape == keys_before.shape  # type: ignore[union-attr]
+    steps += [(plain.step(), padded.step()) for _ in range(2)]
+    for b in (plain, padded):
+        join(b, prompts[6:])  # no idle row left: the buffers grow to 8 rows, in row order
+    assert (len(padded), padded.cache[0].batch, padded.slots) == (6, 8, [0, 1, 2, 3, 4, 5])
     steps += [(plain.step(), padded.step()) for _ in range(3)]
-    assert all(a == b for a, b in steps), steps
+    bad = [i for i, (a, b) in enumerate(steps) if a != b]
+    assert not bad, (bad, [steps[i] for i in bad])
     for want, got in left:  # each departed row's cache holds exactly its own tokens
         for a, b in zip(want, got, strict=True):
             assert [x.offset for x in a] == [x.offset for x in b]

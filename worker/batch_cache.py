@@ -13,8 +13,9 @@ row, so a row's logits are bit-identical to running it alone (the batch tests ch
 Why not right padding with masks (rows start at column 0)? Then each row writes its new token at its
 own column: a scatter per step, and a mask per step anyway. Left padding costs memory instead: the
 buffer is as long as the longest row. Rows that join are padded to the current end (or, when longer,
-everyone else is padded further); rows that leave are dropped and the common left padding is trimmed
-in whole steps, so the waste is bounded by the spread of the current rows' lengths plus a step.
+everyone else is padded further), or written into a free row of the buffers (`put`); rows that leave
+are dropped and the common left padding is trimmed in whole steps, so the waste is bounded by the
+spread of the current rows' lengths plus a step.
 Membership changes copy the buffer once (like one step's attention reads it); steps never do. The
 buffers always hold a whole number of steps (256 columns), spare room kept across membership changes:
 on a GPU every new buffer shape may cost kernel building, and rows leaving one by one made a new shape
@@ -127,6 +128,23 @@ class BatchKVCache:
         self.keys = mx.concatenate(parts_k, axis=0)
         self.values = mx.concatenate(parts_v, axis=0)
         self._set(starts, new_end)
+
+    def put(self, slots: list[int], rows: list[KVCache]) -> bool:
+        """Write batch-1 caches into rows `slots` (padding or rows that left), each ending at column
+        `end` like every row: no copy of the buffers. False (nothing written) where a cache is longer
+        than `end`: then every row needs more left padding, which `add` does."""
+        if self.keys is None or self.values is None or any(r.offset > self.end for r in rows):
+            return False
+        width = max(r.offset for r in rows)  # one write per buffer: the rows left-padded to one width
+        index = mx.array(slots, dtype=mx.int32)
+        for i, buffer in enumerate((self.keys, self.values)):
+            block = mx.concatenate([_pad_columns(r.state[i], width - r.offset, 0) for r in rows])
+            buffer[index, :, self.end - width : self.end, :] = block
+        starts = list(self.starts)
+        for slot, row in zip(slots, rows, strict=True):
+            starts[slot] = self.end - row.offset
+        self._set(starts, self.end)
+        return True
 
     def add_padding(self, n: int) -> None:
         """Append `n` rows that hold no tokens (all columns masked): they keep the batch at a padded

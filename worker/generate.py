@@ -191,8 +191,9 @@ class DecodeBatch:
     With `pad_shapes` the forward runs on a power-of-two number of rows: padding rows (no tokens, all
     masked) follow the real ones, so a GPU meets 7 batch shapes up to 64 rows instead of 64 (a new one
     cost ~0.23 s on the H200). A row that leaves then becomes an idle row where it is, like a padding
-    row: the buffers are compacted (one copy) only when the live rows fit a smaller power of two or
-    rows join, not at every departure. `slots` maps each live row to its row of the buffers.
+    row, and a row that joins takes an idle row when one is free (no longer than the batch's rows): the
+    buffers are copied only when the live rows fit a smaller power of two or newcomers find no room,
+    not at every departure and arrival. `slots` maps each live row to its row of the buffers.
 
     With `ragged_kernel` (default: where it runs, MLX's CUDA build) rows of different lengths attend
     through `ragged_attention.decode_attention` instead of MLX's attention with a mask.
@@ -220,17 +221,19 @@ class DecodeBatch:
 
     def add(self, caches: list[list[Any]], logits: mx.array, samplers: list[Sampler]) -> None:
         """New last rows: their prefilled batch-1 caches, the (k, V) logits their first tokens are sampled
-        from, and their samplers. Rows joining at once cost one copy of the batch's cache, not one each."""
+        from, and their samplers. They go into idle buffer rows where those suffice (no copy of the
+        buffers), else the buffers are copied once for all of them."""
         if not caches:
             return
         vocab = logits.shape[-1]
         tokens = sample_rows(logits, samplers, stack_bias(samplers, vocab))
-        if self._idle:
-            self._compact([])
-        for n, layer in enumerate(self.cache):
-            layer.add([cache[n] for cache in caches])
+        if not self._join_in_place(caches):
+            if self._idle or self._slot_index is not None:  # live rows first, in row order
+                self._compact([])
+            for n, layer in enumerate(self.cache):
+                layer.add([cache[n] for cache in caches])
+            self._set_slots(list(range(len(self.samplers) + len(samplers))))
         self._pending = tokens if self._pending is None else mx.concatenate([self._pending, tokens])
-        self._set_slots(list(range(len(self.samplers) + len(samplers))))
         self.samplers.extend(samplers)
         self._bias = stack_bias(self.samplers, vocab)
         self._pad()
@@ -285,6 +288,22 @@ class DecodeBatch:
         self._set_slots([self.slots[i] for i in keep])
         self._pad()
         return caches
+
+    def _join_in_place(self, caches: list[list[Any]]) -> bool:
+        """Put joining rows into idle buffer rows (padding, or rows that left) when there are enough
+        and none is longer than the batch's rows: each layer writes the newcomers' columns, and the
+        buffers are not copied. False when they must be added by copying the buffers."""
+        taken = set(self.slots)
+        idle = [r for r in range(self.cache[0].batch) if r not in taken]
+        if len(idle) < len(caches):
+            return False
+        targets = idle[: len(caches)]
+        for n, layer in enumerate(self.cache):
+            if not layer.put(targets, [cache[n] for cache in caches]):
+                assert n == 0, "the layers of a batch hold the same columns"
+                return False
+        self._set_slots([*self.slots, *targets])
+        return True
 
     def _set_slots(self, slots: list[int]) -> None:
         self.slots = slots
