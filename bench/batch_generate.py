@@ -2,6 +2,7 @@
 
     python -m bench.batch_generate [--model tiny|llama-1b|PATH] [--sizes 1,8,32,64] [--max-tokens 64]
         [--staggered] [--batch N] [--redis-url URL|private] [--out DIR --label NAME] [--no-inproc]
+        [--no-alone]
 
 For each size N the same N jobs run
 - through the queue, one at a time: one real worker (`bench.worker_proc`, i.e. `mlxq worker` plus
@@ -17,7 +18,10 @@ For each size N the same N jobs run
 Jobs are greedy with EOS masked (`logit_bias`), so each writes exactly `--max-tokens` tokens (with
 `--staggered`, job i writes `staggered_max_tokens(i)`: 1/4 .. 1 of it, so rows leave at different steps,
 as real jobs do; mlx-lm gets the same lengths); the paths'
-token ids are compared with the one-at-a-time run's (rows identical / N). "agg tok/s" is all generated
+token ids are compared with the one-at-a-time run's (rows identical / N). A size larger than `--batch`
+is a backlog: jobs wait until a row is free (in the worker's queue; in this process admitted as rows
+free up; mlx-lm with `completion_batch_size=--batch`), so rows join while others decode, as in a bulk
+run; `--no-alone` skips the one-at-a-time worker, which dominates such runs. "agg tok/s" is all generated
 tokens over enqueue (or call) → last job done, prefill included; "decode tok/s" is the tokens that
 arrived after every job had its first token, over that window (the steady batched decode). Each worker
 first runs every size once with 4 tokens (new shapes compile once per process), then the measured runs.
@@ -200,7 +204,9 @@ class _NoSink:
 
 
 def run_engine_batch(engine: Any, payloads: list[dict[str, Any]], max_batch: int) -> Run:
-    """The worker's `GenerationBatch`, all requests admitted at once, stepped until empty; no Redis."""
+    """The worker's `GenerationBatch` stepped until every request is done; no Redis. Requests are
+    admitted while it has free slots, as the worker admits queued jobs between steps (all at once
+    when there are no more than `max_batch`)."""
     import mlx.core as mx
 
     from jobs.schema import GenerateRequest
@@ -210,8 +216,14 @@ def run_engine_batch(engine: Any, payloads: list[dict[str, Any]], max_batch: int
     t0 = time.perf_counter()
     batch = GenerationBatch(engine, max(max_batch, 1), 2 << 30)
     keys_ = [f"r{i}" for i in range(len(payloads))]
-    for key, p in zip(keys_, payloads, strict=True):
-        batch.admit(key, GenerateRequest(**p), _NoSink(), lambda: False)
+    queued = list(zip(keys_, payloads, strict=True))
+
+    def admit() -> None:
+        while queued and batch.free_slots > 0:
+            key, p = queued.pop(0)
+            batch.admit(key, GenerateRequest(**p), _NoSink(), lambda: False)
+
+    admit()
     results: dict[str, Any] = {}
     ended: dict[str, float] = {}
     first_all: float | None = None
@@ -223,8 +235,9 @@ def run_engine_batch(engine: Any, payloads: list[dict[str, Any]], max_batch: int
                 raise done.error
             results[done.key] = done.result
             ended[done.key] = time.perf_counter()
+        admit()
         now = time.perf_counter()
-        if first_all is None and not batch.waiting and batch.prefilling is None:
+        if first_all is None and not queued and not batch.waiting and batch.prefilling is None:
             first_all = now
         elif first_all is not None:
             arrivals.append((now, decoding_before))
@@ -245,9 +258,11 @@ def run_engine_batch(engine: Any, payloads: list[dict[str, Any]], max_batch: int
     )
 
 
-def run_mlx_lm_batch(model: Any, prompts: list[list[int]], max_tokens: list[int]) -> Run:
+def run_mlx_lm_batch(
+    model: Any, prompts: list[list[int]], max_tokens: list[int], max_batch: int | None = None
+) -> Run:
     """mlx-lm's `BatchGenerator` on the same prompt ids and lengths: greedy, EOS masked by the same bias,
-    no stop."""
+    no stop; at most `max_batch` sequences at once (its own queue holds the rest)."""
     import mlx.core as mx
     from mlx_lm.generate import BatchGenerator, generation_stream
 
@@ -261,7 +276,10 @@ def run_mlx_lm_batch(model: Any, prompts: list[list[int]], max_tokens: list[int]
     mx.synchronize()
     t0 = time.perf_counter()
     gen = BatchGenerator(
-        model, max_tokens=max(max_tokens), sampler=sampler, completion_batch_size=len(prompts)
+        model,
+        max_tokens=max(max_tokens),
+        sampler=sampler,
+        completion_batch_size=min(len(prompts), max_batch or len(prompts)),
     )
     uids = gen.insert(prompts, max_tokens)
     out: dict[int, list[int]] = {u: [] for u in uids}
@@ -401,6 +419,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", help="folder for LABEL.json and LABEL.md (not written without it)")
     p.add_argument("--label", default="batch-generate")
     p.add_argument("--no-inproc", action="store_true", help="skip the in-process engine and mlx-lm paths")
+    p.add_argument(
+        "--no-alone", action="store_true", help="skip the one-at-a-time worker (no `x alone`, no `same ids`)"
+    )
     p.add_argument("--cache-dir", default=str(Path.home() / ".cache" / "mlxq" / "bench-models"))
     args = p.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # `timeout`: stop the workers on the way out
@@ -424,7 +445,8 @@ def run(args: argparse.Namespace) -> int:
         "args": {k: v for k, v in vars(args).items() if k != "cache_dir"},
         "batch": batch,
     }
-    for mode, max_batch in (("queue, one at a time", 1), (f"queue, batched ({batch})", batch)):
+    modes = [("queue, one at a time", 1)] if not args.no_alone else []
+    for mode, max_batch in (*modes, (f"queue, batched ({batch})", batch)):
         worker = BenchWorker(
             model,
             args.redis_url,
@@ -500,16 +522,15 @@ def _inproc(model: str, sizes: list[int], batch: int, args: argparse.Namespace) 
         warm = _payloads(n, 4, args.prompt_words, f"warm{n}-")
         run_engine_batch(engine, warm, min(n, batch))
         if mlxlm is not None:
-            run_mlx_lm_batch(
-                mlxlm.model, [engine.prompt_tokens(GenerateRequest(**p)) for p in warm], [4] * len(warm)
-            )
+            prompts = [engine.prompt_tokens(GenerateRequest(**p)) for p in warm]
+            run_mlx_lm_batch(mlxlm.model, prompts, [4] * len(warm), batch)
     for n in sizes:
         payloads = _payloads(n, args.max_tokens, args.prompt_words, f"size{n}-", args.staggered)
         runs.append(run_engine_batch(engine, payloads, min(n, batch)))
         print(f"engine jobs={n}: {runs[-1].tokens_per_s:,.0f} tok/s", file=sys.stderr, flush=True)
         if mlxlm is not None:
             prompts = [engine.prompt_tokens(GenerateRequest(**p)) for p in payloads]
-            runs.append(run_mlx_lm_batch(mlxlm.model, prompts, [p["max_tokens"] for p in payloads]))
+            runs.append(run_mlx_lm_batch(mlxlm.model, prompts, [p["max_tokens"] for p in payloads], batch))
             print(f"mlx-lm jobs={n}: {runs[-1].tokens_per_s:,.0f} tok/s", file=sys.stderr, flush=True)
     return runs
 
