@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import redis
-from rq import Queue
+from rq import Callback, Queue
 from rq.serializers import JSONSerializer
 from worker_process import WorkerProcess
 
@@ -147,6 +147,9 @@ def test_bad_payloads_fail_alone_and_the_worker_goes_on(
         "arguments": json_q.enqueue_call("jobs.generate", args=({"prompt": "a"}, 2)),
         "field": json_q.enqueue_call("jobs.generate", args=({"prompt": "a", "max_token": 3},)),
         "type": json_q.enqueue_call("jobs.score", args=({"rows": "nope"},)),
+        "callback": json_q.enqueue_call(
+            "jobs.generate", args=({"prompt": "a"},), on_success=Callback("builtins.print")
+        ),
     }
     good = client.submit_generate("after the bad ones", max_tokens=3)
     assert good.result(timeout=30).usage.completion_tokens <= 3
@@ -162,6 +165,7 @@ def test_bad_payloads_fail_alone_and_the_worker_goes_on(
     assert "exactly one argument" in reasons["arguments"]
     assert "max_token: Extra inputs are not permitted" in reasons["field"]
     assert "rows: Input should be a valid list" in reasons["type"]
+    assert "names callbacks (builtins.print)" in reasons["callback"]
     assert worker.proc.poll() is None
     assert pickle.dumps  # the pickled payload above never reached pickle.loads in the worker
 

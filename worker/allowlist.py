@@ -22,4 +22,14 @@ def forbidden_reason(job: Job) -> str | None:
             f"{func_name} takes exactly one argument, the request object (got {len(args)} "
             f"positional and {len(kwargs)} keyword arguments)"
         )
+    # RQ would import and call these by name when the job ends (the raw names: reading RQ's
+    # `success_callback` imports it).
+    callbacks = [
+        name
+        for kind in ("success", "failure", "stopped")
+        if (name := getattr(job, f"_{kind}_callback_name", None))
+    ]
+    if callbacks:
+        names = ", ".join(callbacks)
+        return f"the job names callbacks ({names}); an mlxq worker calls no function a job names"
     return None
