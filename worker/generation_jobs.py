@@ -4,11 +4,12 @@ After RQ hands over a generation job, the worker keeps a running `GenerationBatc
 `admit_every` steps, never blocking, it claims more queued generation jobs up to the free slots
 (`JobClaimer`, the same Lua move as score claims) and admits them while the others decode, their
 streams opened together; the jobs a step ends write their results and `done` events in one
-transaction, then each ends through RQ's own lifecycle. Score jobs found in the queue at those points
-are claimed and scored right there, between two decode steps: a decode stall of one score batch, so
-scoring never waits for a busy batch to drain and streams pause a bounded time. The batch ends when
-its last job does; then RQ's own loop dequeues again. A first SIGTERM stops the admissions and lets
-the batch finish; a second one cancels every job in it.
+transaction, then each ends through RQ's own lifecycle on a thread beside the loop (`finalizer.py`).
+Score jobs found in the queue at those points are claimed and scored right there, between two decode
+steps: a decode stall of one score batch, so scoring never waits for a busy batch to drain and
+streams pause a bounded time. The batch ends when its last job does (and RQ has ended them all);
+then RQ's own loop dequeues again. A first SIGTERM stops the admissions and lets the batch finish; a
+second one cancels every job in it.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from rq.timeouts import JobTimeoutException
 
 from jobs import keys, parse_generate
 
+from .finalizer import Finalizer
 from .generation_batch import Finished, GenerationBatch
 from .job_claim import QueuedJob
 from .job_watch import JobWatch
@@ -72,6 +74,7 @@ class GenerationJobs:
         opts = self.batch_options
         batch = GenerationBatch(self.executor.engine, opts.max_sequences, opts.kv_budget_bytes)
         jobs: dict[str, _BatchJob] = {}
+        finalizer = Finalizer(self._finalize_success, self._finalize_failure)
         with JobWatch(self, [], self.heartbeat_s, self.cancel_poll_s) as watch:
             self._watch = watch
             last_stats = time.monotonic()
@@ -83,7 +86,8 @@ class GenerationJobs:
                             self._claim_between_steps(batch, jobs, watch)
                         except REDIS_TRANSIENT as e:  # the running jobs go on; claimed ones return
                             log.warning("generation batch could not claim jobs error=%s", e)
-                    self._retire_all([(jobs.pop(done.key), done) for done in batch.step()], watch)
+                    ended = [(jobs.pop(done.key), done) for done in batch.step()]
+                    self._retire_all(ended, watch, finalizer)
                     writers = [j.writer for j in jobs.values() if j.writer is not None]
                     flush_streams(self.connection, writers, self.stream_options)
                     self.active_sequences = len(batch)
@@ -95,6 +99,7 @@ class GenerationJobs:
                     self._retire(jobs.pop(done.key), done, watch)
                 raise
             finally:
+                finalizer.close()  # every job the batch ended has ended through RQ too
                 self._watch = None
                 self.active_sequences = 0
 
@@ -181,9 +186,11 @@ class GenerationJobs:
 
         return cancelled
 
-    def _retire_all(self, ended: list[tuple[_BatchJob, Finished]], watch: JobWatch) -> None:
+    def _retire_all(
+        self, ended: list[tuple[_BatchJob, Finished]], watch: JobWatch, finalizer: Finalizer
+    ) -> None:
         """Finish the jobs one step ended: results and `done` events in one transaction, then each
-        job through RQ. Failed ones go one by one."""
+        job through RQ on the finalizer's thread (see `finalizer.py`). Failed ones go one by one."""
         assert self.executor is not None
         ok = []
         for entry, done in ended:
@@ -202,12 +209,7 @@ class GenerationJobs:
             return
         for (entry, _, _), result in zip(ok, results, strict=True):
             watch.remove(entry.job.id)
-            try:
-                self._finalize_success(
-                    entry.job, entry.queue, entry.execution, result.model_dump(mode="json")
-                )
-            except Exception:
-                self._finalize_failure(entry.job, entry.queue, entry.execution, sys.exc_info())
+            finalizer.submit(entry.job, entry.queue, entry.execution, result.model_dump(mode="json"))
 
     def _retire(self, entry: _BatchJob, done: Finished, watch: JobWatch) -> None:
         """Finish one job of the batch through RQ: its stream's end, result and status."""
