@@ -62,10 +62,10 @@ class Finalizer:
             job, rq_queue, execution, return_value = item
             try:
                 self._success(job, rq_queue, execution, return_value)
-            except Exception:
+            except BaseException:  # whatever it is, the thread must live on: `drain` waits for it
                 try:
                     self._failure(job, rq_queue, execution, sys.exc_info())
-                except Exception:  # Redis gone for good: RQ's abandoned-job handling takes the job
+                except BaseException:  # Redis gone for good: RQ's abandoned-job handling takes the job
                     log.exception("could not end job=%s through RQ", job.id)
             finally:
                 self._jobs.task_done()
