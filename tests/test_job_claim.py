@@ -1,0 +1,49 @@
+"""Claiming queued jobs beside RQ's dequeue: choice in queue order, what is left, what is read."""
+
+from __future__ import annotations
+
+import redis
+from rq import Queue
+from rq.serializers import JSONSerializer
+
+from jobs import keys
+from worker.job_claim import JobClaimer, QueuedJob
+
+REDIS_DB = 9
+
+
+def _hgets(conn: redis.Redis) -> int:
+    return int(conn.info("commandstats").get("cmdstat_hget", {"calls": 0})["calls"])
+
+
+def test_chosen_jobs_move_in_queue_order_and_the_rest_stay(redis_conn: redis.Redis) -> None:
+    queue = Queue("claims", connection=redis_conn, serializer=JSONSerializer)
+    gen = [queue.enqueue_call(keys.GENERATE_FUNC, args=({"prompt": f"p{i}"},)) for i in range(3)]
+    other = queue.enqueue_call("os.system", args=("echo",))  # not an mlxq job: left for RQ's dequeue
+    score = queue.enqueue_call(keys.SCORE_FUNC, args=({"rows": []},))
+    seen: list[QueuedJob] = []
+
+    def pick(queued: QueuedJob) -> bool:
+        seen.append(queued)
+        return queued.func == keys.SCORE_FUNC or queued.payload["prompt"] != "p1"
+
+    claimer = JobClaimer(redis_conn, JSONSerializer)
+    claimed = claimer.claim(queue, pick, limit=3)
+    assert [j.id for j in claimed] == [gen[0].id, gen[2].id, score.id]
+    assert [q.id for q in seen] == [gen[0].id, gen[1].id, gen[2].id, score.id]  # never the other one
+    assert queue.get_job_ids() == [gen[1].id, other.id]
+    assert [i.decode() for i in redis_conn.lrange(queue.intermediate_queue_key, 0, -1)] == [
+        j.id for j in claimed
+    ]
+    assert list(claimed[0].args) == [{"prompt": "p0"}]  # fetched whole, as RQ's dequeue would
+
+
+def test_each_queued_job_is_read_once_however_often_the_queue_is_looked_at(redis_conn: redis.Redis) -> None:
+    """A generation batch looks at the queue every few steps; a backlog's head is mostly the same."""
+    queue = Queue("claims", connection=redis_conn, serializer=JSONSerializer)
+    jobs = [queue.enqueue_call(keys.GENERATE_FUNC, args=({"prompt": f"p{i}"},)) for i in range(40)]
+    claimer = JobClaimer(redis_conn, JSONSerializer, scan=16)
+    before = _hgets(redis_conn)
+    claimed = [claimer.claim(queue, lambda q: True, limit=2) for _ in range(5)]
+    assert [j.id for batch in claimed for j in batch] == [j.id for j in jobs[:10]]
+    assert _hgets(redis_conn) - before == 16 + 4 * 2  # the first window, then the 2 new ids per look
