@@ -172,9 +172,15 @@ def run_jobs(worker: BenchWorker, payloads: list[dict[str, Any]], mode: str, tim
     end = max(ended.values())
     all_started = max(first.values()) if len(first) == len(ids) else end
     window_tokens, window_s = _decode_window(arrivals, all_started, end)
-    time.sleep(0.05)  # the worker's timer record of the job that ran the batch is written after `done`
+    # The worker's timer record of the job that ran the batch is written once the batch has ended
+    # every job through RQ too (its finalizer thread), after the last `done`.
+    records = worker.records(since)
+    deadline = time.monotonic() + 10
+    while not any(rec.get("fn") == "execute_job" for rec in records) and time.monotonic() < deadline:
+        time.sleep(0.02)
+        records = worker.records(since)
     phases: dict[str, float] = {}
-    for rec in worker.records(since):
+    for rec in records:
         if rec.get("fn") == "execute_job":
             phases["execute_job_s"] = phases.get("execute_job_s", 0.0) + rec["s"]
             phases["execute_job"] = phases.get("execute_job", 0) + 1
