@@ -1,4 +1,4 @@
-"""The finalizer thread: jobs end through RQ in order, a failing end fails the job, drain waits."""
+"""The finalizer thread: jobs end through RQ in order, a failing end fails the job, close waits."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from worker.finalizer import Finalizer
 REDIS_DB = 9
 
 
-def test_jobs_end_in_order_off_the_calling_thread_and_drain_waits(redis_conn: redis.Redis) -> None:
+def test_jobs_end_in_order_off_the_calling_thread_and_close_waits(redis_conn: redis.Redis) -> None:
     queue = Queue("finalizer", connection=redis_conn)
     jobs = [Job.create(func=print, connection=redis_conn) for _ in range(20)]
     ended: list[tuple[str, Any, str]] = []
@@ -29,10 +29,9 @@ def test_jobs_end_in_order_off_the_calling_thread_and_drain_waits(redis_conn: re
         finalizer.submit(job, queue, None, {"n": i})
     assert ended == []  # submitting never waits for RQ
     gate.set()
-    finalizer.drain()
+    finalizer.close()
     assert [(job_id, value) for job_id, value, _ in ended] == [(j.id, {"n": i}) for i, j in enumerate(jobs)]
     assert {thread for _, _, thread in ended} == {"mlxq-finalizer"}
-    finalizer.close()
 
 
 def test_a_job_whose_end_fails_is_failed_with_the_reason_and_the_rest_go_on(redis_conn: redis.Redis) -> None:

@@ -6,8 +6,8 @@ per step (`stream_writer.finish_streams`): that is what readers wait on. RQ's ow
 4 ms on the 2-core CI box: with a backlog of jobs one ends every step or two, and the decode loop
 would wait on them (CPU, 128 jobs through 32 rows: 796-800 tok/s inline, 880-964 here). The thread
 runs RQ's own `_finalize_success` for each job in turn (its `_finalize_failure` if that raises), so
-RQ's status of a job follows its result key by a few milliseconds, as documented. `drain()` waits
-until every job handed over has ended; a batch drains before it returns to RQ's loop, so RQ never
+RQ's status of a job follows its result key by a few milliseconds, as documented. `close()` waits
+until every job handed over has ended; a batch closes it before it returns to RQ's loop, so RQ never
 sees a job of a finished batch still running. No job here has an RQ callback to run (RQ runs them
 under a signal-based timeout, which only the main thread can set): the allowlist refuses jobs that
 name one.
@@ -46,12 +46,9 @@ class Finalizer:
             self._thread.start()
         self._jobs.put((job, rq_queue, execution, return_value))
 
-    def drain(self) -> None:
-        """Wait until every job handed over has ended (finished, or failed with the reason)."""
-        self._jobs.join()
-
     def close(self) -> None:
-        """Drain, then stop the thread."""
+        """Wait until every job handed over has ended (finished, or failed with the reason), then stop
+        the thread."""
         if self._thread is not None:
             self._jobs.put(None)
             self._thread.join()
@@ -62,7 +59,7 @@ class Finalizer:
             job, rq_queue, execution, return_value = item
             try:
                 self._success(job, rq_queue, execution, return_value)
-            except BaseException:  # whatever it is, the thread must live on: `drain` waits for it
+            except BaseException:  # whatever it is, the thread must live on: `close` waits for it
                 try:
                     self._failure(job, rq_queue, execution, sys.exc_info())
                 except BaseException:  # Redis gone for good: RQ's abandoned-job handling takes the job

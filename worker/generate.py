@@ -219,6 +219,11 @@ class DecodeBatch:
         """Rows of the buffers that hold no live row: padding, and rows whose request left."""
         return self.cache[0].batch - len(self)
 
+    def _idle_rows(self) -> list[int]:
+        """Those rows, in buffer order."""
+        taken = set(self.slots)
+        return [r for r in range(self.cache[0].batch) if r not in taken]
+
     def add(self, caches: list[list[Any]], logits: mx.array, samplers: list[Sampler]) -> None:
         """New last rows: their prefilled batch-1 caches, the (k, V) logits their first tokens are sampled
         from, and their samplers. They go into idle buffer rows where those suffice (no copy of the
@@ -293,8 +298,7 @@ class DecodeBatch:
         """Put joining rows into idle buffer rows (padding, or rows that left) when there are enough
         and none is longer than the batch's rows: each layer writes the newcomers' columns, and the
         buffers are not copied. False when they must be added by copying the buffers."""
-        taken = set(self.slots)
-        idle = [r for r in range(self.cache[0].batch) if r not in taken]
+        idle = self._idle_rows()
         if len(idle) < len(caches):
             return False
         targets = idle[: len(caches)]
@@ -322,8 +326,7 @@ class DecodeBatch:
         live, rows = len(self), self.cache[0].batch
         want = padded_size(live, smallest=1) if self.pad_shapes and live else live
         if rows > want:
-            taken = set(self.slots)
-            self._compact([r for r in range(rows) if r not in taken][: want - live])
+            self._compact(self._idle_rows()[: want - live])
         elif rows < want:
             for layer in self.cache:
                 layer.add_padding(want - rows)
