@@ -25,6 +25,8 @@ run; `--no-alone` skips the one-at-a-time worker, which dominates such runs. "ag
 tokens over enqueue (or call) → last job done, prefill included; "decode tok/s" is the tokens that
 arrived after every job had its first token, over that window (the steady batched decode). Each worker
 first runs every size once with 4 tokens (new shapes compile once per process), then the measured runs.
+All paths keep the same MLX buffer cache (`--mlx-cache-limit`, the worker's setting; the in-process paths
+set it too, so the comparison is like for like).
 The batched worker's phase timers (`bench/worker_proc.py`: batch steps, prefill, forward, stream
 flushes, the per-step `flush_streams` pipeline and its XADD count, claims, retire) split its wall
 time. `--out` writes `LABEL.json` and `LABEL.md`.
@@ -358,6 +360,9 @@ def render_phases(runs: list[Run]) -> str:
         "decode_add",
         "decode_step",
         "forward",
+        "graph",
+        "launch",
+        "gc",
         "stream_flush",
         "stream_write",
         "stream_entries",
@@ -428,8 +433,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--no-alone", action="store_true", help="skip the one-at-a-time worker (no `x alone`, no `same ids`)"
     )
+    p.add_argument(
+        "--mlx-cache-limit",
+        type=int,
+        help="bytes of freed MLX buffers kept for reuse, in the workers (MLXQ_MLX_CACHE_LIMIT_BYTES) and in "
+        "this process alike [the worker's default]",
+    )
     p.add_argument("--cache-dir", default=str(Path.home() / ".cache" / "mlxq" / "bench-models"))
     args = p.parse_args(argv)
+    if args.mlx_cache_limit is None:
+        from worker.settings import WorkerSettings
+
+        args.mlx_cache_limit = WorkerSettings.model_fields["mlx_cache_limit_bytes"].default
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # `timeout`: stop the workers on the way out
     if args.redis_url == "private":
         with private_redis() as url:
@@ -458,7 +473,10 @@ def run(args: argparse.Namespace) -> int:
             args.redis_url,
             workdir,
             f"gen{max_batch}",
-            env={"MLXQ_MAX_BATCH_SEQUENCES": str(max_batch)},
+            env={
+                "MLXQ_MAX_BATCH_SEQUENCES": str(max_batch),
+                "MLXQ_MLX_CACHE_LIMIT_BYTES": str(args.mlx_cache_limit),
+            },
         )
         try:
             worker.start().wait_ready(600)
@@ -484,7 +502,7 @@ def run(args: argparse.Namespace) -> int:
     runs.sort(key=lambda r: (r.jobs, order.get(r.mode, 1)))
     text = (
         f"model={args.model} max_tokens={args.max_tokens}{' (staggered)' if args.staggered else ''} "
-        f"prompt_words={args.prompt_words} batch={batch} "
+        f"prompt_words={args.prompt_words} batch={batch} mlx_cache_limit={args.mlx_cache_limit:,} "
         "(latency and TTFT from enqueue, or from the call in this process)\n\n"
         + render(runs)
         + "\n\nBatched worker, phase timers (seconds, calls):\n\n"
@@ -509,6 +527,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _inproc(model: str, sizes: list[int], batch: int, args: argparse.Namespace) -> list[Run]:
     """The engine's GenerationBatch and mlx-lm's BatchGenerator in this process, warmed up the same way."""
+    import mlx.core as mx
     from mlx.utils import tree_flatten
 
     from jobs.schema import GenerateRequest
@@ -516,6 +535,7 @@ def _inproc(model: str, sizes: list[int], batch: int, args: argparse.Namespace) 
 
     from .baseline import MlxLm
 
+    mx.set_cache_limit(args.mlx_cache_limit)  # as the workers do (`WorkerService.start`)
     engine = Engine.load(model)
     dtype = next(v.dtype for _, v in tree_flatten(engine.model.parameters()))
     try:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import functools
+import gc
 import json
 import os
 import pstats
@@ -71,7 +72,9 @@ def _count_scorer_parts() -> None:
 # `claim` holds `admit` (one call per round of claimed jobs, streams opened together). `retire` is the
 # jobs a step ended: their done events in one transaction, then RQ's end of each. `stream_write` is
 # `flush_streams`, called by the batch loop after each step (outside `batch_step`): all jobs' due tokens
-# in one pipeline; `stream_entries` counts the XADDs it sent (writers whose buffer it took).
+# in one pipeline; `stream_entries` counts the XADDs it sent (writers whose buffer it took). `graph` (the
+# model's and the sampler's calls: building graphs, prefill's too) and `launch` (`async_eval` in
+# `worker.generate`) are inside `forward` and `prefill`; `gc` is the garbage collector's time.
 _BATCH_PARTS = {
     "batch_step": (GenerationBatch, "step"),
     "prefill": (GenerationBatch, "_prefill"),
@@ -115,6 +118,59 @@ def _time_batch_parts() -> None:
     batch_loop_module.flush_streams = timed_flush  # type: ignore[assignment]
 
 
+class _TimedMx:
+    """`mlx.core` as `worker.generate` sees it, with `async_eval` timed: inside `forward`, the host's
+    launch of a decode step (`launch`), apart from its graph building (`graph`, the model's and the
+    sampler's calls) and the wait for the step before it (the rest)."""
+
+    def __init__(self, module: Any) -> None:
+        self._module = module
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._module, name)
+
+    def async_eval(self, *args: Any) -> None:
+        t0 = time.perf_counter()
+        try:
+            self._module.async_eval(*args)
+        finally:
+            _batch["launch_s"] = _batch.get("launch_s", 0.0) + time.perf_counter() - t0
+            _batch["launch"] = _batch.get("launch", 0) + 1
+
+
+def _time_gc() -> None:
+    """Seconds the garbage collector ran (all generations) while a generation batch ran (`gc`)."""
+    started: list[float] = []
+
+    def callback(phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            started.append(time.perf_counter())
+        elif started:
+            _batch["gc_s"] = _batch.get("gc_s", 0.0) + time.perf_counter() - started.pop()
+            _batch["gc"] = _batch.get("gc", 0) + 1
+
+    gc.callbacks.append(callback)
+
+
+def _time_decode_anatomy(model: Any) -> None:
+    """Split `DecodeBatch.step` (and a batched prefill's graph) into graph building and launch."""
+    import worker.generate as generate_module
+
+    for owner, attr in ((type(model), "__call__"), (generate_module, "sample_rows")):
+        original = getattr(owner, attr)
+
+        def timed(*args: Any, _fn: Any = original, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return _fn(*args, **kwargs)
+            finally:
+                _batch["graph_s"] = _batch.get("graph_s", 0.0) + time.perf_counter() - t0
+                _batch["graph"] = _batch.get("graph", 0) + 1
+
+        setattr(owner, attr, timed)
+    generate_module.mx = _TimedMx(mx)  # type: ignore[assignment]
+
+
 def _timed(recorder: Recorder, name: str, fn: Callable[..., Any], *, memory: bool) -> Callable[..., Any]:
     """`fn` wrapped: wall time (and, for engine calls, MLX peak memory) of each call is recorded."""
 
@@ -150,6 +206,8 @@ def instrument(service: WorkerService, recorder: Recorder) -> None:
         setattr(engine, name, _timed(recorder, name, getattr(engine, name), memory=True))
     _count_scorer_parts()
     _time_batch_parts()
+    _time_decode_anatomy(engine.model)
+    _time_gc()
     executor.finish_score = _timed(recorder, "finish_score", executor.finish_score, memory=False)  # type: ignore[method-assign]
     # A score batch ends its jobs with one `finish_scores` call: timed under the same name.
     executor.finish_scores = _timed(recorder, "finish_score", executor.finish_scores, memory=False)  # type: ignore[method-assign]
