@@ -15,7 +15,8 @@ For each size N the same N jobs run
 - in this process: mlx-lm's `BatchGenerator` (continuous batching, mlx-lm 0.32.2) on the same prompt
   ids, `completion_batch_size=N`, its default `prefill_batch_size` (8), greedy with the same EOS mask.
 
-Jobs are greedy with EOS masked (`logit_bias`), so each writes exactly `--max-tokens` tokens (with
+Jobs are greedy (or sampled: `--temperature`, `--top-p`, job i seeded with i; mlx-lm then samples with
+its own `make_sampler`) with EOS masked (`logit_bias`), so each writes exactly `--max-tokens` tokens (with
 `--staggered`, job i writes `staggered_max_tokens(i)`: 1/4 .. 1 of it, so rows leave at different steps,
 as real jobs do; mlx-lm gets the same lengths); the paths'
 token ids are compared with the one-at-a-time run's (rows identical / N). A size larger than `--batch`
@@ -109,19 +110,28 @@ def staggered_max_tokens(i: int, max_tokens: int) -> int:
 
 
 def _payloads(
-    n: int, max_tokens: int, prompt_words: int, tag: str, staggered: bool = False
+    n: int,
+    max_tokens: int,
+    prompt_words: int,
+    tag: str,
+    staggered: bool = False,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
 ) -> list[dict[str, Any]]:
-    """Distinct prompts (they differ from the first token: no shared prefix), greedy, EOS masked; with
-    `staggered`, lengths spread by `staggered_max_tokens`."""
+    """Distinct prompts (they differ from the first token: no shared prefix), EOS masked, greedy or with
+    `temperature` (and `top_p`), job i seeded with i; with `staggered`, lengths spread by
+    `staggered_max_tokens`."""
     out = []
     for i in range(n):
         words = [WORDS[(i * 7 + k) % len(WORDS)] for k in range(prompt_words)]
+        sampling = {"temperature": temperature, "top_p": top_p, "seed": i} if temperature > 0 else {}
         out.append(
             {
                 "prompt": f"{tag}{i}: " + " ".join(words),
                 "max_tokens": staggered_max_tokens(i, max_tokens) if staggered else max_tokens,
                 "temperature": 0,
                 "logit_bias": dict(EOS_MASK),
+                **sampling,
             }
         )
     return out
@@ -267,19 +277,27 @@ def run_engine_batch(engine: Any, payloads: list[dict[str, Any]], max_batch: int
 
 
 def run_mlx_lm_batch(
-    model: Any, prompts: list[list[int]], max_tokens: list[int], max_batch: int | None = None
+    model: Any,
+    prompts: list[list[int]],
+    max_tokens: list[int],
+    max_batch: int | None = None,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
 ) -> Run:
-    """mlx-lm's `BatchGenerator` on the same prompt ids and lengths: greedy, EOS masked by the same bias,
-    no stop; at most `max_batch` sequences at once (its own queue holds the rest)."""
+    """mlx-lm's `BatchGenerator` on the same prompt ids and lengths: greedy (or its own sampler with
+    `temperature` and `top_p`, one draw for all rows), EOS masked by the same bias, no stop; at most
+    `max_batch` sequences at once (its own queue holds the rest)."""
     import mlx.core as mx
     from mlx_lm.generate import BatchGenerator, generation_stream
+    from mlx_lm.sample_utils import make_sampler
 
     vocab = model.args.vocab_size
     bias = mx.zeros((vocab,), dtype=mx.float32)
     bias[mx.array([int(k) for k in EOS_MASK])] = -100.0
+    draw = make_sampler(temp=temperature, top_p=top_p)
 
     def sampler(logprobs: mx.array) -> mx.array:  # one batched call for all rows
-        return mx.argmax(logprobs + bias, axis=-1)
+        return draw(logprobs + bias)
 
     mx.synchronize()
     t0 = time.perf_counter()
@@ -425,6 +443,10 @@ def main(argv: list[str] | None = None) -> int:
         "--staggered", action="store_true", help="jobs' max tokens spread over 1/4..1 of --max-tokens"
     )
     p.add_argument("--prompt-words", type=int, default=24)
+    p.add_argument(
+        "--temperature", type=float, default=0.0, help="sampled jobs (job i seeded with i); 0: greedy [0]"
+    )
+    p.add_argument("--top-p", type=float, default=1.0, help="with --temperature [1.0]")
     p.add_argument("--redis-url", default="redis://127.0.0.1:6379/7", help="URL, or `private`")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds per run")
     p.add_argument("--out", help="folder for LABEL.json and LABEL.md (not written without it)")
@@ -482,10 +504,13 @@ def run(args: argparse.Namespace) -> int:
             worker.start().wait_ready(600)
             t_warm = time.perf_counter()
             for n in sizes:  # every batch and prompt shape once, so the measured runs compile nothing new
-                run_jobs(worker, _payloads(n, 4, args.prompt_words, f"warm{n}-"), mode, args.timeout)
+                warm = _payloads(n, 4, args.prompt_words, f"warm{n}-", **_sampling(args))
+                run_jobs(worker, warm, mode, args.timeout)
             print(f"{mode}: warm-up {time.perf_counter() - t_warm:.1f}s", file=sys.stderr, flush=True)
             for n in sizes:
-                payloads = _payloads(n, args.max_tokens, args.prompt_words, f"size{n}-", args.staggered)
+                payloads = _payloads(
+                    n, args.max_tokens, args.prompt_words, f"size{n}-", args.staggered, **_sampling(args)
+                )
                 runs.append(run_jobs(worker, payloads, mode, args.timeout))
                 print(f"{mode} jobs={n}: {runs[-1].tokens_per_s:,.0f} tok/s", file=sys.stderr, flush=True)
         finally:
@@ -503,6 +528,7 @@ def run(args: argparse.Namespace) -> int:
     text = (
         f"model={args.model} max_tokens={args.max_tokens}{' (staggered)' if args.staggered else ''} "
         f"prompt_words={args.prompt_words} batch={batch} mlx_cache_limit={args.mlx_cache_limit:,} "
+        f"temperature={args.temperature} top_p={args.top_p} "
         "(latency and TTFT from enqueue, or from the call in this process)\n\n"
         + render(runs)
         + "\n\nBatched worker, phase timers (seconds, calls):\n\n"
@@ -525,6 +551,10 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _sampling(args: argparse.Namespace) -> dict[str, float]:
+    return {"temperature": args.temperature, "top_p": args.top_p}
+
+
 def _inproc(model: str, sizes: list[int], batch: int, args: argparse.Namespace) -> list[Run]:
     """The engine's GenerationBatch and mlx-lm's BatchGenerator in this process, warmed up the same way."""
     import mlx.core as mx
@@ -545,18 +575,21 @@ def _inproc(model: str, sizes: list[int], batch: int, args: argparse.Namespace) 
         mlxlm = None
     runs: list[Run] = []
     for n in sizes:  # warm-up, as for the workers
-        warm = _payloads(n, 4, args.prompt_words, f"warm{n}-")
+        warm = _payloads(n, 4, args.prompt_words, f"warm{n}-", **_sampling(args))
         run_engine_batch(engine, warm, min(n, batch))
         if mlxlm is not None:
             prompts = [engine.prompt_tokens(GenerateRequest(**p)) for p in warm]
-            run_mlx_lm_batch(mlxlm.model, prompts, [4] * len(warm), batch)
+            run_mlx_lm_batch(mlxlm.model, prompts, [4] * len(warm), batch, **_sampling(args))
     for n in sizes:
-        payloads = _payloads(n, args.max_tokens, args.prompt_words, f"size{n}-", args.staggered)
+        payloads = _payloads(
+            n, args.max_tokens, args.prompt_words, f"size{n}-", args.staggered, **_sampling(args)
+        )
         runs.append(run_engine_batch(engine, payloads, min(n, batch)))
         print(f"engine jobs={n}: {runs[-1].tokens_per_s:,.0f} tok/s", file=sys.stderr, flush=True)
         if mlxlm is not None:
             prompts = [engine.prompt_tokens(GenerateRequest(**p)) for p in payloads]
-            runs.append(run_mlx_lm_batch(mlxlm.model, prompts, [p["max_tokens"] for p in payloads], batch))
+            lengths = [p["max_tokens"] for p in payloads]
+            runs.append(run_mlx_lm_batch(mlxlm.model, prompts, lengths, batch, **_sampling(args)))
             print(f"mlx-lm jobs={n}: {runs[-1].tokens_per_s:,.0f} tok/s", file=sys.stderr, flush=True)
     return runs
 
