@@ -119,13 +119,12 @@ def main(argv: list[str] | None = None) -> int:
             runs.append([step() for _ in range(32)])
         same = sum(all(a[r] == k[r] for a, k in zip(*runs, strict=True)) for r in range(b))
         print(f"ragged-attention kernel vs masked attention: {same}/{b} rows give the same 32 greedy tokens")
-    from worker.sampler import sample_rows
-
     t0 = time.perf_counter()
     for _ in range(steps):
         mask = batch.cache[0].mask()
         logits = batch.model(batch._pending[:, None], cache=batch.cache, mask=mask)[:, -1, :]
-        sample_rows(logits, batch.samplers, batch._bias)
+        assert batch.rows is not None
+        batch.rows.sample(logits)
         for layer in batch.cache:  # undo the column the unevaluated graph appended
             layer.end -= 1
     out.append(("graph building only (ragged, bias), no eval", (time.perf_counter() - t0) / steps * 1000))

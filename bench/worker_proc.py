@@ -155,8 +155,9 @@ def _time_gc() -> None:
 def _time_decode_anatomy(model: Any) -> None:
     """Split `DecodeBatch.step` (and a batched prefill's graph) into graph building and launch."""
     import worker.generate as generate_module
+    from worker.sampler import SamplerRows
 
-    for owner, attr in ((type(model), "__call__"), (generate_module, "sample_rows")):
+    for owner, attr in ((type(model), "__call__"), (SamplerRows, "sample")):
         original = getattr(owner, attr)
 
         def timed(*args: Any, _fn: Any = original, **kwargs: Any) -> Any:

@@ -10,6 +10,7 @@ import pytest
 
 from worker.sampler import (
     Sampler,
+    SamplerRows,
     apply_logit_bias,
     apply_min_p,
     apply_presence_frequency_penalty,
@@ -17,6 +18,9 @@ from worker.sampler import (
     apply_temperature,
     apply_top_k,
     apply_top_p,
+    min_p_rows,
+    top_k_rows,
+    top_p_rows,
 )
 
 V = 64
@@ -103,6 +107,21 @@ def test_filters_keep_the_top_token() -> None:
     for out in (apply_top_k(x, 1), apply_top_p(x, 1e-9), apply_min_p(x, 1.0)):
         assert np.array_equal(np.argmax(np.array(out), axis=-1), top)
         assert (np.isfinite(np.array(out)).sum(axis=-1) == 1).all()
+
+
+def test_row_wise_filters_apply_each_rows_own_setting() -> None:
+    x = _logits(13, rows=4)
+    ks, ps, ms = [1, 0, 5, V - 1], [0.5, 2.0, 0.9, 1e-6], [0.1, 0.0, 0.5, 1.0]  # 0 / 2.0 / 0.0: off
+    kth = mx.array([[V - k if k else 0] for k in ks], dtype=mx.int32)
+    log_min_p = mx.array([[math.log(m) if m else -math.inf] for m in ms], dtype=mx.float32)
+    got_k = top_k_rows(mx.array(x), kth)
+    got_p = top_p_rows(mx.array(x), mx.array([[p] for p in ps], dtype=mx.float32))
+    got_m = min_p_rows(mx.array(x), log_min_p)
+    for i in range(4):
+        row = x[i : i + 1]
+        _close(got_k[i : i + 1], _ref_top_k(row, ks[i]) if ks[i] else row)
+        _close(got_p[i : i + 1], _ref_top_p(row, ps[i]) if ps[i] <= 1 else row)
+        _close(got_m[i : i + 1], _ref_min_p(row, ms[i]) if ms[i] else row)
 
 
 @pytest.mark.parametrize("penalty", [0.5, 1.0, 1.3])
@@ -224,6 +243,50 @@ def test_repetition_penalty_steers_greedy_away() -> None:
     assert _draw(Sampler(4, temperature=0.0, repetition_penalty=2.0), x, 3) == [0, 1, 2]
     assert _draw(Sampler(4, temperature=0.0, frequency_penalty=0.15), x, 4) == [0, 1, 0, 1]
     assert _draw(Sampler(4, temperature=0.0, logit_bias={3: 10.0}), x, 1) == [3]
+
+
+_ROW_SETTINGS: list[dict[str, object]] = [
+    {"temperature": 0.0},
+    {"temperature": 0.0, "logit_bias": {3: 4.0}},
+    {"temperature": 0.8, "seed": 1},
+    {"temperature": 1.3, "top_k": 5, "seed": 2},
+    {"temperature": 0.7, "top_p": 0.9, "seed": 3},
+    {"temperature": 1.0, "min_p": 0.05, "logit_bias": {7: -3.0}, "seed": 4},
+    {"temperature": 1.1, "top_k": 20, "top_p": 0.8, "min_p": 0.02, "seed": 5},
+    {"temperature": 0.9, "repetition_penalty": 1.4, "frequency_penalty": 0.3, "seed": 6},
+    {"temperature": 0.0, "presence_penalty": 0.8},
+]
+
+
+def _step_logits(step: int, rows: int) -> np.ndarray:
+    return _logits(100 + step, rows=rows, scale=1.5)
+
+
+def test_sampler_rows_pick_what_each_sampler_picks_alone() -> None:
+    """Every setting in one batch, rows leaving and joining on the way: each row's tokens are the ones
+    its sampler draws alone from the same logits (same seed, same key splits, same penalties)."""
+    n = len(_ROW_SETTINGS)
+    alone = [Sampler(V, prompt=[1, 2], **kw) for kw in _ROW_SETTINGS]  # type: ignore[arg-type]
+    batched = [Sampler(V, prompt=[1, 2], **kw) for kw in _ROW_SETTINGS]  # type: ignore[arg-type]
+    rows = SamplerRows(batched[:6], V)
+    live = list(range(6))  # which setting each row holds
+    want: dict[int, list[int]] = {i: [] for i in range(n)}
+    got: dict[int, list[int]] = {i: [] for i in range(n)}
+    for step in range(12):
+        x = _step_logits(step, n)
+        tokens = rows.sample(mx.array(x[live])).tolist()
+        for row, i in enumerate(live):
+            got[i].append(tokens[row])
+            token = alone[i](mx.array(x[i : i + 1]))
+            alone[i].observe(token)
+            want[i].append(int(token.item()))
+        if step == 3:  # rows 1 and 4 leave, the last three settings join
+            live = [0, 2, 3, 5]
+            rows.select([0, 2, 3, 5])
+            rows.extend(SamplerRows(batched[6:], V))
+            live += [6, 7, 8]
+    assert got == want
+    assert len(set(got[2])) > 3  # really sampling
 
 
 def test_half_precision_logits_are_processed_in_float32() -> None:

@@ -15,7 +15,7 @@ import mlx.core as mx
 from . import ragged_attention
 from .batch_cache import BatchKVCache, PrefillRowsCache, prefill_mask
 from .kv_cache import KVCache
-from .sampler import Sampler, sample_rows, stack_bias
+from .sampler import Sampler, SamplerRows
 
 # Release MLX's buffer cache at intervals, not every token: freeing is cheap, reallocating is not.
 _CLEAR_CACHE_EVERY = 256
@@ -204,15 +204,18 @@ class DecodeBatch:
         self.pad_shapes = pad_shapes
         self.ragged_kernel = ragged_attention.available() if ragged_kernel is None else ragged_kernel
         self.cache = [BatchKVCache() for _ in model.layers]
-        self.samplers: list[Sampler] = []
-        self._bias: mx.array | None = None  # (B, vocab): the rows' logit biases, see `sample_rows`
+        self.rows: SamplerRows | None = None  # the live rows' samplers, in row order
         self._pending: mx.array | None = None  # (B,) each row's sampled token, not fed to the model yet
         self.slots: list[int] = []  # each live row's row of the buffers, in row order
         self._slot_index: mx.array | None = None  # `slots` as an array; None while slots are 0..B-1
         self._steps = 0
 
     def __len__(self) -> int:
-        return len(self.samplers)
+        return len(self.rows) if self.rows is not None else 0
+
+    @property
+    def samplers(self) -> list[Sampler]:
+        return self.rows.samplers if self.rows is not None else []
 
     @property
     def _idle(self) -> int:
@@ -230,17 +233,19 @@ class DecodeBatch:
         buffers), else the buffers are copied once for all of them."""
         if not caches:
             return
-        vocab = logits.shape[-1]
-        tokens = sample_rows(logits, samplers, stack_bias(samplers, vocab))
+        joining = SamplerRows(samplers, logits.shape[-1])
+        tokens = joining.sample(logits)
         if not self._join_in_place(caches):
             if self._idle or self._slot_index is not None:  # live rows first, in row order
                 self._compact([])
             for n, layer in enumerate(self.cache):
                 layer.add([cache[n] for cache in caches])
-            self._set_slots(list(range(len(self.samplers) + len(samplers))))
+            self._set_slots(list(range(len(self) + len(samplers))))
         self._pending = tokens if self._pending is None else mx.concatenate([self._pending, tokens])
-        self.samplers.extend(samplers)
-        self._bias = stack_bias(self.samplers, vocab)
+        if self.rows is None:
+            self.rows = joining
+        else:
+            self.rows.extend(joining)
         self._pad()
         mx.async_eval(self._pending)
 
@@ -257,7 +262,8 @@ class DecodeBatch:
             fed = mx.concatenate([fed, mx.zeros((self._idle,), dtype=fed.dtype)])
         logits = self.model(fed[:, None], cache=self.cache, mask=mask)[:, -1, :]
         logits = logits[: len(self)] if self._slot_index is None else logits[self._slot_index]
-        next_tokens = sample_rows(logits, self.samplers, self._bias)
+        assert self.rows is not None
+        next_tokens = self.rows.sample(logits)
         mx.async_eval(next_tokens)
         tokens = [int(t) for t in self._pending.tolist()]
         self._pending = next_tokens
@@ -283,13 +289,12 @@ class DecodeBatch:
         caches = [[layer.row(self.slots[i]) for layer in self.cache] for i in rows]
         gone = set(rows)
         keep = [i for i in range(len(self)) if i not in gone]
-        self.samplers = [self.samplers[i] for i in keep]
+        if self.rows is not None:
+            self.rows.select(keep)
         if not keep or self._pending is None:
-            self._pending = self._bias = None
+            self._pending = None
         else:
-            index = mx.array(keep, dtype=mx.int32)
-            self._pending = self._pending[index]
-            self._bias = None if self._bias is None else self._bias[index]
+            self._pending = self._pending[mx.array(keep, dtype=mx.int32)]
         self._set_slots([self.slots[i] for i in keep])
         self._pad()
         return caches
