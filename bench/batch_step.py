@@ -8,7 +8,10 @@ Per-step milliseconds, B rows at about `--context` tokens, each path warmed up f
 - `DecodeBatch`, rows of equal length (no mask), greedy samplers;
 - `DecodeBatch`, ragged rows (left padding: the boolean mask), greedy samplers;
 - the same with a logit bias on every row (the benchmarks' EOS mask);
-and for the last one, the Python time to build a step's graph (no evaluation).
+and for the last one, the Python time to build a step's graph (no evaluation); then one `DecodeBatch` step
+split between device syncs: graph building, the launch (`async_eval` with the device idle: host work
+alone), what the device still runs after the launch, and reading the tokens back (host-bound when the
+launch dominates; `MLX_MAX_OPS_PER_BUFFER` large makes "device after launch" the whole device time).
 Then `prefill_rows` for (rows, width) shapes seen for the first time and again.
 """
 
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import random
+import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -73,6 +77,54 @@ def _decode_batch(
     return batch.step, batch
 
 
+_PARTS = ("graph", "launch", "device", "read")
+
+
+class _SyncedMx:
+    """`mlx.core` as `worker.generate` sees it, with `async_eval` run between device syncs and timed:
+    what the host spends launching a step, and what the device still has to do once it is launched."""
+
+    def __init__(self, parts: dict[str, list[float]]) -> None:
+        self._parts = parts
+        self.mark = 0.0  # when the step began (set by the caller)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(mx, name)
+
+    def async_eval(self, *args: Any) -> None:
+        t0 = time.perf_counter()
+        mx.synchronize()  # the step before, if still running, is not this step's launch
+        t1 = time.perf_counter()
+        mx.async_eval(*args)
+        t2 = time.perf_counter()
+        mx.synchronize()
+        t3 = time.perf_counter()
+        self._parts["graph"].append((t0 - self.mark) * 1000)
+        self._parts["launch"].append((t2 - t1) * 1000)
+        self._parts["device"].append((t3 - t2) * 1000)
+        self.mark = t3  # what follows is reading the tokens back
+
+
+def _anatomy(engine: Any, rows: int, context: int, steps: int) -> dict[str, list[float]]:
+    """A `DecodeBatch` step split into graph building, launch and device time (see `_SyncedMx`)."""
+    import worker.generate as generate_module
+
+    step, _ = _decode_batch(engine, rows, context, True, True, None)
+    for _ in range(4):
+        step()
+    parts: dict[str, list[float]] = {k: [] for k in _PARTS}
+    synced = _SyncedMx(parts)
+    generate_module.mx = synced  # type: ignore[assignment]
+    try:
+        for _ in range(steps):
+            synced.mark = time.perf_counter()
+            step()
+            parts["read"].append((time.perf_counter() - synced.mark) * 1000)
+    finally:
+        generate_module.mx = mx
+    return parts
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.batch_step")
     ap.add_argument("--model", default="tiny")
@@ -119,6 +171,7 @@ def main(argv: list[str] | None = None) -> int:
             runs.append([step() for _ in range(32)])
         same = sum(all(a[r] == k[r] for a, k in zip(*runs, strict=True)) for r in range(b))
         print(f"ragged-attention kernel vs masked attention: {same}/{b} rows give the same 32 greedy tokens")
+    anatomy = _anatomy(engine, b, n, steps)
     t0 = time.perf_counter()
     for _ in range(steps):
         mask = batch.cache[0].mask()
@@ -132,6 +185,12 @@ def main(argv: list[str] | None = None) -> int:
     print("| path | ms/step | tok/s |\n| --- | --- | --- |")
     for name, ms in out:
         print(f"| {name} | {ms:.2f} | {b / ms * 1000:,.0f} |")
+    print(
+        "\nDecodeBatch step (ragged rows, logit bias, default attention), each part between device syncs, "
+        "median ms:\n\n| graph building | launch (async_eval, device idle) | device after launch | "
+        "read back |\n| --- | --- | --- | --- |"
+    )
+    print("| " + " | ".join(f"{statistics.median(anatomy[k]):.2f}" for k in _PARTS) + " |")
     from worker.generate import prefill_rows
 
     print("\n| prefill_rows (rows x width) | padded | first ms | again ms |\n| --- | --- | --- | --- |")
