@@ -44,11 +44,24 @@ CASES: dict[str, tuple[str, dict[str, Any], str]] = {
 
 @pytest.fixture(scope="module", params=sorted(CASES))
 def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any, Any]:
-    """(checkpoint folder, our model, transformers' model) for one case."""
+    """(checkpoint folder, our model as the engine runs it (projections fused), transformers' model)."""
     arch, overrides, style = CASES[request.param]
     folder = make_hf_checkpoint(tmp_path_factory.mktemp(request.param), arch, config_style=style, **overrides)
     model, _ = load_model(folder, dtype="float32")
+    model.fuse()
     return folder, model, load_hf_model(folder)
+
+
+def test_fused_projections_compute_what_the_checkpoint_layout_does(pair: tuple[Path, Any, Any]) -> None:
+    folder, fused, _ = pair
+    plain, _ = load_model(folder, dtype="float32")
+    attn = fused.layers[0].self_attn
+    assert attn.qkv_proj is not None and "q_proj" not in attn and "q_proj" in plain.layers[0].self_attn
+    ids = mx.array([prompt_ids(folder)], dtype=mx.int32)
+    np.testing.assert_allclose(np.array(fused(ids)), np.array(plain(ids)), rtol=1e-5, atol=1e-5)
+    last = ids.shape[1] - 3  # a prefill's last position only: q sliced after the fused matmul
+    got, want = (m.hidden(ids, cache=m.make_cache(), last=last) for m in (fused, plain))
+    np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-5, atol=1e-5)
 
 
 def test_every_architecture_has_a_case() -> None:

@@ -84,6 +84,7 @@ class Engine:
         path = resolve_model_path(model)
         t0 = time.perf_counter()
         net, config = load_model(path, dtype=options.dtype)
+        net.fuse()  # fewer matmuls per layer (see `models.llama._fuse_linears`)
         tokenizer = Tokenizer.from_dir(path)
         log.info(
             "model loaded path=%s arch=%s device=%s seconds=%.2f",

@@ -104,6 +104,11 @@ class Attention(nn.Module):
             self.k_norm = nn.RMSNorm(self.head_dim, eps=args.rms_norm_eps)
         self.qk_norm = args.qk_norm
         self.rope = make_rope(self.head_dim, args.rope_theta, args.rope_scaling)
+        self.qkv_proj: nn.Linear | None = None  # set by `fuse`, in place of q_proj, k_proj and v_proj
+
+    def fuse(self) -> None:
+        """Compute q, k and v with one matmul (`_fuse_linears`), if their projections are plain."""
+        self.qkv_proj = _fuse_linears(self, ["q_proj", "k_proj", "v_proj"])
 
     def __call__(
         self,
@@ -118,9 +123,17 @@ class Attention(nn.Module):
         hides the ones past each query; see `kv_cache.key_columns`)."""
         b, n, _ = x.shape
         xq = x if last is None else x[:, last : last + 1]
-        q = self.q_proj(xq).reshape(b, xq.shape[1], self.n_heads, self.head_dim)
-        k = self.k_proj(x).reshape(b, n, self.n_kv_heads, self.head_dim)
-        v = self.v_proj(x).reshape(b, n, self.n_kv_heads, self.head_dim).transpose(0, 2, 1, 3)
+        if self.qkv_proj is not None:  # fused (`fuse`): one matmul, then views of its columns
+            nq, nkv = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+            qkv = self.qkv_proj(x)
+            q, k, v = qkv[..., :nq], qkv[..., nq : nq + nkv], qkv[..., nq + nkv :]
+            if last is not None:
+                q = q[:, last : last + 1]
+        else:
+            q, k, v = self.q_proj(xq), self.k_proj(x), self.v_proj(x)
+        q = q.reshape(b, xq.shape[1], self.n_heads, self.head_dim)
+        k = k.reshape(b, n, self.n_kv_heads, self.head_dim)
+        v = v.reshape(b, n, self.n_kv_heads, self.head_dim).transpose(0, 2, 1, 3)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3)
@@ -146,9 +159,42 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(h, inter, bias=bias)
         self.up_proj = nn.Linear(h, inter, bias=bias)
         self.down_proj = nn.Linear(inter, h, bias=bias)
+        self.gate_up_proj: nn.Linear | None = None  # set by `fuse`, in place of gate_proj and up_proj
+
+    def fuse(self) -> None:
+        """Compute gate and up with one matmul (`_fuse_linears`), if their projections are plain."""
+        self.gate_up_proj = _fuse_linears(self, ["gate_proj", "up_proj"])
 
     def __call__(self, x: mx.array) -> mx.array:
+        if self.gate_up_proj is not None:
+            gate_up = self.gate_up_proj(x)
+            half = gate_up.shape[-1] // 2
+            return self.down_proj(nn.silu(gate_up[..., :half]) * gate_up[..., half:])
         return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def _fuse_linears(module: nn.Module, names: list[str]) -> nn.Linear | None:
+    """One `nn.Linear` computing the named projections of `module` side by side (weights, and biases if
+    they have them, concatenated along the outputs), which it then drops; None, and nothing changed,
+    if any of them is not a plain `nn.Linear` (quantized) or only some have a bias.
+
+    A decode step on a GPU is bound by the host's launch of each op, a matmul's the dearest (~22 us each
+    on an H200, `bench/launch_probe.py`): fusing q/k/v and gate/up saves three of a layer's seven."""
+    parts = [getattr(module, name) for name in names]
+    if any(type(p) is not nn.Linear for p in parts):
+        return None
+    biased = ["bias" in p for p in parts]
+    if any(biased) and not all(biased):
+        return None
+    weight = mx.concatenate([p.weight for p in parts], axis=0)
+    fused = nn.Linear(weight.shape[1], weight.shape[0], bias=all(biased))
+    fused.weight = weight
+    if all(biased):
+        fused.bias = mx.concatenate([p.bias for p in parts])
+    mx.eval(fused.parameters())
+    for name in names:
+        delattr(module, name)
+    return fused
 
 
 class TransformerBlock(nn.Module):
@@ -301,6 +347,14 @@ class Model(nn.Module):
     @property
     def layers(self) -> list[TransformerBlock]:
         return self.model.layers
+
+    def fuse(self) -> None:
+        """Fuse each layer's q/k/v and gate/up projections (see `_fuse_linears`); the output is the same
+        up to the order of floating-point sums. The engine does it once the weights are in (a fused
+        model's parameters no longer have the checkpoint's names)."""
+        for layer in self.layers:
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
 
     def make_cache(self) -> list[KVCache]:
         """One empty `KVCache` per layer."""
