@@ -55,6 +55,7 @@ def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
 def test_fused_projections_compute_what_the_checkpoint_layout_does(pair: tuple[Path, Any, Any]) -> None:
     folder, fused, _ = pair
     plain, _ = load_model(folder, dtype="float32")
+    fused.fuse()  # a second time changes nothing
     attn = fused.layers[0].self_attn
     assert attn.qkv_proj is not None and "q_proj" not in attn and "q_proj" in plain.layers[0].self_attn
     ids = mx.array([prompt_ids(folder)], dtype=mx.int32)

@@ -108,7 +108,8 @@ class Attention(nn.Module):
 
     def fuse(self) -> None:
         """Compute q, k and v with one matmul (`_fuse_linears`), if their projections are plain."""
-        self.qkv_proj = _fuse_linears(self, ["q_proj", "k_proj", "v_proj"])
+        if self.qkv_proj is None:
+            self.qkv_proj = _fuse_linears(self, ["q_proj", "k_proj", "v_proj"])
 
     def __call__(
         self,
@@ -163,7 +164,8 @@ class MLP(nn.Module):
 
     def fuse(self) -> None:
         """Compute gate and up with one matmul (`_fuse_linears`), if their projections are plain."""
-        self.gate_up_proj = _fuse_linears(self, ["gate_proj", "up_proj"])
+        if self.gate_up_proj is None:
+            self.gate_up_proj = _fuse_linears(self, ["gate_proj", "up_proj"])
 
     def __call__(self, x: mx.array) -> mx.array:
         if self.gate_up_proj is not None:
