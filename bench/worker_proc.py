@@ -27,6 +27,7 @@ import worker.generation_jobs as batch_loop_module
 from worker.cli import configure_logging
 from worker.generate import DecodeBatch
 from worker.generation_batch import GenerationBatch
+from worker.prefix_cache import PrefixCache
 from worker.rq_worker import MlxqWorker
 from worker.scoring import PrefixScorer
 from worker.service import WorkerService
@@ -67,7 +68,9 @@ def _count_scorer_parts() -> None:
 # Inside a generation batch (`execute_job` of the batch's first job runs the whole batch): seconds and
 # calls of each phase, added up and attached to that `execute_job` record. Nested: `batch_step` holds
 # `prefill` (which holds `decode_add`) and `decode_step`; `decode_step` holds `forward` (DecodeBatch.step:
-# graph building plus the wait for the step in flight) and the rows' token handling, with `stream_flush`
+# graph building plus the wait for the step in flight), rows leaving (`depart`: DecodeBatch.remove, and
+# `finish`: each one's result, with its prefix-cache `offer`, which prefills count too) and the rows'
+# token handling (the rest), with `stream_flush`
 # (a sink's own Redis write: since `a2c9dc7` only non-deferred writers, and `finish` inside `retire`);
 # `claim` holds `admit` (one call per round of claimed jobs, streams opened together). `retire` is the
 # jobs a step ended: their done events in one transaction, then RQ's end of each. `stream_write` is
@@ -81,6 +84,9 @@ _BATCH_PARTS = {
     "decode_add": (DecodeBatch, "add"),
     "decode_step": (GenerationBatch, "_decode_step"),
     "forward": (DecodeBatch, "step"),
+    "depart": (DecodeBatch, "remove"),
+    "finish": (GenerationBatch, "_finish"),
+    "offer": (PrefixCache, "offer"),
     "stream_flush": (StreamWriter, "flush"),
     "claim": (MlxqWorker, "_claim_between_steps"),
     "admit": (MlxqWorker, "_admit"),
