@@ -112,9 +112,9 @@ def test_filters_keep_the_top_token() -> None:
 def test_row_wise_filters_apply_each_rows_own_setting() -> None:
     x = _logits(13, rows=4)
     ks, ps, ms = [1, 0, 5, V - 1], [0.5, 2.0, 0.9, 1e-6], [0.1, 0.0, 0.5, 1.0]  # 0 / 2.0 / 0.0: off
-    kth = mx.array([[V - k if k else 0] for k in ks], dtype=mx.int32)
+    k = mx.array([[k] for k in ks], dtype=mx.int32)
     log_min_p = mx.array([[math.log(m) if m else -math.inf] for m in ms], dtype=mx.float32)
-    got_k = top_k_rows(mx.array(x), kth)
+    got_k = top_k_rows(mx.array(x), k, max(ks))
     got_p = top_p_rows(mx.array(x), mx.array([[p] for p in ps], dtype=mx.float32))
     got_m = min_p_rows(mx.array(x), log_min_p)
     for i in range(4):

@@ -35,7 +35,7 @@ def apply_top_k(logits: mx.array, k: int) -> mx.array:
         raise ValueError(f"top_k must be >= 0 (0 turns it off), got {k}")
     if k == 0 or k >= logits.shape[-1]:
         return logits
-    return top_k_rows(logits, mx.array([[logits.shape[-1] - k]], dtype=mx.int32))
+    return top_k_rows(logits, mx.array([[k]], dtype=mx.int32), k)
 
 
 def apply_top_p(logits: mx.array, p: float) -> mx.array:
@@ -61,10 +61,15 @@ def apply_min_p(logits: mx.array, min_p: float) -> mx.array:
 # it is (see `_RowParams`).
 
 
-def top_k_rows(logits: mx.array, kth: mx.array) -> mx.array:
-    """Top-k with each row's k given as `kth` = vocab - k: the k-th largest logit's index in the row
-    sorted ascending (0 keeps every logit)."""
-    threshold = mx.take_along_axis(mx.sort(logits, axis=-1), kth, axis=-1)
+def top_k_rows(logits: mx.array, k: mx.array, k_max: int) -> mx.array:
+    """Top-k with each row's k (0 keeps every logit); `k_max` is the largest, below the vocabulary size.
+
+    Only the `k_max` largest logits of a row are sorted (a partition first): a full sort of a 49k
+    vocabulary for 64 rows takes ~10x as long on the CPU."""
+    largest = -mx.partition(-logits, k_max - 1, axis=-1)[..., :k_max]  # the k_max largest, any order
+    ranked = mx.sort(largest, axis=-1)  # ascending: the k-th largest at k_max - k
+    threshold = mx.take_along_axis(ranked, mx.maximum(k_max - k, 0), axis=-1)
+    threshold = mx.where(k > 0, threshold, _NEG_INF)
     return mx.where(logits < threshold, _NEG_INF, logits)
 
 
@@ -316,7 +321,7 @@ class _RowParams:
     """A sampler's settings as the row-wise filters take them (an "off" value keeps every logit)."""
 
     inv_temperature: float  # 1 / temperature; 1.0 for a greedy sampler (it never draws)
-    kth: int  # vocab - top_k (`top_k_rows`); 0 when top-k is off
+    top_k: int  # 0 when top-k is off (also for a k of the whole vocabulary)
     top_p: float  # 2.0 when top-p is off
     log_min_p: float  # -inf when min-p is off
 
@@ -324,7 +329,7 @@ class _RowParams:
     def of(cls, s: Sampler, vocab_size: int) -> _RowParams:
         return cls(
             inv_temperature=1.0 / s.temperature if s.temperature > 0 else 1.0,
-            kth=vocab_size - s.top_k if 0 < s.top_k < vocab_size else 0,
+            top_k=s.top_k if s.top_k < vocab_size else 0,
             top_p=s.top_p if s.top_p < 1.0 else 2.0,
             log_min_p=math.log(s.min_p) if s.min_p > 0 else _NEG_INF,
         )
@@ -336,7 +341,8 @@ class _RowArrays:
 
     def __init__(self, rows: Sequence[_RowParams]) -> None:
         self.inv_temperature = _column([r.inv_temperature for r in rows], mx.float32)
-        self.kth = _column([r.kth for r in rows], mx.int32) if any(r.kth for r in rows) else None
+        self.top_k_max = max(r.top_k for r in rows)
+        self.top_k = _column([r.top_k for r in rows], mx.int32) if self.top_k_max else None
         use_top_p = any(r.top_p <= 1.0 for r in rows)
         self.top_p = _column([r.top_p for r in rows], mx.float32) if use_top_p else None
         use_min_p = any(r.log_min_p > _NEG_INF for r in rows)
@@ -360,8 +366,8 @@ def draw_rows(logits: mx.array, rows: _RowArrays, keys: mx.array) -> tuple[mx.ar
     that order) and PRNG key: the (B,) tokens and the (B, 2) keys of the next draw. Row i's token depends
     on its own logits, settings and key only, so a sampler draws the same alone (B = 1)."""
     x = logits * rows.inv_temperature
-    if rows.kth is not None:
-        x = top_k_rows(x, rows.kth)
+    if rows.top_k is not None:
+        x = top_k_rows(x, rows.top_k, rows.top_k_max)
     if rows.top_p is not None:
         x = top_p_rows(x, rows.top_p)
     if rows.log_min_p is not None:
