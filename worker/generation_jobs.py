@@ -2,7 +2,8 @@
 
 After RQ hands over a generation job, the worker keeps a running `GenerationBatch`. Every
 `admit_every` steps, never blocking, it claims more queued generation jobs up to the free slots
-(`JobClaimer`, the same Lua move as score claims) and admits them while the others decode, their
+(once enough are free to prefill newcomers together: `JoinGate`; `JobClaimer`, the same Lua move as
+score claims) and admits them while the others decode, their
 streams opened together; the jobs a step ends write their results and `done` events in one
 transaction, then each ends through RQ's own lifecycle on a thread beside the loop (`finalizer.py`).
 Score jobs found in the queue at those points are claimed and scored right there, between two decode
@@ -46,6 +47,7 @@ class BatchOptions:
     max_sequences: int = 1  # 1: one generation job at a time, no batching
     kv_budget_bytes: int = 0  # padded KV of the running batch; 0: no limit
     admit_every: int = 4  # decode steps between looks at the queue
+    min_join: int = 1  # free rows a batch at least half full waits for before claiming (`JoinGate`)
 
 
 @dataclass
@@ -75,6 +77,7 @@ class GenerationJobs:
         batch = GenerationBatch(self.executor.engine, opts.max_sequences, opts.kv_budget_bytes)
         jobs: dict[str, _BatchJob] = {}
         finalizer = Finalizer(self._finalize_success, self._finalize_failure)
+        gate = JoinGate(opts.min_join, opts.max_sequences)
         with JobWatch(self, [], self.heartbeat_s, self.cancel_poll_s) as watch:
             self._watch = watch
             last_stats = time.monotonic()
@@ -83,7 +86,7 @@ class GenerationJobs:
                 while len(batch):
                     if batch.steps % opts.admit_every == 0:
                         try:
-                            self._claim_between_steps(batch, jobs, watch)
+                            self._claim_between_steps(batch, jobs, watch, gate)
                         except REDIS_TRANSIENT as e:  # the running jobs go on; claimed ones return
                             log.warning("generation batch could not claim jobs error=%s", e)
                     ended = [(jobs.pop(done.key), done) for done in batch.step()]
@@ -104,9 +107,10 @@ class GenerationJobs:
                 self.active_sequences = 0
 
     def _claim_between_steps(
-        self, batch: GenerationBatch, jobs: dict[str, _BatchJob], watch: JobWatch
+        self, batch: GenerationBatch, jobs: dict[str, _BatchJob], watch: JobWatch, gate: JoinGate
     ) -> None:
-        """Admit queued generation jobs into free slots; score queued score jobs right now."""
+        """Admit queued generation jobs into free slots (when `gate` opens); score queued score jobs
+        right now."""
         assert self.job_claimer is not None
         if self._stop_requested or self._force_stop:
             return
@@ -114,7 +118,7 @@ class GenerationJobs:
             self.run_maintenance_tasks()
         for queue in self.queues:
             score = ScorePicker(self.score_claimer.budget) if self.score_claimer is not None else None
-            pick = _BatchPicker(batch.free_slots, score)
+            pick = _BatchPicker(gate.free_rows(batch), score)
             if pick.limit <= 0:
                 return
             claimed = self.job_claimer.claim(queue, pick, pick.limit)
@@ -226,6 +230,41 @@ class GenerationJobs:
             self._finalize_success(job, queue, execution, result.model_dump(mode="json"))
         except Exception:
             self._finalize_failure(job, queue, execution, sys.exc_info())
+
+
+class JoinGate:
+    """How many free rows of a running batch to fill with queued generation jobs at an admission point.
+
+    With `min_join` > 1 (`MLXQ_BATCH_MIN_JOIN`; default 1: fill at once) a batch at least half full waits
+    until that many rows are free, so newcomers prefill together: on a GPU a prefill forward costs at
+    least a decode step's launch whatever its rows, and rows freed one at a time by staggered departures
+    otherwise cost one each. It never waits more than `patience` steps (long generations free rows
+    rarely, and a free row is lost throughput), and a batch less than half full fills at once. On the
+    CPU, where prefill is compute-bound, it changes nothing (256 staggered jobs through 64 rows,
+    `min_join` 8: 26 prefill groups instead of 62, same prefill time); not yet measured on a GPU."""
+
+    def __init__(self, min_join: int, max_sequences: int, patience: int = 16) -> None:
+        self.min_join = min_join
+        self.max_sequences = max_sequences
+        self.patience = patience
+        self._free_since: int | None = None  # the step at which the rows free now started waiting
+
+    def free_rows(self, batch: GenerationBatch) -> int:
+        """The rows to fill now (0: wait)."""
+        free = batch.free_slots
+        if free <= 0:
+            self._free_since = None
+            return 0
+        if self._free_since is None:
+            self._free_since = batch.steps
+        if (
+            free >= self.min_join
+            or 2 * len(batch) < self.max_sequences
+            or batch.steps - self._free_since >= self.patience
+        ):
+            self._free_since = None
+            return free
+        return 0
 
 
 class _BatchPicker:

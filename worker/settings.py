@@ -40,6 +40,12 @@ class WorkerSettings(BaseSettings):
     batch_admit_every: int = Field(
         default=4, ge=1, description="decode steps between looks at the queue for jobs to admit"
     )
+    batch_min_join: int = Field(
+        default=1,
+        ge=1,
+        description="free rows a generation batch at least half full waits for (16 steps at most) before "
+        "claiming more generation jobs, so they prefill together; 1: claim as soon as a row is free",
+    )
     max_score_rows: int = Field(default=64, ge=1, description="rows one score job may have")
     max_score_candidates: int = Field(default=26, ge=1, description="candidates one score row may have")
 
