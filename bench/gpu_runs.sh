@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# The GPU benchmark runs, in sets that each fit one device call (600 s), results under $OUT.
+#
+#   bash bench/gpu_runs.sh batch|backlog|suite SHA
+#
+# Run on the device from the snapshot (see bench/README.md "How to run"): call 1 carries .gpu-a, call 2
+# `source .gpu-b/device-setup.sh >/dev/null 2>&1 && cd .bench-src && bash bench/gpu_runs.sh batch SHA`.
+# - batch (~400 s): batch_generate greedy at 1/8/32/64 jobs, sampled (temperature 0.8, top-p 0.95) and
+#   staggered at 64; then bench.batch_step (one decode step split between device syncs);
+# - backlog (~350 s): 256 staggered jobs through 64 rows, with MLXQ_BATCH_MIN_JOIN 1 and 8;
+# - suite (~560 s): `python3 -m bench` on the 1B shape (issue 5's figures).
+# Each run has its own timeout, so one that hangs cannot take the others' time; a summary of the tables
+# is printed at the end.
+set -u
+set_name=${1:?batch, backlog or suite}
+sha=${2:?the commit the snapshot was made from}
+out=${OUT:?OUT: the folder the device tool brings back}
+model=${MODEL:-llama-1b}  # MODEL=tiny: a quick check of this script on a CPU
+export MLXQ_BENCH_COMMIT=$sha
+bg=(python3 -m bench.batch_generate --model "$model" --batch 64 --max-tokens 128 --prompt-words 48 --no-alone --out "$out")
+
+run() {  # run SECONDS LOG COMMAND...: one run, its output in $out/LOG
+    local seconds=$1 log=$2
+    shift 2
+    echo "== $log: $*" >&2
+    timeout "$seconds" "$@" >"$out/$log" 2>&1 || echo "!! $log: exit $?" >&2
+}
+
+python3 -c "from bench.checkpoints import checkpoint; from pathlib import Path; \
+checkpoint('$model', Path.home() / '.cache/mlxq/bench-models')"
+case $set_name in
+batch)
+    run 140 greedy.log "${bg[@]}" --sizes 1,8,32,64 --label "gpu-bg-$sha"
+    run 90 sampled.log "${bg[@]}" --sizes 64 --temperature 0.8 --top-p 0.95 --label "gpu-bg-sampled-$sha"
+    run 90 staggered.log "${bg[@]}" --sizes 64 --staggered --label "gpu-bg-staggered-$sha"
+    run 100 step.log python3 -m bench.batch_step --model "$model" --rows 64 --steps 64
+    ;;
+backlog)
+    run 170 backlog-join1.log "${bg[@]}" --sizes 256 --staggered --label "gpu-bg-backlog-$sha"
+    MLXQ_BATCH_MIN_JOIN=8 run 170 backlog-join8.log "${bg[@]}" --sizes 256 --staggered \
+        --label "gpu-bg-backlog-minjoin8-$sha"
+    ;;
+suite)
+    run 560 suite.log python3 -m bench --model "$model" --sizes gpu --out "$out" --label "gpu-llama-1b-$sha" \
+        --only generation,diagnostics,prefill,scoring,warm_cache,queue
+    ;;
+*)
+    echo "unknown set: $set_name (batch, backlog or suite)" >&2
+    exit 2
+    ;;
+esac
+# The tables (the runs' .md files; batch_step prints only to its log), for the call's output tail.
+grep -hE '^\| (queue|engine|mlx|hand|DecodeBatch|graph|[0-9.]+ \|)|MISSED|met \|' "$out"/*.md "$out"/step.log \
+    2>/dev/null | head -80
