@@ -214,10 +214,6 @@ class DecodeBatch:
         return len(self.rows) if self.rows is not None else 0
 
     @property
-    def samplers(self) -> list[Sampler]:
-        return self.rows.samplers if self.rows is not None else []
-
-    @property
     def _idle(self) -> int:
         """Rows of the buffers that hold no live row: padding, and rows whose request left."""
         return self.cache[0].batch - len(self)

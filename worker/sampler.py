@@ -398,6 +398,7 @@ class SamplerRows:
         samplers = self.samplers
         self._bias = stack_bias(samplers, self.vocab_size) if samplers else None
         self._penalized = [i for i, s in enumerate(samplers) if s.penalized]
+        self._penalized_set = frozenset(self._penalized)
         greedy = [s.greedy for s in samplers]
         self._any_greedy = any(greedy)
         self._arrays = None if all(greedy) else _RowArrays([s.row for s in samplers])
@@ -440,7 +441,6 @@ class SamplerRows:
             assert self._keys is not None
             drawn, self._keys = draw_rows(x, self._arrays, self._keys)
             tokens = drawn if self._greedy_mask is None else mx.where(self._greedy_mask, greedy, drawn)
-        penalized = set(self._penalized)
         for i, s in enumerate(self.samplers):
-            s.observe(tokens[i : i + 1] if i in penalized else tokens)  # counts only where penalized
+            s.observe(tokens[i : i + 1] if i in self._penalized_set else tokens)  # counts where penalized
         return tokens
