@@ -564,12 +564,14 @@ def _inproc(model: str, sizes: list[int], batch: int, args: argparse.Namespace) 
     from mlx.utils import tree_flatten
 
     from jobs.schema import GenerateRequest
-    from worker.engine import Engine
+    from worker.engine import Engine, EngineOptions
+    from worker.settings import WorkerSettings
 
     from .baseline import MlxLm
 
     mx.set_cache_limit(args.mlx_cache_limit)  # as the workers do (`WorkerService.start`)
-    engine = Engine.load(model)
+    # MLXQ_COMPILE_DECODE reaches this engine as it reaches the workers.
+    engine = Engine.load(model, EngineOptions(compile_decode=WorkerSettings().compile_decode))
     dtype = next(v.dtype for _, v in tree_flatten(engine.model.parameters()))
     try:
         mlxlm: MlxLm | None = MlxLm.load(model, dtype)

@@ -7,12 +7,14 @@ Per-step milliseconds, B rows at about `--context` tokens, each path warmed up f
 - mlx-lm's model in the same hand loop (its own cache);
 - `DecodeBatch`, rows of equal length (no mask), greedy samplers;
 - `DecodeBatch`, ragged rows (left padding: the boolean mask), greedy samplers;
-- the same with a logit bias on every row (the benchmarks' EOS mask);
-and for the last one, the Python time to build a step's graph (no evaluation); then one `DecodeBatch` step
-split between device syncs: graph building, the launch (`async_eval` with the device idle: host work
-alone), what the device still runs after the launch, and reading the tokens back (host-bound when the
-launch dominates; `MLX_MAX_OPS_PER_BUFFER` large makes "device after launch" the whole device time).
-Then `prefill_rows` for (rows, width) shapes seen for the first time and again.
+- the same with a logit bias on every row (the benchmarks' EOS mask), with the ragged-attention kernel
+  where it runs, and compiled (`worker/compiled_step.py`), whose tokens are checked against uncompiled;
+the Python time to build an uncompiled step's graph (no evaluation); then one `DecodeBatch` step, as it
+runs by default and compiled, split between device syncs: graph building,
+the launch (`async_eval` with the device idle: host work alone), what the device still runs after the
+launch, and reading the tokens back (host-bound when the launch dominates; `MLX_MAX_OPS_PER_BUFFER`
+large makes "device after launch" the whole device time). Then `prefill_rows` for (rows, width)
+shapes seen for the first time and again, and the first steps of a batch with a new row count.
 """
 
 from __future__ import annotations
@@ -58,14 +60,22 @@ def _hand_loop(model: Any, cache: list[Any], rows: int, context: int) -> Any:
 
 
 def _decode_batch(
-    engine: Any, rows: int, context: int, ragged: bool, bias: bool, kernel: bool | None = False
+    engine: Any,
+    rows: int,
+    context: int,
+    ragged: bool,
+    bias: bool,
+    kernel: bool | None = False,
+    compiled: bool = False,
 ) -> Any:
+    from worker.compiled_step import CompiledStep
     from worker.generate import DecodeBatch, prefill
     from worker.sampler import Sampler
 
     random.seed(rows * 1000 + context)
     vocab = engine.model.args.vocab_size
-    batch = DecodeBatch(engine.model, ragged_kernel=kernel)
+    step = (engine.decode_step or CompiledStep(engine.model)) if compiled else None
+    batch = DecodeBatch(engine.model, ragged_kernel=kernel, compiled=step)
     caches, logits, samplers = [], [], []
     for i in range(rows):
         n = context - (i * 7) % 48 if ragged else context
@@ -105,11 +115,11 @@ class _SyncedMx:
         self.mark = t3  # what follows is reading the tokens back
 
 
-def _anatomy(engine: Any, rows: int, context: int, steps: int) -> dict[str, list[float]]:
+def _anatomy(engine: Any, rows: int, context: int, steps: int, compiled: bool) -> dict[str, list[float]]:
     """A `DecodeBatch` step split into graph building, launch and device time (see `_SyncedMx`)."""
     import worker.generate as generate_module
 
-    step, _ = _decode_batch(engine, rows, context, True, True, None)
+    step, _ = _decode_batch(engine, rows, context, True, True, None, compiled)
     for _ in range(4):
         step()
     parts: dict[str, list[float]] = {k: [] for k in _PARTS}
@@ -164,6 +174,14 @@ def main(argv: list[str] | None = None) -> int:
     ):
         step, batch = _decode_batch(engine, b, n, ragged, bias, kernel)
         out.append((name, _time_steps(step, steps)))
+    step, _ = _decode_batch(engine, b, n, True, False, None, True)
+    out.append(("DecodeBatch, ragged rows, default attention, compiled step", _time_steps(step, steps)))
+    runs = []  # the compiled step's tokens against the uncompiled one's, same prompts, past a 256 boundary
+    for compiled in (False, True):
+        step, _ = _decode_batch(engine, b, n, True, False, None, compiled)
+        runs.append([step() for _ in range(160)])
+    same = sum(all(a[r] == c[r] for a, c in zip(*runs, strict=True)) for r in range(b))
+    print(f"compiled vs uncompiled step: {same}/{b} rows give the same 160 greedy tokens")
     if ragged_attention.available():  # the kernel's tokens against the masked path's, same prompts
         runs = []
         for kernel in (False, True):
@@ -171,7 +189,9 @@ def main(argv: list[str] | None = None) -> int:
             runs.append([step() for _ in range(32)])
         same = sum(all(a[r] == k[r] for a, k in zip(*runs, strict=True)) for r in range(b))
         print(f"ragged-attention kernel vs masked attention: {same}/{b} rows give the same 32 greedy tokens")
-    anatomy = _anatomy(engine, b, n, steps)
+    anatomy = {
+        label: _anatomy(engine, b, n, steps, c) for label, c in (("default", False), ("compiled", True))
+    }
     t0 = time.perf_counter()
     for _ in range(steps):
         mask = batch.cache[0].mask()
@@ -187,10 +207,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {name} | {ms:.2f} | {b / ms * 1000:,.0f} |")
     print(
         "\nDecodeBatch step (ragged rows, logit bias, default attention), each part between device syncs, "
-        "median ms:\n\n| graph building | launch (async_eval, device idle) | device after launch | "
-        "read back |\n| --- | --- | --- | --- |"
+        "median ms:\n\n| step | graph building | launch (async_eval, device idle) | device after launch | "
+        "read back |\n| --- | --- | --- | --- | --- |"
     )
-    print("| " + " | ".join(f"{statistics.median(anatomy[k]):.2f}" for k in _PARTS) + " |")
+    for label, parts in anatomy.items():
+        cells = " | ".join(f"{statistics.median(parts[k]):.2f}" for k in _PARTS)
+        print(f"| {label} | {cells} |")
     from worker.generate import prefill_rows
 
     print("\n| prefill_rows (rows x width) | padded | first ms | again ms |\n| --- | --- | --- | --- |")
@@ -210,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"| {rows} x {width} | {pad} | {times[0]:.1f} | {times[1]:.1f} |")
     print("\n| DecodeBatch rows (new count) | first step ms | next steps ms |\n| --- | --- | --- |")
     for rows in (33, 35, 37):
-        step, _ = _decode_batch(engine, rows, n, True, True)
+        step, _ = _decode_batch(engine, rows, n, True, True, None, engine.decode_step is not None)
         mx.synchronize()
         t0 = time.perf_counter()
         step()

@@ -28,6 +28,7 @@ from jobs.schema import (
     Usage,
 )
 
+from .compiled_step import CompiledStep
 from .detokenizer import IncrementalDetokenizer
 from .generate import GenerationCancelled, decode, pad_shapes_by_default, prefill
 from .loader import load_model, resolve_model_path
@@ -56,6 +57,7 @@ class EngineOptions:
     max_score_rows: int = 64
     max_score_candidates: int = 26
     pad_shapes: bool | None = None  # None: on a GPU only (see `generate.padded_size`)
+    compile_decode: bool = False  # a generation batch's decode step through `compiled_step.CompiledStep`
 
 
 class Engine:
@@ -76,6 +78,8 @@ class Engine:
         )
         self.pad_shapes = pad_shapes_by_default() if options.pad_shapes is None else options.pad_shapes
         model.bucket_keys = self.pad_shapes  # attention over a cached prefix: few key shapes too
+        # A generation batch's decode step, compiled once for the engine's life (its traces are kept).
+        self.decode_step = CompiledStep(model) if options.compile_decode else None
 
     @classmethod
     def load(cls, model: str, options: EngineOptions | None = None) -> Engine:
