@@ -175,3 +175,27 @@ def _worker_name(conn: redis.Redis) -> str:
     names = [k.decode().removeprefix("mlxq:worker:") for k in conn.keys("mlxq:worker:*")]
     assert len(names) == 1, names
     return names[0]
+
+
+def test_a_running_batch_looks_at_an_empty_queue_at_most_every_empty_wait(
+    model_dir: Path, redis_url: str, client: Client, spawn_worker: Any, redis_conn: redis.Redis
+) -> None:
+    """Each look at the queue between decode steps is a Redis round trip (`JobClaimer`'s LRANGE): after
+    a look that claimed nothing, the batch waits `MLXQ_BATCH_EMPTY_WAIT_S` before the next one."""
+
+    def lranges() -> int:
+        stats = redis_conn.info("commandstats")
+        return int(stats.get("cmdstat_lrange", {}).get("calls", 0))
+
+    looks = {}
+    for wait in ("0", "60"):
+        job = client.submit_generate(PROMPT, max_tokens=400, temperature=0, logit_bias=NO_EOS)
+        before = lranges()
+        worker = spawn_worker(
+            model_dir, redis_url, "--burst", name=f"w{wait}", MLXQ_BATCH_EMPTY_WAIT_S=wait, **BATCH
+        )
+        assert worker.wait(120) == 0, worker.log()
+        assert len(job.result(timeout=5).token_ids) == 400
+        looks[wait] = lranges() - before
+    assert looks["0"] >= 400 // 2 // 2, looks  # every other step (MLXQ_BATCH_ADMIT_EVERY=2), about
+    assert looks["60"] <= 3, looks  # the first look found the queue empty: none for the next 60 s

@@ -1,7 +1,9 @@
 """Generation batches inside the RQ worker (`MlxqWorker` mixes `GenerationJobs` in).
 
 After RQ hands over a generation job, the worker keeps a running `GenerationBatch`. Every
-`admit_every` steps, never blocking, it claims more queued generation jobs up to the free slots
+`admit_every` steps (after a look that found nothing to claim, not before `empty_wait_s` has passed:
+each look is a Redis round trip, ~8% of a lone job's decode on a CPU when made every 4 steps), never
+blocking, it claims more queued generation jobs up to the free slots
 (once enough are free to prefill newcomers together: `JoinGate`; `JobClaimer`, the same Lua move as
 score claims) and admits them while the others decode, their
 streams opened together; the jobs a step ends write their results and `done` events in one
@@ -47,6 +49,7 @@ class BatchOptions:
     max_sequences: int = 1  # 1: one generation job at a time, no batching
     kv_budget_bytes: int = 0  # padded KV of the running batch; 0: no limit
     admit_every: int = 4  # decode steps between looks at the queue
+    empty_wait_s: float = 0.05  # after a look that claimed nothing, the least time before the next
     min_join: int = 1  # free rows a batch at least half full waits for before claiming (`JoinGate`)
 
 
@@ -81,12 +84,14 @@ class GenerationJobs:
         with JobWatch(self, [], self.heartbeat_s, self.cancel_poll_s) as watch:
             self._watch = watch
             last_stats = time.monotonic()
+            next_look = 0.0  # when the queue may be looked at again (it was found empty before)
             try:
                 self._admit(batch, jobs, [first], queue, watch)
                 while len(batch):
-                    if batch.steps % opts.admit_every == 0:
+                    if batch.steps % opts.admit_every == 0 and time.monotonic() >= next_look:
                         try:
-                            self._claim_between_steps(batch, jobs, watch, gate)
+                            if not self._claim_between_steps(batch, jobs, watch, gate):
+                                next_look = time.monotonic() + opts.empty_wait_s
                         except REDIS_TRANSIENT as e:  # the running jobs go on; claimed ones return
                             log.warning("generation batch could not claim jobs error=%s", e)
                     ended = [(jobs.pop(done.key), done) for done in batch.step()]
@@ -108,20 +113,22 @@ class GenerationJobs:
 
     def _claim_between_steps(
         self, batch: GenerationBatch, jobs: dict[str, _BatchJob], watch: JobWatch, gate: JoinGate
-    ) -> None:
+    ) -> bool:
         """Admit queued generation jobs into free slots (when `gate` opens); score queued score jobs
-        right now."""
+        right now. False when the queues were looked at and nothing was claimed."""
         assert self.job_claimer is not None
         if self._stop_requested or self._force_stop:
-            return
+            return True
         if self.should_run_maintenance_tasks:  # a batch may run for hours: keep RQ's housekeeping going
             self.run_maintenance_tasks()
+        found = False
         for queue in self.queues:
             score = ScorePicker(self.score_claimer.budget) if self.score_claimer is not None else None
             pick = _BatchPicker(gate.free_rows(batch), score)
             if pick.limit <= 0:
-                return
+                return True
             claimed = self.job_claimer.claim(queue, pick, pick.limit)
+            found = found or bool(claimed)
             scores = [job for job in claimed if job.func_name == keys.SCORE_FUNC]
             self._admit(
                 batch, jobs, [job for job in claimed if job.func_name != keys.SCORE_FUNC], queue, watch
@@ -135,6 +142,7 @@ class GenerationJobs:
                 )
             if scores:
                 self._score_between_steps(scores, queue, watch)
+        return found
 
     def _score_between_steps(self, scores: list[Job], queue: Queue, watch: JobWatch) -> None:
         runs = self._start_allowed(scores, queue)

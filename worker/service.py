@@ -108,6 +108,7 @@ class WorkerService:
                 max_sequences=settings.max_batch_sequences,
                 kv_budget_bytes=settings.batch_kv_bytes,
                 admit_every=settings.batch_admit_every,
+                empty_wait_s=settings.batch_empty_wait_s,
                 min_join=settings.batch_min_join,
             )
             worker.job_claimer = JobClaimer(conn, worker.serializer)

@@ -40,6 +40,12 @@ class WorkerSettings(BaseSettings):
     batch_admit_every: int = Field(
         default=4, ge=1, description="decode steps between looks at the queue for jobs to admit"
     )
+    batch_empty_wait_s: float = Field(
+        default=0.05,
+        ge=0.0,
+        description="after a look at the queue that claimed nothing, the least time a running generation "
+        "batch waits before looking again (each look is a Redis round trip)",
+    )
     batch_min_join: int = Field(
         default=1,
         ge=1,
