@@ -570,8 +570,10 @@ def _inproc(model: str, sizes: list[int], batch: int, args: argparse.Namespace) 
     from .baseline import MlxLm
 
     mx.set_cache_limit(args.mlx_cache_limit)  # as the workers do (`WorkerService.start`)
-    # MLXQ_COMPILE_DECODE reaches this engine as it reaches the workers.
-    engine = Engine.load(model, EngineOptions(compile_decode=WorkerSettings().compile_decode))
+    # MLXQ_COMPILE_DECODE and MLXQ_FUSED_KERNELS reach this engine as they reach the workers.
+    settings = WorkerSettings()
+    options = EngineOptions(compile_decode=settings.compile_decode, fused_kernels=settings.fused_kernels)
+    engine = Engine.load(model, options)
     dtype = next(v.dtype for _, v in tree_flatten(engine.model.parameters()))
     try:
         mlxlm: MlxLm | None = MlxLm.load(model, dtype)

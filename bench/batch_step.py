@@ -9,8 +9,9 @@ Per-step milliseconds, B rows at about `--context` tokens, each path warmed up f
 - `DecodeBatch`, ragged rows (left padding: the boolean mask), greedy samplers;
 - the same with a logit bias on every row (the benchmarks' EOS mask), with the ragged-attention kernel
   where it runs, and compiled (`worker/compiled_step.py`), whose tokens are checked against uncompiled;
+  where `worker/fused_ops.py`'s kernels run (they are on by default), the step without them too;
 the Python time to build an uncompiled step's graph (no evaluation); then one `DecodeBatch` step, as it
-runs by default and compiled, split between device syncs: graph building,
+runs by default, compiled, and without the fused kernels, split between device syncs: graph building,
 the launch (`async_eval` with the device idle: host work alone), what the device still runs after the
 launch, and reading the tokens back (host-bound when the launch dominates; `MLX_MAX_OPS_PER_BUFFER`
 large makes "device after launch" the whole device time). Then `prefill_rows` for (rows, width)
@@ -115,10 +116,13 @@ class _SyncedMx:
         self.mark = t3  # what follows is reading the tokens back
 
 
-def _anatomy(engine: Any, rows: int, context: int, steps: int, compiled: bool) -> dict[str, list[float]]:
+def _anatomy(
+    engine: Any, rows: int, context: int, steps: int, compiled: bool, fused: bool
+) -> dict[str, list[float]]:
     """A `DecodeBatch` step split into graph building, launch and device time (see `_SyncedMx`)."""
     import worker.generate as generate_module
 
+    was, engine.model.fused_kernels = engine.model.fused_kernels, fused
     step, _ = _decode_batch(engine, rows, context, True, True, None, compiled)
     for _ in range(4):
         step()
@@ -132,6 +136,7 @@ def _anatomy(engine: Any, rows: int, context: int, steps: int, compiled: bool) -
             parts["read"].append((time.perf_counter() - synced.mark) * 1000)
     finally:
         generate_module.mx = mx
+        engine.model.fused_kernels = was
     return parts
 
 
@@ -176,6 +181,19 @@ def main(argv: list[str] | None = None) -> int:
         out.append((name, _time_steps(step, steps)))
     step, _ = _decode_batch(engine, b, n, True, False, None, True)
     out.append(("DecodeBatch, ragged rows, default attention, compiled step", _time_steps(step, steps)))
+    fused = engine.model.fused_kernels
+    if fused:  # the same step without `worker/fused_ops.py`'s kernels, and their tokens against these
+        engine.model.fused_kernels = False
+        step, _ = _decode_batch(engine, b, n, True, False, None)
+        out.append(("DecodeBatch, ragged rows, ragged kernel, fused kernels off", _time_steps(step, steps)))
+        runs = []
+        for on in (True, False):
+            engine.model.fused_kernels = on
+            step, _ = _decode_batch(engine, b, n, True, False, None)
+            runs.append([step() for _ in range(32)])
+        engine.model.fused_kernels = True
+        same = sum(all(a[r] == c[r] for a, c in zip(*runs, strict=True)) for r in range(b))
+        print(f"fused kernels on vs off: {same}/{b} rows give the same 32 greedy tokens")
     runs = []  # the compiled step's tokens against the uncompiled one's, same prompts, past a 256 boundary
     for compiled in (False, True):
         step, _ = _decode_batch(engine, b, n, True, False, None, compiled)
@@ -189,9 +207,10 @@ def main(argv: list[str] | None = None) -> int:
             runs.append([step() for _ in range(32)])
         same = sum(all(a[r] == k[r] for a, k in zip(*runs, strict=True)) for r in range(b))
         print(f"ragged-attention kernel vs masked attention: {same}/{b} rows give the same 32 greedy tokens")
-    anatomy = {
-        label: _anatomy(engine, b, n, steps, c) for label, c in (("default", False), ("compiled", True))
-    }
+    variants = [("default", False, fused), ("compiled", True, fused)]
+    if fused:
+        variants.append(("fused kernels off", False, False))
+    anatomy = {label: _anatomy(engine, b, n, steps, c, f) for label, c, f in variants}
     t0 = time.perf_counter()
     for _ in range(steps):
         mask = batch.cache[0].mask()

@@ -75,6 +75,7 @@ class WorkerService:
                     max_score_rows=settings.max_score_rows,
                     max_score_candidates=settings.max_score_candidates,
                     compile_decode=settings.compile_decode,
+                    fused_kernels=settings.fused_kernels,
                 ),
             )
         stream_options = StreamOptions(

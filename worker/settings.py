@@ -52,6 +52,11 @@ class WorkerSettings(BaseSettings):
         description="free rows a generation batch at least half full waits for (16 steps at most) before "
         "claiming more generation jobs, so they prefill together; 1: claim as soon as a row is free",
     )
+    fused_kernels: bool | None = Field(
+        default=None,
+        description="each layer's residual adds with their norms, and silu(gate) * up, as CUDA kernels; "
+        "unset: on MLX's CUDA build",
+    )
     compile_decode: bool = Field(
         default=False,
         description="compile a generation batch's decode step (mx.compile); measured slower on CUDA",
