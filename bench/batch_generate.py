@@ -564,16 +564,12 @@ def _inproc(model: str, sizes: list[int], batch: int, args: argparse.Namespace) 
     from mlx.utils import tree_flatten
 
     from jobs.schema import GenerateRequest
-    from worker.engine import Engine, EngineOptions
-    from worker.settings import WorkerSettings
+    from worker.engine import Engine
 
     from .baseline import MlxLm
 
     mx.set_cache_limit(args.mlx_cache_limit)  # as the workers do (`WorkerService.start`)
-    # MLXQ_COMPILE_DECODE and MLXQ_FUSED_KERNELS reach this engine as they reach the workers.
-    settings = WorkerSettings()
-    options = EngineOptions(compile_decode=settings.compile_decode, fused_kernels=settings.fused_kernels)
-    engine = Engine.load(model, options)
+    engine = Engine.load(model)
     dtype = next(v.dtype for _, v in tree_flatten(engine.model.parameters()))
     try:
         mlxlm: MlxLm | None = MlxLm.load(model, dtype)

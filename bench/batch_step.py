@@ -7,15 +7,12 @@ Per-step milliseconds, B rows at about `--context` tokens, each path warmed up f
 - mlx-lm's model in the same hand loop (its own cache);
 - `DecodeBatch`, rows of equal length (no mask), greedy samplers;
 - `DecodeBatch`, ragged rows (left padding: the boolean mask), greedy samplers;
-- the same with a logit bias on every row (the benchmarks' EOS mask), with the ragged-attention kernel
-  where it runs, and compiled (`worker/compiled_step.py`), whose tokens are checked against uncompiled;
-  where `worker/fused_ops.py`'s kernels run (they are on by default), the step without them too;
-the Python time to build an uncompiled step's graph (no evaluation); then one `DecodeBatch` step, as it
-runs by default, compiled, and without the fused kernels, split between device syncs: graph building,
-the launch (`async_eval` with the device idle: host work alone), what the device still runs after the
-launch, and reading the tokens back (host-bound when the launch dominates; `MLX_MAX_OPS_PER_BUFFER`
-large makes "device after launch" the whole device time). Then `prefill_rows` for (rows, width)
-shapes seen for the first time and again, and the first steps of a batch with a new row count.
+- the same with a logit bias on every row (the benchmarks' EOS mask);
+and for the last one, the Python time to build a step's graph (no evaluation); then one `DecodeBatch` step
+split between device syncs: graph building, the launch (`async_eval` with the device idle: host work
+alone), what the device still runs after the launch, and reading the tokens back (host-bound when the
+launch dominates; `MLX_MAX_OPS_PER_BUFFER` large makes "device after launch" the whole device time).
+Then `prefill_rows` for (rows, width) shapes seen for the first time and again.
 """
 
 from __future__ import annotations
@@ -61,22 +58,14 @@ def _hand_loop(model: Any, cache: list[Any], rows: int, context: int) -> Any:
 
 
 def _decode_batch(
-    engine: Any,
-    rows: int,
-    context: int,
-    ragged: bool,
-    bias: bool,
-    kernel: bool | None = False,
-    compiled: bool = False,
+    engine: Any, rows: int, context: int, ragged: bool, bias: bool, kernel: bool | None = False
 ) -> Any:
-    from worker.compiled_step import CompiledStep
     from worker.generate import DecodeBatch, prefill
     from worker.sampler import Sampler
 
     random.seed(rows * 1000 + context)
     vocab = engine.model.args.vocab_size
-    step = (engine.decode_step or CompiledStep(engine.model)) if compiled else None
-    batch = DecodeBatch(engine.model, ragged_kernel=kernel, compiled=step)
+    batch = DecodeBatch(engine.model, ragged_kernel=kernel)
     caches, logits, samplers = [], [], []
     for i in range(rows):
         n = context - (i * 7) % 48 if ragged else context
@@ -116,14 +105,11 @@ class _SyncedMx:
         self.mark = t3  # what follows is reading the tokens back
 
 
-def _anatomy(
-    engine: Any, rows: int, context: int, steps: int, compiled: bool, fused: bool
-) -> dict[str, list[float]]:
+def _anatomy(engine: Any, rows: int, context: int, steps: int) -> dict[str, list[float]]:
     """A `DecodeBatch` step split into graph building, launch and device time (see `_SyncedMx`)."""
     import worker.generate as generate_module
 
-    was, engine.model.fused_kernels = engine.model.fused_kernels, fused
-    step, _ = _decode_batch(engine, rows, context, True, True, None, compiled)
+    step, _ = _decode_batch(engine, rows, context, True, True, None)
     for _ in range(4):
         step()
     parts: dict[str, list[float]] = {k: [] for k in _PARTS}
@@ -136,7 +122,6 @@ def _anatomy(
             parts["read"].append((time.perf_counter() - synced.mark) * 1000)
     finally:
         generate_module.mx = mx
-        engine.model.fused_kernels = was
     return parts
 
 
@@ -179,27 +164,6 @@ def main(argv: list[str] | None = None) -> int:
     ):
         step, batch = _decode_batch(engine, b, n, ragged, bias, kernel)
         out.append((name, _time_steps(step, steps)))
-    step, _ = _decode_batch(engine, b, n, True, False, None, True)
-    out.append(("DecodeBatch, ragged rows, default attention, compiled step", _time_steps(step, steps)))
-    fused = engine.model.fused_kernels
-    if fused:  # the same step without `worker/fused_ops.py`'s kernels, and their tokens against these
-        engine.model.fused_kernels = False
-        step, _ = _decode_batch(engine, b, n, True, False, None)
-        out.append(("DecodeBatch, ragged rows, ragged kernel, fused kernels off", _time_steps(step, steps)))
-        runs = []
-        for on in (True, False):
-            engine.model.fused_kernels = on
-            step, _ = _decode_batch(engine, b, n, True, False, None)
-            runs.append([step() for _ in range(32)])
-        engine.model.fused_kernels = True
-        same = sum(all(a[r] == c[r] for a, c in zip(*runs, strict=True)) for r in range(b))
-        print(f"fused kernels on vs off: {same}/{b} rows give the same 32 greedy tokens")
-    runs = []  # the compiled step's tokens against the uncompiled one's, same prompts, past a 256 boundary
-    for compiled in (False, True):
-        step, _ = _decode_batch(engine, b, n, True, False, None, compiled)
-        runs.append([step() for _ in range(160)])
-    same = sum(all(a[r] == c[r] for a, c in zip(*runs, strict=True)) for r in range(b))
-    print(f"compiled vs uncompiled step: {same}/{b} rows give the same 160 greedy tokens")
     if ragged_attention.available():  # the kernel's tokens against the masked path's, same prompts
         runs = []
         for kernel in (False, True):
@@ -207,10 +171,7 @@ def main(argv: list[str] | None = None) -> int:
             runs.append([step() for _ in range(32)])
         same = sum(all(a[r] == k[r] for a, k in zip(*runs, strict=True)) for r in range(b))
         print(f"ragged-attention kernel vs masked attention: {same}/{b} rows give the same 32 greedy tokens")
-    variants = [("default", False, fused), ("compiled", True, fused)]
-    if fused:
-        variants.append(("fused kernels off", False, False))
-    anatomy = {label: _anatomy(engine, b, n, steps, c, f) for label, c, f in variants}
+    anatomy = _anatomy(engine, b, n, steps)
     t0 = time.perf_counter()
     for _ in range(steps):
         mask = batch.cache[0].mask()
@@ -226,12 +187,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {name} | {ms:.2f} | {b / ms * 1000:,.0f} |")
     print(
         "\nDecodeBatch step (ragged rows, logit bias, default attention), each part between device syncs, "
-        "median ms:\n\n| step | graph building | launch (async_eval, device idle) | device after launch | "
-        "read back |\n| --- | --- | --- | --- | --- |"
+        "median ms:\n\n| graph building | launch (async_eval, device idle) | device after launch | "
+        "read back |\n| --- | --- | --- | --- |"
     )
-    for label, parts in anatomy.items():
-        cells = " | ".join(f"{statistics.median(parts[k]):.2f}" for k in _PARTS)
-        print(f"| {label} | {cells} |")
+    print("| " + " | ".join(f"{statistics.median(anatomy[k]):.2f}" for k in _PARTS) + " |")
     from worker.generate import prefill_rows
 
     print("\n| prefill_rows (rows x width) | padded | first ms | again ms |\n| --- | --- | --- | --- |")
@@ -251,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"| {rows} x {width} | {pad} | {times[0]:.1f} | {times[1]:.1f} |")
     print("\n| DecodeBatch rows (new count) | first step ms | next steps ms |\n| --- | --- | --- |")
     for rows in (33, 35, 37):
-        step, _ = _decode_batch(engine, rows, n, True, True, None, engine.decode_step is not None)
+        step, _ = _decode_batch(engine, rows, n, True, True)
         mx.synchronize()
         t0 = time.perf_counter()
         step()

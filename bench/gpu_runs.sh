@@ -1,22 +1,18 @@
 #!/usr/bin/env bash
 # The GPU benchmark runs, in sets that each fit one device call (600 s), results under $OUT.
 #
-#   bash bench/gpu_runs.sh batch|compile|fused|backlog|suite SHA
+#   bash bench/gpu_runs.sh batch|backlog|suite SHA
 #
 # Run on the device from the snapshot (see bench/README.md "How to run"): call 1 carries .gpu-a, call 2
 # `source .gpu-b/device-setup.sh >/dev/null 2>&1 && cd .bench-src && bash bench/gpu_runs.sh batch SHA`.
 # - batch (~400 s): batch_generate greedy at 1/8/32/64 jobs, sampled (temperature 0.8, top-p 0.95) and
 #   staggered at 64; then bench.batch_step (one decode step split between device syncs);
-# - compile (~330 s): bench.batch_step, then greedy 64 jobs with the decode step uncompiled and compiled
-#   (MLXQ_COMPILE_DECODE);
-# - fused (~350 s): bench.launch_probe, bench.batch_step, greedy 64 jobs without and with the fused
-#   kernels (MLXQ_FUSED_KERNELS);
 # - backlog (~350 s): 256 staggered jobs through 64 rows, with MLXQ_BATCH_MIN_JOIN 1 and 8;
 # - suite (~560 s): `python3 -m bench` on the 1B shape (issue 5's figures).
 # Each run has its own timeout, so one that hangs cannot take the others' time; a summary of the tables
 # is printed at the end.
 set -u
-set_name=${1:?batch, compile, fused, backlog or suite}
+set_name=${1:?batch, backlog or suite}
 sha=${2:?the commit the snapshot was made from}
 out=${OUT:?OUT: the folder the device tool brings back}
 model=${MODEL:-llama-1b}  # MODEL=tiny: a quick check of this script on a CPU
@@ -39,17 +35,6 @@ batch)
     run 90 staggered.log "${bg[@]}" --sizes 64 --staggered --label "gpu-bg-staggered-$sha"
     run 100 step.log python3 -m bench.batch_step --model "$model" --rows 64 --steps 64
     ;;
-compile)
-    run 150 step.log python3 -m bench.batch_step --model "$model" --rows 64 --steps 64
-    run 100 greedy-uncompiled.log "${bg[@]}" --sizes 64 --label "gpu-bg-uncompiled-$sha"
-    MLXQ_COMPILE_DECODE=true run 100 greedy-compiled.log "${bg[@]}" --sizes 64 --label "gpu-bg-compiled-$sha"
-    ;;
-fused)
-    run 60 launch.log python3 -m bench.launch_probe --rows 64
-    run 150 step.log python3 -m bench.batch_step --model "$model" --rows 64 --steps 64
-    MLXQ_FUSED_KERNELS=false run 100 greedy-unfused.log "${bg[@]}" --sizes 64 --label "gpu-bg-unfused-$sha"
-    run 100 greedy-fused.log "${bg[@]}" --sizes 64 --label "gpu-bg-fused-$sha"
-    ;;
 backlog)
     run 170 backlog-join1.log "${bg[@]}" --sizes 256 --staggered --label "gpu-bg-backlog-$sha"
     MLXQ_BATCH_MIN_JOIN=8 run 170 backlog-join8.log "${bg[@]}" --sizes 256 --staggered \
@@ -60,10 +45,10 @@ suite)
         --only generation,diagnostics,prefill,scoring,warm_cache,queue
     ;;
 *)
-    echo "unknown set: $set_name (batch, compile, fused, backlog or suite)" >&2
+    echo "unknown set: $set_name (batch, backlog or suite)" >&2
     exit 2
     ;;
 esac
 # The tables (the runs' .md files; batch_step prints only to its log), for the call's output tail.
-grep -hE '^\| (queue|engine|mlx|hand|DecodeBatch|graph|[0-9.]+ \|)|MISSED|met \|' "$out"/*.md "$out"/step.log "$out"/launch.log \
+grep -hE '^\| (queue|engine|mlx|hand|DecodeBatch|graph|[0-9.]+ \|)|MISSED|met \|' "$out"/*.md "$out"/step.log \
     2>/dev/null | head -80

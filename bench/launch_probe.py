@@ -7,10 +7,8 @@ A batched decode step on MLX's CUDA build is host-bound (`bench.batch_step`: ~5 
 sizes, `--calls` independent calls evaluated by one `async_eval` with the device idle: graph building
 (Python), launch (MLX's evaluation on the host), and what the device still runs afterwards, each per
 call (median over `--repeats`). Kinds: a matmul (rows x 2048 @ 2048 x 2048), an elementwise add, RoPE,
-MLX's attention over a slice of the cache, the same with a boolean mask, mlxq's ragged-attention
-kernel (`worker.ragged_attention`, CUDA only), a residual add and RMS norm as two ops and as mlxq's
-kernel, silu(gate) * up as ops and as mlxq's kernel (`worker.fused_ops`, CUDA only; their results are
-compared with the ops'). Prints a table; writes nothing.
+MLX's attention over a slice of the cache, the same with a boolean mask, and mlxq's ragged-attention
+kernel (`worker.ragged_attention`, CUDA only). Prints a table; writes nothing.
 """
 
 from __future__ import annotations
@@ -21,11 +19,10 @@ import time
 from collections.abc import Callable
 
 import mlx.core as mx
-import mlx.nn as nn
 
-from worker import fused_ops, ragged_attention
+from worker import ragged_attention
 
-HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER = 2048, 32, 8, 64, 8192
+HIDDEN, HEADS, KV_HEADS, HEAD_DIM = 2048, 32, 8, 64
 
 
 def _time(build: Callable[[], list[mx.array]], calls: int, repeats: int) -> tuple[float, float, float]:
@@ -82,29 +79,6 @@ def main(argv: list[str] | None = None) -> int:
             for _ in range(n)
         ],
     }
-    norm = nn.RMSNorm(HIDDEN)
-    norm.weight = (1 + 0.1 * mx.random.normal((HIDDEN,))).astype(dt)
-    gate_up = mx.random.normal((b, 1, 2 * INTER)).astype(dt)
-    mx.eval(norm.weight, gate_up)
-    kinds["add, then rms_norm (two ops)"] = lambda: [
-        a for _ in range(n) for a in fused_ops.add_rms_norm(x, x, norm, False)
-    ]
-    kinds["silu(gate) * up (nn.silu, multiply)"] = lambda: [
-        fused_ops.swiglu(gate_up, False) for _ in range(n)
-    ]
-    if fused_ops.available():  # the kernels, and how far their results are from the ops'
-        kinds["mlxq add_rms_norm kernel"] = lambda: [
-            a for _ in range(n) for a in fused_ops.add_rms_norm(x, x, norm, True)
-        ]
-        kinds["mlxq swiglu kernel"] = lambda: [fused_ops.swiglu(gate_up, True) for _ in range(n)]
-        for name, (want, got) in {
-            "add_rms_norm sum": (x + x, fused_ops.add_rms_norm(x, x, norm, True)[0]),
-            "add_rms_norm normed": (norm(x + x), fused_ops.add_rms_norm(x, x, norm, True)[1]),
-            "swiglu": (fused_ops.swiglu(gate_up, False), fused_ops.swiglu(gate_up, True)),
-        }.items():
-            diff = mx.abs(want.astype(mx.float32) - got.astype(mx.float32))
-            scale = mx.abs(want.astype(mx.float32)).max()
-            print(f"{name}: kernel vs ops, max abs diff {diff.max().item():.3g} of {scale.item():.3g}")
     if ragged_attention.available():
         rows = ragged_attention.RaggedRows(starts, end, cap)
         kinds["mlxq ragged-attention kernel"] = lambda: [

@@ -28,8 +28,6 @@ from jobs.schema import (
     Usage,
 )
 
-from . import fused_ops
-from .compiled_step import CompiledStep
 from .detokenizer import IncrementalDetokenizer
 from .generate import GenerationCancelled, decode, pad_shapes_by_default, prefill
 from .loader import load_model, resolve_model_path
@@ -58,8 +56,6 @@ class EngineOptions:
     max_score_rows: int = 64
     max_score_candidates: int = 26
     pad_shapes: bool | None = None  # None: on a GPU only (see `generate.padded_size`)
-    compile_decode: bool = False  # a generation batch's decode step through `compiled_step.CompiledStep`
-    fused_kernels: bool | None = None  # None: where they run, MLX's CUDA build (see `fused_ops.py`)
 
 
 class Engine:
@@ -80,10 +76,6 @@ class Engine:
         )
         self.pad_shapes = pad_shapes_by_default() if options.pad_shapes is None else options.pad_shapes
         model.bucket_keys = self.pad_shapes  # attention over a cached prefix: few key shapes too
-        fused = fused_ops.available() if options.fused_kernels is None else options.fused_kernels
-        model.fused_kernels = fused and model.layers[0].mlp.gate_up_proj is not None  # not quantized
-        # A generation batch's decode step, compiled once for the engine's life (its traces are kept).
-        self.decode_step = CompiledStep(model) if options.compile_decode else None
 
     @classmethod
     def load(cls, model: str, options: EngineOptions | None = None) -> Engine:

@@ -14,7 +14,6 @@ import mlx.core as mx
 
 from . import ragged_attention
 from .batch_cache import BatchKVCache, PrefillRowsCache, prefill_mask
-from .compiled_step import CompiledStep
 from .kv_cache import KVCache
 from .sampler import Sampler, SamplerRows
 
@@ -197,22 +196,13 @@ class DecodeBatch:
     not at every departure and arrival. `slots` maps each live row to its row of the buffers.
 
     With `ragged_kernel` (default: where it runs, MLX's CUDA build) rows of different lengths attend
-    through `ragged_attention.decode_attention` instead of MLX's attention with a mask. With `compiled`
-    (the engine's `decode_step`, off by default) each step runs through that `compiled_step.CompiledStep`,
-    traced once per shape for the engine's life.
+    through `ragged_attention.decode_attention` instead of MLX's attention with a mask.
     """
 
-    def __init__(
-        self,
-        model: Any,
-        pad_shapes: bool = False,
-        ragged_kernel: bool | None = None,
-        compiled: CompiledStep | None = None,
-    ) -> None:
+    def __init__(self, model: Any, pad_shapes: bool = False, ragged_kernel: bool | None = None) -> None:
         self.model = model
         self.pad_shapes = pad_shapes
         self.ragged_kernel = ragged_attention.available() if ragged_kernel is None else ragged_kernel
-        self.compiled = compiled
         self.cache = [BatchKVCache() for _ in model.layers]
         self.rows: SamplerRows | None = None  # the live rows' samplers, in row order
         self._pending: mx.array | None = None  # (B,) each row's sampled token, not fed to the model yet
@@ -259,16 +249,14 @@ class DecodeBatch:
         """Feed every row's pending token, queue the next ones, and return the fed tokens (one per row)."""
         if self._pending is None:
             raise ValueError("an empty batch has no step to take")
+        mask = self._step_mask()
         fed = self._pending
         if self._slot_index is not None:  # live rows scattered among idle ones
             fed = mx.zeros((self.cache[0].batch,), dtype=fed.dtype)
             fed[self._slot_index] = self._pending
         elif self._idle:
             fed = mx.concatenate([fed, mx.zeros((self._idle,), dtype=fed.dtype)])
-        if self.compiled is not None:
-            logits = self.compiled(fed, self.cache)
-        else:
-            logits = self.model(fed[:, None], cache=self.cache, mask=self._step_mask())[:, -1, :]
+        logits = self.model(fed[:, None], cache=self.cache, mask=mask)[:, -1, :]
         logits = logits[: len(self)] if self._slot_index is None else logits[self._slot_index]
         assert self.rows is not None
         next_tokens = self.rows.sample(logits)

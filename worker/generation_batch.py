@@ -94,7 +94,7 @@ class GenerationBatch:
         self.waiting: list[_Sequence] = []
         self.prefilling: _Sequence | None = None
         self.decoding: list[_Sequence] = []  # in the order of the decode batch's rows
-        self.decode = self._new_decode_batch()
+        self.decode = DecodeBatch(engine.model, engine.pad_shapes)
         self.steps = 0
 
     def __len__(self) -> int:
@@ -124,9 +124,6 @@ class GenerationBatch:
             self._decode_step(finished)
         self.steps += 1
         return finished
-
-    def _new_decode_batch(self) -> DecodeBatch:
-        return DecodeBatch(self.engine.model, self.engine.pad_shapes, compiled=self.engine.decode_step)
 
     # --- admission ----------------------------------------------------------------------------
 
@@ -296,7 +293,7 @@ class GenerationBatch:
         except Exception as e:  # the shared forward failed: no row can go on
             log.exception("batched decode step failed rows=%d", len(self.decoding))
             finished.extend(Finished(seq.key, error=e) for seq in self.decoding)
-            self.decoding, self.decode = [], self._new_decode_batch()
+            self.decoding, self.decode = [], DecodeBatch(self.engine.model, self.engine.pad_shapes)
             return
         leaving: list[tuple[int, FinishReason | BaseException]] = []
         for i, (seq, token) in enumerate(zip(self.decoding, tokens, strict=True)):

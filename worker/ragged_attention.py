@@ -116,13 +116,10 @@ class RaggedRows:
     """What a decode step's attention needs to know of a left-padded batch, built once per step and
     passed to the model in place of a mask: each row's first column and the columns written."""
 
-    def __init__(self, starts: mx.array, end: int | mx.array, capacity: int) -> None:
+    def __init__(self, starts: mx.array, end: int, capacity: int) -> None:
         self.starts = starts  # (B,) int32
-        self.end = end  # columns written, this step's new one included: an int, or (1,) in a compiled step
-        if isinstance(end, int):
-            self.meta = mx.array([end, capacity], dtype=mx.int32)
-        else:
-            self.meta = mx.concatenate([end.astype(mx.int32), mx.array([capacity], dtype=mx.int32)])
+        self.end = end  # columns written, this step's new one included
+        self.meta = mx.array([end, capacity], dtype=mx.int32)
 
 
 def decode_attention(
@@ -146,12 +143,7 @@ def decode_attention(
 
 
 def _masked(q: mx.array, keys: mx.array, values: mx.array, rows: RaggedRows, scale: float) -> mx.array:
-    """The same attention through MLX: each row's columns before its start masked (with `end` an array,
-    as in a compiled step, the whole buffers are read and the columns from `end` on masked too)."""
-    if isinstance(rows.end, int):
-        visible = mx.arange(rows.end)[None, :] >= rows.starts[:, None]
-        keys, values = keys[..., : rows.end, :], values[..., : rows.end, :]
-    else:
-        columns = mx.arange(keys.shape[2], dtype=mx.int32)[None, :]
-        visible = (columns >= rows.starts[:, None]) & (columns < rows.end)
-    return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=visible[:, None, None, :])
+    """The same attention through MLX: each row's columns before its start masked."""
+    visible = mx.arange(rows.end)[None, :] >= rows.starts[:, None]
+    k, v = keys[..., : rows.end, :], values[..., : rows.end, :]
+    return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=visible[:, None, None, :])

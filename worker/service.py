@@ -74,8 +74,6 @@ class WorkerService:
                     prefix_cache_bytes=settings.prefix_cache_bytes,
                     max_score_rows=settings.max_score_rows,
                     max_score_candidates=settings.max_score_candidates,
-                    compile_decode=settings.compile_decode,
-                    fused_kernels=settings.fused_kernels,
                 ),
             )
         stream_options = StreamOptions(

@@ -52,15 +52,6 @@ class WorkerSettings(BaseSettings):
         description="free rows a generation batch at least half full waits for (16 steps at most) before "
         "claiming more generation jobs, so they prefill together; 1: claim as soon as a row is free",
     )
-    fused_kernels: bool | None = Field(
-        default=None,
-        description="each layer's residual adds with their norms, and silu(gate) * up, as CUDA kernels; "
-        "unset: on MLX's CUDA build",
-    )
-    compile_decode: bool = Field(
-        default=False,
-        description="compile a generation batch's decode step (mx.compile); measured slower on CUDA",
-    )
     max_score_rows: int = Field(default=64, ge=1, description="rows one score job may have")
     max_score_candidates: int = Field(default=26, ge=1, description="candidates one score row may have")
 

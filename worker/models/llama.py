@@ -16,8 +16,6 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..errors import CheckpointError, UnsupportedArchitecture
-from ..fused_ops import add_rms_norm, swiglu
-from ..fused_ops import available as fused_ops_available
 from ..kv_cache import KVCache, key_columns
 from ..ragged_attention import RaggedRows, decode_attention
 from ..rope import make_rope
@@ -169,10 +167,11 @@ class MLP(nn.Module):
         if self.gate_up_proj is None:
             self.gate_up_proj = _fuse_linears(self, ["gate_proj", "up_proj"])
 
-    def __call__(self, x: mx.array, fused: bool = False) -> mx.array:
-        """`fused`: silu(gate) * up as one CUDA kernel (`fused_ops.swiglu`)."""
+    def __call__(self, x: mx.array) -> mx.array:
         if self.gate_up_proj is not None:
-            return self.down_proj(swiglu(self.gate_up_proj(x), fused))
+            gate_up = self.gate_up_proj(x)
+            half = gate_up.shape[-1] // 2
+            return self.down_proj(nn.silu(gate_up[..., :half]) * gate_up[..., half:])
         return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -213,22 +212,15 @@ class TransformerBlock(nn.Module):
     def __call__(
         self,
         x: mx.array,
-        normed: mx.array,
-        next_norm: nn.RMSNorm,
         mask: Mask,
         cache: KVCache | None,
         last: int | None = None,
         columns: int | None = None,
-        fused: bool = False,
-    ) -> tuple[mx.array, mx.array]:
-        """The block's output for every position (or with `last` for that position only), and that
-        output normalized by `next_norm` (the next block's input norm, or the final norm). `normed` is
-        `x` through this block's input norm (the block before computed it with its own residual add).
-        `fused`: each residual add and the norm after it as one CUDA kernel (`fused_ops`)."""
-        attn = self.self_attn(normed, mask, cache, last, columns)
-        x = x if last is None else x[:, last : last + 1]
-        h, normed = add_rms_norm(x, attn, self.post_attention_layernorm, fused)
-        return add_rms_norm(h, self.mlp(normed, fused), next_norm, fused)
+    ) -> mx.array:
+        """The block's output for every position, or with `last` for that position only."""
+        attn = self.self_attn(self.input_layernorm(x), mask, cache, last, columns)
+        h = (x if last is None else x[:, last : last + 1]) + attn
+        return h + self.mlp(self.post_attention_layernorm(h))
 
 
 def _mask_for_one_query(mask: Mask, last: int, n: int, cache: KVCache | None) -> Mask:
@@ -274,7 +266,6 @@ class LlamaModel(nn.Module):
         self.layers = [TransformerBlock(args) for _ in range(args.num_hidden_layers)]
         self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.bucket_keys = False
-        self.fused_kernels = False  # set by the engine where `fused_ops` runs (MLX's CUDA build)
 
     def __call__(
         self,
@@ -294,15 +285,12 @@ class LlamaModel(nn.Module):
         columns = None
         if self.bucket_keys and mask is None and (bucketed := _bucketed_keys(inputs, caches, h.dtype)):
             columns, layer_mask = bucketed
-        fused = self.fused_kernels
-        normed = self.layers[0].input_layernorm(h)
-        following = [layer.input_layernorm for layer in self.layers[1:]]
-        for layer, c, norm in zip(self.layers[:-1], caches[:-1], following, strict=True):
-            h, normed = layer(h, normed, norm, layer_mask, c, columns=columns, fused=fused)
+        for layer, c in zip(self.layers[:-1], caches[:-1], strict=True):
+            h = layer(h, layer_mask, c, columns=columns)
         if last is not None:
             layer_mask = _mask_for_one_query(layer_mask, last, inputs.shape[1], caches[-1])
-        _, normed = self.layers[-1](h, normed, self.norm, layer_mask, caches[-1], last, columns, fused)
-        return normed
+        h = self.layers[-1](h, layer_mask, caches[-1], last, columns)
+        return self.norm(h)
 
 
 class Model(nn.Module):
@@ -357,17 +345,6 @@ class Model(nn.Module):
     @bucket_keys.setter
     def bucket_keys(self, on: bool) -> None:
         self.model.bucket_keys = on
-
-    @property
-    def fused_kernels(self) -> bool:
-        """Whether residual adds with their norms, and silu(gate) * up, run as `fused_ops` kernels."""
-        return self.model.fused_kernels
-
-    @fused_kernels.setter
-    def fused_kernels(self, on: bool) -> None:
-        if on and not fused_ops_available():
-            raise ValueError("fused kernels need MLX's CUDA build and a GPU as the default device")
-        self.model.fused_kernels = on
 
     @property
     def layers(self) -> list[TransformerBlock]:
