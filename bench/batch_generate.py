@@ -2,7 +2,7 @@
 
     python -m bench.batch_generate [--model tiny|llama-1b|PATH] [--sizes 1,8,32,64] [--max-tokens 64]
         [--staggered] [--batch N] [--redis-url URL|private] [--out DIR --label NAME] [--no-inproc]
-        [--no-alone]
+        [--no-alone] [--repeats R]
 
 For each size N the same N jobs run
 - through the queue, one at a time: one real worker (`bench.worker_proc`, i.e. `mlxq worker` plus
@@ -26,7 +26,10 @@ run; `--no-alone` skips the one-at-a-time worker, which dominates such runs. "ag
 tokens over enqueue (or call) → last job done, prefill included; "decode tok/s" is the tokens that
 arrived after every job had its first token, over that window (the steady batched decode). Each worker
 first runs every size once with 4 tokens (new shapes compile once per process), then the measured runs.
-All paths keep the same MLX buffer cache (`--mlx-cache-limit`, the worker's setting; the in-process paths
+With `--repeats R` every path runs R times, in turns (all workers and the in-process models stay
+loaded): on a host whose speed drifts between minutes (the lent GPU's, by up to 2x) one pass per path
+compares moments, not paths. A summary then gives each path's median (min-max) and its ratio to
+mlx-lm's run of the same repetition. All paths keep the same MLX buffer cache (`--mlx-cache-limit`, the worker's setting; the in-process paths
 set it too, so the comparison is like for like).
 The batched worker's phase timers (`bench/worker_proc.py`: batch steps, prefill, forward, stream
 flushes, the per-step `flush_streams` pipeline and its XADD count, claims, retire) split its wall
@@ -44,7 +47,7 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -91,6 +94,7 @@ class Run:
     prompt_tokens: list[int] = field(default_factory=list)
     phases: dict[str, float] = field(default_factory=dict)  # the worker's timers (queue paths)
     same_rows: int | None = None  # rows whose token ids equal the one-at-a-time run's
+    rep: int = 0  # which repetition (`--repeats`)
 
     @property
     def tokens_per_s(self) -> float:
@@ -326,7 +330,7 @@ def run_mlx_lm_batch(
     all_started = max(first.values())
     window_tokens, window_s = _decode_window(arrivals, all_started, end)
     return Run(
-        mode="mlx-lm BatchGenerator",
+        mode=_MLX_LM,
         jobs=len(prompts),
         wall_s=end - t0,
         tokens=sum(len(v) for v in out.values()),
@@ -349,23 +353,68 @@ def _pct(xs: list[float], q: float) -> float:
 
 def render(runs: list[Run]) -> str:
     head = (
-        "| mode | jobs | prompt tok | tokens | wall s | agg tok/s | x alone | decode tok/s | lat p50 s "
+        "| mode | jobs | rep | prompt tok | tokens | wall s | agg tok/s | x alone | decode tok/s | lat p50 s "
         "| lat max s | TTFT p50 s | TTFT max s | same ids |"
     )
     lines = [head, "|" + " --- |" * (head.count("|") - 1)]
-    alone = {r.jobs: r for r in runs if r.mode == "queue, one at a time"}
+    alone = {(r.jobs, r.rep): r for r in runs if r.mode == "queue, one at a time"}
     for r in runs:
-        base = alone.get(r.jobs)
+        base = alone.get((r.jobs, r.rep))
         speedup = f"{r.tokens_per_s / base.tokens_per_s:.2f}" if base else "-"
         same = "-" if r.same_rows is None else f"{r.same_rows}/{r.jobs}"
         dec = r.decode_tokens_per_s
         lines.append(
-            f"| {r.mode} | {r.jobs} | {statistics.mean(r.prompt_tokens):.0f} | {r.tokens} | {r.wall_s:.2f} "
-            f"| {r.tokens_per_s:,.0f} | {speedup} | {'-' if dec is None else f'{dec:,.0f}'} "
+            f"| {r.mode} | {r.jobs} | {r.rep} | {statistics.mean(r.prompt_tokens):.0f} | {r.tokens} "
+            f"| {r.wall_s:.2f} | {r.tokens_per_s:,.0f} | {speedup} | {'-' if dec is None else f'{dec:,.0f}'} "
             f"| {statistics.median(r.latencies):.2f} | {max(r.latencies):.2f} "
             f"| {statistics.median(r.ttfts) if r.ttfts else float('nan'):.3f} "
             f"| {max(r.ttfts) if r.ttfts else float('nan'):.3f} | {same} |"
         )
+    return "\n".join(lines)
+
+
+_MLX_LM = "mlx-lm BatchGenerator"
+
+
+def summary(runs: list[Run]) -> list[dict[str, Any]]:
+    """Per (jobs, mode) over the repetitions: aggregate tok/s (median, min, max), decode-window tok/s
+    (median), and the ratio to mlx-lm's run of the same repetition (median, min, max)."""
+    groups: dict[tuple[int, str], list[Run]] = {}
+    for r in runs:
+        groups.setdefault((r.jobs, r.mode), []).append(r)
+    mlx = {(r.jobs, r.rep): r for r in runs if r.mode == _MLX_LM}
+    out = []
+    for (jobs, mode), rs in groups.items():
+        rates = [r.tokens_per_s for r in rs]
+        decode = [d for r in rs if (d := r.decode_tokens_per_s) is not None]
+        ratios = [r.tokens_per_s / mlx[jobs, r.rep].tokens_per_s for r in rs if (jobs, r.rep) in mlx]
+        out.append(
+            {
+                "jobs": jobs,
+                "mode": mode,
+                "runs": len(rs),
+                "tok_s": [statistics.median(rates), min(rates), max(rates)],
+                "decode_tok_s": statistics.median(decode) if decode else None,
+                "vs_mlx_lm": [statistics.median(ratios), min(ratios), max(ratios)] if ratios else None,
+            }
+        )
+    return out
+
+
+def render_summary(runs: list[Run]) -> str:
+    head = (
+        "| jobs | mode | runs | agg tok/s median (min-max) | decode tok/s median "
+        "| x mlx-lm, same repetition: median (min-max) |"
+    )
+    lines = [head, "| --- | --- | --- | --- | --- | --- |"]
+    for row in summary(runs):
+        med, lo, hi = row["tok_s"]
+        dec = "-" if row["decode_tok_s"] is None else f"{row['decode_tok_s']:,.0f}"
+        vs = "-"
+        if row["vs_mlx_lm"] is not None and row["mode"] != _MLX_LM:
+            vs = "{:.2f} ({:.2f}-{:.2f})".format(*row["vs_mlx_lm"])
+        rates = f"{med:,.0f} ({lo:,.0f}-{hi:,.0f})"
+        lines.append(f"| {row['jobs']} | {row['mode']} | {row['runs']} | {rates} | {dec} | {vs} |")
     return "\n".join(lines)
 
 
@@ -395,8 +444,8 @@ def render_phases(runs: list[Run]) -> str:
     if not rows:
         return ""
     names = [c if c == "stream_entries" else f"{c} s (calls)" for c in cols]
-    head = "| jobs | wall s | " + " | ".join(names) + " |"
-    lines = [head, "|" + " --- |" * (len(cols) + 2)]
+    head = "| jobs | rep | wall s | " + " | ".join(names) + " |"
+    lines = [head, "|" + " --- |" * (len(cols) + 3)]
     for r in rows:
         cells = [
             f"{int(r.phases.get(c, 0))}"
@@ -404,7 +453,7 @@ def render_phases(runs: list[Run]) -> str:
             else f"{r.phases.get(c + '_s', 0.0):.3f} ({int(r.phases.get(c, 0))})"
             for c in cols
         ]
-        lines.append(f"| {r.jobs} | {r.wall_s:.2f} | " + " | ".join(cells) + " |")
+        lines.append(f"| {r.jobs} | {r.rep} | {r.wall_s:.2f} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -456,6 +505,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--label", default="batch-generate")
     p.add_argument("--no-inproc", action="store_true", help="skip the in-process engine and mlx-lm paths")
     p.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="run every path this many times, in turns; a summary gives medians and ratios [1]",
+    )
+    p.add_argument(
         "--no-alone", action="store_true", help="skip the one-at-a-time worker (no `x alone`, no `same ids`)"
     )
     p.add_argument(
@@ -492,48 +547,58 @@ def run(args: argparse.Namespace) -> int:
         "batch": batch,
     }
     modes = [("queue, one at a time", 1)] if not args.no_alone else []
-    for mode, max_batch in (*modes, (f"queue, batched ({batch})", batch)):
-        worker = BenchWorker(
-            model,
-            args.redis_url,
-            workdir,
-            f"gen{max_batch}",
-            env={
-                "MLXQ_MAX_BATCH_SEQUENCES": str(max_batch),
-                "MLXQ_MLX_CACHE_LIMIT_BYTES": str(args.mlx_cache_limit),
-            },
-        )
-        try:
+    workers: dict[str, BenchWorker] = {}
+    try:
+        for mode, max_batch in (*modes, (f"queue, batched ({batch})", batch)):
+            worker = BenchWorker(
+                model,
+                args.redis_url,
+                workdir,
+                f"gen{max_batch}",
+                env={
+                    "MLXQ_MAX_BATCH_SEQUENCES": str(max_batch),
+                    "MLXQ_MLX_CACHE_LIMIT_BYTES": str(args.mlx_cache_limit),
+                },
+            )
+            workers[mode] = worker
             worker.start().wait_ready(600)
             t_warm = time.perf_counter()
             for n in sizes:  # every batch and prompt shape once, so the measured runs compile nothing new
                 warm = _payloads(n, 4, args.prompt_words, f"warm{n}-", **_sampling(args))
                 run_jobs(worker, warm, mode, args.timeout)
             print(f"{mode}: warm-up {time.perf_counter() - t_warm:.1f}s", file=sys.stderr, flush=True)
+        inproc = None if args.no_inproc else InProcess(model, sizes, batch, args)
+        # Every repetition runs every path once, in turns: the paths compared are measured minutes apart
+        # at most, on a host whose speed drifts (the lent GPU's by up to 2x between minutes).
+        for rep in range(args.repeats):
             for n in sizes:
+                tag = f"size{n}-r{rep}-"  # new prompts each time: no prefix cache hit from a repetition
                 payloads = _payloads(
-                    n, args.max_tokens, args.prompt_words, f"size{n}-", args.staggered, **_sampling(args)
+                    n, args.max_tokens, args.prompt_words, tag, args.staggered, **_sampling(args)
                 )
-                runs.append(run_jobs(worker, payloads, mode, args.timeout))
-                print(f"{mode} jobs={n}: {runs[-1].tokens_per_s:,.0f} tok/s", file=sys.stderr, flush=True)
-        finally:
+                for mode, worker in workers.items():
+                    runs.append(replace(run_jobs(worker, payloads, mode, args.timeout), rep=rep))
+                    print(f"{mode} jobs={n}: {runs[-1].tokens_per_s:,.0f} tok/s", file=sys.stderr, flush=True)
+                if inproc is not None:
+                    runs += [replace(r, rep=rep) for r in inproc.run(payloads, n)]
+    finally:
+        for worker in workers.values():
             worker.stop()
             worker.queue.delete(delete_jobs=True)
-    if not args.no_inproc:
-        runs += _inproc(model, sizes, batch, args)
-    alone = {r.jobs: r for r in runs if r.mode == "queue, one at a time"}
+    alone = {(r.jobs, r.rep): r for r in runs if r.mode == "queue, one at a time"}
     for r in runs:
-        base = alone.get(r.jobs)
+        base = alone.get((r.jobs, r.rep))
         if base is not None and base is not r:
             r.same_rows = sum(a == b for a, b in zip(base.token_ids, r.token_ids, strict=True))
-    order = {"queue, one at a time": 0, "mlx-lm BatchGenerator": 3, "engine GenerationBatch (no queue)": 2}
-    runs.sort(key=lambda r: (r.jobs, order.get(r.mode, 1)))
+    order = {"queue, one at a time": 0, _MLX_LM: 3, "engine GenerationBatch (no queue)": 2}
+    runs.sort(key=lambda r: (r.jobs, r.rep, order.get(r.mode, 1)))
     text = (
         f"model={args.model} max_tokens={args.max_tokens}{' (staggered)' if args.staggered else ''} "
         f"prompt_words={args.prompt_words} batch={batch} mlx_cache_limit={args.mlx_cache_limit:,} "
-        f"temperature={args.temperature} top_p={args.top_p} "
+        f"temperature={args.temperature} top_p={args.top_p} repeats={args.repeats} "
         "(latency and TTFT from enqueue, or from the call in this process)\n\n"
         + render(runs)
+        + ("\n\n" + render_summary(runs) if args.repeats > 1 else "")
         + "\n\nBatched worker, phase timers (seconds, calls):\n\n"
         + render_phases(runs)
     )
@@ -549,6 +614,7 @@ def run(args: argparse.Namespace) -> int:
             d["decode_tokens_per_s"] = r.decode_tokens_per_s
             rows.append(d)
         result["runs"] = rows
+        result["summary"] = summary(runs)
         (out / f"{args.label}.json").write_text(json.dumps(result, indent=1))
         (out / f"{args.label}.md").write_text(text + "\n")
     return 0
@@ -558,43 +624,43 @@ def _sampling(args: argparse.Namespace) -> dict[str, float]:
     return {"temperature": args.temperature, "top_p": args.top_p}
 
 
-def _inproc(model: str, sizes: list[int], batch: int, args: argparse.Namespace) -> list[Run]:
-    """The engine's GenerationBatch and mlx-lm's BatchGenerator in this process, warmed up the same way."""
-    import mlx.core as mx
-    from mlx.utils import tree_flatten
+class InProcess:
+    """The engine's GenerationBatch and mlx-lm's BatchGenerator in this process, warmed up as the workers
+    are (every size once with 4 tokens)."""
 
-    from jobs.schema import GenerateRequest
-    from worker.engine import Engine
+    def __init__(self, model: str, sizes: list[int], batch: int, args: argparse.Namespace) -> None:
+        import mlx.core as mx
+        from mlx.utils import tree_flatten
 
-    from .baseline import MlxLm
+        from worker.engine import Engine
 
-    mx.set_cache_limit(args.mlx_cache_limit)  # as the workers do (`WorkerService.start`)
-    engine = Engine.load(model)
-    dtype = next(v.dtype for _, v in tree_flatten(engine.model.parameters()))
-    try:
-        mlxlm: MlxLm | None = MlxLm.load(model, dtype)
-    except ImportError as e:
-        print(f"mlx-lm not installed, its path skipped ({e})", file=sys.stderr)
-        mlxlm = None
-    runs: list[Run] = []
-    for n in sizes:  # warm-up, as for the workers
-        warm = _payloads(n, 4, args.prompt_words, f"warm{n}-", **_sampling(args))
-        run_engine_batch(engine, warm, min(n, batch))
-        if mlxlm is not None:
-            prompts = [engine.prompt_tokens(GenerateRequest(**p)) for p in warm]
-            run_mlx_lm_batch(mlxlm.model, prompts, [4] * len(warm), batch, **_sampling(args))
-    for n in sizes:
-        payloads = _payloads(
-            n, args.max_tokens, args.prompt_words, f"size{n}-", args.staggered, **_sampling(args)
-        )
-        runs.append(run_engine_batch(engine, payloads, min(n, batch)))
-        print(f"engine jobs={n}: {runs[-1].tokens_per_s:,.0f} tok/s", file=sys.stderr, flush=True)
-        if mlxlm is not None:
-            prompts = [engine.prompt_tokens(GenerateRequest(**p)) for p in payloads]
+        from .baseline import MlxLm
+
+        mx.set_cache_limit(args.mlx_cache_limit)  # as the workers do (`WorkerService.start`)
+        self.engine = Engine.load(model)
+        self.batch, self.args = batch, args
+        dtype = next(v.dtype for _, v in tree_flatten(self.engine.model.parameters()))
+        try:
+            self.mlxlm: MlxLm | None = MlxLm.load(model, dtype)
+        except ImportError as e:
+            print(f"mlx-lm not installed, its path skipped ({e})", file=sys.stderr)
+            self.mlxlm = None
+        for n in sizes:
+            self.run(_payloads(n, 4, args.prompt_words, f"warm{n}-", **_sampling(args)), n, quiet=True)
+
+    def run(self, payloads: list[dict[str, Any]], n: int, quiet: bool = False) -> list[Run]:
+        from jobs.schema import GenerateRequest
+
+        runs = [run_engine_batch(self.engine, payloads, min(n, self.batch))]
+        if self.mlxlm is not None:
+            prompts = [self.engine.prompt_tokens(GenerateRequest(**p)) for p in payloads]
             lengths = [p["max_tokens"] for p in payloads]
-            runs.append(run_mlx_lm_batch(mlxlm.model, prompts, lengths, batch, **_sampling(args)))
-            print(f"mlx-lm jobs={n}: {runs[-1].tokens_per_s:,.0f} tok/s", file=sys.stderr, flush=True)
-    return runs
+            sampling = _sampling(self.args)
+            runs.append(run_mlx_lm_batch(self.mlxlm.model, prompts, lengths, self.batch, **sampling))
+        if not quiet:
+            for r in runs:
+                print(f"{r.mode} jobs={n}: {r.tokens_per_s:,.0f} tok/s", file=sys.stderr, flush=True)
+        return runs
 
 
 if __name__ == "__main__":

@@ -17,7 +17,8 @@ sha=${2:?the commit the snapshot was made from}
 out=${OUT:?OUT: the folder the device tool brings back}
 model=${MODEL:-llama-1b}  # MODEL=tiny: a quick check of this script on a CPU
 export MLXQ_BENCH_COMMIT=$sha
-bg=(python3 -m bench.batch_generate --model "$model" --batch 64 --max-tokens 128 --prompt-words 48 --no-alone --out "$out")
+bg=(python3 -m bench.batch_generate --model "$model" --batch 64 --max-tokens 128 --prompt-words 48 --no-alone --out "$out"
+    --repeats "${REPEATS:-3}")
 
 run() {  # run SECONDS LOG COMMAND...: one run, its output in $out/LOG
     local seconds=$1 log=$2
@@ -30,7 +31,7 @@ python3 -c "from bench.checkpoints import checkpoint; from pathlib import Path; 
 checkpoint('$model', Path.home() / '.cache/mlxq/bench-models')"
 case $set_name in
 batch)
-    run 140 greedy.log "${bg[@]}" --sizes 1,8,32,64 --label "gpu-bg-$sha"
+    run 170 greedy.log "${bg[@]}" --sizes 1,8,32,64 --label "gpu-bg-$sha"
     run 90 sampled.log "${bg[@]}" --sizes 64 --temperature 0.8 --top-p 0.95 --label "gpu-bg-sampled-$sha"
     run 90 staggered.log "${bg[@]}" --sizes 64 --staggered --label "gpu-bg-staggered-$sha"
     run 100 step.log python3 -m bench.batch_step --model "$model" --rows 64 --steps 64
