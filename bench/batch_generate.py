@@ -25,12 +25,14 @@ free up; mlx-lm with `completion_batch_size=--batch`), so rows join while others
 run; `--no-alone` skips the one-at-a-time worker, which dominates such runs. "agg tok/s" is all generated
 tokens over enqueue (or call) → last job done, prefill included; "decode tok/s" is the tokens that
 arrived after every job had its first token, over that window (the steady batched decode). Each worker
-first runs every size once with 4 tokens (new shapes compile once per process), then the measured runs.
+first runs every size once as measured (same lengths, other prompts: every shape a run meets, buffer
+growth and departures included, is compiled once per process; warm-ups of 4 tokens left some to the
+first measured run, on the GPU up to 2x slower than the next), then the measured runs.
 With `--repeats R` every path runs R times, in turns (all workers and the in-process models stay
 loaded): on a host whose speed drifts between minutes (the lent GPU's, by up to 2x) one pass per path
 compares moments, not paths. A summary then gives each path's median (min-max) and its ratio to
-mlx-lm's run of the same repetition. All paths keep the same MLX buffer cache (`--mlx-cache-limit`, the worker's setting; the in-process paths
-set it too, so the comparison is like for like).
+mlx-lm's run of the same repetition. All paths keep the same MLX buffer cache (`--mlx-cache-limit`, the
+worker's setting; the in-process paths set it too, so the comparison is like for like).
 The batched worker's phase timers (`bench/worker_proc.py`: batch steps, prefill, forward, stream
 flushes, the per-step `flush_streams` pipeline and its XADD count, claims, retire) split its wall
 time. `--out` writes `LABEL.json` and `LABEL.md`.
@@ -564,7 +566,7 @@ def run(args: argparse.Namespace) -> int:
             worker.start().wait_ready(600)
             t_warm = time.perf_counter()
             for n in sizes:  # every batch and prompt shape once, so the measured runs compile nothing new
-                warm = _payloads(n, 4, args.prompt_words, f"warm{n}-", **_sampling(args))
+                warm = _warm_payloads(n, args)
                 run_jobs(worker, warm, mode, args.timeout)
             print(f"{mode}: warm-up {time.perf_counter() - t_warm:.1f}s", file=sys.stderr, flush=True)
         inproc = None if args.no_inproc else InProcess(model, sizes, batch, args)
@@ -620,13 +622,17 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _warm_payloads(n: int, args: argparse.Namespace) -> list[dict[str, Any]]:
+    return _payloads(n, args.max_tokens, args.prompt_words, f"warm{n}-", args.staggered, **_sampling(args))
+
+
 def _sampling(args: argparse.Namespace) -> dict[str, float]:
     return {"temperature": args.temperature, "top_p": args.top_p}
 
 
 class InProcess:
     """The engine's GenerationBatch and mlx-lm's BatchGenerator in this process, warmed up as the workers
-    are (every size once with 4 tokens)."""
+    are (every size once, as measured)."""
 
     def __init__(self, model: str, sizes: list[int], batch: int, args: argparse.Namespace) -> None:
         import mlx.core as mx
@@ -646,7 +652,7 @@ class InProcess:
             print(f"mlx-lm not installed, its path skipped ({e})", file=sys.stderr)
             self.mlxlm = None
         for n in sizes:
-            self.run(_payloads(n, 4, args.prompt_words, f"warm{n}-", **_sampling(args)), n, quiet=True)
+            self.run(_warm_payloads(n, args), n, quiet=True)
 
     def run(self, payloads: list[dict[str, Any]], n: int, quiet: bool = False) -> list[Run]:
         from jobs.schema import GenerateRequest
