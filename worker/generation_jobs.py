@@ -2,7 +2,7 @@
 
 After RQ hands over a generation job, the worker keeps a running `GenerationBatch`. Every
 `admit_every` steps (after a look that found nothing to claim, not before `empty_wait_s` has passed:
-each look is a Redis round trip, ~8% of a lone job's decode on a CPU when made every 4 steps), never
+each look is a Redis round trip, ~5% of a lone job's decode on a CPU when made every 4 steps), never
 blocking, it claims more queued generation jobs up to the free slots
 (once enough are free to prefill newcomers together: `JoinGate`; `JobClaimer`, the same Lua move as
 score claims) and admits them while the others decode, their
