@@ -179,6 +179,25 @@ def test_encode_matches_transformers(name: str, add_special_tokens: bool, ours: 
 
 
 @pytest.mark.parametrize("name", NAMES)
+def test_encode_short_remembers_exactly_what_encode_gives(
+    name: str, folders: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`encode_short` (scoring's prompt tails with each candidate) is `encode` without special tokens,
+    remembered for short texts with the least recently used forgotten first; long texts pass through."""
+    import worker.tokenizer as tokenizer_module
+
+    monkeypatch.setattr(tokenizer_module, "_SHORT_TEXTS", 3)
+    tok = Tokenizer.from_dir(folders[name])
+    texts = [" Answer: yes", " Answer: no", "\nAnswer:", " Answer: yes", "x" * 300, " la", " Answer: no"]
+    for text in texts:
+        assert tok.encode_short(text) == tok.encode(text, add_special_tokens=False), text
+    assert list(tok._short) == [" Answer: yes", " la", " Answer: no"]  # 3 kept, the long one never
+    got = tok.encode_short(" la")
+    got.append(-1)  # a caller's list is its own
+    assert tok.encode_short(" la") == tok.encode(" la", add_special_tokens=False)
+
+
+@pytest.mark.parametrize("name", NAMES)
 def test_decode_matches_transformers(name: str, ours: dict, hf: dict) -> None:
     for text in TEXTS:
         ids = hf[name].encode(text)

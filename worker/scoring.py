@@ -49,10 +49,7 @@ def _tail(tokenizer: Tokenizer, prompt: str, base: list[int]) -> str | None:
     if len(base) <= TAIL_TOKENS:
         return None
     tail_text = tokenizer.decode(base[-TAIL_TOKENS:])
-    if (
-        prompt.endswith(tail_text)
-        and tokenizer.encode(tail_text, add_special_tokens=False) == base[-TAIL_TOKENS:]
-    ):
+    if prompt.endswith(tail_text) and tokenizer.encode_short(tail_text) == base[-TAIL_TOKENS:]:
         return tail_text
     return None
 
@@ -73,7 +70,7 @@ def candidate_token_ids(
     # Per candidate: (tokens of prompt+candidate, whether the prompt's own tokens are kept, last id).
     if tail_text is not None:
         # One encode per candidate: a batch call costs more in thread hand-offs than these short texts.
-        tails = [tokenizer.encode(tail_text + c, add_special_tokens=False) for c in candidates]
+        tails = [tokenizer.encode_short(tail_text + c) for c in candidates]
         shape = [
             (len(base) - TAIL_TOKENS + len(ids), ids[:TAIL_TOKENS] == base[-TAIL_TOKENS:], ids[-1])
             for ids in tails

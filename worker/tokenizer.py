@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from functools import cached_property
 from pathlib import Path
@@ -21,6 +22,10 @@ from tokenizers import AddedToken, processors
 
 from .chat_template import SPECIAL_TOKEN_NAMES, ChatTemplate, ChatTemplateError
 from .shared_encoding import SharedPrefixEncoder
+
+# `Tokenizer.encode_short`: texts up to this long are remembered, this many at most (least recent out).
+_SHORT_CHARS = 256
+_SHORT_TEXTS = 8192
 
 log = logging.getLogger(__name__)
 
@@ -104,6 +109,7 @@ class Tokenizer:
         )
         self._set_post_processor(config)
         self.shared_encoder = SharedPrefixEncoder(backend)  # after the post-processor is final
+        self._short: OrderedDict[str, tuple[int, ...]] = OrderedDict()  # `encode_short`'s memory
         self.chat_template = chat_template
         self.byte_level = _is_byte_level(backend.decoder)
 
@@ -184,6 +190,23 @@ class Tokenizer:
         return self._drop_double_bos(
             text, self.shared_encoder.encode(text, add_special_tokens), add_special_tokens
         )
+
+    def encode_short(self, text: str) -> list[int]:
+        """`encode(text, add_special_tokens=False)`, remembered for short texts (least recently used out).
+
+        Scoring encodes each row's prompt tail with every candidate, and rows of one job often end
+        alike (an instruction, then "Answer:"): the same short texts again, each a ~30 us call.
+        """
+        if len(text) > _SHORT_CHARS:
+            return self.encode(text, add_special_tokens=False)
+        ids = self._short.get(text)
+        if ids is None:
+            ids = self._short[text] = tuple(self.encode(text, add_special_tokens=False))
+            if len(self._short) > _SHORT_TEXTS:
+                self._short.popitem(last=False)
+        else:
+            self._short.move_to_end(text)
+        return list(ids)
 
     def _drop_double_bos(self, text: str, ids: list[int], add_special_tokens: bool) -> list[int]:
         if (
