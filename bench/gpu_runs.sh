@@ -5,9 +5,11 @@
 #
 # Run on the device from the snapshot (see bench/README.md "How to run"): call 1 carries .gpu-a, call 2
 # `source .gpu-b/device-setup.sh >/dev/null 2>&1 && cd .bench-src && bash bench/gpu_runs.sh batch SHA`.
-# - batch (~400 s): batch_generate greedy at 1/8/32/64 jobs, sampled (temperature 0.8, top-p 0.95) and
-#   staggered at 64; then bench.batch_step (one decode step split between device syncs);
-# - backlog (~350 s): 256 staggered jobs through 64 rows, with MLXQ_BATCH_MIN_JOIN 1 and 8;
+# - batch (~400-500 s): batch_generate greedy at 1/8/32/64 jobs, sampled (temperature 0.8, top-p 0.95)
+#   and staggered at 64, each REPEATS times in turns (default 3); then bench.batch_step (one decode step
+#   split between device syncs);
+# - backlog (~150-250 s): 256 staggered jobs through 64 rows, with MLXQ_BATCH_MIN_JOIN 1 and 8, once
+#   each unless REPEATS says otherwise;
 # - suite (~560 s): `python3 -m bench` on the 1B shape (issue 5's figures).
 # Each run has its own timeout, so one that hangs cannot take the others' time; a summary of the tables
 # is printed at the end.
@@ -31,14 +33,14 @@ python3 -c "from bench.checkpoints import checkpoint; from pathlib import Path; 
 checkpoint('$model', Path.home() / '.cache/mlxq/bench-models')"
 case $set_name in
 batch)
-    run 170 greedy.log "${bg[@]}" --sizes 1,8,32,64 --label "gpu-bg-$sha"
-    run 90 sampled.log "${bg[@]}" --sizes 64 --temperature 0.8 --top-p 0.95 --label "gpu-bg-sampled-$sha"
-    run 90 staggered.log "${bg[@]}" --sizes 64 --staggered --label "gpu-bg-staggered-$sha"
+    run 220 greedy.log "${bg[@]}" --sizes 1,8,32,64 --label "gpu-bg-$sha"
+    run 110 sampled.log "${bg[@]}" --sizes 64 --temperature 0.8 --top-p 0.95 --label "gpu-bg-sampled-$sha"
+    run 110 staggered.log "${bg[@]}" --sizes 64 --staggered --label "gpu-bg-staggered-$sha"
     run 100 step.log python3 -m bench.batch_step --model "$model" --rows 64 --steps 64
     ;;
 backlog)
-    run 170 backlog-join1.log "${bg[@]}" --sizes 256 --staggered --label "gpu-bg-backlog-$sha"
-    MLXQ_BATCH_MIN_JOIN=8 run 170 backlog-join8.log "${bg[@]}" --sizes 256 --staggered \
+    run 170 backlog-join1.log "${bg[@]}" --repeats "${REPEATS:-1}" --sizes 256 --staggered --label "gpu-bg-backlog-$sha"
+    MLXQ_BATCH_MIN_JOIN=8 run 170 backlog-join8.log "${bg[@]}" --repeats "${REPEATS:-1}" --sizes 256 --staggered \
         --label "gpu-bg-backlog-minjoin8-$sha"
     ;;
 suite)
