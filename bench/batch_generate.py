@@ -521,6 +521,12 @@ def main(argv: list[str] | None = None) -> int:
         help="bytes of freed MLX buffers kept for reuse, in the workers (MLXQ_MLX_CACHE_LIMIT_BYTES) and in "
         "this process alike [the worker's default]",
     )
+    p.add_argument(
+        "--ab-env",
+        default="",
+        help="KEY=VALUE[,KEY=VALUE]: one more batched worker with these settings, run in turns with the "
+        "others; MLXQ_DECODE_OVERLAP=... also runs the in-process engine that way",
+    )
     p.add_argument("--cache-dir", default=str(Path.home() / ".cache" / "mlxq" / "bench-models"))
     args = p.parse_args(argv)
     if args.mlx_cache_limit is None:
@@ -548,18 +554,23 @@ def run(args: argparse.Namespace) -> int:
         "args": {k: v for k, v in vars(args).items() if k != "cache_dir"},
         "batch": batch,
     }
-    modes = [("queue, one at a time", 1)] if not args.no_alone else []
+    modes: list[tuple[str, int, dict[str, str]]] = [] if args.no_alone else [("queue, one at a time", 1, {})]
+    modes.append((f"queue, batched ({batch})", batch, {}))
+    ab = _ab_env(args.ab_env)
+    if ab:
+        modes.append((f"queue, batched ({batch}), {args.ab_env}", batch, ab))
     workers: dict[str, BenchWorker] = {}
     try:
-        for mode, max_batch in (*modes, (f"queue, batched ({batch})", batch)):
+        for n_mode, (mode, max_batch, extra) in enumerate(modes):
             worker = BenchWorker(
                 model,
                 args.redis_url,
                 workdir,
-                f"gen{max_batch}",
+                f"gen{max_batch}-{n_mode}",
                 env={
                     "MLXQ_MAX_BATCH_SEQUENCES": str(max_batch),
                     "MLXQ_MLX_CACHE_LIMIT_BYTES": str(args.mlx_cache_limit),
+                    **extra,
                 },
             )
             workers[mode] = worker
@@ -622,6 +633,14 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _ab_env(spec: str) -> dict[str, str]:
+    """`--ab-env`'s KEY=VALUE pairs."""
+    pairs = [item.split("=", 1) for item in spec.split(",") if item.strip()]
+    if any(len(kv) != 2 or not kv[0].startswith("MLXQ_") for kv in pairs):
+        raise SystemExit(f"--ab-env takes MLXQ_KEY=VALUE[,MLXQ_KEY=VALUE], got {spec!r}")
+    return {k.strip(): v.strip() for k, v in pairs}
+
+
 def _warm_payloads(n: int, args: argparse.Namespace) -> list[dict[str, Any]]:
     return _payloads(n, args.max_tokens, args.prompt_words, f"warm{n}-", args.staggered, **_sampling(args))
 
@@ -655,9 +674,23 @@ class InProcess:
             self.run(_warm_payloads(n, args), n, quiet=True)
 
     def run(self, payloads: list[dict[str, Any]], n: int, quiet: bool = False) -> list[Run]:
+        from concurrent.futures import ThreadPoolExecutor
+
         from jobs.schema import GenerateRequest
 
         runs = [run_engine_batch(self.engine, payloads, min(n, self.batch))]
+        overlap = _ab_env(self.args.ab_env).get("MLXQ_DECODE_OVERLAP")
+        if overlap is not None:  # the same engine, its decode batches overlapping or not
+            default = self.engine.decode_overlap
+            on = overlap.lower() in ("1", "true", "yes", "on")
+            self.engine.decode_overlap = ThreadPoolExecutor(1) if on else None
+            if self.engine.prefix_cache is not None:  # the first run's prompts: no hits for this one
+                self.engine.prefix_cache.evict_all()
+            try:
+                ab = run_engine_batch(self.engine, payloads, min(n, self.batch))
+            finally:
+                self.engine.decode_overlap = default
+            runs.append(replace(ab, mode=f"{ab.mode}, MLXQ_DECODE_OVERLAP={overlap}"))
         if self.mlxlm is not None:
             prompts = [self.engine.prompt_tokens(GenerateRequest(**p)) for p in payloads]
             lengths = [p["max_tokens"] for p in payloads]

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU benchmark runs, in sets that each fit one device call (600 s), results under $OUT.
 #
-#   bash bench/gpu_runs.sh batch|backlog|suite SHA
+#   bash bench/gpu_runs.sh batch|backlog|ab|suite SHA
 #
 # Run on the device from the snapshot (see bench/README.md "How to run"): call 1 carries .gpu-a, call 2
 # `source .gpu-b/device-setup.sh >/dev/null 2>&1 && cd .bench-src && bash bench/gpu_runs.sh batch SHA`.
@@ -10,11 +10,14 @@
 #   split between device syncs);
 # - backlog (~150-250 s): 256 staggered jobs through 64 rows, with MLXQ_BATCH_MIN_JOIN 1 and 8, once
 #   each unless REPEATS says otherwise;
-# - suite (~560 s): `python3 -m bench` on the 1B shape (issue 5's figures).
+# - suite (~560 s): `python3 -m bench` on the 1B shape (issue 5's figures);
+# - ab (~450 s): AB=MLXQ_...=VALUE[,...] (required): a second batched worker with those settings, run in
+#   turns with the default one (and mlx-lm, and the in-process engine, also that way for
+#   MLXQ_DECODE_OVERLAP): greedy and staggered at 64 jobs, REPEATS times; the 256-job backlog once.
 # Each run has its own timeout, so one that hangs cannot take the others' time; a summary of the tables
 # is printed at the end.
 set -u
-set_name=${1:?batch, backlog or suite}
+set_name=${1:?batch, backlog, ab or suite}
 sha=${2:?the commit the snapshot was made from}
 out=${OUT:?OUT: the folder the device tool brings back}
 model=${MODEL:-llama-1b}  # MODEL=tiny: a quick check of this script on a CPU
@@ -43,12 +46,19 @@ backlog)
     MLXQ_BATCH_MIN_JOIN=8 run 170 backlog-join8.log "${bg[@]}" --repeats "${REPEATS:-1}" --sizes 256 --staggered \
         --label "gpu-bg-backlog-minjoin8-$sha"
     ;;
+ab)
+    ab=${AB:?AB: the settings of the second batched worker, e.g. MLXQ_DECODE_OVERLAP=false}
+    run 170 ab-greedy.log "${bg[@]}" --sizes 64 --ab-env "$ab" --label "gpu-ab-$sha"
+    run 150 ab-staggered.log "${bg[@]}" --sizes 64 --staggered --ab-env "$ab" --label "gpu-ab-staggered-$sha"
+    run 150 ab-backlog.log "${bg[@]}" --repeats 1 --sizes 256 --staggered --ab-env "$ab" --no-inproc \
+        --label "gpu-ab-backlog-$sha"
+    ;;
 suite)
     run 560 suite.log python3 -m bench --model "$model" --sizes gpu --out "$out" --label "gpu-llama-1b-$sha" \
         --only generation,diagnostics,prefill,scoring,warm_cache,queue
     ;;
 *)
-    echo "unknown set: $set_name (batch, backlog or suite)" >&2
+    echo "unknown set: $set_name (batch, backlog, ab or suite)" >&2
     exit 2
     ;;
 esac

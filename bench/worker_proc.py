@@ -67,23 +67,24 @@ def _count_scorer_parts() -> None:
 
 # Inside a generation batch (`execute_job` of the batch's first job runs the whole batch): seconds and
 # calls of each phase, added up and attached to that `execute_job` record. Nested: `batch_step` holds
-# `prefill` (which holds `decode_add`) and `decode_step`; `decode_step` holds `forward` (DecodeBatch.step:
-# graph building plus the wait for the step in flight), rows leaving (`depart`: DecodeBatch.remove, and
-# `finish`: each one's result, with its prefix-cache `offer`, which prefills count too) and the rows'
-# token handling (the rest), with `stream_flush`
-# (a sink's own Redis write: since `a2c9dc7` only non-deferred writers, and `finish` inside `retire`);
-# `claim` holds `admit` (one call per round of claimed jobs, streams opened together). `retire` is the
-# jobs a step ended: their done events in one transaction, then RQ's end of each. `stream_write` is
-# `flush_streams`, called by the batch loop after each step (outside `batch_step`): all jobs' due tokens
-# in one pipeline; `stream_entries` counts the XADDs it sent (writers whose buffer it took). `graph` (the
-# model's and the sampler's calls: building graphs, prefill's too) and `launch` (`async_eval` in
-# `worker.generate`) are inside `forward` and `prefill`; `gc` is the garbage collector's time.
+# `prefill` (which holds `decode_add`) and `decode_step`; `decode_step` holds `forward`
+# (DecodeBatch.step_with: graph building, the launch, the read-back of the step in flight, and the rows'
+# token handling with the step's `stream_write`, which with the decode overlap run on its thread during
+# the launch) and rows leaving (`depart`: DecodeBatch.remove, and `finish`: each one's result, with its
+# prefix-cache `offer`, which prefills count too); `stream_flush` is a sink's own Redis write (since
+# `a2c9dc7` only non-deferred writers, and `finish` inside `retire`); `claim` holds `admit` (one call
+# per round of claimed jobs, streams opened together). `retire` is the jobs a step ended: their done
+# events in one transaction, then RQ's end of each. `stream_write` is `flush_streams`, the step's
+# background work (inside `batch_step`): all jobs' due tokens in one pipeline; `stream_entries` counts
+# the XADDs it sent (writers whose buffer it took). `graph` (the model's and the sampler's calls:
+# building graphs, prefill's too) and `launch` (`async_eval` in `worker.generate`) are inside `forward`
+# and `prefill`; `gc` is the garbage collector's time.
 _BATCH_PARTS = {
     "batch_step": (GenerationBatch, "step"),
     "prefill": (GenerationBatch, "_prefill"),
     "decode_add": (DecodeBatch, "add"),
     "decode_step": (GenerationBatch, "_decode_step"),
-    "forward": (DecodeBatch, "step"),
+    "forward": (DecodeBatch, "step_with"),
     "depart": (DecodeBatch, "remove"),
     "finish": (GenerationBatch, "_finish"),
     "offer": (PrefixCache, "offer"),

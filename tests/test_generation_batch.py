@@ -7,6 +7,7 @@ and whenever they join or leave.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -129,14 +130,16 @@ def test_batch_cache_keeps_each_row_at_its_own_positions() -> None:
     assert cache.row(0).state[0][0, 0, :, 0].tolist() == [1000.0 + i for i in range(10)]
 
 
-@pytest.mark.parametrize("pad_shapes", [False, True])
+@pytest.mark.parametrize(("pad_shapes", "overlap"), [(False, False), (True, False), (True, True)])
 def test_results_are_identical_to_running_alone_whatever_joins_and_leaves(
-    engine: Engine, model_dir: Path, pad_shapes: bool
+    engine: Engine, model_dir: Path, pad_shapes: bool, overlap: bool
 ) -> None:
-    """With `pad_shapes` too: prompts padded, decode batches padded to 4, 8, 16 rows."""
+    """With `pad_shapes` too: prompts padded, decode batches padded to 4, 8, 16 rows; and with the
+    tokens handled on the overlap thread, as on a GPU."""
     requests = _requests(engine, 9)
     alone = [_alone(engine, r) for r in requests]
-    batched = _engine(model_dir, prefix_cache_bytes=0, pad_shapes=pad_shapes)
+    batched = _engine(model_dir, prefix_cache_bytes=0, pad_shapes=pad_shapes, decode_overlap=overlap)
+    assert (batched.decode_overlap is not None) == overlap
     for max_sequences, join_every in ((3, 2), (9, 1)):
         batch = GenerationBatch(batched, max_sequences=max_sequences)
         peak = [0]
@@ -206,6 +209,51 @@ def test_one_cancelled_or_failing_sequence_leaves_the_others_untouched(engine: E
     assert isinstance(done[2].error, ConnectionError) and done[2].result is None
     for i in (0, 3):
         assert done[i].result.token_ids == _alone(engine, requests[i])[0].token_ids  # type: ignore[union-attr]
+
+
+def test_overlapped_steps_handle_tokens_and_background_work_beside_the_launch(model_dir: Path) -> None:
+    """With an overlap thread, sinks and the step's background work run there, once per step (also in
+    steps with no decode); a background error ends the decoding requests with it, none is lost."""
+    engine = _engine(model_dir, prefix_cache_bytes=0, decode_overlap=True)
+    requests = _requests(engine, 3)
+    requests[0] = requests[0].model_copy(update={"prompt": PROMPT * 6})  # chunks of prefill first
+    sink_threads: set[str] = set()
+    background: list[str] = []
+
+    def sink(i: int) -> Callable[[str, list[int]], None]:
+        return lambda _t, _ids: sink_threads.add(threading.current_thread().name)
+
+    batch = GenerationBatch(engine, max_sequences=3)
+    for i, request in enumerate(requests):
+        batch.admit(str(i), request, sink(i), lambda: False)
+    done: dict[str, Finished] = {}
+    steps = 0
+    while len(batch):
+        ended = batch.step(lambda: background.append(threading.current_thread().name))
+        done.update((f.key, f) for f in ended)
+        steps += 1
+    assert len(background) == steps and background[-1].startswith("mlxq-decode-overlap")
+    assert background[0] == threading.current_thread().name  # the first step only prefilled: inline
+    assert len(engine.tokenizer.encode(requests[0].prompt or "")) > engine.options.prefill_chunk
+    assert sink_threads and all(name.startswith("mlxq-decode-overlap") for name in sink_threads)
+    for i, request in enumerate(requests):
+        assert done[str(i)].result.token_ids == _alone(engine, request)[0].token_ids  # type: ignore[union-attr]
+
+    def broken() -> None:
+        raise ConnectionError("redis went away")
+
+    for prefilled in (0, 1):  # failing in a step that decodes nothing, and beside a decode step
+        batch = GenerationBatch(engine, max_sequences=3)
+        for i, request in enumerate(requests):
+            batch.admit(str(i), request, lambda _t, _ids: None, lambda: False)
+        while prefilled and not batch.decoding:
+            assert not batch.step()
+        decoding = {s.key for s in batch.decoding} if prefilled else {"0", "1", "2"}
+        ended = batch.step(broken)
+        assert {f.key for f in ended} == decoding and len(ended) == len(decoding)
+        assert all(isinstance(f.error, ConnectionError) for f in ended)
+        rest = [f for _ in range(200) if len(batch) for f in batch.step()]  # the others go on
+        assert {f.key for f in rest} == {"0", "1", "2"} - decoding and all(f.result for f in rest)
 
 
 def test_bad_requests_are_refused_at_admission(engine: Engine) -> None:

@@ -10,6 +10,7 @@ import gc
 import logging
 import time
 from collections.abc import Callable
+from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -29,7 +30,7 @@ from jobs.schema import (
 )
 
 from .detokenizer import IncrementalDetokenizer
-from .generate import GenerationCancelled, decode, pad_shapes_by_default, prefill
+from .generate import GenerationCancelled, decode, overlap_by_default, pad_shapes_by_default, prefill
 from .loader import load_model, resolve_model_path
 from .memory_guard import with_memory_retry
 from .prefix_cache import PrefixCache
@@ -56,6 +57,7 @@ class EngineOptions:
     max_score_rows: int = 64
     max_score_candidates: int = 26
     pad_shapes: bool | None = None  # None: on a GPU only (see `generate.padded_size`)
+    decode_overlap: bool | None = None  # None: on a GPU only (see `generate.DecodeBatch`)
 
 
 class Engine:
@@ -76,6 +78,11 @@ class Engine:
         )
         self.pad_shapes = pad_shapes_by_default() if options.pad_shapes is None else options.pad_shapes
         model.bucket_keys = self.pad_shapes  # attention over a cached prefix: few key shapes too
+        overlap = overlap_by_default() if options.decode_overlap is None else options.decode_overlap
+        # The thread a decode batch's token handling runs on while MLX launches the next step.
+        self.decode_overlap: Executor | None = (
+            ThreadPoolExecutor(1, thread_name_prefix="mlxq-decode-overlap") if overlap else None
+        )
 
     @classmethod
     def load(cls, model: str, options: EngineOptions | None = None) -> Engine:
@@ -86,14 +93,17 @@ class Engine:
         net, config = load_model(path, dtype=options.dtype)
         net.fuse()  # fewer matmuls per layer (see `models.llama._fuse_linears`)
         tokenizer = Tokenizer.from_dir(path)
+        engine = cls(net, tokenizer, config, Path(model).name if Path(model).exists() else model, options)
         log.info(
-            "model loaded path=%s arch=%s device=%s seconds=%.2f",
+            "model loaded path=%s arch=%s device=%s seconds=%.2f pad_shapes=%s decode_overlap=%s",
             path,
             config["architectures"][0],
             mx.default_device(),
             time.perf_counter() - t0,
+            engine.pad_shapes,
+            engine.decode_overlap is not None,
         )
-        return cls(net, tokenizer, config, Path(model).name if Path(model).exists() else model, options)
+        return engine
 
     # --- prompts --------------------------------------------------------------------------------
 

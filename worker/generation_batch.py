@@ -15,6 +15,11 @@ its `GenerateResult` or exception in a `Finished`; its row is dropped and a newc
 with no other row recomputed. A batched forward computes each row exactly as it would run alone (see
 `batch_cache.py`), so results never depend on batch-mates: greedy tokens are identical, and a seeded
 sampler draws from its own PRNG key. Knows nothing of Redis or RQ.
+
+Where the engine overlaps (`Engine.decode_overlap`, on a GPU), a step's tokens are handled (text, stop
+strings, sinks, cancel checks) on the engine's overlap thread while MLX launches the next step, and
+`step(background=...)` runs the caller's own host work there too (the worker's stream writes): see
+`DecodeBatch.step_with`.
 """
 
 from __future__ import annotations
@@ -94,7 +99,7 @@ class GenerationBatch:
         self.waiting: list[_Sequence] = []
         self.prefilling: _Sequence | None = None
         self.decoding: list[_Sequence] = []  # in the order of the decode batch's rows
-        self.decode = DecodeBatch(engine.model, engine.pad_shapes)
+        self.decode = self._new_decode()
         self.steps = 0
 
     def __len__(self) -> int:
@@ -114,16 +119,31 @@ class GenerationBatch:
         run = TextRun(self.engine.tokenizer, request.stop, sink)
         self.waiting.append(_Sequence(key, prompt, max_tokens, sampler, run, cancelled))
 
-    def step(self) -> list[Finished]:
+    def step(self, background: Callable[[], None] | None = None) -> list[Finished]:
         """One unit of work: about one prefill chunk of tokens (several short prompts, or one chunk of a
-        long one), then one decode step for every decoding request."""
+        long one), then one decode step for every decoding request.
+
+        `background` (host work that touches neither MLX nor this batch, e.g. writing streams) runs once
+        per step: on the overlap thread after the step's tokens were handled, while the next step
+        launches, or else after the decode step. It must not raise (keep its errors); should it raise
+        anyway, the decoding requests end with that error, as when a decode step fails (in a step
+        that decodes nothing, every request), so none is lost."""
         finished: list[Finished] = []
         self._drop_cancelled_waiting(finished)
         self._prefill(finished)
         if self.decoding:
-            self._decode_step(finished)
+            self._decode_step(finished, background)
+        elif background is not None:
+            try:
+                background()
+            except Exception as e:
+                log.exception("a generation batch's background work failed")
+                finished.extend(self.abort(e))
         self.steps += 1
         return finished
+
+    def _new_decode(self) -> DecodeBatch:
+        return DecodeBatch(self.engine.model, self.engine.pad_shapes, overlap=self.engine.decode_overlap)
 
     # --- admission ----------------------------------------------------------------------------
 
@@ -287,14 +307,35 @@ class GenerationBatch:
 
     # --- decoding -----------------------------------------------------------------------------
 
-    def _decode_step(self, finished: list[Finished]) -> None:
+    def _decode_step(self, finished: list[Finished], background: Callable[[], None] | None) -> None:
+        def handle(tokens: list[int]) -> list[tuple[int, FinishReason | BaseException]]:
+            leaving = self._take_tokens(tokens)
+            if background is not None:
+                background()
+            return leaving
+
         try:
-            tokens = self.decode.step()
+            leaving = self.decode.step_with(handle)
         except Exception as e:  # the shared forward failed: no row can go on
             log.exception("batched decode step failed rows=%d", len(self.decoding))
             finished.extend(Finished(seq.key, error=e) for seq in self.decoding)
-            self.decoding, self.decode = [], DecodeBatch(self.engine.model, self.engine.pad_shapes)
+            self.decoding, self.decode = [], self._new_decode()
             return
+        if not leaving:
+            return
+        caches = self.decode.remove([i for i, _ in leaving])
+        for (i, outcome), cache in zip(leaving, caches, strict=True):
+            seq = self.decoding[i]
+            if isinstance(outcome, BaseException):
+                finished.append(Finished(seq.key, error=outcome))
+            else:
+                finished.append(self._finish(seq, outcome, cache))
+        gone = {i for i, _ in leaving}
+        self.decoding = [s for i, s in enumerate(self.decoding) if i not in gone]
+
+    def _take_tokens(self, tokens: list[int]) -> list[tuple[int, FinishReason | BaseException]]:
+        """Each decoding request takes its token (one per row, in row order); returns the rows that end
+        now, with their finish reason or their own error. Touches no MLX array (see `step`)."""
         leaving: list[tuple[int, FinishReason | BaseException]] = []
         for i, (seq, token) in enumerate(zip(self.decoding, tokens, strict=True)):
             seq.clock.token()
@@ -307,17 +348,7 @@ class GenerationBatch:
                 continue
             if reason is not None:
                 leaving.append((i, reason))
-        if not leaving:
-            return
-        caches = self.decode.remove([i for i, _ in leaving])
-        for (i, outcome), cache in zip(leaving, caches, strict=True):
-            seq = self.decoding[i]
-            if isinstance(outcome, BaseException):
-                finished.append(Finished(seq.key, error=outcome))
-            else:
-                finished.append(self._finish(seq, outcome, cache))
-        gone = {i for i, _ in leaving}
-        self.decoding = [s for i, s in enumerate(self.decoding) if i not in gone]
+        return leaving
 
     def _finish(self, seq: _Sequence, reason: FinishReason, cache: list[Any] | None) -> Finished:
         try:
@@ -333,5 +364,5 @@ class GenerationBatch:
         """End every request with `error` (the caller could not go on); the batch is empty afterwards."""
         seqs = [*self.waiting, *([self.prefilling] if self.prefilling else []), *self.decoding]
         self.waiting, self.prefilling, self.decoding = [], None, []
-        self.decode = DecodeBatch(self.engine.model, self.engine.pad_shapes)
+        self.decode = self._new_decode()
         return [Finished(s.key, error=error) for s in seqs]

@@ -6,8 +6,10 @@ each look is a Redis round trip, ~5% of a lone job's decode on a CPU when made e
 blocking, it claims more queued generation jobs up to the free slots
 (once enough are free to prefill newcomers together: `JoinGate`; `JobClaimer`, the same Lua move as
 score claims) and admits them while the others decode, their
-streams opened together; the jobs a step ends write their results and `done` events in one
-transaction, then each ends through RQ's own lifecycle on a thread beside the loop (`finalizer.py`).
+streams opened together. Every step writes the due tokens of all streams in one pipeline, as the
+batch's background work (on a GPU while the next decode step launches: `GenerationBatch.step`); the
+jobs a step ends then write their results and `done` events in one transaction, and each ends through
+RQ's own lifecycle on a thread beside the loop (`finalizer.py`).
 Score jobs found in the queue at those points are claimed and scored right there, between two decode
 steps: a decode stall of one score batch, so scoring never waits for a busy batch to drain and
 streams pause a bounded time. The batch ends when its last job does (and RQ has ended them all);
@@ -94,10 +96,10 @@ class GenerationJobs:
                                 next_look = time.monotonic() + opts.empty_wait_s
                         except REDIS_TRANSIENT as e:  # the running jobs go on; claimed ones return
                             log.warning("generation batch could not claim jobs error=%s", e)
-                    ended = [(jobs.pop(done.key), done) for done in batch.step()]
+                    flushed = _StreamFlush(self, jobs)
+                    ended = [(jobs.pop(done.key), done) for done in batch.step(background=flushed)]
                     self._retire_all(ended, watch, finalizer)
-                    writers = [j.writer for j in jobs.values() if j.writer is not None]
-                    flush_streams(self.connection, writers, self.stream_options)
+                    flushed.raise_error()
                     self.active_sequences = len(batch)
                     if time.monotonic() - last_stats >= _STATS_EVERY_S:
                         last_stats = time.monotonic()
@@ -238,6 +240,29 @@ class GenerationJobs:
             self._finalize_success(job, queue, execution, result.model_dump(mode="json"))
         except Exception:
             self._finalize_failure(job, queue, execution, sys.exc_info())
+
+
+class _StreamFlush:
+    """One step's write of the batch's due stream tokens (`flush_streams`: one pipeline), run by the
+    batch as background work (on its overlap thread while the next decode step launches). An error is
+    kept, not raised there: the loop raises it once the step's ended jobs are retired, as when the
+    write ran after them."""
+
+    def __init__(self, worker: Any, jobs: dict[str, _BatchJob]) -> None:
+        self.worker = worker
+        self.jobs = jobs
+        self.error: BaseException | None = None
+
+    def __call__(self) -> None:
+        writers = [j.writer for j in self.jobs.values() if j.writer is not None]
+        try:
+            flush_streams(self.worker.connection, writers, self.worker.stream_options)
+        except BaseException as e:
+            self.error = e
+
+    def raise_error(self) -> None:
+        if self.error is not None:
+            raise self.error
 
 
 class JoinGate:

@@ -74,6 +74,7 @@ class WorkerService:
                     prefix_cache_bytes=settings.prefix_cache_bytes,
                     max_score_rows=settings.max_score_rows,
                     max_score_candidates=settings.max_score_candidates,
+                    decode_overlap=settings.decode_overlap,
                 ),
             )
         stream_options = StreamOptions(

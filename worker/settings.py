@@ -52,6 +52,11 @@ class WorkerSettings(BaseSettings):
         description="free rows a generation batch at least half full waits for (16 steps at most) before "
         "claiming more generation jobs, so they prefill together; 1: claim as soon as a row is free",
     )
+    decode_overlap: bool | None = Field(
+        default=None,
+        description="handle a generation batch's tokens and write its streams on a second thread while "
+        "MLX launches the next decode step; unset: on a GPU only",
+    )
     max_score_rows: int = Field(default=64, ge=1, description="rows one score job may have")
     max_score_candidates: int = Field(default=26, ge=1, description="candidates one score row may have")
 
