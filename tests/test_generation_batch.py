@@ -21,7 +21,7 @@ from worker.batch_cache import BatchKVCache
 from worker.engine import Engine, EngineOptions
 from worker.generate import DecodeBatch, prefill, prefill_rows
 from worker.generation_batch import Finished, GenerationBatch
-from worker.kv_cache import KVCache
+from worker.kv_cache import KVCache, key_columns
 from worker.models import llama
 from worker.sampler import Sampler
 from worker.tiny_model import write_random_checkpoint
@@ -282,6 +282,64 @@ def test_kv_budget_holds_newcomers_back_and_the_prefix_cache_is_shared(model_dir
     assert all(r is not None and r.token_ids == results[0].token_ids for r in results)  # type: ignore[union-attr]
     n = len(engine.prompt_tokens(one))
     assert [r.usage.cached_tokens for r in results] == [0, n - 1, n - 1]  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("pad_shapes", [False, True])
+def test_a_prompt_with_a_long_cached_prefix_prefills_alone_into_the_cached_buffers(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch, pad_shapes: bool
+) -> None:
+    """A cached prefix longer than a chunk is not spliced into a rows forward: the prompt prefills
+    alone into the prefix cache's copy, and, joining an empty batch, hands those buffers to it."""
+    import worker.batch_cache as batch_cache
+    import worker.generation_batch as generation_batch
+
+    engine = _engine(model_dir, pad_shapes=pad_shapes)
+    rows_forwards: list[int] = []
+    real = generation_batch.prefill_rows
+    monkeypatch.setattr(
+        generation_batch,
+        "prefill_rows",
+        lambda model, rows, pad=False: rows_forwards.append(len(rows)) or real(model, rows, pad),
+    )
+    history = GenerateRequest(prompt=PROMPT * 5, max_tokens=6, temperature=0, logit_bias=_no_eos(engine))
+    follow_up = history.model_copy(update={"prompt": PROMPT * 5 + "And Berlin?", "max_tokens": 9})
+    fresh = _engine(model_dir, prefix_cache_bytes=0, pad_shapes=pad_shapes)
+    copies: list[int] = []
+    pad = batch_cache._pad_columns
+
+    def counted_pad(*args: Any) -> mx.array:
+        copies.append(1)
+        return pad(*args)
+
+    for request in (history, follow_up):
+        batch = GenerationBatch(engine, max_sequences=2)
+        batch.admit("a", request, lambda _t, _ids: None, lambda: False)
+        if request is follow_up:  # its few new tokens: prefilled and decoding in the first step, in
+            monkeypatch.setattr(batch_cache, "_pad_columns", counted_pad)  # the prefix cache's buffers,
+            assert not batch.step() and len(batch.decoding) == 1  # which the batch takes over uncopied
+            monkeypatch.setattr(batch_cache, "_pad_columns", pad)
+            assert copies == []
+            assert batch.decode.cache[0].capacity == key_columns(len(engine.prompt_tokens(request)))
+        done = [f for _ in range(50) if len(batch) for f in batch.step()]
+        got = done[0].result
+        assert got is not None and got.token_ids == _alone(fresh, request)[0].token_ids
+    assert got.usage.cached_tokens > engine.options.prefill_chunk
+    assert rows_forwards == []  # neither prompt went through a rows forward: both are long
+
+
+def test_a_lone_row_hands_its_whole_step_buffers_to_an_empty_batch() -> None:
+    row = KVCache()
+    keys = mx.broadcast_to(mx.arange(3, dtype=mx.float32)[None, None, :, None], (1, 2, 3, 4))
+    row.update_and_fetch(keys, -keys)  # a 256-column buffer holding 3 tokens
+    buffer = row.keys
+    cache = BatchKVCache()
+    cache.add([row])
+    assert cache.keys is buffer and row.keys is None and row.offset == 0  # taken over, not shared
+    assert (cache.starts, cache.end, cache.capacity) == ([0], 3, cache.step)
+    cache.add([KVCache.from_state(keys[:, :, :2], -keys[:, :, :2])])  # a second row: copied in, padded
+    assert (cache.starts, cache.end, cache.lengths) == ([0, 1], 3, [3, 2])
+    assert cache.row(0).state[0][0, 0, :, 0].tolist() == [0.0, 1.0, 2.0]
+    assert cache.row(1).state[1][0, 0, :, 0].tolist() == [-0.0, -1.0]
 
 
 @pytest.mark.parametrize("pad_shapes", [False, True])

@@ -106,8 +106,27 @@ class BatchKVCache:
     # --- membership -----------------------------------------------------------------------------
 
     def add(self, rows: list[KVCache]) -> None:
-        """Append batch-1 caches (e.g. freshly prefilled prompts) as new rows, left-padded to fit."""
+        """Append batch-1 caches (e.g. freshly prefilled prompts) as new rows, left-padded to fit.
+
+        A lone row joining an empty batch hands over its buffers when they hold whole steps (a prefill
+        wrote them in place, e.g. into the prefix cache's copy of a long cached prefix): no copy; that
+        row's cache is left empty, so no two caches share a buffer (see `kv_cache.py`)."""
         if not rows:
+            return
+        row = rows[0]
+        if (
+            self.keys is None
+            and len(rows) == 1
+            and row.keys is not None
+            and row.values is not None
+            and row.keys.shape[0] == 1
+            and row.offset > 0
+            and row.keys.shape[2] % self.step == 0
+        ):
+            self.keys, self.values = row.keys, row.values
+            self._set([0], row.offset)
+            row.keys = row.values = None
+            row.offset = 0
             return
         new_end = max(self.end, *(r.offset for r in rows))
         grow = new_end - self.end

@@ -3,10 +3,10 @@
 A `GenerationBatch` holds up to `max_sequences` requests in three stages:
 - waiting: admitted (validated, tokenized), not started: the KV budget has no room for it yet;
 - prefilling: about one chunk of prompt tokens per `step`, each prompt from the longest prefix in the
-  prefix cache: several short prompts together in one forward (`prefill_rows`), or a long one alone,
-  chunk by chunk. Prompts are offered back to the prefix cache as soon as they are computed, and a
-  prompt sharing a long uncached prefix with one being prefilled waits a step, so batch-mates with the
-  same prefix (a system prompt) compute it once;
+  prefix cache: several short prompts together in one forward (`prefill_rows`), or a long one (or one
+  whose cached prefix is longer than a chunk) alone, chunk by chunk. Prompts are offered back to the
+  prefix cache as soon as they are computed, and a prompt sharing a long uncached prefix with one
+  being prefilled waits a step, so batch-mates with the same prefix (a system prompt) compute it once;
 - decoding: every decoding request is a row of one `DecodeBatch`: one forward per step for all rows,
   each row with its own sampler, stop strings, token budget and cancel check.
 
@@ -193,9 +193,14 @@ class GenerationBatch:
             seq = self.waiting[0]
             cached = self._cached(seq)
             new = len(seq.prompt) - cached
-            if new > chunk:  # a long prompt goes alone, one chunk per step
+            # A long prompt goes alone, one chunk per step; so does one with a long cached prefix: its
+            # prefill then writes into the cache the prefix cache gave it, where a rows forward would
+            # copy that prefix three times (stacked, extended, split back) to add a few tokens.
+            if new > chunk or cached > chunk:
                 if not group:
                     self._start_prefill(self.waiting.pop(0), finished)
+                    if self.prefilling is not None:  # its first chunk is this step's
+                        self._advance_prefill(self.prefilling, finished)
                 break
             if group and self._prefill_cost(len(group) + 1, max(width, new)) > chunk:
                 break
