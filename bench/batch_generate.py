@@ -2,7 +2,7 @@
 
     python -m bench.batch_generate [--model tiny|llama-1b|PATH] [--sizes 1,8,32,64] [--max-tokens 64]
         [--staggered] [--batch N] [--redis-url URL|private] [--out DIR --label NAME] [--no-inproc]
-        [--no-alone] [--repeats R]
+        [--no-alone] [--repeats R] [--ab-env MLXQ_KEY=VALUE[,...]]
 
 For each size N the same N jobs run
 - through the queue, one at a time: one real worker (`bench.worker_proc`, i.e. `mlxq worker` plus
@@ -28,6 +28,8 @@ arrived after every job had its first token, over that window (the steady batche
 first runs every size once as measured (same lengths, other prompts: every shape a run meets, buffer
 growth and departures included, is compiled once per process; warm-ups of 4 tokens left some to the
 first measured run, on the GPU up to 2x slower than the next), then the measured runs.
+`--ab-env` adds a second batched worker with other settings (an A/B in one run; with
+`MLXQ_DECODE_OVERLAP` the in-process engine runs both ways too).
 With `--repeats R` every path runs R times, in turns (all workers and the in-process models stay
 loaded): on a host whose speed drifts between minutes (the lent GPU's, by up to 2x) one pass per path
 compares moments, not paths. A summary then gives each path's median (min-max) and its ratio to
