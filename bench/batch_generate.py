@@ -532,9 +532,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cache-dir", default=str(Path.home() / ".cache" / "mlxq" / "bench-models"))
     args = p.parse_args(argv)
     if args.mlx_cache_limit is None:
-        from worker.settings import WorkerSettings
+        from worker.service import mlx_cache_limit
 
-        args.mlx_cache_limit = WorkerSettings.model_fields["mlx_cache_limit_bytes"].default
+        args.mlx_cache_limit = mlx_cache_limit(None)  # the workers' default on this device
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # `timeout`: stop the workers on the way out
     if args.redis_url == "private":
         with private_redis() as url:

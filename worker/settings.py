@@ -84,10 +84,11 @@ class WorkerSettings(BaseSettings):
     )
     metrics_addr: str = Field(default="127.0.0.1", description="address the metrics endpoint binds")
 
-    mlx_cache_limit_bytes: int = Field(
-        default=1 << 30,
+    mlx_cache_limit_bytes: int | None = Field(
+        default=None,
         ge=0,
-        description="freed MLX buffers kept for reuse; bounds memory under varied shapes",
+        description="freed MLX buffers kept for reuse; bounds memory under varied shapes; unset: an eighth "
+        "of MLX's memory limit on a CUDA GPU, 1 GiB elsewhere (`service.mlx_cache_limit`)",
     )
 
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
