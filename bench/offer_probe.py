@@ -1,13 +1,16 @@
 """Probe: what storing a finished row in the prefix cache costs (`PrefixCache.offer`).
 
-    python -m bench.offer_probe [--model llama-1b|tiny|PATH] [--rows 64] [--tokens 256]
+    python -m bench.offer_probe [--model llama-1b|tiny|PATH] [--rows 64] [--tokens 256] [--full-rows N]
 
 A decode batch of `--rows` rows of `--tokens` tokens is built (random keys/values in the model's cache
 shape), and each row is offered to a fresh prefix cache the way a finished row is (`DecodeBatch.remove`
 gives a view of the batch buffers). Per offer, milliseconds: on the host (the call returns; copies
 queued) and between device syncs (the copies done), for the cache's copy as it is and for variants:
 one copy per array instead of one block, and no copy at all (views kept: not usable, the floor).
-Prints a table; writes nothing.
+Then the cache's copy as it is into a full cache: a budget of `--full-rows` rows (default a quarter of
+`--rows`), so every later offer evicts one, as in a worker whose cache has filled (on the H200 the
+workers' offers cost ~0.65 ms each while their cache filled, 1.3-2 ms once it was full:
+`bench/README.md`). Prints a table; writes nothing.
 """
 
 from __future__ import annotations
@@ -39,11 +42,11 @@ def _batch(model: Any, rows: int, tokens: int) -> Any:
     return layers
 
 
-def _offers(layers: list[Any], rows: int, tokens: int, sync: bool) -> float:
-    """Median ms per offer of each row's tokens into a fresh cache."""
+def _offers(layers: list[Any], rows: int, tokens: int, sync: bool, budget: int = 8 << 30) -> float:
+    """Median ms per offer of each row's tokens into a fresh cache of `budget` bytes."""
     from worker.prefix_cache import PrefixCache
 
-    cache = PrefixCache(8 << 30)
+    cache = PrefixCache(budget)
     times = []
     for i in range(rows):
         row = [layer.row(i) for layer in layers]
@@ -64,6 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default="tiny")
     ap.add_argument("--rows", type=int, default=64)
     ap.add_argument("--tokens", type=int, default=256)
+    ap.add_argument("--full-rows", type=int, help="rows the full cache's budget holds [rows / 4]")
     args = ap.parse_args(argv)
     from worker import prefix_cache
     from worker.loader import load_model
@@ -88,6 +92,15 @@ def main(argv: list[str] | None = None) -> int:
         synced = _offers(layers, args.rows, args.tokens, True)
         print(f"| {name} | {host:.3f} | {synced:.3f} |")
     prefix_cache._own = as_is  # type: ignore[assignment]
+    full_rows = args.full_rows or max(1, args.rows // 4)
+    row_bytes = sum(int(c.keys.nbytes + c.values.nbytes) for c in layers) // args.rows
+    budget = int(full_rows * row_bytes * args.tokens / layers[0].capacity)  # the rows' tokens, not the spare
+    host = _offers(layers, args.rows, args.tokens, False, budget)
+    synced = _offers(layers, args.rows, args.tokens, True, budget)
+    print(
+        f"| one block (as is), into a full cache ({full_rows} rows: every later offer evicts) | {host:.3f} "
+        f"| {synced:.3f} |"
+    )
     return 0
 
 
