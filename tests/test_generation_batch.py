@@ -256,6 +256,45 @@ def test_overlapped_steps_handle_tokens_and_background_work_beside_the_launch(mo
         assert {f.key for f in rest} == {"0", "1", "2"} - decoding and all(f.result for f in rest)
 
 
+def test_a_launch_that_fails_beside_the_handling_waits_for_it_and_ends_the_decoding_requests(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The overlap thread is never left running: the step raises only once the tokens' handling is
+    done, and every decoding request then ends with the launch's error."""
+    import time
+
+    import worker.generate as generate_module
+
+    engine = _engine(model_dir, prefix_cache_bytes=0, decode_overlap=True)
+    slow = threading.Event()
+    handled: list[str] = []
+
+    def sink(_text: str, _ids: list[int]) -> None:
+        if slow.is_set():
+            time.sleep(0.2)
+            handled.append(threading.current_thread().name)
+
+    batch = GenerationBatch(engine, max_sequences=2)
+    for i, request in enumerate(_requests(engine, 2)):
+        batch.admit(str(i), request.model_copy(update={"max_tokens": 30}), sink, lambda: False)
+    while len(batch.decoding) < 2:
+        assert not batch.step()
+
+    class FailingLaunch:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(mx, name)
+
+        def async_eval(self, *args: Any) -> None:
+            raise RuntimeError("the launch failed")
+
+    slow.set()
+    monkeypatch.setattr(generate_module, "mx", FailingLaunch())
+    ended = batch.step()
+    assert len(handled) == 2 and all(n.startswith("mlxq-decode-overlap") for n in handled)
+    assert sorted(f.key for f in ended) == ["0", "1"] and len(batch) == 0
+    assert all(isinstance(f.error, RuntimeError) and "launch failed" in str(f.error) for f in ended)
+
+
 def test_bad_requests_are_refused_at_admission(engine: Engine) -> None:
     batch = GenerationBatch(engine, max_sequences=2)
     with pytest.raises(InvalidRequest, match="logit_bias"):
