@@ -1,6 +1,7 @@
 """Probe: what storing a finished row in the prefix cache costs (`PrefixCache.offer`).
 
     python -m bench.offer_probe [--model llama-1b|tiny|PATH] [--rows 64] [--tokens 256] [--full-rows N]
+        [--nodes 100,1000,5000]
 
 A decode batch of `--rows` rows of `--tokens` tokens is built (random keys/values in the model's cache
 shape), and each row is offered to a fresh prefix cache the way a finished row is (`DecodeBatch.remove`
@@ -10,7 +11,8 @@ one copy per array instead of one block, and no copy at all (views kept: not usa
 Then the cache's copy as it is into a full cache: a budget of `--full-rows` rows (default a quarter of
 `--rows`), so every later offer evicts one, as in a worker whose cache has filled (on the H200 the
 workers' offers cost ~0.65 ms each while their cache filled, 1.3-2 ms once it was full:
-`bench/README.md`). Prints a table; writes nothing.
+`bench/README.md`); and into a full cache of `--nodes` small nodes (16 tokens each), host time only:
+what eviction costs as the trie grows. Prints a table; writes nothing.
 """
 
 from __future__ import annotations
@@ -62,12 +64,35 @@ def _offers(layers: list[Any], rows: int, tokens: int, sync: bool, budget: int =
     return statistics.median(times[1:])
 
 
+def _into_many_nodes(layers: list[Any], rows: int, tokens: int, nodes: int, token_bytes: int) -> float:
+    """Median ms per offer of each row into a cache full of `nodes` nodes of 16 tokens (each offer
+    evicts several)."""
+    from worker.prefix_cache import PrefixCache
+
+    cache = PrefixCache(nodes * 16 * token_bytes)
+    short = [layer.row(0) for layer in layers]
+    for j in range(nodes):
+        cache.offer([10**6 + j, *range(1, 16)], short)
+    mx.synchronize()
+    times = []
+    for i in range(rows):
+        row = [layer.row(i) for layer in layers]
+        t0 = time.perf_counter()
+        cache.offer([i + 1, *range(1000, 1000 + tokens - 1)], row)
+        times.append((time.perf_counter() - t0) * 1000)
+    mx.synchronize()
+    return statistics.median(times[1:])
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.offer_probe")
     ap.add_argument("--model", default="tiny")
     ap.add_argument("--rows", type=int, default=64)
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--full-rows", type=int, help="rows the full cache's budget holds [rows / 4]")
+    ap.add_argument(
+        "--nodes", default="100,1000,5000", help="sizes of a full cache of 16-token nodes [100,1000,5000]"
+    )
     args = ap.parse_args(argv)
     from worker import prefix_cache
     from worker.loader import load_model
@@ -101,6 +126,10 @@ def main(argv: list[str] | None = None) -> int:
         f"| one block (as is), into a full cache ({full_rows} rows: every later offer evicts) | {host:.3f} "
         f"| {synced:.3f} |"
     )
+    token_bytes = row_bytes // layers[0].capacity
+    for nodes in (int(n) for n in args.nodes.split(",") if n.strip()):
+        host = _into_many_nodes(layers, args.rows, args.tokens, nodes, token_bytes)
+        print(f"| one block (as is), into a full cache of {nodes:,} 16-token nodes | {host:.3f} | - |")
     return 0
 
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import random
+from typing import Any
+
 import mlx.core as mx
 import pytest
 
@@ -95,3 +98,46 @@ def test_offer_never_stores_more_than_the_cache_holds() -> None:
     tokens = [1, 2, 3, 4, 5, 6, 7]
     assert pc.offer(tokens, _cache_for(tokens[:4])) == 4  # e.g. a prefill cancelled half-way
     assert pc.peek(tokens) == 4
+
+
+def _walk_evict(pc: PrefixCache, keep: Any = None) -> None:
+    """The eviction order by its definition: of all leaves (a walk of the trie), the least recently
+    used goes first (ties: deepest, then largest, then oldest), `keep` only when it is the last leaf."""
+    while pc.stats.bytes > pc.budget_bytes:
+        leaves = [n for n in pc._leaves() if n is not keep] or pc._leaves()
+        if not leaves:
+            return
+        key = lambda n: (n.last_used, -(n.depth + len(n.span)), -n.nbytes, n.serial)  # noqa: E731
+        pc._remove(min(leaves, key=key))
+
+
+def test_evictions_follow_the_lru_order_of_all_leaves_whatever_the_splits_and_touches() -> None:
+    """The heap of leaves evicts exactly what a walk of every leaf would, through random offers
+    (sharing prefixes, so nodes split), lookups (touches) and a budget that keeps evicting."""
+    rng = random.Random(7)
+    fast = PrefixCache(budget_bytes=40 * BYTES_PER_TOKEN)
+    walked = PrefixCache(budget_bytes=40 * BYTES_PER_TOKEN)
+    walked._evict = lambda keep=None: _walk_evict(walked, keep)  # type: ignore[method-assign]
+    seen: list[list[int]] = []
+    for step in range(300):
+        if seen and rng.random() < 0.3:  # a lookup: touches the path it reuses
+            tokens = rng.choice(seen) + [99]
+            assert fast.begin(tokens, LAYERS)[1] == walked.begin(tokens, LAYERS)[1], step
+            continue
+        base = rng.choice(seen)[: rng.randrange(0, 6)] if seen and rng.random() < 0.7 else []
+        tokens = base + [rng.randrange(1, 6) for _ in range(rng.randrange(1, 8))]
+        assert fast.offer(tokens, _cache_for(tokens)) == walked.offer(tokens, _cache_for(tokens)), step
+        seen.append(tokens)
+        assert fast.stats.as_dict() == walked.stats.as_dict(), step
+        assert [fast.peek(t + [99]) for t in seen] == [walked.peek(t + [99]) for t in seen], step
+    assert fast.stats.evictions > 50 and fast.stats.bytes == sum(n.nbytes for n in _nodes(fast))
+    assert len(fast._heap) <= 4 * fast.stats.nodes + 64
+
+
+def _nodes(pc: PrefixCache) -> list[Any]:
+    out, stack = [], list(pc.root.children.values())
+    while stack:
+        node = stack.pop()
+        out.append(node)
+        stack.extend(node.children.values())
+    return out
