@@ -91,6 +91,7 @@ def test_too_small_a_budget_keeps_nothing_it_cannot_afford(budget: int) -> None:
     pc.offer(a, _cache_for(a))
     assert pc.stats.bytes <= budget
     assert pc.stats.bytes == sum(n.nbytes for n in pc._leaves())
+    assert not any(node.removed for _, _, node in pc._heap)  # the evicted offer's arrays are let go
 
 
 def test_offer_never_stores_more_than_the_cache_holds() -> None:
@@ -130,6 +131,7 @@ def test_evictions_follow_the_lru_order_of_all_leaves_whatever_the_splits_and_to
         seen.append(tokens)
         assert fast.stats.as_dict() == walked.stats.as_dict(), step
         assert [fast.peek(t + [99]) for t in seen] == [walked.peek(t + [99]) for t in seen], step
+        assert not any(node.removed for _, _, node in fast._heap), step  # no evicted arrays kept alive
     assert fast.stats.evictions > 50 and fast.stats.bytes == sum(n.nbytes for n in _nodes(fast))
     assert len(fast._heap) <= 4 * fast.stats.nodes + 64
 

@@ -59,6 +59,7 @@ class _Node:
     nbytes: int = field(init=False)  # the layers' bytes, counted once (they are set with the node)
     removed: bool = False
     serial: int = field(default_factory=_serials.__next__)  # creation order: the last tie-break
+    entry: Any = field(default=None, repr=False)  # its one current entry in the eviction heap
 
     def __post_init__(self) -> None:
         self.nbytes = _nbytes(self.layers)
@@ -97,8 +98,10 @@ class PrefixCache:
         self.root = _Node(span=[], layers=[], parent=None, depth=0)
         self.stats = CacheStats()
         self._clock = itertools.count(1)
-        # Eviction candidates: (order, entry number, node); an entry whose node is no longer a leaf, is
-        # gone, or has moved since (a touch, a split) is stale and skipped.
+        # Eviction candidates: (order, entry number, node). Only a node's latest entry counts, and only
+        # while it is a leaf; older ones (before a touch, a split, a child) are stale and skipped. A
+        # node's order only grows, so its stale entries are popped before its current one: an evicted
+        # node leaves none behind to keep its arrays alive.
         self._heap: list[tuple[tuple[int, int, int, int], int, _Node]] = []
         self._entries = itertools.count()
 
@@ -237,9 +240,13 @@ class PrefixCache:
         """(Re-)enter `node` among the eviction candidates if it is a leaf; its older entries go stale."""
         if node.children or node is self.root:
             return
-        heapq.heappush(self._heap, (node.order, next(self._entries), node))
+        node.entry = (node.order, next(self._entries), node)
+        heapq.heappush(self._heap, node.entry)
         if len(self._heap) > 4 * self.stats.nodes + 64:  # mostly stale: rebuild from the leaves
-            self._heap = [(leaf.order, next(self._entries), leaf) for leaf in self._leaves()]
+            self._heap = []
+            for leaf in self._leaves():
+                leaf.entry = (leaf.order, next(self._entries), leaf)
+                self._heap.append(leaf.entry)
             heapq.heapify(self._heap)
 
     def _next_leaf(self, keep: _Node | None) -> _Node | None:
@@ -248,8 +255,8 @@ class PrefixCache:
         found = None
         while self._heap:
             entry = heapq.heappop(self._heap)
-            order, _, node = entry
-            if node.removed or node.children or order != node.order:
+            node = entry[2]
+            if entry is not node.entry or node.removed or node.children or entry[0] != node.order:
                 continue  # stale
             if node is keep:
                 skipped.append(entry)
@@ -266,6 +273,7 @@ class PrefixCache:
             if victim is None:  # `keep` is the only leaf left: it goes too
                 if keep is None or keep.removed or keep.children:
                     return
+                self._heap.clear()  # nothing in it but `keep`'s entry and stale ones (which hold arrays)
                 victim = keep
             self._remove(victim)
 
