@@ -93,14 +93,19 @@ class BatchKVCache:
         """Columns the buffers hold (written or not)."""
         return 0 if self.keys is None else self.keys.shape[2]
 
-    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        """Append (B, n_kv_heads, L, head_dim) at column `end` for every row; return all columns so far."""
+    def write(self, keys: mx.array, values: mx.array) -> None:
+        """Append (B, n_kv_heads, L, head_dim) at column `end` for every row."""
         start, n = self.end, keys.shape[2]
         self.reserve(n)
         assert self.keys is not None and self.values is not None
         self.end = start + n
         self.keys[..., start : self.end, :] = keys
         self.values[..., start : self.end, :] = values
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """`write`, then return all columns so far."""
+        self.write(keys, values)
+        assert self.keys is not None and self.values is not None
         return self.keys[..., : self.end, :], self.values[..., : self.end, :]
 
     # --- membership -----------------------------------------------------------------------------

@@ -114,12 +114,14 @@ def _kernel() -> Any:
 
 class RaggedRows:
     """What a decode step's attention needs to know of a left-padded batch, built once per step and
-    passed to the model in place of a mask: each row's first column and the columns written."""
+    passed to the model in place of a mask: each row's first column, the columns written, and each
+    row's RoPE position of the new token (one array for every layer, not one per layer)."""
 
     def __init__(self, starts: mx.array, end: int, capacity: int) -> None:
         self.starts = starts  # (B,) int32
         self.end = end  # columns written, this step's new one included
         self.meta = mx.array([end, capacity], dtype=mx.int32)
+        self.positions = (end - 1) - starts  # (B,) int32: each row's length before the new token
 
 
 def decode_attention(

@@ -15,6 +15,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from ..batch_cache import BatchKVCache
 from ..errors import CheckpointError, UnsupportedArchitecture
 from ..kv_cache import KVCache, key_columns
 from ..ragged_attention import RaggedRows, decode_attention
@@ -138,16 +139,19 @@ class Attention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3)
+        if isinstance(mask, RaggedRows):  # a decode step of left-padded rows: see ragged_attention.py
+            assert isinstance(cache, BatchKVCache) and last is None
+            q, k = self.rope(q, offset=mask.positions), self.rope(k, offset=mask.positions)
+            cache.write(k, v)  # the kernel reads the buffers themselves
+            assert cache.keys is not None and cache.values is not None
+            out = decode_attention(q, cache.keys, cache.values, mask, self.scale)
+            return self.o_proj(out.transpose(0, 2, 1, 3).reshape(b, xq.shape[1], -1))
         offset = cache.offset if cache is not None else 0
         q = self.rope(q, offset=offset if last is None else offset + last)
         k = self.rope(k, offset=offset)
         if cache is not None:
             k, v = cache.update_and_fetch(k, v) if columns is None else cache.update_and_fetch(k, v, columns)
-        if isinstance(mask, RaggedRows):  # a decode step of left-padded rows: see ragged_attention.py
-            assert cache is not None and cache.keys is not None and cache.values is not None
-            out = decode_attention(q, cache.keys, cache.values, mask, self.scale)
-        else:
-            out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
+        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(b, xq.shape[1], -1))
 
 
