@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU benchmark runs, in sets that each fit one device call (600 s), results under $OUT.
 #
-#   bash bench/gpu_runs.sh batch|backlog|ab|suite SHA
+#   bash bench/gpu_runs.sh batch|backlog|ab|offers|suite SHA
 #
 # Run on the device from the snapshot (see bench/README.md "How to run"): call 1 carries .gpu-a, call 2
 # `source .gpu-b/device-setup.sh >/dev/null 2>&1 && cd .bench-src && bash bench/gpu_runs.sh batch SHA`.
@@ -13,11 +13,14 @@
 # - suite (~560 s): `python3 -m bench` on the 1B shape (issue 5's figures);
 # - ab (~450 s): AB=MLXQ_...=VALUE[,...] (required): a second batched worker with those settings, run in
 #   turns with the default one (and mlx-lm, and the in-process engine, also that way for
-#   MLXQ_DECODE_OVERLAP): greedy and staggered at 64 jobs, REPEATS times; the 256-job backlog once.
+#   MLXQ_DECODE_OVERLAP): greedy and staggered at 64 jobs, REPEATS times; the 256-job backlog once;
+# - offers (~300 s): what a prefix-cache offer costs on the device (bench.offer_probe, a full cache of
+#   250 leaves as the workers' gets), then 64 jobs and the backlog with the prefix cache off in turns
+#   with it on (what it still costs a batch of prompts that share nothing).
 # Each run has its own timeout, so one that hangs cannot take the others' time; a summary of the tables
 # is printed at the end.
 set -u
-set_name=${1:?batch, backlog, ab or suite}
+set_name=${1:?batch, backlog, ab, offers or suite}
 sha=${2:?the commit the snapshot was made from}
 out=${OUT:?OUT: the folder the device tool brings back}
 model=${MODEL:-llama-1b}  # MODEL=tiny: a quick check of this script on a CPU
@@ -53,15 +56,22 @@ ab)
     run 150 ab-backlog.log "${bg[@]}" --repeats 1 --sizes 256 --staggered --ab-env "$ab" --no-inproc \
         --label "gpu-ab-backlog-$sha"
     ;;
+offers)
+    run 120 offer-probe.log python3 -m bench.offer_probe --model "$model" --rows 400 --tokens 128 --full-rows 250
+    run 130 offers-greedy.log "${bg[@]}" --sizes 64 --no-inproc --ab-env MLXQ_PREFIX_CACHE_BYTES=0 \
+        --label "gpu-ab-nocache-$sha"
+    run 150 offers-backlog.log "${bg[@]}" --repeats 1 --sizes 256 --staggered --no-inproc \
+        --ab-env MLXQ_PREFIX_CACHE_BYTES=0 --label "gpu-ab-nocache-backlog-$sha"
+    ;;
 suite)
     run 560 suite.log python3 -m bench --model "$model" --sizes gpu --out "$out" --label "gpu-llama-1b-$sha" \
         --only generation,diagnostics,prefill,scoring,warm_cache,queue
     ;;
 *)
-    echo "unknown set: $set_name (batch, backlog, ab or suite)" >&2
+    echo "unknown set: $set_name (batch, backlog, ab, offers or suite)" >&2
     exit 2
     ;;
 esac
 # The tables (the runs' .md files; batch_step prints only to its log), for the call's output tail.
-grep -hE '^\| (queue|engine|mlx|hand|DecodeBatch|graph|[0-9.]+ \|)|MISSED|met \|' "$out"/*.md "$out"/step.log \
-    2>/dev/null | head -80
+grep -hE '^\| (queue|engine|mlx|hand|DecodeBatch|graph|one block|one copy|no copy|[0-9.]+ \|)|MISSED|met \|' \
+    "$out"/*.md "$out"/step.log "$out"/offer-probe.log 2>/dev/null | head -80

@@ -9,7 +9,8 @@ gives a view of the batch buffers). Per offer, milliseconds: on the host (the ca
 queued) and between device syncs (the copies done), for the cache's copy as it is and for variants:
 one copy per array instead of one block, and no copy at all (views kept: not usable, the floor).
 Then the cache's copy as it is into a full cache: a budget of `--full-rows` rows (default a quarter of
-`--rows`), so every later offer evicts one, as in a worker whose cache has filled (on the H200 the
+`--rows`), filled by the first ones untimed, so every timed offer evicts one, as in a worker whose cache
+has filled (on the H200 the
 workers' offers cost ~0.65 ms each while their cache filled, 1.3-2 ms once it was full:
 `bench/README.md`); and into a full cache of `--nodes` small nodes (16 tokens each), host time only:
 what eviction costs as the trie grows. Prints a table; writes nothing.
@@ -44,8 +45,11 @@ def _batch(model: Any, rows: int, tokens: int) -> Any:
     return layers
 
 
-def _offers(layers: list[Any], rows: int, tokens: int, sync: bool, budget: int = 8 << 30) -> float:
-    """Median ms per offer of each row's tokens into a fresh cache of `budget` bytes."""
+def _offers(
+    layers: list[Any], rows: int, tokens: int, sync: bool, budget: int = 8 << 30, fill: int = 0
+) -> float:
+    """Median ms per offer of each row's tokens into a fresh cache of `budget` bytes; the first `fill`
+    rows are offered untimed (to fill it), the first timed one is left out (first-seen shapes)."""
     from worker.prefix_cache import PrefixCache
 
     cache = PrefixCache(budget)
@@ -59,7 +63,8 @@ def _offers(layers: list[Any], rows: int, tokens: int, sync: bool, budget: int =
         cache.offer(ids, row)
         if sync:
             mx.synchronize()
-        times.append((time.perf_counter() - t0) * 1000)
+        if i >= fill:
+            times.append((time.perf_counter() - t0) * 1000)
     mx.synchronize()
     return statistics.median(times[1:])
 
@@ -117,11 +122,11 @@ def main(argv: list[str] | None = None) -> int:
         synced = _offers(layers, args.rows, args.tokens, True)
         print(f"| {name} | {host:.3f} | {synced:.3f} |")
     prefix_cache._own = as_is  # type: ignore[assignment]
-    full_rows = args.full_rows or max(1, args.rows // 4)
+    full_rows = min(args.full_rows or max(1, args.rows // 4), args.rows - 2)
     row_bytes = sum(int(c.keys.nbytes + c.values.nbytes) for c in layers) // args.rows
     budget = int(full_rows * row_bytes * args.tokens / layers[0].capacity)  # the rows' tokens, not the spare
-    host = _offers(layers, args.rows, args.tokens, False, budget)
-    synced = _offers(layers, args.rows, args.tokens, True, budget)
+    host = _offers(layers, args.rows, args.tokens, False, budget, fill=full_rows)
+    synced = _offers(layers, args.rows, args.tokens, True, budget, fill=full_rows)
     print(
         f"| one block (as is), into a full cache ({full_rows} rows: every later offer evicts) | {host:.3f} "
         f"| {synced:.3f} |"
