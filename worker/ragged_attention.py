@@ -22,6 +22,8 @@ from typing import Any
 
 import mlx.core as mx
 
+from .device import on_cuda
+
 _SOURCE = """
     constexpr int WARP = 32;
     constexpr int PACK = 16 / sizeof(T);  // elements per 16-byte load
@@ -93,13 +95,7 @@ _SOURCE = """
 
 def available() -> bool:
     """Whether the kernel can run: MLX's CUDA backend is the default device (not Metal, not the CPU)."""
-    cuda = getattr(mx, "cuda", None)
-    return (
-        mx.default_device().type == mx.DeviceType.gpu
-        and cuda is not None
-        and cuda.is_available()
-        and hasattr(mx.fast, "cuda_kernel")
-    )
+    return on_cuda() and hasattr(mx.fast, "cuda_kernel")
 
 
 @cache

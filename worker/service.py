@@ -13,6 +13,7 @@ import redis
 
 from jobs import runtime
 
+from .device import on_cuda
 from .engine import Engine, EngineOptions
 from .executor import JobExecutor
 from .job_claim import JobClaimer
@@ -38,8 +39,7 @@ def mlx_cache_limit(setting: int | None) -> int:
     elsewhere (unified memory, shared with the system) 1 GiB."""
     if setting is not None:
         return setting
-    cuda = getattr(mx, "cuda", None)
-    if mx.default_device().type == mx.DeviceType.gpu and cuda is not None and cuda.is_available():
+    if on_cuda():
         return max(1 << 30, mx.get_memory_limit() // 8)
     return 1 << 30
 

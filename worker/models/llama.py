@@ -145,13 +145,15 @@ class Attention(nn.Module):
             cache.write(k, v)  # the kernel reads the buffers themselves
             assert cache.keys is not None and cache.values is not None
             out = decode_attention(q, cache.keys, cache.values, mask, self.scale)
-            return self.o_proj(out.transpose(0, 2, 1, 3).reshape(b, xq.shape[1], -1))
-        offset = cache.offset if cache is not None else 0
-        q = self.rope(q, offset=offset if last is None else offset + last)
-        k = self.rope(k, offset=offset)
-        if cache is not None:
-            k, v = cache.update_and_fetch(k, v) if columns is None else cache.update_and_fetch(k, v, columns)
-        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
+        else:
+            offset = cache.offset if cache is not None else 0
+            q = self.rope(q, offset=offset if last is None else offset + last)
+            k = self.rope(k, offset=offset)
+            if cache is not None and columns is None:  # other cache kinds take no `columns`
+                k, v = cache.update_and_fetch(k, v)
+            elif cache is not None:
+                k, v = cache.update_and_fetch(k, v, columns)
+            out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(b, xq.shape[1], -1))
 
 
