@@ -25,20 +25,25 @@ LLAMA_1B: dict[str, Any] = {
 }
 
 SHAPES = {"tiny": (TINY, "float32"), "llama-1b": (LLAMA_1B, "bfloat16")}
+# MLX-quantized (affine, group 64) from a random checkpoint of a shape above, by `loader.save_quantized`.
+QUANTIZED = {"llama-1b-4bit": ("llama-1b", 4), "llama-1b-8bit": ("llama-1b", 8), "tiny-4bit": ("tiny", 4)}
 
 
 def checkpoint(name: str, cache_dir: Path) -> Path:
     """Folder of checkpoint `name`: `tiny`, `llama-1b` (random weights, written once into `cache_dir`),
-    `smollm2` (the real model, imported by `worker.default_model`), or a path."""
+    one of those quantized (`QUANTIZED`), `smollm2` (the real model, imported by
+    `worker.default_model`), or a path."""
     if name == "smollm2":
         from worker.default_model import default_model_dir  # not there yet: the caller skips it
 
         return Path(default_model_dir())
+    if name in QUANTIZED:
+        return _quantized(name, cache_dir)
     if name not in SHAPES:
         path = Path(name)
         if not (path / "config.json").is_file():
             raise FileNotFoundError(
-                f"{name!r} is neither a known shape ({', '.join(SHAPES)}) nor a model folder"
+                f"{name!r} is neither a known shape ({', '.join([*SHAPES, *QUANTIZED])}) nor a model folder"
             )
         return path
     config, dtype = SHAPES[name]
@@ -47,5 +52,20 @@ def checkpoint(name: str, cache_dir: Path) -> Path:
     wanted = json.dumps({"config": config, "dtype": dtype}, sort_keys=True)
     if not (done.is_file() and done.read_text() == wanted):
         write_random_checkpoint(out, config, dtype=dtype, std=0.02)
+        done.write_text(wanted)
+    return out
+
+
+def _quantized(name: str, cache_dir: Path) -> Path:
+    from worker.loader import load_config, load_model, save_quantized  # imports MLX
+
+    source_name, bits = QUANTIZED[name]
+    source = checkpoint(source_name, cache_dir)
+    out = cache_dir / name
+    done = out / "bench-config.json"
+    wanted = (source / "bench-config.json").read_text() + f" bits={bits}"
+    if not (done.is_file() and done.read_text() == wanted):
+        model, _ = load_model(source)
+        save_quantized(model, load_config(source), out, bits=bits, copy_from=source)
         done.write_text(wanted)
     return out
