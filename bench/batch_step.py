@@ -1,6 +1,7 @@
 """Probe: what one batched decode step costs, and what a prefill shape seen for the first time costs.
 
     python -m bench.batch_step [--model tiny|llama-1b|PATH] [--rows 64] [--context 128] [--steps 64]
+        [--dense-rows N]
 
 Per-step milliseconds, B rows at about `--context` tokens, each path warmed up first:
 - hand loop: the model with a plain batch `KVCache`, rows of equal length, one argmax (the floor);
@@ -131,12 +132,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rows", type=int, default=64)
     ap.add_argument("--context", type=int, default=128)
     ap.add_argument("--steps", type=int, default=64)
+    ap.add_argument("--dense-rows", type=int, help="EngineOptions.dense_rows (a quantized model) [default]")
     args = ap.parse_args(argv)
     random.seed(0)
-    from worker.engine import Engine
+    from worker.engine import Engine, EngineOptions
 
     path = checkpoint(args.model, Path.home() / ".cache/mlxq/bench-models")
-    engine = Engine.load(str(path))
+    engine = Engine.load(str(path), EngineOptions(dense_rows=args.dense_rows))
     b, n, steps = args.rows, args.context, args.steps
     out: list[tuple[str, float]] = []
     out.append(

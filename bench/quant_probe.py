@@ -51,18 +51,25 @@ def main(argv: list[str] | None = None) -> None:
     dtype = getattr(mx, args.dtype)
     rows = [int(r) for r in args.rows.split(",")]
     print(f"device={mx.default_device()} mlx={mx.__version__} bits={args.bits} group={args.group_size}")
-    print("| projection | rows | quantized ms | dense ms | dequantize+dense ms | quantized / dense |")
-    print("| --- | --- | --- | --- | --- | --- |")
+    print(
+        "| projection | rows | quantized ms | quantized (rows, 1, K) ms | dense ms | dequantize+dense ms "
+        "| quantized / dense |"
+    )
+    print("| --- | --- | --- | --- | --- | --- | --- |")
     for name, n_out, n_in in SHAPES_1B:
-        for m, t_q, t_d, t_dd in _time_shape(n_out, n_in, rows, dtype, args):
-            print(f"| {name} {n_out}x{n_in} | {m} | {t_q:.3f} | {t_d:.3f} | {t_dd:.3f} | {t_q / t_d:.2f} |")
+        for m, t_q, t_q3, t_d, t_dd in _time_shape(n_out, n_in, rows, dtype, args):
+            print(
+                f"| {name} {n_out}x{n_in} | {m} | {t_q:.3f} | {t_q3:.3f} | {t_d:.3f} | {t_dd:.3f} "
+                f"| {t_q / t_d:.2f} |"
+            )
         mx.clear_cache()
 
 
 def _time_shape(
     n_out: int, n_in: int, rows: list[int], dtype: mx.Dtype, args: argparse.Namespace
-) -> list[tuple[int, float, float, float]]:
-    """(rows, quantized ms, dense ms, dequantize+dense ms) for one projection at each row count."""
+) -> list[tuple[int, float, float, float, float]]:
+    """(rows, quantized ms, the same with rows as (rows, 1, K), dense ms, dequantize+dense ms) for one
+    projection at each row count."""
     q = dict(group_size=args.group_size, bits=args.bits)
     w = (mx.random.normal((n_out, n_in)) * 0.02).astype(dtype)
     wq, scales, biases = mx.quantize(w, **q)
@@ -76,20 +83,17 @@ def _time_shape(
         def quantized(x: mx.array = x) -> mx.array:
             return mx.quantized_matmul(x, wq, scales, biases, transpose=True, **q)
 
+        def quantized_3d(x: mx.array = x[:, None, :]) -> mx.array:  # as a decode step's (rows, 1, K)
+            return mx.quantized_matmul(x, wq, scales, biases, transpose=True, **q)
+
         def dequantized(x: mx.array = x) -> mx.array:
             return x @ mx.dequantize(wq, scales, biases, **q).T
 
         def plain(x: mx.array = x) -> mx.array:
             return x @ dense.T
 
-        out.append(
-            (
-                m,
-                _median_ms(quantized, args.repeats),
-                _median_ms(plain, args.repeats),
-                _median_ms(dequantized, args.repeats),
-            )
-        )
+        timed = (quantized, quantized_3d, plain, dequantized)
+        out.append((m, *(_median_ms(fn, args.repeats) for fn in timed)))
     return out
 
 

@@ -94,6 +94,7 @@ class WorkerService:
                     max_score_rows=settings.max_score_rows,
                     max_score_candidates=settings.max_score_candidates,
                     decode_overlap=settings.decode_overlap,
+                    dense_rows=settings.dense_rows,
                 ),
             )
         stream_options = StreamOptions(

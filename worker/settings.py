@@ -57,6 +57,12 @@ class WorkerSettings(BaseSettings):
         description="handle a generation batch's tokens and write its streams on a second thread while "
         "MLX launches the next decode step; unset: on a GPU only",
     )
+    dense_rows: int | None = Field(
+        default=None,
+        ge=0,
+        description="a quantized model's layers also keep their weights dequantized and use them for "
+        "forwards of at least this many rows (batches, prompts); 0: off; unset: 8 on CUDA, else off",
+    )
     max_score_rows: int = Field(default=64, ge=1, description="rows one score job may have")
     max_score_candidates: int = Field(default=26, ge=1, description="candidates one score row may have")
 

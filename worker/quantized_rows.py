@@ -1,0 +1,105 @@
+"""Quantized layers that keep a dense copy of their weight for forwards of many rows (MLX on CUDA).
+
+A quantized matmul reads a quarter of the weight bytes, which is what a forward of one row (a lone
+decode step) is bound by; but MLX's CUDA kernels for it fall far behind a dense matmul once a forward
+has many rows: a 64-row decode step of the Llama-3.2-1B shape in 4-bit took ~34 ms on an H200 against
+~4.4 ms in bf16, and a 2,048-row projection 2-5x as long (`bench/quant_probe.py`, 2026-12-01). With
+`use_dense_rows(model, min_rows)` every quantized Linear (and a quantized embedding used as the tied
+output layer) also holds its weight dequantized once, in the compute dtype, and a call with at least
+`min_rows` rows (a decode batch, a prefill chunk, a score batch) multiplies by that instead: the speed
+of the dense model for batches and prompts, the quantized kernel's for a lone sequence, at the memory
+cost of the dense weights (the bytes it returns; ~2.5 GB for a 1B model). The copy is exactly
+`mx.dequantize` of the layer's own weight, so the two paths differ only by the order of their sums.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .device import on_cuda
+
+log = logging.getLogger(__name__)
+
+# From how many rows a quantized layer uses its dense copy on CUDA by default (`bench/quant_probe.py`).
+CUDA_DENSE_ROWS = 8
+
+
+def dense_rows_by_default() -> int:
+    """`CUDA_DENSE_ROWS` on MLX's CUDA backend; 0 (quantized kernels only) elsewhere: Metal's are fast
+    for many rows, and on the CPU a dense float32 matmul is no faster than a quantized one."""
+    return CUDA_DENSE_ROWS if on_cuda() else 0
+
+
+@dataclass(frozen=True)
+class _Dense:
+    """Held outside the module's parameters (a plain attribute): checkpoints and `parameters()` never
+    see it, so saving the model writes only its quantized weights."""
+
+    weight: mx.array  # (outputs, inputs)
+    min_rows: int
+
+
+def _dequantized(layer: nn.QuantizedLinear | nn.QuantizedEmbedding, dtype: mx.Dtype) -> mx.array:
+    biases = layer.get("biases")
+    mode = getattr(layer, "mode", "affine")
+    w = mx.dequantize(layer.weight, layer.scales, biases, layer.group_size, layer.bits, mode=mode)
+    return w.astype(dtype)
+
+
+def _rows(x: mx.array) -> int:
+    return x.size // x.shape[-1] if x.ndim else 0
+
+
+class DenseRowsLinear(nn.QuantizedLinear):
+    """A `QuantizedLinear` that multiplies calls of at least `min_rows` rows by a dense copy."""
+
+    _dense: _Dense
+
+    def __call__(self, x: mx.array) -> mx.array:
+        if _rows(x) < self._dense.min_rows:
+            return super().__call__(x)
+        out = x @ self._dense.weight.T
+        return out + self["bias"] if "bias" in self else out
+
+
+class DenseRowsEmbedding(nn.QuantizedEmbedding):
+    """A `QuantizedEmbedding` whose `as_linear` (a tied output layer) uses a dense copy from `min_rows`
+    rows on; lookups stay quantized (they read only the rows they need)."""
+
+    _dense: _Dense
+
+    def as_linear(self, x: mx.array) -> mx.array:
+        if _rows(x) < self._dense.min_rows:
+            return super().as_linear(x)
+        return x @ self._dense.weight.T
+
+
+def _swap(layer: nn.Module, dtype: mx.Dtype, min_rows: int) -> int:
+    """Make `layer` dense-rows in place (its class and a dense copy); returns the copy's bytes."""
+    if type(layer) is nn.QuantizedLinear:
+        layer.__class__ = DenseRowsLinear
+    elif type(layer) is nn.QuantizedEmbedding:
+        layer.__class__ = DenseRowsEmbedding
+    else:
+        return 0
+    dense = _dequantized(layer, dtype)
+    mx.eval(dense)
+    object.__setattr__(layer, "_dense", _Dense(dense, min_rows))
+    return int(dense.nbytes)
+
+
+def use_dense_rows(model: nn.Module, min_rows: int, dtype: mx.Dtype) -> int:
+    """Give every quantized Linear and Embedding of `model` a dense copy of its weight in `dtype`, used
+    for calls of at least `min_rows` rows; returns the bytes the copies take (0: nothing quantized)."""
+    if min_rows < 1:
+        raise ValueError(f"min_rows must be >= 1, got {min_rows}")
+    added = 0
+    for _, module in model.named_modules():
+        added += _swap(module, dtype, min_rows)
+    if added:
+        log.info("quantized layers keep dense copies min_rows=%d bytes=%d", min_rows, added)
+    return added
