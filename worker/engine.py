@@ -93,11 +93,11 @@ class Engine:
         path = resolve_model_path(model)
         t0 = time.perf_counter()
         net, config = load_model(path, dtype=options.dtype)
-        net.fuse()  # fewer matmuls per layer (see `models.llama._fuse_linears`)
         dense_rows = dense_rows_by_default() if options.dense_rows is None else options.dense_rows
         if dense_rows > 0 and config.get("quantization"):  # see `quantized_rows.py`
             dtype = parse_dtype(options.dtype) if options.dtype else default_dtype(config)
             use_dense_rows(net, dense_rows, dtype)
+        net.fuse()  # fewer matmuls per layer (see `models.llama._fuse_linears`)
         tokenizer = Tokenizer.from_dir(path)
         engine = cls(net, tokenizer, config, Path(model).name if Path(model).exists() else model, options)
         log.info(

@@ -78,6 +78,40 @@ class DenseRowsEmbedding(nn.QuantizedEmbedding):
         return x @ self._dense.weight.T
 
 
+class FusedDenseRows(nn.Module):
+    """Dense-rows projections of one input side by side (q/k/v, gate/up), as `models.llama` fuses plain
+    ones: many rows in one matmul by their dense copies concatenated (a batched step launches as few
+    matmuls as the dense model's), few rows through each part's quantized kernel, outputs concatenated."""
+
+    def __init__(self, parts: list[DenseRowsLinear]) -> None:
+        super().__init__()
+        weight = mx.concatenate([p._dense.weight for p in parts], axis=0)
+        mx.eval(weight)
+        object.__setattr__(self, "_dense", _Dense(weight, parts[0]._dense.min_rows))
+        for part in parts:  # plain quantized layers again: their own dense copies are freed
+            part.__class__ = nn.QuantizedLinear
+            object.__delattr__(part, "_dense")
+        self.parts = parts
+        if all("bias" in p for p in parts):
+            self.bias = mx.concatenate([p["bias"] for p in parts])
+
+    def __call__(self, x: mx.array) -> mx.array:
+        if _rows(x) < self._dense.min_rows:
+            return mx.concatenate([part(x) for part in self.parts], axis=-1)
+        out = x @ self._dense.weight.T
+        return out + self["bias"] if "bias" in self else out
+
+
+def fuse_dense_rows(parts: list[nn.Module]) -> FusedDenseRows | None:
+    """`parts` as one `FusedDenseRows`, if they are all dense-rows Linears with one row threshold and
+    all or none of them with a bias; else None."""
+    if not parts or any(type(p) is not DenseRowsLinear for p in parts):
+        return None
+    if len({p._dense.min_rows for p in parts}) != 1 or len({"bias" in p for p in parts}) != 1:
+        return None
+    return FusedDenseRows(parts)  # type: ignore[arg-type]  # checked just above
+
+
 def _swap(layer: nn.Module, dtype: mx.Dtype, min_rows: int) -> int:
     """Make `layer` dense-rows in place (its class and a dense copy); returns the copy's bytes."""
     if type(layer) is nn.QuantizedLinear:

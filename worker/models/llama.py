@@ -18,6 +18,7 @@ import mlx.nn as nn
 from ..batch_cache import BatchKVCache
 from ..errors import CheckpointError, UnsupportedArchitecture
 from ..kv_cache import KVCache, key_columns
+from ..quantized_rows import fuse_dense_rows
 from ..ragged_attention import RaggedRows, decode_attention
 from ..rope import make_rope
 
@@ -105,7 +106,7 @@ class Attention(nn.Module):
             self.k_norm = nn.RMSNorm(self.head_dim, eps=args.rms_norm_eps)
         self.qk_norm = args.qk_norm
         self.rope = make_rope(self.head_dim, args.rope_theta, args.rope_scaling)
-        self.qkv_proj: nn.Linear | None = None  # set by `fuse`, in place of q_proj, k_proj and v_proj
+        self.qkv_proj: nn.Module | None = None  # set by `fuse`, in place of q_proj, k_proj and v_proj
 
     def fuse(self) -> None:
         """Compute q, k and v with one matmul (`_fuse_linears`), if their projections are plain."""
@@ -166,7 +167,7 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(h, inter, bias=bias)
         self.up_proj = nn.Linear(h, inter, bias=bias)
         self.down_proj = nn.Linear(inter, h, bias=bias)
-        self.gate_up_proj: nn.Linear | None = None  # set by `fuse`, in place of gate_proj and up_proj
+        self.gate_up_proj: nn.Module | None = None  # set by `fuse`, in place of gate_proj and up_proj
 
     def fuse(self) -> None:
         """Compute gate and up with one matmul (`_fuse_linears`), if their projections are plain."""
@@ -181,14 +182,19 @@ class MLP(nn.Module):
         return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-def _fuse_linears(module: nn.Module, names: list[str]) -> nn.Linear | None:
+def _fuse_linears(module: nn.Module, names: list[str]) -> nn.Module | None:
     """One `nn.Linear` computing the named projections of `module` side by side (weights, and biases if
     they have them, concatenated along the outputs), which it then drops; None, and nothing changed,
     if any of them is not a plain `nn.Linear` (quantized) or only some have a bias.
 
     A decode step on a GPU is bound by the host's launch of each op, a matmul's the dearest (~22 us each
-    on an H200, `bench/launch_probe.py`): fusing q/k/v and gate/up saves three of a layer's seven."""
+    on an H200, `bench/launch_probe.py`): fusing q/k/v and gate/up saves three of a layer's seven.
+    Quantized projections with dense copies (`quantized_rows.use_dense_rows`) fuse those copies."""
     parts = [getattr(module, name) for name in names]
+    if (dense := fuse_dense_rows(parts)) is not None:
+        for name in names:
+            delattr(module, name)
+        return dense
     if any(type(p) is not nn.Linear for p in parts):
         return None
     biased = ["bias" in p for p in parts]
