@@ -24,6 +24,7 @@ from worker.quantized_rows import (
     DenseRowsEmbedding,
     DenseRowsLinear,
     FusedDenseRows,
+    _planned_bytes,
     dense_rows_by_default,
     use_dense_rows,
 )
@@ -70,6 +71,15 @@ def test_copies_are_no_parameters(quantized_dir: Path) -> None:
     assert use_dense_rows(model, 8, mx.float32) == 0  # already done: nothing more
     with pytest.raises(ValueError, match="min_rows"):
         use_dense_rows(model, 0, mx.float32)
+
+
+def test_copies_over_budget_are_not_made(quantized_dir: Path) -> None:
+    model, _ = load_model(quantized_dir)
+    planned = _planned_bytes(model, mx.float32)
+    assert use_dense_rows(model, 8, mx.float32, max_bytes=planned - 1) == 0
+    assert type(model.model.layers[0].mlp.down_proj) is nn.QuantizedLinear  # nothing changed
+    assert use_dense_rows(model, 8, mx.float32, max_bytes=planned) == planned  # the estimate is exact
+    assert _planned_bytes(model, mx.float32) == 0  # nothing quantized is left without its copy
 
 
 def test_unquantized_model_is_left_alone(tmp_path: Path) -> None:

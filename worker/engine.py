@@ -34,7 +34,7 @@ from .generate import GenerationCancelled, decode, overlap_by_default, pad_shape
 from .loader import default_dtype, load_model, parse_dtype, resolve_model_path
 from .memory_guard import with_memory_retry
 from .prefix_cache import PrefixCache
-from .quantized_rows import dense_rows_by_default, use_dense_rows
+from .quantized_rows import default_max_bytes, dense_rows_by_default, use_dense_rows
 from .sampler import Sampler
 from .scoring import PrefixScorer, ScoreStats, candidate_scores, candidate_token_ids
 from .stop_strings import StopStringMatcher
@@ -59,7 +59,7 @@ class EngineOptions:
     max_score_candidates: int = 26
     pad_shapes: bool | None = None  # None: on a GPU only (see `generate.padded_size`)
     decode_overlap: bool | None = None  # None: on a GPU only (see `generate.DecodeBatch`)
-    dense_rows: int | None = None  # quantized layers: dense copies from this many rows; None: CUDA 8, else 0
+    dense_rows: int | None = None  # quantized layers' dense copies from this many rows (`quantized_rows`)
 
 
 class Engine:
@@ -93,10 +93,12 @@ class Engine:
         path = resolve_model_path(model)
         t0 = time.perf_counter()
         net, config = load_model(path, dtype=options.dtype)
-        dense_rows = dense_rows_by_default() if options.dense_rows is None else options.dense_rows
-        if dense_rows > 0 and config.get("quantization"):  # see `quantized_rows.py`
+        if config.get("quantization"):  # see `quantized_rows.py`
             dtype = parse_dtype(options.dtype) if options.dtype else default_dtype(config)
-            use_dense_rows(net, dense_rows, dtype)
+            if options.dense_rows is None and dense_rows_by_default():
+                use_dense_rows(net, dense_rows_by_default(), dtype, default_max_bytes())
+            elif options.dense_rows:  # set: kept whatever they take
+                use_dense_rows(net, options.dense_rows, dtype)
         net.fuse()  # fewer matmuls per layer (see `models.llama._fuse_linears`)
         tokenizer = Tokenizer.from_dir(path)
         engine = cls(net, tokenizer, config, Path(model).name if Path(model).exists() else model, options)

@@ -34,6 +34,12 @@ def dense_rows_by_default() -> int:
     return CUDA_DENSE_ROWS if on_cuda() else 0
 
 
+def default_max_bytes() -> int:
+    """Where the copies are on by default, they may take at most a quarter of MLX's memory limit (the
+    device's memory on CUDA), so a GPU too small for them keeps its room for KV and batches."""
+    return mx.get_memory_limit() // 4
+
+
 @dataclass(frozen=True)
 class _Dense:
     """Held outside the module's parameters (a plain attribute): checkpoints and `parameters()` never
@@ -126,11 +132,31 @@ def _swap(layer: nn.Module, dtype: mx.Dtype, min_rows: int) -> int:
     return int(dense.nbytes)
 
 
-def use_dense_rows(model: nn.Module, min_rows: int, dtype: mx.Dtype) -> int:
+def _planned_bytes(model: nn.Module, dtype: mx.Dtype) -> int:
+    """What the dense copies of `model`'s quantized layers would take, before making them."""
+    total = 0
+    for _, layer in model.named_modules():
+        if type(layer) in (nn.QuantizedLinear, nn.QuantizedEmbedding):
+            outputs, packed = layer.weight.shape
+            total += outputs * (packed * 32 // layer.bits) * dtype.size
+    return total
+
+
+def use_dense_rows(model: nn.Module, min_rows: int, dtype: mx.Dtype, max_bytes: int | None = None) -> int:
     """Give every quantized Linear and Embedding of `model` a dense copy of its weight in `dtype`, used
-    for calls of at least `min_rows` rows; returns the bytes the copies take (0: nothing quantized)."""
+    for calls of at least `min_rows` rows; returns the bytes the copies take (0: nothing quantized, or
+    the copies would take more than `max_bytes`, and then nothing is changed)."""
     if min_rows < 1:
         raise ValueError(f"min_rows must be >= 1, got {min_rows}")
+    planned = _planned_bytes(model, dtype)
+    if max_bytes is not None and planned > max_bytes:
+        log.warning(
+            "quantized layers keep no dense copies: they would take bytes=%d, more than max_bytes=%d "
+            "(set MLXQ_DENSE_ROWS to keep them anyway); batches run on the quantized kernels",
+            planned,
+            max_bytes,
+        )
+        return 0
     added = 0
     for _, module in model.named_modules():
         added += _swap(module, dtype, min_rows)

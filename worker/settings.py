@@ -61,7 +61,8 @@ class WorkerSettings(BaseSettings):
         default=None,
         ge=0,
         description="a quantized model's layers also keep their weights dequantized and use them for "
-        "forwards of at least this many rows (batches, prompts); 0: off; unset: 8 on CUDA, else off",
+        "forwards of at least this many rows (batches, prompts); 0: off; unset: 8 on CUDA if the copies "
+        "take at most a quarter of MLX's memory limit, else off",
     )
     max_score_rows: int = Field(default=64, ge=1, description="rows one score job may have")
     max_score_candidates: int = Field(default=26, ge=1, description="candidates one score row may have")
