@@ -14,6 +14,7 @@ cost of the dense weights (the bytes it returns; ~2.5 GB for a 1B model). The co
 
 from __future__ import annotations
 
+import itertools
 import logging
 from dataclasses import dataclass
 
@@ -102,10 +103,17 @@ class FusedDenseRows(nn.Module):
             self.bias = mx.concatenate([p["bias"] for p in parts])
 
     def __call__(self, x: mx.array) -> mx.array:
+        return mx.concatenate(self.outputs(x), axis=-1)
+
+    def outputs(self, x: mx.array) -> list[mx.array]:
+        """Each part's output: few rows through each part (nothing concatenated: a lone sequence's
+        step launches what the unfused quantized model's does), many rows as views of one matmul."""
         if _rows(x) < self._dense.min_rows:
-            return mx.concatenate([part(x) for part in self.parts], axis=-1)
+            return [part(x) for part in self.parts]
         out = x @ self._dense.weight.T
-        return out + self["bias"] if "bias" in self else out
+        out = out + self["bias"] if "bias" in self else out
+        ends = list(itertools.accumulate(part.weight.shape[0] for part in self.parts))
+        return [out[..., a:b] for a, b in zip([0, *ends[:-1]], ends, strict=True)]
 
 
 def fuse_dense_rows(parts: list[nn.Module]) -> FusedDenseRows | None:

@@ -8,6 +8,7 @@ attribute names equal the Hugging Face checkpoint keys, so weights load without 
 from __future__ import annotations
 
 import inspect
+import itertools
 import logging
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,7 +19,7 @@ import mlx.nn as nn
 from ..batch_cache import BatchKVCache
 from ..errors import CheckpointError, UnsupportedArchitecture
 from ..kv_cache import KVCache, key_columns
-from ..quantized_rows import fuse_dense_rows
+from ..quantized_rows import FusedDenseRows, fuse_dense_rows
 from ..ragged_attention import RaggedRows, decode_attention
 from ..rope import make_rope
 
@@ -128,8 +129,7 @@ class Attention(nn.Module):
         xq = x if last is None else x[:, last : last + 1]
         if self.qkv_proj is not None:  # fused (`fuse`): one matmul, then views of its columns
             nq, nkv = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
-            qkv = self.qkv_proj(x)
-            q, k, v = qkv[..., :nq], qkv[..., nq : nq + nkv], qkv[..., nq + nkv :]
+            q, k, v = _fused_outputs(self.qkv_proj, x, [nq, nkv, nkv])
             if last is not None:
                 q = q[:, last : last + 1]
         else:
@@ -167,6 +167,7 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(h, inter, bias=bias)
         self.up_proj = nn.Linear(h, inter, bias=bias)
         self.down_proj = nn.Linear(inter, h, bias=bias)
+        self.intermediate_size = inter
         self.gate_up_proj: nn.Module | None = None  # set by `fuse`, in place of gate_proj and up_proj
 
     def fuse(self) -> None:
@@ -176,10 +177,19 @@ class MLP(nn.Module):
 
     def __call__(self, x: mx.array) -> mx.array:
         if self.gate_up_proj is not None:
-            gate_up = self.gate_up_proj(x)
-            half = gate_up.shape[-1] // 2
-            return self.down_proj(nn.silu(gate_up[..., :half]) * gate_up[..., half:])
+            gate, up = _fused_outputs(self.gate_up_proj, x, [self.intermediate_size] * 2)
+            return self.down_proj(nn.silu(gate) * up)
         return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def _fused_outputs(proj: nn.Module, x: mx.array, sizes: list[int]) -> list[mx.array]:
+    """A fused projection's outputs (`_fuse_linears`), `sizes` columns each: views of one matmul's
+    columns; a dense-rows one's parts, for few rows, computed apart (`FusedDenseRows.outputs`)."""
+    if isinstance(proj, FusedDenseRows):
+        return proj.outputs(x)
+    out = proj(x)
+    ends = list(itertools.accumulate(sizes))
+    return [out[..., a:b] for a, b in zip([0, *ends[:-1]], ends, strict=True)]
 
 
 def _fuse_linears(module: nn.Module, names: list[str]) -> nn.Module | None:
