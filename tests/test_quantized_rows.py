@@ -96,13 +96,13 @@ def test_generation_batch_decodes_through_the_copies(
     then picks other tokens, so only the layers' outputs are compared, above.)"""
     engine = Engine.load(str(quantized_dir), EngineOptions(dense_rows=2, prefix_cache_bytes=0))
     rows_seen: list[tuple[int, bool]] = []
-    outputs = FusedDenseRows.outputs
+    apart = FusedDenseRows.apart
 
-    def counted(self: FusedDenseRows, x: mx.array) -> list[mx.array]:
+    def counted(self: FusedDenseRows, x: mx.array) -> bool:
         rows_seen.append((x.shape[0] * x.shape[1], x.shape[1] == 1))
-        return outputs(self, x)
+        return apart(self, x)
 
-    monkeypatch.setattr(FusedDenseRows, "outputs", counted)
+    monkeypatch.setattr(FusedDenseRows, "apart", counted)
     no_eos = {i: -100.0 for i in engine.tokenizer.eos_ids}
     requests = [
         GenerateRequest(prompt="The capital of France is" + " Paris." * i, max_tokens=12, logit_bias=no_eos)

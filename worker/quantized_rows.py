@@ -14,7 +14,6 @@ cost of the dense weights (the bytes it returns; ~2.5 GB for a 1B model). The co
 
 from __future__ import annotations
 
-import itertools
 import logging
 from dataclasses import dataclass
 
@@ -88,7 +87,7 @@ class DenseRowsEmbedding(nn.QuantizedEmbedding):
 class FusedDenseRows(nn.Module):
     """Dense-rows projections of one input side by side (q/k/v, gate/up), as `models.llama` fuses plain
     ones: many rows in one matmul by their dense copies concatenated (a batched step launches as few
-    matmuls as the dense model's), few rows through each part's quantized kernel, outputs concatenated."""
+    matmuls as the dense model's); few rows (`apart`) through each part's quantized kernel."""
 
     def __init__(self, parts: list[DenseRowsLinear]) -> None:
         super().__init__()
@@ -102,18 +101,16 @@ class FusedDenseRows(nn.Module):
         if all("bias" in p for p in parts):
             self.bias = mx.concatenate([p["bias"] for p in parts])
 
-    def __call__(self, x: mx.array) -> mx.array:
-        return mx.concatenate(self.outputs(x), axis=-1)
+    def apart(self, x: mx.array) -> bool:
+        """Whether `x` has too few rows for the dense copy: each part runs its own quantized kernel
+        (a caller that wants the parts' outputs apart then computes them so, unconcatenated)."""
+        return _rows(x) < self._dense.min_rows
 
-    def outputs(self, x: mx.array) -> list[mx.array]:
-        """Each part's output: few rows through each part (nothing concatenated: a lone sequence's
-        step launches what the unfused quantized model's does), many rows as views of one matmul."""
-        if _rows(x) < self._dense.min_rows:
-            return [part(x) for part in self.parts]
+    def __call__(self, x: mx.array) -> mx.array:
+        if self.apart(x):
+            return mx.concatenate([part(x) for part in self.parts], axis=-1)
         out = x @ self._dense.weight.T
-        out = out + self["bias"] if "bias" in self else out
-        ends = list(itertools.accumulate(part.weight.shape[0] for part in self.parts))
-        return [out[..., a:b] for a, b in zip([0, *ends[:-1]], ends, strict=True)]
+        return out + self["bias"] if "bias" in self else out
 
 
 def fuse_dense_rows(parts: list[nn.Module]) -> FusedDenseRows | None:

@@ -184,9 +184,9 @@ class MLP(nn.Module):
 
 def _fused_outputs(proj: nn.Module, x: mx.array, sizes: list[int]) -> list[mx.array]:
     """A fused projection's outputs (`_fuse_linears`), `sizes` columns each: views of one matmul's
-    columns; a dense-rows one's parts, for few rows, computed apart (`FusedDenseRows.outputs`)."""
-    if isinstance(proj, FusedDenseRows):
-        return proj.outputs(x)
+    columns, or for few rows a dense-rows one's parts apart (a lone step launches no concatenation)."""
+    if isinstance(proj, FusedDenseRows) and proj.apart(x):
+        return [part(x) for part in proj.parts]
     out = proj(x)
     ends = list(itertools.accumulate(sizes))
     return [out[..., a:b] for a, b in zip([0, *ends[:-1]], ends, strict=True)]
