@@ -8,7 +8,6 @@ attribute names equal the Hugging Face checkpoint keys, so weights load without 
 from __future__ import annotations
 
 import inspect
-import itertools
 import logging
 from dataclasses import dataclass, field
 from typing import Any
@@ -129,7 +128,7 @@ class Attention(nn.Module):
         xq = x if last is None else x[:, last : last + 1]
         if self.qkv_proj is not None:  # fused (`fuse`): one matmul, then views of its columns
             nq, nkv = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
-            q, k, v = _fused_outputs(self.qkv_proj, x, [nq, nkv, nkv])
+            q, k, v = _fused_outputs(self.qkv_proj, x, (nq, nq + nkv, nq + 2 * nkv))
             if last is not None:
                 q = q[:, last : last + 1]
         else:
@@ -177,19 +176,20 @@ class MLP(nn.Module):
 
     def __call__(self, x: mx.array) -> mx.array:
         if self.gate_up_proj is not None:
-            gate, up = _fused_outputs(self.gate_up_proj, x, [self.intermediate_size] * 2)
+            inter = self.intermediate_size
+            gate, up = _fused_outputs(self.gate_up_proj, x, (inter, 2 * inter))
             return self.down_proj(nn.silu(gate) * up)
         return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-def _fused_outputs(proj: nn.Module, x: mx.array, sizes: list[int]) -> list[mx.array]:
-    """A fused projection's outputs (`_fuse_linears`), `sizes` columns each: views of one matmul's
-    columns, or for few rows a dense-rows one's parts apart (a lone step launches no concatenation)."""
+def _fused_outputs(proj: nn.Module, x: mx.array, ends: tuple[int, ...]) -> list[mx.array]:
+    """A fused projection's outputs (`_fuse_linears`), each ending at its column in `ends`: views of one
+    matmul's columns, or for few rows a dense-rows one's parts apart (a lone step launches no
+    concatenation). On the decode path: no more Python than the slices themselves."""
     if isinstance(proj, FusedDenseRows) and proj.apart(x):
         return [part(x) for part in proj.parts]
     out = proj(x)
-    ends = list(itertools.accumulate(sizes))
-    return [out[..., a:b] for a, b in zip([0, *ends[:-1]], ends, strict=True)]
+    return [out[..., a:b] for a, b in zip((0, *ends[:-1]), ends, strict=True)]
 
 
 def _fuse_linears(module: nn.Module, names: list[str]) -> nn.Module | None:
