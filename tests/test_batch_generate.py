@@ -77,8 +77,9 @@ def _check_stream(job: Any, result: GenerateResult) -> None:
 def test_queued_jobs_run_batched_with_the_results_of_running_alone(
     model_dir: Path, redis_url: str, client: Client, engine: Engine, spawn_worker: Any, overlap: str
 ) -> None:
-    """Also with tokens handled and streams written on the overlap thread (`MLXQ_DECODE_OVERLAP`, a
-    GPU's default)."""
+    """Also as on a GPU: tokens handled and streams written on the overlap thread
+    (`MLXQ_DECODE_OVERLAP`), and new jobs prefilled in one step when none decodes
+    (`MLXQ_IDLE_PREFILL_TOKENS`)."""
     free = _alone(engine, {"prompt": PROMPT, "max_tokens": 30, "temperature": 0, "logit_bias": NO_EOS})
     requests: list[dict[str, Any]] = [
         {"prompt": PROMPT * (1 + i % 5) + str(i), "max_tokens": 6 + 9 * i, "logit_bias": NO_EOS, "seed": i}
@@ -96,7 +97,8 @@ def test_queued_jobs_run_batched_with_the_results_of_running_alone(
         {"prompt": "hi", "max_tokens": 40, "temperature": 0, "logit_bias": {2: 100.0}},  # EOS at once
     ]
     jobs = [client.submit_generate(**fields) for fields in requests]
-    worker = spawn_worker(model_dir, redis_url, "--burst", **BATCH, MLXQ_DECODE_OVERLAP=overlap)
+    gpu = {"MLXQ_IDLE_PREFILL_TOKENS": "16384"} if overlap == "true" else {}
+    worker = spawn_worker(model_dir, redis_url, "--burst", **BATCH, MLXQ_DECODE_OVERLAP=overlap, **gpu)
     assert worker.wait(120) == 0, worker.log()
     for job, fields in zip(jobs, requests, strict=True):
         result = job.result(timeout=5)
@@ -109,6 +111,7 @@ def test_queued_jobs_run_batched_with_the_results_of_running_alone(
     assert [j.result(timeout=1).finish_reason for j in jobs[-2:]] == ["stop", "stop"]
     assert "generation batch claimed=3" in worker.log()  # the first job's batch filled its 4 slots
     assert f"decode_overlap={overlap.title()}" in worker.log()
+    assert f"idle_prefill_tokens={gpu.get('MLXQ_IDLE_PREFILL_TOKENS', 2048)}" in worker.log()
 
 
 def test_cancel_one_job_mid_batch_and_a_bad_job_fails_alone(

@@ -597,3 +597,100 @@ def test_the_ragged_attention_path_decodes_what_the_mask_path_decodes(
     steps += [(masked.step(), ragged.step()) for _ in range(3)]
     assert all(a == b for a, b in steps), steps
     assert calls and len(calls) == 15 * len(model.layers)
+
+
+def _burst_requests(engine: Engine, system: str) -> list[GenerateRequest]:
+    prompts = [f"question {i} " * (1 + i % 4) for i in range(8)] + [system + f"ask {i}" for i in range(4)]
+    return [
+        GenerateRequest(
+            prompt=p,
+            max_tokens=4 + i % 5,
+            logit_bias=_no_eos(engine),
+            temperature=0.0 if i % 3 else 0.9,
+            seed=i,
+        )
+        for i, p in enumerate(prompts)
+    ]
+
+
+@pytest.mark.parametrize("pad_shapes", [False, True])
+def test_a_burst_of_new_requests_prefills_in_one_step_in_forwards_of_a_chunk(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch, pad_shapes: bool
+) -> None:
+    """With no request decoding, a step prefills up to `idle_prefill_tokens` (several forwards of at most
+    a chunk, one wait); a prompt sharing a batch-mate's long prefix takes it from the prefix cache in
+    the same step. Results are what each request gives alone."""
+    import worker.generation_batch as generation_batch
+
+    groups: list[int] = []
+    real = generation_batch.prefill_rows
+
+    def recorded(model: Any, rows: Any, *args: Any) -> Any:
+        groups.append(len(rows))
+        return real(model, rows, *args)
+
+    monkeypatch.setattr(generation_batch, "prefill_rows", recorded)
+    system = "You are a careful assistant who answers in one short sentence. " * 2
+    alone_engine = Engine.load(str(model_dir), EngineOptions(prefill_chunk=256, prefix_cache_bytes=0))
+    requests = _burst_requests(alone_engine, system)
+    per_step: dict[int, list[int]] = {}
+    for idle in (0, 4096):  # 0: one chunk a step, as while requests decode
+        engine = Engine.load(
+            str(model_dir), EngineOptions(prefill_chunk=256, pad_shapes=pad_shapes, idle_prefill_tokens=idle)
+        )
+        batch = GenerationBatch(engine, max_sequences=len(requests))
+        for i, request in enumerate(requests):  # all waiting before the first step
+            batch.admit(str(i), request, lambda t, ids: None, lambda: False)
+        groups.clear()
+        first = batch.step()
+        per_step[idle] = list(groups)
+        assert not first and len(batch.decoding) == sum(groups)
+        done = {int(f.key): f for _ in range(100) for f in batch.step()}
+        assert len(batch) == 0 and len(done) == len(requests)
+        n_system = len(engine.tokenizer.encode(system))
+        shared = [done[i].result.usage.cached_tokens for i in range(8, 12)]  # type: ignore[union-attr]
+        assert shared[0] < n_system and all(c >= n_system - 1 for c in shared[1:]), shared
+        for i, request in enumerate(requests):
+            want = _alone(alone_engine, request)[0]
+            got = done[i].result
+            assert got is not None, done[i].error
+            assert (got.token_ids, got.text) == (want.token_ids, want.text), f"request {i}"
+            assert got.finish_reason == want.finish_reason
+    assert len(per_step[0]) == 1  # one forward of at most a chunk
+    assert len(per_step[4096]) >= 3 and sum(per_step[4096]) == len(requests), per_step  # every prompt
+
+
+def test_a_burst_whose_wait_fails_fails_its_requests_alone_and_the_batch_goes_on(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The one wait after a burst's forwards runs out of memory: each of its requests fails with a
+    message that says so (none is lost), and the batch serves the next requests."""
+    import worker.generation_batch as generation_batch
+
+    class FailingWait:
+        failures = 1
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(mx, name)
+
+        def eval(self, *args: Any) -> None:
+            if self.failures and isinstance(args[0], list) and len(args[0]) > 1:
+                self.failures -= 1
+                raise RuntimeError("[malloc] Unable to allocate 1073741824 bytes")
+            mx.eval(*args)
+
+    monkeypatch.setattr(generation_batch, "mx", FailingWait())
+    engine = Engine.load(
+        str(model_dir), EngineOptions(prefill_chunk=256, prefix_cache_bytes=0, idle_prefill_tokens=4096)
+    )
+    requests = _burst_requests(engine, "A shared system prompt. ")
+    batch = GenerationBatch(engine, max_sequences=len(requests))
+    for i, request in enumerate(requests):
+        batch.admit(str(i), request, lambda t, ids: None, lambda: False)
+    failed = batch.step()
+    assert len(failed) == len(requests) and len(batch) == 0
+    assert all(f.result is None and "out of memory" in str(f.error) for f in failed)
+    batch.admit("next", requests[0], lambda t, ids: None, lambda: False)
+    done = [f for _ in range(20) for f in batch.step()]
+    assert [f.key for f in done] == ["next"] and done[0].result is not None
+    assert done[0].result.token_ids == _alone(engine, requests[0])[0].token_ids

@@ -30,7 +30,14 @@ from jobs.schema import (
 )
 
 from .detokenizer import IncrementalDetokenizer
-from .generate import GenerationCancelled, decode, overlap_by_default, pad_shapes_by_default, prefill
+from .generate import (
+    GenerationCancelled,
+    decode,
+    idle_prefill_by_default,
+    overlap_by_default,
+    pad_shapes_by_default,
+    prefill,
+)
 from .loader import default_dtype, load_model, parse_dtype, resolve_model_path
 from .memory_guard import with_memory_retry
 from .prefix_cache import PrefixCache
@@ -60,6 +67,7 @@ class EngineOptions:
     pad_shapes: bool | None = None  # None: on a GPU only (see `generate.padded_size`)
     decode_overlap: bool | None = None  # None: on a GPU only (see `generate.DecodeBatch`)
     dense_rows: int | None = None  # quantized layers' dense copies from this many rows (`quantized_rows`)
+    idle_prefill_tokens: int | None = None  # None: see `idle_prefill_by_default`
 
 
 class Engine:
@@ -80,6 +88,12 @@ class Engine:
         )
         self.pad_shapes = pad_shapes_by_default() if options.pad_shapes is None else options.pad_shapes
         model.bucket_keys = self.pad_shapes  # attention over a cached prefix: few key shapes too
+        # Prompt tokens a generation batch's step may prefill while no request decodes (`GenerationBatch`).
+        self.idle_prefill_tokens = (
+            idle_prefill_by_default(options.prefill_chunk)
+            if options.idle_prefill_tokens is None
+            else options.idle_prefill_tokens
+        )
         overlap = overlap_by_default() if options.decode_overlap is None else options.decode_overlap
         # The thread a decode batch's token handling runs on while MLX launches the next step.
         self.decode_overlap: Executor | None = (
@@ -103,13 +117,15 @@ class Engine:
         tokenizer = Tokenizer.from_dir(path)
         engine = cls(net, tokenizer, config, Path(model).name if Path(model).exists() else model, options)
         log.info(
-            "model loaded path=%s arch=%s device=%s seconds=%.2f pad_shapes=%s decode_overlap=%s",
+            "model loaded path=%s arch=%s device=%s seconds=%.2f pad_shapes=%s decode_overlap=%s "
+            "idle_prefill_tokens=%d",
             path,
             config["architectures"][0],
             mx.default_device(),
             time.perf_counter() - t0,
             engine.pad_shapes,
             engine.decode_overlap is not None,
+            engine.idle_prefill_tokens,
         )
         return engine
 

@@ -4,9 +4,11 @@ A `GenerationBatch` holds up to `max_sequences` requests in three stages:
 - waiting: admitted (validated, tokenized), not started: the KV budget has no room for it yet;
 - prefilling: about one chunk of prompt tokens per `step`, each prompt from the longest prefix in the
   prefix cache: several short prompts together in one forward (`prefill_rows`), or a long one (or one
-  whose cached prefix is longer than a chunk) alone, chunk by chunk. Prompts are offered back to the
-  prefix cache as soon as they are computed, and a prompt sharing a long uncached prefix with one
-  being prefilled waits a step, so batch-mates with the same prefix (a system prompt) compute it once;
+  whose cached prefix is longer than a chunk) alone, chunk by chunk. While no request decodes (a
+  burst of new jobs), a step prefills up to `Engine.idle_prefill_tokens` (8 chunks on a GPU) in such
+  forwards, launched back to back and waited for once. Prompts are offered back to the prefix cache
+  as soon as they are computed, and a prompt sharing a long uncached prefix with one being prefilled
+  waits for the next forward, so batch-mates with the same prefix (a system prompt) compute it once;
 - decoding: every decoding request is a row of one `DecodeBatch`: one forward per step for all rows,
   each row with its own sampler, stop strings, token budget and cancel check.
 
@@ -31,13 +33,14 @@ from typing import Any
 
 import mlx.core as mx
 
+from jobs.errors import OutOfMemory
 from jobs.schema import FinishReason, GenerateRequest, GenerateResult
 
 from .batch_cache import BatchKVCache
 from .engine import Engine, GenerationClock, TextRun, TokenSink
-from .generate import ChunkedPrefill, DecodeBatch, padded_size, prefill_rows
+from .generate import ChunkedPrefill, DecodeBatch, padded_size, padded_width, prefill_rows
 from .kv_cache import key_columns
-from .memory_guard import with_memory_retry
+from .memory_guard import is_out_of_memory, with_memory_retry
 from .sampler import Sampler
 
 log = logging.getLogger(__name__)
@@ -85,6 +88,22 @@ class _Sequence:
     def longest(self) -> int:
         """Tokens its cache may reach: prompt plus every token it may generate."""
         return len(self.prompt) + self.max_tokens
+
+
+@dataclass
+class _Launched:
+    """A prefill forward of several prompts, launched: the prompts that may join (`rows`: theirs of
+    the forward's logits), their caches, and the logits (rows, vocab)."""
+
+    seqs: list[_Sequence]
+    caches: list[list[Any]]
+    logits: mx.array
+    rows: list[int]
+
+    def rows_logits(self) -> mx.array:
+        if len(self.rows) == self.logits.shape[0]:
+            return self.logits
+        return self.logits[mx.array(self.rows, dtype=mx.int32)]
 
 
 class GenerationBatch:
@@ -181,15 +200,44 @@ class GenerationBatch:
 
     def _prefill(self, finished: list[Finished]) -> None:
         """About one prefill chunk of tokens: the next chunk of a long prompt, or several short prompts
-        together in one forward. The ones done join the decode batch together."""
+        together in one forward. With no request decoding (a burst of new jobs: no stream waits on this
+        step) up to `Engine.idle_prefill_tokens` instead, in forwards of at most a chunk each launched
+        back to back with one sync at the end. The ones done join the decode batch together."""
         if self.prefilling is not None:
             self._advance_prefill(self.prefilling, finished)
             return
         chunk = self.engine.options.prefill_chunk
+        budget = chunk if self.decoding else max(chunk, self.engine.idle_prefill_tokens)
+        burst = budget > chunk
+        launched: list[_Launched] = []
+        spent = 0
+        while spent < budget:
+            group, width, long = self._next_group([s for run in launched for s in run.seqs])
+            if long is not None:  # alone, one chunk per step (this step's first one)
+                self._start_prefill(long, finished)
+                if self.prefilling is not None:
+                    self._advance_prefill(self.prefilling, finished)
+            if not group:
+                break
+            run = self._launch_group(group, finished, sync=not burst)
+            if run is not None:
+                launched.append(run)
+            spent += self._prefill_cost(len(group), width)
+            if not burst:
+                break
+        if launched:
+            self._join_launched(launched, finished)
+
+    def _next_group(self, joining: list[_Sequence]) -> tuple[list[_Sequence], int, _Sequence | None]:
+        """Waiting prompts to prefill together in one forward of at most a chunk (taken off `waiting`),
+        beside `joining` (prefilled this step, not decoding yet); the group's longest uncached part
+        (each row of the forward is that long); and, when the group would be the step's first and the
+        next prompt prefills alone, that prompt instead (taken off `waiting`)."""
+        chunk = self.engine.options.prefill_chunk
         group: list[_Sequence] = []
         group_cached: list[int] = []
-        width = 0  # the group's longest uncached part: each row of the forward is that long
-        while self.waiting and self._fits(self.waiting[0], group):
+        width = 0
+        while self.waiting and self._fits(self.waiting[0], [*joining, *group]):
             seq = self.waiting[0]
             cached = self._cached(seq)
             new = len(seq.prompt) - cached
@@ -197,15 +245,13 @@ class GenerationBatch:
             # prefill then writes into the cache the prefix cache gave it, where a rows forward would
             # copy that prefix three times (stacked, extended, split back) to add a few tokens.
             if new > chunk or cached > chunk:
-                if not group:
-                    self._start_prefill(self.waiting.pop(0), finished)
-                    if self.prefilling is not None:  # its first chunk is this step's
-                        self._advance_prefill(self.prefilling, finished)
+                if not group and not joining:
+                    return [], 0, self.waiting.pop(0)
                 break
             if group and self._prefill_cost(len(group) + 1, max(width, new)) > chunk:
                 break
-            # A prompt sharing a long uncached prefix with a batch-mate waits one step: it then finds
-            # that prefix in the prefix cache instead of computing it again.
+            # A prompt sharing a long uncached prefix with a batch-mate waits for the next forward: it
+            # then finds that prefix in the prefix cache instead of computing it again.
             if any(
                 _common_prefix(seq.prompt, m.prompt) >= max(cached, c) + _SHARED_MIN
                 for m, c in zip(group, group_cached, strict=True)
@@ -214,16 +260,17 @@ class GenerationBatch:
             group.append(self.waiting.pop(0))
             group_cached.append(cached)
             width = max(width, new)
-        if group:
-            self._prefill_together(group, finished)
+        return group, width, None
 
     def _prefill_cost(self, rows: int, width: int) -> int:
         """Tokens a forward of `rows` prompts of `width` new tokens computes (with shape padding)."""
         if self.engine.pad_shapes:
-            return padded_size(rows, smallest=1) * padded_size(width)
+            return padded_size(rows, smallest=1) * padded_width(width)
         return rows * width
 
-    def _prefill_together(self, group: list[_Sequence], finished: list[Finished]) -> None:
+    def _launch_group(self, group: list[_Sequence], finished: list[Finished], sync: bool) -> _Launched | None:
+        """One forward for `group`'s prompts (waited for with `sync`, else only launched), each prompt
+        offered to the prefix cache; None when none of them can start."""
         ready: list[_Sequence] = []
         for seq in group:
             try:
@@ -232,12 +279,14 @@ class GenerationBatch:
             except Exception as e:
                 finished.append(Finished(seq.key, error=e))
         if not ready:
-            return
+            return None
         rows = [(s.prompt[s.n_cached :], s.cache or []) for s in ready]
 
         def run() -> tuple[list[list[Any]], mx.array]:
             caches, logits = prefill_rows(self.engine.model, rows, self.engine.pad_shapes)
-            mx.eval(logits)  # so the clocks measure the prefill, not the building of its graph
+            # Synced, the clocks measure the prefill, not the building of its graph; else a burst's
+            # forwards queue up behind one another and are waited for once (`_join_launched`).
+            (mx.eval if sync else mx.async_eval)(logits)
             return caches, logits
 
         try:  # out of memory: caches emptied, one more try (the rows' own caches are left as they were)
@@ -247,28 +296,44 @@ class GenerationBatch:
         except Exception as e:  # the shared forward failed: none of these rows can start
             log.exception("batched prefill failed rows=%d", len(ready))
             finished.extend(Finished(s.key, error=e) for s in ready)
-            return
-        joined: list[int] = []
+            return None
+        offered: list[int] = []
         for i, (seq, cache) in enumerate(zip(ready, caches, strict=True)):
             seq.cache = None
-            seq.clock.prefilled()
             try:
                 if self.engine.prefix_cache is not None:  # later prompts with this prefix reuse it
                     self.engine.prefix_cache.offer(seq.prompt, cache)
             except Exception as e:
                 finished.append(Finished(seq.key, error=e))
                 continue
-            joined.append(i)
-        self._join([ready[i] for i in joined], [caches[i] for i in joined], logits, joined)
+            offered.append(i)
+        return _Launched([ready[i] for i in offered], [caches[i] for i in offered], logits, offered)
 
-    def _join(
-        self, seqs: list[_Sequence], caches: list[list[Any]], logits: mx.array, rows: list[int]
-    ) -> None:
-        """Prefilled `seqs` start decoding; `logits[rows]` are their last positions' logits."""
+    def _join_launched(self, launched: list[_Launched], finished: list[Finished]) -> None:
+        """The step's prefilled prompts, waited for at once, start decoding together."""
+        try:
+            mx.eval([run.logits for run in launched])
+        except Exception as e:  # a burst's forward failed: none of its rows can start
+            log.exception("batched prefill failed rows=%d", sum(len(run.seqs) for run in launched))
+            self.engine.free_memory()  # the prefix cache was offered what the failed forwards compute
+            if is_out_of_memory(e):
+                e = OutOfMemory(f"the worker ran out of memory prefilling prompts together ({e})")
+            finished.extend(Finished(s.key, error=e) for run in launched for s in run.seqs)
+            return
+        for run in launched:
+            for seq in run.seqs:
+                seq.clock.prefilled()
+        logits = [run.rows_logits() for run in launched if run.seqs]
+        if not logits:
+            return
+        seqs = [s for run in launched for s in run.seqs]
+        caches = [c for run in launched for c in run.caches]
+        self._join(seqs, caches, logits[0] if len(logits) == 1 else mx.concatenate(logits))
+
+    def _join(self, seqs: list[_Sequence], caches: list[list[Any]], logits: mx.array) -> None:
+        """Prefilled `seqs` start decoding; `logits` are their last positions' logits, row for row."""
         if not seqs:
             return
-        if len(rows) != logits.shape[0]:
-            logits = logits[mx.array(rows, dtype=mx.int32)]
         self.decode.add(caches, logits, [s.sampler for s in seqs])
         self.decoding.extend(seqs)
 
@@ -308,7 +373,7 @@ class GenerationBatch:
             self.prefilling = None
             finished.append(Finished(seq.key, error=e))
             return
-        self._join([seq], [cache], logits, [0])
+        self._join([seq], [cache], logits)
 
     # --- decoding -----------------------------------------------------------------------------
 

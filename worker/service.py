@@ -95,6 +95,7 @@ class WorkerService:
                     max_score_candidates=settings.max_score_candidates,
                     decode_overlap=settings.decode_overlap,
                     dense_rows=settings.dense_rows,
+                    idle_prefill_tokens=settings.idle_prefill_tokens,
                 ),
             )
         stream_options = StreamOptions(

@@ -64,6 +64,13 @@ class WorkerSettings(BaseSettings):
         "forwards of at least this many rows (batches, prompts); 0: off; unset: 8 on CUDA if the copies "
         "take at most a quarter of MLX's memory limit, else off",
     )
+    idle_prefill_tokens: int | None = Field(
+        default=None,
+        ge=0,
+        description="prompt tokens one step of a generation batch may prefill while none of its jobs "
+        "decodes (a burst of new jobs), in forwards of up to prefill_chunk tokens waited for once; "
+        "unset: 8 chunks on a GPU, one chunk on the CPU (as while jobs decode)",
+    )
     max_score_rows: int = Field(default=64, ge=1, description="rows one score job may have")
     max_score_candidates: int = Field(default=26, ge=1, description="candidates one score row may have")
 
