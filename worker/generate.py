@@ -57,11 +57,10 @@ def pad_shapes_by_default() -> bool:
 
 def idle_prefill_by_default(chunk: int) -> int:
     """Prompt tokens a generation batch's step may prefill while none of its requests decodes (a burst
-    of new jobs; `GenerationBatch._prefill`): on a GPU 8 chunks, their forwards launched back to back
-    and waited for once (each forward's wait leaves the device idle while the host launches the next
-    one: ~3 ms each for a 1B model on an H200); on a CPU one chunk a step, as while requests decode:
-    MLX computes there on a thread of its own, so a wait costs nothing, and the first prompts' tokens
-    come sooner."""
+    of new jobs; `GenerationBatch._prefill`). On a GPU 8 chunks: one forward of many rows costs far less
+    per token than several of a chunk each (H200, 1B: 64 prompts of 192 tokens in 42 ms, 8 forwards of
+    8 of them in 8.8 ms each), and nothing streams meanwhile. On a CPU one chunk, as while requests
+    decode: the forward is bound by arithmetic there, and the first prompts' tokens come sooner."""
     return 8 * chunk if mx.default_device().type == mx.DeviceType.gpu else chunk
 
 

@@ -5,10 +5,11 @@ A `GenerationBatch` holds up to `max_sequences` requests in three stages:
 - prefilling: about one chunk of prompt tokens per `step`, each prompt from the longest prefix in the
   prefix cache: several short prompts together in one forward (`prefill_rows`), or a long one (or one
   whose cached prefix is longer than a chunk) alone, chunk by chunk. While no request decodes (a
-  burst of new jobs), a step prefills up to `Engine.idle_prefill_tokens` (8 chunks on a GPU) in such
-  forwards, launched back to back and waited for once. Prompts are offered back to the prefix cache
-  as soon as they are computed, and a prompt sharing a long uncached prefix with one being prefilled
-  waits for the next forward, so batch-mates with the same prefix (a system prompt) compute it once;
+  burst of new jobs), a step prefills up to `Engine.idle_prefill_tokens` (8 chunks on a GPU), in one
+  forward where the prompts allow, else several launched back to back and waited for once. Prompts
+  are offered back to the prefix cache as soon as they are computed, and a prompt sharing a long
+  uncached prefix with one being prefilled waits for the next forward, so batch-mates with the same
+  prefix (a system prompt) compute it once;
 - decoding: every decoding request is a row of one `DecodeBatch`: one forward per step for all rows,
   each row with its own sampler, stop strings, token budget and cancel check.
 
@@ -201,8 +202,9 @@ class GenerationBatch:
     def _prefill(self, finished: list[Finished]) -> None:
         """About one prefill chunk of tokens: the next chunk of a long prompt, or several short prompts
         together in one forward. With no request decoding (a burst of new jobs: no stream waits on this
-        step) up to `Engine.idle_prefill_tokens` instead, in forwards of at most a chunk each launched
-        back to back with one sync at the end. The ones done join the decode batch together."""
+        step) up to `Engine.idle_prefill_tokens` instead, as few forwards as the prompts allow (on a GPU
+        a forward of many rows runs far faster per token than several of a chunk each), launched back
+        to back and waited for once. The ones done join the decode batch together."""
         if self.prefilling is not None:
             self._advance_prefill(self.prefilling, finished)
             return
@@ -212,7 +214,8 @@ class GenerationBatch:
         launched: list[_Launched] = []
         spent = 0
         while spent < budget:
-            group, width, long = self._next_group([s for run in launched for s in run.seqs])
+            joining = [s for run in launched for s in run.seqs]
+            group, cost, long = self._next_group(joining, budget - spent)
             if long is not None:  # alone, one chunk per step (this step's first one)
                 self._start_prefill(long, finished)
                 if self.prefilling is not None:
@@ -222,17 +225,19 @@ class GenerationBatch:
             run = self._launch_group(group, finished, sync=not burst)
             if run is not None:
                 launched.append(run)
-            spent += self._prefill_cost(len(group), width)
+            spent += cost
             if not burst:
                 break
         if launched:
             self._join_launched(launched, finished)
 
-    def _next_group(self, joining: list[_Sequence]) -> tuple[list[_Sequence], int, _Sequence | None]:
-        """Waiting prompts to prefill together in one forward of at most a chunk (taken off `waiting`),
-        beside `joining` (prefilled this step, not decoding yet); the group's longest uncached part
-        (each row of the forward is that long); and, when the group would be the step's first and the
-        next prompt prefills alone, that prompt instead (taken off `waiting`)."""
+    def _next_group(
+        self, joining: list[_Sequence], limit: int
+    ) -> tuple[list[_Sequence], int, _Sequence | None]:
+        """Waiting prompts to prefill together in one forward of at most `limit` tokens (taken off
+        `waiting`), beside `joining` (prefilled this step, not decoding yet); the tokens that forward
+        computes; and, when the group would be the step's first and the next prompt prefills alone,
+        that prompt instead (taken off `waiting`)."""
         chunk = self.engine.options.prefill_chunk
         group: list[_Sequence] = []
         group_cached: list[int] = []
@@ -248,7 +253,7 @@ class GenerationBatch:
                 if not group and not joining:
                     return [], 0, self.waiting.pop(0)
                 break
-            if group and self._prefill_cost(len(group) + 1, max(width, new)) > chunk:
+            if group and self._prefill_cost(len(group) + 1, max(width, new)) > limit:
                 break
             # A prompt sharing a long uncached prefix with a batch-mate waits for the next forward: it
             # then finds that prefix in the prefix cache instead of computing it again.
@@ -260,7 +265,7 @@ class GenerationBatch:
             group.append(self.waiting.pop(0))
             group_cached.append(cached)
             width = max(width, new)
-        return group, width, None
+        return group, self._prefill_cost(len(group), width), None
 
     def _prefill_cost(self, rows: int, width: int) -> int:
         """Tokens a forward of `rows` prompts of `width` new tokens computes (with shape padding)."""
