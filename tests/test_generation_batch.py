@@ -19,7 +19,7 @@ from jobs.errors import ContextTooLong, InvalidRequest
 from jobs.schema import GenerateRequest, GenerateResult
 from worker.batch_cache import BatchKVCache
 from worker.engine import Engine, EngineOptions
-from worker.generate import DecodeBatch, prefill, prefill_rows
+from worker.generate import DecodeBatch, padded_size, padded_width, prefill, prefill_rows
 from worker.generation_batch import Finished, GenerationBatch
 from worker.kv_cache import KVCache, key_columns
 from worker.models import llama
@@ -485,13 +485,17 @@ def test_prompts_prefilled_together_reuse_a_cached_prefix_only_from_32_tokens(mo
         assert results[key].token_ids == _alone(alone, request)[0].token_ids  # type: ignore[union-attr]
 
 
-def test_a_prompt_padded_to_a_common_length_prefills_exactly_as_unpadded(engine: Engine) -> None:
+@pytest.mark.parametrize("chunk", [16, 512])
+def test_a_prompt_padded_to_a_common_length_prefills_exactly_as_unpadded(engine: Engine, chunk: int) -> None:
+    """Chunks of 16 (the last one short, padded to 16), and one chunk padded to a halfway width."""
     model = engine.model
-    tokens = engine.tokenizer.encode(PROMPT * 5)  # several chunks of 16, the last one short
+    tokens = engine.tokenizer.encode(PROMPT * 10)
     assert len(tokens) % 16 != 0
+    if chunk > len(tokens):
+        assert padded_width(len(tokens)) == 192 < padded_size(len(tokens)), len(tokens)
     plain, padded = model.make_cache(), model.make_cache()
-    want = prefill(model, tokens, plain, chunk=16)
-    got = prefill(model, tokens, padded, chunk=16, pad_shapes=True)
+    want = prefill(model, tokens, plain, chunk=chunk)
+    got = prefill(model, tokens, padded, chunk=chunk, pad_shapes=True)
     assert mx.array_equal(got, want)
     for a, b in zip(padded, plain, strict=True):
         assert a.offset == b.offset == len(tokens)
