@@ -334,10 +334,10 @@ def test_a_prompt_with_a_long_cached_prefix_prefills_alone_into_the_cached_buffe
 
     engine = _engine(model_dir, pad_shapes=pad_shapes)
     rows_forwards: list[int] = []
-    real = generation_batch.prefill_rows
+    real = generation_batch.prefill_rows_layers
     monkeypatch.setattr(
         generation_batch,
-        "prefill_rows",
+        "prefill_rows_layers",
         lambda model, rows, pad=False: rows_forwards.append(len(rows)) or real(model, rows, pad),
     )
     history = GenerateRequest(prompt=PROMPT * 5, max_tokens=6, temperature=0, logit_bias=_no_eos(engine))
@@ -415,13 +415,13 @@ def test_short_prompts_start_together_and_a_shared_prefix_is_computed_once(
     import worker.generation_batch as generation_batch
 
     groups: list[int] = []
-    real = generation_batch.prefill_rows
+    real = generation_batch.prefill_rows_layers
 
     def recorded(model: Any, rows: Any, *args: Any) -> Any:
         groups.append(len(rows))
         return real(model, rows, *args)
 
-    monkeypatch.setattr(generation_batch, "prefill_rows", recorded)
+    monkeypatch.setattr(generation_batch, "prefill_rows_layers", recorded)
     engine = Engine.load(str(model_dir), EngineOptions(prefill_chunk=256, pad_shapes=pad_shapes))
     system = "You are a careful assistant who answers in one short sentence. " * 2
     prompts = [f"question {i} " * (1 + i % 4) for i in range(6)] + [system + f"ask {i}" for i in range(4)]
@@ -627,13 +627,16 @@ def test_a_burst_of_new_requests_prefills_in_one_step_in_as_few_forwards_as_it_c
     import worker.generation_batch as generation_batch
 
     groups: list[int] = []
-    real = generation_batch.prefill_rows
+    real = generation_batch.prefill_rows_layers
 
     def recorded(model: Any, rows: Any, *args: Any) -> Any:
         groups.append(len(rows))
         return real(model, rows, *args)
 
-    monkeypatch.setattr(generation_batch, "prefill_rows", recorded)
+    monkeypatch.setattr(generation_batch, "prefill_rows_layers", recorded)
+    started: list[bool] = []  # DecodeBatch.start: rows taken straight from a forward's buffers
+    real_start = DecodeBatch.start
+    monkeypatch.setattr(DecodeBatch, "start", lambda *a: started.append(real_start(*a)) or started[-1])
     system = "You are a careful assistant who answers in one short sentence. " * 2
     alone_engine = Engine.load(str(model_dir), EngineOptions(prefill_chunk=256, prefix_cache_bytes=0))
     requests = _burst_requests(alone_engine, system)
@@ -646,8 +649,11 @@ def test_a_burst_of_new_requests_prefills_in_one_step_in_as_few_forwards_as_it_c
         for i, request in enumerate(requests):  # all waiting before the first step
             batch.admit(str(i), request, lambda t, ids: None, lambda: False)
         groups.clear()
+        started.clear()
         first = batch.step()
         per_step[idle] = list(groups)
+        # One forward starting an empty batch hands it its buffers; two forwards join by copying.
+        assert started == ([True] if len(groups) == 1 else []), (groups, started)
         assert not first and len(batch.decoding) == sum(groups)
         done = {int(f.key): f for _ in range(100) for f in batch.step()}
         assert len(batch) == 0 and len(done) == len(requests)

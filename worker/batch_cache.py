@@ -153,6 +153,23 @@ class BatchKVCache:
         self.values = mx.concatenate(parts_v, axis=0)
         self._set(starts, new_end)
 
+    def adopt(self, prefilled: PrefillRowsCache, rows: int) -> bool:
+        """Take over the buffers of a rows prefill (`prefill_rows_layers`) as an empty batch's: its
+        first `rows` rows become this batch's rows, any after them padding rows. No copy of the rows:
+        with no cached parts, each row's tokens already end at the last column, left-padded (the
+        padding columns hold the keys of padding tokens, not zeros: the mask hides them all the
+        same); spare columns to a whole step are appended. False (nothing taken) where the rows had
+        cached parts (a gap between those and the new tokens) or this batch is not empty."""
+        if self.keys is not None or prefilled.end or prefilled.keys is None or prefilled.values is None:
+            return False
+        width = prefilled.width
+        spare = key_columns(width + 1) - width
+        self.keys = _pad_columns(prefilled.keys, 0, spare)
+        self.values = _pad_columns(prefilled.values, 0, spare)
+        padding = len(prefilled.new) - rows
+        self._set([width - n for n in prefilled.new[:rows]] + [width] * padding, width)
+        return True
+
     def put(self, slots: list[int], rows: list[KVCache]) -> bool:
         """Write batch-1 caches into rows `slots` (padding or rows that left), each ending at column
         `end` like every row: no copy of the buffers. False (nothing written) where a cache is longer

@@ -143,8 +143,17 @@ class ChunkedPrefill:
 def prefill_rows(
     model: Any, rows: Sequence[tuple[Sequence[int], list[KVCache]]], pad_shapes: bool = False
 ) -> tuple[list[list[KVCache]], mx.array]:
+    """`prefill_rows_layers`, with each row's batch-1 cache (`PrefillRowsCache.row_cache`)."""
+    layers, logits = prefill_rows_layers(model, rows, pad_shapes)
+    return [[layer.row_cache(i) for layer in layers] for i in range(len(rows))], logits
+
+
+def prefill_rows_layers(
+    model: Any, rows: Sequence[tuple[Sequence[int], list[KVCache]]], pad_shapes: bool = False
+) -> tuple[list[PrefillRowsCache], mx.array]:
     """Prefill several prompts in one forward: each row is its new tokens and its batch-1 cache (a
-    cached prefix, or empty). Returns each row's cache holding its prefix and new tokens, and the
+    cached prefix, or empty). Returns the forward's caches, one per layer, holding every row's prefix
+    and new tokens (`PrefillRowsCache.row_cache` gives a row's own), and the
     (B, vocab) logits of each row's last token. A row's result is what `prefill` gives it alone (the
     layout and masking are in `PrefillRowsCache`). Meant for prompts that fit one chunk each.
 
@@ -168,8 +177,7 @@ def prefill_rows(
     ids = mx.array(padded, dtype=mx.int32)
     hidden = model.hidden(ids, cache=layers, mask=prefill_mask(layers[0]), last=width - 1)
     logits = model.logits(hidden[: len(rows), -1, :])
-    caches = [[layer.row_cache(i) for layer in layers] for i in range(len(rows))]
-    return caches, logits
+    return layers, logits
 
 
 class GenerationCancelled(Exception):
@@ -298,6 +306,22 @@ class DecodeBatch:
             self.rows.extend(joining)
         self._pad()
         mx.async_eval(self._pending)
+
+    def start(self, layers: list[PrefillRowsCache], logits: mx.array, samplers: list[Sampler]) -> bool:
+        """An empty batch's rows straight from a rows prefill's buffers (`prefill_rows_layers`, one row
+        per sampler, then its padding rows): no copy, where `add` would copy every row into new
+        buffers. False (nothing changed) where `BatchKVCache.adopt` cannot take them."""
+        if len(self) or not self.cache[0].adopt(layers[0], len(samplers)):
+            return False
+        for layer, prefilled in zip(self.cache[1:], layers[1:], strict=True):
+            taken = layer.adopt(prefilled, len(samplers))
+            assert taken, "the layers of a batch hold the same columns"
+        self.rows = SamplerRows(samplers, logits.shape[-1])
+        self._pending = self.rows.sample(logits)
+        self._set_slots(list(range(len(samplers))))
+        self._pad()
+        mx.async_eval(self._pending)
+        return True
 
     def step(self) -> list[int]:
         """Feed every row's pending token, queue the next ones, and return the fed tokens (one per row)."""

@@ -37,9 +37,9 @@ import mlx.core as mx
 from jobs.errors import OutOfMemory
 from jobs.schema import FinishReason, GenerateRequest, GenerateResult
 
-from .batch_cache import BatchKVCache
+from .batch_cache import BatchKVCache, PrefillRowsCache
 from .engine import Engine, GenerationClock, TextRun, TokenSink
-from .generate import ChunkedPrefill, DecodeBatch, padded_size, padded_width, prefill_rows
+from .generate import ChunkedPrefill, DecodeBatch, padded_size, padded_width, prefill_rows_layers
 from .kv_cache import key_columns
 from .memory_guard import is_out_of_memory, with_memory_retry
 from .sampler import Sampler
@@ -94,15 +94,21 @@ class _Sequence:
 @dataclass
 class _Launched:
     """A prefill forward of several prompts, launched: the prompts that may join (`rows`: theirs of
-    the forward's logits), their caches, and the logits (rows, vocab)."""
+    the forward's logits), their caches, the logits (rows, vocab), and the forward's own caches."""
 
     seqs: list[_Sequence]
     caches: list[list[Any]]
     logits: mx.array
     rows: list[int]
+    layers: list[PrefillRowsCache]
+
+    @property
+    def whole(self) -> bool:
+        """Whether every prompt of the forward may join."""
+        return len(self.rows) == self.logits.shape[0]
 
     def rows_logits(self) -> mx.array:
-        if len(self.rows) == self.logits.shape[0]:
+        if self.whole:
             return self.logits
         return self.logits[mx.array(self.rows, dtype=mx.int32)]
 
@@ -287,21 +293,22 @@ class GenerationBatch:
             return None
         rows = [(s.prompt[s.n_cached :], s.cache or []) for s in ready]
 
-        def run() -> tuple[list[list[Any]], mx.array]:
-            caches, logits = prefill_rows(self.engine.model, rows, self.engine.pad_shapes)
+        def run() -> tuple[list[PrefillRowsCache], mx.array]:
+            layers, logits = prefill_rows_layers(self.engine.model, rows, self.engine.pad_shapes)
             # Synced, the clocks measure the prefill, not the building of its graph; else a burst's
             # forwards queue up behind one another and are waited for once (`_join_launched`).
             (mx.eval if sync else mx.async_eval)(logits)
-            return caches, logits
+            return layers, logits
 
         try:  # out of memory: caches emptied, one more try (the rows' own caches are left as they were)
-            caches, logits = with_memory_retry(
+            layers, logits = with_memory_retry(
                 run, self.engine.free_memory, f"prefilling {len(rows)} prompts together"
             )
         except Exception as e:  # the shared forward failed: none of these rows can start
             log.exception("batched prefill failed rows=%d", len(ready))
             finished.extend(Finished(s.key, error=e) for s in ready)
             return None
+        caches = [[layer.row_cache(i) for layer in layers] for i in range(len(ready))]
         offered: list[int] = []
         for i, (seq, cache) in enumerate(zip(ready, caches, strict=True)):
             seq.cache = None
@@ -312,7 +319,7 @@ class GenerationBatch:
                 finished.append(Finished(seq.key, error=e))
                 continue
             offered.append(i)
-        return _Launched([ready[i] for i in offered], [caches[i] for i in offered], logits, offered)
+        return _Launched([ready[i] for i in offered], [caches[i] for i in offered], logits, offered, layers)
 
     def _join_launched(self, launched: list[_Launched], finished: list[Finished]) -> None:
         """The step's prefilled prompts, waited for at once, start decoding together."""
@@ -328,6 +335,11 @@ class GenerationBatch:
         for run in launched:
             for seq in run.seqs:
                 seq.clock.prefilled()
+        if len(launched) == 1 and launched[0].whole and not self.decoding:
+            run = launched[0]  # every row of one forward starts an empty batch: its buffers, uncopied
+            if self.decode.start(run.layers, run.logits, [s.sampler for s in run.seqs]):
+                self.decoding.extend(run.seqs)
+                return
         logits = [run.rows_logits() for run in launched if run.seqs]
         if not logits:
             return
