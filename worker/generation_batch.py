@@ -335,11 +335,11 @@ class GenerationBatch:
         for run in launched:
             for seq in run.seqs:
                 seq.clock.prefilled()
-        if len(launched) == 1 and launched[0].whole and not self.decoding:
-            run = launched[0]  # every row of one forward starts an empty batch: its buffers, uncopied
-            if self.decode.start(run.layers, run.logits, [s.sampler for s in run.seqs]):
-                self.decoding.extend(run.seqs)
-                return
+        first = launched[0]  # every row of it starting an empty batch: its buffers, uncopied
+        samplers = [s.sampler for s in first.seqs]
+        if first.whole and not self.decoding and self.decode.start(first.layers, first.logits, samplers):
+            self.decoding.extend(first.seqs)
+            launched = launched[1:]
         logits = [run.rows_logits() for run in launched if run.seqs]
         if not logits:
             return
