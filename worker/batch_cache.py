@@ -1,13 +1,14 @@
 """One layer's keys/values for a batch of sequences of different lengths, decoded together.
 
 Layout: left padding. Row i holds its own sequence in columns `start[i] .. end-1` of a shared
-(B, n_kv_heads, capacity, head_dim) buffer; columns before `start[i]` are zeros that a boolean mask
-hides. Every row ends at the same column, so one decode step writes all rows' new keys with one slice
-assignment (no per-row scatter), and the model's attention is unchanged.
+(B, n_kv_heads, capacity, head_dim) buffer; columns before `start[i]` are padding (zeros, or the
+keys of a rows prefill's padding tokens: `adopt`) that a boolean mask hides. Every row ends at the
+same column, so one decode step writes all rows' new keys with one slice assignment (no per-row
+scatter), and the model's attention is unchanged.
 
 Positions stay per row: `offset` is an array of each row's own length, which the model passes straight
 to `mx.fast.rope` (it takes a vector of per-row offsets). So a row is rotated exactly as it would be
-alone; with float32 on the CPU, masked zeros add exact zeros to attention, and every matmul is row by
+alone; with float32 on the CPU, masked columns add exact zeros to attention, and every matmul is row by
 row, so a row's logits are bit-identical to running it alone (the batch tests check this).
 
 Why not right padding with masks (rows start at column 0)? Then each row writes its new token at its
