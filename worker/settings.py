@@ -68,8 +68,8 @@ class WorkerSettings(BaseSettings):
         default=None,
         ge=0,
         description="prompt tokens one step of a generation batch may prefill while none of its jobs "
-        "decodes (a burst of new jobs), in one forward where the prompts allow; unset: 8 x prefill_chunk "
-        "on a GPU, prefill_chunk on the CPU (as while jobs decode)",
+        "decodes (a burst of new jobs), in one forward where the prompts allow; at most prefill_chunk: one "
+        "chunk a step, as while jobs decode; unset: 8 x prefill_chunk on a GPU, prefill_chunk on the CPU",
     )
     max_score_rows: int = Field(default=64, ge=1, description="rows one score job may have")
     max_score_candidates: int = Field(default=26, ge=1, description="candidates one score row may have")
