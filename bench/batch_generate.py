@@ -261,6 +261,7 @@ def run_engine_batch(engine: Any, payloads: list[dict[str, Any]], max_batch: int
                 raise done.error
             results[done.key] = done.result
             ended[done.key] = time.perf_counter()
+        batch.settle()  # as the worker does once it has written the results
         admit()
         now = time.perf_counter()
         if first_all is None and not queued and not batch.waiting and batch.prefilling is None:
@@ -443,6 +444,7 @@ def render_phases(runs: list[Run]) -> str:
         "claim",
         "admit",
         "retire",
+        "settle",
     ]
     rows = [r for r in runs if r.mode.startswith("queue, batched") and r.phases]
     if not rows:

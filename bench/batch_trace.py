@@ -44,6 +44,7 @@ def _run(
             if done.error is not None:
                 raise done.error
             tokens += done.result.usage.completion_tokens if done.result else 0
+        batch.settle()  # as the worker does once it has written the results
         if sync:
             mx.synchronize()
         steps.append((waiting - len(batch.waiting), rows, len(ended), (time.perf_counter() - s0) * 1000))

@@ -703,3 +703,41 @@ def test_a_burst_whose_wait_fails_fails_its_requests_alone_and_the_batch_goes_on
     done = [f for _ in range(20) for f in batch.step()]
     assert [f.key for f in done] == ["next"] and done[0].result is not None
     assert done[0].result.token_ids == _alone(engine, requests[0])[0].token_ids
+
+
+def test_finished_requests_reach_the_prefix_cache_after_their_results(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A finished request's cache is offered by `settle` (the worker's, after it wrote the results; or
+    the next step's), not before its result is returned; an offer that fails costs nothing but the
+    cache entry."""
+    engine = _engine(model_dir, prefix_cache_bytes=1 << 24)
+    assert engine.prefix_cache is not None
+    request = GenerateRequest(prompt=PROMPT * 3, max_tokens=5, temperature=0, logit_bias=_no_eos(engine))
+    prompt = engine.prompt_tokens(request)
+    batch = GenerationBatch(engine, max_sequences=2)
+    batch.admit("a", request, lambda t, ids: None, lambda: False)
+    done: list[Finished] = []
+    while not done:
+        done = batch.step()
+    result = done[0].result
+    assert result is not None and len(result.token_ids) == 5
+    tokens = prompt + result.token_ids
+    assert engine.prefix_cache.peek(tokens) == len(prompt)  # the prompt, offered when it was prefilled
+    batch.settle()
+    assert engine.prefix_cache.peek(tokens) == len(tokens) - 1  # the last token was never fed
+
+    def fail(*args: Any) -> int:
+        raise RuntimeError("[malloc] Unable to allocate 4096 bytes")
+
+    batch.admit("b", request.model_copy(update={"prompt": "Rome. " * 9}), lambda t, ids: None, lambda: False)
+    done = []
+    while not done:
+        done = batch.step()
+    with monkeypatch.context() as patched:
+        patched.setattr(engine.prefix_cache, "offer", fail)
+        batch.settle()
+    assert done[0].result is not None and "could not go to the prefix cache" in caplog.text
+    batch.admit("c", request, lambda t, ids: None, lambda: False)
+    done = [f for _ in range(20) for f in batch.step()]
+    assert done[0].result is not None and done[0].result.token_ids == result.token_ids

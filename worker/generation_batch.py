@@ -127,6 +127,7 @@ class GenerationBatch:
         self.decoding: list[_Sequence] = []  # in the order of the decode batch's rows
         self.decode = self._new_decode()
         self.steps = 0
+        self._offers: list[tuple[list[int], list[Any]]] = []  # finished requests' caches (`settle`)
 
     def __len__(self) -> int:
         return len(self.waiting) + (self.prefilling is not None) + len(self.decoding)
@@ -154,6 +155,7 @@ class GenerationBatch:
         launches, or else after the decode step. It must not raise (keep its errors); should it raise
         anyway, the decoding requests end with that error, as when a decode step fails (in a step
         that decodes nothing, every request), so none is lost."""
+        self.settle()
         finished: list[Finished] = []
         self._drop_cancelled_waiting(finished)
         self._prefill(finished)
@@ -438,18 +440,35 @@ class GenerationBatch:
         return leaving
 
     def _finish(self, seq: _Sequence, reason: FinishReason, cache: list[Any] | None) -> Finished:
+        """The request's result; its cache waits for `settle`, so the caller writes the result first."""
+        tokens = seq.prompt + seq.run.ids  # the tokens the cache holds (or fewer: the last is not fed)
         try:
-            if cache is not None and self.engine.prefix_cache is not None:
-                self.engine.prefix_cache.offer(seq.prompt + seq.run.ids, cache)
             reason = seq.run.finish(reason)
             result = self.engine.generate_result(seq.run, reason, seq.prompt, seq.n_cached, seq.clock)
         except Exception as e:
             return Finished(seq.key, error=e)
+        if cache is not None and self.engine.prefix_cache is not None:
+            self._offers.append((tokens, cache))
         return Finished(seq.key, result=result)
+
+    def settle(self) -> None:
+        """Offer the caches of the requests that finished to the prefix cache, where a prompt that
+        continues one (a chat's next turn) finds it. `step` leaves this to its caller, so the finished
+        requests' results go out first (an offer took 0.4-0.9 ms on an H200: 64 rows ending together
+        waited for 64 of them), and does it itself at its start. An offer that fails is logged and
+        dropped: a cache is an aid, the request's result stands."""
+        offers, self._offers = self._offers, []
+        prefix_cache = self.engine.prefix_cache
+        for tokens, cache in offers if prefix_cache is not None else []:
+            try:
+                prefix_cache.offer(tokens, cache)
+            except Exception:
+                log.warning("a finished request's cache could not go to the prefix cache", exc_info=True)
 
     def abort(self, error: BaseException) -> list[Finished]:
         """End every request with `error` (the caller could not go on); the batch is empty afterwards."""
         seqs = [*self.waiting, *([self.prefilling] if self.prefilling else []), *self.decoding]
         self.waiting, self.prefilling, self.decoding = [], None, []
         self.decode = self._new_decode()
+        self._offers = []
         return [Finished(s.key, error=error) for s in seqs]

@@ -99,6 +99,7 @@ class GenerationJobs:
                     flushed = _StreamFlush(self, jobs)
                     ended = [(jobs.pop(done.key), done) for done in batch.step(background=flushed)]
                     self._retire_all(ended, watch, finalizer)
+                    batch.settle()  # the ended jobs' caches to the prefix cache, once their results are out
                     flushed.raise_error()
                     self.active_sequences = len(batch)
                     if time.monotonic() - last_stats >= _STATS_EVERY_S:
