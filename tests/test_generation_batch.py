@@ -64,6 +64,21 @@ def _requests(engine: Engine, n: int) -> list[GenerateRequest]:
     return out
 
 
+def _record_rows_forwards(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The number of prompts of each rows prefill forward the batches make from now on, in order."""
+    import worker.generation_batch as generation_batch
+
+    groups: list[int] = []
+    real = generation_batch.prefill_rows_layers
+
+    def recorded(model: Any, rows: Any, *args: Any) -> Any:
+        groups.append(len(rows))
+        return real(model, rows, *args)
+
+    monkeypatch.setattr(generation_batch, "prefill_rows_layers", recorded)
+    return groups
+
+
 def _alone(engine: Engine, request: GenerateRequest) -> tuple[GenerateResult, list[str]]:
     deltas: list[str] = []
     return engine.generate(request, lambda t, _ids: deltas.append(t)), deltas
@@ -330,16 +345,9 @@ def test_a_prompt_with_a_long_cached_prefix_prefills_alone_into_the_cached_buffe
     """A cached prefix longer than a chunk is not spliced into a rows forward: the prompt prefills
     alone into the prefix cache's copy, and, joining an empty batch, hands those buffers to it."""
     import worker.batch_cache as batch_cache
-    import worker.generation_batch as generation_batch
 
     engine = _engine(model_dir, pad_shapes=pad_shapes)
-    rows_forwards: list[int] = []
-    real = generation_batch.prefill_rows_layers
-    monkeypatch.setattr(
-        generation_batch,
-        "prefill_rows_layers",
-        lambda model, rows, pad=False: rows_forwards.append(len(rows)) or real(model, rows, pad),
-    )
+    rows_forwards = _record_rows_forwards(monkeypatch)
     history = GenerateRequest(prompt=PROMPT * 5, max_tokens=6, temperature=0, logit_bias=_no_eos(engine))
     follow_up = history.model_copy(update={"prompt": PROMPT * 5 + "And Berlin?", "max_tokens": 9})
     fresh = _engine(model_dir, prefix_cache_bytes=0, pad_shapes=pad_shapes)
@@ -412,16 +420,7 @@ def test_prompts_prefilled_together_equal_each_prefilled_alone(engine: Engine, p
 def test_short_prompts_start_together_and_a_shared_prefix_is_computed_once(
     model_dir: Path, monkeypatch: pytest.MonkeyPatch, pad_shapes: bool
 ) -> None:
-    import worker.generation_batch as generation_batch
-
-    groups: list[int] = []
-    real = generation_batch.prefill_rows_layers
-
-    def recorded(model: Any, rows: Any, *args: Any) -> Any:
-        groups.append(len(rows))
-        return real(model, rows, *args)
-
-    monkeypatch.setattr(generation_batch, "prefill_rows_layers", recorded)
+    groups = _record_rows_forwards(monkeypatch)
     engine = Engine.load(str(model_dir), EngineOptions(prefill_chunk=256, pad_shapes=pad_shapes))
     system = "You are a careful assistant who answers in one short sentence. " * 2
     prompts = [f"question {i} " * (1 + i % 4) for i in range(6)] + [system + f"ask {i}" for i in range(4)]
@@ -624,16 +623,7 @@ def test_a_burst_of_new_requests_prefills_in_one_step_in_as_few_forwards_as_it_c
     """With no request decoding, a step prefills up to `idle_prefill_tokens` (in one forward where the
     prompts allow, one wait); a prompt sharing a batch-mate's long prefix waits for the step's next
     forward and takes that prefix from the prefix cache. Results are what each request gives alone."""
-    import worker.generation_batch as generation_batch
-
-    groups: list[int] = []
-    real = generation_batch.prefill_rows_layers
-
-    def recorded(model: Any, rows: Any, *args: Any) -> Any:
-        groups.append(len(rows))
-        return real(model, rows, *args)
-
-    monkeypatch.setattr(generation_batch, "prefill_rows_layers", recorded)
+    groups = _record_rows_forwards(monkeypatch)
     started: list[bool] = []  # DecodeBatch.start: rows taken straight from a forward's buffers
     real_start = DecodeBatch.start
     monkeypatch.setattr(DecodeBatch, "start", lambda *a: started.append(real_start(*a)) or started[-1])

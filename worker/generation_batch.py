@@ -441,14 +441,13 @@ class GenerationBatch:
 
     def _finish(self, seq: _Sequence, reason: FinishReason, cache: list[Any] | None) -> Finished:
         """The request's result; its cache waits for `settle`, so the caller writes the result first."""
-        tokens = seq.prompt + seq.run.ids  # the tokens the cache holds (or fewer: the last is not fed)
         try:
             reason = seq.run.finish(reason)
             result = self.engine.generate_result(seq.run, reason, seq.prompt, seq.n_cached, seq.clock)
         except Exception as e:
             return Finished(seq.key, error=e)
-        if cache is not None and self.engine.prefix_cache is not None:
-            self._offers.append((tokens, cache))
+        if cache is not None and self.engine.prefix_cache is not None:  # the cache holds these tokens
+            self._offers.append((seq.prompt + seq.run.ids, cache))  # (all but the last, never fed)
         return Finished(seq.key, result=result)
 
     def settle(self) -> None:
