@@ -48,6 +48,22 @@ def test_longest_prefix_always_leaves_one_token() -> None:
     assert pc.stats.lookups == 3 and pc.stats.hits == 2 and pc.stats.hit_tokens == 8
 
 
+def test_long_spans_match_up_to_the_first_differing_token() -> None:
+    """Spans are compared in blocks: a difference at, just before or just after a block's edge, or
+    a lookup ending mid-span, gives the same length a token-by-token walk does."""
+    pc = PrefixCache(budget_bytes=1 << 24)
+    long = [random.Random(7).randrange(50) for _ in range(700)]
+    pc.offer(long, _cache_for(long))
+    for cut in (0, 1, 255, 256, 257, 511, 512, 699):
+        other = [*long[:cut], 99, *long[cut + 1 :]]
+        assert pc.peek(other) == cut
+    assert pc.peek(long[:300]) == 299  # ends mid-span: all but the last token
+    assert pc.peek([*long, 5]) == 700
+    caches, n = pc.begin([*long[:257], 99], LAYERS)
+    assert n == 257
+    _assert_holds(caches, long[:257])
+
+
 def test_a_prefix_shorter_than_min_tokens_is_not_reused() -> None:
     pc = PrefixCache(budget_bytes=1 << 20)
     a = [1, 2, 3, 4, 5, 6]

@@ -43,6 +43,7 @@ from .generate import ChunkedPrefill, DecodeBatch, padded_size, padded_width, pr
 from .kv_cache import key_columns
 from .memory_guard import is_out_of_memory, with_memory_retry
 from .sampler import Sampler
+from .token_match import common_length
 
 log = logging.getLogger(__name__)
 
@@ -52,15 +53,6 @@ log = logging.getLogger(__name__)
 # computing a short one (H200, 64 prompts whose first ~5 tokens were cached: 4,293 tok/s against 5,859
 # with no prefix cache, `bench.prefix_cache_ab`).
 _SHARED_MIN = 32
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 @dataclass
@@ -266,7 +258,7 @@ class GenerationBatch:
             # A prompt sharing a long uncached prefix with a batch-mate waits for the next forward: it
             # then finds that prefix in the prefix cache instead of computing it again.
             if any(
-                _common_prefix(seq.prompt, m.prompt) >= max(cached, c) + _SHARED_MIN
+                common_length(seq.prompt, m.prompt) >= max(cached, c) + _SHARED_MIN
                 for m, c in zip(group, group_cached, strict=True)
             ):
                 break

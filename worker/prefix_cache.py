@@ -23,6 +23,7 @@ from typing import Any
 import mlx.core as mx
 
 from .kv_cache import KVCache, key_columns
+from .token_match import common_length
 
 log = logging.getLogger(__name__)
 
@@ -115,9 +116,7 @@ class PrefixCache:
             child = node.children.get(tokens[i])
             if child is None:
                 break
-            k = 0
-            while k < len(child.span) and i + k < len(tokens) and child.span[k] == tokens[i + k]:
-                k += 1
+            k = common_length(child.span, tokens, i)
             path.append((child, k))
             i += k
             if k < len(child.span):

@@ -20,6 +20,7 @@ from jobs.errors import InvalidCandidate
 from .generate import padded_size
 from .kv_cache import broadcast_batch
 from .prefix_cache import PrefixCache
+from .token_match import common_length
 from .tokenizer import Tokenizer
 
 
@@ -101,9 +102,7 @@ def _insert(root: _Node, tokens: list[int], row: int) -> None:
             node.children[tokens[i]] = _Node(span=tokens[i:], rows=[row])
             return
         span = child.span
-        k = 0
-        while k < len(span) and i + k < len(tokens) and span[k] == tokens[i + k]:
-            k += 1
+        k = common_length(span, tokens, i)
         if k < len(span):  # split the child at the first difference
             tail = _Node(span=span[k:], children=child.children, rows=child.rows)
             child.span, child.children, child.rows = span[:k], {span[k]: tail}, []
