@@ -271,11 +271,49 @@ class AsyncClient:
             in_flight=in_flight,
             queue=queue or self.queue,
             retry_errors=retry_errors,
-            add_special_tokens=add_special_tokens,
         )
-        return await bulk.score_dataset_async(
-            self.sync_client(), source, out_path, errors_path, options, progress=progress, stop=stop
+        sync = self.sync_client()
+
+        def run(stop: threading.Event) -> BulkSummary:
+            return bulk.score_dataset(
+                sync,
+                source,
+                out_path,
+                errors_path,
+                options,
+                add_special_tokens=add_special_tokens,
+                progress=progress,
+                stop=stop,
+            )
+
+        return await bulk.in_thread(run, stop)
+
+    async def generate_dataset(
+        self,
+        source: BulkSource,
+        out_path: str | Path,
+        *,
+        errors_path: str | Path | None = None,
+        queue: str | None = None,
+        in_flight: int = 64,
+        retry_errors: bool = True,
+        progress: TextIO | None = None,
+        stop: threading.Event | None = None,
+        **defaults: Any,
+    ) -> BulkSummary:
+        """`Client.generate_dataset`, run in a thread on this client's sync twin; cancelling the task
+        stops the run and cancels its outstanding jobs."""
+        options = bulk.BulkOptions(
+            rows_per_job=1, in_flight=in_flight, queue=queue or self.queue, retry_errors=retry_errors
         )
+        sync = self.sync_client()
+
+        def run(stop: threading.Event) -> BulkSummary:
+            return bulk.generate_dataset(
+                sync, source, out_path, errors_path, options, defaults=defaults, progress=progress, stop=stop
+            )
+
+        return await bulk.in_thread(run, stop)
 
     async def enqueue(
         self,

@@ -1,10 +1,12 @@
-"""Bulk scoring: a JSONL dataset in, one scored line per row out, through many pipelined score jobs.
+"""Bulk runs: a JSONL dataset in, one result line per row out, through many pipelined jobs.
 
-Consecutive rows go into score jobs of `rows_per_job` rows (neighbours often share a prefix, and the
-worker also batches across queued jobs). Many jobs are enqueued per round trip, at most `in_flight` are
+Scoring: consecutive rows go into score jobs of `rows_per_job` rows (neighbours often share a prefix,
+and the worker also batches across queued jobs). Generation: one job per row (a worker decodes many
+queued generation jobs together). Many jobs are enqueued per round trip, at most `in_flight` are
 outstanding at once, and their streams are read together with one blocking `XREAD`; RQ's status is
 asked every few seconds for jobs that end without a terminal event. A failed job's rows are sent again
-one per job, so one bad row fails alone. Files, order and resuming are `bulk_files`' part.
+one per job, so one bad row fails alone. What a row and a job are is `bulk_kinds`' part; files, order
+and resuming are `bulk_files`'.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from pydantic import ValidationError
 from redis.client import Pipeline
 
 from jobs import keys
-from jobs.schema import ErrorEvent, ScoreRequest, StreamEvent
+from jobs.schema import ErrorEvent, StreamEvent
 
 from . import job_state, payload, rq_wire
 from .bulk_files import (
@@ -41,15 +43,14 @@ from .bulk_files import (
     load_resume,
     restore_order,
 )
-from .tail import START_ID, decode_entries
+from .bulk_kinds import BulkKind, GenerateKind, ScoreKind
+from .tail import START_ID, decode_entries, first_terminal
 
 if TYPE_CHECKING:
     from .client import Client
 
 log = logging.getLogger(__name__)
 
-MAX_ROWS_PER_JOB = 64
-"""A worker's default `MLXQ_MAX_SCORE_ROWS`."""
 READ_BLOCK_MS = 100
 STATUS_EVERY_S = 2.0
 _ONLY_ROW = re.compile(r"\brow 0: ")
@@ -59,15 +60,12 @@ _ONLY_ROW = re.compile(r"\brow 0: ")
 class BulkOptions:
     """How a dataset is cut into jobs and how many may be outstanding."""
 
-    rows_per_job: int = 16
+    rows_per_job: int = 16  # rows a job carries, 1..the kind's most (generation: 1)
     in_flight: int = 64
     queue: str | None = None  # None: the client's queue
-    retry_errors: bool = True  # on a rerun, score rows again that the errors file holds
-    add_special_tokens: bool = True
+    retry_errors: bool = True  # on a rerun, run rows again that the errors file holds
 
     def __post_init__(self) -> None:
-        if not 1 <= self.rows_per_job <= MAX_ROWS_PER_JOB:
-            raise ValueError(f"rows_per_job must be 1..{MAX_ROWS_PER_JOB}, got {self.rows_per_job}")
         if self.in_flight < 1:
             raise ValueError(f"in_flight must be at least 1, got {self.in_flight}")
 
@@ -85,6 +83,7 @@ class _Run:
     def __init__(
         self,
         client: Client,
+        kind: BulkKind,
         options: BulkOptions,
         rows: Iterator[Slot],
         output: OrderedOutput,
@@ -94,7 +93,9 @@ class _Run:
         self.client = client
         self.conn = client.connection
         self.call = client.retry.call
+        self.kind = kind
         self.options = options
+        self.rows_per_job = min(options.rows_per_job, kind.max_rows_per_job)
         self.queue = options.queue or client.queue
         s = client.settings
         self.job_options = rq_wire.JobOptions(
@@ -105,7 +106,7 @@ class _Run:
         self.progress = progress
         self.stop = stop
         # Undecided rows kept in memory: enough to fill every job slot twice over.
-        self.window_cap = (2 * options.in_flight + 1) * options.rows_per_job
+        self.window_cap = (2 * options.in_flight + 1) * self.rows_per_job
         self.pending: deque[Slot] = deque()
         self.singles: deque[Slot] = deque()  # rows of failed jobs, sent again one per job
         self.outstanding: dict[str, _Job] = {}
@@ -115,7 +116,7 @@ class _Run:
         self._status_at = time.monotonic() + STATUS_EVERY_S
 
     def run(self) -> bool:
-        """Score every row; False if `stop` was set first (outstanding jobs are then cancelled)."""
+        """Run every row; False if `stop` was set first (outstanding jobs are then cancelled)."""
         try:
             while not self.stop.is_set():
                 self._fill()
@@ -134,7 +135,7 @@ class _Run:
 
     def _fill(self) -> None:
         """Read rows until every free job slot can be filled (or the window is full)."""
-        want = (self.options.in_flight - len(self.outstanding)) * self.options.rows_per_job
+        want = (self.options.in_flight - len(self.outstanding)) * self.rows_per_job
         self.window_full = False
         while not self.exhausted and len(self.pending) < want and not self.stop.is_set():
             if len(self.output) >= self.window_cap:
@@ -154,7 +155,7 @@ class _Run:
         """The rows of the next job and whether it goes to the front of the queue."""
         if self.singles:
             return [self.singles.popleft()], True
-        n = self.options.rows_per_job
+        n = self.rows_per_job
         if len(self.pending) >= n or (self.pending and (self.exhausted or self.window_full)):
             return [self.pending.popleft() for _ in range(min(n, len(self.pending)))], False
         return [], False
@@ -166,13 +167,10 @@ class _Run:
             slots, retried = self._next_rows()
             if not slots:
                 break
-            request = ScoreRequest(
-                rows=[s.row for s in slots if s.row is not None],
-                add_special_tokens=self.options.add_special_tokens,
-            )
+            request = self.kind.request([s.row for s in slots])
             options = replace(self.job_options, at_front=True) if retried else self.job_options
             wire = rq_wire.build_job(
-                keys.SCORE_FUNC, payload.wire_payload(request), queue=self.queue, options=options
+                self.kind.func, payload.wire_payload(request), queue=self.queue, options=options
             )
             batch.append((_Job(wire.id, slots), wire))
         if not batch:
@@ -211,11 +209,9 @@ class _Run:
         ended: dict[str, StreamEvent] = {}
         for key, entries in _stream_entries(reply):
             job = by_key[key]
-            for item in decode_entries(entries):
-                job.last_id = item.stream_id
-                if item.terminal:
-                    ended[job.id] = item.event
-                    break
+            job.last_id, end = first_terminal(entries)
+            if end is not None:
+                ended[job.id] = end.event
         self._conclude(ended)
         if time.monotonic() >= self._status_at:
             self._status_at = time.monotonic() + STATUS_EVERY_S
@@ -245,13 +241,13 @@ class _Run:
         if raw is None:
             return self._failed(job, "the job finished but its result key is gone")
         try:
-            result = payload.score_result(raw)
+            results = self.kind.results(raw)
         except ValidationError as e:
             return self._failed(job, f"its result does not validate: {e}")
-        if len(result.rows) != len(job.slots):
-            return self._failed(job, f"its result has {len(result.rows)} rows for {len(job.slots)}")
-        for slot, row in zip(job.slots, result.rows, strict=True):
-            slot.scored(row)
+        if len(results) != len(job.slots):
+            return self._failed(job, f"its result has {len(results)} rows for {len(job.slots)}")
+        for slot, row in zip(job.slots, results, strict=True):
+            slot.finished(row)
         return None
 
     def _failed(self, job: _Job, reason: str) -> None:
@@ -339,8 +335,9 @@ def _stream_entries(reply: Any) -> Iterator[tuple[str, list[Any]]]:
         yield (key.decode() if isinstance(key, bytes) else key), entries
 
 
-def score_dataset(
+def run_dataset(
     client: Client,
+    kind: BulkKind,
     source: BulkSource,
     out_path: str | Path,
     errors_path: str | Path | None = None,
@@ -349,7 +346,8 @@ def score_dataset(
     progress: TextIO | None = None,
     stop: threading.Event | None = None,
 ) -> BulkSummary:
-    """Score every row of `source` into `out_path` (JSONL, input order); failed lines to `errors_path`.
+    """Run every row of `source` as `kind` says into `out_path` (JSONL, input order); failed lines to
+    `errors_path`.
 
     Rerunning with the same output skips rows already in it. Setting `stop` (from another thread or a
     signal handler) ends the run early: outstanding jobs are cancelled, the output stays a clean prefix.
@@ -361,14 +359,16 @@ def score_dataset(
     paths = [errors.resolve(), out.resolve()]
     if paths[0] == paths[1] or (isinstance(source, str | PathLike) and Path(source).resolve() in paths):
         raise ValueError(f"input, output and errors files must differ (output {out}, errors {errors})")
+    if not 1 <= options.rows_per_job <= kind.max_rows_per_job:
+        raise ValueError(f"rows_per_job must be 1..{kind.max_rows_per_job}, got {options.rows_per_job}")
     started = time.monotonic()
-    reader = RowReader(source)  # opens the input first: a missing file fails before anything is written
+    reader = RowReader(source, kind)  # opens the input first: a missing file fails before anything is written
     resume = load_resume(out, errors, options.retry_errors)
     bar = ProgressLine(progress, reader.total)
     rows = (resume.mark(slot) for slot in reader)
     with open(out, "a", encoding="utf-8") as out_file:
-        output = OrderedOutput(out_file, errors)
-        run = _Run(client, options, rows, output, bar, stop or threading.Event())
+        output = OrderedOutput(out_file, errors, kind)
+        run = _Run(client, kind, options, rows, output, bar, stop or threading.Event())
         try:
             completed = run.run()
         finally:
@@ -385,6 +385,7 @@ def score_dataset(
         skipped=c.skipped,
         input_tokens=c.input_tokens,
         cached_tokens=c.cached_tokens,
+        generated_tokens=c.generated_tokens,
         jobs=run.jobs,
         wall_s=time.monotonic() - started,
         interrupted=not completed,
@@ -392,30 +393,54 @@ def score_dataset(
         errors_path=errors,
     )
     log.info(
-        "bulk done rows=%d succeeded=%d failed=%d jobs=%d wall_s=%.2f stopped=%s",
-        *(summary.rows, summary.succeeded, summary.failed, summary.jobs, summary.wall_s, not completed),
+        "bulk done kind=%s rows=%d succeeded=%d failed=%d jobs=%d wall_s=%.2f stopped=%s",
+        *(kind.name, summary.rows, summary.succeeded, summary.failed, summary.jobs, summary.wall_s),
+        not completed,
     )
     return summary
 
 
-async def score_dataset_async(
+def score_dataset(
     client: Client,
     source: BulkSource,
     out_path: str | Path,
     errors_path: str | Path | None = None,
     options: BulkOptions | None = None,
     *,
+    add_special_tokens: bool = True,
     progress: TextIO | None = None,
     stop: threading.Event | None = None,
 ) -> BulkSummary:
-    """`score_dataset` in a thread (file I/O and a sync client); cancelling the task stops the run
-    as `stop` does and waits for it to cancel its outstanding jobs. `source` is read in that thread."""
+    """Score rows `{custom_id, prompt, candidates}` (`run_dataset` with a `ScoreKind`)."""
+    kind = ScoreKind(add_special_tokens=add_special_tokens)
+    return run_dataset(client, kind, source, out_path, errors_path, options, progress=progress, stop=stop)
+
+
+def generate_dataset(
+    client: Client,
+    source: BulkSource,
+    out_path: str | Path,
+    errors_path: str | Path | None = None,
+    options: BulkOptions | None = None,
+    *,
+    defaults: Mapping[str, Any] | None = None,
+    progress: TextIO | None = None,
+    stop: threading.Event | None = None,
+) -> BulkSummary:
+    """Generate for rows `{custom_id, prompt | messages, ...options}`, one job each (`run_dataset` with
+    a `GenerateKind`; `defaults` are options for rows that do not set them)."""
+    kind = GenerateKind(defaults=dict(defaults or {}))
+    options = replace(options or BulkOptions(), rows_per_job=1)
+    return run_dataset(client, kind, source, out_path, errors_path, options, progress=progress, stop=stop)
+
+
+async def in_thread(
+    run: Callable[[threading.Event], BulkSummary], stop: threading.Event | None = None
+) -> BulkSummary:
+    """`run(stop)` (a bulk run: file I/O and a sync client) in a thread; cancelling the task stops the
+    run as `stop` does and waits for it to cancel its outstanding jobs."""
     stop = stop or threading.Event()
-    task = asyncio.ensure_future(
-        asyncio.to_thread(
-            score_dataset, client, source, out_path, errors_path, options, progress=progress, stop=stop
-        )
-    )
+    task = asyncio.ensure_future(asyncio.to_thread(run, stop))
     try:
         return await asyncio.shield(task)
     except asyncio.CancelledError:

@@ -1,10 +1,11 @@
-"""The files of a bulk scoring run: JSONL rows in; results and errors out, in input order; resumable.
+"""The files of a bulk run: JSONL rows in; results and errors out, in input order; resumable.
 
-Input: one JSON object per line, `{"custom_id": "...", "prompt": "...", "candidates": [...]}` (other keys
-are ignored, so a dataset may carry its own columns). A line that is not such an object becomes an error
-record with its line number; it never stops the run. Output: one line per scored row, written only once
-every line before it is decided, so a file cut short by Ctrl-C or a crash is a clean prefix of the input
-order. A rerun reads that prefix back (dropping a half-written last line) and skips those rows.
+Input: one JSON object per line with a `custom_id` and the keys its kind reads (`bulk_kinds`: a score
+row's prompt and candidates, a generation's prompt or messages and options); other keys are ignored, so
+a dataset may carry its own columns. A line that is not such an object becomes an error record with its
+line number; it never stops the run. Output: one line per finished row, written only once every line
+before it is decided, so a file cut short by Ctrl-C or a crash is a clean prefix of the input order. A
+rerun reads that prefix back (dropping a half-written last line) and skips those rows.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ from typing import Any, TextIO
 from pydantic import ValidationError
 
 import jobs
-from jobs.schema import ScoredRow, ScoreRow
+
+from .bulk_kinds import BulkKind
 
 log = logging.getLogger(__name__)
 
@@ -37,29 +39,30 @@ _TAIL_CHUNK = 1 << 16
 
 class RowState(Enum):
     PENDING = "pending"
-    SCORED = "scored"
+    DONE = "done"
     FAILED = "failed"
     SKIPPED = "skipped"
 
 
 @dataclass(eq=False)
 class Slot:
-    """One input line on its way out: a row still to score, or a line already decided."""
+    """One input line on its way out: a row still to run (its kind's request part), or a line already
+    decided."""
 
     line: int  # 1-based line of the file (or position in the iterable)
     custom_id: str | None
-    row: ScoreRow | None = None
+    row: Any = None
     state: RowState = RowState.PENDING
-    result: ScoredRow | None = None
+    result: Any = None
     error: str = ""
 
     @classmethod
     def bad(cls, line: int, custom_id: str | None, reason: str) -> Slot:
-        """A line that is not a row to score."""
+        """A line that is not a row to run."""
         return cls(line, custom_id, state=RowState.FAILED, error=reason)
 
-    def scored(self, result: ScoredRow) -> None:
-        self.state, self.result = RowState.SCORED, result
+    def finished(self, result: Any) -> None:
+        self.state, self.result = RowState.DONE, result
 
     def failed(self, reason: str) -> None:
         self.state, self.error = RowState.FAILED, reason
@@ -75,8 +78,9 @@ class RowReader:
     file fails before anything is written. `first_line` maps each custom_id to where it first appeared.
     """
 
-    def __init__(self, source: BulkSource) -> None:
+    def __init__(self, source: BulkSource, kind: BulkKind) -> None:
         self.source = source
+        self.kind = kind
         self.first_line: dict[str, int] = {}
         self.read = 0
         self.total: int | None = None
@@ -113,9 +117,9 @@ class RowReader:
         if first != line:
             return Slot.bad(line, custom_id, f"duplicate custom_id {custom_id!r} (first on line {first})")
         try:
-            row = ScoreRow.model_validate({k: obj[k] for k in ("prompt", "candidates") if k in obj})
+            row = self.kind.row(obj)
         except ValidationError as e:
-            return Slot.bad(line, custom_id, jobs.describe_validation_error("score", e))
+            return Slot.bad(line, custom_id, jobs.describe_validation_error(self.kind.name, e))
         return Slot(line, custom_id, row)
 
 
@@ -254,6 +258,7 @@ class Counts:
     skipped: int = 0
     input_tokens: int = 0
     cached_tokens: int = 0
+    generated_tokens: int = 0
 
     @property
     def decided(self) -> int:
@@ -266,8 +271,9 @@ class OrderedOutput:
     The errors file is opened on its first error, so a clean run leaves none behind.
     """
 
-    def __init__(self, out: TextIO, errors_path: Path) -> None:
+    def __init__(self, out: TextIO, errors_path: Path, kind: BulkKind) -> None:
         self.out = out
+        self.kind = kind
         self.errors_path = errors_path
         self.counts = Counts()
         self._errors: TextIO | None = None
@@ -298,13 +304,14 @@ class OrderedOutput:
         c = self.counts
         if slot.state is RowState.SKIPPED:
             c.skipped += 1
-        elif slot.state is RowState.SCORED and slot.result is not None:
-            r = slot.result
-            record = {"custom_id": slot.custom_id, **r.model_dump(mode="json")}
+        elif slot.state is RowState.DONE and slot.result is not None:
+            record = {"custom_id": slot.custom_id, **self.kind.record(slot.result)}
             self.out.write(json.dumps(record, ensure_ascii=False) + "\n")
+            tokens = self.kind.tokens(slot.result)
             c.succeeded += 1
-            c.input_tokens += r.input_tokens
-            c.cached_tokens += r.cached_tokens
+            c.input_tokens += tokens.input
+            c.cached_tokens += tokens.cached
+            c.generated_tokens += tokens.generated
         else:
             if self._errors is None:
                 self._errors = open(self.errors_path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
@@ -316,7 +323,7 @@ class OrderedOutput:
 @dataclass(frozen=True)
 class BulkSummary:
     """What a bulk run did. `rows` counts input lines read; rows not decided when it was interrupted
-    are `unfinished` (a rerun scores them)."""
+    are `unfinished` (a rerun runs them)."""
 
     rows: int
     succeeded: int
@@ -329,6 +336,7 @@ class BulkSummary:
     interrupted: bool
     out_path: Path
     errors_path: Path
+    generated_tokens: int = 0
 
     @property
     def unfinished(self) -> int:
@@ -339,8 +347,12 @@ class BulkSummary:
         return self.cached_tokens / self.input_tokens if self.input_tokens else 0.0
 
     @property
+    def generated_per_s(self) -> float:
+        return self.generated_tokens / self.wall_s if self.wall_s > 0 else 0.0
+
+    @property
     def rows_per_s(self) -> float:
-        """Rows decided by this run (scored or failed, not skipped) per second of wall time."""
+        """Rows decided by this run (finished or failed, not skipped) per second of wall time."""
         return (self.succeeded + self.failed) / self.wall_s if self.wall_s > 0 else 0.0
 
     def render(self) -> str:
@@ -348,7 +360,12 @@ class BulkSummary:
         lines = [
             f"rows {self.rows:,}: {self.succeeded:,} succeeded, {self.failed:,} failed, "
             f"{self.skipped:,} skipped (done before)",
-            f"tokens {self.input_tokens:,} input, {self.cached_tokens:,} cached ({self.cached_share:.1%})",
+            f"tokens {self.input_tokens:,} input, {self.cached_tokens:,} cached ({self.cached_share:.1%})"
+            + (
+                f", {self.generated_tokens:,} generated ({self.generated_per_s:,.1f}/s)"
+                if self.generated_tokens
+                else ""
+            ),
             f"jobs {self.jobs:,} in {self.wall_s:.1f} s: {self.rows_per_s:,.1f} rows/s",
             f"output {self.out_path}" + (f"; errors {self.errors_path}" if self.failed else ""),
         ]

@@ -1,8 +1,9 @@
 """The `mlxq` command: submit and follow jobs, show queues and workers; `worker`/`import-gguf` need MLX.
 
-Exit codes: 0 ok, 1 the job failed (or was not found, or timed out; for `score-file`: some rows failed),
-2 usage or connection errors, 130 interrupted (Ctrl-C during `mlxq generate` cancels the job; during
-`mlxq score-file` it stops submitting, cancels outstanding jobs and keeps what is complete).
+Exit codes: 0 ok, 1 the job failed (or was not found, or timed out; for `score-file` and
+`generate-file`: some rows failed), 2 usage or connection errors, 130 interrupted (Ctrl-C during
+`mlxq generate` cancels the job; during a `-file` command it stops submitting, cancels outstanding jobs
+and keeps what is complete).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import json
 import signal
 import sys
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TextIO
 
 import redis
@@ -23,6 +24,7 @@ from jobs import errors
 from jobs.schema import DoneEvent, ErrorEvent, GenerateResult, RestartEvent, ScoreResult, TokenEvent
 
 from . import status_report
+from .bulk_files import BulkSummary
 from .client import Client, JobHandle
 from .connection import redact_url
 from .errors import JobFailed, JobNotFound
@@ -43,13 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("prompt")
     gen.add_argument("--chat", action="store_true", help="send the prompt as a user message (chat template)")
     gen.add_argument("--system", help="system message (implies --chat)")
-    gen.add_argument("--max-tokens", type=int)
-    gen.add_argument("--temperature", type=float)
-    gen.add_argument("--top-p", type=float)
-    gen.add_argument("--top-k", type=int)
-    gen.add_argument("--min-p", type=float)
-    gen.add_argument("--seed", type=int)
-    gen.add_argument("--stop", action="append", help="stop string (repeatable)")
+    _sampling_arguments(gen)
     gen.add_argument("--queue", help="queue name [MLXQ_QUEUE, default: default]")
     gen.add_argument("--timeout", type=float, help="give up (and cancel the job) after this many seconds")
     gen.add_argument("--json", action="store_true", help="print the final result as JSON, not the text")
@@ -73,20 +69,45 @@ def build_parser() -> argparse.ArgumentParser:
 
     score = sub.add_parser("score-file", help="score a JSONL file of rows in bulk (resumable)")
     score.add_argument("input", help='JSONL: {"custom_id": ..., "prompt": ..., "candidates": [...]} per line')
-    score.add_argument("-o", "--output", required=True, help="JSONL results, in input order (appended to)")
-    score.add_argument("--errors", help="JSONL of failed lines and why [default: <output>.errors.jsonl]")
     score.add_argument("--rows-per-job", type=int, default=16, help="rows per score job (1..64) [16]")
-    score.add_argument("--in-flight", type=int, default=64, help="most jobs outstanding at once [64]")
-    score.add_argument("--queue", help="queue name [MLXQ_QUEUE, default: default]")
-    score.add_argument(
-        "--no-retry-errors", action="store_true", help="on a rerun, skip lines already in the errors file"
+    _bulk_arguments(score)
+
+    gen_file = sub.add_parser(
+        "generate-file", help="generate for a JSONL file of prompts in bulk (resumable)"
     )
-    score.add_argument("--progress", action="store_true", help="draw progress even when not on a terminal")
+    gen_file.add_argument(
+        "input",
+        help='JSONL: {"custom_id": ..., "prompt": ... | "messages": [...], options...} per line; '
+        "a line's own options win over the flags",
+    )
+    _sampling_arguments(gen_file)
+    _bulk_arguments(gen_file)
 
     # Listed for --help only: main() hands these to worker.cli before parsing.
     sub.add_parser("worker", help="run a worker (needs MLX; see `mlxq worker --help`)", add_help=False)
     sub.add_parser("import-gguf", help="convert a GGUF file to a model folder (needs MLX)", add_help=False)
     return parser
+
+
+def _sampling_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", type=int)
+    p.add_argument("--temperature", type=float)
+    p.add_argument("--top-p", type=float)
+    p.add_argument("--top-k", type=int)
+    p.add_argument("--min-p", type=float)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--stop", action="append", help="stop string (repeatable)")
+
+
+def _bulk_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-o", "--output", required=True, help="JSONL results, in input order (appended to)")
+    p.add_argument("--errors", help="JSONL of failed lines and why [default: <output>.errors.jsonl]")
+    p.add_argument("--in-flight", type=int, default=64, help="most jobs outstanding at once [64]")
+    p.add_argument("--queue", help="queue name [MLXQ_QUEUE, default: default]")
+    p.add_argument(
+        "--no-retry-errors", action="store_true", help="on a rerun, skip lines already in the errors file"
+    )
+    p.add_argument("--progress", action="store_true", help="draw progress even when not on a terminal")
 
 
 # --- rendering -------------------------------------------------------------------------------------
@@ -130,7 +151,7 @@ def _print_json(value: Any, out: TextIO) -> None:
 # --- commands --------------------------------------------------------------------------------------
 
 
-def _generate_params(args: argparse.Namespace) -> dict[str, Any]:
+def _sampling_params(args: argparse.Namespace) -> dict[str, Any]:
     given = {
         "max_tokens": args.max_tokens,
         "temperature": args.temperature,
@@ -140,7 +161,11 @@ def _generate_params(args: argparse.Namespace) -> dict[str, Any]:
         "seed": args.seed,
         "stop": args.stop,
     }
-    params = {k: v for k, v in given.items() if v is not None}
+    return {k: v for k, v in given.items() if v is not None}
+
+
+def _generate_params(args: argparse.Namespace) -> dict[str, Any]:
+    params = _sampling_params(args)
     if args.chat or args.system is not None:
         system = [{"role": "system", "content": args.system}] if args.system is not None else []
         params["messages"] = [*system, {"role": "user", "content": args.prompt}]
@@ -223,21 +248,37 @@ def cmd_result(client: Client, args: argparse.Namespace) -> int:
 
 def cmd_score_file(client: Client, args: argparse.Namespace) -> int:
     """Exit 0 when every row is in the output, 1 when some failed, 130 when stopped by Ctrl-C."""
+    return _bulk_run(
+        args,
+        lambda common: client.score_dataset(
+            args.input, args.output, rows_per_job=args.rows_per_job, **common
+        ),
+    )
+
+
+def cmd_generate_file(client: Client, args: argparse.Namespace) -> int:
+    """Exit codes as `score-file`'s."""
+    defaults = _sampling_params(args)
+    return _bulk_run(
+        args, lambda common: client.generate_dataset(args.input, args.output, **common, **defaults)
+    )
+
+
+def _bulk_run(args: argparse.Namespace, run: Callable[[dict[str, Any]], BulkSummary]) -> int:
+    """A `-file` command: the first Ctrl-C stops it cleanly; the summary goes to stderr."""
     stop = threading.Event()
     progress = sys.stderr if args.progress or sys.stderr.isatty() else None
+    common = {
+        "errors_path": args.errors,
+        "queue": args.queue,
+        "in_flight": args.in_flight,
+        "retry_errors": not args.no_retry_errors,
+        "progress": progress,
+        "stop": stop,
+    }
     with _first_sigint_stops(stop):
         try:
-            summary = client.score_dataset(
-                args.input,
-                args.output,
-                errors_path=args.errors,
-                queue=args.queue,
-                rows_per_job=args.rows_per_job,
-                in_flight=args.in_flight,
-                retry_errors=not args.no_retry_errors,
-                progress=progress,
-                stop=stop,
-            )
+            summary = run(common)
         except (OSError, ValueError) as e:
             print(f"mlxq: {e}", file=sys.stderr)
             return 2
@@ -274,6 +315,7 @@ COMMANDS = {
     "cancel": cmd_cancel,
     "result": cmd_result,
     "score-file": cmd_score_file,
+    "generate-file": cmd_generate_file,
 }
 
 

@@ -275,16 +275,49 @@ class Client:
         order; failed and malformed rows go to `errors_path` (default `<out>.errors.jsonl`) with the reason.
         Rerunning with the same `out_path` skips rows already there (and, unless `retry_errors`, rows in
         the errors file). Rows travel `rows_per_job` to a job, at most `in_flight` jobs at once. Setting
-        `stop` ends the run early (outstanding jobs cancelled). See `docs/bulk-scoring.md`.
+        `stop` ends the run early (outstanding jobs cancelled). See `docs/bulk.md`.
         """
         options = bulk.BulkOptions(
-            rows_per_job=rows_per_job,
-            in_flight=in_flight,
-            queue=queue,
-            retry_errors=retry_errors,
-            add_special_tokens=add_special_tokens,
+            rows_per_job=rows_per_job, in_flight=in_flight, queue=queue, retry_errors=retry_errors
         )
-        return bulk.score_dataset(self, source, out_path, errors_path, options, progress=progress, stop=stop)
+        return bulk.score_dataset(
+            self,
+            source,
+            out_path,
+            errors_path,
+            options,
+            add_special_tokens=add_special_tokens,
+            progress=progress,
+            stop=stop,
+        )
+
+    def generate_dataset(
+        self,
+        source: BulkSource,
+        out_path: str | Path,
+        *,
+        errors_path: str | Path | None = None,
+        queue: str | None = None,
+        in_flight: int = 64,
+        retry_errors: bool = True,
+        progress: TextIO | None = None,
+        stop: threading.Event | None = None,
+        **defaults: Any,
+    ) -> BulkSummary:
+        """Generate for a dataset: a JSONL file's path, or rows `{custom_id, prompt | messages, ...}`.
+
+        One generation job per row; a row's own `GenerateRequest` fields (max_tokens, temperature, stop,
+        seed, ...) win over `defaults` (the same fields, for every row). Writes `{custom_id, text,
+        finish_reason, token_ids, usage, timings, model}` per row to `out_path` in input order; failed and
+        malformed rows go to `errors_path`. Resuming, `in_flight` and `stop` as for `score_dataset`. See
+        `docs/bulk.md`.
+        """
+        options = bulk.BulkOptions(
+            rows_per_job=1, in_flight=in_flight, queue=queue, retry_errors=retry_errors
+        )
+        return bulk.generate_dataset(
+            self, source, out_path, errors_path, options, defaults=defaults, progress=progress, stop=stop
+        )
 
     def enqueue(
         self,

@@ -49,6 +49,20 @@ def decode_entries(entries: list[Any]) -> list[StreamItem]:
     return items
 
 
+_TERMINAL_EVENTS = {"done", "error"}
+
+
+def first_terminal(entries: list[Any]) -> tuple[str, StreamItem | None]:
+    """For a reader that waits only for a job's end: the id to read on from after `entries` (as
+    redis-py returns them, at least one) and their first terminal item, if any. Token events are
+    passed over unparsed."""
+    for entry_id, fields in entries:
+        if _text(fields.get(b"event", fields.get("event", b""))) in _TERMINAL_EVENTS:
+            (item,) = decode_entries([(entry_id, fields)])
+            return item.stream_id, item
+    return _text(entries[-1][0]), None
+
+
 def decode_xread(reply: Any) -> list[StreamItem]:
     """The entries of an `XREAD` reply on one stream (RESP2 list or RESP3 map) → items."""
     if not reply:

@@ -1,0 +1,135 @@
+"""What a bulk run sends and writes for each kind of job: scoring rows or generating from prompts.
+
+The run itself (`bulk.py`) and its files (`bulk_files.py`) are the same for both; a kind says which
+input keys make a row, which job carries rows, how a job's result splits back into rows, and what an
+output line holds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from pydantic import ValidationError
+
+import jobs
+from jobs import keys
+from jobs.schema import GenerateRequest, GenerateResult, ScoredRow, ScoreRequest, ScoreRow
+
+from . import payload
+
+MAX_SCORE_ROWS_PER_JOB = 64
+"""A worker's default `MLXQ_MAX_SCORE_ROWS`."""
+
+
+@dataclass(frozen=True)
+class RowTokens:
+    """A finished row's token counts, for the run's summary."""
+
+    input: int
+    cached: int
+    generated: int = 0
+
+
+class BulkKind(Protocol):
+    @property
+    def name(self) -> str:
+        """ "score" or "generate": how validation errors name the request."""
+        ...
+
+    @property
+    def func(self) -> str:
+        """The job function rows travel in."""
+        ...
+
+    @property
+    def max_rows_per_job(self) -> int: ...
+
+    def row(self, obj: Mapping[str, Any]) -> Any:
+        """The row an input object asks for; `pydantic.ValidationError` if it is not a valid one."""
+        ...
+
+    def request(self, rows: Sequence[Any]) -> ScoreRequest | GenerateRequest:
+        """The job that carries `rows` (at most `max_rows_per_job`)."""
+        ...
+
+    def results(self, raw: bytes) -> Sequence[Any]:
+        """A finished job's result key, one result per row; `ValidationError` if it is not one."""
+        ...
+
+    def record(self, result: Any) -> dict[str, Any]:
+        """An output line's fields (besides `custom_id`)."""
+        ...
+
+    def tokens(self, result: Any) -> RowTokens: ...
+
+
+@dataclass(frozen=True)
+class ScoreKind:
+    """Rows `{custom_id, prompt, candidates}`, several to a `jobs.score` job."""
+
+    add_special_tokens: bool = True
+    name: str = "score"
+    func: str = keys.SCORE_FUNC
+    max_rows_per_job: int = MAX_SCORE_ROWS_PER_JOB
+
+    def row(self, obj: Mapping[str, Any]) -> ScoreRow:
+        return ScoreRow.model_validate({k: obj[k] for k in ("prompt", "candidates") if k in obj})
+
+    def request(self, rows: Sequence[Any]) -> ScoreRequest:
+        return ScoreRequest(rows=list(rows), add_special_tokens=self.add_special_tokens)
+
+    def results(self, raw: bytes) -> Sequence[ScoredRow]:
+        return payload.score_result(raw).rows
+
+    def record(self, result: ScoredRow) -> dict[str, Any]:
+        return result.model_dump(mode="json")
+
+    def tokens(self, result: ScoredRow) -> RowTokens:
+        return RowTokens(result.input_tokens, result.cached_tokens)
+
+
+_GENERATE_KEYS = tuple(GenerateRequest.model_fields)
+
+
+@dataclass(frozen=True)
+class GenerateKind:
+    """Rows `{custom_id, prompt | messages, ...}`, one `jobs.generate` job each. A row's own
+    `GenerateRequest` fields (max_tokens, temperature, stop, seed, ...) win over `defaults`."""
+
+    defaults: Mapping[str, Any] = field(default_factory=dict)
+    name: str = "generate"
+    func: str = keys.GENERATE_FUNC
+    max_rows_per_job: int = 1
+
+    def __post_init__(self) -> None:
+        unknown = sorted(
+            set(self.defaults) - set(_GENERATE_KEYS) | set(self.defaults) & {"prompt", "messages"}
+        )
+        if unknown:
+            raise ValueError(f"not generation options for every row: {', '.join(unknown)}")
+        try:  # a bad default would fail every row: say so once, before anything is sent
+            GenerateRequest.model_validate({**self.defaults, "prompt": "-"})
+        except ValidationError as e:
+            raise ValueError(jobs.describe_validation_error("generate", e)) from None
+
+    def row(self, obj: Mapping[str, Any]) -> GenerateRequest:
+        return GenerateRequest.model_validate(
+            {**self.defaults, **{k: obj[k] for k in _GENERATE_KEYS if k in obj}}
+        )
+
+    def request(self, rows: Sequence[Any]) -> GenerateRequest:
+        (only,) = rows
+        assert isinstance(only, GenerateRequest)
+        return only
+
+    def results(self, raw: bytes) -> Sequence[GenerateResult]:
+        return [payload.generate_result(raw)]
+
+    def record(self, result: GenerateResult) -> dict[str, Any]:
+        return result.model_dump(mode="json")
+
+    def tokens(self, result: GenerateResult) -> RowTokens:
+        u = result.usage
+        return RowTokens(u.prompt_tokens, u.cached_tokens, u.completion_tokens)

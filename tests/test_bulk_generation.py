@@ -1,0 +1,152 @@
+"""Bulk generation of datasets end to end: real Redis, a real worker process on a tiny random checkpoint.
+
+The run loop, files, order and resuming are the ones bulk scoring uses (`test_bulk_scoring.py` covers
+them at length); these tests cover what generation adds: one job per row, per-row options over the
+run's defaults, results equal to the same request run alone, and the CLI's `generate-file`."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from worker_process import ROOT, WorkerProcess
+
+from jobs.schema import GenerateRequest
+from producer import AsyncClient, Client
+
+REDIS_DB = 15  # the bulk tests' DB (the modules run one after the other; each flushes it)
+
+
+@pytest.fixture
+def worker(model_dir: Path, redis_url: str, tmp_path: Path) -> Iterator[WorkerProcess]:
+    w = WorkerProcess(model_dir, redis_url, tmp_path / "worker.log", "--queue", "default")
+    w.wait_ready()
+    yield w
+    w.stop()
+
+
+@pytest.fixture
+def client(redis_url: str) -> Iterator[Client]:
+    with Client(redis_url) as c:
+        yield c
+
+
+def write_jsonl(path: Path, items: list[Any]) -> Path:
+    path.write_text("".join((x if isinstance(x, str) else json.dumps(x)) + "\n" for x in items))
+    return path
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_rows_come_back_in_order_with_what_each_request_gives_alone(
+    model_dir: Path,
+    worker: WorkerProcess,
+    client: Client,
+    redis_conn: redis.Redis,
+    no_eos: dict[int, float],
+    tmp_path: Path,
+) -> None:
+    from worker.engine import Engine, EngineOptions
+
+    rows: list[dict[str, Any]] = [
+        {"custom_id": f"p{i}", "prompt": f"Question {i}: the capital of France is"} for i in range(12)
+    ]
+    rows[3]["max_tokens"] = 2  # a row's own option wins over the run's default
+    rows[5] = {"custom_id": "chat", "messages": [{"role": "user", "content": "Name a city."}], "note": "x"}
+    rows[7]["stop"] = ["zzz"]
+    too_long = {"custom_id": "long", "prompt": "word " * 5000}  # past the 4,096-token context
+    lines: list[Any] = [
+        *rows[:4],
+        {"custom_id": "neither", "max_tokens": 3},  # line 5: no prompt, no messages
+        too_long,  # 6: fails in the worker
+        {"custom_id": "bad-opt", "prompt": "x", "max_tokens": 0},  # 7
+        *rows[4:],
+    ]
+    src, out = write_jsonl(tmp_path / "in.jsonl", lines), tmp_path / "out.jsonl"
+    defaults = {"max_tokens": 5, "temperature": 0.0, "logit_bias": no_eos}
+    summary = client.generate_dataset(src, out, in_flight=6, **defaults)
+
+    got = read_jsonl(out)
+    assert [g["custom_id"] for g in got] == [r["custom_id"] for r in rows]
+    engine = Engine.load(str(model_dir), EngineOptions(prefix_cache_bytes=0))
+    for row, g in zip(rows, got, strict=True):
+        own = {k: v for k, v in row.items() if k not in ("custom_id", "note")}
+        request = GenerateRequest.model_validate({**defaults, **own})
+        alone = engine.generate(request, lambda _text, _ids: None)
+        assert (g["text"], g["token_ids"], g["finish_reason"]) == (alone.text, alone.token_ids, "length")
+        assert g["usage"]["prompt_tokens"] == alone.usage.prompt_tokens
+        assert len(g["token_ids"]) == row.get("max_tokens", 5)
+    errors = read_jsonl(tmp_path / "out.errors.jsonl")
+    assert [(e["line"], e["custom_id"]) for e in errors] == [(5, "neither"), (6, "long"), (7, "bad-opt")]
+    assert "exactly one of `prompt` or `messages`" in errors[0]["error"]
+    assert "ContextTooLong" in errors[1]["error"] and "4096" in errors[1]["error"]
+    assert "max_tokens" in errors[2]["error"]
+    assert (summary.succeeded, summary.failed, summary.jobs) == (12, 3, 13)
+    assert summary.generated_tokens == sum(len(g["token_ids"]) for g in got) == 11 * 5 + 2
+    assert summary.input_tokens == sum(g["usage"]["prompt_tokens"] for g in got)
+    assert not redis_conn.keys("mlxq:result:*") and not redis_conn.keys("mlxq:stream:*")  # collected
+
+
+def test_the_cli_generates_a_file_and_a_rerun_skips_what_is_done(
+    worker: WorkerProcess, redis_url: str, tmp_path: Path
+) -> None:
+    src = write_jsonl(
+        tmp_path / "in.jsonl", [{"custom_id": f"r{i}", "prompt": f"Item {i} is"} for i in range(9)]
+    )
+    out = tmp_path / "out.jsonl"
+    cli = [
+        sys.executable,
+        "-m",
+        "producer.cli",
+        "--redis-url",
+        redis_url,
+        "generate-file",
+        str(src),
+        "-o",
+        str(out),
+    ]
+    proc = subprocess.run(
+        [*cli, "--max-tokens", "3", "--temperature", "0", "--in-flight", "4", "--progress"],
+        capture_output=True, timeout=60, cwd=ROOT, check=False,
+    )  # fmt: skip
+    stderr = proc.stderr.decode()
+    assert proc.returncode == 0, stderr
+    assert "\r9/9 rows" in stderr and "rows 9: 9 succeeded, 0 failed, 0 skipped" in stderr
+    got = read_jsonl(out)
+    assert [g["custom_id"] for g in got] == [f"r{i}" for i in range(9)]
+    generated = sum(g["usage"]["completion_tokens"] for g in got)
+    assert 9 <= generated <= 27 and f"{generated} generated" in stderr  # EOS may end a row early
+    again = subprocess.run(
+        [*cli, "--max-tokens", "3"], capture_output=True, text=True, timeout=60, cwd=ROOT, check=False
+    )
+    assert again.returncode == 0 and "0 succeeded, 0 failed, 9 skipped" in again.stderr, again.stderr
+    assert read_jsonl(out) == got
+    bad = subprocess.run(
+        [*cli, "--max-tokens", "0"], capture_output=True, text=True, timeout=60, cwd=ROOT, check=False
+    )
+    assert bad.returncode == 2 and "max_tokens" in bad.stderr, bad.stderr
+
+
+def test_the_async_client_generates_a_dataset_of_mappings(
+    worker: WorkerProcess, redis_url: str, tmp_path: Path
+) -> None:
+    rows = [{"custom_id": f"a{i}", "prompt": f"Row {i}", "max_tokens": 2} for i in range(4)]
+
+    async def run() -> Any:
+        async with AsyncClient(redis_url) as client:
+            return await client.generate_dataset(rows, tmp_path / "out.jsonl", temperature=0.0)
+
+    summary = asyncio.run(run())
+    assert (summary.rows, summary.succeeded, summary.failed) == (4, 4, 0)
+    assert [r["custom_id"] for r in read_jsonl(tmp_path / "out.jsonl")] == ["a0", "a1", "a2", "a3"]
+    with Client(redis_url) as client, pytest.raises(ValueError, match="options for every row: prompt"):
+        client.generate_dataset(rows, tmp_path / "other.jsonl", prompt="x")
