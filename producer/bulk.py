@@ -43,7 +43,7 @@ from .bulk_files import (
     load_resume,
     restore_order,
 )
-from .bulk_kinds import BulkKind, GenerateKind, ScoreKind
+from .bulk_kinds import BulkKind, GenerateKind, RowNotDone, ScoreKind
 from .tail import START_ID, decode_entries, first_terminal
 
 if TYPE_CHECKING:
@@ -244,6 +244,8 @@ class _Run:
             results = self.kind.results(raw)
         except ValidationError as e:
             return self._failed(job, f"its result does not validate: {e}")
+        except RowNotDone as e:
+            return self._failed(job, str(e))
         if len(results) != len(job.slots):
             return self._failed(job, f"its result has {len(results)} rows for {len(job.slots)}")
         for slot, row in zip(job.slots, results, strict=True):

@@ -19,6 +19,12 @@ from jobs.schema import GenerateRequest, GenerateResult, ScoredRow, ScoreRequest
 
 from . import payload
 
+
+class RowNotDone(Exception):
+    """A job that finished without doing its row (a generation someone cancelled): the row fails with
+    this reason, so a rerun does it again."""
+
+
 MAX_SCORE_ROWS_PER_JOB = 64
 """A worker's default `MLXQ_MAX_SCORE_ROWS`."""
 
@@ -55,7 +61,8 @@ class BulkKind(Protocol):
         ...
 
     def results(self, raw: bytes) -> Sequence[Any]:
-        """A finished job's result key, one result per row; `ValidationError` if it is not one."""
+        """A finished job's result key, one result per row; `ValidationError` if it is not one,
+        `RowNotDone` if the job ended without doing its rows."""
         ...
 
     def record(self, result: Any) -> dict[str, Any]:
@@ -125,7 +132,11 @@ class GenerateKind:
         return only
 
     def results(self, raw: bytes) -> Sequence[GenerateResult]:
-        return [payload.generate_result(raw)]
+        result = payload.generate_result(raw)
+        if result.finish_reason == "cancelled":
+            n = result.usage.completion_tokens
+            raise RowNotDone(f"the job was cancelled after {n} generated token{'s' * (n != 1)}")
+        return [result]
 
     def record(self, result: GenerateResult) -> dict[str, Any]:
         return result.model_dump(mode="json")

@@ -10,14 +10,20 @@ import asyncio
 import json
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import redis
+from rq import Queue
+from rq.job import Job
+from rq.serializers import JSONSerializer
 from worker_process import ROOT, WorkerProcess
 
+from jobs import keys
 from jobs.schema import GenerateRequest
 from producer import AsyncClient, Client
 
@@ -150,3 +156,47 @@ def test_the_async_client_generates_a_dataset_of_mappings(
     assert [r["custom_id"] for r in read_jsonl(tmp_path / "out.jsonl")] == ["a0", "a1", "a2", "a3"]
     with Client(redis_url) as client, pytest.raises(ValueError, match="options for every row: prompt"):
         client.generate_dataset(rows, tmp_path / "other.jsonl", prompt="x")
+
+
+def test_a_row_whose_job_someone_cancels_fails_and_a_rerun_does_it(
+    worker: WorkerProcess,
+    client: Client,
+    redis_conn: redis.Redis,
+    no_eos: dict[int, float],
+    tmp_path: Path,
+) -> None:
+    rows = [
+        {"custom_id": "short", "prompt": "One", "max_tokens": 3},
+        {"custom_id": "long", "prompt": "Two", "max_tokens": 3000},
+        {"custom_id": "after", "prompt": "Three", "max_tokens": 3},
+    ]
+    out = tmp_path / "out.jsonl"
+    done: dict[str, Any] = {}
+    run = threading.Thread(
+        target=lambda: done.update(
+            summary=client.generate_dataset(rows, out, logit_bias=no_eos, temperature=0.0)
+        )
+    )
+    run.start()
+
+    def long_job_streaming() -> str | None:
+        for job_id in Queue("default", connection=redis_conn).started_job_registry.get_job_ids():
+            job = Job.fetch(job_id, connection=redis_conn, serializer=JSONSerializer)
+            if job.args[0].get("max_tokens") == 3000 and redis_conn.xlen(keys.stream_key(job_id)):
+                return job_id
+        return None
+
+    deadline = time.monotonic() + 30
+    while (job_id := long_job_streaming()) is None:
+        assert time.monotonic() < deadline, "the long row's job never started streaming"
+        time.sleep(0.02)
+    client.job(job_id).cancel()  # someone else cancels it: the row is not done
+    run.join(60)
+    summary = done["summary"]
+    assert (summary.succeeded, summary.failed) == (2, 1)
+    (error,) = read_jsonl(tmp_path / "out.errors.jsonl")
+    assert error["custom_id"] == "long" and error["error"].startswith("the job was cancelled after ")
+    rows[1]["max_tokens"] = 4
+    again = client.generate_dataset(rows, out, logit_bias=no_eos, temperature=0.0)
+    assert (again.skipped, again.succeeded, again.failed) == (2, 1, 0)
+    assert [r["custom_id"] for r in read_jsonl(out)] == ["short", "long", "after"]  # back in input order
