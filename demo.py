@@ -44,6 +44,7 @@ CLOZE = [
     ("The capital of Germany is", [" Paris", " London", " Berlin", " Rome"]),
     ("The capital of England is", [" Paris", " London", " Berlin", " Rome"]),
 ]
+SHORT_QUESTIONS = ["What is the capital of France?", "Name a primary colour.", "What do bees make?"]
 
 
 def say(text: str) -> None:
@@ -193,6 +194,24 @@ def bulk(client: Client, folder: Path) -> None:
     print(summary.render())
 
 
+def bulk_generation(client: Client, folder: Path) -> None:
+    say("Bulk generation: generate-file prompts.jsonl -> completions.jsonl, decoded as one batch")
+    src, out = folder / "prompts.jsonl", folder / "completions.jsonl"
+    src.write_text(
+        "".join(
+            json.dumps({"custom_id": f"c{i}", "messages": [{"role": "user", "content": q}]}) + "\n"
+            for i, q in enumerate(SHORT_QUESTIONS)
+        )
+    )
+    summary = client.generate_dataset(
+        src, out, errors_path=folder / "gen-errors.jsonl", max_tokens=12, temperature=0
+    )
+    for q, line in zip(SHORT_QUESTIONS, out.read_text().splitlines(), strict=True):
+        row = json.loads(line)
+        print(f"{row['custom_id']}: {q} -> {row['text'].strip()!r}  [{row['finish_reason']}]")
+    print(summary.render())
+
+
 def main() -> int:
     from worker.default_model import default_model_dir
 
@@ -209,6 +228,7 @@ def main() -> int:
             chat(client)
             multiple_choice(client)
             bulk(client, Path(tmp))
+            bulk_generation(client, Path(tmp))
             say("Worker log (key=value lines)")
             for line in log_path.read_text().splitlines():
                 if " done job=" in line or "model loaded" in line:
