@@ -30,6 +30,7 @@ from jobs.schema import (
     TokenEvent,
     Usage,
 )
+from producer import Client
 
 # --- Redis -----------------------------------------------------------------------------------------
 
@@ -65,6 +66,13 @@ def redis_conn(redis_url: str) -> Iterator[redis.Redis]:
         yield conn
     finally:
         conn.close()
+
+
+@pytest.fixture
+def client(redis_url: str) -> Iterator[Client]:
+    """A producer `Client` on the test DB (a module may define its own, e.g. with other settings)."""
+    with Client(redis_url) as c:
+        yield c
 
 
 # --- RQ ---------------------------------------------------------------------------------------------

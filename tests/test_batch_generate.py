@@ -7,7 +7,7 @@ batching must not change a single token id, finish reason or streamed character.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -30,12 +30,6 @@ BATCH = {"MLXQ_MAX_BATCH_SEQUENCES": "4", "MLXQ_BATCH_ADMIT_EVERY": "2"}
 @pytest.fixture(scope="module")
 def engine(model_dir: Path) -> Engine:
     return Engine.load(str(model_dir), EngineOptions(prefix_cache_bytes=0))
-
-
-@pytest.fixture
-def client(redis_url: str) -> Iterator[Client]:
-    with Client(redis_url) as c:
-        yield c
 
 
 def _alone(engine: Engine, fields: dict[str, Any]) -> GenerateResult:

@@ -7,7 +7,6 @@ run's defaults, results equal to the same request run alone, and the CLI's `gene
 from __future__ import annotations
 
 import asyncio
-import json
 import subprocess
 import sys
 import threading
@@ -18,6 +17,7 @@ from typing import Any
 
 import pytest
 import redis
+from jsonl_files import read_jsonl, write_jsonl
 from rq import Queue
 from rq.job import Job
 from rq.serializers import JSONSerializer
@@ -36,21 +36,6 @@ def worker(model_dir: Path, redis_url: str, tmp_path: Path) -> Iterator[WorkerPr
     w.wait_ready()
     yield w
     w.stop()
-
-
-@pytest.fixture
-def client(redis_url: str) -> Iterator[Client]:
-    with Client(redis_url) as c:
-        yield c
-
-
-def write_jsonl(path: Path, items: list[Any]) -> Path:
-    path.write_text("".join((x if isinstance(x, str) else json.dumps(x)) + "\n" for x in items))
-    return path
-
-
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
 
 
 def test_rows_come_back_in_order_with_what_each_request_gives_alone(

@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 import redis
+from jsonl_files import read_jsonl, write_jsonl
 from rq.registry import CanceledJobRegistry
 from worker_process import ROOT, WorkerProcess
 
@@ -48,27 +49,12 @@ def worker(start_worker: Callable[[], WorkerProcess]) -> WorkerProcess:
     return start_worker()
 
 
-@pytest.fixture
-def client(redis_url: str) -> Iterator[Client]:
-    with Client(redis_url) as c:
-        yield c
-
-
 def rows(n: int, start: int = 0) -> list[dict[str, Any]]:
     """Rows whose prompts share a long prefix (and, in pairs, a longer one)."""
     return [
         {"custom_id": f"r{i}", "prompt": BASE + f"Question {i // 2}: which is", "candidates": [" the", " a"]}
         for i in range(start, start + n)
     ]
-
-
-def write_jsonl(path: Path, items: list[Any]) -> Path:
-    path.write_text("".join((x if isinstance(x, str) else json.dumps(x)) + "\n" for x in items))
-    return path
-
-
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
 
 
 def ids(path: Path) -> list[str]:

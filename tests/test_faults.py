@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import signal
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,12 +16,6 @@ REDIS_DB = 6
 NO_EOS = {0: -100.0, 2: -100.0}  # the tiny tokenizer's <|endoftext|> and <|im_end|>
 # Fast failure detection for tests: heartbeat TTL 1*3+5 = 8 s, maintenance every 2 s, idle wake-ups 5 s.
 FAST = {"MLXQ_HEARTBEAT_S": "1", "MLXQ_MAINTENANCE_INTERVAL_S": "2", "MLXQ_WORKER_TTL_S": "20"}
-
-
-@pytest.fixture
-def client(redis_url: str) -> Iterator[Client]:
-    with Client(redis_url) as c:
-        yield c
 
 
 def _kill_mid_generation(spawn: Any, model_dir: Path, redis_url: str, client: Client, retry: int) -> Any:

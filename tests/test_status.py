@@ -26,12 +26,6 @@ HAVE_PROMETHEUS = importlib.util.find_spec("prometheus_client") is not None  # t
 PROMPT = "The capital of France is Paris. " * 4
 
 
-@pytest.fixture
-def client(redis_url: str) -> Iterator[Client]:
-    with Client(redis_url) as c:
-        yield c
-
-
 def _eventually(check: Callable[[], bool], timeout: float = 15.0, what: str = "condition") -> None:
     deadline = time.monotonic() + timeout
     while not check():

@@ -34,12 +34,6 @@ def worker(model_dir: Path, redis_url: str, tmp_path: Path) -> Iterator[WorkerPr
     w.stop()
 
 
-@pytest.fixture
-def client(redis_url: str) -> Iterator[Client]:
-    with Client(redis_url) as c:
-        yield c
-
-
 def _eventually(check: Callable[[], bool], timeout: float = 10.0) -> None:
     deadline = time.monotonic() + timeout
     while not check():
