@@ -105,8 +105,9 @@ class _Run:
         self.output = output
         self.progress = progress
         self.stop = stop
-        # Undecided rows kept in memory: enough to fill every job slot twice over.
-        self.window_cap = (2 * options.in_flight + 1) * self.rows_per_job
+        # Rows kept in memory from the first undecided one on (the output is in input order): enough
+        # to fill every job slot `kind.window_jobs` times over before a slow row stops the reading.
+        self.window_cap = (kind.window_jobs * options.in_flight + 1) * self.rows_per_job
         self.pending: deque[Slot] = deque()
         self.singles: deque[Slot] = deque()  # rows of failed jobs, sent again one per job
         self.outstanding: dict[str, _Job] = {}

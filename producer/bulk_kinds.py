@@ -52,6 +52,12 @@ class BulkKind(Protocol):
     @property
     def max_rows_per_job(self) -> int: ...
 
+    @property
+    def window_jobs(self) -> int:
+        """How many rounds of in-flight jobs may finish behind the oldest unfinished row (their lines
+        wait in memory for it) before the run stops reading new rows."""
+        ...
+
     def row(self, obj: Mapping[str, Any]) -> Any:
         """The row an input object asks for; `pydantic.ValidationError` if it is not a valid one."""
         ...
@@ -80,6 +86,7 @@ class ScoreKind:
     name: str = "score"
     func: str = keys.SCORE_FUNC
     max_rows_per_job: int = MAX_SCORE_ROWS_PER_JOB
+    window_jobs: int = 2  # a score job's rows take about as long as its neighbours'
 
     def row(self, obj: Mapping[str, Any]) -> ScoreRow:
         return ScoreRow.model_validate({k: obj[k] for k in ("prompt", "candidates") if k in obj})
@@ -109,6 +116,10 @@ class GenerateKind:
     name: str = "generate"
     func: str = keys.GENERATE_FUNC
     max_rows_per_job: int = 1
+    # Generations differ in length many times over: with 2, one long row among short ones left the
+    # worker starved once 2 x in_flight short rows were done behind it (200 rows, every 40th 50x
+    # longer, in_flight 16: 3.16 s against 2.02 s with 16).
+    window_jobs: int = 16
 
     def __post_init__(self) -> None:
         unknown = sorted(

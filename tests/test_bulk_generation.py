@@ -185,3 +185,37 @@ def test_a_row_whose_job_someone_cancels_fails_and_a_rerun_does_it(
     again = client.generate_dataset(rows, out, logit_bias=no_eos, temperature=0.0)
     assert (again.skipped, again.succeeded, again.failed) == (2, 1, 0)
     assert [r["custom_id"] for r in read_jsonl(out)] == ["short", "long", "after"]  # back in input order
+
+
+def test_a_long_row_does_not_hold_back_the_short_ones_behind_it(
+    worker: WorkerProcess,
+    client: Client,
+    redis_conn: redis.Redis,
+    no_eos: dict[int, float],
+    tmp_path: Path,
+) -> None:
+    """Lines are written in input order, so finished rows wait in memory behind a long one; a run holds
+    16 rounds of in-flight jobs of them (scoring: 2) before it stops reading."""
+    rows = [{"custom_id": "long", "prompt": "Long", "max_tokens": 4000}]
+    rows += [{"custom_id": f"s{i}", "prompt": f"Short {i}", "max_tokens": 1} for i in range(40)]
+    out = tmp_path / "out.jsonl"
+    done: dict[str, Any] = {}
+    run = threading.Thread(
+        target=lambda: done.update(
+            summary=client.generate_dataset(rows, out, in_flight=6, logit_bias=no_eos, temperature=0.0)
+        )
+    )
+    run.start()
+    finished = Queue("default", connection=redis_conn).finished_job_registry
+    deadline = time.monotonic() + 30
+    while finished.count < 40:  # every short row (with 2 rounds: 12), the long one still generating
+        assert time.monotonic() < deadline, f"{finished.count} short rows done behind the long one"
+        assert run.is_alive()
+        time.sleep(0.02)
+    assert not out.read_text()  # nothing written yet: the long row comes first
+    running = Queue("default", connection=redis_conn).started_job_registry.get_job_ids()
+    assert len(running) == 1
+    client.job(running[0]).cancel()
+    run.join(60)
+    assert (done["summary"].succeeded, done["summary"].failed) == (40, 1)
+    assert [r["custom_id"] for r in read_jsonl(out)] == [f"s{i}" for i in range(40)]
