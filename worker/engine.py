@@ -43,7 +43,7 @@ from .memory_guard import with_memory_retry
 from .prefix_cache import PrefixCache
 from .quantized_rows import default_max_bytes, dense_rows_by_default, use_dense_rows
 from .sampler import Sampler
-from .scoring import PrefixScorer, ScoreStats, candidate_scores, candidate_token_ids
+from .scoring import PrefixScorer, ScoreStats, candidate_scores, candidate_token_ids, score_kv_by_default
 from .stop_strings import StopStringMatcher
 from .tokenizer import Tokenizer
 
@@ -68,6 +68,9 @@ class EngineOptions:
     decode_overlap: bool | None = None  # None: on a GPU only (see `generate.DecodeBatch`)
     dense_rows: int | None = None  # quantized layers' dense copies from this many rows (`quantized_rows`)
     idle_prefill_tokens: int | None = None  # None: see `idle_prefill_by_default`
+    score_kv_bytes: int | None = (
+        None  # a score batch's suffix rows' KV copies; None: see `score_kv_by_default`
+    )
 
 
 class Engine:
@@ -94,6 +97,10 @@ class Engine:
             if options.idle_prefill_tokens is None
             else options.idle_prefill_tokens
         )
+        # Bytes a score batch's suffix rows may hold in copies of their shared prefix (`PrefixScorer`).
+        self.score_kv_bytes = (
+            score_kv_by_default() if options.score_kv_bytes is None else options.score_kv_bytes
+        )
         overlap = overlap_by_default() if options.decode_overlap is None else options.decode_overlap
         # The thread a decode batch's token handling runs on while MLX launches the next step.
         self.decode_overlap: Executor | None = (
@@ -118,7 +125,7 @@ class Engine:
         engine = cls(net, tokenizer, config, Path(model).name if Path(model).exists() else model, options)
         log.info(
             "model loaded path=%s arch=%s device=%s seconds=%.2f pad_shapes=%s decode_overlap=%s "
-            "idle_prefill_tokens=%d",
+            "idle_prefill_tokens=%d score_kv_bytes=%d",
             path,
             config["architectures"][0],
             mx.default_device(),
@@ -126,6 +133,7 @@ class Engine:
             engine.pad_shapes,
             engine.decode_overlap is not None,
             engine.idle_prefill_tokens,
+            engine.score_kv_bytes,
         )
         return engine
 
@@ -200,6 +208,8 @@ class Engine:
             prefix_cache=self.prefix_cache,
             prefill_chunk=self.options.prefill_chunk,
             max_batch_rows=64,
+            max_batch_kv_bytes=self.score_kv_bytes,
+            kv_bytes_per_token=self.kv_bytes_per_token,
             pad_shapes=self.pad_shapes,
         )
         logits = scorer.last_logits([p for p, _ in flat], stats)

@@ -18,7 +18,7 @@ import mlx.core as mx
 from jobs.errors import InvalidCandidate
 
 from .generate import padded_size
-from .kv_cache import broadcast_batch
+from .kv_cache import broadcast_batch, key_columns
 from .prefix_cache import PrefixCache
 from .token_match import common_length
 from .tokenizer import Tokenizer
@@ -145,6 +145,14 @@ def compact(node: _Node, min_shared: int) -> None:
             node.flat.extend(_flatten(child, []))
 
 
+def score_kv_by_default() -> int:
+    """A score batch's suffix rows may hold an eighth of MLX's memory limit in KV copies (`PrefixScorer`).
+    Rows of 64 tokens on a 2,048-token prefix hold 75 MB each on the Llama-3.2-1B shape and 302 MB on
+    an 8B: on an H200 (17.8 GB) 64 of the 1B's go in one batch and 58 of the 8B's (32 with `pad_shapes`);
+    on a Mac whose limit is 24 GB, 39 and 9."""
+    return int(mx.get_memory_limit()) // 8
+
+
 class PrefixScorer:
     """Computes last-position logits for many prompts, each shared prefix once.
 
@@ -152,6 +160,11 @@ class PrefixScorer:
     computed on the batch-1 path is offered back to the cache for later jobs. With `pad_shapes` (GPUs:
     see `generate.padded_size`) spans and suffix batches are padded on the right, and suffix batches to
     a power-of-two number of rows, so the forwards take few distinct shapes.
+
+    A suffix batch runs on a copy of its shared prefix's keys and values per row: with
+    `max_batch_kv_bytes` (and the model's `kv_bytes_per_token`) a batch takes only as many rows as
+    keep those copies, prefix and suffixes, within that many bytes (`score_kv_by_default`): without,
+    64 rows on a 2,048-token prefix held 19 GB at once on an 8B model, which a 32 GB Mac has not got.
     """
 
     def __init__(
@@ -162,6 +175,8 @@ class PrefixScorer:
         prefill_chunk: int = 2048,
         max_batch_rows: int = 32,
         max_batch_tokens: int = 8192,
+        max_batch_kv_bytes: int = 0,
+        kv_bytes_per_token: int = 0,
         min_shared: int = 32,
         pad_shapes: bool = False,
     ) -> None:
@@ -171,6 +186,8 @@ class PrefixScorer:
         self.prefill_chunk = prefill_chunk
         self.max_batch_rows = max_batch_rows
         self.max_batch_tokens = max_batch_tokens
+        self.max_batch_kv_bytes = max_batch_kv_bytes
+        self.kv_bytes_per_token = kv_bytes_per_token
         self.min_shared = min_shared
 
     def last_logits(self, prompts: Sequence[list[int]], stats: ScoreStats | None = None) -> list[mx.array]:
@@ -241,7 +258,7 @@ class PrefixScorer:
     def _run_leaves(
         self, leaves: list[_Node], cache: list[Any], out: list[mx.array | None], stats: ScoreStats
     ) -> None:
-        for group in self._batches(leaves):
+        for group in self._batches(leaves, cache[0].offset if cache else 0):
             width = max(len(n.span) for n in group)
             pad = group[0].span[0]  # any real id; padded positions are never read
             spans = [n.span for n in group]
@@ -260,14 +277,17 @@ class PrefixScorer:
                 for row in n.rows:
                     out[row] = logits[i]
 
-    def _batches(self, leaves: list[_Node]) -> list[list[_Node]]:
-        """Group leaf suffixes (similar lengths together) under the row and padded-token budgets."""
+    def _batches(self, leaves: list[_Node], prefix: int) -> list[list[_Node]]:
+        """Group leaf suffixes (similar lengths together) under the row, padded-token and KV budgets;
+        `prefix` is the length of the cache they share."""
         groups: list[list[_Node]] = []
         current: list[_Node] = []
         for n in sorted(leaves, key=lambda n: len(n.span)):
             width = len(n.span)  # sorted ascending: the newest is the widest
             if current and (
-                len(current) >= self.max_batch_rows or width * (len(current) + 1) > self.max_batch_tokens
+                len(current) >= self.max_batch_rows
+                or width * (len(current) + 1) > self.max_batch_tokens
+                or self._kv_bytes(len(current) + 1, prefix, width) > self.max_batch_kv_bytes > 0
             ):
                 groups.append(current)
                 current = []
@@ -275,6 +295,13 @@ class PrefixScorer:
         if current:
             groups.append(current)
         return groups
+
+    def _kv_bytes(self, rows: int, prefix: int, width: int) -> int:
+        """Bytes of keys and values a suffix batch of `rows` suffixes of up to `width` tokens on a
+        `prefix`-token cache holds (`broadcast_batch`'s buffers; with `pad_shapes`, its padding too)."""
+        if self.pad_shapes:
+            rows, width = padded_size(rows, smallest=1), padded_size(width)
+        return rows * key_columns(prefix + width) * self.kv_bytes_per_token
 
 
 def computed_per_row(root: _Node, n_rows: int, reused: dict[int, int] | None = None) -> list[int]:

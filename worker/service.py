@@ -96,6 +96,7 @@ class WorkerService:
                     decode_overlap=settings.decode_overlap,
                     dense_rows=settings.dense_rows,
                     idle_prefill_tokens=settings.idle_prefill_tokens,
+                    score_kv_bytes=settings.score_kv_bytes,
                 ),
             )
         stream_options = StreamOptions(

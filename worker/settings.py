@@ -71,6 +71,13 @@ class WorkerSettings(BaseSettings):
         "decodes (a burst of new jobs), in one forward where the prompts allow; at most prefill_chunk: one "
         "chunk a step, as while jobs decode; unset: 8 x prefill_chunk on a GPU, prefill_chunk on the CPU",
     )
+    score_kv_bytes: int | None = Field(
+        default=None,
+        ge=0,
+        description="bytes of keys and values a score batch's suffix rows may hold in copies of the "
+        "prefix they share (each row runs on its own copy); more rows go in further batches; 0: no bound; "
+        "unset: an eighth of MLX's memory limit",
+    )
     max_score_rows: int = Field(default=64, ge=1, description="rows one score job may have")
     max_score_candidates: int = Field(default=26, ge=1, description="candidates one score row may have")
 
