@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
 # The GPU benchmark runs, in sets that each fit one device call (600 s), results under $OUT.
 #
-#   bash bench/gpu_runs.sh batch|backlog|ab|offers|suite SHA
+#   bash bench/gpu_runs.sh confirm|batch|backlog|ab|offers|suite SHA
 #
 # Run on the device from the snapshot (see bench/README.md "How to run"): call 1 carries .gpu-a, call 2
 # `source .gpu-b/device-setup.sh >/dev/null 2>&1 && cd .bench-src && bash bench/gpu_runs.sh batch SHA`.
+# - confirm (~300 s): the figures a session checks first, in one call: batch_generate greedy at 64
+#   jobs, REPEATS times in turns with mlx-lm (default 5: issue 9's target), then `python3 -m bench`'s
+#   scoring and warm cache (issue 5's open ones);
 # - batch (~400-500 s): batch_generate greedy at 1/8/32/64 jobs, sampled (temperature 0.8, top-p 0.95)
 #   and staggered at 64, each REPEATS times in turns (default 3); then bench.batch_step (one decode step
 #   split between device syncs);
@@ -20,7 +23,7 @@
 # Each run has its own timeout, so one that hangs cannot take the others' time; a summary of the tables
 # is printed at the end.
 set -u
-set_name=${1:?batch, backlog, ab, offers or suite}
+set_name=${1:?confirm, batch, backlog, ab, offers or suite}
 sha=${2:?the commit the snapshot was made from}
 out=${OUT:?OUT: the folder the device tool brings back}
 model=${MODEL:-llama-1b}  # MODEL=tiny: a quick check of this script on a CPU
@@ -38,6 +41,11 @@ run() {  # run SECONDS LOG COMMAND...: one run, its output in $out/LOG
 python3 -c "from bench.checkpoints import checkpoint; from pathlib import Path; \
 checkpoint('$model', Path.home() / '.cache/mlxq/bench-models')"
 case $set_name in
+confirm)
+    run 250 confirm-greedy.log "${bg[@]}" --repeats "${REPEATS:-5}" --sizes 64 --label "gpu-bg-confirm-$sha"
+    run 300 confirm-issue5.log python3 -m bench --model "$model" --sizes gpu --out "$out" \
+        --label "gpu-llama-1b-confirm-$sha" --only scoring,warm_cache
+    ;;
 batch)
     run 220 greedy.log "${bg[@]}" --sizes 1,8,32,64 --label "gpu-bg-$sha"
     run 110 sampled.log "${bg[@]}" --sizes 64 --temperature 0.8 --top-p 0.95 --label "gpu-bg-sampled-$sha"
@@ -68,7 +76,7 @@ suite)
         --only generation,diagnostics,prefill,scoring,warm_cache,queue
     ;;
 *)
-    echo "unknown set: $set_name (batch, backlog, ab, offers or suite)" >&2
+    echo "unknown set: $set_name (confirm, batch, backlog, ab, offers or suite)" >&2
     exit 2
     ;;
 esac
