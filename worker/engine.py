@@ -195,12 +195,21 @@ class Engine:
 
         All rows go into one prefix tree, so a prefix shared across jobs is computed once. A row's
         `cached_tokens` counts prompt tokens it did not compute itself (shared, or from the cache).
-        Out of memory: caches are emptied and the rows scored once more.
+        Out of memory: caches are emptied and the rows scored once more, their suffix batches holding a
+        quarter of the prefix copies (`score_kv_bytes`).
         """
         rows = sum(len(j) for j in jobs)
-        return with_memory_retry(lambda: self._score_many(jobs), self.free_memory, f"scoring {rows} rows")
+        kv_bytes = [self.score_kv_bytes]
 
-    def _score_many(self, jobs: list[list[tuple[list[int], list[int]]]]) -> list[ScoreResult]:
+        def free_and_shrink() -> None:  # the retry's suffix batches: a quarter of the prefix copies
+            self.free_memory()
+            kv_bytes[0] = max(1, (kv_bytes[0] or score_kv_by_default()) // 4)
+
+        return with_memory_retry(
+            lambda: self._score_many(jobs, kv_bytes[0]), free_and_shrink, f"scoring {rows} rows"
+        )
+
+    def _score_many(self, jobs: list[list[tuple[list[int], list[int]]]], kv_bytes: int) -> list[ScoreResult]:
         flat = [row for rows in jobs for row in rows]
         stats = ScoreStats()
         scorer = PrefixScorer(
@@ -208,7 +217,7 @@ class Engine:
             prefix_cache=self.prefix_cache,
             prefill_chunk=self.options.prefill_chunk,
             max_batch_rows=64,
-            max_batch_kv_bytes=self.score_kv_bytes,
+            max_batch_kv_bytes=kv_bytes,
             kv_bytes_per_token=self.kv_bytes_per_token,
             pad_shapes=self.pad_shapes,
         )
