@@ -41,7 +41,7 @@ class RowTokens:
 class BulkKind(Protocol):
     @property
     def name(self) -> str:
-        """ "score" or "generate": how validation errors name the request."""
+        """`score` or `generate`: how validation errors name the request."""
         ...
 
     @property

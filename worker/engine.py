@@ -68,9 +68,7 @@ class EngineOptions:
     decode_overlap: bool | None = None  # None: on a GPU only (see `generate.DecodeBatch`)
     dense_rows: int | None = None  # quantized layers' dense copies from this many rows (`quantized_rows`)
     idle_prefill_tokens: int | None = None  # None: see `idle_prefill_by_default`
-    score_kv_bytes: int | None = (
-        None  # a score batch's suffix rows' KV copies; None: see `score_kv_by_default`
-    )
+    score_kv_bytes: int | None = None  # score batches' prefix copies; None: `score_kv_by_default`
 
 
 class Engine:
