@@ -409,6 +409,8 @@ class ProgressLine:
         rate = worked / elapsed_s if elapsed_s > 0 else 0.0
         done = f"{counts.decided:,}/{self.total:,}" if self.total is not None else f"{counts.decided:,}"
         parts = [f"{done} rows", f"{rate:,.1f} rows/s"]
+        if counts.generated_tokens and elapsed_s > 0:
+            parts.append(f"{counts.generated_tokens / elapsed_s:,.0f} tokens/s")
         if self.total is not None:
             left = max(self.total - counts.decided, 0)
             parts.append("ETA " + (_clock(left / rate) if rate > 0 else "?"))

@@ -111,7 +111,11 @@ def test_the_cli_generates_a_file_and_a_rerun_skips_what_is_done(
     )  # fmt: skip
     stderr = proc.stderr.decode()
     assert proc.returncode == 0, stderr
-    assert "\r9/9 rows" in stderr and "rows 9: 9 succeeded, 0 failed, 0 skipped" in stderr
+    assert (
+        "\r9/9 rows" in stderr
+        and "tokens/s" in stderr
+        and "rows 9: 9 succeeded, 0 failed, 0 skipped" in stderr
+    )
     got = read_jsonl(out)
     assert [g["custom_id"] for g in got] == [f"r{i}" for i in range(9)]
     generated = sum(g["usage"]["completion_tokens"] for g in got)
