@@ -27,7 +27,7 @@ from pydantic import ValidationError
 
 import jobs
 
-from .bulk_kinds import BulkKind
+from .bulk_kinds import BadRow, BulkKind
 
 log = logging.getLogger(__name__)
 
@@ -120,6 +120,8 @@ class RowReader:
             row = self.kind.row(obj)
         except ValidationError as e:
             return Slot.bad(line, custom_id, jobs.describe_validation_error(self.kind.name, e))
+        except BadRow as e:
+            return Slot.bad(line, custom_id, str(e))
         return Slot(line, custom_id, row)
 
 

@@ -20,6 +20,10 @@ from jobs.schema import GenerateRequest, GenerateResult, ScoredRow, ScoreRequest
 from . import payload
 
 
+class BadRow(ValueError):
+    """An input line that is not a row of this kind, for a reason a validation error does not give."""
+
+
 class RowNotDone(Exception):
     """A job that finished without doing its row (a generation someone cancelled): the row fails with
     this reason, so a rerun does it again."""
@@ -59,7 +63,7 @@ class BulkKind(Protocol):
         ...
 
     def row(self, obj: Mapping[str, Any]) -> Any:
-        """The row an input object asks for; `pydantic.ValidationError` if it is not a valid one."""
+        """The row an input object asks for; `pydantic.ValidationError` or `BadRow` if it is not one."""
         ...
 
     def request(self, rows: Sequence[Any]) -> ScoreRequest | GenerateRequest:
@@ -133,6 +137,8 @@ class GenerateKind:
             raise ValueError(jobs.describe_validation_error("generate", e)) from None
 
     def row(self, obj: Mapping[str, Any]) -> GenerateRequest:
+        if isinstance(obj.get("body"), Mapping):
+            return GenerateRequest.model_validate({**self.defaults, **_openai_body(obj)})
         return GenerateRequest.model_validate(
             {**self.defaults, **{k: obj[k] for k in _GENERATE_KEYS if k in obj}}
         )
@@ -155,3 +161,19 @@ class GenerateKind:
     def tokens(self, result: GenerateResult) -> RowTokens:
         u = result.usage
         return RowTokens(u.prompt_tokens, u.cached_tokens, u.completion_tokens)
+
+
+_OPENAI_URLS = ("/v1/chat/completions", "/v1/completions")
+
+
+def _openai_body(obj: Mapping[str, Any]) -> dict[str, Any]:
+    """The request of an OpenAI Batch API line (`{custom_id, method, url, body}`): the body's fields but
+    `model` (the worker serves its own), `max_completion_tokens` read as `max_tokens`. Fields mlxq has
+    not got (`n`, `tools`, ...) fail the row by name, as any unknown field does."""
+    url = obj.get("url", _OPENAI_URLS[0])
+    if url not in _OPENAI_URLS:
+        raise BadRow(f"url {url!r} is not one mlxq serves ({' or '.join(_OPENAI_URLS)})")
+    body = {k: v for k, v in obj["body"].items() if k != "model"}
+    if "max_completion_tokens" in body:
+        body.setdefault("max_tokens", body.pop("max_completion_tokens"))
+    return body

@@ -304,7 +304,8 @@ class Client:
         stop: threading.Event | None = None,
         **defaults: Any,
     ) -> BulkSummary:
-        """Generate for a dataset: a JSONL file's path, or rows `{custom_id, prompt | messages, ...}`.
+        """Generate for a dataset: a JSONL file's path, or rows `{custom_id, prompt | messages, ...}`
+        (or OpenAI Batch API request lines: `{custom_id, url, body}`).
 
         One generation job per row; a row's own `GenerateRequest` fields (max_tokens, temperature, stop,
         seed, ...) win over `defaults` (the same fields, for every row). Writes `{custom_id, text,

@@ -223,3 +223,42 @@ def test_a_long_row_does_not_hold_back_the_short_ones_behind_it(
     run.join(60)
     assert (done["summary"].succeeded, done["summary"].failed) == (40, 1)
     assert [r["custom_id"] for r in read_jsonl(out)] == [f"s{i}" for i in range(40)]
+
+
+def test_openai_batch_lines_are_read_from_their_body(
+    worker: WorkerProcess, client: Client, no_eos: dict[int, float], tmp_path: Path
+) -> None:
+    chat = [{"role": "user", "content": "Name a city."}]
+    lines = [
+        {
+            "custom_id": "chat",
+            "method": "POST",
+            "url": "/v1/chat/completions",
+            "body": {"model": "gpt-4o-mini", "messages": chat, "max_completion_tokens": 3},
+        },
+        {
+            "custom_id": "text",
+            "url": "/v1/completions",
+            "body": {"model": "m", "prompt": "Paris is", "max_tokens": 2},
+        },
+        {"custom_id": "emb", "url": "/v1/embeddings", "body": {"model": "m", "input": "Paris"}},
+        {"custom_id": "n2", "url": "/v1/chat/completions", "body": {"messages": chat, "n": 2}},
+    ]
+    out, plain_out = tmp_path / "out.jsonl", tmp_path / "plain.jsonl"
+    summary = client.generate_dataset(lines, out, temperature=0.0, logit_bias=no_eos)
+    plain = [
+        {"custom_id": "chat", "messages": chat, "max_tokens": 3},
+        {"custom_id": "text", "prompt": "Paris is", "max_tokens": 2},
+    ]
+    client.generate_dataset(plain, plain_out, temperature=0.0, logit_bias=no_eos)
+    got, want = read_jsonl(out), read_jsonl(plain_out)
+    assert [(g["custom_id"], g["token_ids"]) for g in got] == [(w["custom_id"], w["token_ids"]) for w in want]
+    assert [len(g["token_ids"]) for g in got] == [3, 2]
+    errors = read_jsonl(tmp_path / "out.errors.jsonl")
+    assert errors[0] == {
+        "custom_id": "emb",
+        "line": 3,
+        "error": "url '/v1/embeddings' is not one mlxq serves (/v1/chat/completions or /v1/completions)",
+    }
+    assert errors[1]["custom_id"] == "n2" and "n: Extra inputs are not permitted" in errors[1]["error"]
+    assert (summary.succeeded, summary.failed) == (2, 2)
