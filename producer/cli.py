@@ -78,7 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen_file.add_argument(
         "input",
         help='JSONL: {"custom_id": ..., "prompt": ... | "messages": [...], options...} per line; '
-        "a line's own options win over the flags",
+        "or OpenAI Batch API request lines; a line's own options win over the flags",
     )
     _sampling_arguments(gen_file)
     _bulk_arguments(gen_file)
