@@ -75,6 +75,23 @@ def client(redis_url: str) -> Iterator[Client]:
         yield c
 
 
+@pytest.fixture
+def suffix_batches(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The row counts of the suffix batches every `PrefixScorer` makes from now on, in order."""
+    from worker.scoring import PrefixScorer  # needs MLX: imported only where a test asks for it
+
+    groups: list[int] = []
+    batches = PrefixScorer._batches
+
+    def recorded(self: PrefixScorer, leaves: list[Any], prefix: int) -> list[list[Any]]:
+        out = batches(self, leaves, prefix)
+        groups.extend(len(g) for g in out)
+        return out
+
+    monkeypatch.setattr(PrefixScorer, "_batches", recorded)
+    return groups
+
+
 # --- RQ ---------------------------------------------------------------------------------------------
 
 

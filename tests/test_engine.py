@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import mlx.core as mx
 import pytest
@@ -12,7 +11,6 @@ from jobs.errors import ContextTooLong, InvalidCandidate, InvalidRequest
 from jobs.schema import GenerateRequest, ScoreRequest
 from worker.engine import Engine, EngineOptions
 from worker.kv_cache import key_columns
-from worker.scoring import PrefixScorer
 from worker.tiny_model import write_random_checkpoint
 from worker.token_match import common_length
 
@@ -165,7 +163,7 @@ def test_scores_equal_a_full_forward_and_do_not_depend_on_grouping(model_dir: Pa
 
 
 def test_a_kv_budget_splits_suffix_batches_and_changes_no_score(
-    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+    model_dir: Path, suffix_batches: list[int]
 ) -> None:
     """Each row of a suffix batch runs on its own copy of the shared prefix: a batch takes only the
     rows whose copies fit `score_kv_bytes`."""
@@ -173,26 +171,17 @@ def test_a_kv_budget_splits_suffix_batches_and_changes_no_score(
         {"prompt": LONG + f"Question {i}: the capital is", "candidates": [" a", " the"]} for i in range(12)
     ]
     request = ScoreRequest.model_validate({"rows": rows})
-    groups: list[int] = []
-    batches = PrefixScorer._batches
-
-    def recorded(self: PrefixScorer, leaves: list[Any], prefix: int) -> list[list[Any]]:
-        out = batches(self, leaves, prefix)
-        groups.extend(len(g) for g in out)
-        return out
-
-    monkeypatch.setattr(PrefixScorer, "_batches", recorded)
     free = Engine.load(str(model_dir), EngineOptions(prefix_cache_bytes=0, score_kv_bytes=0))
     unbounded = free.score(request)
-    assert groups == [12]
+    assert suffix_batches == [12]
 
     ids = [free.tokenizer.encode(str(r["prompt"])) for r in rows]
     shared = min(common_length(ids[0], other) for other in ids[1:])
     one_row = key_columns(max(map(len, ids))) * free.kv_bytes_per_token  # its copy, prefix and suffix
     tight = Engine.load(str(model_dir), EngineOptions(prefix_cache_bytes=0, score_kv_bytes=3 * one_row))
-    groups.clear()
+    suffix_batches.clear()
     bounded = tight.score(request)
-    assert groups == [3, 3, 3, 3] and shared > len(ids[0]) // 2
+    assert suffix_batches == [3, 3, 3, 3] and shared > len(ids[0]) // 2
     for a, b in zip(unbounded.rows, bounded.rows, strict=True):
         assert a.logits == pytest.approx(b.logits, rel=1e-5, abs=1e-6)
         assert a.cached_tokens == b.cached_tokens

@@ -16,7 +16,6 @@ from jobs.errors import OutOfMemory
 from jobs.schema import GenerateRequest, ScoreRequest
 from worker.engine import Engine, EngineOptions
 from worker.kv_cache import key_columns
-from worker.scoring import PrefixScorer
 from worker.tiny_model import write_random_checkpoint
 
 METAL_OOM = (
@@ -107,7 +106,7 @@ def test_scoring_retries_once_too(engine: Engine, monkeypatch: pytest.MonkeyPatc
 
 
 def test_a_score_batch_that_runs_out_of_memory_retries_in_smaller_batches(
-    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch, suffix_batches: list[int]
 ) -> None:
     rows = [{"prompt": PROMPT + f"Question {i}: it is", "candidates": [" the", " a"]} for i in range(8)]
     req = ScoreRequest.model_validate({"rows": rows})
@@ -115,18 +114,21 @@ def test_a_score_batch_that_runs_out_of_memory_retries_in_smaller_batches(
     expected = [r.logits for r in free.score(req).rows]
     one_row = key_columns(len(free.tokenizer.encode(str(rows[0]["prompt"])))) * free.kv_bytes_per_token
     engine = Engine.load(str(model_dir), EngineOptions(prefix_cache_bytes=0, score_kv_bytes=4 * one_row))
-    groups: list[int] = []
-    batches = PrefixScorer._batches
-
-    def recorded(self: PrefixScorer, leaves: list[Any], prefix: int) -> list[list[Any]]:
-        out = batches(self, leaves, prefix)
-        groups.extend(len(g) for g in out)
-        return out
-
-    monkeypatch.setattr(PrefixScorer, "_batches", recorded)
+    suffix_batches.clear()
     _fail(monkeypatch, engine, "hidden", times=1, after=1)  # the first suffix batch (after the prefix)
     got = engine.score(req).rows
-    assert groups == [4, 4, 1, 1, 1, 1, 1, 1, 1, 1]  # the retry's batches hold a quarter of the copies
+    assert suffix_batches == [
+        4,
+        4,
+        1,
+        1,
+        1,
+        1,
+        1,
+        1,
+        1,
+        1,
+    ]  # the retry's batches hold a quarter of the copies
     for row, want in zip(got, expected, strict=True):
         assert row.logits == pytest.approx(want, rel=1e-5, abs=1e-6)
 
