@@ -303,9 +303,7 @@ class AsyncClient:
     ) -> BulkSummary:
         """`Client.generate_dataset`, run in a thread on this client's sync twin; cancelling the task
         stops the run and cancels its outstanding jobs."""
-        options = bulk.BulkOptions(
-            rows_per_job=1, in_flight=in_flight, queue=queue or self.queue, retry_errors=retry_errors
-        )
+        options = bulk.BulkOptions(in_flight=in_flight, queue=queue or self.queue, retry_errors=retry_errors)
         sync = self.sync_client()
 
         def run(stop: threading.Event) -> BulkSummary:

@@ -60,7 +60,7 @@ _ONLY_ROW = re.compile(r"\brow 0: ")
 class BulkOptions:
     """How a dataset is cut into jobs and how many may be outstanding."""
 
-    rows_per_job: int = 16  # rows a job carries, 1..the kind's most (generation: 1)
+    rows_per_job: int = 16  # rows a job carries, 1..the kind's most (generation: always 1)
     in_flight: int = 64
     queue: str | None = None  # None: the client's queue
     retry_errors: bool = True  # on a rerun, run rows again that the errors file holds
@@ -95,7 +95,6 @@ class _Run:
         self.call = client.retry.call
         self.kind = kind
         self.options = options
-        self.rows_per_job = min(options.rows_per_job, kind.max_rows_per_job)
         self.queue = options.queue or client.queue
         s = client.settings
         self.job_options = rq_wire.JobOptions(
@@ -107,7 +106,7 @@ class _Run:
         self.stop = stop
         # Rows kept in memory from the first undecided one on (the output is in input order): enough
         # to fill every job slot `kind.window_jobs` times over before a slow row stops the reading.
-        self.window_cap = (kind.window_jobs * options.in_flight + 1) * self.rows_per_job
+        self.window_cap = (kind.window_jobs * options.in_flight + 1) * options.rows_per_job
         self.pending: deque[Slot] = deque()
         self.singles: deque[Slot] = deque()  # rows of failed jobs, sent again one per job
         self.outstanding: dict[str, _Job] = {}
@@ -136,7 +135,7 @@ class _Run:
 
     def _fill(self) -> None:
         """Read rows until every free job slot can be filled (or the window is full)."""
-        want = (self.options.in_flight - len(self.outstanding)) * self.rows_per_job
+        want = (self.options.in_flight - len(self.outstanding)) * self.options.rows_per_job
         self.window_full = False
         while not self.exhausted and len(self.pending) < want and not self.stop.is_set():
             if len(self.output) >= self.window_cap:
@@ -156,7 +155,7 @@ class _Run:
         """The rows of the next job and whether it goes to the front of the queue."""
         if self.singles:
             return [self.singles.popleft()], True
-        n = self.rows_per_job
+        n = self.options.rows_per_job
         if len(self.pending) >= n or (self.pending and (self.exhausted or self.window_full)):
             return [self.pending.popleft() for _ in range(min(n, len(self.pending)))], False
         return [], False

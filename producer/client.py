@@ -313,9 +313,7 @@ class Client:
         malformed rows go to `errors_path`. Resuming, `in_flight` and `stop` as for `score_dataset`. See
         `docs/bulk.md`.
         """
-        options = bulk.BulkOptions(
-            rows_per_job=1, in_flight=in_flight, queue=queue, retry_errors=retry_errors
-        )
+        options = bulk.BulkOptions(in_flight=in_flight, queue=queue, retry_errors=retry_errors)
         return bulk.generate_dataset(
             self, source, out_path, errors_path, options, defaults=defaults, progress=progress, stop=stop
         )
