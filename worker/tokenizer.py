@@ -24,8 +24,10 @@ from .chat_template import SPECIAL_TOKEN_NAMES, ChatTemplate, ChatTemplateError
 from .shared_encoding import SharedPrefixEncoder
 
 # `Tokenizer.encode_short`: texts up to this long are remembered, this many at most (least recent out).
+# The repeats it serves are near each other (one job's rows, or a batch's: 64 rows x 8 candidates is
+# 512 texts), and a worker lives for days: a full memory is ~0.5 KiB a text here, 10 KiB at worst.
 _SHORT_CHARS = 256
-_SHORT_TEXTS = 8192
+_SHORT_TEXTS = 1024
 
 log = logging.getLogger(__name__)
 
