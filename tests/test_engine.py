@@ -209,6 +209,43 @@ def test_bad_candidates_name_the_row_and_candidate(engine: Engine) -> None:
         engine.score(ScoreRequest.model_validate({"rows": [{"prompt": "a", "candidates": [" the"]}] * 65}))
 
 
+def test_jobs_tokenized_together_keep_their_own_rows_and_errors(model_dir: Path) -> None:
+    """A score batch's jobs are tokenized in one go (`score_tokens_many`): each good job gets the rows
+    it gets alone, each bad one its own error in its place."""
+    engine = Engine.load(str(model_dir), EngineOptions(max_context=400))
+
+    def job(*prompts: str, candidates: tuple[str, ...] = (" the", " a"), **fields: object) -> ScoreRequest:
+        rows = [{"prompt": p, "candidates": list(candidates)} for p in prompts]
+        return ScoreRequest.model_validate({"rows": rows, **fields})
+
+    good = [
+        job(LONG + "Question 1:", LONG + "Question 2:"),
+        job("The capital of", add_special_tokens=False),
+        job(LONG[:40] + "Answer:"),
+    ]
+    bad = [
+        ScoreRequest.model_validate(
+            {
+                "rows": [
+                    {"prompt": "a", "candidates": [" the"]},
+                    {"prompt": "b", "candidates": [" the", " Paris"]},
+                ]
+            }
+        ),  # row 1's second candidate is more than one token
+        job("a", candidates=tuple(f" {c}" for c in "abcdefghijklmnopqrstuvwxyz0")),  # 27 candidates
+        job("a", LONG * 3),  # row 1 is longer than the context
+    ]
+    requests = [good[0], bad[0], good[1], bad[1], bad[2], good[2]]
+    got = engine.score_tokens_many(requests)
+    assert [got[i] for i in (0, 2, 5)] == [engine.score_tokens(r) for r in good]
+    assert isinstance(got[1], InvalidCandidate) and str(got[1]).startswith("row 1: candidate ' Paris'")
+    assert isinstance(got[3], InvalidRequest) and "at most 26" in str(got[3])
+    assert isinstance(got[4], ContextTooLong)
+    for request, prepared in zip(bad, (got[1], got[3], got[4]), strict=True):
+        with pytest.raises(type(prepared), match=str(prepared)[:20]):
+            engine.score_tokens(request)
+
+
 def test_a_stop_string_completed_by_the_final_flush_still_stops(engine: Engine) -> None:
     # Two stops, one inside the other: "cd" alone is held while "abcdef" could still match; at the end
     # the held text is released up to "cd" and the finish reason is `stop`.

@@ -198,6 +198,26 @@ def test_encode_short_remembers_exactly_what_encode_gives(
 
 
 @pytest.mark.parametrize("name", NAMES)
+def test_encode_short_many_is_encode_short_in_one_call(
+    name: str, folders: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Texts not remembered go to the tokenizer in one batch call (from `_BATCH_FROM` of them): the
+    same ids as one call each, duplicates and long texts included; the memory stays bounded."""
+    import worker.tokenizer as tokenizer_module
+
+    monkeypatch.setattr(tokenizer_module, "_SHORT_TEXTS", 16)
+    tok = Tokenizer.from_dir(folders[name])
+    texts = [f" row {i} ends: Answer:{c}" for i in range(12) for c in [" A", " B"]]
+    texts += [texts[3], "x" * 300, "東京 🙂", texts[0], ""]
+    tok.encode_short(texts[5])  # one of them remembered already
+    got = tok.encode_short_many(texts)
+    assert got == [tok.encode(t, add_special_tokens=False) for t in texts]
+    assert len(tok._short) == 16 and "" in tok._short and "x" * 300 not in tok._short  # the newest kept
+    assert tok.encode_short_many(texts[:3]) == got[:3]
+    assert tok.decode_many([ids for ids in got if ids]) == [tok.decode(ids) for ids in got if ids]
+
+
+@pytest.mark.parametrize("name", NAMES)
 def test_decode_matches_transformers(name: str, ours: dict, hf: dict) -> None:
     for text in TEXTS:
         ids = hf[name].encode(text)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import gc
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,7 +17,7 @@ from typing import Any, Protocol
 
 import mlx.core as mx
 
-from jobs.errors import ContextTooLong, InvalidRequest
+from jobs.errors import ContextTooLong, InvalidCandidate, InvalidRequest
 from jobs.schema import (
     FinishReason,
     GenerateRequest,
@@ -43,7 +43,14 @@ from .memory_guard import with_memory_retry
 from .prefix_cache import PrefixCache
 from .quantized_rows import default_max_bytes, dense_rows_by_default, use_dense_rows
 from .sampler import Sampler
-from .scoring import PrefixScorer, ScoreStats, candidate_scores, candidate_token_ids, score_kv_by_default
+from .scoring import (
+    PrefixScorer,
+    RowText,
+    ScoreStats,
+    candidate_scores,
+    candidate_token_ids,
+    score_kv_by_default,
+)
 from .stop_strings import StopStringMatcher
 from .tokenizer import Tokenizer
 
@@ -164,25 +171,61 @@ class Engine:
 
     def score_tokens(self, request: ScoreRequest) -> list[tuple[list[int], list[int]]]:
         """Per row: prompt tokens and candidate token ids, validated (prompts are never truncated)."""
+        prepared = self.score_tokens_many([request])[0]
+        if isinstance(prepared, Exception):
+            raise prepared
+        return prepared
+
+    def score_tokens_many(
+        self, requests: Sequence[ScoreRequest]
+    ) -> list[list[tuple[list[int], list[int]]] | InvalidRequest]:
+        """`score_tokens` of several jobs, their rows tokenized together (one batch call to the
+        tokenizer for all of their short texts); a bad job gets its error in its place, alone."""
+        out: list[list[tuple[list[int], list[int]]] | InvalidRequest] = []
+        rows: list[RowText] = []
+        for request in requests:
+            try:
+                self._check_limits(request)
+            except InvalidRequest as e:
+                out.append(e)
+                continue
+            out.append([])
+            rows += [
+                RowText(r.prompt, r.candidates, i, request.add_special_tokens)
+                for i, r in enumerate(request.rows)
+            ]
+        tokens, at = candidate_token_ids(self.tokenizer, rows), 0
+        for j, request in enumerate(requests):
+            if not isinstance(out[j], InvalidRequest):
+                out[j] = self._job_rows(tokens[at : at + len(request.rows)])
+                at += len(request.rows)
+        return out
+
+    def _job_rows(
+        self, rows: list[tuple[list[int], list[int]] | InvalidCandidate]
+    ) -> list[tuple[list[int], list[int]]] | InvalidRequest:
+        """A job's tokenized rows, or the error of its first bad row."""
+        good = []
+        for row in rows:
+            if isinstance(row, InvalidRequest):
+                return row
+            if len(row[0]) >= self.context_length:
+                return ContextTooLong(len(row[0]), self.context_length)
+            good.append(row)
+        return good
+
+    def _check_limits(self, request: ScoreRequest) -> None:
         if len(request.rows) > self.options.max_score_rows:
             raise InvalidRequest(
                 f"the score job has {len(request.rows)} rows; this worker takes at most "
                 f"{self.options.max_score_rows} per job (MLXQ_MAX_SCORE_ROWS): split it into several jobs"
             )
-        out = []
         for i, row in enumerate(request.rows):
             if len(row.candidates) > self.options.max_score_candidates:
                 raise InvalidRequest(
                     f"row {i} has {len(row.candidates)} candidates; this worker takes at most "
                     f"{self.options.max_score_candidates} (MLXQ_MAX_SCORE_CANDIDATES)"
                 )
-            prompt, cands = candidate_token_ids(
-                self.tokenizer, row.prompt, row.candidates, i, request.add_special_tokens
-            )
-            if len(prompt) >= self.context_length:
-                raise ContextTooLong(len(prompt), self.context_length)
-            out.append((prompt, cands))
-        return out
 
     def score(self, request: ScoreRequest) -> ScoreResult:
         """Score one request's rows (shared prefixes computed once)."""

@@ -163,9 +163,19 @@ class JobExecutor:
 
     # --- score batches across jobs (driven by the worker, see `MlxqWorker`) --------------------------
 
-    def prepare_score(self, payload: Any) -> PreparedRows:
-        """Validate and tokenize one score job's payload; raises the job's own error if it is bad."""
-        return self.engine.score_tokens(parse_score(payload))
+    def prepare_scores(self, payloads: list[Any]) -> list[PreparedRows | Exception]:
+        """Validate and tokenize score jobs' payloads, their rows together; a bad job's own error
+        stands in its place (it fails alone)."""
+        out: list[PreparedRows | Exception] = []
+        requests = []
+        for payload in payloads:
+            try:
+                requests.append(parse_score(payload))
+                out.append([])
+            except Exception as e:
+                out.append(e)
+        prepared = iter(self.engine.score_tokens_many(requests))
+        return [next(prepared) if not isinstance(o, Exception) else o for o in out]
 
     def score_batch(self, prepared: list[PreparedRows]) -> list[ScoreResult]:
         """Score several jobs' rows together, shared prefixes computed once across jobs."""

@@ -213,10 +213,13 @@ class MlxqWorker(GenerationJobs, SimpleWorker):
     def _score_runs(self, runs: list[tuple[Job, Any]], queue: Queue) -> None:
         assert self.executor is not None
         ready = []
-        for job, execution in runs:
-            try:
-                ready.append((job, execution, self.executor.prepare_score(job.args[0])))
-            except Exception:  # a bad job fails alone; its batch-mates go on
+        for (job, execution), rows in zip(runs, self._prepare(runs), strict=True):
+            if not isinstance(rows, Exception):
+                ready.append((job, execution, rows))
+                continue
+            try:  # a bad job fails alone; its batch-mates go on
+                raise rows
+            except Exception:
                 self._finalize_failure(job, queue, execution, sys.exc_info())
         if not ready:
             return
@@ -248,6 +251,21 @@ class MlxqWorker(GenerationJobs, SimpleWorker):
                 self._finalize_success(job, queue, execution, result.model_dump(mode="json"))
             except Exception:
                 self._finalize_failure(job, queue, execution, sys.exc_info())
+
+    def _prepare(self, runs: list[tuple[Job, Any]]) -> list[Any]:
+        """Each run's tokenized rows or its own error (`Executor.prepare_scores`)."""
+        assert self.executor is not None
+        try:
+            return self.executor.prepare_scores([job.args[0] for job, _ in runs])
+        except Exception:  # not a job's own error (those come back in its place): each job alone
+            log.exception("preparing a score batch failed; preparing its jobs one by one jobs=%d", len(runs))
+        out = []
+        for job, _ in runs:
+            try:
+                out.extend(self.executor.prepare_scores([job.args[0]]))
+            except Exception as e:
+                out.append(e)
+        return out
 
     def _reject(self, job: Job, queue: Queue, reason: str) -> None:
         log.warning("rejected job=%s reason=%s", job.id, reason)

@@ -44,52 +44,81 @@ class _Node:
 TAIL_TOKENS = 16  # prompt tokens re-encoded with each candidate (see `candidate_token_ids`)
 
 
-def _tail(tokenizer: Tokenizer, prompt: str, base: list[int]) -> str | None:
-    """The text of the prompt's last `TAIL_TOKENS` tokens when it encodes back to those same ids on its
-    own (tokenizers that add a prefix space, for example, fail the check), else None."""
-    if len(base) <= TAIL_TOKENS:
-        return None
-    tail_text = tokenizer.decode(base[-TAIL_TOKENS:])
-    if prompt.endswith(tail_text) and tokenizer.encode_short(tail_text) == base[-TAIL_TOKENS:]:
-        return tail_text
-    return None
+@dataclass(frozen=True)
+class RowText:
+    """A score row as text: `index` is its number in its own job (for error messages)."""
+
+    prompt: str
+    candidates: Sequence[str]
+    index: int
+    add_special_tokens: bool = True
 
 
-def candidate_token_ids(
-    tokenizer: Tokenizer, prompt: str, candidates: Sequence[str], row: int, add_special_tokens: bool = True
-) -> tuple[list[int], list[int]]:
-    """Prompt tokens and, per candidate, the one ordinary token it appends; else `InvalidCandidate`.
+RowTokens = tuple[list[int], list[int]]  # prompt tokens, and the one token each candidate adds
+
+
+def candidate_token_ids(tokenizer: Tokenizer, rows: Sequence[RowText]) -> list[RowTokens | InvalidCandidate]:
+    """Per row, its prompt tokens and the one ordinary token each candidate appends, or the row's
+    `InvalidCandidate` error (rows of several jobs go together; each job decides what a bad row does).
 
     Re-encoding a long prompt once per candidate dominated scoring time, so only the prompt's last
     `TAIL_TOKENS` tokens are re-encoded with each candidate when that tail encodes to the same ids on
-    its own (checked once per row); otherwise prompt+candidate is encoded whole.
+    its own (checked once per row); otherwise prompt+candidate is encoded whole. The tails, and then
+    the tails with their candidates, of all rows go to the tokenizer in one batch call each.
     """
-    base = tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+    bases = [tokenizer.encode(r.prompt, add_special_tokens=r.add_special_tokens) for r in rows]
+    tails = _tails(tokenizer, rows, bases)
+    encoded = tokenizer.encode_short_many([t + c for i, t in tails.items() for c in rows[i].candidates])
+    with_candidates: dict[int, list[list[int]]] = {}
+    at = 0
+    for i in tails:
+        with_candidates[i] = encoded[at : at + len(rows[i].candidates)]
+        at += len(rows[i].candidates)
+    return [
+        _row_tokens(tokenizer, row, base, with_candidates.get(i))
+        for i, (row, base) in enumerate(zip(rows, bases, strict=True))
+    ]
+
+
+def _tails(tokenizer: Tokenizer, rows: Sequence[RowText], bases: list[list[int]]) -> dict[int, str]:
+    """By row, the text of its prompt's last `TAIL_TOKENS` tokens where that text ends the prompt and
+    encodes back to those same ids on its own (tokenizers that add a prefix space, for example, fail
+    the check); rows without one are not in it."""
+    long = [i for i, base in enumerate(bases) if len(base) > TAIL_TOKENS]
+    texts = tokenizer.decode_many([bases[i][-TAIL_TOKENS:] for i in long])
+    ends = [(i, t) for i, t in zip(long, texts, strict=True) if rows[i].prompt.endswith(t)]
+    ids = tokenizer.encode_short_many([t for _, t in ends])
+    return {i: text for (i, text), got in zip(ends, ids, strict=True) if got == bases[i][-TAIL_TOKENS:]}
+
+
+def _row_tokens(
+    tokenizer: Tokenizer, row: RowText, base: list[int], tails: list[list[int]] | None
+) -> RowTokens | InvalidCandidate:
     if not base:
-        raise InvalidCandidate(f"row {row}: the prompt is empty (it encodes to no tokens)")
-    tail_text = _tail(tokenizer, prompt, base)
+        return InvalidCandidate(f"row {row.index}: the prompt is empty (it encodes to no tokens)")
     # Per candidate: (tokens of prompt+candidate, whether the prompt's own tokens are kept, last id).
-    if tail_text is not None:
-        # One encode per candidate: a batch call costs more in thread hand-offs than these short texts.
-        tails = [tokenizer.encode_short(tail_text + c) for c in candidates]
+    if tails is not None:
         shape = [
             (len(base) - TAIL_TOKENS + len(ids), ids[:TAIL_TOKENS] == base[-TAIL_TOKENS:], ids[-1])
             for ids in tails
         ]
     else:
-        whole = [tokenizer.encode(prompt + c, add_special_tokens=add_special_tokens) for c in candidates]
+        whole = [
+            tokenizer.encode(row.prompt + c, add_special_tokens=row.add_special_tokens)
+            for c in row.candidates
+        ]
         shape = [(len(ids), ids[: len(base)] == base, ids[-1]) for ids in whole]
     out = []
-    for cand, (n, kept, last) in zip(candidates, shape, strict=True):
+    for cand, (n, kept, last) in zip(row.candidates, shape, strict=True):
         if n != len(base) + 1 or not kept:
-            raise InvalidCandidate(
-                f"row {row}: candidate {cand!r} does not add exactly one token to the prompt "
+            return InvalidCandidate(
+                f"row {row.index}: candidate {cand!r} does not add exactly one token to the prompt "
                 f"(the prompt is {len(base)} tokens, prompt+candidate is {n}"
                 + ("" if kept else ", and the prompt's own tokens change")
                 + ")"
             )
         if last in tokenizer.special_ids:
-            raise InvalidCandidate(f"row {row}: candidate {cand!r} is a special token (id {last})")
+            return InvalidCandidate(f"row {row.index}: candidate {cand!r} is a special token (id {last})")
         out.append(last)
     return base, out
 
