@@ -66,7 +66,7 @@ def _queue_run(b: Bench, w: BenchWorker, payloads: list[dict[str, Any]]) -> dict
         "batch1_spans": sum(r.get("extend", 0) for r in batches),
         "suffix_batches": sum(r.get("leaf_batches", 0) for r in batches),
         "engine_score_s": sum(r["s"] for r in batches),
-        "tokenize_s": sum(r["s"] for r in records if r.get("fn") == "score_tokens"),
+        "tokenize_s": sum(r["s"] for r in records if r.get("fn") == "score_tokens_many"),
         "finish_s": sum(r["s"] for r in records if r.get("fn") == "finish_score"),
         "prompt_tokens": sum(int(d["prompt_tokens"]) for d in dones),
         "cached_tokens": sum(int(d["cached_tokens"]) for d in dones),
@@ -298,7 +298,7 @@ def queue_overhead(b: Bench) -> dict[str, Any]:
         wall = max(r["start"] + r["s"] for r in jobs_run) - min(r["start"] for r in jobs_run)
         sums = {
             fn: sum(r["s"] for r in records if r.get("fn") == fn)
-            for fn in ("score_many", "score_tokens", "finish_score", "execute_job")
+            for fn in ("score_many", "score_tokens_many", "finish_score", "execute_job")
         }
         table[label] = {
             "jobs": n,
@@ -314,7 +314,7 @@ def queue_overhead(b: Bench) -> dict[str, Any]:
             ),
             "suffix_batches": sum(r.get("leaf_batches", 0) for r in records if r.get("fn") == "score_many"),
             "engine_score_s": sums["score_many"],
-            "tokenize_s": sums["score_tokens"],
+            "tokenize_s": sums["score_tokens_many"],
             "finish_score_s": sums["finish_score"],
             "in_execute_job_s": sums["execute_job"],
             "outside_execute_job_s": wall - sums["execute_job"],

@@ -212,7 +212,7 @@ def _timed(recorder: Recorder, name: str, fn: Callable[..., Any], *, memory: boo
 def instrument(service: WorkerService, recorder: Recorder) -> None:
     """Put timers on the instance methods the worker calls (instance attributes shadow the class's)."""
     engine, executor, worker = service.engine, service.executor, service.worker
-    for name in ("generate", "score_tokens", "score_many"):
+    for name in ("generate", "score_tokens_many", "score_many"):
         setattr(engine, name, _timed(recorder, name, getattr(engine, name), memory=True))
     _count_scorer_parts()
     _time_batch_parts()
