@@ -95,6 +95,11 @@ def test_every_text_encodes_to_its_own_ids(
     texts = [_text(base)] + [_text(base[: len(base) - drop] + tail) for drop, tail in tails]
     for text in texts:
         assert encoder.encode(text, special) == backend.encode(text, add_special_tokens=special).ids
+    # In one call (the parts after the cuts in one batch call from 8 of them), flags mixed.
+    many = SharedPrefixEncoder(backend, min_shared_chars=256)
+    flags = [special, not special, special] * len(texts)
+    got = many.encode_many(texts * 3, flags)
+    assert got == [backend.encode(t, add_special_tokens=f).ids for t, f in zip(texts * 3, flags, strict=True)]
 
 
 def test_rows_sharing_a_long_document_are_encoded_in_part(llama3_style: Tokenizer) -> None:
@@ -104,6 +109,9 @@ def test_rows_sharing_a_long_document_are_encoded_in_part(llama3_style: Tokenize
     for text in rows:
         assert encoder.encode(text, True) == llama3_style.encode(text).ids
     assert encoder.reused == 19  # every row after the first
+    together = SharedPrefixEncoder(llama3_style)
+    assert together.encode_many(rows, [True] * 20) == [llama3_style.encode(t).ids for t in rows]
+    assert together.reused == 19  # the first row encoded whole, the others' ends in one batch call
 
 
 def test_short_texts_and_unsuitable_tokenizers_are_encoded_whole(tmp_path: Path) -> None:

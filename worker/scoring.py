@@ -66,7 +66,7 @@ def candidate_token_ids(tokenizer: Tokenizer, rows: Sequence[RowText]) -> list[R
     its own (checked once per row); otherwise prompt+candidate is encoded whole. The tails, and then
     the tails with their candidates, of all rows go to the tokenizer in one batch call each.
     """
-    bases = [tokenizer.encode(r.prompt, add_special_tokens=r.add_special_tokens) for r in rows]
+    bases = tokenizer.encode_many([r.prompt for r in rows], [r.add_special_tokens for r in rows])
     tails = _tails(tokenizer, rows, bases)
     encoded = tokenizer.encode_short_many([t + c for i, t in tails.items() for c in rows[i].candidates])
     with_candidates: dict[int, list[list[int]]] = {}

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import json
 from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import tokenizers
@@ -98,50 +100,104 @@ class SharedPrefixEncoder:
 
     def encode(self, text: str, add_special_tokens: bool) -> list[int]:
         """`backend.encode(text, add_special_tokens).ids`, in part when a recent text allows it."""
+        return self.encode_many([text], [add_special_tokens])[0]
+
+    def encode_many(self, texts: Sequence[str], add_special_tokens: Sequence[bool]) -> list[list[int]]:
+        """`encode` of each text (in order: a text encoded whole is remembered for those after it);
+        the parts encoded after a cut go to the tokenizer in one batch call."""
+        out: list[list[int]] = [[] for _ in texts]
+        cuts: list[tuple[int, _Encoded, _Cut]] = []
+        for k, (text, special) in enumerate(zip(texts, add_special_tokens, strict=True)):
+            found = self._cut_for(text, special)
+            if found is None:
+                out[k] = self._whole(text, special)
+            else:
+                cuts.append((k, *found))
+        rests = encode_plain(self.backend, [texts[k][cut.at :] for k, _, cut in cuts])
+        for (k, prev, cut), rest in zip(cuts, rests, strict=True):
+            ids = self._join(prev, cut, rest)
+            if ids is None:  # the check failed: encoded whole after all
+                out[k] = self._whole(texts[k], add_special_tokens[k])
+            else:
+                self.reused += 1
+                out[k] = ids
+        return out
+
+    def _whole(self, text: str, add_special_tokens: bool) -> list[int]:
+        encoding = self.backend.encode(text, add_special_tokens=add_special_tokens)
+        if self.enabled and len(text) >= self.min_shared_chars:
+            self._recent.appendleft(_Encoded(text, add_special_tokens, encoding))
+        return list(encoding.ids)
+
+    def _cut_for(self, text: str, add_special_tokens: bool) -> tuple[_Encoded, _Cut] | None:
+        """A recent encoding `text` may be cut from, and where; None: encode it whole."""
         if not self.enabled or len(text) < self.min_shared_chars:
-            return list(self.backend.encode(text, add_special_tokens=add_special_tokens).ids)
+            return None
         for prev in self._recent:
             if prev.add_special_tokens != add_special_tokens:
                 continue
             shared = _shared_chars(prev.text, text)
             if shared < self.min_shared_chars:
                 continue
-            ids = self._from(prev, shared, text)
-            if ids is not None:
-                self.reused += 1
-                return ids
-        encoded = _Encoded(
-            text, add_special_tokens, self.backend.encode(text, add_special_tokens=add_special_tokens)
-        )
-        self._recent.appendleft(encoded)
-        return list(encoded.ids)
+            cut = _cut(prev, shared)
+            if cut is not None:
+                return prev, cut
+        return None
 
-    def _from(self, prev: _Encoded, shared: int, text: str) -> list[int] | None:
-        """`text`'s ids from `prev` (the encoding of a text whose first `shared` characters it shares), or
-        None when no safe cut exists or the check fails."""
-        ids, offsets, words = prev.ids, prev.offsets, prev.words
-        # The last token lying wholly in the shared text starts (or continues) word `after`, which may run
-        # past the shared text; the word before it is the cut word, wholly inside.
-        last = len(ids) - 1
-        while last >= 0 and (words[last] is None or offsets[last][1] > shared):
-            last -= 1
-        if last < 0:
-            return None
-        after = words[last]
-        assert after is not None
-        until = last  # first token of word `after`
-        while until > 0 and words[until - 1] == after:
-            until -= 1
-        first = until  # first token of the cut word
-        while first > 0 and words[first - 1] == after - 1:
-            first -= 1
-        if first == 0 or first == until or words[first] != after - 1:
-            return None
-        cut = offsets[first][0]
-        if offsets[first - 1][1] != cut:  # a gap (trimmed offsets): no clean place to cut
-            return None
-        rest = self.backend.encode(text[cut:], add_special_tokens=False).ids
-        if rest[: until - first] != ids[first:until]:
+    def _join(self, prev: _Encoded, cut: _Cut, rest: Sequence[int]) -> list[int] | None:
+        """The text's ids: `prev`'s before the cut, then `rest` (the text after it, encoded), checked to
+        start with `prev`'s tokens of the shared word after the cut; None when it does not."""
+        if list(rest[: cut.until - cut.first]) != prev.ids[cut.first : cut.until]:
             return None
         trailer = self.trailer if prev.add_special_tokens else []
-        return [*ids[:first], *rest, *(trailer or [])]
+        return [*prev.ids[: cut.first], *rest, *(trailer or [])]
+
+
+@dataclass(frozen=True)
+class _Cut:
+    """Where a text sharing its first characters with a remembered encoding is cut: before token
+    `first` (at character `at`), the first token of a word wholly inside the shared text; `until` is
+    the first token of the word after it."""
+
+    first: int
+    until: int
+    at: int
+
+
+def _cut(prev: _Encoded, shared: int) -> _Cut | None:
+    """Where to cut a text that shares its first `shared` characters with `prev`, or None when no safe
+    cut exists."""
+    offsets, words = prev.offsets, prev.words
+    # The last token lying wholly in the shared text starts (or continues) word `after`, which may run
+    # past the shared text; the word before it is the cut word, wholly inside.
+    last = len(prev.ids) - 1
+    while last >= 0 and (words[last] is None or offsets[last][1] > shared):
+        last -= 1
+    if last < 0:
+        return None
+    after = words[last]
+    assert after is not None
+    until = last  # first token of word `after`
+    while until > 0 and words[until - 1] == after:
+        until -= 1
+    first = until  # first token of the cut word
+    while first > 0 and words[first - 1] == after - 1:
+        first -= 1
+    if first == 0 or first == until or words[first] != after - 1:
+        return None
+    at = offsets[first][0]
+    if offsets[first - 1][1] != at:  # a gap (trimmed offsets): no clean place to cut
+        return None
+    return _Cut(first, until, at)
+
+
+_BATCH_FROM = 8  # `encode_plain`: fewer texts than this are encoded one call each
+
+
+def encode_plain(backend: tokenizers.Tokenizer, texts: Sequence[str]) -> list[tuple[int, ...]]:
+    """Each text's ids without special tokens. From `_BATCH_FROM` texts on, in one batch call, which
+    the library spreads over the host's cores (and which skips the offsets nothing here reads)."""
+    if len(texts) < _BATCH_FROM:
+        return [tuple(backend.encode(t, add_special_tokens=False).ids) for t in texts]
+    batch = getattr(backend, "encode_batch_fast", backend.encode_batch)  # tokenizers >= 0.21
+    return [tuple(e.ids) for e in batch(list(texts), add_special_tokens=False)]

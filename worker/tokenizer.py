@@ -21,14 +21,13 @@ import tokenizers
 from tokenizers import AddedToken, processors
 
 from .chat_template import SPECIAL_TOKEN_NAMES, ChatTemplate, ChatTemplateError
-from .shared_encoding import SharedPrefixEncoder
+from .shared_encoding import SharedPrefixEncoder, encode_plain
 
 # `Tokenizer.encode_short`: texts up to this long are remembered, this many at most (least recent out).
 # The repeats it serves are near each other (one job's rows, or a batch's: 64 rows x 8 candidates is
 # 512 texts), and a worker lives for days: a full memory is ~0.5 KiB a text here, 10 KiB at worst.
 _SHORT_CHARS = 256
 _SHORT_TEXTS = 1024
-_BATCH_FROM = 8  # `encode_short_many`: fewer texts not remembered than this are encoded one call each
 
 log = logging.getLogger(__name__)
 
@@ -194,6 +193,14 @@ class Tokenizer:
             text, self.shared_encoder.encode(text, add_special_tokens), add_special_tokens
         )
 
+    def encode_many(self, texts: Sequence[str], add_special_tokens: Sequence[bool]) -> list[list[int]]:
+        """`encode` of each text (with its own `add_special_tokens`); the shared-prefix encoder's
+        re-encoded parts go to the tokenizer in one batch call."""
+        ids = self.shared_encoder.encode_many(texts, add_special_tokens)
+        return [
+            self._drop_double_bos(t, i, a) for t, i, a in zip(texts, ids, add_special_tokens, strict=True)
+        ]
+
     def encode_short(self, text: str) -> list[int]:
         """`encode(text, add_special_tokens=False)`, remembered for short texts (least recently used out).
 
@@ -219,21 +226,13 @@ class Tokenizer:
                 out[i] = list(ids)
             else:
                 missing.setdefault(text, []).append(i)
-        for text, ids in zip(missing, self._encode_plain(list(missing)), strict=True):
+        for text, ids in zip(missing, encode_plain(self.backend, list(missing)), strict=True):
             self._short[text] = ids
             for i in missing[text]:
                 out[i] = list(ids)
         while len(self._short) > _SHORT_TEXTS:
             self._short.popitem(last=False)
         return out
-
-    def _encode_plain(self, texts: list[str]) -> list[tuple[int, ...]]:
-        """Ids of short texts without special tokens, straight from the backend (what `encode` gives
-        them: neither the shared-prefix encoder nor the BOS rule applies to them)."""
-        if len(texts) < _BATCH_FROM:
-            return [tuple(self.backend.encode(t, add_special_tokens=False).ids) for t in texts]
-        batch = getattr(self.backend, "encode_batch_fast", self.backend.encode_batch)  # tokenizers >= 0.21
-        return [tuple(e.ids) for e in batch(texts, add_special_tokens=False)]
 
     def decode_many(self, sequences: Sequence[Sequence[int]]) -> list[str]:
         """`decode` of each id sequence (special tokens kept), in one call to the backend."""
