@@ -7,7 +7,7 @@
 # `source .gpu-b/device-setup.sh >/dev/null 2>&1 && cd .bench-src && bash bench/gpu_runs.sh batch SHA`.
 # - confirm (~300 s): the figures a session checks first, in one call: batch_generate greedy at 64
 #   jobs, REPEATS times in turns with mlx-lm (default 5: issue 9's target), then `python3 -m bench`'s
-#   scoring and warm cache (issue 5's open ones);
+#   scoring and warm cache (issue 5's open ones), and bench.tokenize_probe on all cores and on one;
 # - batch (~400-500 s): batch_generate greedy at 1/8/32/64 jobs, sampled (temperature 0.8, top-p 0.95)
 #   and staggered at 64, each REPEATS times in turns (default 3); then bench.batch_step (one decode step
 #   split between device syncs);
@@ -45,6 +45,8 @@ confirm)
     run 250 confirm-greedy.log "${bg[@]}" --repeats "${REPEATS:-5}" --sizes 64 --label "gpu-bg-confirm-$sha"
     run 300 confirm-issue5.log python3 -m bench --model "$model" --sizes gpu --out "$out" \
         --label "gpu-llama-1b-confirm-$sha" --only scoring,warm_cache
+    run 60 tokenize.log python3 -m bench.tokenize_probe --repeats 40
+    run 60 tokenize-1-core.log env RAYON_NUM_THREADS=1 python3 -m bench.tokenize_probe --repeats 40
     ;;
 batch)
     run 220 greedy.log "${bg[@]}" --sizes 1,8,32,64 --label "gpu-bg-$sha"
@@ -81,5 +83,5 @@ suite)
     ;;
 esac
 # The tables (the runs' .md files; batch_step prints only to its log), for the call's output tail.
-grep -hE '^\| (queue|engine|mlx|hand|DecodeBatch|graph|one block|one copy|no copy|[0-9.]+ \|)|MISSED|met \|' \
-    "$out"/*.md "$out"/step.log "$out"/offer-probe.log 2>/dev/null | head -80
+grep -hE '^\| (queue|engine|mlx|hand|DecodeBatch|graph|one block|one copy|no copy|batch calls|one call|[0-9.]+ \|)|MISSED|met \||cores, RAYON' \
+    "$out"/*.md "$out"/step.log "$out"/offer-probe.log "$out"/tokenize*.log 2>/dev/null | head -90
