@@ -33,7 +33,7 @@ def describe_validation_error(kind: str, err: ValidationError) -> str:
         shown = repr(e.get("input"))
         if len(shown) > 80:
             shown = shown[:77] + "..."
-        parts.append(f"{where}: {e['msg']} (got {shown})")
+        parts.append(f"{where}: {e['msg'].removeprefix('Value error, ')} (got {shown})")
     return f"invalid {kind} request: " + "; ".join(parts)
 
 

@@ -11,7 +11,15 @@ import json
 import math
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 FinishReason = Literal["stop", "length", "cancelled", "error"]
 
@@ -22,12 +30,50 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+def _unicode(v: str) -> str:
+    """Text a tokenizer can take: JSON may carry a lone surrogate (`\\ud83d` without its pair), which
+    decodes to a Python string that is not Unicode text and that no tokenizer encodes."""
+    try:
+        v.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(
+            f"is not valid Unicode: a lone surrogate U+{ord(v[e.start]):04X} at character {e.start} (a JSON "
+            "\\u escape of a character beyond U+FFFF must come as a pair: high, then low surrogate)"
+        ) from None
+    return v
+
+
+Text = Annotated[str, AfterValidator(_unicode)]  # request text: prompts, messages, stop strings, candidates
+
+
+def _unicode_values(value: object) -> None:
+    """`_unicode` for every string in a JSON-like value (a chat message's extra fields)."""
+    if isinstance(value, str):
+        _unicode(value)
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _unicode_values(k)
+            _unicode_values(v)
+    elif isinstance(value, list | tuple):
+        for v in value:
+            _unicode_values(v)
+
+
 class ChatMessage(_Strict):
     """One turn of a chat: `role` is free-form (system, user, assistant, tool, ...) for the template."""
 
     model_config = ConfigDict(extra="allow", frozen=True)  # templates may read e.g. `name`, `tool_calls`
-    role: str = Field(min_length=1)
-    content: str
+    role: Text = Field(min_length=1)
+    content: Text
+
+    @model_validator(mode="after")
+    def _extra_is_unicode(self) -> ChatMessage:
+        for name, value in (self.model_extra or {}).items():
+            try:
+                _unicode_values(value)
+            except ValueError as e:
+                raise ValueError(f"field {name!r} {e}") from None
+        return self
 
 
 def _finite(name: str, value: float) -> float:
@@ -60,10 +106,10 @@ class SamplingParams(_Strict):
 class GenerateRequest(SamplingParams):
     """A generation job: exactly one of `prompt` (raw text) or `messages` (rendered by the chat template)."""
 
-    prompt: str | None = None
+    prompt: Text | None = None
     messages: list[ChatMessage] | None = None
     max_tokens: Annotated[int, Field(ge=1, le=1_000_000)] = 256
-    stop: list[str] = Field(default_factory=list, max_length=MAX_STOP_STRINGS)
+    stop: list[Text] = Field(default_factory=list, max_length=MAX_STOP_STRINGS)
     add_special_tokens: bool = True
 
     @field_validator("stop", mode="before")
@@ -118,8 +164,8 @@ class GenerateResult(_Strict):
 
 
 class ScoreRow(_Strict):
-    prompt: str
-    candidates: list[str] = Field(min_length=1)
+    prompt: Text
+    candidates: list[Text] = Field(min_length=1)
 
     @field_validator("candidates")
     @classmethod

@@ -94,6 +94,14 @@ def _data(func: Any, args: Any) -> bytes:
 raw_blobs = st.one_of(
     st.binary(max_size=30),  # not JSON at all, often not UTF-8
     st.just(b'["jobs.generate", null, [{"prompt": "\xff\xfe"}], {}]'),  # invalid UTF-8 inside JSON
+    st.sampled_from(  # JSON escapes of lone surrogates: strings no tokenizer takes
+        [
+            b'["jobs.score", null, [{"rows": [{"prompt": "a\\ud800", "candidates": [" the"]}]}], {}]',
+            b'["jobs.score", null, [{"rows": [{"prompt": "a", "candidates": [" \\udfff"]}]}], {}]',
+            b'["jobs.generate", null, [{"prompt": "\\udc80 hi", "stop": ["\\ud83d"]}], {}]',
+            b'["jobs.generate", null, [{"messages": [{"role": "user", "content": "hi \\ud83d"}]}], {}]',
+        ]
+    ),
     st.just(pickle.dumps(("jobs.generate", None, ({"prompt": "hi"},), {}))),
     st.sampled_from(["os.system", "builtins.eval", "jobs.runtime.install", "jobs", ""]).map(
         lambda f: _data(f, ["echo owned"])

@@ -3,6 +3,7 @@ a plain `rq.SimpleWorker` where RQ's own lifecycle is what is tested."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -106,7 +107,18 @@ def test_requests_are_validated_before_enqueueing(client: Client, redis_conn: re
         client.submit_generate("Hi", messages=[{"role": "user", "content": "Hi"}])
     with pytest.raises(errors.InvalidRequest, match="max_token"):
         client.submit_generate("Hi", max_token=3)
+    # A lone surrogate (a JSON escape without its pair) is not text a tokenizer takes: named, with where.
+    with pytest.raises(
+        errors.InvalidRequest, match=r"prompt: is not valid Unicode: a lone surrogate U\+D83D at character 3"
+    ):
+        client.submit_generate("Hi \ud83d")
+    with pytest.raises(errors.InvalidRequest, match=r"rows\.0\.candidates\.1: is not valid Unicode"):
+        client.submit_score([{"prompt": "Hi", "candidates": [" a", " \udc00"]}])
+    with pytest.raises(errors.InvalidRequest, match=r"messages\.0: field 'name' is not valid Unicode"):
+        client.submit_generate(messages=[{"role": "user", "content": "Hi", "name": ["ok", "\ud800"]}])
     assert redis_conn.dbsize() == 0
+    job = client.submit_generate(json.loads('"Hi \\ud83d\\ude42"'))  # JSON's pair: one character, fine
+    assert job.status() == "queued"
 
 
 def test_submit_accepts_messages_a_request_object_and_score_rows(
