@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import random
 from typing import Any
 
@@ -98,6 +99,27 @@ def test_budget_holds_and_least_recently_used_goes_first() -> None:
     assert pc.peek(old + [0]) == 4 and pc.peek(third + [0]) == 4
     assert pc.peek(new + [0]) == 0
     assert pc.stats.evictions == 1
+
+
+def test_evicted_keys_and_values_are_freed_at_once() -> None:
+    """What the budget counts is what MLX holds: an evicted node's arrays go when it is evicted, not
+    when Python's cycle collector next runs (off here, as it is most of the time in a worker)."""
+    budget = 64 * BYTES_PER_TOKEN
+    pc = PrefixCache(budget_bytes=budget)
+    gc.collect()
+    gc.disable()
+    try:
+        mx.synchronize()
+        base = mx.get_active_memory()
+        for i in range(200):  # 8 tokens each, split from the others at the second: many evictions
+            tokens = [i % 7, i, *range(6)]
+            pc.offer(tokens, _cache_for(tokens))
+        mx.synchronize()
+        held = mx.get_active_memory() - base
+    finally:
+        gc.enable()
+    assert pc.stats.evictions > 150 and pc.stats.bytes <= budget
+    assert held <= budget + (16 << 10), held  # left to the cycle collector: 178 KiB on an 8 KiB budget
 
 
 @pytest.mark.parametrize("budget", [0, 3 * BYTES_PER_TOKEN])
