@@ -147,7 +147,12 @@ def test_many_streams_open_and_finish_together(conn: redis.Redis) -> None:
     old.open(attempt=1)
     old("before a crash", [5])
     writers = [StreamWriter(conn, job, StreamOptions()) for job in ("m1", "m2")]
-    open_streams(conn, [(writers[0], 1), (writers[1], 2)], StreamOptions())
+    # The caller's own commands (a worker saves the jobs' attempt counts) ride in the seeks' round trip.
+    also = [("also-1", "a"), ("also-2", "b")]
+    open_streams(
+        conn, [(writers[0], 1), (writers[1], 2)], StreamOptions(), also=lambda p: [p.set(*kv) for kv in also]
+    )
+    assert [conn.get(k) for k, _ in also] == [b"a", b"b"]
     writers[1]("again", [6])  # buffered: finish writes it before `done`
     finish_streams(
         conn,

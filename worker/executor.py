@@ -21,7 +21,7 @@ from jobs import parse_score
 from jobs.schema import DoneEvent, GenerateRequest, GenerateResult, ScoreRequest, ScoreResult
 
 from .engine import Engine
-from .stream_writer import StreamOptions, StreamWriter, finish_streams, open_streams, retrying
+from .stream_writer import StreamOptions, StreamWriter, finish_streams, open_streams
 
 log = logging.getLogger(__name__)
 
@@ -89,18 +89,16 @@ class JobExecutor:
 
     def open_streams(self, jobs: list[Job], deferred: bool = True) -> list[StreamWriter]:
         """Writers (see `open_stream`; deferred by default) for jobs a batch runs together: their attempt
-        counts saved in one round trip, their streams' seeks in another."""
+        counts saved and their streams' seeks in one round trip."""
         attempts = [self._attempt(job) for job in jobs]
 
-        def save_meta() -> None:  # a fresh pipeline per try: a failed execute() empties the old one
-            pipe = self.conn.pipeline(transaction=False)
+        def save_meta(pipe: Any) -> None:
             for job in jobs:
                 pipe.hset(job.key, "meta", job.serializer.dumps(job.meta))  # as `job.save_meta()` does
-            pipe.execute()
 
-        retrying(self.stream_options)(save_meta)
         writers = [StreamWriter(self.conn, job.id, self.stream_options, deferred=deferred) for job in jobs]
-        open_streams(self.conn, list(zip(writers, attempts, strict=True)), self.stream_options)
+        openings = list(zip(writers, attempts, strict=True))
+        open_streams(self.conn, openings, self.stream_options, also=save_meta)
         return writers
 
     def _attempt(self, job: Job) -> int:

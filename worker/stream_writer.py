@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -165,17 +166,26 @@ class StreamWriter:
             self._expired_at = time.monotonic()
 
 
-def open_streams(conn: redis.Redis, openings: list[tuple[StreamWriter, int]], options: StreamOptions) -> None:
+def open_streams(
+    conn: redis.Redis,
+    openings: list[tuple[StreamWriter, int]],
+    options: StreamOptions,
+    also: Callable[[Any], None] | None = None,
+) -> None:
     """`StreamWriter.open(attempt)` for many writers with one round trip for all their seeks (a
-    `restart` entry, where a stream already has entries, is written as `open` writes it)."""
+    `restart` entry, where a stream already has entries, is written as `open` writes it). `also`
+    queues commands of the caller's own into that round trip's pipeline, before the seeks (they are
+    sent again if Redis fails the round trip, so they must be safe to repeat)."""
     if not openings:
         return
 
     def seek() -> list[Any]:
         pipe = conn.pipeline(transaction=False)
+        if also is not None:
+            also(pipe)
         for w, _ in openings:
             pipe.xrevrange(w.key, count=1)
-        return list(pipe.execute())
+        return list(pipe.execute())[-len(openings) :]
 
     for (w, attempt), last in zip(openings, retrying(options)(seek), strict=True):
         if w._seek_to(last) is not None:
