@@ -92,7 +92,7 @@ class _Run:
     ) -> None:
         self.client = client
         self.conn = client.connection
-        self.call = client.retry.call
+        self.call = client.retry.patient().call  # a run of hours outlives a Redis restart
         self.kind = kind
         self.options = options
         self.queue = options.queue or client.queue

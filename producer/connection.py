@@ -41,6 +41,11 @@ class RetryPolicy:
     initial_wait_s: float = 0.1
     max_wait_s: float = 2.0
 
+    def patient(self) -> RetryPolicy:
+        """This policy for work that runs for hours (bulk runs): at least 12 tries, waits growing to at
+        least 5 s, so a Redis restart or failover of about half a minute is ridden out, not fatal."""
+        return RetryPolicy(max(self.attempts, 12), self.initial_wait_s, max(self.max_wait_s, 5.0))
+
     @classmethod
     def from_settings(cls, settings: ProducerSettings) -> RetryPolicy:
         return cls(

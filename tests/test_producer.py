@@ -187,6 +187,12 @@ def test_connection_errors_are_retried_a_bounded_number_of_times() -> None:
     with Client("redis://127.0.0.1:1/0", settings=settings) as dead, pytest.raises(redis.ConnectionError):
         dead.submit_generate("Hi")
     assert time.monotonic() - started < 2
+    # Bulk runs (hours long) ride out a Redis restart or failover: ~30 s of tries; a longer policy stays.
+    patient = RetryPolicy().patient()
+    assert (patient.attempts, patient.max_wait_s) == (12, 5.0)
+    waits = [min(patient.max_wait_s, patient.initial_wait_s * 2**i) for i in range(patient.attempts - 1)]
+    assert 25 < sum(waits) < 45
+    assert RetryPolicy(attempts=20, max_wait_s=9.0).patient() == RetryPolicy(attempts=20, max_wait_s=9.0)
 
 
 def test_settings_and_urls(monkeypatch: pytest.MonkeyPatch) -> None:
