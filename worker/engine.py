@@ -46,6 +46,7 @@ from .sampler import Sampler
 from .scoring import (
     PrefixScorer,
     RowText,
+    RowTokens,
     ScoreStats,
     candidate_scores,
     candidate_token_ids,
@@ -169,41 +170,30 @@ class Engine:
 
     # --- scoring --------------------------------------------------------------------------------
 
-    def score_tokens(self, request: ScoreRequest) -> list[tuple[list[int], list[int]]]:
+    def score_tokens(self, request: ScoreRequest) -> list[RowTokens]:
         """Per row: prompt tokens and candidate token ids, validated (prompts are never truncated)."""
         prepared = self.score_tokens_many([request])[0]
         if isinstance(prepared, Exception):
             raise prepared
         return prepared
 
-    def score_tokens_many(
-        self, requests: Sequence[ScoreRequest]
-    ) -> list[list[tuple[list[int], list[int]]] | InvalidRequest]:
+    def score_tokens_many(self, requests: Sequence[ScoreRequest]) -> list[list[RowTokens] | InvalidRequest]:
         """`score_tokens` of several jobs, their rows tokenized together (one batch call to the
         tokenizer for all of their short texts); a bad job gets its error in its place, alone."""
-        out: list[list[tuple[list[int], list[int]]] | InvalidRequest] = []
-        rows: list[RowText] = []
-        for request in requests:
-            try:
-                self._check_limits(request)
-            except InvalidRequest as e:
-                out.append(e)
-                continue
-            out.append([])
-            rows += [
-                RowText(r.prompt, r.candidates, i, request.add_special_tokens)
-                for i, r in enumerate(request.rows)
-            ]
-        tokens, at = candidate_token_ids(self.tokenizer, rows), 0
-        for j, request in enumerate(requests):
-            if not isinstance(out[j], InvalidRequest):
-                out[j] = self._job_rows(tokens[at : at + len(request.rows)])
-                at += len(request.rows)
-        return out
+        limits = [self._limits_error(request) for request in requests]
+        rows = [
+            RowText(r.prompt, r.candidates, i, request.add_special_tokens)
+            for request, error in zip(requests, limits, strict=True)
+            if error is None
+            for i, r in enumerate(request.rows)
+        ]
+        tokens = iter(candidate_token_ids(self.tokenizer, rows))
+        return [
+            error if error is not None else self._job_rows([next(tokens) for _ in request.rows])
+            for request, error in zip(requests, limits, strict=True)
+        ]
 
-    def _job_rows(
-        self, rows: list[tuple[list[int], list[int]] | InvalidCandidate]
-    ) -> list[tuple[list[int], list[int]]] | InvalidRequest:
+    def _job_rows(self, rows: list[RowTokens | InvalidCandidate]) -> list[RowTokens] | InvalidRequest:
         """A job's tokenized rows, or the error of its first bad row."""
         good = []
         for row in rows:
@@ -214,24 +204,26 @@ class Engine:
             good.append(row)
         return good
 
-    def _check_limits(self, request: ScoreRequest) -> None:
+    def _limits_error(self, request: ScoreRequest) -> InvalidRequest | None:
+        """The job's error where it has more rows or candidates than this worker takes, else None."""
         if len(request.rows) > self.options.max_score_rows:
-            raise InvalidRequest(
+            return InvalidRequest(
                 f"the score job has {len(request.rows)} rows; this worker takes at most "
                 f"{self.options.max_score_rows} per job (MLXQ_MAX_SCORE_ROWS): split it into several jobs"
             )
         for i, row in enumerate(request.rows):
             if len(row.candidates) > self.options.max_score_candidates:
-                raise InvalidRequest(
+                return InvalidRequest(
                     f"row {i} has {len(row.candidates)} candidates; this worker takes at most "
                     f"{self.options.max_score_candidates} (MLXQ_MAX_SCORE_CANDIDATES)"
                 )
+        return None
 
     def score(self, request: ScoreRequest) -> ScoreResult:
         """Score one request's rows (shared prefixes computed once)."""
         return self.score_many([self.score_tokens(request)])[0]
 
-    def score_many(self, jobs: list[list[tuple[list[int], list[int]]]]) -> list[ScoreResult]:
+    def score_many(self, jobs: list[list[RowTokens]]) -> list[ScoreResult]:
         """Score the prepared rows (`score_tokens`) of several jobs together; one result per job.
 
         All rows go into one prefix tree, so a prefix shared across jobs is computed once. A row's
@@ -250,7 +242,7 @@ class Engine:
             lambda: self._score_many(jobs, kv_bytes[0]), free_and_shrink, f"scoring {rows} rows"
         )
 
-    def _score_many(self, jobs: list[list[tuple[list[int], list[int]]]], kv_bytes: int) -> list[ScoreResult]:
+    def _score_many(self, jobs: list[list[RowTokens]], kv_bytes: int) -> list[ScoreResult]:
         flat = [row for rows in jobs for row in rows]
         stats = ScoreStats()
         scorer = PrefixScorer(

@@ -164,16 +164,14 @@ class JobExecutor:
     def prepare_scores(self, payloads: list[Any]) -> list[PreparedRows | Exception]:
         """Validate and tokenize score jobs' payloads, their rows together; a bad job's own error
         stands in its place (it fails alone)."""
-        out: list[PreparedRows | Exception] = []
-        requests = []
+        parsed: list[ScoreRequest | Exception] = []
         for payload in payloads:
             try:
-                requests.append(parse_score(payload))
-                out.append([])
+                parsed.append(parse_score(payload))
             except Exception as e:
-                out.append(e)
-        prepared = iter(self.engine.score_tokens_many(requests))
-        return [next(prepared) if not isinstance(o, Exception) else o for o in out]
+                parsed.append(e)
+        prepared = iter(self.engine.score_tokens_many([p for p in parsed if isinstance(p, ScoreRequest)]))
+        return [p if isinstance(p, Exception) else next(prepared) for p in parsed]
 
     def score_batch(self, prepared: list[PreparedRows]) -> list[ScoreResult]:
         """Score several jobs' rows together, shared prefixes computed once across jobs."""

@@ -214,13 +214,10 @@ class MlxqWorker(GenerationJobs, SimpleWorker):
         assert self.executor is not None
         ready = []
         for (job, execution), rows in zip(runs, self._prepare(runs), strict=True):
-            if not isinstance(rows, Exception):
+            if isinstance(rows, Exception):  # a bad job fails alone; its batch-mates go on
+                self._finalize_failure(job, queue, execution, (type(rows), rows, rows.__traceback__))
+            else:
                 ready.append((job, execution, rows))
-                continue
-            try:  # a bad job fails alone; its batch-mates go on
-                raise rows
-            except Exception:
-                self._finalize_failure(job, queue, execution, sys.exc_info())
         if not ready:
             return
         try:
