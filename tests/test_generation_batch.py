@@ -310,6 +310,45 @@ def test_a_launch_that_fails_beside_the_handling_waits_for_it_and_ends_the_decod
     assert all(isinstance(f.error, RuntimeError) and "launch failed" in str(f.error) for f in ended)
 
 
+def test_without_overlap_a_token_is_handled_before_the_next_step_and_no_step_follows_the_last(
+    engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On the CPU a launch computes its step before it returns: each token (a new row's first one too)
+    reaches its sink before the next step is computed, and once every row has ended no step is taken
+    (a lone 1-token job computes no decode step at all)."""
+    assert engine.decode_overlap is None
+    steps = [0]
+    real = DecodeBatch._next_step
+
+    def counted(self: DecodeBatch, pending: mx.array) -> mx.array:
+        steps[0] += 1
+        return real(self, pending)
+
+    monkeypatch.setattr(DecodeBatch, "_next_step", counted)
+    seen: dict[int, list[int]] = {0: [], 1: []}  # per request: steps computed when each token arrived
+    budgets = {0: 1, 1: 4}
+    requests = [
+        GenerateRequest(
+            prompt=PROMPT + f"#{i}", max_tokens=budgets[i], temperature=0.0, logit_bias=_no_eos(engine)
+        )
+        for i in budgets
+    ]
+    batch = GenerationBatch(engine, max_sequences=2)
+    for i, request in enumerate(requests):
+        batch.admit(
+            str(i), request, lambda _t, ids, i=i: seen[i].extend([steps[0]] * len(ids)), lambda: False
+        )
+    done = {f.key: f for _ in range(10) if len(batch) for f in batch.step()}
+    assert seen == {0: [0], 1: [0, 1, 2, 3]} and steps[0] == 3
+    for i, request in enumerate(requests):
+        assert done[str(i)].result.token_ids == _alone(engine, request)[0].token_ids  # type: ignore[union-attr]
+
+    steps[0] = 0
+    batch = GenerationBatch(engine, max_sequences=1)
+    batch.admit("lone", requests[0], lambda _t, _ids: None, lambda: False)
+    assert [f.key for f in batch.step()] == ["lone"] and len(batch) == 0 and steps[0] == 0
+
+
 def test_bad_requests_are_refused_at_admission(engine: Engine) -> None:
     batch = GenerationBatch(engine, max_sequences=2)
     with pytest.raises(InvalidRequest, match="logit_bias"):

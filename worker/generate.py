@@ -235,8 +235,8 @@ class DecodeBatch:
     """Sequences decoded together: one forward per step for every row, each row sampled on its own.
 
     Rows join with their prefilled batch-1 cache and last logits (`add`) and leave with their cache
-    (`remove`) between steps; the others never recompute anything. Like `decode`, one step stays in
-    flight: `step` queues the next tokens before it reads the current ones back.
+    (`remove`) between steps; the others never recompute anything. When a step's tokens are read back
+    and handled, relative to the next step's launch, depends on `overlap` (see `step_with`).
 
     With `pad_shapes` the forward runs on a power-of-two number of rows: padding rows (no tokens, all
     masked) follow the real ones, so a GPU meets 7 batch shapes up to 64 rows instead of 64 (a new one
@@ -252,7 +252,9 @@ class DecodeBatch:
     while this one launches the next step: MLX's launch is C++ that releases the GIL, and on a GPU a
     batched step is bound by it (H200, 64 rows: ~2.4-4.4 ms of launch against ~0.7 ms of device work
     after it), so the Python that handles the tokens (text, stop strings, streams) runs in time that
-    was lost. That handling must not touch MLX: only this thread does.
+    was lost. That handling must not touch MLX: only this thread does. Without it (the CPU, where the
+    launch computes the step before it returns), a step's tokens are handled before the next step is
+    built, so they reach readers a step sooner, and a step after which every row ends is not taken.
     """
 
     def __init__(
@@ -269,6 +271,7 @@ class DecodeBatch:
         self.cache = [BatchKVCache() for _ in model.layers]
         self.rows: SamplerRows | None = None  # the live rows' samplers, in row order
         self._pending: mx.array | None = None  # (B,) each row's sampled token, not fed to the model yet
+        self._fresh = False  # rows joined since the last step: their first tokens are in `_pending`
         self.slots: list[int] = []  # each live row's row of the buffers, in row order
         self._slot_index: mx.array | None = None  # `slots` as an array; None while slots are 0..B-1
         self._steps = 0
@@ -306,6 +309,7 @@ class DecodeBatch:
         else:
             self.rows.extend(joining)
         self._pad()
+        self._fresh = True
         mx.async_eval(self._pending)
 
     def start(self, layers: list[PrefillRowsCache], logits: mx.array, samplers: list[Sampler]) -> bool:
@@ -321,6 +325,7 @@ class DecodeBatch:
         self._pending = self.rows.sample(logits)
         self._set_slots(list(range(len(samplers))))
         self._pad()
+        self._fresh = True
         mx.async_eval(self._pending)
         return True
 
@@ -328,37 +333,66 @@ class DecodeBatch:
         """Feed every row's pending token, queue the next ones, and return the fed tokens (one per row)."""
         return self.step_with(lambda tokens: tokens)
 
-    def step_with(self, handle: Callable[[list[int]], T]) -> T:
-        """`step`, then `handle(tokens)`; returns what `handle` returns. With `overlap`, `handle` runs on
-        the overlap thread while this one launches the next step (the tokens are read back first, so
-        the launch can start): `handle` must not touch MLX, and is done when this returns."""
+    def step_with(self, handle: Callable[[list[int]], T], ends_all: Callable[[T], bool] | None = None) -> T:
+        """`step`, then `handle(tokens)`; returns what `handle` returns. `ends_all(result)` says whether
+        every row ends with these tokens (the caller then removes them all).
+
+        Without `overlap` the tokens are read back and handled first, then the next step is built and
+        launched, unless `ends_all` says no row needs it: on the CPU `async_eval` returns only once the
+        step is nearly computed, so handling after it held every token back a whole step (a new row's
+        first token too) and computed one step too many at the end of a lone job.
+
+        With `overlap`, `handle` runs on the overlap thread while this one launches the next step, and
+        must not touch MLX; it is done when this returns. The tokens are read back once the next step's
+        graph is built (the device computes the step they come from meanwhile), except right after
+        rows joined: their first tokens (sampled from a prefill that was waited for) are read back at
+        once, so a reader does not also wait for the next step's graph building."""
         if self._pending is None:
             raise ValueError("an empty batch has no step to take")
+        pending, fresh = self._pending, self._fresh
+        self._fresh = False
+        if self.overlap is None:
+            result = handle([int(t) for t in pending.tolist()])
+            if ends_all is not None and ends_all(result):
+                self._pending = None  # nothing more to feed: every row leaves
+                return result
+            mx.async_eval(self._next_step(pending))
+            self._stepped()
+            return result
+        handled: Future[T] | None = None
+        try:
+            if fresh:
+                handled = self.overlap.submit(handle, [int(t) for t in pending.tolist()])
+            next_tokens = self._next_step(pending)
+            if handled is None:
+                handled = self.overlap.submit(handle, [int(t) for t in pending.tolist()])
+            mx.async_eval(next_tokens)
+        finally:
+            if handled is not None:
+                result = _joined(handled)
+        self._stepped()
+        return result
+
+    def _next_step(self, pending: mx.array) -> mx.array:
+        """Build the step that feeds `pending` (one token per live row); returns the tokens it samples,
+        which become the pending ones (not evaluated yet)."""
         mask = self._step_mask()
-        fed = self._pending
+        fed = pending
         if self._slot_index is not None:  # live rows scattered among idle ones
             fed = mx.zeros((self.cache[0].batch,), dtype=fed.dtype)
-            fed[self._slot_index] = self._pending
+            fed[self._slot_index] = pending
         elif self._idle:
             fed = mx.concatenate([fed, mx.zeros((self._idle,), dtype=fed.dtype)])
         logits = self.model(fed[:, None], cache=self.cache, mask=mask)[:, -1, :]
         logits = logits[: len(self)] if self._slot_index is None else logits[self._slot_index]
         assert self.rows is not None
-        next_tokens = self.rows.sample(logits)
-        pending, self._pending = self._pending, next_tokens
+        self._pending = self.rows.sample(logits)
+        return self._pending
+
+    def _stepped(self) -> None:
         self._steps += 1
-        if self.overlap is None:
-            mx.async_eval(next_tokens)
-            result = handle([int(t) for t in pending.tolist()])
-        else:
-            handled = self.overlap.submit(handle, [int(t) for t in pending.tolist()])
-            try:
-                mx.async_eval(next_tokens)
-            finally:
-                result = _joined(handled)
         if self._steps % _CLEAR_CACHE_EVERY == 0:
             mx.clear_cache()
-        return result
 
     def _step_mask(self) -> mx.array | ragged_attention.RaggedRows | None:
         """What a step's attention needs of the rows' lengths: nothing when all rows are as long, else

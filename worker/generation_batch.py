@@ -396,7 +396,7 @@ class GenerationBatch:
             return leaving
 
         try:
-            leaving = self.decode.step_with(handle)
+            leaving = self.decode.step_with(handle, ends_all=lambda out: len(out) == len(self.decoding))
         except Exception as e:  # the shared forward failed: no row can go on
             log.exception("batched decode step failed rows=%d", len(self.decoding))
             finished.extend(Finished(seq.key, error=e) for seq in self.decoding)
