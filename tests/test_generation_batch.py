@@ -310,12 +310,13 @@ def test_a_launch_that_fails_beside_the_handling_waits_for_it_and_ends_the_decod
     assert all(isinstance(f.error, RuntimeError) and "launch failed" in str(f.error) for f in ended)
 
 
-def test_without_overlap_a_token_is_handled_before_the_next_step_and_no_step_follows_the_last(
+def test_new_rows_first_tokens_reach_their_sinks_before_the_next_step_and_a_1_token_job_takes_none(
     engine: Engine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """On the CPU a launch computes its step before it returns: each token (a new row's first one too)
-    reaches its sink before the next step is computed, and once every row has ended no step is taken
-    (a lone 1-token job computes no decode step at all)."""
+    """Without the overlap thread (the CPU) a new row's first token is handled before the next step is
+    built (on the CPU a lone row's launch computes most of its step before it returns); later tokens
+    after the next step's launch, as the device computes it meanwhile. A step whose tokens end every
+    row takes no next step: a lone 1-token job computes no decode step at all."""
     assert engine.decode_overlap is None
     steps = [0]
     real = DecodeBatch._next_step
@@ -339,7 +340,7 @@ def test_without_overlap_a_token_is_handled_before_the_next_step_and_no_step_fol
             str(i), request, lambda _t, ids, i=i: seen[i].extend([steps[0]] * len(ids)), lambda: False
         )
     done = {f.key: f for _ in range(10) if len(batch) for f in batch.step()}
-    assert seen == {0: [0], 1: [0, 1, 2, 3]} and steps[0] == 3
+    assert seen == {0: [0], 1: [0, 2, 3, 4]} and steps[0] == 4
     for i, request in enumerate(requests):
         assert done[str(i)].result.token_ids == _alone(engine, request)[0].token_ids  # type: ignore[union-attr]
 

@@ -252,9 +252,8 @@ class DecodeBatch:
     while this one launches the next step: MLX's launch is C++ that releases the GIL, and on a GPU a
     batched step is bound by it (H200, 64 rows: ~2.4-4.4 ms of launch against ~0.7 ms of device work
     after it), so the Python that handles the tokens (text, stop strings, streams) runs in time that
-    was lost. That handling must not touch MLX: only this thread does. Without it (the CPU, where the
-    launch computes the step before it returns), a step's tokens are handled before the next step is
-    built, so they reach readers a step sooner, and a step after which every row ends is not taken.
+    was lost. That handling must not touch MLX: only this thread does. Either way, the first step
+    after rows joined reads their first tokens back before it builds the next step (see `step_with`).
     """
 
     def __init__(
@@ -337,21 +336,23 @@ class DecodeBatch:
         """`step`, then `handle(tokens)`; returns what `handle` returns. `ends_all(result)` says whether
         every row ends with these tokens (the caller then removes them all).
 
-        Without `overlap` the tokens are read back and handled first, then the next step is built and
-        launched, unless `ends_all` says no row needs it: on the CPU `async_eval` returns only once the
-        step is nearly computed, so handling after it held every token back a whole step (a new row's
-        first token too) and computed one step too many at the end of a lone job.
-
-        With `overlap`, `handle` runs on the overlap thread while this one launches the next step, and
-        must not touch MLX; it is done when this returns. The tokens are read back once the next step's
-        graph is built (the device computes the step they come from meanwhile), except right after
-        rows joined: their first tokens (sampled from a prefill that was waited for) are read back at
-        once, so a reader does not also wait for the next step's graph building."""
+        As a rule the next step is launched before the tokens are handled, so the device computes it
+        meanwhile; with `overlap`, `handle` runs on the overlap thread during the launch (it must not
+        touch MLX, and is done when this returns). The first step after rows joined reads the tokens
+        back at once instead: the prefill the rows joined from was waited for, so nothing is in
+        flight, and their first tokens reach readers without waiting for the next step's graph (on
+        the CPU, where `async_eval` returns only once a lone row's step is nearly computed, for the
+        whole next step). Without `overlap` that step also handles them first, and takes no next
+        step when `ends_all` says every row ends with them (a 1-token job)."""
         if self._pending is None:
             raise ValueError("an empty batch has no step to take")
         pending, fresh = self._pending, self._fresh
         self._fresh = False
         if self.overlap is None:
+            if not fresh:
+                mx.async_eval(self._next_step(pending))
+                self._stepped()
+                return handle([int(t) for t in pending.tolist()])
             result = handle([int(t) for t in pending.tolist()])
             if ends_all is not None and ends_all(result):
                 self._pending = None  # nothing more to feed: every row leaves
