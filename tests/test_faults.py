@@ -1,4 +1,5 @@
-"""Faults on purpose: workers killed mid-job. Every job ends finished, failed with a reason, or retried."""
+"""Faults on purpose: workers killed mid-job, a job's dequeue lost. Every job ends finished, failed with
+a reason, or retried."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from jobs import keys
 from jobs.schema import RestartEvent, TokenEvent
 from producer import Client, JobFailed
 
@@ -71,3 +73,23 @@ def test_a_poison_job_fails_after_its_retries_and_the_worker_lives(
         poison.result(timeout=10)
     assert good.result(timeout=10).usage.completion_tokens == 2
     assert worker.log().count("ContextTooLong") >= 3  # first try + 2 retries
+
+
+def test_a_job_whose_dequeue_was_lost_runs_after_the_next_maintenance(
+    model_dir: Path, redis_url: str, client: Client, spawn_worker: Any
+) -> None:
+    """Redis moved the job to RQ's intermediate list for a worker that never got the reply (Redis
+    restarting). A minute later a worker's maintenance finds it there, never started: it goes back to
+    its queue and runs, where RQ would fail it ("stuck in intermediate queue")."""
+    conn = client.connection
+    job = client.submit_generate("hello", max_tokens=3, temperature=0, logit_bias=NO_EOS)
+    queue_key = keys.rq_queue_key(client.queue)
+    assert conn.lmove(queue_key, f"{queue_key}:intermediate", "LEFT", "RIGHT") == job.id.encode()
+    conn.set(f"{queue_key}:intermediate:first_seen:{job.id}", time.time() - 120)  # a minute ago
+    worker = spawn_worker(model_dir, redis_url, name="rescuer", **FAST)
+    assert job.result(timeout=60).usage.completion_tokens == 3
+    deadline = time.monotonic() + 10  # RQ's end of the job follows its `done` event
+    while job.status() != "finished" and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert job.status() == "finished"
+    assert "requeued a job taken but never started" in worker.log()

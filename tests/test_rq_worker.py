@@ -1,10 +1,16 @@
-"""The RQ worker's heartbeats: one round trip each, and RQ's back-to-back repeats skipped."""
+"""The RQ worker's own parts on real Redis: heartbeats (one round trip each, RQ's back-to-back repeats
+skipped) and jobs taken from a queue but never started (put back, not failed)."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import redis
+from rq import Queue
+from rq.serializers import JSONSerializer
 
+from jobs import keys
 from worker import rq_worker
 from worker.rq_worker import MlxqWorker
 from worker.stream_writer import StreamOptions
@@ -43,3 +49,26 @@ def test_a_heartbeat_is_sent_once_and_a_repeat_of_it_at_once_is_skipped(
     clock[0] += 1.5
     later, _, sent = beat()  # a second later the same TTL is refreshed again
     assert later != stamp and sent == {"hset": 1, "expire": 2}
+
+
+def test_a_job_taken_but_never_started_goes_back_to_the_head_of_its_queue(redis_conn: redis.Redis) -> None:
+    """A worker's BLMOVE (or claim) moved the job to RQ's intermediate list and the worker never got
+    it (Redis restarted before the reply): RQ's maintenance, a minute later, would fail it as "stuck in
+    intermediate queue". It never ran, so it goes back to the head of its queue, queued, no error on
+    its stream, its first-seen mark gone."""
+    q = Queue("stuck", connection=redis_conn, serializer=JSONSerializer)
+    w = MlxqWorker([q], connection=redis_conn, stream_options=StreamOptions())
+    stuck = q.enqueue_call(keys.SCORE_FUNC, args=({"rows": [{"prompt": "a", "candidates": ["b"]}]},))
+    behind = q.enqueue_call(keys.SCORE_FUNC, args=({"rows": [{"prompt": "c", "candidates": ["d"]}]},))
+    redis_conn.lmove(q.key, q.intermediate_queue_key, "LEFT", "RIGHT")  # the reply that never came
+    first_seen = q.intermediate_queue.get_first_seen_key(stuck.id)
+
+    q.intermediate_queue.cleanup(w, q)  # first look: only noted
+    assert redis_conn.exists(first_seen) and q.job_ids == [behind.id]
+    redis_conn.set(first_seen, time.time() - 120)  # a minute and more later
+    q.intermediate_queue.cleanup(w, q)
+
+    assert q.job_ids == [stuck.id, behind.id]
+    assert redis_conn.llen(q.intermediate_queue_key) == 0 and not redis_conn.exists(first_seen)
+    assert stuck.get_status(refresh=True) == "queued" and q.failed_job_registry.count == 0
+    assert not redis_conn.exists(keys.stream_key(stuck.id))

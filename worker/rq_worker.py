@@ -23,7 +23,7 @@ from typing import Any
 import redis
 from rq import Queue, SimpleWorker
 from rq.executions import Execution
-from rq.job import Job
+from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
 from rq.utils import now
 from rq.worker import WorkerStatus
@@ -42,6 +42,7 @@ from .stream_writer import REDIS_TRANSIENT, StreamOptions, StreamWriter, retryin
 log = logging.getLogger(__name__)
 
 _BEAT_AGAIN_S = 1.0  # a heartbeat repeating the last one's TTL sooner than this is skipped (`heartbeat`)
+_STUCK = "Job was stuck in intermediate queue."  # what RQ's IntermediateQueue.cleanup fails jobs with
 
 
 class MlxqWorker(GenerationJobs, SimpleWorker):
@@ -131,12 +132,28 @@ class MlxqWorker(GenerationJobs, SimpleWorker):
         exc_string: str = "",
         execution: Any = None,
     ) -> None:
+        if exc_string == _STUCK and execution is None and job.get_status(refresh=False) == JobStatus.QUEUED:
+            self._requeue_stuck(job, queue)
+            return
         will_retry = job.should_retry and self._stopped_job_id != job.id
         if not will_retry:
             self._end_stream_with_error(job, exc_string)
         super().handle_job_failure(
             job, queue, started_job_registry=started_job_registry, exc_string=exc_string, execution=execution
         )
+
+    def _requeue_stuck(self, job: Job, queue: Queue) -> None:
+        """Put back at the head of its queue a job RQ's maintenance found in the intermediate list a
+        minute after it got there, never started: a worker took it (BLMOVE, or a claim) and never got
+        to start it, as when Redis restarts between executing the move and sending its reply. It never
+        ran, so it runs now rather than failing with "stuck in intermediate queue" as RQ would have it.
+        RQ's cleanup takes it off the intermediate list next; its first-seen mark goes, so a worker
+        that takes the job again is not judged by the old one."""
+        log.warning("requeued a job taken but never started job=%s queue=%s", job.id, queue.name)
+        with self.connection.pipeline() as pipe:
+            queue.push_job_id(job.id, pipeline=pipe, at_front=True)
+            pipe.delete(queue.intermediate_queue.get_first_seen_key(job.id))
+            pipe.execute()
 
     def request_force_stop(self, signum: int, frame: Any) -> None:
         """Second SIGTERM/SIGINT: cancel the running job cleanly (it ends `cancelled`), then exit."""
