@@ -235,8 +235,8 @@ class DecodeBatch:
     """Sequences decoded together: one forward per step for every row, each row sampled on its own.
 
     Rows join with their prefilled batch-1 cache and last logits (`add`) and leave with their cache
-    (`remove`) between steps; the others never recompute anything. When a step's tokens are read back
-    and handled, relative to the next step's launch, depends on `overlap` (see `step_with`).
+    (`remove`) between steps; the others never recompute anything. One step stays in flight: a step's
+    tokens are handled while the next one computes, except right after rows join (see `step_with`).
 
     With `pad_shapes` the forward runs on a power-of-two number of rows: padding rows (no tokens, all
     masked) follow the real ones, so a GPU meets 7 batch shapes up to 64 rows instead of 64 (a new one
