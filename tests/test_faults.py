@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from rq.intermediate_queue import IntermediateQueue
 
 from jobs import keys
 from jobs.schema import RestartEvent, TokenEvent
@@ -83,9 +84,9 @@ def test_a_job_whose_dequeue_was_lost_runs_after_the_next_maintenance(
     its queue and runs, where RQ would fail it ("stuck in intermediate queue")."""
     conn = client.connection
     job = client.submit_generate("hello", max_tokens=3, temperature=0, logit_bias=NO_EOS)
-    queue_key = keys.rq_queue_key(client.queue)
-    assert conn.lmove(queue_key, f"{queue_key}:intermediate", "LEFT", "RIGHT") == job.id.encode()
-    conn.set(f"{queue_key}:intermediate:first_seen:{job.id}", time.time() - 120)  # a minute ago
+    intermediate = IntermediateQueue(keys.rq_queue_key(client.queue), connection=conn)
+    assert conn.lmove(intermediate.queue_key, intermediate.key, "LEFT", "RIGHT") == job.id.encode()
+    conn.set(intermediate.get_first_seen_key(job.id), time.time() - 120)  # a minute ago
     worker = spawn_worker(model_dir, redis_url, name="rescuer", **FAST)
     assert job.result(timeout=60).usage.completion_tokens == 3
     deadline = time.monotonic() + 10  # RQ's end of the job follows its `done` event

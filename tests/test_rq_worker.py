@@ -25,7 +25,7 @@ def test_a_heartbeat_is_sent_once_and_a_repeat_of_it_at_once_is_skipped(
     redis_conn: redis.Redis, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     clock = [1000.0]
-    monkeypatch.setattr(rq_worker.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(rq_worker, "monotonic", lambda: clock[0])
     w = MlxqWorker(["beats"], connection=redis_conn, stream_options=StreamOptions())
     idle_ttl = w.worker_ttl + 60
 

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import logging
 import sys
-import time
 from collections.abc import Callable
+from time import monotonic
 from typing import Any
 
 import redis
@@ -93,7 +93,7 @@ class MlxqWorker(GenerationJobs, SimpleWorker):
         dequeue that blocked, or one that changes the TTL (a job's shorter one, RQ's idle one after
         it), always goes out."""
         ttl = timeout or self.worker_ttl + 60
-        at = time.monotonic()
+        at = monotonic()
         if pipeline is not None:
             super().heartbeat(timeout, pipeline)
         else:
