@@ -1,4 +1,5 @@
-"""The finalizer thread: jobs end through RQ in order, a failing end fails the job, close waits."""
+"""The finalizer thread: jobs end through RQ in order, those handed over while it was busy together,
+off the calling thread; close waits; a failing end leaves the thread alive."""
 
 from __future__ import annotations
 
@@ -9,50 +10,47 @@ import redis
 from rq import Queue
 from rq.job import Job
 
-from worker.finalizer import Finalizer
+from worker.finalizer import Ended, Finalizer
 
 REDIS_DB = 9
 
 
-def test_jobs_end_in_order_off_the_calling_thread_and_close_waits(redis_conn: redis.Redis) -> None:
+def test_jobs_end_in_order_together_off_the_calling_thread_and_close_waits(redis_conn: redis.Redis) -> None:
     queue = Queue("finalizer", connection=redis_conn)
     jobs = [Job.create(func=print, connection=redis_conn) for _ in range(20)]
-    ended: list[tuple[str, Any, str]] = []
+    calls: list[tuple[list[tuple[str, Any]], str]] = []
     gate = threading.Event()
 
-    def success(job: Job, q: Queue, execution: Any, value: Any) -> None:
+    def end(batch: list[Ended]) -> None:
         gate.wait(5)
-        ended.append((job.id, value, threading.current_thread().name))
+        calls.append(([(job.id, value) for job, _, _, value in batch], threading.current_thread().name))
 
-    finalizer = Finalizer(success, lambda *a: None)
+    finalizer = Finalizer(end)
     for i, job in enumerate(jobs):
         finalizer.submit(job, queue, None, {"n": i})
-    assert ended == []  # submitting never waits for RQ
+    assert calls == []  # submitting never waits for RQ
     gate.set()
     finalizer.close()
-    assert [(job_id, value) for job_id, value, _ in ended] == [(j.id, {"n": i}) for i, j in enumerate(jobs)]
-    assert {thread for _, _, thread in ended} == {"mlxq-finalizer"}
+    assert [item for batch, _ in calls for item in batch] == [(j.id, {"n": i}) for i, j in enumerate(jobs)]
+    assert {thread for _, thread in calls} == {"mlxq-finalizer"}
+    # What was handed over when the thread woke ends in one call, all handed over while it waited in
+    # the next: two calls at most for 20 jobs.
+    assert 1 <= len(calls) <= 2
 
 
-def test_a_job_whose_end_fails_is_failed_with_the_reason_and_the_rest_go_on(redis_conn: redis.Redis) -> None:
+def test_an_end_that_raises_is_logged_and_later_jobs_still_end(redis_conn: redis.Redis) -> None:
     queue = Queue("finalizer", connection=redis_conn)
-    jobs = [Job.create(func=print, connection=redis_conn) for _ in range(3)]
-    finished: list[str] = []
-    failed: list[tuple[str, str]] = []
+    jobs = [Job.create(func=print, connection=redis_conn) for _ in range(2)]
+    ended: list[str] = []
 
-    def success(job: Job, q: Queue, execution: Any, value: Any) -> None:
-        if job is jobs[1]:
-            raise RuntimeError("RQ could not save the result")
-        finished.append(job.id)
+    def end(batch: list[Ended]) -> None:
+        if batch[0][0] is jobs[0]:
+            raise redis.ConnectionError("Redis went away")  # logged; the thread goes on
+        ended.extend(job.id for job, *_ in batch)
 
-    def failure(job: Job, q: Queue, execution: Any, exc_info: Any) -> None:
-        failed.append((job.id, str(exc_info[1])))
-        if job is jobs[1]:
-            raise redis.ConnectionError("and Redis went away")  # logged; the thread goes on
-
-    finalizer = Finalizer(success, failure)
-    for job in jobs:
-        finalizer.submit(job, queue, None, None)
+    finalizer = Finalizer(end)
+    finalizer.submit(jobs[0], queue, None, None)
     finalizer.close()
-    assert finished == [jobs[0].id, jobs[2].id]
-    assert failed == [(jobs[1].id, "RQ could not save the result")]
+    finalizer.submit(jobs[1], queue, None, None)
+    finalizer.close()
+    assert ended == [jobs[1].id]

@@ -81,7 +81,7 @@ class GenerationJobs:
         opts = self.batch_options
         batch = GenerationBatch(self.executor.engine, opts.max_sequences, opts.kv_budget_bytes)
         jobs: dict[str, _BatchJob] = {}
-        finalizer = Finalizer(self._finalize_success, self._finalize_failure)
+        finalizer = Finalizer(self._finalize_successes)
         gate = JoinGate(opts.min_join, opts.max_sequences)
         with JobWatch(self, [], self.heartbeat_s, self.cancel_poll_s) as watch:
             self._watch = watch
