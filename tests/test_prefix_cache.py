@@ -65,23 +65,6 @@ def test_long_spans_match_up_to_the_first_differing_token() -> None:
     _assert_holds(caches, long[:257])
 
 
-def test_each_layer_writes_its_own_room_after_a_cached_prefix() -> None:
-    """The room past the prefix starts as one zeros array for every layer: writes stay each layer's."""
-    pc = PrefixCache(budget_bytes=1 << 20)
-    a = [1, 2, 3, 4, 5, 6]
-    pc.offer(a, _cache_for(a))
-    caches, n = pc.begin([*a, 7, 8], LAYERS)
-    assert n == 6
-    for layer, c in enumerate(caches):
-        new = mx.full((1, HEADS, 2, DIM), float(layer + 1))
-        c.update_and_fetch(new, -new)
-    for layer, c in enumerate(caches):
-        keys, values = c.state
-        assert keys.shape[2] == 8 and mx.all(keys[:, :, 6:] == layer + 1).item()
-        assert mx.all(values[:, :, 6:] == -(layer + 1)).item()
-    _assert_holds([KVCache.from_state(k[:, :, :6], v[:, :, :6]) for k, v in (c.state for c in caches)], a)
-
-
 def test_a_prefix_shorter_than_min_tokens_is_not_reused() -> None:
     pc = PrefixCache(budget_bytes=1 << 20)
     a = [1, 2, 3, 4, 5, 6]

@@ -145,30 +145,19 @@ class PrefixCache:
             if take <= 0:
                 break
             self._touch(node, now)
-            whole = take == len(node.span)  # no slice: on a GPU every op costs its launch
-            parts.append(
-                node.layers if whole else [(kk[:, :, :take], vv[:, :, :take]) for kk, vv in node.layers]
-            )
+            parts.append([(kk[:, :, :take], vv[:, :, :take]) for kk, vv in node.layers])
             left -= take
         # One copy into buffers with room for the rest of the prompt, so its prefill writes in place
         # instead of copying the whole prefix again to grow (an 8k prefix is ~270 MB on a 1B model).
-        # A whole number of steps: the size bucketed attention reads (`key_columns`). The spare room's
-        # zeros are one array for every layer's keys and values of a shape: a warm prompt's lookup is
-        # one concatenation per array (its ops' launch was ~1 ms of an 8k prefix's second TTFT on an H200).
+        # A whole number of steps: the size bucketed attention reads (`key_columns`).
         room = key_columns(len(tokens)) - use
-        spares: dict[tuple[tuple[int, ...], mx.Dtype], mx.array] = {}
-
-        def spare(a: mx.array) -> mx.array:
-            shape = (*a.shape[:2], room, a.shape[3])
-            if (shape, a.dtype) not in spares:
-                spares[shape, a.dtype] = mx.zeros(shape, a.dtype)
-            return spares[shape, a.dtype]
-
         caches = []
         for layer in range(n_layers):
             k0, v0 = parts[0][layer]
-            keys = mx.concatenate([*(p[layer][0] for p in parts), spare(k0)], axis=2)
-            values = mx.concatenate([*(p[layer][1] for p in parts), spare(v0)], axis=2)
+            spare_k = mx.zeros((*k0.shape[:2], room, k0.shape[3]), k0.dtype)
+            spare_v = mx.zeros((*v0.shape[:2], room, v0.shape[3]), v0.dtype)
+            keys = mx.concatenate([*(p[layer][0] for p in parts), spare_k], axis=2)
+            values = mx.concatenate([*(p[layer][1] for p in parts), spare_v], axis=2)
             cache = KVCache()
             cache.keys, cache.values, cache.offset = keys, values, use
             caches.append(cache)
