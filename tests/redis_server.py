@@ -112,6 +112,16 @@ class CuttableProxy:
             s.close()
 
     def cut(self, seconds: float) -> None:
+        self._drop()
+        time.sleep(seconds)
+        self._open.set()
+
+    def cut_for(self, seconds: float) -> None:
+        """`cut` that returns at once, every connection already dropped; it reopens `seconds` later."""
+        self._drop()
+        threading.Timer(seconds, self._open.set).start()
+
+    def _drop(self) -> None:
         self._open.clear()
         with self._lock:
             conns, self._conns = self._conns, []
@@ -119,8 +129,6 @@ class CuttableProxy:
             with contextlib.suppress(OSError):
                 s.shutdown(socket.SHUT_RDWR)
                 s.close()
-        time.sleep(seconds)
-        self._open.set()
 
     def close(self) -> None:
         self._stop.set()

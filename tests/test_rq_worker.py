@@ -1,6 +1,7 @@
 """The RQ worker's own parts on real Redis: heartbeats (one round trip each, RQ's back-to-back repeats
-skipped), jobs taken from a queue but never started (put back, not failed), and many jobs ended
-together (one transaction, what RQ writes for each; dependents and repeats as RQ handles them)."""
+skipped), RQ's loop between jobs going on while Redis is unreachable, jobs taken from a queue but never
+started (put back, not failed), and many jobs ended together (one transaction, what RQ writes for each;
+dependents and repeats as RQ handles them)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,9 @@ from typing import Any
 
 import pytest
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+from redis_server import CuttableProxy
 from rq import Queue, Repeat
 from rq.job import Job
 from rq.results import Result
@@ -53,6 +57,43 @@ def test_a_heartbeat_is_sent_once_and_a_repeat_of_it_at_once_is_skipped(
     clock[0] += 1.5
     later, _, sent = beat()  # a second later the same TTL is refreshed again
     assert later != stamp and sent == {"hset": 1, "expire": 2}
+
+
+def test_the_worker_goes_on_when_redis_drops_between_jobs(
+    redis_conn: redis.Redis, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Redis unreachable just as a job ends (seen when it restarts under a bulk run): RQ's loop then
+    sets the worker's state, beats and checks for suspension before its dequeue, and any of those
+    failing used to make RQ quit, taking the worker process and its loaded model down. Now they are
+    skipped, the dequeue waits for Redis, and the next job runs."""
+    db = redis_conn.connection_pool.connection_kwargs.get("db", 0)
+    port = redis_conn.connection_pool.connection_kwargs["port"]
+    proxy = CuttableProxy(port)
+    conn = redis.Redis(port=proxy.port, db=db, retry=Retry(NoBackoff(), 0))  # errors at once, no retries
+    q = Queue("between-jobs", connection=conn, serializer=JSONSerializer)
+    try:
+        w = MlxqWorker([q], connection=conn, stream_options=StreamOptions())
+        first, second = (q.enqueue_call("os.getcwd") for _ in range(2))  # refused by the allowlist, quickly
+        ended: list[str] = []
+
+        def after_job() -> None:  # the first job's end: Redis goes away for half a second
+            ended.append("job")
+            if len(ended) == 1:
+                proxy.cut_for(0.5)
+
+        w.after_job = after_job
+        with caplog.at_level("WARNING", logger="worker.rq_worker"):
+            assert w.work(burst=True)
+
+        assert ended == ["job", "job"]
+        for job in (first, second):
+            assert job.get_status(refresh=True) == "failed"
+            assert "is not an mlxq job" in (job.latest_result().exc_string or "")
+        assert "redis unreachable between jobs" in caplog.text
+    finally:
+        conn.close()
+        proxy.close()
+        Queue("between-jobs", connection=redis_conn, serializer=JSONSerializer).delete(delete_jobs=True)
 
 
 def test_a_job_taken_but_never_started_goes_back_to_the_head_of_its_queue(redis_conn: redis.Redis) -> None:

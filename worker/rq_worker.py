@@ -88,6 +88,31 @@ class MlxqWorker(GenerationJobs, SimpleWorker):
 
     # --- RQ hooks ----------------------------------------------------------------------------------
 
+    def set_state(self, state: str, pipeline: Any = None) -> None:
+        """RQ's worker state; on its own (no pipeline) a step of RQ's loop between jobs (`_between_jobs`)."""
+        if pipeline is not None:
+            super().set_state(state, pipeline)
+        else:
+            self._between_jobs(super().set_state, state)
+
+    def check_for_suspension(self, burst: bool) -> None:
+        self._between_jobs(super().check_for_suspension, burst)
+
+    def run_maintenance_tasks(self) -> None:
+        self._between_jobs(super().run_maintenance_tasks)
+
+    def _between_jobs(self, step: Callable[..., Any], *args: Any) -> bool:
+        """A step of RQ's loop between jobs (the worker's state, its heartbeat, the suspension check,
+        maintenance), where a Redis that is restarting would make RQ quit: the worker process would
+        exit, its loaded model and warm cache with it. Here the step is skipped with a warning (False);
+        the dequeue that follows waits for Redis with RQ's own backoff, and the next round does it again."""
+        try:
+            step(*args)
+        except REDIS_TRANSIENT as e:
+            log.warning("redis unreachable between jobs; skipped step=%s error=%s", step.__name__, e)
+            return False
+        return True
+
     def heartbeat(self, timeout: int | None = None, pipeline: Any = None) -> None:
         """RQ's worker heartbeat (the worker key's `last_heartbeat` and TTL, its executions key's TTL)
         in one round trip instead of three. RQ's loop beats after each job and twice around each
@@ -105,7 +130,8 @@ class MlxqWorker(GenerationJobs, SimpleWorker):
                 return
             with self.connection.pipeline(transaction=False) as pipe:
                 super().heartbeat(timeout, pipe)
-                pipe.execute()
+                if not self._between_jobs(pipe.execute):
+                    return
         self._last_beat = (at, ttl)
 
     def get_heartbeat_ttl(self, job: Job, working_time: float = 0.0) -> int:
