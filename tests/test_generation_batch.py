@@ -616,13 +616,19 @@ def test_the_ragged_attention_path_decodes_what_the_mask_path_decodes(
 ) -> None:
     """With `ragged_kernel` the model gets each row's first column instead of a mask (on a GPU the
     CUDA kernel reads the buffers; here `decode_attention` computes the same with MLX): same tokens,
-    across a growth of the buffers (rows near 256 columns) and with padding rows."""
+    across a growth of the buffers (rows near 256 columns) and with padding rows. The fused model
+    rotates q and k together and hands attention both (`Attention._ragged_step`)."""
     model = engine.model
     ids = engine.tokenizer.encode(PROMPT * 60)
     prompts = [ids[:n] for n in (40, 120, 250)]
     calls = []
     original = llama.decode_attention
-    monkeypatch.setattr(llama, "decode_attention", lambda *a, **k: calls.append(1) or original(*a, **k))
+
+    def counted(*a: Any, **k: Any) -> mx.array:  # (heads in the array handed over, query heads)
+        calls.append((a[0].shape[1], k["heads"]))
+        return original(*a, **k)
+
+    monkeypatch.setattr(llama, "decode_attention", counted)
 
     def start(kernel: bool) -> DecodeBatch:
         batch = DecodeBatch(model, pad_shapes=pad, ragged_kernel=kernel)
@@ -640,6 +646,8 @@ def test_the_ragged_attention_path_decodes_what_the_mask_path_decodes(
     steps += [(masked.step(), ragged.step()) for _ in range(3)]
     assert all(a == b for a, b in steps), steps
     assert calls and len(calls) == 15 * len(model.layers)
+    args = model.args
+    assert set(calls) == {(args.num_attention_heads + args.n_kv_heads, args.num_attention_heads)}
 
 
 def _burst_requests(engine: Engine, system: str) -> list[GenerateRequest]:

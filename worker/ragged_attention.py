@@ -36,7 +36,7 @@ _SOURCE = """
     const int capacity = meta[1];
     const int start = starts[b];
 
-    const T* qp = q + (size_t)(b * HKV * REP + h) * D;
+    const T* qp = q + (size_t)(b * QH + h) * D;  // QH: heads per row of q (keys' heads may follow)
     const float sc = rsqrtf((float)D);
     float qr[D];
     #pragma unroll
@@ -121,20 +121,24 @@ class RaggedRows:
 
 
 def decode_attention(
-    q: mx.array, keys: mx.array, values: mx.array, rows: RaggedRows, scale: float
+    q: mx.array, keys: mx.array, values: mx.array, rows: RaggedRows, scale: float, heads: int | None = None
 ) -> mx.array:
     """Attention of (B, H, 1, D) queries over each row's columns `starts[b] .. end-1` of the
-    (B, H_kv, capacity, D) cache buffers; returns (B, H, 1, D) in the queries' dtype."""
-    b, h, _, d = q.shape
+    (B, H_kv, capacity, D) cache buffers; returns (B, H, 1, D) in the queries' dtype.
+
+    `heads`: the queries are q's first `heads` heads (the rest, e.g. the new keys that shared their
+    RoPE with them, are not read): the kernel takes q whole, where a slice of it would be copied."""
+    b, qh, _, d = q.shape
+    h = qh if heads is None else heads
     hkv = keys.shape[1]
     if not available() or abs(scale - d**-0.5) > 1e-9 or (d * q.dtype.size) % 16:
-        return _masked(q, keys, values, rows, scale)
+        return _masked(q[:, :h] if h < qh else q, keys, values, rows, scale)
     (out,) = _kernel()(
         inputs=[q, keys, values, rows.starts, rows.meta],
-        template=[("T", q.dtype), ("D", d), ("HKV", hkv), ("REP", h // hkv)],
+        template=[("T", q.dtype), ("D", d), ("HKV", hkv), ("REP", h // hkv), ("QH", qh)],
         grid=(b * h * 32, 1, 1),
         threadgroup=((h // hkv) * 32, 1, 1),
-        output_shapes=[q.shape],
+        output_shapes=[(b, h, 1, d)],
         output_dtypes=[q.dtype],
     )
     return out

@@ -10,6 +10,7 @@ from __future__ import annotations
 import inspect
 import logging
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import mlx.core as mx
@@ -125,6 +126,9 @@ class Attention(nn.Module):
         every position still go into the cache). `columns`: read that many cache columns (the mask
         hides the ones past each query; see `kv_cache.key_columns`)."""
         b, n, _ = x.shape
+        if isinstance(mask, RaggedRows) and self._one_matmul(x):
+            assert isinstance(cache, BatchKVCache) and last is None
+            return self._ragged_step(x, mask, cache)
         xq = x if last is None else x[:, last : last + 1]
         if self.qkv_proj is not None:  # fused (`fuse`): one matmul, then views of its columns
             nq, nkv = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
@@ -156,6 +160,34 @@ class Attention(nn.Module):
             out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(b, xq.shape[1], -1))
 
+    def _one_matmul(self, x: mx.array) -> bool:
+        """Whether q, k and v come out of one array here (`fuse`d, no per-head norms between)."""
+        proj = self.qkv_proj
+        apart = isinstance(proj, FusedDenseRows) and proj.apart(x)
+        return proj is not None and not self.qk_norm and not apart
+
+    def _ragged_step(self, x: mx.array, rows: RaggedRows, cache: BatchKVCache) -> mx.array:
+        """A decode step of left-padded rows (`ragged_attention.py`) with q and k rotated together: one
+        RoPE over their heads side by side, where two would launch twice (a decode step is bound by
+        the host's launch of its ops on a GPU); the kernel reads the queries from the same array."""
+        assert self.qkv_proj is not None
+        b, n, _ = x.shape
+        h, hkv, d = self.n_heads, self.n_kv_heads, self.head_dim
+        out = self.qkv_proj(x)
+        qk = out[..., : (h + hkv) * d].reshape(b, n, h + hkv, d).transpose(0, 2, 1, 3)
+        v = out[..., (h + hkv) * d :].reshape(b, n, hkv, d).transpose(0, 2, 1, 3)
+        qk = self.rope(qk, offset=rows.positions)
+        cache.write(qk[:, h:], v)  # the kernel reads the buffers themselves
+        assert cache.keys is not None and cache.values is not None
+        attn = decode_attention(qk, cache.keys, cache.values, rows, self.scale, heads=h)
+        return self.o_proj(attn.transpose(0, 2, 1, 3).reshape(b, n, -1))
+
+
+@partial(mx.compile, shapeless=True)
+def _swiglu(gate: mx.array, up: mx.array) -> mx.array:
+    """silu(gate) * up as one compiled op: one kernel launch where two ops would make two."""
+    return nn.silu(gate) * up
+
 
 class MLP(nn.Module):
     """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
@@ -178,8 +210,8 @@ class MLP(nn.Module):
         if self.gate_up_proj is not None:
             inter = self.intermediate_size
             gate, up = _fused_outputs(self.gate_up_proj, x, (inter, 2 * inter))
-            return self.down_proj(nn.silu(gate) * up)
-        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
+            return self.down_proj(_swiglu(gate, up))
+        return self.down_proj(_swiglu(self.gate_proj(x), self.up_proj(x)))
 
 
 def _fused_outputs(proj: nn.Module, x: mx.array, ends: tuple[int, ...]) -> list[mx.array]:
