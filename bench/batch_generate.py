@@ -682,8 +682,6 @@ class InProcess:
             self.run(_warm_payloads(n, args), n, quiet=True)
 
     def run(self, payloads: list[dict[str, Any]], n: int, quiet: bool = False) -> list[Run]:
-        from concurrent.futures import ThreadPoolExecutor
-
         from jobs.schema import GenerateRequest
 
         runs = [run_engine_batch(self.engine, payloads, min(n, self.batch))]
@@ -691,7 +689,7 @@ class InProcess:
         if overlap is not None:  # the same engine, its decode batches overlapping or not
             default = self.engine.decode_overlap
             on = overlap.lower() in ("1", "true", "yes", "on")
-            self.engine.decode_overlap = ThreadPoolExecutor(1) if on else None
+            self.engine.decode_overlap = on
             if self.engine.prefix_cache is not None:  # the first run's prompts: no hits for this one
                 self.engine.prefix_cache.evict_all()
             try:

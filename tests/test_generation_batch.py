@@ -150,11 +150,11 @@ def test_results_are_identical_to_running_alone_whatever_joins_and_leaves(
     engine: Engine, model_dir: Path, pad_shapes: bool, overlap: bool
 ) -> None:
     """With `pad_shapes` too: prompts padded, decode batches padded to 4, 8, 16 rows; and with the
-    tokens handled on the overlap thread, as on a GPU."""
+    steps launched on the launcher's thread, as on a GPU."""
     requests = _requests(engine, 9)
     alone = [_alone(engine, r) for r in requests]
     batched = _engine(model_dir, prefix_cache_bytes=0, pad_shapes=pad_shapes, decode_overlap=overlap)
-    assert (batched.decode_overlap is not None) == overlap
+    assert batched.decode_overlap == overlap
     for max_sequences, join_every in ((3, 2), (9, 1)):
         batch = GenerationBatch(batched, max_sequences=max_sequences)
         peak = [0]
@@ -226,9 +226,36 @@ def test_one_cancelled_or_failing_sequence_leaves_the_others_untouched(engine: E
         assert done[i].result.token_ids == _alone(engine, requests[i])[0].token_ids  # type: ignore[union-attr]
 
 
-def test_overlapped_steps_handle_tokens_and_background_work_beside_the_launch(model_dir: Path) -> None:
-    """With an overlap thread, sinks and the step's background work run there, once per step (also in
-    steps with no decode); a background error ends the decoding requests with it, none is lost."""
+class _Launches:
+    """`mlx.core` as `worker.launcher` sees it: each launch's thread noted; `fail_next`: the next
+    launch fails."""
+
+    def __init__(self) -> None:
+        self.threads: list[str] = []
+        self.fail_next = False
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(mx, name)
+
+    def async_eval(self, *args: Any) -> None:
+        self.threads.append(threading.current_thread().name)
+        if self.fail_next:
+            self.fail_next = False
+            raise RuntimeError("the launch failed")
+        mx.async_eval(*args)
+
+
+def test_with_a_launcher_steps_launch_on_its_thread_and_tokens_are_handled_here(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With the overlap on, each decode step is launched on the launcher's thread while sinks and the
+    step's background work run on the stepping thread, once per step (also in steps with no decode);
+    tokens are those of running alone; a background error ends the decoding requests with it, none is
+    lost."""
+    import worker.launcher as launcher_module
+
+    launches = _Launches()
+    monkeypatch.setattr(launcher_module, "mx", launches)
     engine = _engine(model_dir, prefix_cache_bytes=0, decode_overlap=True)
     requests = _requests(engine, 3)
     requests[0] = requests[0].model_copy(update={"prompt": PROMPT * 6})  # chunks of prefill first
@@ -247,10 +274,12 @@ def test_overlapped_steps_handle_tokens_and_background_work_beside_the_launch(mo
         ended = batch.step(lambda: background.append(threading.current_thread().name))
         done.update((f.key, f) for f in ended)
         steps += 1
-    assert len(background) == steps and background[-1].startswith("mlxq-decode-overlap")
-    assert background[0] == threading.current_thread().name  # the first step only prefilled: inline
+    batch.close()
+    here = threading.current_thread().name
+    assert len(background) == steps and set(background) == {here}
+    assert sink_threads == {here}
+    assert len(launches.threads) >= 20 and all(n.startswith("mlxq-launch") for n in launches.threads)
     assert len(engine.tokenizer.encode(requests[0].prompt or "")) > engine.options.prefill_chunk
-    assert sink_threads and all(name.startswith("mlxq-decode-overlap") for name in sink_threads)
     for i, request in enumerate(requests):
         assert done[str(i)].result.token_ids == _alone(engine, request)[0].token_ids  # type: ignore[union-attr]
 
@@ -269,45 +298,43 @@ def test_overlapped_steps_handle_tokens_and_background_work_beside_the_launch(mo
         assert all(isinstance(f.error, ConnectionError) for f in ended)
         rest = [f for _ in range(200) if len(batch) for f in batch.step()]  # the others go on
         assert {f.key for f in rest} == {"0", "1", "2"} - decoding and all(f.result for f in rest)
+        batch.close()
 
 
-def test_a_launch_that_fails_beside_the_handling_waits_for_it_and_ends_the_decoding_requests(
-    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("seen_by", ["the next step", "quiet"])
+def test_a_launch_that_fails_on_the_launchers_thread_ends_the_decoding_requests(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch, seen_by: str
 ) -> None:
-    """The overlap thread is never left running: the step raises only once the tokens' handling is
-    done, and every decoding request then ends with the launch's error."""
-    import time
+    """A step's launch fails on the launcher's thread after `step` returned: the next step, or a
+    `quiet()` before other work (a score batch between steps), waits for it and every decoding
+    request ends with its error, returned by the next step; none is lost, and the batch goes on."""
+    import worker.launcher as launcher_module
 
-    import worker.generate as generate_module
-
+    launches = _Launches()
+    monkeypatch.setattr(launcher_module, "mx", launches)
     engine = _engine(model_dir, prefix_cache_bytes=0, decode_overlap=True)
-    slow = threading.Event()
-    handled: list[str] = []
-
-    def sink(_text: str, _ids: list[int]) -> None:
-        if slow.is_set():
-            time.sleep(0.2)
-            handled.append(threading.current_thread().name)
-
-    batch = GenerationBatch(engine, max_sequences=2)
-    for i, request in enumerate(_requests(engine, 2)):
-        batch.admit(str(i), request.model_copy(update={"max_tokens": 30}), sink, lambda: False)
+    batch = GenerationBatch(engine, max_sequences=3)
+    requests = _requests(engine, 3)
+    for i, request in enumerate(requests[:2]):
+        request = request.model_copy(update={"max_tokens": 30})
+        batch.admit(str(i), request, lambda _t, _ids: None, lambda: False)
     while len(batch.decoding) < 2:
         assert not batch.step()
-
-    class FailingLaunch:
-        def __getattr__(self, name: str) -> Any:
-            return getattr(mx, name)
-
-        def async_eval(self, *args: Any) -> None:
-            raise RuntimeError("the launch failed")
-
-    slow.set()
-    monkeypatch.setattr(generate_module, "mx", FailingLaunch())
+    assert not batch.step()  # a step whose launch is fine
+    batch.quiet()
+    launches.fail_next = True
+    assert not batch.step()  # its launch fails on the other thread: seen later
+    if seen_by == "quiet":
+        batch.quiet()
+        assert len(batch) == 2 and not batch.decoding
+    batch.admit("2", requests[2], lambda _t, _ids: None, lambda: False)
     ended = batch.step()
-    assert len(handled) == 2 and all(n.startswith("mlxq-decode-overlap") for n in handled)
-    assert sorted(f.key for f in ended) == ["0", "1"] and len(batch) == 0
+    assert sorted(f.key for f in ended) == ["0", "1"]
     assert all(isinstance(f.error, RuntimeError) and "launch failed" in str(f.error) for f in ended)
+    rest = [f for _ in range(200) if len(batch) for f in batch.step()]
+    assert [f.key for f in rest] == ["2"] and rest[0].result is not None
+    assert rest[0].result.token_ids == _alone(engine, requests[2])[0].token_ids
+    batch.close()
 
 
 def test_new_rows_first_tokens_reach_their_sinks_before_the_next_step_and_a_1_token_job_takes_none(
@@ -317,7 +344,7 @@ def test_new_rows_first_tokens_reach_their_sinks_before_the_next_step_and_a_1_to
     built (on the CPU a lone row's launch computes most of its step before it returns); later tokens
     after the next step's launch, as the device computes it meanwhile. A step whose tokens end every
     row takes no next step: a lone 1-token job computes no decode step at all."""
-    assert engine.decode_overlap is None
+    assert not engine.decode_overlap
     steps = [0]
     real = DecodeBatch._next_step
 

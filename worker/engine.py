@@ -10,7 +10,6 @@ import gc
 import logging
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -38,6 +37,7 @@ from .generate import (
     pad_shapes_by_default,
     prefill,
 )
+from .launcher import Launcher
 from .loader import default_dtype, load_model, parse_dtype, resolve_model_path
 from .memory_guard import with_memory_retry
 from .prefix_cache import PrefixCache
@@ -107,11 +107,10 @@ class Engine:
         self.score_kv_bytes = (
             score_kv_by_default() if options.score_kv_bytes is None else options.score_kv_bytes
         )
-        overlap = overlap_by_default() if options.decode_overlap is None else options.decode_overlap
-        # The thread a decode batch's token handling runs on while MLX launches the next step.
-        self.decode_overlap: Executor | None = (
-            ThreadPoolExecutor(1, thread_name_prefix="mlxq-decode-overlap") if overlap else None
-        )
+        # Whether decode batches launch their steps on a thread of their own (`launcher.py`).
+        overlap = options.decode_overlap
+        self.decode_overlap = overlap_by_default() if overlap is None else overlap
+        self._launcher: Launcher | None = None
 
     @classmethod
     def load(cls, model: str, options: EngineOptions | None = None) -> Engine:
@@ -137,13 +136,26 @@ class Engine:
             mx.default_device(),
             time.perf_counter() - t0,
             engine.pad_shapes,
-            engine.decode_overlap is not None,
+            engine.decode_overlap,
             engine.idle_prefill_tokens,
             engine.score_kv_bytes,
         )
         return engine
 
     # --- prompts --------------------------------------------------------------------------------
+
+    def launcher(self) -> Launcher | None:
+        """The launcher of decode batches' steps where `decode_overlap` is on: made on the first call, on
+        the calling thread (its default stream becomes the launcher's, see `launcher.py`), which must be
+        the thread that steps the batches; None on any other thread."""
+        if not self.decode_overlap:
+            return None
+        if self._launcher is None:
+            self._launcher = Launcher()
+        if not self._launcher.here:
+            log.warning("a decode batch stepped off the launcher's thread: steps launch on its own thread")
+            return None
+        return self._launcher
 
     def prompt_tokens(self, request: GenerateRequest) -> list[int]:
         """Token ids for a request: raw `prompt` encoded, or `messages` rendered by the chat template."""

@@ -8,7 +8,6 @@ own sampler; its cache layout (left padding, per-row RoPE offsets) is explained 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import Executor, Future, wait
 from typing import Any, Protocol, TypeVar
 
 import mlx.core as mx
@@ -16,6 +15,7 @@ import mlx.core as mx
 from . import ragged_attention
 from .batch_cache import BatchKVCache, PrefillRowsCache, prefill_mask
 from .kv_cache import KVCache
+from .launcher import Launcher
 from .sampler import Sampler, SamplerRows
 
 # Release MLX's buffer cache at intervals, not every token: freeing is cheap, reallocating is not.
@@ -65,11 +65,12 @@ def idle_prefill_by_default(chunk: int) -> int:
 
 
 def overlap_by_default() -> bool:
-    """Whether a decode batch handles a step's tokens while MLX launches the next step (`DecodeBatch`'s
-    `overlap`): on a GPU, where the launch is host work on the calling thread (with the GIL released)
-    and a batched step is bound by it. Not on the CPU: there `async_eval` returns only when the step
-    is nearly computed (0.55 ms of a tiny model's 0.8 ms step), and handling on a second thread
-    meanwhile measured slower on 2 cores (1 job 697 against 826 tok/s, 8 jobs 3,310 against 3,460)."""
+    """Whether a decode batch's steps launch on a thread of their own (`DecodeBatch`'s `launcher`): on a
+    GPU, where the launch is host work (with the GIL released) and a batched step is bound by it
+    (H200, 64 rows: 3.42-3.90 against 3.90-4.32 ms a step with the tokens handled on a second thread
+    instead, same tokens: `bench.launcher_ab`). Not on the CPU: there `async_eval` returns only when
+    the step is nearly computed (0.55 ms of a tiny model's 0.8 ms step), and a second thread measured
+    slower on 2 cores (`bench.launcher_ab --model tiny --rows 8`: 3.05 against 2.33 ms a step)."""
     return mx.default_device().type == mx.DeviceType.gpu
 
 
@@ -221,16 +222,6 @@ def decode(
             mx.clear_cache()
 
 
-def _joined(future: Future[T]) -> T:
-    """`future`'s result; if waiting is interrupted (a signal handler's exception), the work is still
-    let finish before that exception goes on, so no other thread is left running it."""
-    try:
-        return future.result()
-    except BaseException:
-        wait([future])
-        raise
-
-
 class DecodeBatch:
     """Sequences decoded together: one forward per step for every row, each row sampled on its own.
 
@@ -248,11 +239,12 @@ class DecodeBatch:
     With `ragged_kernel` (default: where it runs, MLX's CUDA build) rows of different lengths attend
     through `ragged_attention.decode_attention` instead of MLX's attention with a mask.
 
-    With `overlap` (a one-thread executor), `step_with` hands the tokens it read back to that thread
-    while this one launches the next step: MLX's launch is C++ that releases the GIL, and on a GPU a
-    batched step is bound by it (H200, 64 rows: ~2.4-4.4 ms of launch against ~0.7 ms of device work
-    after it), so the Python that handles the tokens (text, stop strings, streams) runs in time that
-    was lost. That handling must not touch MLX: only this thread does. Either way, the first step
+    With `launcher` (`launcher.py`: a GPU's default) each step is launched on a thread of its own while
+    this thread reads the step before back, handles its tokens and builds the next step: on a GPU a
+    batched step is bound by the host (H200, 64 rows: ~1.2-2 ms of graph building and ~2.4-4.4 ms of
+    MLX's launch, C++ that releases the GIL, against ~0.7 ms of device work after it), so the Python
+    (building, text, stop strings, streams) runs in time that was lost, and a step costs about its
+    launch. This thread calls `quiet()` before it evaluates anything else. Either way, the first step
     after rows joined reads their first tokens back before it builds the next step (see `step_with`).
     """
 
@@ -261,11 +253,11 @@ class DecodeBatch:
         model: Any,
         pad_shapes: bool = False,
         ragged_kernel: bool | None = None,
-        overlap: Executor | None = None,
+        launcher: Launcher | None = None,
     ) -> None:
         self.model = model
         self.pad_shapes = pad_shapes
-        self.overlap = overlap
+        self.launcher = launcher
         self.ragged_kernel = ragged_attention.available() if ragged_kernel is None else ragged_kernel
         self.cache = [BatchKVCache() for _ in model.layers]
         self.rows: SamplerRows | None = None  # the live rows' samplers, in row order
@@ -309,7 +301,7 @@ class DecodeBatch:
             self.rows.extend(joining)
         self._pad()
         self._fresh = True
-        mx.async_eval(self._pending)
+        self._launch(self._pending)
 
     def start(self, layers: list[PrefillRowsCache], logits: mx.array, samplers: list[Sampler]) -> bool:
         """An empty batch's rows straight from a rows prefill's buffers (`prefill_rows_layers`, one row
@@ -325,7 +317,7 @@ class DecodeBatch:
         self._set_slots(list(range(len(samplers))))
         self._pad()
         self._fresh = True
-        mx.async_eval(self._pending)
+        self._launch(self._pending)
         return True
 
     def step(self) -> list[int]:
@@ -337,42 +329,40 @@ class DecodeBatch:
         every row ends with these tokens (the caller then removes them all).
 
         As a rule the next step is launched before the tokens are handled, so the device computes it
-        meanwhile; with `overlap`, `handle` runs on the overlap thread during the launch (it must not
-        touch MLX, and is done when this returns). The first step after rows joined reads the tokens
-        back at once instead: the prefill the rows joined from was waited for, so nothing is in
-        flight, and their first tokens reach readers without waiting for the next step's graph (on
-        the CPU, where `async_eval` returns only once a lone row's step is nearly computed, for the
-        whole next step). Without `overlap` that step also handles them first, and takes no next
-        step when `ends_all` says every row ends with them (a 1-token job)."""
+        meanwhile (with a launcher, the launch itself runs meanwhile, and the step after it is built
+        while this one launches: `handle` runs on this thread either way). The first step after rows
+        joined reads the tokens back and handles them at once instead: the prefill the rows joined from
+        was waited for, so nothing is in flight, and their first tokens reach readers without waiting
+        for the next step's graph (on the CPU, where `async_eval` returns only once a lone row's step
+        is nearly computed, for the whole next step). That step takes no next step when `ends_all` says
+        every row ends with them (a 1-token job)."""
         if self._pending is None:
             raise ValueError("an empty batch has no step to take")
         pending, fresh = self._pending, self._fresh
         self._fresh = False
-        if self.overlap is None:
-            if not fresh:
-                mx.async_eval(self._next_step(pending))
-                self._stepped()
-                return handle([int(t) for t in pending.tolist()])
+        if fresh:
+            self.quiet()
             result = handle([int(t) for t in pending.tolist()])
             if ends_all is not None and ends_all(result):
                 self._pending = None  # nothing more to feed: every row leaves
                 return result
-            mx.async_eval(self._next_step(pending))
-            self._stepped()
-            return result
-        handled: Future[T] | None = None
-        try:
-            if fresh:
-                handled = self.overlap.submit(handle, [int(t) for t in pending.tolist()])
-            next_tokens = self._next_step(pending)
-            if handled is None:
-                handled = self.overlap.submit(handle, [int(t) for t in pending.tolist()])
-            mx.async_eval(next_tokens)
-        finally:
-            if handled is not None:
-                result = _joined(handled)
+            self._launch(self._next_step(pending))
+        else:
+            self._launch(self._next_step(pending))  # a launcher waits for `pending`'s launch first
+            result = handle([int(t) for t in pending.tolist()])
         self._stepped()
         return result
+
+    def quiet(self) -> None:
+        """Wait until no step is being launched (with a launcher: before evaluating anything else)."""
+        if self.launcher is not None:
+            self.launcher.wait()
+
+    def _launch(self, tokens: mx.array) -> None:
+        if self.launcher is not None:
+            self.launcher.launch(tokens)
+        else:
+            mx.async_eval(tokens)
 
     def _next_step(self, pending: mx.array) -> mx.array:
         """Build the step that feeds `pending` (one token per live row); returns the tokens it samples,
@@ -393,6 +383,7 @@ class DecodeBatch:
     def _stepped(self) -> None:
         self._steps += 1
         if self._steps % _CLEAR_CACHE_EVERY == 0:
+            self.quiet()
             mx.clear_cache()
 
     def _step_mask(self) -> mx.array | ragged_attention.RaggedRows | None:

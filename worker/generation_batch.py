@@ -19,10 +19,12 @@ with no other row recomputed. A batched forward computes each row exactly as it 
 `batch_cache.py`), so results never depend on batch-mates: greedy tokens are identical, and a seeded
 sampler draws from its own PRNG key. Knows nothing of Redis or RQ.
 
-Where the engine overlaps (`Engine.decode_overlap`, on a GPU), a step's tokens are handled (text, stop
-strings, sinks, cancel checks) on the engine's overlap thread while MLX launches the next step, and
-`step(background=...)` runs the caller's own host work there too (the worker's stream writes): see
-`DecodeBatch.step_with`.
+Where the engine overlaps (`Engine.decode_overlap`, on a GPU), a decode step is launched on the
+engine's launcher thread while this thread handles the step before's tokens (text, stop strings, sinks,
+cancel checks), runs the caller's `step(background=...)` work (the worker's stream writes) and builds
+the next step: see `DecodeBatch` and `launcher.py`. A launch may then still be in flight when `step`
+returns: whoever evaluates MLX arrays on this thread between steps calls `quiet()` first (the batch
+does so itself before a prefill or an offer to the prefix cache), and `close()` when done with it.
 """
 
 from __future__ import annotations
@@ -120,9 +122,10 @@ class GenerationBatch:
         self.decode = self._new_decode()
         self.steps = 0
         self._offers: list[tuple[list[int], list[Any]]] = []  # finished requests' caches (`settle`)
+        self._ended: list[Finished] = []  # requests ended by a failed launch, for the next `step`
 
     def __len__(self) -> int:
-        return len(self.waiting) + (self.prefilling is not None) + len(self.decoding)
+        return len(self.waiting) + (self.prefilling is not None) + len(self.decoding) + len(self._ended)
 
     @property
     def free_slots(self) -> int:
@@ -143,12 +146,14 @@ class GenerationBatch:
         long one), then one decode step for every decoding request.
 
         `background` (host work that touches neither MLX nor this batch, e.g. writing streams) runs once
-        per step: on the overlap thread after the step's tokens were handled, while the next step
-        launches, or else after the decode step. It must not raise (keep its errors); should it raise
-        anyway, the decoding requests end with that error, as when a decode step fails (in a step
-        that decodes nothing, every request), so none is lost."""
+        per step, after the step's tokens were handled (with a launcher, while the next step
+        launches). It must not raise (keep its errors); should it raise anyway, the decoding requests
+        end with that error, as when a decode step fails (in a step that decodes nothing, every
+        request), so none is lost."""
+        if self.waiting or self.prefilling is not None:
+            self.quiet()  # MLX work on this thread ahead
         self.settle()
-        finished: list[Finished] = []
+        finished, self._ended = self._ended, []
         self._drop_cancelled_waiting(finished)
         self._prefill(finished)
         if self.decoding:
@@ -163,7 +168,22 @@ class GenerationBatch:
         return finished
 
     def _new_decode(self) -> DecodeBatch:
-        return DecodeBatch(self.engine.model, self.engine.pad_shapes, overlap=self.engine.decode_overlap)
+        return DecodeBatch(self.engine.model, self.engine.pad_shapes, launcher=self.engine.launcher())
+
+    def quiet(self) -> None:
+        """Return once no decode step is being launched: call before evaluating MLX arrays on this thread
+        between steps (a score batch). A launch that failed ends every decoding request with its error,
+        as a failed decode step does; the next `step` returns them."""
+        try:
+            self.decode.quiet()
+        except Exception as e:
+            self._decode_failed(e, self._ended)
+
+    def close(self) -> None:
+        """Done stepping (empty or aborted): no launch is left in flight."""
+        self.quiet()
+        if self._ended:  # an empty batch has no request a failed launch could end
+            log.warning("a generation batch closed with %d ended requests not taken", len(self._ended))
 
     # --- admission ----------------------------------------------------------------------------
 
@@ -398,9 +418,7 @@ class GenerationBatch:
         try:
             leaving = self.decode.step_with(handle, ends_all=lambda out: len(out) == len(self.decoding))
         except Exception as e:  # the shared forward failed: no row can go on
-            log.exception("batched decode step failed rows=%d", len(self.decoding))
-            finished.extend(Finished(seq.key, error=e) for seq in self.decoding)
-            self.decoding, self.decode = [], self._new_decode()
+            self._decode_failed(e, finished)
             return
         if not leaving:
             return
@@ -413,6 +431,11 @@ class GenerationBatch:
                 finished.append(self._finish(seq, outcome, cache))
         gone = {i for i, _ in leaving}
         self.decoding = [s for i, s in enumerate(self.decoding) if i not in gone]
+
+    def _decode_failed(self, error: Exception, finished: list[Finished]) -> None:
+        log.exception("batched decode step failed rows=%d", len(self.decoding), exc_info=error)
+        finished.extend(Finished(seq.key, error=error) for seq in self.decoding)
+        self.decoding, self.decode = [], self._new_decode()
 
     def _take_tokens(self, tokens: list[int]) -> list[tuple[int, FinishReason | BaseException]]:
         """Each decoding request takes its token (one per row, in row order); returns the rows that end
@@ -449,6 +472,8 @@ class GenerationBatch:
         waited for 64 of them), and does it itself at its start. An offer that fails is logged and
         dropped: a cache is an aid, the request's result stands."""
         offers, self._offers = self._offers, []
+        if offers:
+            self.quiet()
         prefix_cache = self.engine.prefix_cache
         for tokens, cache in offers if prefix_cache is not None else []:
             try:
@@ -458,8 +483,13 @@ class GenerationBatch:
 
     def abort(self, error: BaseException) -> list[Finished]:
         """End every request with `error` (the caller could not go on); the batch is empty afterwards."""
+        try:
+            self.decode.quiet()
+        except Exception:
+            log.warning("a decode step's launch failed as the batch was aborted", exc_info=True)
         seqs = [*self.waiting, *([self.prefilling] if self.prefilling else []), *self.decoding]
+        ended, self._ended = self._ended, []
         self.waiting, self.prefilling, self.decoding = [], None, []
         self.decode = self._new_decode()
         self._offers = []
-        return [Finished(s.key, error=error) for s in seqs]
+        return [*ended, *(Finished(s.key, error=error) for s in seqs)]

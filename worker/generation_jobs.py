@@ -110,6 +110,7 @@ class GenerationJobs:
                     self._retire(jobs.pop(done.key), done, watch)
                 raise
             finally:
+                batch.close()  # no decode step launching when other work takes this thread
                 finalizer.close()  # every job the batch ended has ended through RQ too
                 self._watch = None
                 self.active_sequences = 0
@@ -144,6 +145,7 @@ class GenerationJobs:
                     len(batch),
                 )
             if scores:
+                batch.quiet()  # no decode step is launching while the score batch runs
                 self._score_between_steps(scores, queue, watch)
         return found
 
@@ -245,9 +247,9 @@ class GenerationJobs:
 
 class _StreamFlush:
     """One step's write of the batch's due stream tokens (`flush_streams`: one pipeline), run by the
-    batch as background work (on its overlap thread while the next decode step launches). An error is
-    kept, not raised there: the loop raises it once the step's ended jobs are retired, as when the
-    write ran after them."""
+    batch as background work (while the next decode step launches, where a launcher runs it). An error
+    is kept, not raised there: the loop raises it once the step's ended jobs are retired, so a failed
+    write does not end the step's rows as a failed decode step would."""
 
     def __init__(self, worker: Any, jobs: dict[str, _BatchJob]) -> None:
         self.worker = worker

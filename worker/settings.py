@@ -54,8 +54,8 @@ class WorkerSettings(BaseSettings):
     )
     decode_overlap: bool | None = Field(
         default=None,
-        description="handle a generation batch's tokens and write its streams on a second thread while "
-        "MLX launches the next decode step; unset: on a GPU only",
+        description="launch a generation batch's decode steps on a second thread while the tokens before "
+        "are handled, streams written and the next step built; unset: on a GPU only",
     )
     dense_rows: int | None = Field(
         default=None,
