@@ -437,6 +437,8 @@ def render_phases(runs: list[Run]) -> str:
         "offer",
         "graph",
         "launch",
+        "launcher_launch",
+        "launch_wait",
         "gc",
         "stream_flush",
         "stream_write",

@@ -27,6 +27,7 @@ import worker.generation_jobs as batch_loop_module
 from worker.cli import configure_logging
 from worker.generate import DecodeBatch
 from worker.generation_batch import GenerationBatch
+from worker.launcher import Launcher
 from worker.prefix_cache import PrefixCache
 from worker.rq_worker import MlxqWorker
 from worker.scoring import PrefixScorer
@@ -79,7 +80,10 @@ def _count_scorer_parts() -> None:
 # background work (inside `batch_step`): all jobs' due tokens in one pipeline; `stream_entries` counts
 # the XADDs it sent (writers whose buffer it took). `graph` (the model's and the sampler's calls:
 # building graphs, prefill's too) and `launch` (`async_eval` in `worker.generate`) are inside `forward`
-# and `prefill`; `gc` is the garbage collector's time.
+# and `prefill`; `gc` is the garbage collector's time. With a launcher (a GPU) decode steps launch on its
+# thread instead: `launcher_launch` is that thread's time in `async_eval` (beside the loop's thread), and
+# `launch_wait` the loop thread's waits for it (`Launcher.wait`: inside `forward`, or before a prefill,
+# an offer or a score batch); a loop thread that rarely waits is the step's bound, not the launch.
 _BATCH_PARTS = {
     "batch_step": (GenerationBatch, "step"),
     "prefill": (GenerationBatch, "_prefill"),
@@ -94,6 +98,7 @@ _BATCH_PARTS = {
     "claim": (MlxqWorker, "_claim_between_steps"),
     "admit": (MlxqWorker, "_admit"),
     "retire": (MlxqWorker, "_retire_all"),
+    "launch_wait": (Launcher, "wait"),
 }
 _batch: dict[str, float] = {}
 
@@ -130,10 +135,12 @@ def _time_batch_parts() -> None:
 class _TimedMx:
     """`mlx.core` as `worker.generate` sees it, with `async_eval` timed: inside `forward`, the host's
     launch of a decode step (`launch`), apart from its graph building (`graph`, the model's and the
-    sampler's calls) and the wait for the step before it (the rest)."""
+    sampler's calls) and the wait for the step before it (the rest). As `worker.launcher` sees it, the
+    launcher thread's launches (`launcher_launch`)."""
 
-    def __init__(self, module: Any) -> None:
+    def __init__(self, module: Any, key: str = "launch") -> None:
         self._module = module
+        self._key = key
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._module, name)
@@ -143,8 +150,8 @@ class _TimedMx:
         try:
             self._module.async_eval(*args)
         finally:
-            _batch["launch_s"] = _batch.get("launch_s", 0.0) + time.perf_counter() - t0
-            _batch["launch"] = _batch.get("launch", 0) + 1
+            _batch[self._key + "_s"] = _batch.get(self._key + "_s", 0.0) + time.perf_counter() - t0
+            _batch[self._key] = _batch.get(self._key, 0) + 1
 
 
 def _time_gc() -> None:
@@ -164,6 +171,7 @@ def _time_gc() -> None:
 def _time_decode_anatomy(model: Any) -> None:
     """Split `DecodeBatch.step` (and a batched prefill's graph) into graph building and launch."""
     import worker.generate as generate_module
+    import worker.launcher as launcher_module
     from worker.sampler import SamplerRows
 
     for owner, attr in ((type(model), "__call__"), (SamplerRows, "sample")):
@@ -179,6 +187,7 @@ def _time_decode_anatomy(model: Any) -> None:
 
         setattr(owner, attr, timed)
     generate_module.mx = _TimedMx(mx)  # type: ignore[assignment]
+    launcher_module.mx = _TimedMx(mx, "launcher_launch")  # type: ignore[assignment]
 
 
 def _timed(recorder: Recorder, name: str, fn: Callable[..., Any], *, memory: bool) -> Callable[..., Any]:
