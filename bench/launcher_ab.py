@@ -1,5 +1,6 @@
-"""Probe: decode steps launched on a thread of their own (`worker.launcher`) against the way a GPU worker
-stepped before (the launch on the loop's thread, the tokens handled on an overlap thread meanwhile),
+"""Probe: decode steps launched on a thread of their own (`worker.launcher`), with Python's thread switch
+interval as the launcher sets it and as Python's default (5 ms), against the way a GPU worker stepped
+before `ccf04c3` (the launch on the loop's thread, the tokens handled on an overlap thread meanwhile),
 and against no overlap at all, alternating in one process.
 
     python -m bench.launcher_ab [--model llama-1b] [--rows 64] [--context 128] [--steps 64] [--rounds 4]
@@ -17,10 +18,12 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
+import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import mlx.core as mx
 
@@ -30,19 +33,39 @@ from worker.sampler import Sampler
 
 from .checkpoints import checkpoint
 
-WAYS = ("launcher", "overlap", "plain")
+WAYS = ("launcher", "launcher, 5 ms switch", "overlap", "plain")
+T = TypeVar("T")
+
+
+class _Overlapped(DecodeBatch):
+    """The step as it was before the launcher: the next step built and launched on this thread, the
+    tokens handled on a one-thread executor meanwhile."""
+
+    def __init__(self, model: Any, pool: Executor, **kwargs: Any) -> None:
+        super().__init__(model, **kwargs)
+        self.pool = pool
+
+    def step_with(self, handle: Callable[[list[int]], T], ends_all: Callable[[T], bool] | None = None) -> T:
+        if self._fresh:
+            return super().step_with(handle, ends_all)
+        assert self._pending is not None
+        pending = self._pending
+        next_tokens = self._next_step(pending)
+        handled: Future[T] = self.pool.submit(handle, [int(t) for t in pending.tolist()])
+        mx.async_eval(next_tokens)
+        result = handled.result()
+        self._stepped()
+        return result
 
 
 def _batch(engine: Any, way: str, rows: int, context: int, pools: dict[str, Any]) -> DecodeBatch:
     random.seed(rows * 1000 + context)
     vocab = engine.model.args.vocab_size
-    batch = DecodeBatch(
-        engine.model,
-        pad_shapes=True,
-        ragged_kernel=None,
-        overlap=pools["overlap"] if way == "overlap" else None,
-        launcher=pools["launcher"] if way == "launcher" else None,
-    )
+    if way == "overlap":
+        batch: DecodeBatch = _Overlapped(engine.model, pools["overlap"], pad_shapes=True, ragged_kernel=None)
+    else:
+        launcher = pools["launcher"] if way.startswith("launcher") else None
+        batch = DecodeBatch(engine.model, pad_shapes=True, ragged_kernel=None, launcher=launcher)
     caches, logits, samplers = [], [], []
     for i in range(rows):
         n = context - (i * 7) % 48
@@ -72,7 +95,17 @@ def _sync(batch: DecodeBatch, launcher: Launcher) -> None:
     mx.synchronize()
 
 
-def _time(batch: DecodeBatch, launcher: Launcher, steps: int, handle: Any) -> float:
+def _time(batch: DecodeBatch, launcher: Launcher, steps: int, handle: Any, way: str) -> float:
+    switch = sys.getswitchinterval()
+    if way == "launcher, 5 ms switch":
+        sys.setswitchinterval(0.005)
+    try:
+        return _time_steps(batch, launcher, steps, handle)
+    finally:
+        sys.setswitchinterval(switch)
+
+
+def _time_steps(batch: DecodeBatch, launcher: Launcher, steps: int, handle: Any) -> float:
     for _ in range(4):
         batch.step_with(handle)
     _sync(batch, launcher)
@@ -103,7 +136,10 @@ def main(argv: list[str] | None = None) -> int:
         batch = _batch(engine, way, b, n, pools)
         tokens[way] = [batch.step() for _ in range(32)]
         _sync(batch, launcher)
-    print(f"model={args.model} rows={b} context~{n} device={mx.default_device()} handle={args.handle_us} us")
+    print(
+        f"model={args.model} rows={b} context~{n} device={mx.default_device()} handle={args.handle_us} us "
+        f"switch interval {sys.getswitchinterval() * 1e6:.0f} us"
+    )
     for way in WAYS[1:]:
         same = sum(
             all(x[r] == y[r] for x, y in zip(tokens[WAYS[0]], tokens[way], strict=True)) for r in range(b)
@@ -114,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     for r in range(args.rounds):
         for way in WAYS if r % 2 == 0 else WAYS[::-1]:
             batch = _batch(engine, way, b, n, pools)
-            free[way].append(_time(batch, launcher, args.steps, handle))
+            free[way].append(_time(batch, launcher, args.steps, handle, way))
             del batch
     print("\nms a step stepping freely, median of the rounds (min-max)\n")
     print("| way | ms a step | tok/s | vs overlap |")

@@ -16,14 +16,22 @@ at once. The rule here: one launch is in flight at most, and the loop's thread c
 evaluates, reads back or frees anything itself (a prefill, an offer to the prefix cache, a score
 batch, `mx.clear_cache`). Building graphs needs no wait: it only adds nodes that point at the
 in-flight step's outputs.
+
+The launcher's thread needs the GIL twice a launch (to start the call, and to return from it), while
+the loop's thread is mostly Python: with Python's default switch interval (5 ms) a waiting thread may
+wait that long for the GIL, about a whole step. A `Launcher` lowers the process's interval to
+`SWITCH_INTERVAL_S` while it exists (`close` puts the old one back).
 """
 
 from __future__ import annotations
 
+import sys
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import mlx.core as mx
+
+SWITCH_INTERVAL_S = 0.0001
 
 
 class Launcher:
@@ -35,6 +43,8 @@ class Launcher:
         self._previous = mx.default_stream(device)
         self.stream = mx.new_thread_unsafe_stream(device)
         mx.set_default_stream(self.stream)
+        self._switch_interval = sys.getswitchinterval()
+        sys.setswitchinterval(min(self._switch_interval, SWITCH_INTERVAL_S))
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="mlxq-launch")
         self._in_flight: Future[None] | None = None
 
@@ -70,5 +80,6 @@ class Launcher:
             self.wait()
         finally:
             self._pool.shutdown(wait=True)
+            sys.setswitchinterval(self._switch_interval)
             if self.here:
                 mx.set_default_stream(self._previous)
