@@ -69,11 +69,10 @@ def _count_scorer_parts() -> None:
 # Inside a generation batch (`execute_job` of the batch's first job runs the whole batch): seconds and
 # calls of each phase, added up and attached to that `execute_job` record. Nested: `batch_step` holds
 # `prefill` (which holds `decode_add`) and `decode_step`; `decode_step` holds `forward`
-# (DecodeBatch.step_with: graph building, the launch, the read-back of the step in flight, and the rows'
-# token handling with the step's `stream_write`, which with the decode overlap run on its thread during
-# the launch) and rows leaving (`depart`: DecodeBatch.remove, and `finish`: each one's result; since
-# `settle` their prefix-cache `offer`s come after `retire`, and `offer` counts prefills' offers too,
-# inside `prefill`); `stream_flush` is a sink's own Redis write (since
+# (DecodeBatch.step_with: graph building, the launch, the step's `stream_write`, the read-back of the
+# step in flight, and the rows' token handling) and rows leaving (`depart`: DecodeBatch.remove, and
+# `finish`: each one's result; since `settle` their prefix-cache `offer`s come after `retire`, and
+# `offer` counts prefills' offers too, inside `prefill`); `stream_flush` is a sink's own Redis write (since
 # `a2c9dc7` only non-deferred writers, and `finish` inside `retire`); `claim` holds `admit` (one call
 # per round of claimed jobs, streams opened together). `retire` is the jobs a step ended: their done
 # events in one transaction, then RQ's end of each. `stream_write` is `flush_streams`, the step's

@@ -324,18 +324,25 @@ class DecodeBatch:
         """Feed every row's pending token, queue the next ones, and return the fed tokens (one per row)."""
         return self.step_with(lambda tokens: tokens)
 
-    def step_with(self, handle: Callable[[list[int]], T], ends_all: Callable[[T], bool] | None = None) -> T:
+    def step_with(
+        self,
+        handle: Callable[[list[int]], T],
+        ends_all: Callable[[T], bool] | None = None,
+        meanwhile: Callable[[], None] | None = None,
+    ) -> T:
         """`step`, then `handle(tokens)`; returns what `handle` returns. `ends_all(result)` says whether
-        every row ends with these tokens (the caller then removes them all).
+        every row ends with these tokens (the caller then removes them all). `meanwhile` (host work
+        that touches no MLX array) runs once, while the device finishes the step the tokens come from.
 
-        As a rule the next step is launched before the tokens are handled, so the device computes it
-        meanwhile (with a launcher, the launch itself runs meanwhile, and the step after it is built
-        while this one launches: `handle` runs on this thread either way). The first step after rows
-        joined reads the tokens back and handles them at once instead: the prefill the rows joined from
-        was waited for, so nothing is in flight, and their first tokens reach readers without waiting
-        for the next step's graph (on the CPU, where `async_eval` returns only once a lone row's step
-        is nearly computed, for the whole next step). That step takes no next step when `ends_all` says
-        every row ends with them (a 1-token job)."""
+        As a rule the next step is launched before the tokens are read back and handled, so the device
+        computes it meanwhile (with a launcher, the launch itself runs meanwhile, and the step after it
+        is built while this one launches: `handle` runs on this thread either way); `meanwhile` runs
+        right after that launch, before the read-back would wait for the device. The first step after
+        rows joined reads the tokens back and handles them at once instead (`meanwhile` after them):
+        the prefill the rows joined from was waited for, so nothing is in flight, and their first
+        tokens reach readers without waiting for the next step's graph (on the CPU, where `async_eval`
+        returns only once a lone row's step is nearly computed, for the whole next step). That step
+        takes no next step when `ends_all` says every row ends with them (a 1-token job)."""
         if self._pending is None:
             raise ValueError("an empty batch has no step to take")
         pending, fresh = self._pending, self._fresh
@@ -343,12 +350,16 @@ class DecodeBatch:
         if fresh:
             self.quiet()
             result = handle([int(t) for t in pending.tolist()])
+            if meanwhile is not None:
+                meanwhile()
             if ends_all is not None and ends_all(result):
                 self._pending = None  # nothing more to feed: every row leaves
                 return result
             self._launch(self._next_step(pending))
         else:
             self._launch(self._next_step(pending))  # a launcher waits for `pending`'s launch first
+            if meanwhile is not None:
+                meanwhile()
             result = handle([int(t) for t in pending.tolist()])
         self._stepped()
         return result

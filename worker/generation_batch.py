@@ -146,10 +146,11 @@ class GenerationBatch:
         long one), then one decode step for every decoding request.
 
         `background` (host work that touches neither MLX nor this batch, e.g. writing streams) runs once
-        per step, after the step's tokens were handled (with a launcher, while the next step
-        launches). It must not raise (keep its errors); should it raise anyway, the decoding requests
-        end with that error, as when a decode step fails (in a step that decodes nothing, every
-        request), so none is lost."""
+        per step: while the device finishes the step in flight, before its tokens are read back (so
+        it writes the tokens the step before handled), or after the tokens of rows that just joined
+        (`DecodeBatch.step_with`). It must not raise (keep its errors); should it raise anyway, the
+        decoding requests end with that error, as when a decode step fails (in a step that decodes
+        nothing, every request), so none is lost."""
         if self.waiting or self.prefilling is not None:
             self.quiet()  # MLX work on this thread ahead
         self.settle()
@@ -409,14 +410,10 @@ class GenerationBatch:
     # --- decoding -----------------------------------------------------------------------------
 
     def _decode_step(self, finished: list[Finished], background: Callable[[], None] | None) -> None:
-        def handle(tokens: list[int]) -> list[tuple[int, FinishReason | BaseException]]:
-            leaving = self._take_tokens(tokens)
-            if background is not None:
-                background()
-            return leaving
-
         try:
-            leaving = self.decode.step_with(handle, ends_all=lambda out: len(out) == len(self.decoding))
+            leaving = self.decode.step_with(
+                self._take_tokens, ends_all=lambda out: len(out) == len(self.decoding), meanwhile=background
+            )
         except Exception as e:  # the shared forward failed: no row can go on
             self._decode_failed(e, finished)
             return

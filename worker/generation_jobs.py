@@ -247,8 +247,8 @@ class GenerationJobs:
 
 class _StreamFlush:
     """One step's write of the batch's due stream tokens (`flush_streams`: one pipeline), run by the
-    batch as background work (while the next decode step launches, where a launcher runs it). An error
-    is kept, not raised there: the loop raises it once the step's ended jobs are retired, so a failed
+    batch as background work (while the device finishes the step in flight, see `GenerationBatch.step`).
+    An error is kept, not raised there: the loop raises it once the step's ended jobs are retired, so a failed
     write does not end the step's rows as a failed decode step would."""
 
     def __init__(self, worker: Any, jobs: dict[str, _BatchJob]) -> None:
