@@ -8,7 +8,7 @@ and whenever they join or leave.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -34,8 +34,21 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_random_checkpoint(tmp_path_factory.mktemp("tiny"), {"max_position_embeddings": 512})
 
 
+_made: list[Engine] = []
+
+
 def _engine(model_dir: Path, **options: Any) -> Engine:
-    return Engine.load(str(model_dir), EngineOptions(prefill_chunk=16, **options))
+    engine = Engine.load(str(model_dir), EngineOptions(prefill_chunk=16, **options))
+    _made.append(engine)
+    return engine
+
+
+@pytest.fixture(autouse=True)
+def _close_engines() -> Iterator[None]:
+    """A launcher's thread and stream do not outlive the test that made them."""
+    yield
+    while _made:
+        _made.pop().close()
 
 
 @pytest.fixture
@@ -274,7 +287,8 @@ def test_with_a_launcher_steps_launch_on_its_thread_and_tokens_are_handled_here(
         ended = batch.step(lambda: background.append(threading.current_thread().name))
         done.update((f.key, f) for f in ended)
         steps += 1
-    batch.close()
+    launcher = engine.launcher()
+    assert launcher is not None and not launcher.busy  # the last rows leaving waited for their launch
     here = threading.current_thread().name
     assert len(background) == steps and set(background) == {here}
     assert sink_threads == {here}

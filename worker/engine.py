@@ -157,6 +157,12 @@ class Engine:
             return None
         return self._launcher
 
+    def close(self) -> None:
+        """Stop the launcher's thread, if one was made (see `Launcher.close`); a later batch makes another."""
+        launcher, self._launcher = self._launcher, None
+        if launcher is not None:
+            launcher.close()
+
     def prompt_tokens(self, request: GenerateRequest) -> list[int]:
         """Token ids for a request: raw `prompt` encoded, or `messages` rendered by the chat template."""
         if request.messages is not None:

@@ -23,8 +23,9 @@ Where the engine overlaps (`Engine.decode_overlap`, on a GPU), a decode step is 
 engine's launcher thread while this thread handles the step before's tokens (text, stop strings, sinks,
 cancel checks), runs the caller's `step(background=...)` work (the worker's stream writes) and builds
 the next step: see `DecodeBatch` and `launcher.py`. A launch may then still be in flight when `step`
-returns: whoever evaluates MLX arrays on this thread between steps calls `quiet()` first (the batch
-does so itself before a prefill or an offer to the prefix cache), and `close()` when done with it.
+returns while requests decode: whoever evaluates MLX arrays on this thread between steps calls
+`quiet()` first (the batch does so itself before a prefill or an offer to the prefix cache, and when
+its last decoding request leaves), and `close()` when done with it.
 """
 
 from __future__ import annotations
@@ -428,6 +429,8 @@ class GenerationBatch:
                 finished.append(self._finish(seq, outcome, cache))
         gone = {i for i, _ in leaving}
         self.decoding = [s for i, s in enumerate(self.decoding) if i not in gone]
+        if not self.decoding:  # the step launched for them is not needed: no launch outlives the rows
+            self.quiet()
 
     def _decode_failed(self, error: Exception, finished: list[Finished]) -> None:
         log.exception("batched decode step failed rows=%d", len(self.decoding), exc_info=error)

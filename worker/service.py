@@ -159,6 +159,7 @@ class WorkerService:
             if metrics is not None:
                 metrics.stop()
             self.stats.remove()
+            self.engine.close()
         return 0
 
     def _start_metrics(self) -> MetricsServer | None:

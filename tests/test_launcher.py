@@ -1,0 +1,76 @@
+"""`worker.launcher.Launcher`: launches on its own thread what the creating thread built, one at a time."""
+
+from __future__ import annotations
+
+import sys
+import threading
+
+import mlx.core as mx
+import pytest
+
+import worker.launcher as launcher_module
+from worker.launcher import SWITCH_INTERVAL_S, Launcher
+
+
+def test_ops_made_on_the_creating_thread_launch_on_the_launchers_and_close_puts_back_what_it_changed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    switch = sys.getswitchinterval()
+    stream = mx.default_stream(mx.default_device())
+    threads: list[str] = []
+
+    class Noted:
+        def __getattr__(self, name: str) -> object:
+            return getattr(mx, name)
+
+        def async_eval(self, *arrays: mx.array) -> None:
+            threads.append(threading.current_thread().name)
+            mx.async_eval(*arrays)
+
+    monkeypatch.setattr(launcher_module, "mx", Noted())
+    launcher = Launcher()
+    try:
+        assert launcher.here and sys.getswitchinterval() == pytest.approx(min(switch, SWITCH_INTERVAL_S))
+        assert mx.default_stream(mx.default_device()) == launcher.stream
+        a = mx.arange(8) * 3  # made here: on the launcher's stream, which its thread may evaluate
+        launcher.launch(a)
+        b = a + 1  # built while `a` may still be launching
+        launcher.launch(b)  # waits for `a`'s launch first
+        launcher.wait()
+        assert not launcher.busy
+        assert b.tolist() == [3 * i + 1 for i in range(8)] and a.tolist() == [3 * i for i in range(8)]
+        assert len(threads) == 2 and all(name.startswith("mlxq-launch") for name in threads)
+        seen: list[bool] = []  # `here` is the creating thread only
+        other = threading.Thread(target=lambda: seen.append(launcher.here))
+        other.start()
+        other.join()
+        assert seen == [False]
+    finally:
+        launcher.close()
+    assert sys.getswitchinterval() == pytest.approx(switch)
+    assert mx.default_stream(mx.default_device()) == stream
+
+
+def test_a_failed_launch_raises_at_the_next_wait_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    class Failing:
+        def __getattr__(self, name: str) -> object:
+            return getattr(mx, name)
+
+        def async_eval(self, *arrays: mx.array) -> None:
+            if any(a.size == 3 for a in arrays):
+                raise RuntimeError("the launch failed")
+            mx.async_eval(*arrays)
+
+    monkeypatch.setattr(launcher_module, "mx", Failing())
+    launcher = Launcher()
+    try:
+        launcher.launch(mx.zeros(3))
+        with pytest.raises(RuntimeError, match="the launch failed"):
+            launcher.wait()
+        launcher.wait()  # raised once; nothing is in flight
+        ok = mx.ones(4) * 2
+        launcher.launch(ok)
+        launcher.wait()
+        assert ok.tolist() == [2.0] * 4
+    finally:
+        launcher.close()
