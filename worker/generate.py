@@ -263,6 +263,10 @@ class DecodeBatch:
         self.rows: SamplerRows | None = None  # the live rows' samplers, in row order
         self._pending: mx.array | None = None  # (B,) each row's sampled token, not fed to the model yet
         self._fresh = False  # rows joined since the last step: their first tokens are in `_pending`
+        # With a launcher: a copy of `_pending` made in the same launch, read back in its stead (see
+        # `_launch`), and each live row's place in it.
+        self._pending_copy: mx.array | None = None
+        self._copy_rows: list[int] = []
         self.slots: list[int] = []  # each live row's row of the buffers, in row order
         self._slot_index: mx.array | None = None  # `slots` as an array; None while slots are 0..B-1
         self._steps = 0
@@ -348,7 +352,7 @@ class DecodeBatch:
         pending, fresh = self._pending, self._fresh
         self._fresh = False
         if fresh:
-            self.quiet()
+            self.quiet()  # then nothing is in flight: `pending` itself may be read
             result = handle([int(t) for t in pending.tolist()])
             if meanwhile is not None:
                 meanwhile()
@@ -357,10 +361,11 @@ class DecodeBatch:
                 return result
             self._launch(self._next_step(pending))
         else:
+            read = self._readable(pending)
             self._launch(self._next_step(pending))  # a launcher waits for `pending`'s launch first
             if meanwhile is not None:
                 meanwhile()
-            result = handle([int(t) for t in pending.tolist()])
+            result = handle(read())
         self._stepped()
         return result
 
@@ -370,10 +375,28 @@ class DecodeBatch:
             self.launcher.wait()
 
     def _launch(self, tokens: mx.array) -> None:
-        if self.launcher is not None:
-            self.launcher.launch(tokens)
-        else:
+        """Start computing `tokens` (and the step behind them). With a launcher, a copy of them is made
+        in the same launch and read back later instead of them: they are an input of the next step,
+        whose launch is running when they are read, and reading an array (MLX's `wait`) changes its
+        state under that launch (a crash on the CPU build, seen in tests)."""
+        if self.launcher is None:
             mx.async_eval(tokens)
+            return
+        self._pending_copy = tokens.astype(mx.int32)
+        self._copy_rows = list(range(tokens.shape[0]))
+        self.launcher.launch(tokens, self._pending_copy)
+
+    def _readable(self, pending: mx.array) -> Callable[[], list[int]]:
+        """How to read the live rows' `pending` tokens once the next step is launched."""
+        copy, rows = self._pending_copy, self._copy_rows
+        if self.launcher is None or copy is None:
+            return lambda: [int(t) for t in pending.tolist()]
+
+        def read() -> list[int]:
+            values = copy.tolist()
+            return [int(values[i]) for i in rows]
+
+        return read
 
     def _next_step(self, pending: mx.array) -> mx.array:
         """Build the step that feeds `pending` (one token per live row); returns the tokens it samples,
@@ -420,6 +443,7 @@ class DecodeBatch:
             self._pending = None
         else:
             self._pending = self._pending[mx.array(keep, dtype=mx.int32)]
+        self._copy_rows = [self._copy_rows[i] for i in keep] if self._pending_copy is not None else []
         self._set_slots([self.slots[i] for i in keep])
         self._pad()
         return caches
