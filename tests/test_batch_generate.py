@@ -17,7 +17,7 @@ from rq import Queue
 from rq.serializers import JSONSerializer
 
 from jobs import keys
-from jobs.schema import DoneEvent, GenerateRequest, GenerateResult, TokenEvent
+from jobs.schema import DoneEvent, GenerateRequest, GenerateResult, ScoreRequest, TokenEvent
 from producer import Client, JobFailed
 from worker.engine import Engine, EngineOptions
 
@@ -155,17 +155,21 @@ def test_cancel_one_job_mid_batch_and_a_bad_job_fails_alone(
     assert "generation batch claimed=" in worker.log()
 
 
+@pytest.mark.parametrize("overlap", ["false", "true"])
 def test_a_score_job_runs_between_decode_steps(
-    model_dir: Path, redis_url: str, client: Client, spawn_worker: Any
+    model_dir: Path, redis_url: str, client: Client, engine: Engine, spawn_worker: Any, overlap: str
 ) -> None:
-    worker = spawn_worker(model_dir, redis_url, **BATCH)
+    """Also with decode steps launched on the launcher's thread (as on a GPU): the score batch runs
+    once no step is launching, and scores as it would alone."""
+    worker = spawn_worker(model_dir, redis_url, **BATCH, MLXQ_DECODE_OVERLAP=overlap)
     worker.wait_ready()
     running = client.submit_generate(PROMPT, max_tokens=1900, temperature=0, logit_bias=NO_EOS)
     _first_token(running)
-    scored = client.submit_score(
-        [{"prompt": PROMPT + "The capital of France is", "candidates": [" the", " a"]}]
-    )
-    assert len(scored.result(timeout=30).rows[0].logits) == 2
+    row = {"prompt": PROMPT + "The capital of France is", "candidates": [" the", " a"]}
+    scored = client.submit_score([row])
+    got = scored.result(timeout=30).rows[0].logits
+    alone = engine.score(ScoreRequest.model_validate({"rows": [row]})).rows[0].logits
+    assert got == pytest.approx(alone, rel=1e-4, abs=1e-4)
     assert running.status() == "started"  # it did not wait for the generation batch to drain
     assert running.cancel().value == "requested"
     assert running.result(timeout=30).finish_reason == "cancelled"
