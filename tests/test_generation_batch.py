@@ -315,6 +315,36 @@ def test_with_a_launcher_steps_launch_on_its_thread_and_tokens_are_handled_here(
         batch.close()
 
 
+def test_a_lone_generation_with_a_launcher_gives_the_same_tokens_and_leaves_nothing_launching(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`engine.generate` (a worker that does not batch) launches its decode steps on the launcher's
+    thread too: the same results as without it, also stopped early by a stop string, and no launch is
+    in flight once it returns."""
+    import worker.launcher as launcher_module
+
+    launches = _Launches()
+    monkeypatch.setattr(launcher_module, "mx", launches)
+    plain = _engine(model_dir, prefix_cache_bytes=0)
+    engine = _engine(model_dir, prefix_cache_bytes=0, decode_overlap=True)
+    launcher = engine.launcher()
+    assert launcher is not None and plain.launcher() is None
+    requests = _requests(engine, 6)
+    free = _alone(plain, requests[2])[0]  # greedy, 27 tokens
+    assert len(free.text) > 12
+    requests.append(requests[2].model_copy(update={"stop": [free.text[8:11]]}))  # ends early
+    for request in requests:
+        before = len(launches.threads)
+        want, want_deltas = _alone(plain, request)
+        got, deltas = _alone(engine, request)
+        assert (got.token_ids, got.text, got.finish_reason) == (want.token_ids, want.text, want.finish_reason)
+        assert deltas == want_deltas
+        assert len(launches.threads) - before >= len(got.token_ids) - 2
+        assert not launcher.busy
+    assert got.finish_reason == "stop" and len(got.token_ids) < len(free.token_ids)
+    assert all(name.startswith("mlxq-launch") for name in launches.threads)
+
+
 @pytest.mark.parametrize("seen_by", ["the next step", "quiet"])
 def test_a_launch_that_fails_on_the_launchers_thread_ends_the_decoding_requests(
     model_dir: Path, monkeypatch: pytest.MonkeyPatch, seen_by: str

@@ -107,10 +107,12 @@ class Engine:
         self.score_kv_bytes = (
             score_kv_by_default() if options.score_kv_bytes is None else options.score_kv_bytes
         )
-        # Whether decode batches launch their steps on a thread of their own (`launcher.py`).
+        # Whether decode steps launch on a thread of their own (`launcher.py`). The launcher is made here,
+        # on the thread that loads the engine (the one that generates, in a worker), so every array that
+        # thread makes from now on is on the launcher's stream.
         overlap = options.decode_overlap
         self.decode_overlap = overlap_by_default() if overlap is None else overlap
-        self._launcher: Launcher | None = None
+        self._launcher: Launcher | None = Launcher() if self.decode_overlap else None
 
     @classmethod
     def load(cls, model: str, options: EngineOptions | None = None) -> Engine:
@@ -145,15 +147,15 @@ class Engine:
     # --- prompts --------------------------------------------------------------------------------
 
     def launcher(self) -> Launcher | None:
-        """The launcher of decode batches' steps where `decode_overlap` is on: made on the first call, on
-        the calling thread (its default stream becomes the launcher's, see `launcher.py`), which must be
-        the thread that steps the batches; None on any other thread."""
+        """The launcher of decode steps where `decode_overlap` is on (made when the engine was, or on the
+        first call after `close` or after the overlap was turned on); None on any thread but the one
+        that made it: there decode steps launch on the calling thread."""
         if not self.decode_overlap:
             return None
         if self._launcher is None:
             self._launcher = Launcher()
         if not self._launcher.here:
-            log.warning("a decode batch stepped off the launcher's thread: steps launch on its own thread")
+            log.debug("decode steps off the launcher's thread launch on their own thread")
             return None
         return self._launcher
 
@@ -371,12 +373,16 @@ class Engine:
             )
             mx.eval(logits)  # so the clock measures the prefill, not the building of its graph
             clock.prefilled()
-            for token in decode(self.model, logits, cache, sampler, max_tokens):
-                clock.token()
-                reason = self.finish_reason_after(run, token, cancelled)
-                if reason is not None:
-                    finish = reason
-                    break
+            tokens = decode(self.model, logits, cache, sampler, max_tokens, self.launcher())
+            try:
+                for token in tokens:
+                    clock.token()
+                    reason = self.finish_reason_after(run, token, cancelled)
+                    if reason is not None:
+                        finish = reason
+                        break
+            finally:
+                tokens.close()  # no step left launching (see `decode`)
         except GenerationCancelled:
             finish = "cancelled"
             clock.prefilled()

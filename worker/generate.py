@@ -7,7 +7,7 @@ own sampler; its cache layout (left padding, per-row RoPE offsets) is explained 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from typing import Any, Protocol, TypeVar
 
 import mlx.core as mx
@@ -187,14 +187,24 @@ class GenerationCancelled(Exception):
 
 
 def decode(
-    model: Any, first_logits: mx.array, cache: list[Any], sampler: TokenSampler, max_tokens: int
-) -> Iterator[int]:
+    model: Any,
+    first_logits: mx.array,
+    cache: list[Any],
+    sampler: TokenSampler,
+    max_tokens: int,
+    launcher: Launcher | None = None,
+) -> Generator[int, None, None]:
     """Yield up to `max_tokens` sampled token ids, keeping the next step computing while one is consumed.
 
     The first token is read back before the second step is queued: reading a token can wait for work
     queued after it (measured on CUDA: ~3.8 ms of TTFT were one decode step), and time to first token is
     what a reader waits on. From the second token on, one step stays in flight.
     The caller stops early by closing the generator (or just not asking for more).
+
+    With `launcher` (see `DecodeBatch`) each step is launched on the launcher's thread while this one
+    builds the next and the caller handles the token before; tokens are read from a copy made in the
+    same launch (`DecodeBatch._launch` says why), and the generator waits for the launch in flight
+    when it ends or is closed: the caller must close it before evaluating anything else.
     """
 
     def step(logits: mx.array) -> mx.array:
@@ -202,24 +212,41 @@ def decode(
         sampler.observe(token)
         return token
 
+    def launch(token: mx.array) -> mx.array:
+        """Start computing `token`; returns what to read it from once the next step is launching."""
+        if launcher is None:
+            mx.async_eval(token)
+            return token
+        copy = token.astype(mx.int32)
+        launcher.launch(token, copy)
+        return copy
+
     if max_tokens <= 0:
         return
     token = step(first_logits)
     yield int(token.item())
     if max_tokens == 1:
         return
-    token = step(model(token.reshape(1, 1), cache=cache)[:, -1, :])
-    mx.async_eval(token)
-    for n in range(1, max_tokens):
-        if n + 1 < max_tokens:
-            logits = model(token.reshape(1, 1), cache=cache)[:, -1, :]
-            next_token = step(logits)
-            mx.async_eval(next_token)
-        yield int(token.item())
-        if n + 1 < max_tokens:
-            token = next_token
-        if n % _CLEAR_CACHE_EVERY == _CLEAR_CACHE_EVERY - 1:
-            mx.clear_cache()
+    try:
+        token = step(model(token.reshape(1, 1), cache=cache)[:, -1, :])
+        readable = launch(token)
+        for n in range(1, max_tokens):
+            if n + 1 < max_tokens:
+                logits = model(token.reshape(1, 1), cache=cache)[:, -1, :]
+                next_token = step(logits)
+                next_readable = launch(next_token)  # a launcher waits for `token`'s launch first
+            elif launcher is not None:
+                launcher.wait()  # `token`'s launch has ended before its copy is read
+            yield int(readable.item())
+            if n + 1 < max_tokens:
+                token, readable = next_token, next_readable
+            if n % _CLEAR_CACHE_EVERY == _CLEAR_CACHE_EVERY - 1:
+                if launcher is not None:
+                    launcher.wait()
+                mx.clear_cache()
+    finally:
+        if launcher is not None:
+            launcher.wait()
 
 
 class DecodeBatch:
