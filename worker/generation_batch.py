@@ -184,7 +184,7 @@ class GenerationBatch:
     def close(self) -> None:
         """Done stepping (empty or aborted): no launch is left in flight."""
         self.quiet()
-        if self._ended:  # an empty batch has no request a failed launch could end
+        if self._ended:  # not expected: `len` counts them, so the caller steps until `step` returns them
             log.warning("a generation batch closed with %d ended requests not taken", len(self._ended))
 
     # --- admission ----------------------------------------------------------------------------
