@@ -220,6 +220,12 @@ class MlxqWorker(GenerationJobs, SimpleWorker):
         if not jobs:
             return []
 
+        intermediate: dict[str, str] = {}  # each origin's intermediate list (one Queue made per origin)
+        for job in jobs:
+            if job.origin not in intermediate:
+                queue = Queue(job.origin, connection=self.connection)
+                intermediate[job.origin] = queue.intermediate_queue_key
+
         def start() -> list[Execution]:
             executions = []
             with self.connection.pipeline() as pipe:
@@ -231,7 +237,7 @@ class MlxqWorker(GenerationJobs, SimpleWorker):
                     job.heartbeat(now(), ttl, pipeline=pipe)
                     job.prepare_for_execution(self.name, pipeline=pipe)
                     pipe.persist(job.key)
-                    pipe.lrem(Queue(job.origin, connection=self.connection).intermediate_queue_key, 1, job.id)
+                    pipe.lrem(intermediate[job.origin], 1, job.id)
                 self.set_state(WorkerStatus.BUSY, pipeline=pipe)
                 self.heartbeat(self.get_heartbeat_ttl(jobs[0]), pipeline=pipe)
                 pipe.execute()
@@ -300,22 +306,26 @@ class MlxqWorker(GenerationJobs, SimpleWorker):
                         free = [not n for n in reads.execute()]
                     pipe.multi()
                     at = now()
+                    working = 0.0
                     for (job, _, execution, value), ok in zip(ended, free, strict=True):
                         if ok:
                             self._write_success(job, execution, value, at, pipe)
+                            working += (at - (job.started_at or at)).total_seconds()
+                    if any(free):  # the worker's counters, as RQ adds them a job at a time
+                        pipe.hincrby(self.key, "successful_job_count", sum(free))
+                        pipe.hincrbyfloat(self.key, "total_working_time", working)
                     pipe.execute()
                     return free
                 except redis.WatchError:
                     continue
 
     def _write_success(self, job: Job, execution: Any, value: Any, at: datetime, pipe: Any) -> None:
-        """Queue on `pipe` what RQ's `_finalize_success` writes for a job with no dependents or repeats."""
+        """Queue on `pipe` what RQ's `_finalize_success` writes for a job with no dependents or repeats,
+        but the worker's counters (`_end_together` adds them for all its jobs at once)."""
         job.ended_at = at
         job.heartbeat(at, job.success_callback_timeout, pipeline=pipe)
         job._result = value
         job._status = JobStatus.FINISHED
-        self.increment_successful_job_count(pipeline=pipe)
-        self.increment_total_working_time(at - (job.started_at or at), pipe)
         result_ttl = job.get_result_ttl(self.default_result_ttl)
         if result_ttl != 0:
             job._handle_success(
