@@ -73,7 +73,7 @@ class EngineOptions:
     max_score_rows: int = 64
     max_score_candidates: int = 26
     pad_shapes: bool | None = None  # None: on a GPU only (see `generate.padded_size`)
-    decode_overlap: bool | None = None  # None: on a GPU only (see `generate.DecodeBatch`)
+    decode_overlap: bool | None = None  # None: MLX's CUDA build only (`generate.overlap_by_default`)
     dense_rows: int | None = None  # quantized layers' dense copies from this many rows (`quantized_rows`)
     idle_prefill_tokens: int | None = None  # None: see `idle_prefill_by_default`
     score_kv_bytes: int | None = None  # score batches' prefix copies; None: `score_kv_by_default`

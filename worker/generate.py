@@ -14,6 +14,7 @@ import mlx.core as mx
 
 from . import ragged_attention
 from .batch_cache import BatchKVCache, PrefillRowsCache, prefill_mask
+from .device import on_cuda
 from .kv_cache import KVCache
 from .launcher import Launcher
 from .sampler import Sampler, SamplerRows
@@ -70,8 +71,10 @@ def overlap_by_default() -> bool:
     (H200, 64 rows: 3.42-3.90 against 3.90-4.32 ms a step with the tokens handled on a second thread
     instead, same tokens: `bench.launcher_ab`). Not on the CPU: there `async_eval` returns only when
     the step is nearly computed (0.55 ms of a tiny model's 0.8 ms step), and a second thread measured
-    slower on 2 cores (`bench.launcher_ab --model tiny --rows 8`: 3.05 against 2.33 ms a step)."""
-    return mx.default_device().type == mx.DeviceType.gpu
+    slower on 2 cores (`bench.launcher_ab --model tiny --rows 8`: 3.05 against 2.33 ms a step). Not on
+    Metal by default either: not measured there (no Apple machine here), where MLX's launch is cheaper.
+    It needs MLX 0.32 (`mx.new_thread_unsafe_stream`)."""
+    return on_cuda() and hasattr(mx, "new_thread_unsafe_stream")
 
 
 class TokenSampler(Protocol):

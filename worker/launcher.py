@@ -38,6 +38,11 @@ class Launcher:
     """Made on the thread that builds the steps; its stream becomes that thread's default."""
 
     def __init__(self) -> None:
+        if not hasattr(mx, "new_thread_unsafe_stream"):
+            raise RuntimeError(
+                f"decode steps on a thread of their own (MLXQ_DECODE_OVERLAP) need MLX 0.32 or newer, "
+                f"this is {mx.__version__}; upgrade MLX or set MLXQ_DECODE_OVERLAP=false"
+            )
         self.thread = threading.get_ident()
         device = mx.default_device()
         self._previous = mx.default_stream(device)

@@ -54,8 +54,8 @@ class WorkerSettings(BaseSettings):
     )
     decode_overlap: bool | None = Field(
         default=None,
-        description="launch a generation batch's decode steps on a second thread while the tokens before "
-        "are handled, streams written and the next step built; unset: on a GPU only",
+        description="launch decode steps on a second thread while the tokens before are handled, streams "
+        "written and the next step built; unset: with MLX's CUDA build only",
     )
     dense_rows: int | None = Field(
         default=None,
