@@ -74,3 +74,24 @@ def test_a_failed_launch_raises_at_the_next_wait_once(monkeypatch: pytest.Monkey
         assert ok.tolist() == [2.0] * 4
     finally:
         launcher.close()
+
+
+def test_an_mlx_without_thread_unsafe_streams_gets_no_launcher_by_default_and_a_clear_error_if_asked(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import worker.generate as generate_module
+
+    class OldMlx:  # MLX before 0.32
+        __version__ = "0.31.1"
+
+        def __getattr__(self, name: str) -> object:
+            if name == "new_thread_unsafe_stream":
+                raise AttributeError(name)
+            return getattr(mx, name)
+
+    monkeypatch.setattr(launcher_module, "mx", OldMlx())
+    monkeypatch.setattr(generate_module, "mx", OldMlx())
+    monkeypatch.setattr(generate_module, "on_cuda", lambda: True)
+    assert not generate_module.overlap_by_default()
+    with pytest.raises(RuntimeError, match=r"MLX 0\.32 or newer, this is 0\.31\.1.*MLXQ_DECODE_OVERLAP=false"):
+        Launcher()
