@@ -108,6 +108,7 @@ def test_queued_jobs_run_batched_with_the_results_of_running_alone(
     assert f"idle_prefill_tokens={gpu.get('MLXQ_IDLE_PREFILL_TOKENS', 2048)}" in worker.log()
 
 
+@pytest.mark.parametrize("overlap", ["false", "true"])
 def test_cancel_one_job_mid_batch_and_a_bad_job_fails_alone(
     model_dir: Path,
     redis_url: str,
@@ -115,8 +116,10 @@ def test_cancel_one_job_mid_batch_and_a_bad_job_fails_alone(
     engine: Engine,
     spawn_worker: Any,
     redis_conn: redis.Redis,
+    overlap: str,
 ) -> None:
-    worker = spawn_worker(model_dir, redis_url, **BATCH)
+    """Also with decode steps launched on the launcher's thread, as on a GPU."""
+    worker = spawn_worker(model_dir, redis_url, **BATCH, MLXQ_DECODE_OVERLAP=overlap)
     worker.wait_ready()
     long = {"prompt": PROMPT * 2, "max_tokens": 1900, "temperature": 0, "logit_bias": NO_EOS}
     keep = {"prompt": PROMPT * 3, "max_tokens": 1200, "temperature": 0, "logit_bias": NO_EOS}

@@ -185,10 +185,12 @@ def test_a_bad_score_job_among_claimable_ones_fails_alone(
     assert worker.proc.poll() is None
 
 
+@pytest.mark.parametrize("overlap", ["false", "true"])
 def test_sigterm_finishes_the_job_then_exits_and_a_second_cancels(
-    model_dir: Path, redis_url: str, client: Client, tmp_path: Path, no_eos: dict[int, float]
+    model_dir: Path, redis_url: str, client: Client, tmp_path: Path, no_eos: dict[int, float], overlap: str
 ) -> None:
-    w = WorkerProcess(model_dir, redis_url, tmp_path / "w.log")
+    """Also with decode steps launched on the launcher's thread, as on a GPU."""
+    w = WorkerProcess(model_dir, redis_url, tmp_path / "w.log", MLXQ_DECODE_OVERLAP=overlap)
     w.wait_ready()
     job = client.submit_generate(PROMPT, max_tokens=60, temperature=0, logit_bias=no_eos)
     next(i for i in job.stream(timeout=30) if isinstance(i.event, TokenEvent))
@@ -196,7 +198,9 @@ def test_sigterm_finishes_the_job_then_exits_and_a_second_cancels(
     assert w.wait(60) == 0
     assert job.result(timeout=5).finish_reason == "length"  # finished, not cut short
 
-    w2 = WorkerProcess(model_dir, redis_url, tmp_path / "w2.log")
+    assert f"decode_overlap={overlap.title()}" in (tmp_path / "w.log").read_text()
+
+    w2 = WorkerProcess(model_dir, redis_url, tmp_path / "w2.log", MLXQ_DECODE_OVERLAP=overlap)
     w2.wait_ready()
     # As long as the model's context allows: ~3 s here, while the second signal comes 1.1 s after the first.
     long_job = client.submit_generate(PROMPT, max_tokens=4000, temperature=0, logit_bias=no_eos)
