@@ -206,7 +206,7 @@ def decode(
 
     With `launcher` (see `DecodeBatch`) each step is launched on the launcher's thread while this one
     builds the next and the caller handles the token before; tokens are read from a copy made in the
-    same launch (`DecodeBatch._launch` says why), and the generator waits for the launch in flight
+    same launch (`Launcher.launch_tokens` says why), and the generator waits for the launch in flight
     when it ends or is closed: the caller must close it before evaluating anything else.
     """
 
@@ -220,9 +220,7 @@ def decode(
         if launcher is None:
             mx.async_eval(token)
             return token
-        copy = token.astype(mx.int32)
-        launcher.launch(token, copy)
-        return copy
+        return launcher.launch_tokens(token)
 
     if max_tokens <= 0:
         return
@@ -405,16 +403,13 @@ class DecodeBatch:
             self.launcher.wait()
 
     def _launch(self, tokens: mx.array) -> None:
-        """Start computing `tokens` (and the step behind them). With a launcher, a copy of them is made
-        in the same launch and read back later instead of them: they are an input of the next step,
-        whose launch is running when they are read, and reading an array (MLX's `wait`) changes its
-        state under that launch (a crash on the CPU build, seen in tests)."""
+        """Start computing `tokens` (and the step behind them). With a launcher they are read back later
+        from the copy `Launcher.launch_tokens` makes (it says why), each live row at its place in it."""
         if self.launcher is None:
             mx.async_eval(tokens)
             return
-        self._pending_copy = tokens.astype(mx.int32)
+        self._pending_copy = self.launcher.launch_tokens(tokens)
         self._copy_rows = list(range(tokens.shape[0]))
-        self.launcher.launch(tokens, self._pending_copy)
 
     def _readable(self, pending: mx.array) -> Callable[[], list[int]]:
         """How to read the live rows' `pending` tokens once the next step is launched."""

@@ -220,11 +220,10 @@ class MlxqWorker(GenerationJobs, SimpleWorker):
         if not jobs:
             return []
 
-        intermediate: dict[str, str] = {}  # each origin's intermediate list (one Queue made per origin)
-        for job in jobs:
-            if job.origin not in intermediate:
-                queue = Queue(job.origin, connection=self.connection)
-                intermediate[job.origin] = queue.intermediate_queue_key
+        intermediate = {  # each origin's intermediate list: one Queue made per origin, not per job
+            origin: Queue(origin, connection=self.connection).intermediate_queue_key
+            for origin in {job.origin for job in jobs}
+        }
 
         def start() -> list[Execution]:
             executions = []
