@@ -12,7 +12,7 @@ Then the cache's copy as it is into a full cache: a budget of `--full-rows` rows
 `--rows`), filled by the first ones untimed, so every timed offer evicts one, as in a worker whose cache
 has filled (on the H200 the
 workers' offers cost ~0.65 ms each while their cache filled, 1.3-2 ms once it was full:
-`bench/README.md`); and into a full cache of `--nodes` small nodes (16 tokens each), host time only:
+`bench/HISTORY.md`); and into a full cache of `--nodes` small nodes (16 tokens each), host time only:
 what eviction costs as the trie grows. Prints a table; writes nothing.
 """
 

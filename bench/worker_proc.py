@@ -267,6 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if profiler is not None:
             profiler.disable()
+            profiler.dump_stats(args.cprofile + ".prof")  # for pstats/snakeviz, beside the text
             with open(args.cprofile, "w") as f:
                 stats = pstats.Stats(profiler, stream=f)
                 stats.sort_stats("tottime").print_stats(25)

@@ -33,7 +33,7 @@ def mlx_cache_limit(setting: int | None) -> int:
     the device, and a new one is managed memory that faults its pages in on first use, so a cache
     smaller than what a batch turns over (a 64-row decode batch of the 1B shape holds ~1 GiB of KV and
     copies it whenever its membership or length changes) costs every step that frees. Measured on the
-    H200 (`bench/README.md`, 64 jobs through the queue, in turns with 1 GiB): +30% (16 GiB; and +16%
+    H200 (`bench/HISTORY.md`, 64 jobs through the queue, in turns with 1 GiB): +30% (16 GiB; and +16%
     for a 256-job backlog) in one machine start, +6% (this default) in another, +12% (32 GiB) in an
     earlier one. So the default there is an eighth of MLX's memory limit (17.8 GB on an H200);
     elsewhere (unified memory, shared with the system) 1 GiB."""
