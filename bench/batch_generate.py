@@ -236,7 +236,7 @@ def run_engine_batch(engine: Any, payloads: list[dict[str, Any]], max_batch: int
     import mlx.core as mx
 
     from jobs.schema import GenerateRequest
-    from worker.generation_batch import GenerationBatch
+    from worker.engine.generation_batch import GenerationBatch
 
     mx.synchronize()
     t0 = time.perf_counter()
@@ -667,7 +667,7 @@ class InProcess:
         import mlx.core as mx
         from mlx.utils import tree_flatten
 
-        from worker.engine import Engine
+        from worker.engine.engine import Engine
 
         from .baseline import MlxLm
 

@@ -27,7 +27,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from worker import ragged_attention
+from worker.engine import ragged_attention
 
 from .checkpoints import checkpoint
 
@@ -61,8 +61,8 @@ def _hand_loop(model: Any, cache: list[Any], rows: int, context: int) -> Any:
 def _decode_batch(
     engine: Any, rows: int, context: int, ragged: bool, bias: bool, kernel: bool | None = False
 ) -> Any:
-    from worker.generate import DecodeBatch, prefill
-    from worker.sampler import Sampler
+    from worker.engine.generate import DecodeBatch, prefill
+    from worker.engine.sampler import Sampler
 
     random.seed(rows * 1000 + context)
     vocab = engine.model.args.vocab_size
@@ -82,7 +82,7 @@ _PARTS = ("graph", "launch", "device", "read")
 
 
 class _SyncedMx:
-    """`mlx.core` as `worker.generate` sees it, with `async_eval` run between device syncs and timed:
+    """`mlx.core` as `worker.engine.generate` sees it, with `async_eval` run between device syncs and timed:
     what the host spends launching a step, and what the device still has to do once it is launched."""
 
     def __init__(self, parts: dict[str, list[float]]) -> None:
@@ -108,7 +108,7 @@ class _SyncedMx:
 
 def _anatomy(engine: Any, rows: int, context: int, steps: int) -> dict[str, list[float]]:
     """A `DecodeBatch` step split into graph building, launch and device time (see `_SyncedMx`)."""
-    import worker.generate as generate_module
+    import worker.engine.generate as generate_module
 
     step, _ = _decode_batch(engine, rows, context, True, True, None)
     for _ in range(4):
@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dense-rows", type=int, help="EngineOptions.dense_rows (a quantized model) [default]")
     args = ap.parse_args(argv)
     random.seed(0)
-    from worker.engine import Engine, EngineOptions
+    from worker.engine.engine import Engine, EngineOptions
 
     path = checkpoint(args.model, Path.home() / ".cache/mlxq/bench-models")
     engine = Engine.load(str(path), EngineOptions(dense_rows=args.dense_rows))
@@ -193,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
         "read back |\n| --- | --- | --- | --- |"
     )
     print("| " + " | ".join(f"{statistics.median(anatomy[k]):.2f}" for k in _PARTS) + " |")
-    from worker.generate import prefill_rows
+    from worker.engine.generate import prefill_rows
 
     print("\n| prefill_rows (rows x width) | padded | first ms | again ms |\n| --- | --- | --- | --- |")
     for pad in (True, False):

@@ -27,7 +27,7 @@ def _run(
     engine: object, payloads: list[dict], sync: bool
 ) -> tuple[float, int, list[tuple[int, int, int, float]]]:
     from jobs.schema import GenerateRequest
-    from worker.generation_batch import GenerationBatch
+    from worker.engine.generation_batch import GenerationBatch
 
     batch = GenerationBatch(engine, len(payloads), 2 << 30)  # type: ignore[arg-type]
     for i, p in enumerate(payloads):
@@ -87,8 +87,8 @@ class _Phases:
 
 def _phases_run(engine: object, payloads: list[dict]) -> tuple[float, _Phases]:
     """One run, each phase of a step timed between device syncs."""
-    from worker import generation_batch
-    from worker.generate import DecodeBatch
+    from worker.engine import generation_batch
+    from worker.engine.generate import DecodeBatch
 
     phases = _Phases()
     phases.wrap(generation_batch, "prefill_rows", "prefill_rows (graph)")
@@ -128,8 +128,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--phases", action="store_true", help="one more run, each phase timed between syncs")
     args = ap.parse_args(argv)
-    from worker import ragged_attention
-    from worker.engine import Engine, EngineOptions
+    from worker.engine import ragged_attention
+    from worker.engine.engine import Engine, EngineOptions
 
     path = checkpoint(args.model, Path.home() / ".cache/mlxq/bench-models")
     use_cache = args.prefix_cache != "off"

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from worker.tiny_model import write_random_checkpoint
+from worker.modelfiles.tiny_model import write_random_checkpoint
 
 # Small enough for a 2-core CPU with a reference BLAS; long context so 8k-token prefixes fit.
 TINY: dict[str, Any] = {"max_position_embeddings": 16384}
@@ -32,9 +32,9 @@ QUANTIZED = {"llama-1b-4bit": ("llama-1b", 4), "llama-1b-8bit": ("llama-1b", 8),
 def checkpoint(name: str, cache_dir: Path) -> Path:
     """Folder of checkpoint `name`: `tiny`, `llama-1b` (random weights, written once into `cache_dir`),
     one of those quantized (`QUANTIZED`), `smollm2` (the real model, imported by
-    `worker.default_model`), or a path."""
+    `worker.modelfiles.default_model`), or a path."""
     if name == "smollm2":
-        from worker.default_model import default_model_dir  # not there yet: the caller skips it
+        from worker.modelfiles.default_model import default_model_dir  # not there yet: the caller skips it
 
         return Path(default_model_dir())
     if name in QUANTIZED:
@@ -57,7 +57,7 @@ def checkpoint(name: str, cache_dir: Path) -> Path:
 
 
 def _quantized(name: str, cache_dir: Path) -> Path:
-    from worker.loader import load_config, load_model, save_quantized  # imports MLX
+    from worker.engine.models.loader import load_config, load_model, save_quantized  # imports MLX
 
     source_name, bits = QUANTIZED[name]
     source = checkpoint(source_name, cache_dir)

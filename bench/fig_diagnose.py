@@ -16,12 +16,12 @@ from typing import Any
 
 import mlx.core as mx
 
-import worker.engine
+import worker.engine.engine
 from jobs.schema import GenerateRequest
 from worker.engine import Engine
-from worker.generate import decode, prefill
-from worker.prefix_cache import PrefixCache
-from worker.sampler import Sampler
+from worker.engine.cache.prefix_cache import PrefixCache
+from worker.engine.generate import decode, prefill
+from worker.engine.sampler import Sampler
 from worker.stream_writer import StreamOptions, StreamWriter
 
 from .common import Bench, median, phase_timers
@@ -43,7 +43,7 @@ class Greedy:
 
 def _mlxq_loop(model: Any, make_cache: Callable[[], list[Any]], ids: list[int], n: int, sampler: Any,
                stream: Any = None) -> list[float]:  # fmt: skip
-    """worker.generate's decode loop (one step in flight) on any model; arrival time of each token."""
+    """worker.engine.generate's decode loop (one step in flight) on any model; arrival time of each token."""
     ctx: AbstractContextManager[Any] = mx.stream(stream) if stream is not None else nullcontext()
     times = []
     with ctx:
@@ -190,7 +190,7 @@ def warm_cache_phases(b: Bench) -> dict[str, Any]:
             targets = {
                 "prompt_tokens (tokenize)": (Engine, "prompt_tokens"),
                 "cache lookup + KV gathered": (Engine, _BEGIN),
-                "prefill (+ logits evaluated)": (worker.engine, "prefill"),
+                "prefill (+ logits evaluated)": (worker.engine.engine, "prefill"),
                 "prefix cache offer (after the last token)": (PrefixCache, "offer"),
             }
             with _patched(engine), phase_timers(targets) as phases:
@@ -218,13 +218,13 @@ class _patched:
         self.engine = engine
 
     def __enter__(self) -> None:
-        self._begin, self._prefill = getattr(Engine, _BEGIN), worker.engine.prefill
+        self._begin, self._prefill = getattr(Engine, _BEGIN), worker.engine.engine.prefill
         setattr(Engine, _BEGIN, _evaluated(self._begin, lambda out: [c.state for c in out[0]]))
-        worker.engine.prefill = _evaluated(worker.engine.prefill, lambda out: out)  # type: ignore[assignment]
+        worker.engine.engine.prefill = _evaluated(worker.engine.engine.prefill, lambda out: out)  # type: ignore[assignment]
 
     def __exit__(self, *exc: object) -> None:
         setattr(Engine, _BEGIN, self._begin)
-        worker.engine.prefill = self._prefill
+        worker.engine.engine.prefill = self._prefill
 
 
 def diagnostics(b: Bench) -> dict[str, Any]:

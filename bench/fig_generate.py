@@ -13,8 +13,8 @@ import mlx.core as mx
 
 from jobs.schema import GenerateRequest
 from worker.engine import Engine
-from worker.generate import prefill
-from worker.prefix_cache import PrefixCache
+from worker.engine.cache.prefix_cache import PrefixCache
+from worker.engine.generate import prefill
 
 from .common import Bench, median, mem_fields, memory, phase_timers, worker_memory
 from .queue_client import cleanup, enqueue, follow

@@ -16,8 +16,8 @@ from typing import Any
 import mlx.core as mx
 
 from jobs.schema import GenerateRequest
-from worker.generate import prefill
-from worker.sampler import Sampler
+from worker.engine.generate import prefill
+from worker.engine.sampler import Sampler
 from worker.stream_writer import StreamOptions, StreamWriter
 
 from .common import Bench, median

@@ -10,10 +10,10 @@ from typing import Any
 import mlx.core as mx
 import redis
 
-import worker.engine
+import worker.engine.engine
 from jobs.schema import ScoreRequest
-from worker.prefix_cache import PrefixCache
-from worker.scoring import PrefixScorer
+from worker.engine.cache.prefix_cache import PrefixCache
+from worker.engine.scoring import PrefixScorer
 
 from .common import Bench, mem_fields, memory, phase_timers, worker_memory
 from .prompts import PromptMaker
@@ -24,7 +24,7 @@ SCORE_PHASES = {
     "shared spans (PrefixScorer._extend)": (PrefixScorer, "_extend"),
     "suffix batches (PrefixScorer._run_leaves)": (PrefixScorer, "_run_leaves"),
     "prefix cache offer (KV copy)": (PrefixCache, "offer"),
-    "candidate_scores (per row)": (worker.engine, "candidate_scores"),
+    "candidate_scores (per row)": (worker.engine.engine, "candidate_scores"),
 }
 
 
@@ -259,7 +259,7 @@ def _engine_from_ids(b: Bench, table: dict[str, Any]) -> None:
 
 def queue_overhead(b: Bench) -> dict[str, Any]:
     """Many small score jobs through one burst worker on the tiny model: jobs/s and where time goes."""
-    from worker.tokenizer import Tokenizer
+    from worker.engine.text.tokenizer import Tokenizer
 
     s = b.sizes
     maker = PromptMaker(Tokenizer.from_dir(b.tiny_path), seed=5)

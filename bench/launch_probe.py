@@ -8,7 +8,7 @@ sizes, `--calls` independent calls evaluated by one `async_eval` with the device
 (Python), launch (MLX's evaluation on the host), and what the device still runs afterwards, each per
 call (median over `--repeats`). Kinds: a matmul (rows x 2048 @ 2048 x 2048), an elementwise add, RoPE,
 MLX's attention over a slice of the cache, the same with a boolean mask, and mlxq's ragged-attention
-kernel (`worker.ragged_attention`, CUDA only). Prints a table; writes nothing.
+kernel (`worker.engine.ragged_attention`, CUDA only). Prints a table; writes nothing.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from collections.abc import Callable
 
 import mlx.core as mx
 
-from worker import ragged_attention
+from worker.engine import ragged_attention
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM = 2048, 32, 8, 64
 

@@ -1,4 +1,4 @@
-"""Probe: decode steps launched on a thread of their own (`worker.launcher`), with Python's thread switch
+"""Probe: decode steps launched on a thread of their own (`worker.engine.launcher`), with Python's thread switch
 interval as the launcher sets it and as Python's default (5 ms), against the way a GPU worker stepped
 before `ccf04c3` (the launch on the loop's thread, the tokens handled on an overlap thread meanwhile),
 and against no overlap at all, alternating in one process.
@@ -27,9 +27,9 @@ from typing import Any, TypeVar
 
 import mlx.core as mx
 
-from worker.generate import DecodeBatch, prefill
-from worker.launcher import Launcher
-from worker.sampler import Sampler
+from worker.engine.generate import DecodeBatch, prefill
+from worker.engine.launcher import Launcher
+from worker.engine.sampler import Sampler
 
 from .checkpoints import checkpoint
 
@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--handle-us", type=float, default=400.0)
     args = ap.parse_args(argv)
-    from worker.engine import Engine
+    from worker.engine.engine import Engine
 
     engine = Engine.load(str(checkpoint(args.model, Path.home() / ".cache/mlxq/bench-models")))
     launcher = Launcher()

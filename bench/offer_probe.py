@@ -30,8 +30,8 @@ from .checkpoints import checkpoint
 
 
 def _batch(model: Any, rows: int, tokens: int) -> Any:
-    from worker.batch_cache import BatchKVCache
-    from worker.kv_cache import KVCache
+    from worker.engine.cache.batch_cache import BatchKVCache
+    from worker.engine.cache.kv_cache import KVCache
 
     layers = []
     shape = (rows, model.args.n_kv_heads, tokens, model.args.head_dim)
@@ -50,7 +50,7 @@ def _offers(
 ) -> float:
     """Median ms per offer of each row's tokens into a fresh cache of `budget` bytes; the first `fill`
     rows are offered untimed (to fill it), the first timed one is left out (first-seen shapes)."""
-    from worker.prefix_cache import PrefixCache
+    from worker.engine.cache.prefix_cache import PrefixCache
 
     cache = PrefixCache(budget)
     times = []
@@ -72,7 +72,7 @@ def _offers(
 def _into_many_nodes(layers: list[Any], rows: int, tokens: int, nodes: int, token_bytes: int) -> float:
     """Median ms per offer of each row into a cache full of `nodes` nodes of 16 tokens (each offer
     evicts several)."""
-    from worker.prefix_cache import PrefixCache
+    from worker.engine.cache.prefix_cache import PrefixCache
 
     cache = PrefixCache(nodes * 16 * token_bytes)
     short = [layer.row(0) for layer in layers]
@@ -99,8 +99,8 @@ def main(argv: list[str] | None = None) -> int:
         "--nodes", default="100,1000,5000", help="sizes of a full cache of 16-token nodes [100,1000,5000]"
     )
     args = ap.parse_args(argv)
-    from worker import prefix_cache
-    from worker.loader import load_model
+    from worker.engine.cache import prefix_cache
+    from worker.engine.models.loader import load_model
 
     model, _ = load_model(str(checkpoint(args.model, Path.home() / ".cache/mlxq/bench-models")))
     layers = _batch(model, args.rows, args.tokens)

@@ -42,8 +42,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--runs", type=int, default=4)
     ap.add_argument("--staggered", action="store_true", help="jobs' max tokens spread over 1/4..1 of it")
     args = ap.parse_args(argv)
-    from worker import generation_batch
-    from worker.engine import Engine, EngineOptions
+    from worker.engine import generation_batch
+    from worker.engine.engine import Engine, EngineOptions
 
     path = checkpoint(args.model, Path.home() / ".cache/mlxq/bench-models")
     engine = Engine.load(str(path), EngineOptions(prefix_cache_bytes=1 << 30))

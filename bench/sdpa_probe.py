@@ -122,7 +122,7 @@ def _decode_attention(rows: int = 64, length: int = 300, capacity: int = 512) ->
 
     first, again = _first_again(two_queries)
     out.append((f"2 queries, whole buffer, additive mask (first {first:.1f} ms; max diff {err:.3g})", again))
-    from worker import ragged_attention
+    from worker.engine import ragged_attention
 
     if ragged_attention.available():
         ragged = ragged_attention.RaggedRows(starts.astype(mx.int32), length, capacity)
@@ -133,12 +133,14 @@ def _decode_attention(rows: int = 64, length: int = 300, capacity: int = 512) ->
             return [ragged_attention.decode_attention(q, keys, values, ragged, scale) for _ in range(16)]
 
         first, again = _first_again(kernel)
-        out.append((f"worker.ragged_attention kernel (first {first:.1f} ms; max diff {err:.3g})", again))
+        out.append(
+            (f"worker.engine.ragged_attention kernel (first {first:.1f} ms; max diff {err:.3g})", again)
+        )
     return out
 
 
 def _model_tails(model_name: str, offsets: list[int]) -> list[tuple[bool, int, float, float]]:
-    from worker.loader import load_model
+    from worker.engine.models.loader import load_model
 
     from .checkpoints import checkpoint
 
@@ -168,7 +170,7 @@ def _model_tails(model_name: str, offsets: list[int]) -> list[tuple[bool, int, f
 
 def _components(model_name: str) -> list[tuple[str, int, float, float]]:
     """Each part of a tail prefill at key lengths it has not seen: which one pays the first-call cost."""
-    from worker.loader import load_model
+    from worker.engine.models.loader import load_model
 
     from .checkpoints import checkpoint
 

@@ -22,7 +22,7 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 
-from worker.models import llama
+from worker.engine.models import llama
 
 from .batch_step import _PARTS, _anatomy, _decode_batch, _time_steps
 from .checkpoints import checkpoint
@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=4)
     args = ap.parse_args(argv)
-    from worker.engine import Engine
+    from worker.engine.engine import Engine
 
     engine = Engine.load(str(checkpoint(args.model, Path.home() / ".cache/mlxq/bench-models")))
     b, n = args.rows, args.context

@@ -19,10 +19,10 @@ import time
 from pathlib import Path
 
 from bench.prompts import PromptMaker
-from worker import shared_encoding
-from worker.scoring import RowText, candidate_token_ids
-from worker.tiny_model import write_random_checkpoint
-from worker.tokenizer import Tokenizer
+from worker.engine.scoring import RowText, candidate_token_ids
+from worker.engine.text import shared_encoding
+from worker.engine.text.tokenizer import Tokenizer
+from worker.modelfiles.tiny_model import write_random_checkpoint
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -27,7 +27,7 @@ from typing import Any
 
 import mlx.core as mx
 
-import worker.engine
+import worker.engine.engine
 from bench.checkpoints import checkpoint
 from bench.fig_diagnose import _BEGIN, _patched
 from bench.prompts import PromptMaker
@@ -40,7 +40,7 @@ VARIANTS = ("back to back", "settled", "phases")
 PHASES = {
     "tokenize": (Engine, "prompt_tokens"),
     "lookup + KV gathered": (Engine, _BEGIN),
-    "prefill + logits": (worker.engine, "prefill"),
+    "prefill + logits": (worker.engine.engine, "prefill"),
 }
 
 

@@ -25,12 +25,12 @@ import mlx.core as mx
 import worker
 import worker.generation_jobs as batch_loop_module
 from worker.cli import configure_logging
-from worker.generate import DecodeBatch
-from worker.generation_batch import GenerationBatch
-from worker.launcher import Launcher
-from worker.prefix_cache import PrefixCache
+from worker.engine.cache.prefix_cache import PrefixCache
+from worker.engine.generate import DecodeBatch
+from worker.engine.generation_batch import GenerationBatch
+from worker.engine.launcher import Launcher
+from worker.engine.scoring import PrefixScorer
 from worker.rq_worker import MlxqWorker
-from worker.scoring import PrefixScorer
 from worker.service import WorkerService
 from worker.settings import WorkerSettings
 from worker.stream_writer import StreamWriter
@@ -78,7 +78,7 @@ def _count_scorer_parts() -> None:
 # events in one transaction, then RQ's end of each. `stream_write` is `flush_streams`, the step's
 # background work (inside `batch_step`): all jobs' due tokens in one pipeline; `stream_entries` counts
 # the XADDs it sent (writers whose buffer it took). `graph` (the model's and the sampler's calls:
-# building graphs, prefill's too) and `launch` (`async_eval` in `worker.generate`) are inside `forward`
+# building graphs, prefill's too) and `launch` (`async_eval` in `worker.engine.generate`) are inside `forward`
 # and `prefill`; `gc` is the garbage collector's time. With a launcher (a GPU) decode steps launch on its
 # thread instead: `launcher_launch` is that thread's time in `async_eval` (beside the loop's thread), and
 # `launch_wait` the loop thread's waits for it (`Launcher.wait`: inside `forward`, or before a prefill,
@@ -132,9 +132,9 @@ def _time_batch_parts() -> None:
 
 
 class _TimedMx:
-    """`mlx.core` as `worker.generate` sees it, with `async_eval` timed: inside `forward`, the host's
+    """`mlx.core` as `worker.engine.generate` sees it, with `async_eval` timed: inside `forward`, the host's
     launch of a decode step (`launch`), apart from its graph building (`graph`, the model's and the
-    sampler's calls) and the wait for the step before it (the rest). As `worker.launcher` sees it, the
+    sampler's calls) and the wait for the step before it (the rest). As `worker.engine.launcher` sees it, the
     launcher thread's launches (`launcher_launch`)."""
 
     def __init__(self, module: Any, key: str = "launch") -> None:
@@ -169,9 +169,9 @@ def _time_gc() -> None:
 
 def _time_decode_anatomy(model: Any) -> None:
     """Split `DecodeBatch.step` (and a batched prefill's graph) into graph building and launch."""
-    import worker.generate as generate_module
-    import worker.launcher as launcher_module
-    from worker.sampler import SamplerRows
+    import worker.engine.generate as generate_module
+    import worker.engine.launcher as launcher_module
+    from worker.engine.sampler import SamplerRows
 
     for owner, attr in ((type(model), "__call__"), (SamplerRows, "sample")):
         original = getattr(owner, attr)

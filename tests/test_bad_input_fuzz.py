@@ -28,7 +28,7 @@ from jobs import keys, parse_generate, parse_score
 from producer import Client
 from worker.allowlist import forbidden_reason
 from worker.engine import Engine
-from worker.tiny_model import write_random_checkpoint
+from worker.modelfiles.tiny_model import write_random_checkpoint
 
 REDIS_DB = 4
 # What a failed job may say: mlxq's own errors, each with a message written for a person.

@@ -79,7 +79,7 @@ def test_a_few_hundred_rows_wait_under_backpressure_then_match_one_row_scores_in
     redis_conn: redis.Redis,
     tmp_path: Path,
 ) -> None:
-    from worker.engine import Engine, EngineOptions
+    from worker.engine.engine import Engine, EngineOptions
 
     data = rows(300)
     src, out = write_jsonl(tmp_path / "in.jsonl", data), tmp_path / "out.jsonl"
@@ -123,7 +123,7 @@ def test_a_few_hundred_rows_wait_under_backpressure_then_match_one_row_scores_in
 def test_a_bad_row_fails_alone_and_malformed_lines_are_reported_with_line_numbers(
     model_dir: Path, worker: WorkerProcess, client: Client, tmp_path: Path
 ) -> None:
-    from worker.tokenizer import Tokenizer
+    from worker.engine.text.tokenizer import Tokenizer
 
     tok = Tokenizer.from_dir(model_dir)
     bad = {"custom_id": "bad", "prompt": BASE + "The capital is", "candidates": [" a", " Paris"]}

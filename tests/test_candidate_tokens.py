@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from jobs.errors import InvalidCandidate
-from worker.scoring import TAIL_TOKENS, RowText, _tails, candidate_token_ids
-from worker.tiny_model import write_random_checkpoint
-from worker.tokenizer import Tokenizer
+from worker.engine.scoring import TAIL_TOKENS, RowText, _tails, candidate_token_ids
+from worker.engine.text.tokenizer import Tokenizer
+from worker.modelfiles.tiny_model import write_random_checkpoint
 
 LONG = "Read the passage, then answer with one letter. The passage: queues hold jobs and workers take them. "
 

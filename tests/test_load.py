@@ -19,7 +19,7 @@ import redis
 
 from jobs import keys
 from producer import Client
-from worker.tiny_model import write_random_checkpoint
+from worker.modelfiles.tiny_model import write_random_checkpoint
 
 REDIS_DB = 2
 JOBS = int(os.environ.get("MLXQ_LOAD_JOBS", "10000"))

@@ -15,8 +15,8 @@ import pytest
 from jobs.errors import OutOfMemory
 from jobs.schema import GenerateRequest, ScoreRequest
 from worker.engine import Engine, EngineOptions
-from worker.kv_cache import key_columns
-from worker.tiny_model import write_random_checkpoint
+from worker.engine.cache.kv_cache import key_columns
+from worker.modelfiles.tiny_model import write_random_checkpoint
 
 METAL_OOM = (
     "[metal::malloc] Attempting to allocate 9663676416 bytes which is greater than the maximum allowed"
@@ -136,7 +136,7 @@ def test_a_score_batch_that_runs_out_of_memory_retries_in_smaller_batches(
 def test_a_batched_prefill_retries_once_then_its_jobs_fail_clearly(
     engine: Engine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from worker.generation_batch import GenerationBatch
+    from worker.engine.generation_batch import GenerationBatch
 
     def run_batch() -> list[Any]:
         batch = GenerationBatch(engine, max_sequences=3)

@@ -1,4 +1,4 @@
-"""Quantized layers with dense copies for many rows (`worker/quantized_rows.py`).
+"""Quantized layers with dense copies for many rows (`worker/engine/models/quantized_rows.py`).
 
 The copy is the layer's own weight dequantized, so on the CPU (float32) both paths give the same
 numbers: a model answers the same with or without copies, whichever path each call takes, and a
@@ -18,9 +18,9 @@ from mlx.utils import tree_flatten
 
 from jobs.schema import GenerateRequest
 from worker.engine import Engine, EngineOptions
-from worker.generation_batch import GenerationBatch
-from worker.loader import load_config, load_model, save_quantized
-from worker.quantized_rows import (
+from worker.engine.generation_batch import GenerationBatch
+from worker.engine.models.loader import load_config, load_model, save_quantized
+from worker.engine.models.quantized_rows import (
     DenseRowsEmbedding,
     DenseRowsLinear,
     FusedDenseRows,
@@ -28,8 +28,8 @@ from worker.quantized_rows import (
     dense_rows_by_default,
     use_dense_rows,
 )
+from worker.modelfiles.tiny_model import write_random_checkpoint
 from worker.settings import WorkerSettings
-from worker.tiny_model import write_random_checkpoint
 
 
 @pytest.fixture(scope="module", params=[False, True], ids=["lm_head", "tied"])

@@ -12,7 +12,7 @@ import pytest
 
 from producer import Client
 from worker.cli import main as worker_main
-from worker.default_model import default_gguf_path
+from worker.modelfiles.default_model import default_gguf_path
 
 REDIS_DB = 3
 

@@ -14,7 +14,7 @@ from worker_process import WorkerProcess
 
 from jobs.schema import TokenEvent
 from producer import Client
-from worker.tiny_model import write_random_checkpoint
+from worker.modelfiles.tiny_model import write_random_checkpoint
 
 pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs redis-server on PATH")
 

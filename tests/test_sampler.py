@@ -8,7 +8,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from worker.sampler import (
+from worker.engine.sampler import (
     Sampler,
     SamplerRows,
     apply_logit_bias,

@@ -16,9 +16,9 @@ import pytest
 from tokenizers import AddedToken, processors
 from tokenizers import Tokenizer as Backend
 
-from worker.chat_template import ChatTemplate, ChatTemplateError
-from worker.tiny_model import build_tokenizer, write_random_checkpoint
-from worker.tokenizer import Tokenizer
+from worker.engine.text.chat_template import ChatTemplate, ChatTemplateError
+from worker.engine.text.tokenizer import Tokenizer
+from worker.modelfiles.tiny_model import build_tokenizer, write_random_checkpoint
 
 LLAMA3_TEMPLATE = """{{- bos_token }}
 {%- if not date_string is defined %}{%- set date_string = strftime_now("%d %b %Y") %}{%- endif %}
@@ -184,7 +184,7 @@ def test_encode_short_remembers_exactly_what_encode_gives(
 ) -> None:
     """`encode_short` (scoring's prompt tails with each candidate) is `encode` without special tokens,
     remembered for short texts with the least recently used forgotten first; long texts pass through."""
-    import worker.tokenizer as tokenizer_module
+    import worker.engine.text.tokenizer as tokenizer_module
 
     monkeypatch.setattr(tokenizer_module, "_SHORT_TEXTS", 3)
     tok = Tokenizer.from_dir(folders[name])
@@ -203,7 +203,7 @@ def test_encode_short_many_is_encode_short_in_one_call(
 ) -> None:
     """Texts not remembered go to the tokenizer in one batch call (from `_BATCH_FROM` of them): the
     same ids as one call each, duplicates and long texts included; the memory stays bounded."""
-    import worker.tokenizer as tokenizer_module
+    import worker.engine.text.tokenizer as tokenizer_module
 
     monkeypatch.setattr(tokenizer_module, "_SHORT_TEXTS", 16)
     tok = Tokenizer.from_dir(folders[name])

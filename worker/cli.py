@@ -7,7 +7,7 @@ import logging
 import sys
 from typing import Any
 
-from .settings import WorkerSettings
+from worker.settings import WorkerSettings
 
 log = logging.getLogger("worker")
 
@@ -66,7 +66,7 @@ def configure_logging(level: str) -> None:
 
 def run_worker(settings: WorkerSettings, *, burst: bool = False, max_jobs: int | None = None) -> int:
     """Load the model, install the executor, and serve jobs until stopped (or the queues are empty)."""
-    from .service import WorkerService
+    from worker.service import WorkerService
 
     if not settings.model:
         print(
@@ -74,7 +74,7 @@ def run_worker(settings: WorkerSettings, *, burst: bool = False, max_jobs: int |
         )
         return 2
     if settings.model == DEFAULT_MODEL:
-        from .default_model import default_model_dir
+        from worker.modelfiles.default_model import default_model_dir
 
         settings = settings.model_copy(update={"model": str(default_model_dir())})
     service = WorkerService.start(settings)
@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
         settings = settings_from_args(args)
         configure_logging(settings.log_level)
         return run_worker(settings, burst=args.burst, max_jobs=args.max_jobs)
-    from .gguf_import import import_gguf
+    from worker.modelfiles.gguf_import import import_gguf
 
     configure_logging("INFO")
     out = import_gguf(args.gguf, args.out_dir, quantize=False if args.no_quantize else None)

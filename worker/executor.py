@@ -19,9 +19,8 @@ from rq.utils import now
 
 from jobs import parse_score
 from jobs.schema import DoneEvent, GenerateRequest, GenerateResult, ScoreRequest, ScoreResult
-
-from .engine import Engine
-from .stream_writer import StreamOptions, StreamWriter, finish_streams, open_streams
+from worker.engine import Engine
+from worker.stream_writer import StreamOptions, StreamWriter, finish_streams, open_streams
 
 log = logging.getLogger(__name__)
 

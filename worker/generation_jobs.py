@@ -31,13 +31,12 @@ from rq.job import Job
 from rq.timeouts import JobTimeoutException
 
 from jobs import keys, parse_generate
-
-from .finalizer import Finalizer
-from .generation_batch import Finished, GenerationBatch
-from .job_claim import QueuedJob
-from .job_watch import JobWatch
-from .score_claim import ScorePicker
-from .stream_writer import REDIS_TRANSIENT, StreamWriter, flush_streams
+from worker.engine.generation_batch import Finished, GenerationBatch
+from worker.finalizer import Finalizer
+from worker.job_claim import QueuedJob
+from worker.job_watch import JobWatch
+from worker.score_claim import ScorePicker
+from worker.stream_writer import REDIS_TRANSIENT, StreamWriter, flush_streams
 
 log = logging.getLogger(__name__)
 

@@ -10,8 +10,7 @@ import redis
 from rq.job import Job
 
 from jobs import keys
-
-from .stream_writer import REDIS_TRANSIENT
+from worker.stream_writer import REDIS_TRANSIENT
 
 log = logging.getLogger(__name__)
 

@@ -32,14 +32,13 @@ from rq.worker import WorkerStatus
 
 from jobs import keys
 from jobs.errors import ForbiddenJob
-
-from .allowlist import forbidden_reason
-from .executor import JobExecutor
-from .generation_jobs import BatchOptions, GenerationJobs
-from .job_claim import JobClaimer
-from .job_watch import JobWatch
-from .score_claim import ScoreClaimer
-from .stream_writer import REDIS_TRANSIENT, StreamOptions, StreamWriter, retrying
+from worker.allowlist import forbidden_reason
+from worker.executor import JobExecutor
+from worker.generation_jobs import BatchOptions, GenerationJobs
+from worker.job_claim import JobClaimer
+from worker.job_watch import JobWatch
+from worker.score_claim import ScoreClaimer
+from worker.stream_writer import REDIS_TRANSIENT, StreamOptions, StreamWriter, retrying
 
 log = logging.getLogger(__name__)
 

@@ -11,8 +11,7 @@ from rq import Queue
 from rq.job import Job
 
 from jobs import keys
-
-from .job_claim import JobClaimer, QueuedJob
+from worker.job_claim import JobClaimer, QueuedJob
 
 log = logging.getLogger(__name__)
 

@@ -12,16 +12,15 @@ import mlx.core as mx
 import redis
 
 from jobs import runtime
-
-from .device import on_cuda
-from .engine import Engine, EngineOptions
-from .executor import JobExecutor
-from .job_claim import JobClaimer
-from .metrics import MetricsServer, StatsPublisher, require_prometheus
-from .rq_worker import BatchOptions, MlxqWorker
-from .score_claim import ClaimBudget, ScoreClaimer
-from .settings import WorkerSettings
-from .stream_writer import StreamOptions
+from worker.engine import Engine, EngineOptions
+from worker.engine.device import on_cuda
+from worker.executor import JobExecutor
+from worker.job_claim import JobClaimer
+from worker.metrics import MetricsServer, StatsPublisher, require_prometheus
+from worker.rq_worker import BatchOptions, MlxqWorker
+from worker.score_claim import ClaimBudget, ScoreClaimer
+from worker.settings import WorkerSettings
+from worker.stream_writer import StreamOptions
 
 log = logging.getLogger(__name__)
 

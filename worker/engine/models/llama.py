@@ -16,12 +16,12 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..batch_cache import BatchKVCache
-from ..errors import CheckpointError, UnsupportedArchitecture
-from ..kv_cache import KVCache, key_columns
-from ..quantized_rows import FusedDenseRows, fuse_dense_rows
-from ..ragged_attention import RaggedRows, decode_attention
-from ..rope import make_rope
+from worker.engine.cache.batch_cache import BatchKVCache
+from worker.engine.cache.kv_cache import KVCache, key_columns
+from worker.engine.errors import CheckpointError, UnsupportedArchitecture
+from worker.engine.models.quantized_rows import FusedDenseRows, fuse_dense_rows
+from worker.engine.models.rope import make_rope
+from worker.engine.ragged_attention import RaggedRows, decode_attention
 
 log = logging.getLogger(__name__)
 

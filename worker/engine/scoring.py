@@ -16,12 +16,11 @@ from typing import Any
 import mlx.core as mx
 
 from jobs.errors import InvalidCandidate
-
-from .generate import padded_size
-from .kv_cache import broadcast_batch, key_columns
-from .prefix_cache import PrefixCache
-from .token_match import common_length
-from .tokenizer import Tokenizer
+from worker.engine.cache.kv_cache import broadcast_batch, key_columns
+from worker.engine.cache.prefix_cache import PrefixCache
+from worker.engine.cache.token_match import common_length
+from worker.engine.generate import padded_size
+from worker.engine.text.tokenizer import Tokenizer
 
 
 @dataclass

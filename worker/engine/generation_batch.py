@@ -39,14 +39,13 @@ import mlx.core as mx
 
 from jobs.errors import OutOfMemory
 from jobs.schema import FinishReason, GenerateRequest, GenerateResult
-
-from .batch_cache import BatchKVCache, PrefillRowsCache
-from .engine import Engine, GenerationClock, TextRun, TokenSink
-from .generate import ChunkedPrefill, DecodeBatch, padded_size, padded_width, prefill_rows_layers
-from .kv_cache import key_columns
-from .memory_guard import is_out_of_memory, with_memory_retry
-from .sampler import Sampler
-from .token_match import common_length
+from worker.engine.cache.batch_cache import BatchKVCache, PrefillRowsCache
+from worker.engine.cache.kv_cache import key_columns
+from worker.engine.cache.token_match import common_length
+from worker.engine.engine import Engine, GenerationClock, TextRun, TokenSink
+from worker.engine.generate import ChunkedPrefill, DecodeBatch, padded_size, padded_width, prefill_rows_layers
+from worker.engine.memory_guard import is_out_of_memory, with_memory_retry
+from worker.engine.sampler import Sampler
 
 log = logging.getLogger(__name__)
 

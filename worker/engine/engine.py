@@ -27,9 +27,8 @@ from jobs.schema import (
     Timings,
     Usage,
 )
-
-from .detokenizer import IncrementalDetokenizer
-from .generate import (
+from worker.engine.cache.prefix_cache import PrefixCache
+from worker.engine.generate import (
     GenerationCancelled,
     decode,
     idle_prefill_by_default,
@@ -37,13 +36,12 @@ from .generate import (
     pad_shapes_by_default,
     prefill,
 )
-from .launcher import Launcher
-from .loader import default_dtype, load_model, parse_dtype, resolve_model_path
-from .memory_guard import with_memory_retry
-from .prefix_cache import PrefixCache
-from .quantized_rows import default_max_bytes, dense_rows_by_default, use_dense_rows
-from .sampler import Sampler
-from .scoring import (
+from worker.engine.launcher import Launcher
+from worker.engine.memory_guard import with_memory_retry
+from worker.engine.models.loader import default_dtype, load_model, parse_dtype, resolve_model_path
+from worker.engine.models.quantized_rows import default_max_bytes, dense_rows_by_default, use_dense_rows
+from worker.engine.sampler import Sampler
+from worker.engine.scoring import (
     PrefixScorer,
     RowText,
     RowTokens,
@@ -52,8 +50,9 @@ from .scoring import (
     candidate_token_ids,
     score_kv_by_default,
 )
-from .stop_strings import StopStringMatcher
-from .tokenizer import Tokenizer
+from worker.engine.text.detokenizer import IncrementalDetokenizer
+from worker.engine.text.stop_strings import StopStringMatcher
+from worker.engine.text.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 

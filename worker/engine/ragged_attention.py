@@ -22,7 +22,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from .device import on_cuda
+from worker.engine.device import on_cuda
 
 _SOURCE = """
     constexpr int WARP = 32;

@@ -12,12 +12,12 @@ from typing import Any, Protocol, TypeVar
 
 import mlx.core as mx
 
-from . import ragged_attention
-from .batch_cache import BatchKVCache, PrefillRowsCache, prefill_mask
-from .device import on_cuda
-from .kv_cache import KVCache
-from .launcher import Launcher
-from .sampler import Sampler, SamplerRows
+from worker.engine import ragged_attention
+from worker.engine.cache.batch_cache import BatchKVCache, PrefillRowsCache, prefill_mask
+from worker.engine.cache.kv_cache import KVCache
+from worker.engine.device import on_cuda
+from worker.engine.launcher import Launcher
+from worker.engine.sampler import Sampler, SamplerRows
 
 # Release MLX's buffer cache at intervals, not every token: freeing is cheap, reallocating is not.
 _CLEAR_CACHE_EVERY = 256

@@ -19,8 +19,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from .errors import CheckpointError, ModelNotFound
-from .models import build_model
+from worker.engine.errors import CheckpointError, ModelNotFound
+from worker.engine.models import build_model
 
 DTYPES: dict[str, mx.Dtype] = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 

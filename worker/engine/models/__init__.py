@@ -1,7 +1,7 @@
 """Model architectures, registered by the name in config.json `architectures[0]`.
 
 `build_model(config)` picks the class and its switches from the registry and returns an uninitialised
-model (random weights); `worker.loader.load_model` fills it from a checkpoint. A new architecture is a
+model (random weights); `loader.load_model` fills it from a checkpoint. A new architecture is a
 module with `ModelArgs` (with `from_dict`) and `Model`, plus one `register(...)` line below.
 """
 
@@ -12,8 +12,8 @@ from typing import Any
 
 import mlx.nn as nn
 
-from ..errors import UnsupportedArchitecture
-from . import llama
+from worker.engine.errors import UnsupportedArchitecture
+from worker.engine.models import llama
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
-from .device import on_cuda
+from worker.engine.device import on_cuda
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,16 @@
+"""The engine: everything that runs MLX, and nothing that knows Redis, RQ or the queue service.
+
+Sub-packages show the parts: `models/` (the architecture registry, loading, RoPE, quantized layers),
+`cache/` (per-layer KV caches, the batch cache, the prefix cache), `text/` (tokenizer, chat templates,
+detokenizer, stop strings). The modules here drive them: `engine` (a loaded model and its request
+policies), `generate` (prefill and decode steps), `generation_batch` (continuous batching), `scoring`
+(score rows grouped by shared prefix), `sampler`, and the device-side helpers (`launcher`,
+`ragged_attention`, `memory_guard`, `device`). The queue service above (`worker/`) hands work in and
+takes tokens out; nothing here imports it.
+"""
+
+from __future__ import annotations
+
+from worker.engine.engine import Engine, EngineOptions
+
+__all__ = ["Engine", "EngineOptions"]
