@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 import redis
@@ -59,13 +60,39 @@ def test_tokens_are_batched_and_flushed_in_order(conn: redis.Redis) -> None:
 
 
 def test_a_retried_write_is_not_appended_twice(conn: redis.Redis) -> None:
-    w = StreamWriter(conn, "j2", StreamOptions(flush_tokens=1))
+    w = StreamWriter(conn, "j2", StreamOptions(flush_tokens=1e9, flush_ms=1e9), deferred=True)
     w.open(attempt=1)
     w("x", [1])
-    # Replay the same entry id as a retry after a lost reply would: Redis refuses it, the writer accepts.
-    w._seq -= 1
-    w("x", [1])
+    entry = w._take()
+    assert entry is not None
+    entry_id, fields = entry
+    w._pipeline([fields], [entry_id])
+    # Replay the same entry (same id) as a retry after a lost reply would: Redis refuses it, the writer
+    # takes the refusal as "already written".
+    w._pipeline([fields], [entry_id])
     assert [e.text for e in _events(conn, "j2")] == ["x"]
+
+
+def test_entry_ids_say_when_each_entry_was_written_and_keep_increasing(conn: redis.Redis) -> None:
+    w = StreamWriter(conn, "j2t", StreamOptions(flush_tokens=1))
+    w.open(attempt=1)
+    stamps = []
+    for i in range(3):
+        before = int(time.time() * 1000)
+        w(f"t{i}", [i])
+        stamps.append((before, int(time.time() * 1000)))
+        time.sleep(0.02)
+    ids = [entry_id.decode() for entry_id, _ in conn.xrange(keys.stream_key("j2t"))]
+    ms = [int(i.split("-")[0]) for i in ids]
+    for (before, after), written in zip(stamps, ms, strict=True):
+        assert before <= written <= after  # each entry carries its own time, not the stream's opening
+    assert ms[0] < ms[1] < ms[2]
+    # A clock that steps back (or many entries in one millisecond) still gives increasing ids.
+    w._ms += 10_000
+    w("late", [9])
+    w("later", [10])
+    last_two = [entry_id.decode() for entry_id, _ in conn.xrange(keys.stream_key("j2t"))][-2:]
+    assert last_two == [f"{w._ms}-{w._seq - 1}", f"{w._ms}-{w._seq}"]
 
 
 def test_retried_job_announces_restart_and_ids_keep_increasing(conn: redis.Redis) -> None:

@@ -1,7 +1,10 @@
 """Writes one job's events to its Redis stream, in small batches, exactly once.
 
-Entries get explicit, increasing ids (`<ms>-<seq>`) chosen here, so a write retried after a lost reply
-is refused by Redis as a duplicate instead of being appended twice: nothing streamed is emitted twice.
+Entries get explicit, increasing ids (`<ms>-<seq>`) chosen here before the write, so a write retried
+after a lost reply is refused by Redis as a duplicate instead of being appended twice: nothing streamed
+is emitted twice. An id's `<ms>` is the time the entry was made (as Redis' own ids would say, so
+`XRANGE` by time and latency read from ids work), never below the stream's last id: a clock that steps
+back, or several entries in one millisecond, count up `<seq>` instead.
 Every flush is one pipeline: `XADD ... MAXLEN ~ N`, and `EXPIRE` after it (it does nothing on a key
 that does not exist yet) when the stream's TTL was last set long enough ago (`_EXPIRE_EVERY_S`, or a
 quarter of the TTL): XADD keeps a key's TTL, so refreshing it on every flush only doubled the commands.
@@ -73,7 +76,7 @@ class StreamWriter:
         self._ids: list[int] = []
         self._index = 0  # completion-token index of the first buffered id
         self._last_flush = time.monotonic()
-        self._ms = 0
+        self._ms = 0  # the last id chosen (or found at the stream's end): `<ms>-<seq>`
         self._seq = 0
         self._expired_at: float | None = None  # when the stream's TTL was last set (monotonic)
         self.deferred = deferred  # buffer only: `flush_streams` writes many jobs' tokens in one pipeline
@@ -95,12 +98,12 @@ class StreamWriter:
 
     def _seek_to(self, last: list[Any]) -> str | None:
         """`_seek_end` given the stream's last entry as XREVRANGE returned it."""
-        now_ms = int(time.time() * 1000)
         if not last:
-            self._ms = now_ms
+            self._ms, self._seq = 0, 0
             return None
         entry_id, fields = last[0]
-        self._ms = max(now_ms, int(_text(entry_id).split("-")[0]) + 1)
+        ms, seq = _text(entry_id).split("-")
+        self._ms, self._seq = int(ms), int(seq)
         return _text(fields.get(b"event", fields.get("event", b"")))
 
     def __call__(self, text: str, ids: list[int]) -> None:
@@ -146,7 +149,12 @@ class StreamWriter:
         finish_streams(self.conn, [(self, result, done)], self.options)
 
     def _next_id(self) -> str:
-        self._seq += 1
+        """The next entry's id: now, or just after the last id if the clock has not moved past it."""
+        now_ms = int(time.time() * 1000)
+        if now_ms > self._ms:
+            self._ms, self._seq = now_ms, 0
+        else:
+            self._seq += 1
         return f"{self._ms}-{self._seq}"
 
     def _write(self, entries: list[dict[str, str]]) -> None:
