@@ -28,13 +28,11 @@ from jobs.schema import (
     Usage,
 )
 from worker.engine.cache.prefix_cache import PrefixCache
+from worker.engine.device import memory_figures
 from worker.engine.generate import (
-    GenerationCancelled,
-    decode,
     idle_prefill_by_default,
     overlap_by_default,
     pad_shapes_by_default,
-    prefill,
 )
 from worker.engine.launcher import Launcher
 from worker.engine.memory_guard import with_memory_retry
@@ -157,6 +155,23 @@ class Engine:
             log.debug("decode steps off the launcher's thread launch on their own thread")
             return None
         return self._launcher
+
+    def status(self) -> dict[str, Any]:
+        """Live figures for the worker's published stats: device, MLX memory, the prefix cache's."""
+        figures: dict[str, Any] = dict(memory_figures())
+        cache = self.prefix_cache
+        if cache is not None:
+            figures.update({f"cache_{k}": v for k, v in cache.stats.as_dict().items()})
+            figures["cache_budget_bytes"] = cache.budget_bytes
+        return figures
+
+    def cache_log_fields(self) -> str:
+        """The prefix cache's figures as ` key=value` pairs for a finished job's log line ('' if off)."""
+        cache = self.prefix_cache
+        if cache is None:
+            return ""
+        s = cache.stats
+        return f" cache_hits={s.hits}/{s.lookups} cache_hit_tokens={s.hit_tokens} cache_bytes={s.bytes}"
 
     def close(self) -> None:
         """Stop the launcher's thread, if one was made (see `Launcher.close`); a later batch makes another."""
@@ -340,68 +355,25 @@ class Engine:
     def generate(
         self, request: GenerateRequest, sink: TokenSink, cancelled: Callable[[], bool] = lambda: False
     ) -> GenerateResult:
-        """Generate for one request, reporting text deltas to `sink`; returns the final result.
+        """Generate for one request in this process, reporting text deltas to `sink`; returns the result.
 
-        Out of memory before any text was streamed: caches are emptied and the request runs once more.
+        A generation batch of one: the path every generation job of a worker takes (there is no other),
+        for tests, benchmarks and scripts that hold an engine. The request's own error is raised.
         """
-        streamed = False
+        from worker.engine.generation_batch import GenerationBatch  # it is built on this module
 
-        def tracked(text: str, ids: list[int]) -> None:
-            nonlocal streamed
-            streamed = True
-            sink(text, ids)
-
-        return with_memory_retry(
-            lambda: self._generate(request, tracked, cancelled),
-            self.free_memory,
-            f"a generation of up to {request.max_tokens} tokens",
-            may_retry=lambda: not streamed,
-        )
-
-    def _generate(
-        self, request: GenerateRequest, sink: TokenSink, cancelled: Callable[[], bool]
-    ) -> GenerateResult:
-        clock = GenerationClock()
-        prompt, max_tokens, sampler = self.prepare_generation(request)
-        run = TextRun(self.tokenizer, request.stop, sink)
-        cache, n_cached = self.begin_cache(prompt)
-        finish: FinishReason = "length"
+        batch = GenerationBatch(self, max_sequences=1)
         try:
-            logits = prefill(
-                self.model, prompt[n_cached:], cache, self.options.prefill_chunk, cancelled, self.pad_shapes
-            )
-            mx.eval(logits)  # so the clock measures the prefill, not the building of its graph
-            clock.prefilled()
-            tokens = decode(self.model, logits, cache, sampler, max_tokens, self.launcher())
-            try:
-                for token in tokens:
-                    clock.token()
-                    reason = self.finish_reason_after(run, token, cancelled)
-                    if reason is not None:
-                        finish = reason
-                        break
-            finally:
-                tokens.close()  # no step left launching (see `decode`)
-        except GenerationCancelled:
-            finish = "cancelled"
-            clock.prefilled()
-        except BaseException:
-            self._offer(prompt + run.ids, cache, failing=True)
-            raise
-        self._offer(prompt + run.ids, cache)
-        finish = run.finish(finish)
-        return self.generate_result(run, finish, prompt, n_cached, clock)
-
-    def _offer(self, tokens: list[int], cache: list[Any], failing: bool = False) -> None:
-        """What was computed stays useful: a retried, extended or repeated prompt reuses it."""
-        if self.prefix_cache is None:
-            return
-        try:
-            self.prefix_cache.offer(tokens, cache)
-        except Exception:
-            if not failing:
-                raise
-            log.warning("could not keep a failed job's prefix in the cache", exc_info=True)
+            batch.admit("one", request, sink, cancelled)
+            while True:
+                for done in batch.step():
+                    batch.settle()
+                    if done.error is not None:
+                        raise done.error
+                    assert done.result is not None
+                    return done.result
+        finally:
+            batch.close()
 
     def generate_result(
         self, run: TextRun, finish: FinishReason, prompt: list[int], n_cached: int, clock: GenerationClock

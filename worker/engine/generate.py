@@ -7,8 +7,8 @@ own sampler; its cache layout (left padding, per-row RoPE offsets) is explained 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator, Sequence
-from typing import Any, Protocol, TypeVar
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 import mlx.core as mx
 
@@ -77,20 +77,11 @@ def overlap_by_default() -> bool:
     return on_cuda() and hasattr(mx, "new_thread_unsafe_stream")
 
 
-class TokenSampler(Protocol):
-    """Picks the next token from (1, vocab) logits; may keep state (penalty counts, PRNG key)."""
-
-    def __call__(self, logits: mx.array) -> mx.array: ...
-
-    def observe(self, token: mx.array) -> None: ...
-
-
 def prefill(
     model: Any,
     tokens: Sequence[int],
     cache: list[Any],
     chunk: int,
-    cancelled: Callable[[], bool] = lambda: False,
     pad_shapes: bool = False,
 ) -> mx.array:
     """Run `tokens` through the model into `cache` in chunks; return the last position's logits (1, V).
@@ -100,8 +91,7 @@ def prefill(
     """
     run = ChunkedPrefill(model, tokens, cache, chunk, pad_shapes)
     while (logits := run.advance()) is None:
-        if cancelled():
-            raise GenerationCancelled()
+        pass
     return logits
 
 
@@ -183,71 +173,6 @@ def prefill_rows_layers(
     hidden = model.hidden(ids, cache=layers, mask=prefill_mask(layers[0]), last=width - 1)
     logits = model.logits(hidden[: len(rows), -1, :])
     return layers, logits
-
-
-class GenerationCancelled(Exception):
-    """Raised inside prefill when the job was cancelled between chunks."""
-
-
-def decode(
-    model: Any,
-    first_logits: mx.array,
-    cache: list[Any],
-    sampler: TokenSampler,
-    max_tokens: int,
-    launcher: Launcher | None = None,
-) -> Generator[int, None, None]:
-    """Yield up to `max_tokens` sampled token ids, keeping the next step computing while one is consumed.
-
-    The first token is read back before the second step is queued: reading a token can wait for work
-    queued after it (measured on CUDA: ~3.8 ms of TTFT were one decode step), and time to first token is
-    what a reader waits on. From the second token on, one step stays in flight.
-    The caller stops early by closing the generator (or just not asking for more).
-
-    With `launcher` (see `DecodeBatch`) each step is launched on the launcher's thread while this one
-    builds the next and the caller handles the token before; tokens are read from a copy made in the
-    same launch (`Launcher.launch_tokens` says why), and the generator waits for the launch in flight
-    when it ends or is closed: the caller must close it before evaluating anything else.
-    """
-
-    def step(logits: mx.array) -> mx.array:
-        token = sampler(logits)
-        sampler.observe(token)
-        return token
-
-    def launch(token: mx.array) -> mx.array:
-        """Start computing `token`; returns what to read it from once the next step is launching."""
-        if launcher is None:
-            mx.async_eval(token)
-            return token
-        return launcher.launch_tokens(token)
-
-    if max_tokens <= 0:
-        return
-    token = step(first_logits)
-    yield int(token.item())
-    if max_tokens == 1:
-        return
-    try:
-        token = step(model(token.reshape(1, 1), cache=cache)[:, -1, :])
-        readable = launch(token)
-        for n in range(1, max_tokens):
-            if n + 1 < max_tokens:
-                logits = model(token.reshape(1, 1), cache=cache)[:, -1, :]
-                next_token = step(logits)
-                next_readable = launch(next_token)  # a launcher waits for `token`'s launch first
-            elif launcher is not None:
-                launcher.wait()  # `token`'s launch has ended before its copy is read
-            yield int(readable.item())
-            if n + 1 < max_tokens:
-                token, readable = next_token, next_readable
-            if n % _CLEAR_CACHE_EVERY == _CLEAR_CACHE_EVERY - 1:
-                if launcher is not None:
-                    launcher.wait()
-                mx.clear_cache()
-    finally:
-        if launcher is not None:
-            launcher.wait()
 
 
 class DecodeBatch:

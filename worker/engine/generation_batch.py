@@ -403,7 +403,9 @@ class GenerationBatch:
             cache, seq.cache = seq.cache, None
         except Exception as e:
             self.prefilling = None
-            finished.append(Finished(seq.key, error=e))
+            finished.append(
+                Finished(seq.key, error=self._memory_error(e, f"prefilling {len(seq.prompt)} tokens"))
+            )
             return
         self._join([seq], [cache], logits)
 
@@ -433,8 +435,21 @@ class GenerationBatch:
 
     def _decode_failed(self, error: Exception, finished: list[Finished]) -> None:
         log.exception("batched decode step failed rows=%d", len(self.decoding), exc_info=error)
+        error = self._memory_error(error, f"decoding {len(self.decoding)} sequences together")
         finished.extend(Finished(seq.key, error=error) for seq in self.decoding)
         self.decoding, self.decode = [], self._new_decode()
+
+    def _memory_error(self, error: Exception, what: str) -> Exception:
+        """An allocation failure as the requests' clear `OutOfMemory`, the caches emptied for the requests
+        that follow (nothing is retried once a request streamed text or holds a half-built cache);
+        another error as it is."""
+        if not is_out_of_memory(error):
+            return error
+        self.engine.free_memory()
+        return OutOfMemory(
+            f"the worker ran out of memory {what} ({error}); send a shorter prompt or fewer tokens, "
+            "or use a worker with more memory"
+        )
 
     def _take_tokens(self, tokens: list[int]) -> list[tuple[int, FinishReason | BaseException]]:
         """Each decoding request takes its token (one per row, in row order); returns the rows that end
