@@ -1,7 +1,9 @@
 """mlxq's job contract: request/result models, Redis key names, errors, and the RQ job functions.
 
-Never imports mlx: producers (web backends) import this package. `generate` and `score` are the only
-functions an mlxq worker runs; RQ finds them by their names `jobs.generate` and `jobs.score`.
+Never imports mlx: producers (web backends) import this package. `generate` and `score` are the names
+of the only two job functions (`jobs.generate`, `jobs.score`): a producer enqueues a job under one of
+them, and an mlxq worker dispatches each job by that name to its generation or score batches. Their
+bodies never run in an mlxq worker; a plain `rq worker` that calls them gets `NotInWorker`.
 """
 
 from __future__ import annotations
@@ -10,16 +12,8 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from . import runtime
-from .errors import InvalidRequest
+from .errors import InvalidRequest, NotInWorker
 from .schema import GenerateRequest, ScoreRequest
-
-
-def _job_id() -> str:
-    from rq import get_current_job
-
-    job = get_current_job()
-    return job.id if job is not None else "local"
 
 
 def describe_validation_error(kind: str, err: ValidationError) -> str:
@@ -51,13 +45,18 @@ def parse_score(payload: Any) -> ScoreRequest:
         raise InvalidRequest(describe_validation_error("score", e)) from None
 
 
+_NOT_IN_WORKER = (
+    "mlxq jobs run inside an mlxq worker process (`mlxq worker --model PATH`), not in a plain `rq worker`"
+)
+
+
 def generate(payload: Any) -> dict[str, Any]:
-    """RQ job function: generate text for one request; returns the `GenerateResult` as JSON-ready dict."""
-    request = parse_generate(payload)
-    return runtime.current().generate(_job_id(), request).model_dump(mode="json")
+    """RQ job function `jobs.generate`: its name is the contract; an mlxq worker runs the job itself."""
+    parse_generate(payload)
+    raise NotInWorker(_NOT_IN_WORKER)
 
 
 def score(payload: Any) -> dict[str, Any]:
-    """RQ job function: score candidates for one request; returns the `ScoreResult` as a dict."""
-    request = parse_score(payload)
-    return runtime.current().score(_job_id(), request).model_dump(mode="json")
+    """RQ job function `jobs.score`: its name is the contract; an mlxq worker runs the job itself."""
+    parse_score(payload)
+    raise NotInWorker(_NOT_IN_WORKER)

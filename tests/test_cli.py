@@ -118,13 +118,16 @@ def test_generate_shows_restarts_and_fails_with_exit_1(
 def test_ctrl_c_during_generate_cancels_the_job(
     redis_url: str, redis_conn: redis.Redis, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # no handler left by RQ
+    # Ctrl-C as an interactive shell delivers it: Python's own handler, whatever this process was
+    # launched with (`make test &` starts it with SIGINT ignored, and then nothing would interrupt).
+    launched_with = signal.signal(signal.SIGINT, signal.default_int_handler)
     timer = threading.Timer(0.3, _thread.interrupt_main)
     timer.start()
     try:
         assert main(["--redis-url", redis_url, "generate", "Hi"]) == 130
     finally:
         timer.join()
+        signal.signal(signal.SIGINT, launched_with)
     assert "cancel: canceled" in capsys.readouterr().err
     assert only_job(redis_conn).get_status() == "canceled"
 

@@ -10,7 +10,8 @@ import redis
 from rq import Queue
 from rq.job import Job
 
-from worker.finalizer import Ended, Finalizer
+from worker.finalizer import Finalizer
+from worker.rq_batches import Ended, Run
 
 REDIS_DB = 9
 
@@ -23,11 +24,11 @@ def test_jobs_end_in_order_together_off_the_calling_thread_and_close_waits(redis
 
     def end(batch: list[Ended]) -> None:
         gate.wait(5)
-        calls.append(([(job.id, value) for job, _, _, value in batch], threading.current_thread().name))
+        calls.append(([(run.job.id, value) for run, value in batch], threading.current_thread().name))
 
     finalizer = Finalizer(end)
     for i, job in enumerate(jobs):
-        finalizer.submit(job, queue, None, {"n": i})
+        finalizer.submit(Run(job, queue, None), {"n": i})  # type: ignore[arg-type]
     assert calls == []  # submitting never waits for RQ
     gate.set()
     finalizer.close()
@@ -44,13 +45,13 @@ def test_an_end_that_raises_is_logged_and_later_jobs_still_end(redis_conn: redis
     ended: list[str] = []
 
     def end(batch: list[Ended]) -> None:
-        if batch[0][0] is jobs[0]:
+        if batch[0][0].job is jobs[0]:
             raise redis.ConnectionError("Redis went away")  # logged; the thread goes on
-        ended.extend(job.id for job, *_ in batch)
+        ended.extend(run.job.id for run, _ in batch)
 
     finalizer = Finalizer(end)
-    finalizer.submit(jobs[0], queue, None, None)
+    finalizer.submit(Run(jobs[0], queue, None), None)  # type: ignore[arg-type]
     finalizer.close()
-    finalizer.submit(jobs[1], queue, None, None)
+    finalizer.submit(Run(jobs[1], queue, None), None)  # type: ignore[arg-type]
     finalizer.close()
     assert ended == [jobs[1].id]

@@ -7,11 +7,13 @@ from typing import Any
 
 import pytest
 import redis
+from rq import Queue
 from rq.job import Job
 
 from jobs import keys
 from worker import job_watch
 from worker.job_watch import JobWatch
+from worker.rq_batches import Run
 
 REDIS_DB = 9
 
@@ -26,12 +28,13 @@ class _Worker:
         pass
 
 
-def _jobs(conn: redis.Redis, n: int) -> list[tuple[Job, None]]:
-    return [(Job.create(func=print, connection=conn), None) for _ in range(n)]
+def _jobs(conn: redis.Redis, n: int) -> list[Run]:
+    queue = Queue("watch", connection=conn)
+    return [Run(Job.create(func=print, connection=conn), queue, None) for _ in range(n)]  # type: ignore[arg-type]
 
 
-def _cancel_some(conn: redis.Redis, runs: list[tuple[Job, None]]) -> set[str]:
-    cancelled = {job.id for job, _ in runs[1::3]}
+def _cancel_some(conn: redis.Redis, runs: list[Run]) -> set[str]:
+    cancelled = {run.job.id for run in runs[1::3]}
     for job_id in cancelled:
         conn.set(keys.cancel_key(job_id), "1")
     return cancelled

@@ -5,14 +5,14 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 
-from worker.service import mlx_cache_limit
+from worker.engine.device import buffer_cache_limit
 from worker.settings import WorkerSettings
 
 
 def test_mlx_cache_limit_is_the_setting_else_the_devices_default(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert mlx_cache_limit(123) == 123 and mlx_cache_limit(0) == 0
+    assert buffer_cache_limit(123) == 123 and buffer_cache_limit(0) == 0
     assert mx.default_device().type == mx.DeviceType.cpu
-    assert mlx_cache_limit(None) == 1 << 30  # not CUDA: 1 GiB
+    assert buffer_cache_limit(None) == 1 << 30  # not CUDA: 1 GiB
     monkeypatch.setenv("MLXQ_MLX_CACHE_LIMIT_BYTES", "4096")
     monkeypatch.setenv("MLXQ_DECODE_OVERLAP", "true")
     settings = WorkerSettings(_env_file=None)  # type: ignore[call-arg]

@@ -65,7 +65,7 @@ def configure_logging(level: str) -> None:
 
 
 def run_worker(settings: WorkerSettings, *, burst: bool = False, max_jobs: int | None = None) -> int:
-    """Load the model, install the executor, and serve jobs until stopped (or the queues are empty)."""
+    """Load the model, build the worker, and serve jobs until stopped (or the queues are empty)."""
     from worker.service import WorkerService
 
     if not settings.model:

@@ -2,11 +2,10 @@
 
 A generation batch writes each finished job's result key and `done` event itself, in one transaction
 per step (`stream_writer.finish_streams`): that is what readers wait on. RQ's own bookkeeping after it
-(status, registries, RQ's copy of the result, dependents) costs several Redis round trips per job, about
-4 ms on the 2-core CI box: with a backlog of jobs one ends every step or two, and the decode loop
-would wait on them (CPU, 128 jobs through 32 rows: 796-800 tok/s inline, 880-964 here). The thread
-ends the jobs handed over since it last woke in one go (`MlxqWorker._finalize_successes`: RQ's
-writes for all of them in one transaction, a job failed with the reason if its end fails), so RQ's
+(status, registries, RQ's copy of the result, dependents) costs several Redis round trips per job:
+with a backlog of jobs one ends every step or two, and the decode loop would wait on them. The thread
+ends the jobs handed over since it last woke in one go (`RqBatches.succeed_many`: RQ's writes for
+all of them in one transaction, a job failed with the reason if its end fails), so RQ's
 status of a job follows its result key by a few milliseconds, as documented. `close()` waits until
 every job handed over has ended; a batch closes it before it returns to RQ's loop, so RQ never
 sees a job of a finished batch still running. No job here has an RQ callback to run (RQ runs them
@@ -22,17 +21,14 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from rq import Queue
-from rq.job import Job
+from worker.rq_batches import Ended, Run
 
 log = logging.getLogger(__name__)
-
-Ended = tuple[Job, Queue, Any, Any]  # (job, its queue, its execution, its return value)
 
 
 class Finalizer:
     """One thread ending jobs through RQ in the order they were handed over: each time it wakes, every
-    job handed over since in one call of `end` (the worker's `_finalize_successes`, one transaction
+    job handed over since in one call of `end` (`RqBatches.succeed_many`, one transaction
     for them all), so a step that ends 64 jobs costs RQ a few round trips, not four per job."""
 
     def __init__(self, end: Callable[[list[Ended]], None]) -> None:
@@ -40,11 +36,11 @@ class Finalizer:
         self._jobs: queue.Queue[Ended | None] = queue.Queue()
         self._thread: threading.Thread | None = None
 
-    def submit(self, job: Job, rq_queue: Queue, execution: Any, return_value: Any) -> None:
+    def submit(self, run: Run, return_value: Any) -> None:
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="mlxq-finalizer", daemon=True)
             self._thread.start()
-        self._jobs.put((job, rq_queue, execution, return_value))
+        self._jobs.put((run, return_value))
 
     def close(self) -> None:
         """Wait until every job handed over has ended (finished, or failed with the reason), then stop
@@ -70,4 +66,6 @@ class Finalizer:
                 try:
                     self._end(batch)
                 except BaseException:  # whatever it is, the thread must live on: `close` waits for it
-                    log.exception("could not end jobs through RQ jobs=%s", ",".join(j.id for j, *_ in batch))
+                    log.exception(
+                        "could not end jobs through RQ jobs=%s", ",".join(run.job.id for run, _ in batch)
+                    )

@@ -86,7 +86,7 @@ class JobClaimer:
         """Up to `limit` jobs, in queue order, for which `pick` says yes (it may keep a budget)."""
         if limit <= 0:
             return []
-        ids = [i.decode() for i in self.conn.lrange(queue.key, 0, self.scan - 1)]
+        ids = [_text(i) for i in self.conn.lrange(queue.key, 0, self.scan - 1)]
         if not ids:
             return []
         self._read(ids)
@@ -100,7 +100,7 @@ class JobClaimer:
                 break
         if not chosen:
             return []
-        moved = [m.decode() for m in self._move(keys=[queue.key, queue.intermediate_queue_key], args=chosen)]
+        moved = [_text(m) for m in self._move(keys=[queue.key, queue.intermediate_queue_key], args=chosen)]
         return self._fetch(moved)
 
     def _read(self, ids: list[str]) -> None:
@@ -127,3 +127,7 @@ class JobClaimer:
             except Exception as e:  # deleted meanwhile: nothing to run; leave it to RQ's cleanup
                 log.warning("claimed job vanished job=%s error=%s", job_id, e)
         return jobs
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value

@@ -10,6 +10,7 @@ import redis
 from rq.job import Job
 
 from jobs import keys
+from worker.rq_batches import Run
 from worker.stream_writer import REDIS_TRANSIENT
 
 log = logging.getLogger(__name__)
@@ -31,7 +32,7 @@ class JobWatch:
     watches (a generation batch admits and retires jobs between steps).
     """
 
-    def __init__(self, worker: Heartbeats, runs: list[tuple[Job, Any]], beat_s: float, poll_s: float) -> None:
+    def __init__(self, worker: Heartbeats, runs: list[Run], beat_s: float, poll_s: float) -> None:
         self.worker = worker
         self.runs = list(runs)
         self.beat_s = beat_s
@@ -54,10 +55,10 @@ class JobWatch:
         self._thread.join(timeout=5)
 
     def job_ids(self) -> list[str]:
-        return [job.id for job, _ in self._snapshot()]
+        return [run.job.id for run in self._snapshot()]
 
-    def add(self, runs: list[tuple[Job, Any]]) -> None:
-        """Watch more running jobs (job, execution); their cancel keys are checked at once, together."""
+    def add(self, runs: list[Run]) -> None:
+        """Watch more running jobs; their cancel keys are checked at once, together."""
         if not runs:
             return
         with self._lock:
@@ -70,23 +71,23 @@ class JobWatch:
     def remove(self, job_id: str) -> None:
         """Stop watching a job that ended."""
         with self._lock:
-            self.runs = [(job, ex) for job, ex in self.runs if job.id != job_id]
+            self.runs = [run for run in self.runs if run.job.id != job_id]
         self.cancelled.discard(job_id)
 
-    def _snapshot(self) -> list[tuple[Job, Any]]:
+    def _snapshot(self) -> list[Run]:
         with self._lock:
             return list(self.runs)
 
-    def _poll_cancels(self, runs: list[tuple[Job, Any]] | None = None) -> None:
+    def _poll_cancels(self, runs: list[Run] | None = None) -> None:
         runs = self._snapshot() if runs is None else runs
         if not runs:
             return
-        hits = self._cancel_keys_set([keys.cancel_key(job.id) for job, _ in runs])
-        live = {job.id for job, _ in self._snapshot()}  # a job removed meanwhile stays removed
-        for (job, _), hit in zip(runs, hits, strict=True):
-            if hit and job.id in live and job.id not in self.cancelled:
-                log.info("cancel requested job=%s", job.id)
-                self.cancelled.add(job.id)
+        hits = self._cancel_keys_set([keys.cancel_key(run.job.id) for run in runs])
+        live = {run.job.id for run in self._snapshot()}  # a job removed meanwhile stays removed
+        for run, hit in zip(runs, hits, strict=True):
+            if hit and run.job.id in live and run.job.id not in self.cancelled:
+                log.info("cancel requested job=%s", run.job.id)
+                self.cancelled.add(run.job.id)
 
     def _cancel_keys_set(self, names: list[str]) -> list[bool]:
         """Which of these keys exist: one MGET for all (a pipeline of one EXISTS per job cost 64
@@ -114,8 +115,8 @@ class JobWatch:
                 if since_beat >= self.beat_s:
                     since_beat = 0.0
                     with self._lock:  # once `remove` returns, that job gets no more heartbeats
-                        for job, execution in self.runs:
-                            self.worker.maintain_heartbeats(job, execution)
+                        for run in self.runs:
+                            self.worker.maintain_heartbeats(run.job, run.execution)
             except REDIS_TRANSIENT as e:  # Redis restarting: the jobs go on; try again next tick
                 log.warning("job watch redis error=%s", e)
             except Exception:  # a bug here must not kill the thread that keeps jobs alive

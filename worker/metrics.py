@@ -18,7 +18,6 @@ from collections.abc import Callable, Iterator, Mapping
 from importlib import metadata
 from typing import Any, Protocol
 
-import mlx.core as mx
 import redis
 
 from jobs import keys
@@ -87,7 +86,6 @@ class StatsPublisher:
         self._static = {
             "model_path": model_path,
             "version": _version("mlxq"),
-            "mlx_version": mx.__version__,
             "started_at": f"{time.time():.3f}",
         }
         self._latest: dict[str, str] = {}
@@ -101,9 +99,8 @@ class StatsPublisher:
             return dict(self._latest)
 
     def snapshot(self) -> dict[str, str]:
-        """The worker's fields plus process facts, as strings. Reads MLX: call it on the main thread."""
+        """The worker's fields plus process facts, as strings. `fields` reads MLX: main thread only."""
         stats = {**self._static, **{k: str(v) for k, v in self.fields().items()}}
-        stats["memory_cache_bytes"] = str(mx.get_cache_memory())
         stats["updated_at"] = f"{time.time():.3f}"
         if self.metrics_port is not None:
             stats["metrics_port"] = str(self.metrics_port)
@@ -148,8 +145,11 @@ class StatsPublisher:
 class LiveWorker(Protocol):
     """What a scrape reads from the RQ worker object itself (no MLX)."""
 
-    name: str
-    key: str
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def key(self) -> str: ...
 
     def get_state(self) -> str: ...
 
@@ -237,7 +237,7 @@ class MetricsServer:
         from prometheus_client import CollectorRegistry
 
         self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(_Collector(publisher, worker, conn))  # type: ignore[arg-type]
+        self.registry.register(_Collector(publisher, worker, conn))
         self._server: Any = None
         self.port: int | None = None
 

@@ -4,50 +4,54 @@ Built on RQ's `SimpleWorker` (RQ's forking `Worker` would lose the model after e
 lacks for model jobs: a `JobWatch` thread that heartbeats while jobs run (so RQ never reaps a live job
 as abandoned, and a killed worker's jobs are found within a few heartbeats) and polls cancel keys; an
 allowlist of job functions checked before anything is imported by name; a failure hook that ends the
-job's stream with an `error` event; and two kinds of batches, each job in them still finishing or
-failing on its own through RQ's own lifecycle (`_finalize_success` / `_finalize_failure`):
-
-- score batches: after RQ hands over a score job, more queued score jobs are claimed (`ScoreClaimer`)
-  and scored together;
-- generation batches (`max_batch_sequences` > 1): see `generation_jobs.py`.
+job's stream with an `error` event; and the dispatch of each job, by its function's name, to the
+component that runs that kind (`GenerationJobs`, `ScoreJobs`: built by the service, each running its
+jobs in batches and ending every job through RQ's own lifecycle, `rq_batches.py`). The worker is the
+`JobHost` those components are handed. RQ's loop between jobs (state, heartbeat, suspension check,
+maintenance) goes on while Redis restarts instead of quitting.
 """
 
 from __future__ import annotations
 
 import logging
-import sys
-from collections.abc import Callable
-from datetime import datetime
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from time import monotonic
-from typing import Any
+from typing import Any, Protocol
 
 import redis
 from rq import Queue, SimpleWorker
-from rq.executions import Execution
 from rq.job import Job, JobStatus
-from rq.rate_limit import release_slot
 from rq.serializers import JSONSerializer
-from rq.utils import now
-from rq.worker import WorkerStatus
 
-from jobs import keys
 from jobs.errors import ForbiddenJob
 from worker.allowlist import forbidden_reason
-from worker.executor import JobExecutor
-from worker.generation_jobs import BatchOptions, GenerationJobs
-from worker.job_claim import JobClaimer
 from worker.job_watch import JobWatch
-from worker.score_claim import ScoreClaimer
-from worker.stream_writer import REDIS_TRANSIENT, StreamOptions, StreamWriter, retrying
+from worker.rq_batches import RqBatches, Run
+from worker.stream_writer import REDIS_TRANSIENT, StreamOptions, StreamWriter
 
 log = logging.getLogger(__name__)
 
 _BEAT_AGAIN_S = 1.0  # a heartbeat repeating the last one's TTL sooner than this is skipped (`heartbeat`)
-Ended = tuple[Job, Queue, Any, Any]  # a job that returned: (job, its queue, its execution, the return value)
 _STUCK = "Job was stuck in intermediate queue."  # what RQ's IntermediateQueue.cleanup fails jobs with
+_STATS_EVERY_S = 1.0  # how often a running generation batch republishes the worker's stats
 
 
-class MlxqWorker(GenerationJobs, SimpleWorker):
+class JobRunner(Protocol):
+    """Runs one kind of job from the one RQ handed over (claiming more of its kind as it sees fit)."""
+
+    def run(self, first: Job, queue: Queue) -> None: ...
+
+
+class Stats(Protocol):
+    """The worker's live statistics hash (`metrics.StatsPublisher`)."""
+
+    def publish(self, ttl_s: int | None = None) -> None: ...
+
+    def on_heartbeat(self, ttl_s: int, pipeline: Any = None) -> None: ...
+
+
+class MlxqWorker(SimpleWorker):
     """An RQ worker that runs only `jobs.generate`/`jobs.score`, with JSON payloads, in-process."""
 
     def __init__(
@@ -67,23 +71,55 @@ class MlxqWorker(GenerationJobs, SimpleWorker):
         self.heartbeat_s = heartbeat_s
         self.cancel_poll_s = cancel_poll_s
         self.default_job_timeout = default_job_timeout
-        self.executor: JobExecutor | None = None
-        self.score_claimer: ScoreClaimer | None = None  # None: one score job at a time
-        self.batch_options = BatchOptions()
-        self.job_claimer: JobClaimer | None = None  # set when generation jobs are batched
+        self.batches = RqBatches(self, stream_options, default_job_timeout)
+        self.runners: dict[str, JobRunner] = {}  # job function name -> its component (set by the service)
+        self.stats: Stats | None = None
         self.active_sequences = 0
-        self.after_job: Callable[[], None] = lambda: None
-        self.publish_stats: Callable[[], None] = lambda: None  # while a batch runs, every second
+        self._stats_at = 0.0  # when a running batch last republished the stats
         self._watch: JobWatch | None = None
         self._force_stop = False
         self._last_beat = (-1e9, 0)  # (monotonic time, TTL) of the last heartbeat
 
-    # --- what the executor asks --------------------------------------------------------------------
+    # --- the JobHost its components are handed (see `job_host.py`) -------------------------------------
+
+    def start(self, jobs: list[Job], queue: Queue) -> list[Run]:
+        """Fail the taken jobs this worker must not run (`forbidden_reason`: claims already leave such
+        jobs queued, this is the same check a dequeued job gets), start the others together."""
+        allowed = []
+        for job in jobs:
+            problem = forbidden_reason(job)
+            if problem is None:
+                allowed.append(job)
+            else:
+                self._reject(job, queue, problem)
+        return self.batches.start(allowed, queue)
+
+    @contextmanager
+    def watching(self, runs: list[Run]) -> Iterator[JobWatch]:
+        with JobWatch(self, runs, self.heartbeat_s, self.cancel_poll_s) as watch:
+            self._watch = watch
+            try:
+                yield watch
+            finally:
+                self._watch = None
 
     def is_cancelled(self, job_id: str) -> bool:
         """True once the job's cancel key was seen, or a second SIGTERM/SIGINT arrived."""
         watch = self._watch
         return self._force_stop or (watch is not None and job_id in watch.cancelled)
+
+    def stopping(self) -> bool:
+        return bool(self._stop_requested or self._force_stop)
+
+    def housekeeping(self) -> None:
+        if self.should_run_maintenance_tasks:
+            self.run_maintenance_tasks()
+
+    def progress(self, active_sequences: int) -> None:
+        self.active_sequences = active_sequences
+        if self.stats is not None and monotonic() - self._stats_at >= _STATS_EVERY_S:
+            self._stats_at = monotonic()
+            self.stats.publish()
 
     # --- RQ hooks ----------------------------------------------------------------------------------
 
@@ -121,36 +157,42 @@ class MlxqWorker(GenerationJobs, SimpleWorker):
         it), always goes out."""
         ttl = timeout or self.worker_ttl + 60
         at = monotonic()
-        if pipeline is not None:
-            super().heartbeat(timeout, pipeline)
-        else:
+        if pipeline is None:
             last_at, last_ttl = self._last_beat
             if ttl == last_ttl and at - last_at < _BEAT_AGAIN_S:
                 return
             with self.connection.pipeline(transaction=False) as pipe:
-                super().heartbeat(timeout, pipe)
+                self._beat(timeout, ttl, pipe)
                 if not self._between_jobs(pipe.execute):
                     return
+        else:
+            self._beat(timeout, ttl, pipeline)
         self._last_beat = (at, ttl)
+
+    def _beat(self, timeout: int | None, ttl: int, pipe: Any) -> None:
+        """RQ's heartbeat and the stats hash's TTL (`StatsPublisher.on_heartbeat`), queued on `pipe`."""
+        super().heartbeat(timeout, pipe)
+        if self.stats is not None:
+            self.stats.on_heartbeat(ttl, pipe)
 
     def get_heartbeat_ttl(self, job: Job, working_time: float = 0.0) -> int:
         # Short, refreshed by the watch thread: a killed worker's job is noticed within a few beats.
         return int(self.heartbeat_s * 3 + 5)
 
     def execute_job(self, job: Job, queue: Queue) -> None:
+        """Hand the job RQ dequeued to the component that runs its kind (it may claim more queued jobs
+        to run beside it); a job this worker must not run is failed with the reason."""
         problem = forbidden_reason(job)
-        if problem is not None:
-            self._reject(job, queue, problem)
-        elif (
-            job.func_name == keys.SCORE_FUNC and self.score_claimer is not None and self.executor is not None
-        ):
-            self._execute_score_batch(job, queue)
-        elif job.func_name == keys.GENERATE_FUNC and self._batching:
-            self._execute_generate_batch(job, queue)
+        runner = self.runners.get(job.func_name or "") if problem is None else None
+        if problem is None and runner is None:
+            problem = f"this worker runs no {job.func_name} jobs"
+        if runner is None:
+            self._reject(job, queue, problem or "")
         else:
-            self._execute_one(job, queue)
+            runner.run(job, queue)
         self.set_state("idle")
-        self.after_job()
+        if self.stats is not None:
+            self.stats.publish()
 
     def handle_job_failure(
         self,
@@ -191,223 +233,7 @@ class MlxqWorker(GenerationJobs, SimpleWorker):
             return
         super().request_force_stop(signum, frame)
 
-    # --- running jobs ------------------------------------------------------------------------------
-
-    def _start(self, job: Job) -> Any:
-        if job.timeout is None:  # RQ's own default (180 s) is too short for long generations
-            job.timeout = self.default_job_timeout
-        return self.prepare_execution(job)
-
-    def _execute_one(self, job: Job, queue: Queue) -> None:
-        execution = self._start(job)
-        with JobWatch(self, [(job, execution)], self.heartbeat_s, self.cancel_poll_s) as watch:
-            self._watch = watch
-            try:
-                self.perform_job(job, queue, execution)
-            finally:
-                self._watch = None
-
-    def _start_claimed(self, jobs: list[Job]) -> list[Any]:
-        """Start jobs that are in RQ's intermediate list (dequeued or claimed) outside `perform_job`, all
-        in one transaction; returns their executions.
-
-        What RQ's `prepare_execution` and `prepare_job_execution` write for one job (an execution record
-        in the started registry, the job's status, worker name and heartbeat, the job off the
-        intermediate list, the worker busy), for many jobs at once: a batch of 64 claimed jobs started
-        in one round trip, not 128. Redis restarting meanwhile is retried (as stream writes are), not
-        fatal: an error escaping `execute_job` makes RQ's loop stop the whole worker."""
-        if not jobs:
-            return []
-
-        intermediate = {  # each origin's intermediate list: one Queue made per origin, not per job
-            origin: Queue(origin, connection=self.connection).intermediate_queue_key
-            for origin in {job.origin for job in jobs}
-        }
-
-        def start() -> list[Execution]:
-            executions = []
-            with self.connection.pipeline() as pipe:
-                for job in jobs:
-                    if job.timeout is None:  # RQ's own default (180 s) is too short for long generations
-                        job.timeout = self.default_job_timeout
-                    ttl = self.get_heartbeat_ttl(job)
-                    executions.append(Execution.create(job, ttl, pipeline=pipe, worker_name=self.name))
-                    job.heartbeat(now(), ttl, pipeline=pipe)
-                    job.prepare_for_execution(self.name, pipeline=pipe)
-                    pipe.persist(job.key)
-                    pipe.lrem(intermediate[job.origin], 1, job.id)
-                self.set_state(WorkerStatus.BUSY, pipeline=pipe)
-                self.heartbeat(self.get_heartbeat_ttl(jobs[0]), pipeline=pipe)
-                pipe.execute()
-            return executions
-
-        executions = retrying(self.stream_options)(start)
-        for job, execution in zip(jobs, executions, strict=True):
-            self.executions[execution.id] = execution
-            job.started_at = now()
-        return executions
-
-    def _start_allowed(self, jobs: list[Job], queue: Queue) -> list[tuple[Job, Any]]:
-        """Fail the claimed jobs this worker must not run (`forbidden_reason`: claims already leave such
-        jobs queued, this is the same check a dequeued job gets), start the others together
-        (`_start_claimed`); returns (job, execution) for those started."""
-        allowed = []
-        for job in jobs:
-            problem = forbidden_reason(job)
-            if problem is None:
-                allowed.append(job)
-            else:
-                self._reject(job, queue, problem)
-        return list(zip(allowed, self._start_claimed(allowed), strict=True))
-
-    def _finalize_success(self, job: Job, queue: Queue, execution: Any, return_value: Any) -> None:
-        """RQ's end of a successful job, retried while Redis restarts (see `_start_claimed`)."""
-        retrying(self.stream_options)(super()._finalize_success, job, queue, execution, return_value)
-
-    def _finalize_successes(self, ended: list[Ended]) -> None:
-        """RQ's end of many successful jobs: what `_finalize_success` writes for each, for all of them
-        in one transaction (`_end_together`), where RQ makes four round trips per job. A job with
-        dependents or repeats left, and every job when that transaction fails for good, ends on its own
-        through RQ (`_finalize_success`); a job whose end fails is failed with the reason."""
-        alone = [item for item in ended if item[0].repeats_left]
-        together = [item for item in ended if not item[0].repeats_left]
-        if together:
-            try:
-                done = retrying(self.stream_options)(self._end_together, together)
-            except Exception:
-                log.exception("could not end jobs together; ending them one by one jobs=%d", len(together))
-                done = [False] * len(together)
-            for (job, *_), ok in zip(together, done, strict=True):
-                if ok:  # after the commit, as RQ does: a rate limit's slot, webhooks
-                    release_slot(job)
-                    job.send_webhooks(JobStatus.FINISHED)
-                    self.log.info("Worker %s: %s: Job OK (%s)", self.name, job.origin, job.id)
-            alone.extend(item for item, ok in zip(together, done, strict=True) if not ok)
-        for job, queue, execution, value in alone:
-            try:
-                self._finalize_success(job, queue, execution, value)
-            except Exception:
-                self._finalize_failure(job, queue, execution, sys.exc_info())
-
-    def _end_together(self, ended: list[Ended]) -> list[bool]:
-        """End the jobs without dependents in one MULTI/EXEC, each as RQ's `handle_job_success` ends one
-        (result, status, registries, the job's TTLs, its execution record, the worker's counters); which
-        ones it ended. The dependents sets are watched before they are read, so a dependent added before
-        the commit makes it start over, as in RQ."""
-        with self.connection.pipeline() as pipe:
-            while True:
-                try:
-                    pipe.watch(*(job.dependents_key for job, *_ in ended))
-                    with self.connection.pipeline(transaction=False) as reads:
-                        for job, *_ in ended:
-                            reads.exists(job.dependents_key)
-                        free = [not n for n in reads.execute()]
-                    pipe.multi()
-                    at = now()
-                    working = 0.0
-                    for (job, _, execution, value), ok in zip(ended, free, strict=True):
-                        if ok:
-                            self._write_success(job, execution, value, at, pipe)
-                            working += (at - (job.started_at or at)).total_seconds()
-                    if any(free):  # the worker's counters, as RQ adds them a job at a time
-                        pipe.hincrby(self.key, "successful_job_count", sum(free))
-                        pipe.hincrbyfloat(self.key, "total_working_time", working)
-                    pipe.execute()
-                    return free
-                except redis.WatchError:
-                    continue
-
-    def _write_success(self, job: Job, execution: Any, value: Any, at: datetime, pipe: Any) -> None:
-        """Queue on `pipe` what RQ's `_finalize_success` writes for a job with no dependents or repeats,
-        but the worker's counters (`_end_together` adds them for all its jobs at once)."""
-        job.ended_at = at
-        job.heartbeat(at, job.success_callback_timeout, pipeline=pipe)
-        job._result = value
-        job._status = JobStatus.FINISHED
-        result_ttl = job.get_result_ttl(self.default_result_ttl)
-        if result_ttl != 0:
-            job._handle_success(
-                result_ttl,
-                pipeline=pipe,
-                worker_name=self.name,
-                execution_id=execution.id,
-                execution_started_at=execution.created_at,
-                execution_ended_at=at,
-            )
-        job.cleanup(result_ttl, pipeline=pipe, remove_from_queue=False)
-        self.cleanup_execution(job, pipeline=pipe, execution=execution)
-
-    def _finalize_failure(self, job: Job, queue: Queue, execution: Any, exc_info: Any) -> None:
-        """RQ's end of a failed job, retried while Redis restarts (see `_start_claimed`)."""
-        retrying(self.stream_options)(super()._finalize_failure, job, queue, execution, exc_info)
-
-    def _execute_score_batch(self, first: Job, queue: Queue) -> None:
-        """Score `first` together with more queued score jobs; each job ends on its own."""
-        assert self.score_claimer is not None and self.executor is not None
-        try:
-            claimed = self.score_claimer.claim(queue, rows_taken=_rows_of(first))
-        except REDIS_TRANSIENT as e:  # Redis restarting: score `first` alone; the rest stay queued
-            log.warning("score batch could not claim jobs error=%s", e)
-            claimed = []
-        runs = self._start_allowed([first, *claimed], queue)
-        with JobWatch(self, runs, self.heartbeat_s, self.cancel_poll_s) as watch:
-            self._watch = watch
-            try:
-                self._score_runs(runs, queue)
-            finally:
-                self._watch = None
-
-    def _score_runs(self, runs: list[tuple[Job, Any]], queue: Queue) -> None:
-        assert self.executor is not None
-        ready = []
-        for (job, execution), rows in zip(runs, self._prepare(runs), strict=True):
-            if isinstance(rows, Exception):  # a bad job fails alone; its batch-mates go on
-                self._finalize_failure(job, queue, execution, (type(rows), rows, rows.__traceback__))
-            else:
-                ready.append((job, execution, rows))
-        if not ready:
-            return
-        try:
-            results = self.executor.score_batch([rows for _, _, rows in ready])
-        except Exception:
-            log.exception("score batch failed; scoring its jobs one by one jobs=%d", len(ready))
-            results = None
-        scored = []
-        for i, (job, execution, rows) in enumerate(ready):
-            try:
-                scored.append(
-                    (
-                        job,
-                        execution,
-                        results[i] if results is not None else self.executor.score_batch([rows])[0],
-                    )
-                )
-            except Exception:
-                self._finalize_failure(job, queue, execution, sys.exc_info())
-        try:  # every job's result and `done` in one go; a failed write fails them all (RQ may retry)
-            self.executor.finish_scores([(job, result) for job, _, result in scored])
-        except Exception:
-            for job, execution, _ in scored:
-                self._finalize_failure(job, queue, execution, sys.exc_info())
-            return
-        self._finalize_successes(
-            [(job, queue, execution, result.model_dump(mode="json")) for job, execution, result in scored]
-        )
-
-    def _prepare(self, runs: list[tuple[Job, Any]]) -> list[Any]:
-        """Each run's tokenized rows or its own error (`Executor.prepare_scores`)."""
-        assert self.executor is not None
-        try:
-            return self.executor.prepare_scores([job.args[0] for job, _ in runs])
-        except Exception:  # not a job's own error (those come back in its place): each job alone
-            log.exception("preparing a score batch failed; preparing its jobs one by one jobs=%d", len(runs))
-        out = []
-        for job, _ in runs:
-            try:
-                out.extend(self.executor.prepare_scores([job.args[0]]))
-            except Exception as e:
-                out.append(e)
-        return out
+    # --- jobs that never run ----------------------------------------------------------------------
 
     def _reject(self, job: Job, queue: Queue, reason: str) -> None:
         log.warning("rejected job=%s reason=%s", job.id, reason)
@@ -423,12 +249,6 @@ class MlxqWorker(GenerationJobs, SimpleWorker):
             StreamWriter(self.connection, job.id, self.stream_options).error_once(message)
         except Exception:  # the failure itself is recorded by RQ; a stream write must not hide it
             log.exception("could not write error event job=%s", job.id)
-
-
-def _rows_of(job: Job) -> int:
-    payload = job.args[0]
-    rows = payload.get("rows") if isinstance(payload, dict) else None
-    return len(rows) if isinstance(rows, list) else 0
 
 
 def _last_line(exc_string: str) -> str:

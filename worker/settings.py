@@ -109,7 +109,7 @@ class WorkerSettings(BaseSettings):
         default=None,
         ge=0,
         description="freed MLX buffers kept for reuse; bounds memory under varied shapes; unset: an eighth "
-        "of MLX's memory limit on a CUDA GPU, 1 GiB elsewhere (`service.mlx_cache_limit`)",
+        "of MLX's memory limit on a CUDA GPU, 1 GiB elsewhere (`engine.device.buffer_cache_limit`)",
     )
 
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"

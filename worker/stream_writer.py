@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -94,7 +94,8 @@ class StreamWriter:
 
     def _seek_end(self) -> str | None:
         """Place new entry ids after the stream's last one; return that entry's event, if any."""
-        return self._seek_to(self._retry(self.conn.xrevrange, self.key, count=1))
+        last: Any = self._retry(self.conn.xrevrange, self.key, count=1)
+        return self._seek_to(last)
 
     def _seek_to(self, last: list[Any]) -> str | None:
         """`_seek_end` given the stream's last entry as XREVRANGE returned it."""
@@ -202,7 +203,7 @@ def open_streams(
 
 def finish_streams(
     conn: redis.Redis,
-    finals: list[tuple[StreamWriter, GenerateResult | ScoreResult, DoneEvent]],
+    finals: Sequence[tuple[StreamWriter, GenerateResult | ScoreResult, DoneEvent]],
     options: StreamOptions,
 ) -> None:
     """`StreamWriter.finish` for many jobs in one transaction: per job its result key, then what it has

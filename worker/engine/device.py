@@ -9,3 +9,36 @@ def on_cuda() -> bool:
     """Whether MLX's CUDA backend is the default device (not Metal, not the CPU)."""
     cuda = getattr(mx, "cuda", None)
     return mx.default_device().type == mx.DeviceType.gpu and cuda is not None and cuda.is_available()
+
+
+def buffer_cache_limit(setting: int | None) -> int:
+    """Bytes of freed buffers MLX keeps for reuse (`MLXQ_MLX_CACHE_LIMIT_BYTES`; None: the default).
+
+    On MLX's CUDA build a buffer the cache cannot keep is given back with a call that waits for the
+    device, and a new one faults its pages in on first use, so a cache smaller than what a batch turns
+    over (a decode batch copies its KV whenever its membership or length changes) costs every step that
+    frees (`bench/README.md` has the measurements). So the default there is an eighth of MLX's memory
+    limit; elsewhere (unified memory, shared with the system) 1 GiB.
+    """
+    if setting is not None:
+        return setting
+    if on_cuda():
+        return max(1 << 30, mx.get_memory_limit() // 8)
+    return 1 << 30
+
+
+def limit_buffer_cache(setting: int | None) -> None:
+    """Bound MLX's pool of freed buffers: varied prompt and batch shapes would otherwise grow it without
+    end (see `buffer_cache_limit`)."""
+    mx.set_cache_limit(buffer_cache_limit(setting))
+
+
+def memory_figures() -> dict[str, int | str]:
+    """This process's device, MLX version and MLX memory now, for the worker's published stats."""
+    return {
+        "device": str(mx.default_device()),
+        "mlx_version": mx.__version__,
+        "memory_bytes": mx.get_active_memory(),
+        "peak_memory_bytes": mx.get_peak_memory(),
+        "memory_cache_bytes": mx.get_cache_memory(),
+    }

@@ -1,0 +1,171 @@
+"""`rq_batches`: RQ's start and end of jobs, done for many at once, against RQ's own version of each:
+the same records in Redis (status, registries, results, TTLs, executions, the worker's counters) in one
+transaction instead of several round trips per job; dependents and repeats as RQ handles them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import redis
+from rq import Queue, Repeat
+from rq.job import Job
+from rq.results import Result
+from rq.serializers import JSONSerializer
+
+from jobs import keys
+from worker import rq_batches
+from worker.rq_batches import Run
+from worker.rq_worker import MlxqWorker
+from worker.stream_writer import StreamOptions
+
+ROW = {"rows": [{"prompt": "a", "candidates": ["b"]}]}
+
+
+def _commands(conn: redis.Redis, names: tuple[str, ...]) -> dict[str, int]:
+    stats = conn.info("commandstats")
+    return {k: int(stats.get(f"cmdstat_{k}", {"calls": 0})["calls"]) for k in names}
+
+
+def _job_state(job: Job) -> dict[str, Any]:
+    """What RQ keeps of a started job, without its times and ids."""
+    conn = job.connection
+    return {
+        "status": job.get_status(refresh=True),
+        "worker": (conn.hget(job.key, "worker_name") or b"").decode(),
+        "fields": {k.decode() for k in conn.hgetall(job.key)},
+        "ttl": conn.ttl(job.key),
+        "started registry": job.id in job.started_job_registry,
+        "executions": len(job.get_executions()),
+        "heartbeat": conn.hget(job.key, "last_heartbeat") is not None,
+    }
+
+
+def test_jobs_started_together_are_started_as_rq_starts_one_in_one_transaction(
+    redis_conn: redis.Redis,
+) -> None:
+    q = Queue("starts", connection=redis_conn, serializer=JSONSerializer)
+    w = MlxqWorker([q], connection=redis_conn, stream_options=StreamOptions())
+    w.register_birth()
+    jobs = [q.enqueue_call(keys.SCORE_FUNC, args=(ROW,)) for _ in range(6)]
+    for _ in jobs:  # taken from the queue, as RQ's dequeue (BLMOVE) leaves them
+        redis_conn.lmove(q.key, q.intermediate_queue_key, "LEFT", "RIGHT")
+    alone, together = jobs[0], jobs[1:]
+    execution = w.prepare_execution(alone)  # RQ's own start of one job
+    w.prepare_job_execution(alone, remove_from_intermediate_queue=True)
+    before = _commands(redis_conn, ("exec",))
+    runs = w.batches.start(together, q)
+    assert _commands(redis_conn, ("exec",))["exec"] - before["exec"] == 1
+    reference = _job_state(alone)
+    assert reference["status"] == "started" and reference["started registry"] and reference["executions"] == 1
+    for run in runs:
+        assert _job_state(run.job) == reference
+        assert run.execution.id in w.executions
+    assert execution.id
+    assert redis_conn.llen(q.intermediate_queue_key) == 0
+    assert w.get_state() == "busy"
+
+
+def _started(w: MlxqWorker, q: Queue, n: int, **enqueue: Any) -> list[tuple[Run, Any]]:
+    """`n` score jobs as a batch holds them once started, each with a return value."""
+    jobs = [q.enqueue_call(keys.SCORE_FUNC, args=(ROW,), **enqueue) for _ in range(n)]
+    for _ in jobs:  # claimed: off the queue, onto the intermediate list as RQ's dequeue leaves it
+        q.connection.lmove(q.key, q.intermediate_queue_key, "LEFT", "RIGHT")
+    return [(run, {"n": i}) for i, run in enumerate(w.batches.start(jobs, q))]
+
+
+def _ended_state(job: Job) -> dict[str, Any]:
+    """What RQ keeps of an ended job, without its times and ids."""
+    conn = job.connection
+    fields = {k.decode() for k in conn.hgetall(job.key)}
+    results = Result.all(job, serializer=JSONSerializer)
+    return {
+        "status": job.get_status(refresh=True),
+        "fields": fields,
+        "ttl": conn.ttl(job.key) > 0,
+        "results": [(r.type, r.return_value) for r in results],
+        "finished registry": job.id in job.finished_job_registry,
+        "started registry": job.id in job.started_job_registry,
+    }
+
+
+def test_jobs_ended_together_are_ended_as_rq_ends_one_in_one_transaction(redis_conn: redis.Redis) -> None:
+    q = Queue("ends", connection=redis_conn, serializer=JSONSerializer)
+    w = MlxqWorker([q], connection=redis_conn, stream_options=StreamOptions())
+    w.register_birth()
+    (alone, *_), together = _started(w, q, 1), _started(w, q, 20)
+    w.batches.succeed(*alone)  # RQ's own end of one job
+    before = _commands(redis_conn, ("exec", "watch"))
+    w.batches.succeed_many(together)
+    after = _commands(redis_conn, ("exec", "watch"))
+    assert {k: after[k] - before[k] for k in after} == {"exec": 1, "watch": 1}  # RQ: 20 of each
+    reference = _ended_state(alone[0].job)
+    assert reference["status"] == "finished" and reference["finished registry"]
+    assert reference["results"] == [(Result.Type.SUCCESSFUL, alone[1])]
+    for run, value in together:
+        assert _ended_state(run.job) == {**reference, "results": [(Result.Type.SUCCESSFUL, value)]}
+        assert not redis_conn.exists(run.execution.key)
+    assert int(redis_conn.hget(w.key, "successful_job_count") or 0) == 21
+    assert float(redis_conn.hget(w.key, "total_working_time") or 0) > 0
+    assert q.started_job_registry.count == 0 and q.finished_job_registry.count == 21
+    assert w.executions == {}
+
+
+def test_a_job_with_a_dependent_or_repeats_ends_through_rq_and_its_dependent_is_enqueued(
+    redis_conn: redis.Redis,
+) -> None:
+    q = Queue("ends", connection=redis_conn, serializer=JSONSerializer)
+    w = MlxqWorker([q], connection=redis_conn, stream_options=StreamOptions())
+    w.register_birth()
+    plain, parent = _started(w, q, 2)
+    (repeating,) = _started(w, q, 1, repeat=Repeat(times=1))
+    child = q.enqueue_call(keys.SCORE_FUNC, args=(ROW,), depends_on=parent[0].job)
+    assert child.get_status(refresh=True) == "deferred"
+    w.batches.succeed_many([plain, parent, repeating])
+    assert plain[0].job.get_status(refresh=True) == parent[0].job.get_status(refresh=True) == "finished"
+    assert child.get_status(refresh=True) == "queued" and child.id in q.job_ids
+    assert repeating[0].job.id in q.job_ids  # RQ's repeat: queued again at once
+
+
+def test_a_dependent_added_while_jobs_end_together_is_not_lost(
+    redis_conn: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """RQ's race: a job gets a dependent after its dependents were read, before the commit. The commit
+    fails (the dependents set is watched) and starts over; the job then ends through RQ, which enqueues
+    the dependent."""
+    q = Queue("ends", connection=redis_conn, serializer=JSONSerializer)
+    w = MlxqWorker([q], connection=redis_conn, stream_options=StreamOptions())
+    w.register_birth()
+    ended = _started(w, q, 3)
+    children: list[Job] = []
+    real_now = rq_batches.now
+
+    def now_with_a_new_dependent() -> Any:
+        if not children:  # between the read of the dependents and the commit, once
+            children.append(q.enqueue_call(keys.SCORE_FUNC, args=(ROW,), depends_on=ended[1][0].job))
+        return real_now()
+
+    monkeypatch.setattr(rq_batches, "now", now_with_a_new_dependent)
+    w.batches.succeed_many(ended)
+    assert [run.job.get_status(refresh=True) for run, _ in ended] == ["finished"] * 3
+    assert children[0].get_status(refresh=True) == "queued" and children[0].id in q.job_ids
+    assert int(redis_conn.hget(w.key, "successful_job_count") or 0) == 3
+
+
+def test_a_job_whose_end_fails_fails_with_the_reason_and_the_others_finish(
+    redis_conn: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    q = Queue("ends", connection=redis_conn, serializer=JSONSerializer)
+    w = MlxqWorker([q], connection=redis_conn, stream_options=StreamOptions())
+    w.register_birth()
+    good, bad, other = _started(w, q, 3)
+
+    def cannot_save(*args: Any, **kwargs: Any) -> None:
+        raise ValueError("this result cannot be saved")
+
+    monkeypatch.setattr(bad[0].job, "_handle_success", cannot_save)  # RQ's write of this one job fails
+    w.batches.succeed_many([good, bad, other])
+    assert good[0].job.get_status(refresh=True) == other[0].job.get_status(refresh=True) == "finished"
+    assert bad[0].job.get_status(refresh=True) == "failed"
+    assert "this result cannot be saved" in (bad[0].job.latest_result().exc_string or "")
+    assert int(redis_conn.hget(w.key, "successful_job_count") or 0) == 2

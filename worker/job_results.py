@@ -1,0 +1,139 @@
+"""What a job leaves in Redis besides RQ's records: its stream's opening and its result and `done` event.
+
+The generation and score components hand finished work here; this module owns the attempt count (kept
+in the job's meta, so it survives RQ's retries: a retried job's stream says `restart` first), the time a
+job waited in its queue, the result key and `done` event written together (one transaction for all the
+jobs that end at once), the per-job log line and the worker's job counters. Failures are not written
+here: the worker's failure hook ends the stream with an `error` event for every failed job.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from datetime import timezone
+from typing import Any
+
+import redis
+from rq.job import Job
+from rq.utils import now
+
+from jobs.schema import DoneEvent, GenerateResult, ScoreResult
+from worker.stream_writer import StreamOptions, StreamWriter, finish_streams, open_streams
+
+log = logging.getLogger(__name__)
+
+ATTEMPT_META = "mlxq_attempt"
+
+
+class JobResults:
+    """Opens jobs' streams and writes their results; one instance per worker process."""
+
+    def __init__(
+        self, conn: redis.Redis, options: StreamOptions, cache_fields: Callable[[], str] = lambda: ""
+    ) -> None:
+        self.conn = conn
+        self.options = options
+        self.cache_fields = cache_fields  # the prefix cache's figures for the per-job log line
+        self.jobs_done = 0
+        self.last_tokens_per_s: float | None = None
+        self._queued_s: dict[str, float] = {}  # job id -> seconds from enqueue to its stream opening
+
+    def open_streams(self, jobs: list[Job], deferred: bool = True) -> list[StreamWriter]:
+        """Writers for jobs that start together: their attempt counts saved and their streams' seeks in
+        one round trip (a `restart` entry where an earlier attempt wrote). Deferred writers only
+        buffer, for `flush_streams` to write a whole batch's tokens at once."""
+        attempts = [self._attempt(job) for job in jobs]
+
+        def save_meta(pipe: Any) -> None:
+            for job in jobs:
+                pipe.hset(job.key, "meta", job.serializer.dumps(job.meta))  # as `job.save_meta()` does
+
+        writers = [StreamWriter(self.conn, job.id, self.options, deferred=deferred) for job in jobs]
+        open_streams(self.conn, list(zip(writers, attempts, strict=True)), self.options, also=save_meta)
+        return writers
+
+    def _attempt(self, job: Job) -> int:
+        """Count one more attempt of `job` in its meta (saved by the caller); note its time in the queue."""
+        attempt = int(job.meta.get(ATTEMPT_META, 0)) + 1
+        job.meta[ATTEMPT_META] = attempt
+        if job.enqueued_at is not None:
+            enqueued = job.enqueued_at.replace(tzinfo=job.enqueued_at.tzinfo or timezone.utc)
+            self._queued_s[job.id] = max(0.0, (now() - enqueued).total_seconds())
+        return attempt
+
+    def finish_generates(
+        self, finished: list[tuple[str, StreamWriter, GenerateResult]]
+    ) -> list[GenerateResult]:
+        """Write the `done` events and result keys of the generation jobs that ended at one step, in one
+        transaction (after their text went through their writers). Returns the results as stored:
+        with the time each job waited in the queue."""
+        finals = [(w, *self._generate_final(job_id, result)) for job_id, w, result in finished]
+        finish_streams(self.conn, finals, self.options)
+        for (job_id, _, _), (_, result, _) in zip(finished, finals, strict=True):
+            self._generate_written(job_id, result)
+        return [result for _, result, _ in finals]
+
+    def _generate_final(self, job_id: str, result: GenerateResult) -> tuple[GenerateResult, DoneEvent]:
+        """The result as stored (with its time in the queue) and its `done` event."""
+        queued_s = self._queued_s.pop(job_id, None)
+        if queued_s is not None:
+            result = result.model_copy(
+                update={"timings": result.timings.model_copy(update={"queued_s": queued_s})}
+            )
+        t = result.timings
+        done = DoneEvent(
+            finish_reason=result.finish_reason,
+            prompt_tokens=result.usage.prompt_tokens,
+            completion_tokens=result.usage.completion_tokens,
+            cached_tokens=result.usage.cached_tokens,
+            ttft_s=t.ttft_s,
+            decode_tokens_per_s=t.decode_tokens_per_s,
+            total_s=t.total_s,
+        )
+        return result, done
+
+    def _generate_written(self, job_id: str, result: GenerateResult) -> None:
+        t = result.timings
+        self.jobs_done += 1
+        self.last_tokens_per_s = t.decode_tokens_per_s
+        log.info(
+            "generate done job=%s finish=%s prompt_tokens=%d cached_tokens=%d completion_tokens=%d "
+            "queued_s=%.3f ttft_s=%.3f tokens_per_s=%.1f%s",
+            job_id,
+            result.finish_reason,
+            result.usage.prompt_tokens,
+            result.usage.cached_tokens,
+            result.usage.completion_tokens,
+            t.queued_s or 0.0,
+            t.ttft_s or 0.0,
+            t.decode_tokens_per_s or 0.0,
+            self.cache_fields(),
+        )
+
+    def finish_scores(self, finished: list[tuple[Job, ScoreResult]]) -> None:
+        """Write score jobs' results and `done` events in three round trips, not three per job: their
+        attempt counts, their streams' seeks, then one transaction with every result and `done`."""
+        writers = self.open_streams([job for job, _ in finished], deferred=False)
+        finals = [(w, result, _score_done(result)) for w, (_, result) in zip(writers, finished, strict=True)]
+        finish_streams(self.conn, finals, self.options)
+        for job, result in finished:
+            self.jobs_done += 1
+            self._queued_s.pop(job.id, None)
+            log.info(
+                "score done job=%s rows=%d input_tokens=%d cached_tokens=%d%s",
+                job.id,
+                len(result.rows),
+                result.input_tokens,
+                result.cached_tokens,
+                self.cache_fields(),
+            )
+
+
+def _score_done(result: ScoreResult) -> DoneEvent:
+    return DoneEvent(
+        finish_reason="stop",
+        prompt_tokens=result.input_tokens,
+        completion_tokens=0,
+        cached_tokens=result.cached_tokens,
+    )

@@ -1,0 +1,186 @@
+"""RQ's job lifecycle for jobs an mlxq worker runs together: the one module that reproduces RQ.
+
+RQ (3.x) starts and ends one job at a time, several round trips each. A worker that runs 64 jobs in one
+batch does the same bookkeeping for all of them in one transaction. What is copied, and from where:
+
+- `start`: what `Worker.prepare_execution` (an `Execution` record in the started registry, the worker's
+  heartbeat) and `Worker.prepare_job_execution(remove_from_intermediate_queue=True)` (the job's
+  heartbeat, status `started` and worker name, its hash persisted, the id off the queue's intermediate
+  list, the worker busy) write, for every job in one MULTI/EXEC;
+- `succeed_many`: what `Worker._finalize_success` and `Worker.handle_job_success` write for a job
+  without dependents or repeats (result, status `finished`, registries, TTLs, execution record, the
+  worker's counters), for every job in one MULTI/EXEC, with the dependents sets WATCHed as RQ does.
+  A job with repeats left, and every job when that transaction fails for good, ends through RQ itself.
+
+Single jobs end through RQ's own methods (`succeed`, `fail`). Every step retries while Redis restarts
+(`retrying`): an error escaping `execute_job` would make RQ's loop stop the whole worker. The private RQ
+names this needs (`_finalize_success`, `_finalize_failure`, `Job._handle_success`, `Job._result`,
+`Job._status`) are used here and nowhere else; `tests/service/test_rq_batches.py` holds the results
+against RQ's own version of each step.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+import redis
+from rq import Queue, SimpleWorker
+from rq.executions import Execution
+from rq.job import Job, JobStatus
+from rq.rate_limit import release_slot
+from rq.utils import now
+from rq.worker import WorkerStatus
+
+from worker.stream_writer import StreamOptions, retrying
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Run:
+    """A started job: the job, the queue it came from, and RQ's record of this execution."""
+
+    job: Job
+    queue: Queue
+    execution: Execution
+
+
+Ended = tuple[Run, Any]  # a run that returned, with its return value
+
+
+class RqBatches:
+    """Starts and ends jobs through RQ on behalf of `worker`, many at a time where RQ does one."""
+
+    def __init__(self, worker: SimpleWorker, options: StreamOptions, default_job_timeout: int) -> None:
+        self.worker = worker
+        self.options = options
+        self.default_job_timeout = default_job_timeout
+
+    def start(self, jobs: list[Job], queue: Queue) -> list[Run]:
+        """Start jobs that are in RQ's intermediate list (dequeued or claimed), all in one transaction."""
+        if not jobs:
+            return []
+        w = self.worker
+        intermediate = {  # each origin's intermediate list: one Queue made per origin, not per job
+            origin: Queue(origin, connection=w.connection).intermediate_queue_key
+            for origin in {job.origin for job in jobs}
+        }
+
+        def start() -> list[Execution]:
+            executions = []
+            with w.connection.pipeline() as pipe:
+                for job in jobs:
+                    if job.timeout is None:  # RQ's own default (180 s) is too short for long generations
+                        job.timeout = self.default_job_timeout
+                    ttl = w.get_heartbeat_ttl(job)
+                    executions.append(Execution.create(job, ttl, pipeline=pipe, worker_name=w.name))
+                    job.heartbeat(now(), ttl, pipeline=pipe)
+                    job.prepare_for_execution(w.name, pipeline=pipe)
+                    pipe.persist(job.key)
+                    pipe.lrem(intermediate[job.origin], 1, job.id)
+                w.set_state(WorkerStatus.BUSY, pipeline=pipe)
+                w.heartbeat(w.get_heartbeat_ttl(jobs[0]), pipeline=pipe)
+                pipe.execute()
+            return executions
+
+        executions = retrying(self.options)(start)
+        runs = []
+        for job, execution in zip(jobs, executions, strict=True):
+            w.executions[execution.id] = execution
+            job.started_at = now()
+            runs.append(Run(job, queue, execution))
+        return runs
+
+    def start_one(self, job: Job, queue: Queue) -> Run:
+        """Start one job outside a batch (one that is failed before it runs): RQ's `prepare_execution`."""
+        return Run(job, queue, self.worker.prepare_execution(job))
+
+    def succeed(self, run: Run, value: Any) -> None:
+        """RQ's end of one successful job (`_finalize_success`), retried while Redis restarts."""
+        retrying(self.options)(self.worker._finalize_success, run.job, run.queue, run.execution, value)
+
+    def fail(self, run: Run, exc_info: Any) -> None:
+        """RQ's end of one failed job (`_finalize_failure`: retries, failed registry, the failure hook)."""
+        retrying(self.options)(self.worker._finalize_failure, run.job, run.queue, run.execution, exc_info)
+
+    def fail_with(self, run: Run, error: BaseException) -> None:
+        self.fail(run, (type(error), error, error.__traceback__))
+
+    def succeed_many(self, ended: list[Ended]) -> None:
+        """End many successful jobs: those without repeats in one transaction (`_end_together`), the
+        others (and all of them if that transaction fails for good) one by one through RQ; a job whose
+        end fails is failed with the reason."""
+        alone = [item for item in ended if item[0].job.repeats_left]
+        together = [item for item in ended if not item[0].job.repeats_left]
+        if together:
+            try:
+                done = retrying(self.options)(self._end_together, together)
+            except Exception:
+                log.exception("could not end jobs together; ending them one by one jobs=%d", len(together))
+                done = [False] * len(together)
+            for (run, _), ok in zip(together, done, strict=True):
+                if ok:  # after the commit, as RQ does: a rate limit's slot, webhooks
+                    release_slot(run.job)
+                    run.job.send_webhooks(JobStatus.FINISHED)
+                    self.worker.log.info(
+                        "Worker %s: %s: Job OK (%s)", self.worker.name, run.job.origin, run.job.id
+                    )
+            alone.extend(item for item, ok in zip(together, done, strict=True) if not ok)
+        for run, value in alone:
+            try:
+                self.succeed(run, value)
+            except Exception:
+                self.fail(run, sys.exc_info())
+
+    def _end_together(self, ended: list[Ended]) -> list[bool]:
+        """End the jobs without dependents in one MULTI/EXEC, each as RQ's `handle_job_success` ends one;
+        which ones it ended. The dependents sets are watched before they are read, so a dependent added
+        before the commit makes it start over, as in RQ."""
+        w = self.worker
+        with w.connection.pipeline() as pipe:
+            while True:
+                try:
+                    pipe.watch(*(run.job.dependents_key for run, _ in ended))  # type: ignore[no-untyped-call]
+                    with w.connection.pipeline(transaction=False) as reads:
+                        for run, _ in ended:
+                            reads.exists(run.job.dependents_key)
+                        free = [not n for n in reads.execute()]
+                    pipe.multi()
+                    at = now()
+                    working = 0.0
+                    for (run, value), ok in zip(ended, free, strict=True):
+                        if ok:
+                            self._write_success(run, value, at, pipe)
+                            working += (at - (run.job.started_at or at)).total_seconds()
+                    if any(free):  # the worker's counters, as RQ adds them a job at a time
+                        pipe.hincrby(w.key, "successful_job_count", sum(free))
+                        pipe.hincrbyfloat(w.key, "total_working_time", working)
+                    pipe.execute()
+                    return free
+                except redis.WatchError:
+                    continue
+
+    def _write_success(self, run: Run, value: Any, at: datetime, pipe: Any) -> None:
+        """Queue on `pipe` what RQ's `_finalize_success` writes for a job with no dependents or repeats,
+        but the worker's counters (`_end_together` adds them for all its jobs at once)."""
+        job, execution = run.job, run.execution
+        job.ended_at = at
+        job.heartbeat(at, job.success_callback_timeout, pipeline=pipe)
+        job._result = value
+        job._status = JobStatus.FINISHED
+        result_ttl = job.get_result_ttl(self.worker.default_result_ttl)
+        if result_ttl != 0:
+            job._handle_success(
+                result_ttl,
+                pipeline=pipe,
+                worker_name=self.worker.name,
+                execution_id=execution.id,
+                execution_started_at=execution.created_at,
+                execution_ended_at=at,
+            )
+        job.cleanup(result_ttl, pipeline=pipe, remove_from_queue=False)
+        self.worker.cleanup_execution(job, pipeline=pipe, execution=execution)
