@@ -32,9 +32,9 @@ from jobs.schema import (
     TokenEvent,
 )
 
-from . import bulk, job_state, payload, rq_wire
+from . import bulk, cancellation, job_state, payload, rq_wire
 from .bulk_files import BulkSource, BulkSummary
-from .client import CANCEL_KEY_TTL_S, RESULT_GRACE_S, Client, job_options, rq_cancel
+from .client import RESULT_GRACE_S, Client, job_options
 from .connection import RetryPolicy, connect_async
 from .errors import JobFailed, JobNotFound
 from .job_state import CancelOutcome
@@ -99,15 +99,14 @@ class AsyncJobHandle(Generic[R]):
 
     async def cancel(self) -> CancelOutcome:
         """Cancel the job: RQ cancels it if it is still waiting; a running job is asked to stop."""
-        status = await self.status()
-        if status in job_state.WAITING:
-            await self._request_stop()
+        steps = cancellation.plan(await self.status())
+        if steps.request_stop:
+            key = keys.cancel_key(self.id)
+            await self._retry(self._conn.set, key, "1", ex=cancellation.CANCEL_KEY_TTL_S)
+        if steps.rq_cancel:
             sync = self._client.sync_client()
-            return await asyncio.to_thread(sync.retry.call, rq_cancel, sync.connection, self.id)
-        if status in job_state.RUNNING:
-            await self._request_stop()
-            return CancelOutcome.REQUESTED
-        return CancelOutcome.MISSING if status == job_state.MISSING else CancelOutcome.ALREADY_OVER
+            return await asyncio.to_thread(sync.retry.call, cancellation.rq_cancel, sync.connection, self.id)
+        return steps.outcome
 
     # --- internals (mirror JobHandle's) -------------------------------------------------------------
 
@@ -165,9 +164,6 @@ class AsyncJobHandle(Generic[R]):
     async def _error_event_failure(self, event: ErrorEvent) -> JobFailed:
         details = await self._failure_text() or event.message
         return JobFailed(self.id, job_state.last_line(event.message), details=details, status="failed")
-
-    async def _request_stop(self) -> None:
-        await self._retry(self._conn.set, keys.cancel_key(self.id), "1", ex=CANCEL_KEY_TTL_S)
 
 
 class AsyncClient:

@@ -11,9 +11,6 @@ from typing import Any, Generic, TextIO, TypeVar
 
 import redis
 from rq import Retry
-from rq.exceptions import InvalidJobOperation, NoSuchJobError
-from rq.job import Job
-from rq.serializers import JSONSerializer
 
 from jobs import keys
 from jobs.schema import (
@@ -29,7 +26,7 @@ from jobs.schema import (
     TokenEvent,
 )
 
-from . import bulk, job_state, payload, rq_wire
+from . import bulk, cancellation, job_state, payload, rq_wire
 from .bulk_files import BulkSource, BulkSummary
 from .connection import RetryPolicy, connect
 from .errors import JobFailed, JobNotFound
@@ -41,7 +38,6 @@ log = logging.getLogger(__name__)
 
 R = TypeVar("R")
 
-CANCEL_KEY_TTL_S = 3600
 RESULT_GRACE_S = 1.0
 """How long to look for the result after a `done` event (the worker writes both in one pipeline)."""
 
@@ -110,14 +106,7 @@ class JobHandle(Generic[R]):
 
     def cancel(self) -> CancelOutcome:
         """Cancel the job: RQ cancels it if it is still waiting; a running job is asked to stop."""
-        status = self.status()
-        if status in job_state.WAITING:
-            self._request_stop()  # in case a worker dequeues it right now: it sees the key as it starts
-            return self._retry(rq_cancel, self._conn, self.id)
-        if status in job_state.RUNNING:
-            self._request_stop()
-            return CancelOutcome.REQUESTED
-        return CancelOutcome.MISSING if status == job_state.MISSING else CancelOutcome.ALREADY_OVER
+        return cancellation.cancel_job(self._conn, self._client.retry, self.id)
 
     # --- internals ---------------------------------------------------------------------------------
 
@@ -176,9 +165,6 @@ class JobHandle(Generic[R]):
     def _error_event_failure(self, event: ErrorEvent) -> JobFailed:
         details = self._failure_text() or event.message
         return JobFailed(self.id, job_state.last_line(event.message), details=details, status="failed")
-
-    def _request_stop(self) -> None:
-        self._retry(self._conn.set, keys.cancel_key(self.id), "1", ex=CANCEL_KEY_TTL_S)
 
 
 class Client:
@@ -344,17 +330,6 @@ class Client:
                 pipe.execute()
             except redis.WatchError:  # the same id was written meanwhile: it is there, once
                 return
-
-
-def rq_cancel(connection: redis.Redis, job_id: str) -> CancelOutcome:
-    """Cancel a waiting job with RQ's own `Job.cancel` (status, queue, canceled registry in one go)."""
-    try:
-        Job.fetch(job_id, connection=connection, serializer=JSONSerializer).cancel()
-    except NoSuchJobError:
-        return CancelOutcome.MISSING
-    except InvalidJobOperation:  # canceled by someone else in the meantime
-        return CancelOutcome.ALREADY_OVER
-    return CancelOutcome.CANCELED
 
 
 def job_options(
