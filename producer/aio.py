@@ -34,7 +34,7 @@ from jobs.schema import (
 
 from . import bulk, cancellation, job_state, payload, rq_wire
 from .bulk_files import BulkSource, BulkSummary
-from .client import RESULT_GRACE_S, Client, job_options
+from .client import RESULT_GRACE_S, Client
 from .connection import RetryPolicy, connect_async
 from .errors import JobFailed, JobNotFound
 from .job_state import CancelOutcome
@@ -218,7 +218,7 @@ class AsyncClient:
     ) -> AsyncJobHandle[GenerateResult]:
         """Validate and enqueue a generation job (arguments as `Client.submit_generate`)."""
         request = payload.generate_request(prompt, messages, params)
-        options = job_options(self.settings, job_timeout, result_ttl, failure_ttl, retry, at_front, meta)
+        options = self.settings.job_options(job_timeout, result_ttl, failure_ttl, retry, at_front, meta)
         job_id = await self.enqueue(keys.GENERATE_FUNC, payload.wire_payload(request), options, queue, job_id)
         return AsyncJobHandle(self, job_id, payload.generate_result)
 
@@ -238,7 +238,7 @@ class AsyncClient:
     ) -> AsyncJobHandle[ScoreResult]:
         """Validate and enqueue a scoring job (arguments as `Client.submit_score`)."""
         request = payload.score_request(rows, params)
-        options = job_options(self.settings, job_timeout, result_ttl, failure_ttl, retry, at_front, meta)
+        options = self.settings.job_options(job_timeout, result_ttl, failure_ttl, retry, at_front, meta)
         job_id = await self.enqueue(keys.SCORE_FUNC, payload.wire_payload(request), options, queue, job_id)
         return AsyncJobHandle(self, job_id, payload.score_result)
 

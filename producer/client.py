@@ -213,7 +213,7 @@ class Client:
         `retry=N` lets RQ run a failed job again up to N times; `job_id` defaults to a fresh uuid4 hex.
         """
         request = payload.generate_request(prompt, messages, params)
-        options = job_options(self.settings, job_timeout, result_ttl, failure_ttl, retry, at_front, meta)
+        options = self.settings.job_options(job_timeout, result_ttl, failure_ttl, retry, at_front, meta)
         job_id = self.enqueue(keys.GENERATE_FUNC, payload.wire_payload(request), options, queue, job_id)
         return JobHandle(self, job_id, payload.generate_result)
 
@@ -233,7 +233,7 @@ class Client:
     ) -> JobHandle[ScoreResult]:
         """Validate and enqueue a scoring job of `rows` (`{prompt, candidates}`); options as for generate."""
         request = payload.score_request(rows, params)
-        options = job_options(self.settings, job_timeout, result_ttl, failure_ttl, retry, at_front, meta)
+        options = self.settings.job_options(job_timeout, result_ttl, failure_ttl, retry, at_front, meta)
         job_id = self.enqueue(keys.SCORE_FUNC, payload.wire_payload(request), options, queue, job_id)
         return JobHandle(self, job_id, payload.score_result)
 
@@ -330,23 +330,3 @@ class Client:
                 pipe.execute()
             except redis.WatchError:  # the same id was written meanwhile: it is there, once
                 return
-
-
-def job_options(
-    settings: ProducerSettings,
-    job_timeout: int | None,
-    result_ttl: int | None,
-    failure_ttl: int | None,
-    retry: int | Retry | None,
-    at_front: bool,
-    meta: dict[str, Any] | None,
-) -> rq_wire.JobOptions:
-    """RQ options from a submit call's arguments, with the settings' defaults where none was given."""
-    return rq_wire.JobOptions(
-        job_timeout=job_timeout if job_timeout is not None else settings.job_timeout,
-        result_ttl=result_ttl if result_ttl is not None else settings.result_ttl,
-        failure_ttl=failure_ttl if failure_ttl is not None else settings.failure_ttl,
-        retry=(Retry(max=retry) if retry > 0 else None) if isinstance(retry, int) else retry,
-        at_front=at_front,
-        meta=dict(meta or {}),
-    )
