@@ -268,11 +268,11 @@ class AsyncClient:
             queue=queue or self.queue,
             retry_errors=retry_errors,
         )
-        sync = self.sync_client()
+        target = self._bulk_target()
 
         def run(stop: threading.Event) -> BulkSummary:
             return bulk.score_dataset(
-                sync,
+                target,
                 source,
                 out_path,
                 errors_path,
@@ -300,14 +300,26 @@ class AsyncClient:
         """`Client.generate_dataset`, run in a thread on this client's sync twin; cancelling the task
         stops the run and cancels its outstanding jobs."""
         options = bulk.BulkOptions(in_flight=in_flight, queue=queue or self.queue, retry_errors=retry_errors)
-        sync = self.sync_client()
+        target = self._bulk_target()
 
         def run(stop: threading.Event) -> BulkSummary:
             return bulk.generate_dataset(
-                sync, source, out_path, errors_path, options, defaults=defaults, progress=progress, stop=stop
+                target,
+                source,
+                out_path,
+                errors_path,
+                options,
+                defaults=defaults,
+                progress=progress,
+                stop=stop,
             )
 
         return await bulk.in_thread(run, stop)
+
+    def _bulk_target(self) -> bulk.BulkTarget:
+        """This client as a bulk run sees it, on the sync twin's connection (a run is sync, in a thread)."""
+        sync = self.sync_client()
+        return bulk.BulkTarget(sync.connection, sync.retry, self.queue, self.settings.job_options())
 
     async def enqueue(
         self,

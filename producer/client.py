@@ -267,7 +267,7 @@ class Client:
             rows_per_job=rows_per_job, in_flight=in_flight, queue=queue, retry_errors=retry_errors
         )
         return bulk.score_dataset(
-            self,
+            self._bulk_target(),
             source,
             out_path,
             errors_path,
@@ -301,8 +301,19 @@ class Client:
         """
         options = bulk.BulkOptions(in_flight=in_flight, queue=queue, retry_errors=retry_errors)
         return bulk.generate_dataset(
-            self, source, out_path, errors_path, options, defaults=defaults, progress=progress, stop=stop
+            self._bulk_target(),
+            source,
+            out_path,
+            errors_path,
+            options,
+            defaults=defaults,
+            progress=progress,
+            stop=stop,
         )
+
+    def _bulk_target(self) -> bulk.BulkTarget:
+        """This client as a bulk run sees it: its connection, retry policy, queue and job options."""
+        return bulk.BulkTarget(self.connection, self.retry, self.queue, self.settings.job_options())
 
     def enqueue(
         self,
