@@ -1,8 +1,9 @@
 """The asyncio producer (FastAPI, aiohttp): `AsyncClient` and `AsyncJobHandle`, the sync API as coroutines.
 
-RQ is sync, so jobs are enqueued by writing RQ's job hash and queue push with redis.asyncio in one
-transaction (`rq_wire`, shared with the sync client). Canceling a still-queued job is RQ's own
-`Job.cancel`, run in a thread on a sync connection that is opened only when first needed.
+The sync client's calls, awaited on redis.asyncio, over the same shared parts (see `producer.client`).
+RQ is sync, so jobs are enqueued by writing RQ's job hash and queue push in one transaction (`rq_wire`).
+Canceling a still-queued job (RQ's own `Job.cancel`) and bulk runs go to a thread, on a sync connection
+that is opened only when first needed.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any, Generic, TextIO, TypeVar
 import redis
 import redis.asyncio
 from rq import Retry
+from rq.results import Result
 
 from jobs import keys
 from jobs.schema import (
@@ -34,12 +36,20 @@ from jobs.schema import (
 
 from . import bulk, cancellation, job_state, payload, rq_wire
 from .bulk_files import BulkSource, BulkSummary
-from .client import RESULT_GRACE_S, Client
-from .connection import RetryPolicy, connect_async
+from .connection import RetryPolicy, connect, connect_async
 from .errors import JobFailed, JobNotFound
 from .job_state import CancelOutcome
 from .settings import ProducerSettings
-from .tail import START_ID, Deadline, Follower, StreamItem, decode_entries, decode_xread
+from .tail import (
+    RESULT_GRACE_S,
+    RESULT_POLL_S,
+    START_ID,
+    Deadline,
+    Follower,
+    StreamItem,
+    decode_xread,
+    newest,
+)
 
 log = logging.getLogger(__name__)
 
@@ -87,11 +97,10 @@ class AsyncJobHandle(Generic[R]):
         raw = await self._retry(self._conn.get, keys.result_key(self.id))
         if raw is not None:
             return self._parse(raw)
-        entries = await self._retry(self._conn.xrevrange, keys.stream_key(self.id), count=1)
-        newest = decode_entries(entries or [])
-        if newest and newest[0].terminal:
-            return await self._conclude(newest[0])
-        follower = Follower(last_id=newest[0].stream_id if newest else START_ID, deadline=deadline)
+        last_id, end = newest(await self._retry(self._conn.xrevrange, keys.stream_key(self.id), count=1))
+        if end is not None:
+            return await self._conclude(end)
+        follower = Follower(last_id=last_id, deadline=deadline)
         async for item in self._follow(follower):
             if item.terminal:
                 return await self._conclude(item)
@@ -104,11 +113,11 @@ class AsyncJobHandle(Generic[R]):
             key = keys.cancel_key(self.id)
             await self._retry(self._conn.set, key, "1", ex=cancellation.CANCEL_KEY_TTL_S)
         if steps.rq_cancel:
-            sync = self._client.sync_client()
-            return await asyncio.to_thread(sync.retry.call, cancellation.rq_cancel, sync.connection, self.id)
+            sync = self._client._sync_connection()
+            return await asyncio.to_thread(self._client.retry.call, cancellation.rq_cancel, sync, self.id)
         return steps.outcome
 
-    # --- internals (mirror JobHandle's) -------------------------------------------------------------
+    # --- internals (JobHandle's, awaited) ----------------------------------------------------------
 
     async def _follow(self, follower: Follower) -> AsyncIterator[StreamItem]:
         key = keys.stream_key(self.id)
@@ -119,7 +128,7 @@ class AsyncJobHandle(Generic[R]):
                 yield item
             if not follower.ended and follower.status_due(bool(items)):
                 status = await self.status()
-                if status in job_state.OVER or status == job_state.MISSING:
+                if status in job_state.ENDED:
                     rest = await self._retry(self._conn.xread, {key: follower.last_id})
                     for item in follower.accept(decode_xread(rest)):
                         yield item
@@ -145,16 +154,14 @@ class AsyncJobHandle(Generic[R]):
         deadline = Deadline(wait_s)
         while True:
             raw = await self._retry(self._conn.get, keys.result_key(self.id))
-            if raw is not None:
-                return self._parse(raw)
-            latest = await self._latest_rq_result()
-            if latest is not None and isinstance(latest.return_value, dict):
-                return self._parse(latest.return_value)
+            found = raw if raw is not None else rq_wire.return_value(await self._latest_rq_result())
+            if found is not None:
+                return self._parse(found)
             if deadline.expired():
                 raise JobNotFound(self.id)
-            await asyncio.sleep(0.05)
+            await asyncio.sleep(RESULT_POLL_S)
 
-    async def _latest_rq_result(self) -> Any:
+    async def _latest_rq_result(self) -> Result | None:
         entries = await self._retry(self._conn.xrevrange, rq_wire.results_key(self.id), count=1)
         return rq_wire.latest_result(self.id, entries)
 
@@ -162,8 +169,7 @@ class AsyncJobHandle(Generic[R]):
         return rq_wire.failure_text(await self._latest_rq_result())
 
     async def _error_event_failure(self, event: ErrorEvent) -> JobFailed:
-        details = await self._failure_text() or event.message
-        return JobFailed(self.id, job_state.last_line(event.message), details=details, status="failed")
+        return job_state.event_failure(self.id, event.message, await self._failure_text())
 
 
 class AsyncClient:
@@ -181,7 +187,7 @@ class AsyncClient:
         self.queue = queue or self.settings.queue
         self.connection: redis.asyncio.Redis = connect_async(self.redis_url, self.settings)
         self.retry = RetryPolicy.from_settings(self.settings)
-        self._sync: Client | None = None
+        self._sync: redis.Redis | None = None
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -195,10 +201,11 @@ class AsyncClient:
         if self._sync is not None:
             self._sync.close()
 
-    def sync_client(self) -> Client:
-        """A sync `Client` on the same Redis and queue, for RQ's own (sync) operations."""
+    def _sync_connection(self) -> redis.Redis:
+        """A sync connection to the same Redis, opened when first needed: RQ's own operations and bulk
+        runs are sync and run in a thread."""
         if self._sync is None:
-            self._sync = Client(self.redis_url, queue=self.queue, settings=self.settings)
+            self._sync = connect(self.redis_url, self.settings)
         return self._sync
 
     async def submit_generate(
@@ -260,7 +267,7 @@ class AsyncClient:
         progress: TextIO | None = None,
         stop: threading.Event | None = None,
     ) -> BulkSummary:
-        """`Client.score_dataset`, run in a thread on this client's sync twin (it is file and Redis I/O
+        """`Client.score_dataset`, run in a thread on this client's sync connection (it is file and Redis I/O
         with a blocking read). Cancelling the task stops the run and cancels its outstanding jobs."""
         options = bulk.BulkOptions(
             rows_per_job=rows_per_job,
@@ -297,7 +304,7 @@ class AsyncClient:
         stop: threading.Event | None = None,
         **defaults: Any,
     ) -> BulkSummary:
-        """`Client.generate_dataset`, run in a thread on this client's sync twin; cancelling the task
+        """`Client.generate_dataset`, run in a thread on this client's sync connection; cancelling the task
         stops the run and cancels its outstanding jobs."""
         options = bulk.BulkOptions(in_flight=in_flight, queue=queue or self.queue, retry_errors=retry_errors)
         target = self._bulk_target()
@@ -317,9 +324,8 @@ class AsyncClient:
         return await bulk.in_thread(run, stop)
 
     def _bulk_target(self) -> bulk.BulkTarget:
-        """This client as a bulk run sees it, on the sync twin's connection (a run is sync, in a thread)."""
-        sync = self.sync_client()
-        return bulk.BulkTarget(sync.connection, sync.retry, self.queue, self.settings.job_options())
+        """This client as a bulk run sees it, on its sync connection (a run is sync, in a thread)."""
+        return bulk.BulkTarget(self._sync_connection(), self.retry, self.queue, self.settings.job_options())
 
     async def enqueue(
         self,

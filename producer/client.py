@@ -1,4 +1,9 @@
-"""The sync producer: `Client` submits jobs, `JobHandle` follows one (stream, result, status, cancel)."""
+"""The sync producer: `Client` submits jobs, `JobHandle` follows one (stream, result, status, cancel).
+
+Only the Redis calls are made here; what they mean is shared with the async client (`aio`): job hashes
+and RQ's records in `rq_wire`, requests and results in `payload`, stream reading in `tail`, RQ's statuses
+and failures in `job_state`, cancelling in `cancellation`, per-job options in `ProducerSettings`.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +16,7 @@ from typing import Any, Generic, TextIO, TypeVar
 
 import redis
 from rq import Retry
+from rq.results import Result
 
 from jobs import keys
 from jobs.schema import (
@@ -32,14 +38,20 @@ from .connection import RetryPolicy, connect
 from .errors import JobFailed, JobNotFound
 from .job_state import CancelOutcome
 from .settings import ProducerSettings
-from .tail import START_ID, Deadline, Follower, StreamItem, decode_entries, decode_xread
+from .tail import (
+    RESULT_GRACE_S,
+    RESULT_POLL_S,
+    START_ID,
+    Deadline,
+    Follower,
+    StreamItem,
+    decode_xread,
+    newest,
+)
 
 log = logging.getLogger(__name__)
 
 R = TypeVar("R")
-
-RESULT_GRACE_S = 1.0
-"""How long to look for the result after a `done` event (the worker writes both in one pipeline)."""
 
 
 class JobHandle(Generic[R]):
@@ -93,12 +105,10 @@ class JobHandle(Generic[R]):
         raw = self._retry(self._conn.get, keys.result_key(self.id))
         if raw is not None:
             return self._parse(raw)
-        # Start from the newest entry: the terminal event is always last, older tokens do not matter.
-        entries = self._retry(self._conn.xrevrange, keys.stream_key(self.id), count=1)
-        newest = decode_entries(entries or [])
-        if newest and newest[0].terminal:
-            return self._conclude(newest[0])
-        follower = Follower(last_id=newest[0].stream_id if newest else START_ID, deadline=deadline)
+        last_id, end = newest(self._retry(self._conn.xrevrange, keys.stream_key(self.id), count=1))
+        if end is not None:
+            return self._conclude(end)
+        follower = Follower(last_id=last_id, deadline=deadline)
         for item in self._follow(follower):
             if item.terminal:
                 return self._conclude(item)
@@ -118,7 +128,7 @@ class JobHandle(Generic[R]):
             yield from items
             if not follower.ended and follower.status_due(bool(items)):
                 status = self.status()
-                if status in job_state.OVER or status == job_state.MISSING:
+                if status in job_state.ENDED:
                     # The worker writes its last event before RQ's status changes: read what is left.
                     rest = self._retry(self._conn.xread, {key: follower.last_id})
                     yield from follower.accept(decode_xread(rest))
@@ -146,16 +156,14 @@ class JobHandle(Generic[R]):
         deadline = Deadline(wait_s)
         while True:
             raw = self._retry(self._conn.get, keys.result_key(self.id))
-            if raw is not None:
-                return self._parse(raw)
-            latest = self._latest_rq_result()
-            if latest is not None and isinstance(latest.return_value, dict):
-                return self._parse(latest.return_value)
+            found = raw if raw is not None else rq_wire.return_value(self._latest_rq_result())
+            if found is not None:
+                return self._parse(found)
             if deadline.expired():
                 raise JobNotFound(self.id)
-            time.sleep(0.05)
+            time.sleep(RESULT_POLL_S)
 
-    def _latest_rq_result(self) -> Any:
+    def _latest_rq_result(self) -> Result | None:
         entries = self._retry(self._conn.xrevrange, rq_wire.results_key(self.id), count=1)
         return rq_wire.latest_result(self.id, entries)
 
@@ -163,8 +171,7 @@ class JobHandle(Generic[R]):
         return rq_wire.failure_text(self._latest_rq_result())
 
     def _error_event_failure(self, event: ErrorEvent) -> JobFailed:
-        details = self._failure_text() or event.message
-        return JobFailed(self.id, job_state.last_line(event.message), details=details, status="failed")
+        return job_state.event_failure(self.id, event.message, self._failure_text())
 
 
 class Client:
