@@ -263,11 +263,7 @@ class BulkRun:
             return
         raw = self._pipelined(lambda pipe: [pipe.hget(keys.rq_job_key(j.id), "status") for j in jobs])
         statuses = [rq_wire.decode_status(s) for s in raw]
-        over = [
-            (j, s)
-            for j, s in zip(jobs, statuses, strict=True)
-            if s in job_state.OVER or s == job_state.MISSING
-        ]
+        over = [(j, s) for j, s in zip(jobs, statuses, strict=True) if s in job_state.ENDED]
         if not over:
             return
 
