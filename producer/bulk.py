@@ -23,13 +23,13 @@ from .bulk_files import (
     BulkSource,
     BulkSummary,
     OrderedOutput,
-    ProgressLine,
     RowReader,
     default_errors_path,
     load_resume,
     restore_order,
 )
 from .bulk_kinds import BulkKind, GenerateKind, ScoreKind
+from .bulk_progress import ProgressLine
 from .bulk_run import BulkOptions, BulkRun, BulkTarget
 
 __all__ = ["BulkOptions", "BulkTarget", "generate_dataset", "in_thread", "run_dataset", "score_dataset"]

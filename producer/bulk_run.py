@@ -25,8 +25,9 @@ from jobs import keys
 from jobs.schema import ErrorEvent, StreamEvent
 
 from . import cancellation, job_state, payload, rq_wire
-from .bulk_files import OrderedOutput, ProgressLine, RowState, Slot
+from .bulk_files import OrderedOutput, RowState, Slot
 from .bulk_kinds import BulkKind, RowNotDone
+from .bulk_progress import ProgressLine
 from .connection import RetryPolicy
 from .tail import START_ID, decode_entries, first_terminal
 
