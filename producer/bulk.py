@@ -90,12 +90,15 @@ def run_dataset(
         out_path=out,
         errors_path=errors,
     )
+    _log_done(kind, summary)
+    return summary
+
+
+def _log_done(kind: BulkKind, s: BulkSummary) -> None:
     log.info(
         "bulk done kind=%s rows=%d succeeded=%d failed=%d jobs=%d wall_s=%.2f stopped=%s",
-        *(kind.name, summary.rows, summary.succeeded, summary.failed, summary.jobs, summary.wall_s),
-        not completed,
+        *(kind.name, s.rows, s.succeeded, s.failed, s.jobs, s.wall_s, s.interrupted),
     )
-    return summary
 
 
 def _run_paths(source: BulkSource, out_path: str | Path, errors_path: str | Path | None) -> tuple[Path, Path]:
