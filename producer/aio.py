@@ -1,8 +1,9 @@
 """The asyncio producer (FastAPI, aiohttp): `AsyncClient` and `AsyncJobHandle`, the sync API as coroutines.
 
-RQ is sync, so jobs are enqueued by writing RQ's job hash and queue push with redis.asyncio in one
-transaction (`rq_wire`, shared with the sync client). Canceling a still-queued job is RQ's own
-`Job.cancel`, run in a thread on a sync connection that is opened only when first needed.
+The sync client's calls, awaited on redis.asyncio, over the same shared parts (see `producer.client`).
+RQ is sync, so jobs are enqueued by writing RQ's job hash and queue push in one transaction (`rq_wire`).
+Canceling a still-queued job (RQ's own `Job.cancel`) and bulk runs go to a thread, on a sync connection
+that is opened only when first needed.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any, Generic, TextIO, TypeVar
 import redis
 import redis.asyncio
 from rq import Retry
+from rq.results import Result
 
 from jobs import keys
 from jobs.schema import (
@@ -32,14 +34,22 @@ from jobs.schema import (
     TokenEvent,
 )
 
-from . import bulk, job_state, payload, rq_wire
+from . import bulk, cancellation, job_state, payload, rq_wire
 from .bulk_files import BulkSource, BulkSummary
-from .client import CANCEL_KEY_TTL_S, RESULT_GRACE_S, Client, job_options, rq_cancel
-from .connection import RetryPolicy, connect_async
+from .connection import RetryPolicy, connect, connect_async
 from .errors import JobFailed, JobNotFound
 from .job_state import CancelOutcome
 from .settings import ProducerSettings
-from .tail import START_ID, Deadline, Follower, StreamItem, decode_entries, decode_xread
+from .tail import (
+    RESULT_GRACE_S,
+    RESULT_POLL_S,
+    START_ID,
+    Deadline,
+    Follower,
+    StreamItem,
+    decode_xread,
+    newest,
+)
 
 log = logging.getLogger(__name__)
 
@@ -87,11 +97,10 @@ class AsyncJobHandle(Generic[R]):
         raw = await self._retry(self._conn.get, keys.result_key(self.id))
         if raw is not None:
             return self._parse(raw)
-        entries = await self._retry(self._conn.xrevrange, keys.stream_key(self.id), count=1)
-        newest = decode_entries(entries or [])
-        if newest and newest[0].terminal:
-            return await self._conclude(newest[0])
-        follower = Follower(last_id=newest[0].stream_id if newest else START_ID, deadline=deadline)
+        last_id, end = newest(await self._retry(self._conn.xrevrange, keys.stream_key(self.id), count=1))
+        if end is not None:
+            return await self._conclude(end)
+        follower = Follower(last_id=last_id, deadline=deadline)
         async for item in self._follow(follower):
             if item.terminal:
                 return await self._conclude(item)
@@ -99,17 +108,16 @@ class AsyncJobHandle(Generic[R]):
 
     async def cancel(self) -> CancelOutcome:
         """Cancel the job: RQ cancels it if it is still waiting; a running job is asked to stop."""
-        status = await self.status()
-        if status in job_state.WAITING:
-            await self._request_stop()
-            sync = self._client.sync_client()
-            return await asyncio.to_thread(sync.retry.call, rq_cancel, sync.connection, self.id)
-        if status in job_state.RUNNING:
-            await self._request_stop()
-            return CancelOutcome.REQUESTED
-        return CancelOutcome.MISSING if status == job_state.MISSING else CancelOutcome.ALREADY_OVER
+        steps = cancellation.plan(await self.status())
+        if steps.request_stop:
+            key = keys.cancel_key(self.id)
+            await self._retry(self._conn.set, key, "1", ex=cancellation.CANCEL_KEY_TTL_S)
+        if steps.rq_cancel:
+            sync = self._client._sync_connection()
+            return await asyncio.to_thread(self._client.retry.call, cancellation.rq_cancel, sync, self.id)
+        return steps.outcome
 
-    # --- internals (mirror JobHandle's) -------------------------------------------------------------
+    # --- internals (JobHandle's, awaited) ----------------------------------------------------------
 
     async def _follow(self, follower: Follower) -> AsyncIterator[StreamItem]:
         key = keys.stream_key(self.id)
@@ -120,7 +128,7 @@ class AsyncJobHandle(Generic[R]):
                 yield item
             if not follower.ended and follower.status_due(bool(items)):
                 status = await self.status()
-                if status in job_state.OVER or status == job_state.MISSING:
+                if status in job_state.ENDED:
                     rest = await self._retry(self._conn.xread, {key: follower.last_id})
                     for item in follower.accept(decode_xread(rest)):
                         yield item
@@ -146,16 +154,14 @@ class AsyncJobHandle(Generic[R]):
         deadline = Deadline(wait_s)
         while True:
             raw = await self._retry(self._conn.get, keys.result_key(self.id))
-            if raw is not None:
-                return self._parse(raw)
-            latest = await self._latest_rq_result()
-            if latest is not None and isinstance(latest.return_value, dict):
-                return self._parse(latest.return_value)
+            found = raw if raw is not None else rq_wire.return_value(await self._latest_rq_result())
+            if found is not None:
+                return self._parse(found)
             if deadline.expired():
                 raise JobNotFound(self.id)
-            await asyncio.sleep(0.05)
+            await asyncio.sleep(RESULT_POLL_S)
 
-    async def _latest_rq_result(self) -> Any:
+    async def _latest_rq_result(self) -> Result | None:
         entries = await self._retry(self._conn.xrevrange, rq_wire.results_key(self.id), count=1)
         return rq_wire.latest_result(self.id, entries)
 
@@ -163,11 +169,7 @@ class AsyncJobHandle(Generic[R]):
         return rq_wire.failure_text(await self._latest_rq_result())
 
     async def _error_event_failure(self, event: ErrorEvent) -> JobFailed:
-        details = await self._failure_text() or event.message
-        return JobFailed(self.id, job_state.last_line(event.message), details=details, status="failed")
-
-    async def _request_stop(self) -> None:
-        await self._retry(self._conn.set, keys.cancel_key(self.id), "1", ex=CANCEL_KEY_TTL_S)
+        return job_state.event_failure(self.id, event.message, await self._failure_text())
 
 
 class AsyncClient:
@@ -185,7 +187,7 @@ class AsyncClient:
         self.queue = queue or self.settings.queue
         self.connection: redis.asyncio.Redis = connect_async(self.redis_url, self.settings)
         self.retry = RetryPolicy.from_settings(self.settings)
-        self._sync: Client | None = None
+        self._sync: redis.Redis | None = None
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -199,10 +201,11 @@ class AsyncClient:
         if self._sync is not None:
             self._sync.close()
 
-    def sync_client(self) -> Client:
-        """A sync `Client` on the same Redis and queue, for RQ's own (sync) operations."""
+    def _sync_connection(self) -> redis.Redis:
+        """A sync connection to the same Redis, opened when first needed: RQ's own operations and bulk
+        runs are sync and run in a thread."""
         if self._sync is None:
-            self._sync = Client(self.redis_url, queue=self.queue, settings=self.settings)
+            self._sync = connect(self.redis_url, self.settings)
         return self._sync
 
     async def submit_generate(
@@ -222,7 +225,7 @@ class AsyncClient:
     ) -> AsyncJobHandle[GenerateResult]:
         """Validate and enqueue a generation job (arguments as `Client.submit_generate`)."""
         request = payload.generate_request(prompt, messages, params)
-        options = job_options(self.settings, job_timeout, result_ttl, failure_ttl, retry, at_front, meta)
+        options = self.settings.job_options(job_timeout, result_ttl, failure_ttl, retry, at_front, meta)
         job_id = await self.enqueue(keys.GENERATE_FUNC, payload.wire_payload(request), options, queue, job_id)
         return AsyncJobHandle(self, job_id, payload.generate_result)
 
@@ -242,7 +245,7 @@ class AsyncClient:
     ) -> AsyncJobHandle[ScoreResult]:
         """Validate and enqueue a scoring job (arguments as `Client.submit_score`)."""
         request = payload.score_request(rows, params)
-        options = job_options(self.settings, job_timeout, result_ttl, failure_ttl, retry, at_front, meta)
+        options = self.settings.job_options(job_timeout, result_ttl, failure_ttl, retry, at_front, meta)
         job_id = await self.enqueue(keys.SCORE_FUNC, payload.wire_payload(request), options, queue, job_id)
         return AsyncJobHandle(self, job_id, payload.score_result)
 
@@ -264,7 +267,7 @@ class AsyncClient:
         progress: TextIO | None = None,
         stop: threading.Event | None = None,
     ) -> BulkSummary:
-        """`Client.score_dataset`, run in a thread on this client's sync twin (it is file and Redis I/O
+        """`Client.score_dataset`, run in a thread on this client's sync connection (it is file and Redis I/O
         with a blocking read). Cancelling the task stops the run and cancels its outstanding jobs."""
         options = bulk.BulkOptions(
             rows_per_job=rows_per_job,
@@ -272,11 +275,11 @@ class AsyncClient:
             queue=queue or self.queue,
             retry_errors=retry_errors,
         )
-        sync = self.sync_client()
+        target = self._bulk_target()
 
         def run(stop: threading.Event) -> BulkSummary:
             return bulk.score_dataset(
-                sync,
+                target,
                 source,
                 out_path,
                 errors_path,
@@ -301,17 +304,28 @@ class AsyncClient:
         stop: threading.Event | None = None,
         **defaults: Any,
     ) -> BulkSummary:
-        """`Client.generate_dataset`, run in a thread on this client's sync twin; cancelling the task
+        """`Client.generate_dataset`, run in a thread on this client's sync connection; cancelling the task
         stops the run and cancels its outstanding jobs."""
         options = bulk.BulkOptions(in_flight=in_flight, queue=queue or self.queue, retry_errors=retry_errors)
-        sync = self.sync_client()
+        target = self._bulk_target()
 
         def run(stop: threading.Event) -> BulkSummary:
             return bulk.generate_dataset(
-                sync, source, out_path, errors_path, options, defaults=defaults, progress=progress, stop=stop
+                target,
+                source,
+                out_path,
+                errors_path,
+                options,
+                defaults=defaults,
+                progress=progress,
+                stop=stop,
             )
 
         return await bulk.in_thread(run, stop)
+
+    def _bulk_target(self) -> bulk.BulkTarget:
+        """This client as a bulk run sees it, on its sync connection (a run is sync, in a thread)."""
+        return bulk.BulkTarget(self._sync_connection(), self.retry, self.queue, self.settings.job_options())
 
     async def enqueue(
         self,

@@ -2,343 +2,43 @@
 
 Scoring: consecutive rows go into score jobs of `rows_per_job` rows (neighbours often share a prefix,
 and the worker also batches across queued jobs). Generation: one job per row (a worker decodes many
-queued generation jobs together). Many jobs are enqueued per round trip, at most `in_flight` are
-outstanding at once, and their streams are read together with one blocking `XREAD`; RQ's status is
-asked every few seconds for jobs that end without a terminal event. A failed job's rows are sent again
-one per job, so one bad row fails alone. What a row and a job are is `bulk_kinds`' part; files, order
-and resuming are `bulk_files`'.
+queued generation jobs together). The submit/collect loop is `bulk_run`'s part; what a row and a job are
+is `bulk_kinds`'; files, order and resuming are `bulk_files`'. The clients call in here with a
+`BulkTarget`; nothing here imports a client.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import re
 import threading
 import time
-from collections import deque
-from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Mapping
+from dataclasses import replace
 from os import PathLike
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TextIO
+from typing import Any, TextIO
 
-import redis
-from pydantic import ValidationError
-from redis.client import Pipeline
-
-from jobs import keys
-from jobs.schema import ErrorEvent, StreamEvent
-
-from . import job_state, payload, rq_wire
 from .bulk_files import (
     BulkSource,
     BulkSummary,
     OrderedOutput,
-    ProgressLine,
     RowReader,
-    RowState,
-    Slot,
     default_errors_path,
     load_resume,
     restore_order,
 )
-from .bulk_kinds import BulkKind, GenerateKind, RowNotDone, ScoreKind
-from .tail import START_ID, decode_entries, first_terminal
+from .bulk_kinds import BulkKind, GenerateKind, ScoreKind
+from .bulk_progress import ProgressLine
+from .bulk_run import BulkOptions, BulkRun, BulkTarget
 
-if TYPE_CHECKING:
-    from .client import Client
+__all__ = ["BulkOptions", "BulkTarget", "generate_dataset", "in_thread", "run_dataset", "score_dataset"]
 
 log = logging.getLogger(__name__)
 
-READ_BLOCK_MS = 100
-STATUS_EVERY_S = 2.0
-_ONLY_ROW = re.compile(r"\brow 0: ")
-
-
-@dataclass(frozen=True)
-class BulkOptions:
-    """How a dataset is cut into jobs and how many may be outstanding."""
-
-    rows_per_job: int = 16  # rows a job carries, 1..the kind's most (generation: always 1)
-    in_flight: int = 64
-    queue: str | None = None  # None: the client's queue
-    retry_errors: bool = True  # on a rerun, run rows again that the errors file holds
-
-    def __post_init__(self) -> None:
-        if self.in_flight < 1:
-            raise ValueError(f"in_flight must be at least 1, got {self.in_flight}")
-
-
-@dataclass(eq=False)
-class _Job:
-    id: str
-    slots: list[Slot]
-    last_id: str = START_ID
-
-
-class _Run:
-    """The submit/collect loop of one run, over rows read lazily from the input."""
-
-    def __init__(
-        self,
-        client: Client,
-        kind: BulkKind,
-        options: BulkOptions,
-        rows: Iterator[Slot],
-        output: OrderedOutput,
-        progress: ProgressLine,
-        stop: threading.Event,
-    ) -> None:
-        self.client = client
-        self.conn = client.connection
-        self.call = client.retry.patient().call  # a run of hours outlives a Redis restart
-        self.kind = kind
-        self.options = options
-        self.queue = options.queue or client.queue
-        s = client.settings
-        self.job_options = rq_wire.JobOptions(
-            job_timeout=s.job_timeout, result_ttl=s.result_ttl, failure_ttl=s.failure_ttl
-        )
-        self.rows = rows
-        self.output = output
-        self.progress = progress
-        self.stop = stop
-        # Rows kept in memory from the first undecided one on (the output is in input order): enough
-        # to fill every job slot `kind.window_jobs` times over before a slow row stops the reading.
-        self.window_cap = (kind.window_jobs * options.in_flight + 1) * options.rows_per_job
-        self.pending: deque[Slot] = deque()
-        self.singles: deque[Slot] = deque()  # rows of failed jobs, sent again one per job
-        self.outstanding: dict[str, _Job] = {}
-        self.exhausted = False
-        self.window_full = False
-        self.jobs = 0
-        self._status_at = time.monotonic() + STATUS_EVERY_S
-
-    def run(self) -> bool:
-        """Run every row; False if `stop` was set first (outstanding jobs are then cancelled)."""
-        try:
-            while not self.stop.is_set():
-                self._fill()
-                self._submit()
-                if self.exhausted and not (self.pending or self.singles or self.outstanding):
-                    return True
-                self._collect()
-                self.output.commit()
-                self.progress.update(self.output.counts)
-            return False
-        finally:
-            self._cancel_outstanding()
-            self.output.commit()
-
-    # --- submitting ------------------------------------------------------------------------------
-
-    def _fill(self) -> None:
-        """Read rows until every free job slot can be filled (or the window is full)."""
-        want = (self.options.in_flight - len(self.outstanding)) * self.options.rows_per_job
-        self.window_full = False
-        while not self.exhausted and len(self.pending) < want and not self.stop.is_set():
-            if len(self.output) >= self.window_cap:
-                self.output.commit()  # skipped and malformed lines at the front leave at once
-                if len(self.output) >= self.window_cap:
-                    self.window_full = True
-                    return
-            slot = next(self.rows, None)
-            if slot is None:
-                self.exhausted = True
-                return
-            self.output.add(slot)
-            if slot.row is not None and slot.state is RowState.PENDING:
-                self.pending.append(slot)
-
-    def _next_rows(self) -> tuple[list[Slot], bool]:
-        """The rows of the next job and whether it goes to the front of the queue."""
-        if self.singles:
-            return [self.singles.popleft()], True
-        n = self.options.rows_per_job
-        if len(self.pending) >= n or (self.pending and (self.exhausted or self.window_full)):
-            return [self.pending.popleft() for _ in range(min(n, len(self.pending)))], False
-        return [], False
-
-    def _submit(self) -> None:
-        """Enqueue as many jobs as there are free slots, all in one transaction."""
-        batch: list[tuple[_Job, rq_wire.WireJob]] = []
-        while len(self.outstanding) + len(batch) < self.options.in_flight:
-            slots, retried = self._next_rows()
-            if not slots:
-                break
-            request = self.kind.request([s.row for s in slots])
-            options = replace(self.job_options, at_front=True) if retried else self.job_options
-            wire = rq_wire.build_job(
-                self.kind.func, payload.wire_payload(request), queue=self.queue, options=options
-            )
-            batch.append((_Job(wire.id, slots), wire))
-        if not batch:
-            return
-        self._enqueue([wire for _, wire in batch])
-        for job, _ in batch:
-            self.outstanding[job.id] = job
-        self.jobs += len(batch)
-        log.debug("bulk enqueued jobs=%d outstanding=%d", len(batch), len(self.outstanding))
-
-    def _enqueue(self, wires: list[rq_wire.WireJob]) -> None:
-        """One MULTI/EXEC for all; a retry after a lost reply first checks whether it landed."""
-        tries = 0
-
-        def once() -> None:
-            nonlocal tries
-            tries += 1
-            if tries > 1 and self.conn.exists(*(w.key for w in wires)):
-                return  # the transaction is all or nothing: one job there means all are
-            pipe = self.conn.pipeline(transaction=True)
-            for wire in wires:
-                rq_wire.queue_commands(pipe, wire)
-            pipe.execute()
-
-        self.call(once)
-
-    # --- collecting ------------------------------------------------------------------------------
-
-    def _collect(self) -> None:
-        """Wait briefly for any outstanding job's terminal event; take the results of those that ended."""
-        if not self.outstanding:
-            return
-        by_key = {keys.stream_key(job.id): job for job in self.outstanding.values()}
-        streams = {key: job.last_id for key, job in by_key.items()}
-        reply = self.call(self.conn.xread, streams, block=READ_BLOCK_MS)  # type: ignore[arg-type]
-        ended: dict[str, StreamEvent] = {}
-        for key, entries in _stream_entries(reply):
-            job = by_key[key]
-            job.last_id, end = first_terminal(entries)
-            if end is not None:
-                ended[job.id] = end.event
-        self._conclude(ended)
-        if time.monotonic() >= self._status_at:
-            self._status_at = time.monotonic() + STATUS_EVERY_S
-            self._check_status()
-
-    def _conclude(self, ended: Mapping[str, StreamEvent]) -> None:
-        """Read (and delete: the rows are ours now) the results and streams of jobs that ended."""
-        if not ended:
-            return
-        ids = list(ended)
-
-        def build(pipe: Pipeline) -> None:
-            for job_id in ids:
-                pipe.get(keys.result_key(job_id))
-                pipe.delete(keys.result_key(job_id), keys.stream_key(job_id))
-
-        replies = self._pipelined(build)
-        for i, job_id in enumerate(ids):
-            job = self.outstanding.pop(job_id)
-            event = ended[job_id]
-            if isinstance(event, ErrorEvent):
-                self._failed(job, job_state.last_line(event.message) or "the job failed")
-            else:
-                self._finished(job, replies[2 * i])
-
-    def _finished(self, job: _Job, raw: bytes | None) -> None:
-        if raw is None:
-            return self._failed(job, "the job finished but its result key is gone")
-        try:
-            results = self.kind.results(raw)
-        except ValidationError as e:
-            return self._failed(job, f"its result does not validate: {e}")
-        except RowNotDone as e:
-            return self._failed(job, str(e))
-        if len(results) != len(job.slots):
-            return self._failed(job, f"its result has {len(results)} rows for {len(job.slots)}")
-        for slot, row in zip(job.slots, results, strict=True):
-            slot.finished(row)
-        return None
-
-    def _failed(self, job: _Job, reason: str) -> None:
-        """A one-row job's row fails with the reason; a bigger job's rows go again, one per job."""
-        if len(job.slots) == 1:
-            job.slots[0].failed(_ONLY_ROW.sub("", reason, count=1))
-            return
-        log.info(
-            "bulk job failed, rows resent one per job job=%s rows=%d reason=%s",
-            job.id,
-            len(job.slots),
-            reason,
-        )
-        self.singles.extend(job.slots)
-
-    def _check_status(self) -> None:
-        """Jobs RQ reports over without a terminal event seen (never reached the worker, lost, expired)."""
-        jobs = list(self.outstanding.values())
-        if not jobs:
-            return
-        raw = self._pipelined(lambda pipe: [pipe.hget(keys.rq_job_key(j.id), "status") for j in jobs])
-        statuses = [rq_wire.decode_status(s) for s in raw]
-        over = [
-            (j, s)
-            for j, s in zip(jobs, statuses, strict=True)
-            if s in job_state.OVER or s == job_state.MISSING
-        ]
-        if not over:
-            return
-
-        def build(pipe: Pipeline) -> None:
-            for job, _ in over:
-                pipe.xrevrange(keys.stream_key(job.id), count=1)
-                pipe.xrevrange(rq_wire.results_key(job.id), count=1)
-
-        replies = self._pipelined(build)
-        ended: dict[str, StreamEvent] = {}
-        for i, (job, status) in enumerate(over):
-            last = decode_entries(replies[2 * i] or [])
-            if last and last[0].terminal:
-                ended[job.id] = last[0].event
-                continue
-            del self.outstanding[job.id]
-            if status == job_state.MISSING:
-                self._failed(job, "the job vanished: its RQ job expired or was deleted before it ended")
-            else:
-                text = rq_wire.failure_text(rq_wire.latest_result(job.id, replies[2 * i + 1]))
-                self._failed(job, job_state.failure(job.id, status, text).reason)
-        self._conclude(ended)
-
-    def _pipelined(self, build: Callable[[Pipeline], object]) -> list[Any]:
-        """Run the commands `build` queues in one round trip; built anew on each retry."""
-
-        def once() -> list[Any]:
-            pipe = self.conn.pipeline(transaction=False)
-            build(pipe)
-            return pipe.execute()
-
-        return self.call(once)
-
-    def _cancel_outstanding(self) -> None:
-        """Cancel what is still out (queued: never runs; running: asked to stop); its rows stay undone."""
-        cancelled = 0
-        for job_id in list(self.outstanding):
-            try:
-                self.client.job(job_id).cancel()
-            except redis.RedisError as e:  # Redis is gone: the rest would fail the same way, slowly
-                log.warning("could not cancel outstanding jobs=%d error=%s", len(self.outstanding), e)
-                break
-            del self.outstanding[job_id]
-            cancelled += 1
-        if cancelled:
-            log.info("bulk stopped; cancelled outstanding jobs=%d", cancelled)
-        self.outstanding.clear()
-
-
-def _stream_entries(reply: Any) -> Iterator[tuple[str, list[Any]]]:
-    """(stream key, entries) pairs of an XREAD reply on several streams (RESP2 list or RESP3 map)."""
-    if not reply:
-        return
-    pairs = reply.items() if isinstance(reply, Mapping) else reply
-    for key, entries in pairs:
-        if len(entries) == 1 and isinstance(entries[0], list):
-            entries = entries[0]  # RESP3 nests the entry list once more
-        yield (key.decode() if isinstance(key, bytes) else key), entries
-
 
 def run_dataset(
-    client: Client,
+    target: BulkTarget,
     kind: BulkKind,
     source: BulkSource,
     out_path: str | Path,
@@ -356,11 +56,7 @@ def run_dataset(
     `progress` is a stream (a terminal) to draw a progress line on.
     """
     options = options or BulkOptions()
-    out = Path(out_path)
-    errors = Path(errors_path) if errors_path is not None else default_errors_path(out)
-    paths = [errors.resolve(), out.resolve()]
-    if paths[0] == paths[1] or (isinstance(source, str | PathLike) and Path(source).resolve() in paths):
-        raise ValueError(f"input, output and errors files must differ (output {out}, errors {errors})")
+    out, errors = _run_paths(source, out_path, errors_path)
     if not 1 <= options.rows_per_job <= kind.max_rows_per_job:
         raise ValueError(f"rows_per_job must be 1..{kind.max_rows_per_job}, got {options.rows_per_job}")
     started = time.monotonic()
@@ -370,7 +66,7 @@ def run_dataset(
     rows = (resume.mark(slot) for slot in reader)
     with open(out, "a", encoding="utf-8") as out_file:
         output = OrderedOutput(out_file, errors, kind)
-        run = _Run(client, kind, options, rows, output, bar, stop or threading.Event())
+        run = BulkRun(target, kind, options, rows, output, bar, stop or threading.Event())
         try:
             completed = run.run()
         finally:
@@ -394,16 +90,29 @@ def run_dataset(
         out_path=out,
         errors_path=errors,
     )
-    log.info(
-        "bulk done kind=%s rows=%d succeeded=%d failed=%d jobs=%d wall_s=%.2f stopped=%s",
-        *(kind.name, summary.rows, summary.succeeded, summary.failed, summary.jobs, summary.wall_s),
-        not completed,
-    )
+    _log_done(kind, summary)
     return summary
 
 
+def _log_done(kind: BulkKind, s: BulkSummary) -> None:
+    log.info(
+        "bulk done kind=%s rows=%d succeeded=%d failed=%d jobs=%d wall_s=%.2f stopped=%s",
+        *(kind.name, s.rows, s.succeeded, s.failed, s.jobs, s.wall_s, s.interrupted),
+    )
+
+
+def _run_paths(source: BulkSource, out_path: str | Path, errors_path: str | Path | None) -> tuple[Path, Path]:
+    """The output and errors paths (errors by default beside the output); the input must be neither."""
+    out = Path(out_path)
+    errors = Path(errors_path) if errors_path is not None else default_errors_path(out)
+    paths = [errors.resolve(), out.resolve()]
+    if paths[0] == paths[1] or (isinstance(source, str | PathLike) and Path(source).resolve() in paths):
+        raise ValueError(f"input, output and errors files must differ (output {out}, errors {errors})")
+    return out, errors
+
+
 def score_dataset(
-    client: Client,
+    target: BulkTarget,
     source: BulkSource,
     out_path: str | Path,
     errors_path: str | Path | None = None,
@@ -415,11 +124,11 @@ def score_dataset(
 ) -> BulkSummary:
     """Score rows `{custom_id, prompt, candidates}` (`run_dataset` with a `ScoreKind`)."""
     kind = ScoreKind(add_special_tokens=add_special_tokens)
-    return run_dataset(client, kind, source, out_path, errors_path, options, progress=progress, stop=stop)
+    return run_dataset(target, kind, source, out_path, errors_path, options, progress=progress, stop=stop)
 
 
 def generate_dataset(
-    client: Client,
+    target: BulkTarget,
     source: BulkSource,
     out_path: str | Path,
     errors_path: str | Path | None = None,
@@ -433,13 +142,13 @@ def generate_dataset(
     a `GenerateKind`; `defaults` are options for rows that do not set them)."""
     kind = GenerateKind(defaults=dict(defaults or {}))
     options = replace(options or BulkOptions(), rows_per_job=1)
-    return run_dataset(client, kind, source, out_path, errors_path, options, progress=progress, stop=stop)
+    return run_dataset(target, kind, source, out_path, errors_path, options, progress=progress, stop=stop)
 
 
 async def in_thread(
     run: Callable[[threading.Event], BulkSummary], stop: threading.Event | None = None
 ) -> BulkSummary:
-    """`run(stop)` (a bulk run: file I/O and a sync client) in a thread; cancelling the task stops the
+    """`run(stop)` (a bulk run: file I/O on a sync connection) in a thread; cancelling the task stops the
     run as `stop` does and waits for it to cancel its outstanding jobs."""
     stop = stop or threading.Event()
     task = asyncio.ensure_future(asyncio.to_thread(run, stop))

@@ -120,9 +120,8 @@ class GenerateKind:
     name: str = "generate"
     func: str = keys.GENERATE_FUNC
     max_rows_per_job: int = 1
-    # Generations differ in length many times over: with 2, one long row among short ones left the
-    # worker starved once 2 x in_flight short rows were done behind it (200 rows, every 40th 50x
-    # longer, in_flight 16: 3.16 s against 2.02 s with 16).
+    # Generations differ in length many times over: a small window lets one long row among short ones
+    # stop the reading once the short rows behind it are done, and the worker starves.
     window_jobs: int = 16
 
     def __post_init__(self) -> None:

@@ -1,4 +1,9 @@
-"""The sync producer: `Client` submits jobs, `JobHandle` follows one (stream, result, status, cancel)."""
+"""The sync producer: `Client` submits jobs, `JobHandle` follows one (stream, result, status, cancel).
+
+Only the Redis calls are made here; what they mean is shared with the async client (`aio`): job hashes
+and RQ's records in `rq_wire`, requests and results in `payload`, stream reading in `tail`, RQ's statuses
+and failures in `job_state`, cancelling in `cancellation`, per-job options in `ProducerSettings`.
+"""
 
 from __future__ import annotations
 
@@ -11,9 +16,7 @@ from typing import Any, Generic, TextIO, TypeVar
 
 import redis
 from rq import Retry
-from rq.exceptions import InvalidJobOperation, NoSuchJobError
-from rq.job import Job
-from rq.serializers import JSONSerializer
+from rq.results import Result
 
 from jobs import keys
 from jobs.schema import (
@@ -29,21 +32,26 @@ from jobs.schema import (
     TokenEvent,
 )
 
-from . import bulk, job_state, payload, rq_wire
+from . import bulk, cancellation, job_state, payload, rq_wire
 from .bulk_files import BulkSource, BulkSummary
 from .connection import RetryPolicy, connect
 from .errors import JobFailed, JobNotFound
 from .job_state import CancelOutcome
 from .settings import ProducerSettings
-from .tail import START_ID, Deadline, Follower, StreamItem, decode_entries, decode_xread
+from .tail import (
+    RESULT_GRACE_S,
+    RESULT_POLL_S,
+    START_ID,
+    Deadline,
+    Follower,
+    StreamItem,
+    decode_xread,
+    newest,
+)
 
 log = logging.getLogger(__name__)
 
 R = TypeVar("R")
-
-CANCEL_KEY_TTL_S = 3600
-RESULT_GRACE_S = 1.0
-"""How long to look for the result after a `done` event (the worker writes both in one pipeline)."""
 
 
 class JobHandle(Generic[R]):
@@ -97,12 +105,10 @@ class JobHandle(Generic[R]):
         raw = self._retry(self._conn.get, keys.result_key(self.id))
         if raw is not None:
             return self._parse(raw)
-        # Start from the newest entry: the terminal event is always last, older tokens do not matter.
-        entries = self._retry(self._conn.xrevrange, keys.stream_key(self.id), count=1)
-        newest = decode_entries(entries or [])
-        if newest and newest[0].terminal:
-            return self._conclude(newest[0])
-        follower = Follower(last_id=newest[0].stream_id if newest else START_ID, deadline=deadline)
+        last_id, end = newest(self._retry(self._conn.xrevrange, keys.stream_key(self.id), count=1))
+        if end is not None:
+            return self._conclude(end)
+        follower = Follower(last_id=last_id, deadline=deadline)
         for item in self._follow(follower):
             if item.terminal:
                 return self._conclude(item)
@@ -110,14 +116,7 @@ class JobHandle(Generic[R]):
 
     def cancel(self) -> CancelOutcome:
         """Cancel the job: RQ cancels it if it is still waiting; a running job is asked to stop."""
-        status = self.status()
-        if status in job_state.WAITING:
-            self._request_stop()  # in case a worker dequeues it right now: it sees the key as it starts
-            return self._retry(rq_cancel, self._conn, self.id)
-        if status in job_state.RUNNING:
-            self._request_stop()
-            return CancelOutcome.REQUESTED
-        return CancelOutcome.MISSING if status == job_state.MISSING else CancelOutcome.ALREADY_OVER
+        return cancellation.cancel_job(self._conn, self._client.retry, self.id)
 
     # --- internals ---------------------------------------------------------------------------------
 
@@ -129,7 +128,7 @@ class JobHandle(Generic[R]):
             yield from items
             if not follower.ended and follower.status_due(bool(items)):
                 status = self.status()
-                if status in job_state.OVER or status == job_state.MISSING:
+                if status in job_state.ENDED:
                     # The worker writes its last event before RQ's status changes: read what is left.
                     rest = self._retry(self._conn.xread, {key: follower.last_id})
                     yield from follower.accept(decode_xread(rest))
@@ -157,16 +156,14 @@ class JobHandle(Generic[R]):
         deadline = Deadline(wait_s)
         while True:
             raw = self._retry(self._conn.get, keys.result_key(self.id))
-            if raw is not None:
-                return self._parse(raw)
-            latest = self._latest_rq_result()
-            if latest is not None and isinstance(latest.return_value, dict):
-                return self._parse(latest.return_value)
+            found = raw if raw is not None else rq_wire.return_value(self._latest_rq_result())
+            if found is not None:
+                return self._parse(found)
             if deadline.expired():
                 raise JobNotFound(self.id)
-            time.sleep(0.05)
+            time.sleep(RESULT_POLL_S)
 
-    def _latest_rq_result(self) -> Any:
+    def _latest_rq_result(self) -> Result | None:
         entries = self._retry(self._conn.xrevrange, rq_wire.results_key(self.id), count=1)
         return rq_wire.latest_result(self.id, entries)
 
@@ -174,11 +171,7 @@ class JobHandle(Generic[R]):
         return rq_wire.failure_text(self._latest_rq_result())
 
     def _error_event_failure(self, event: ErrorEvent) -> JobFailed:
-        details = self._failure_text() or event.message
-        return JobFailed(self.id, job_state.last_line(event.message), details=details, status="failed")
-
-    def _request_stop(self) -> None:
-        self._retry(self._conn.set, keys.cancel_key(self.id), "1", ex=CANCEL_KEY_TTL_S)
+        return job_state.event_failure(self.id, event.message, self._failure_text())
 
 
 class Client:
@@ -227,7 +220,7 @@ class Client:
         `retry=N` lets RQ run a failed job again up to N times; `job_id` defaults to a fresh uuid4 hex.
         """
         request = payload.generate_request(prompt, messages, params)
-        options = job_options(self.settings, job_timeout, result_ttl, failure_ttl, retry, at_front, meta)
+        options = self.settings.job_options(job_timeout, result_ttl, failure_ttl, retry, at_front, meta)
         job_id = self.enqueue(keys.GENERATE_FUNC, payload.wire_payload(request), options, queue, job_id)
         return JobHandle(self, job_id, payload.generate_result)
 
@@ -247,7 +240,7 @@ class Client:
     ) -> JobHandle[ScoreResult]:
         """Validate and enqueue a scoring job of `rows` (`{prompt, candidates}`); options as for generate."""
         request = payload.score_request(rows, params)
-        options = job_options(self.settings, job_timeout, result_ttl, failure_ttl, retry, at_front, meta)
+        options = self.settings.job_options(job_timeout, result_ttl, failure_ttl, retry, at_front, meta)
         job_id = self.enqueue(keys.SCORE_FUNC, payload.wire_payload(request), options, queue, job_id)
         return JobHandle(self, job_id, payload.score_result)
 
@@ -281,7 +274,7 @@ class Client:
             rows_per_job=rows_per_job, in_flight=in_flight, queue=queue, retry_errors=retry_errors
         )
         return bulk.score_dataset(
-            self,
+            self._bulk_target(),
             source,
             out_path,
             errors_path,
@@ -315,8 +308,19 @@ class Client:
         """
         options = bulk.BulkOptions(in_flight=in_flight, queue=queue, retry_errors=retry_errors)
         return bulk.generate_dataset(
-            self, source, out_path, errors_path, options, defaults=defaults, progress=progress, stop=stop
+            self._bulk_target(),
+            source,
+            out_path,
+            errors_path,
+            options,
+            defaults=defaults,
+            progress=progress,
+            stop=stop,
         )
+
+    def _bulk_target(self) -> bulk.BulkTarget:
+        """This client as a bulk run sees it: its connection, retry policy, queue and job options."""
+        return bulk.BulkTarget(self.connection, self.retry, self.queue, self.settings.job_options())
 
     def enqueue(
         self,
@@ -344,34 +348,3 @@ class Client:
                 pipe.execute()
             except redis.WatchError:  # the same id was written meanwhile: it is there, once
                 return
-
-
-def rq_cancel(connection: redis.Redis, job_id: str) -> CancelOutcome:
-    """Cancel a waiting job with RQ's own `Job.cancel` (status, queue, canceled registry in one go)."""
-    try:
-        Job.fetch(job_id, connection=connection, serializer=JSONSerializer).cancel()
-    except NoSuchJobError:
-        return CancelOutcome.MISSING
-    except InvalidJobOperation:  # canceled by someone else in the meantime
-        return CancelOutcome.ALREADY_OVER
-    return CancelOutcome.CANCELED
-
-
-def job_options(
-    settings: ProducerSettings,
-    job_timeout: int | None,
-    result_ttl: int | None,
-    failure_ttl: int | None,
-    retry: int | Retry | None,
-    at_front: bool,
-    meta: dict[str, Any] | None,
-) -> rq_wire.JobOptions:
-    """RQ options from a submit call's arguments, with the settings' defaults where none was given."""
-    return rq_wire.JobOptions(
-        job_timeout=job_timeout if job_timeout is not None else settings.job_timeout,
-        result_ttl=result_ttl if result_ttl is not None else settings.result_ttl,
-        failure_ttl=failure_ttl if failure_ttl is not None else settings.failure_ttl,
-        retry=(Retry(max=retry) if retry > 0 else None) if isinstance(retry, int) else retry,
-        at_front=at_front,
-        meta=dict(meta or {}),
-    )

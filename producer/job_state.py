@@ -31,6 +31,9 @@ UNSUCCESSFUL = frozenset({JobStatus.FAILED.value, JobStatus.STOPPED.value, JobSt
 
 OVER = UNSUCCESSFUL | {JobStatus.FINISHED.value}
 
+ENDED = OVER | {MISSING}
+"""RQ will not run it (again): over, or its hash is gone. A reader then stops waiting for its stream."""
+
 
 class CancelOutcome(str, Enum):
     """What `cancel()` did."""
@@ -61,3 +64,9 @@ def failure(job_id: str, status: str, exc_text: str | None) -> JobFailed:
     }
     reason = reasons.get(status, f"RQ reports status {status!r} and no reason")
     return JobFailed(job_id, reason, status=status)
+
+
+def event_failure(job_id: str, message: str, exc_text: str | None) -> JobFailed:
+    """The error for a job whose stream ended with an `error` event carrying `message`; `exc_text` is
+    RQ's recorded exception, when there is one (it has the traceback the event leaves out)."""
+    return JobFailed(job_id, last_line(message), details=exc_text or message, status="failed")

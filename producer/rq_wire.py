@@ -174,3 +174,10 @@ def failure_text(result: Result | None) -> str | None:
     if result is None or result.type not in (Result.Type.FAILED, Result.Type.STOPPED):
         return None
     return result.exc_string or None
+
+
+def return_value(result: Result | None) -> dict[str, Any] | None:
+    """The job's result as RQ stored it (its return value), when the latest execution returned one."""
+    if result is None or not isinstance(result.return_value, dict):
+        return None
+    return result.return_value

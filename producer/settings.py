@@ -2,13 +2,19 @@
 
 The names shared with the worker (`MLXQ_REDIS_URL`, `MLXQ_REDIS_RETRY_*`) mean the same thing on both
 sides, so one `.env` can serve a host that runs both. `job_timeout`, `result_ttl` and `failure_ttl` are
-RQ's per-job options, written into each job this producer enqueues.
+RQ's per-job options, written into each job this producer enqueues unless a submit call gives its own
+(`job_options` merges the two).
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+from rq import Retry
+
+from .rq_wire import JobOptions
 
 READ_BLOCK_MS = 1000
 """Longest XREAD BLOCK a reader issues; RQ's status is checked between blocks (so at least every second)."""
@@ -41,3 +47,22 @@ class ProducerSettings(BaseSettings):
                 f"got {self.socket_timeout_s}"
             )
         return self
+
+    def job_options(
+        self,
+        job_timeout: int | None = None,
+        result_ttl: int | None = None,
+        failure_ttl: int | None = None,
+        retry: int | Retry | None = None,
+        at_front: bool = False,
+        meta: dict[str, Any] | None = None,
+    ) -> JobOptions:
+        """RQ options from a submit call's arguments, with these settings' defaults where none was given."""
+        return JobOptions(
+            job_timeout=job_timeout if job_timeout is not None else self.job_timeout,
+            result_ttl=result_ttl if result_ttl is not None else self.result_ttl,
+            failure_ttl=failure_ttl if failure_ttl is not None else self.failure_ttl,
+            retry=(Retry(max=retry) if retry > 0 else None) if isinstance(retry, int) else retry,
+            at_front=at_front,
+            meta=dict(meta or {}),
+        )

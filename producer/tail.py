@@ -22,6 +22,11 @@ START_ID = "0-0"
 
 STATUS_EVERY_S = 1.0
 
+RESULT_GRACE_S = 1.0
+"""How long to look for the result after a `done` event (the worker writes both in one pipeline)."""
+
+RESULT_POLL_S = 0.05
+
 
 @dataclass(frozen=True)
 class StreamItem:
@@ -47,6 +52,15 @@ def decode_entries(entries: list[Any]) -> list[StreamItem]:
         decoded = {_text(k): _text(v) for k, v in fields.items()}
         items.append(StreamItem(stream_id=_text(entry_id), event=parse_event(decoded)))
     return items
+
+
+def newest(entries: list[Any] | None) -> tuple[str, StreamItem | None]:
+    """From the reply of `XREVRANGE <stream> + - COUNT 1`: the id to follow the stream from, and the
+    newest item if it is terminal. The terminal event is always last, so older entries need no reading."""
+    items = decode_entries(entries or [])
+    if not items:
+        return START_ID, None
+    return items[0].stream_id, items[0] if items[0].terminal else None
 
 
 _TERMINAL_EVENTS = {"done", "error"}
