@@ -1,11 +1,11 @@
-# mlxq: `make demo` runs a real model end to end; `make test` runs every test.
+# mlxq: `make demo` runs a real model end to end; `make test` runs every test; `make test-fast` the fast loop.
 SHELL := /bin/bash
 VENV ?= .venv
 PY := $(VENV)/bin/python
 # Linux needs an MLX backend extra (cpu here; `cuda` on NVIDIA hosts); macOS's plain mlx brings Metal.
 MLX_EXTRA ?= $(if $(filter Darwin,$(shell uname -s)),worker,cpu)
 
-.PHONY: setup demo test lint bench clean
+.PHONY: setup demo test test-fast lint bench clean
 
 setup: $(VENV)/.installed
 
@@ -22,6 +22,10 @@ demo: setup
 
 test: setup
 	$(PY) -m pytest -q
+
+# The fast loop: engine, service and producer tests (no worker processes, no real model).
+test-fast: setup
+	$(PY) -m pytest -q -m "not slow" tests/engine tests/service tests/producer
 
 lint: setup
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check . && $(VENV)/bin/mypy

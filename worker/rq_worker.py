@@ -162,18 +162,14 @@ class MlxqWorker(SimpleWorker):
             if ttl == last_ttl and at - last_at < _BEAT_AGAIN_S:
                 return
             with self.connection.pipeline(transaction=False) as pipe:
-                self._beat(timeout, ttl, pipe)
+                super().heartbeat(timeout, pipe)
                 if not self._between_jobs(pipe.execute):
                     return
         else:
-            self._beat(timeout, ttl, pipeline)
+            super().heartbeat(timeout, pipeline)
+        if self.stats is not None:  # on RQ's own beats between jobs: a fresh snapshot of the stats
+            self.stats.on_heartbeat(ttl, pipeline)
         self._last_beat = (at, ttl)
-
-    def _beat(self, timeout: int | None, ttl: int, pipe: Any) -> None:
-        """RQ's heartbeat and the stats hash's TTL (`StatsPublisher.on_heartbeat`), queued on `pipe`."""
-        super().heartbeat(timeout, pipe)
-        if self.stats is not None:
-            self.stats.on_heartbeat(ttl, pipe)
 
     def get_heartbeat_ttl(self, job: Job, working_time: float = 0.0) -> int:
         # Short, refreshed by the watch thread: a killed worker's job is noticed within a few beats.

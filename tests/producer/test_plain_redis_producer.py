@@ -18,7 +18,7 @@ from rq.serializers import JSONSerializer
 
 REDIS_DB = 13
 
-DOC = Path(__file__).resolve().parent.parent / "docs" / "plain-redis.md"
+DOC = Path(__file__).resolve().parents[2] / "docs" / "plain-redis.md"
 DOC_JOB_ID = "0c9f4b1e5a7d4e2f8b3a6c1d9e0f2a4b"
 
 

@@ -31,7 +31,7 @@ from jobs.schema import RestartEvent, TokenEvent
 from producer import Client, JobFailed
 
 REDIS_DB = 7
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 MLXQ_BIN = Path(sys.executable).parent / "mlxq"  # this venv's entry point stands for __MLXQ_BIN__
 PROMPT = "The capital of France is Paris. " * 4
