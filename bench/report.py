@@ -201,35 +201,15 @@ def render(result: dict[str, Any]) -> str:
             "one burst worker)"
         )
         out.append(_columns(QUEUE, q["table"]))
-    if (d := figs.get("diagnostics")) and "decode" in d:
-        out.append("\n### Diagnostics: decode, loop × model × stream (same prompts, taking turns)")
-        out.append(_columns(DECODE, d["decode"]))
-        out.append("\n### Diagnostics: engine.generate TTFT on a long prefix, phases forced to finish (ms)")
-        phases = list(next(iter(d["warm_cache_phases"].values()))["phases_ms"])
-        rows = [
-            [k, _fmt(r["ttft_ms"]), _fmt(r["total_ms"]), r["cached_tokens"]]
-            + [_fmt(r["phases_ms"][p], 2) for p in phases]
-            for k, r in d["warm_cache_phases"].items()
-        ]
-        out.append(table(["job", "TTFT", "total", "cached tokens", *phases], rows))
     if (ab := figs.get("decode_ab")) and "rows" in ab:
         out.append(
-            f"\n### Probe: decode rate, {ab['reps']} repetitions in rotating order ({ab['tokens']} tokens)"
+            f"\n### Decode A/B: decode rate, {ab['reps']} repetitions in rotating order "
+            f"({ab['tokens']} tokens)"
         )
         out.append(_columns(DECODE, ab["rows"]))
         out.append(
             "\nAll repetitions (tok/s): "
             + "; ".join(f"{k}: {', '.join(f'{x:.0f}' for x in r['all'] if x)}" for k, r in ab["rows"].items())
-        )
-    if (jit := figs.get("shape_jit")) and "error" not in jit:
-        out.append(
-            "\n### Probe: prefill + first token for prompt lengths seen for the first time, then again (ms)"
-        )
-        out.append(
-            table(
-                ["lengths", "ms each"],
-                [[k, ", ".join(f"{x:.1f}" for x in v)] for k, v in jit.items() if isinstance(v, list)],
-            )
         )
     for name, fig in figs.items():
         if "error" in fig:
