@@ -22,7 +22,7 @@ from .queue_client import BenchWorker
 
 @dataclass(frozen=True)
 class Sizes:
-    """How big each figure is. `gpu` is the brief's full size; `cpu` scales it for a 2-core CPU."""
+    """How big each figure is: `gpu` is the targets' own size; `cpu`, `cpu-real` and `smoke` scale it down."""
 
     name: str
     gen_prompt: int = 128

@@ -261,14 +261,13 @@ def targets(figs: dict[str, Any]) -> list[dict[str, str]]:
         for k in ("mlxq engine.generate", "mlxq via Redis (worker + XREAD)"):
             v = g["rows"][k]["decode_vs_mlx_lm"]
             add("decode ≥ 95% of mlx-lm", k, v, None if v is None else v >= 0.95, "{:.1%}")
-    # The rotating probe's repetitions take turns in a changing order: on a host whose speed drifts
-    # (the H200's: mlx-lm alone 318-486 tok/s a minute apart) it judges the target more surely than the
-    # 3 repetitions above (`results/gpu-runs-bcfd0d4.md`).
+    # The rotating A/B's paths take turns in a changing order: on a host whose speed drifts it judges
+    # the target more surely than `generation`'s few repetitions.
     if (ab := figs.get("decode_ab")) and "rows" in ab:
         for k, r in ab["rows"].items():
             if k.startswith("mlxq engine.generate") or k.startswith("mlxq via Redis"):
                 v = r["vs_mlx_lm"]
-                label = f"{k}, rotating probe ({ab['reps']} repetitions)"
+                label = f"{k}, rotating A/B ({ab['reps']} repetitions)"
                 add("decode ≥ 95% of mlx-lm", label, v, None if v is None else v >= 0.95, "{:.1%}")
     if (p := figs.get("prefill")) and "rows" in p:
         for n, paths in p["rows"].items():
