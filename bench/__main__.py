@@ -24,7 +24,7 @@ from mlx.utils import tree_flatten
 
 from worker.engine import Engine
 
-from . import fig_diagnose, fig_generate, fig_probe, fig_score, report
+from . import fig_batch, fig_decode_ab, fig_generate, fig_score, report
 from .baseline import MlxLm
 from .checkpoints import checkpoint
 from .common import SIZES, Bench
@@ -37,9 +37,8 @@ FIGURES: dict[str, Callable[[Bench], dict[str, Any]]] = {
     "warm_cache": fig_generate.warm_cache,
     "scoring": fig_score.scoring,
     "queue": fig_score.queue_overhead,
-    "diagnostics": fig_diagnose.diagnostics,
-    "decode_ab": fig_probe.decode_ab,
-    "shape_jit": fig_probe.shape_jit,
+    "batch": fig_batch.batch_generation,
+    "decode_ab": fig_decode_ab.decode_ab,
 }
 
 

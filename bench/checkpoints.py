@@ -8,7 +8,7 @@ from typing import Any
 
 from worker.modelfiles.tiny_model import write_random_checkpoint
 
-# Small enough for a 2-core CPU with a reference BLAS; long context so 8k-token prefixes fit.
+# Small enough for a CPU with a reference BLAS; long context so 8k-token prefixes fit.
 TINY: dict[str, Any] = {"max_position_embeddings": 16384}
 
 LLAMA_1B: dict[str, Any] = {

@@ -22,7 +22,7 @@ from .queue_client import BenchWorker
 
 @dataclass(frozen=True)
 class Sizes:
-    """How big each figure is. `gpu` is the brief's full size; `cpu` scales it for a 2-core CPU."""
+    """How big each figure is: `gpu` is the targets' own size; `cpu`, `cpu-real` and `smoke` scale it down."""
 
     name: str
     gen_prompt: int = 128
@@ -41,6 +41,9 @@ class Sizes:
     queue_jobs_unbatched: int = 1000
     queue_prompt: int = 16
     profile_jobs: int = 0  # > 0: one more pass under cProfile, to show where the worker's time goes
+    batch_jobs: tuple[int, ...] = (1, 8, 64)  # concurrent generation jobs, one run per size
+    batch_tokens: int = 128
+    batch_reps: int = 3
     timeout_s: float = 600.0
 
 
@@ -56,6 +59,8 @@ SIZES = {
         score_baseline_rows=16,
         cache_prefix=2048,
         profile_jobs=1000,
+        batch_jobs=(1, 8),
+        batch_tokens=64,
     ),
     "cpu-real": Sizes(
         "cpu-real",
@@ -71,6 +76,9 @@ SIZES = {
         cache_prefix=256,
         queue_jobs=0,
         profile_jobs=0,
+        batch_jobs=(1, 4),
+        batch_tokens=16,
+        batch_reps=1,
     ),
     "smoke": Sizes(
         "smoke",
@@ -87,6 +95,9 @@ SIZES = {
         queue_jobs=100,
         queue_jobs_unbatched=50,
         profile_jobs=50,
+        batch_jobs=(1, 4),
+        batch_tokens=8,
+        batch_reps=1,
         timeout_s=120.0,
     ),
 }

@@ -104,7 +104,7 @@ def _queue_run(b: Bench, text: str, max_tokens: int) -> tuple[str, dict[str, Any
         "worker_decode_tok_s": float(done["decode_tokens_per_s"])
         if done.get("decode_tokens_per_s")
         else None,
-        **worker_memory([r for r in w.records(since) if r.get("fn") == "generate"]),
+        **worker_memory(w.finished(since, 1)),
     }
 
 
@@ -244,7 +244,7 @@ def warm_cache(b: Bench) -> dict[str, Any]:
                     "ttft_s": trace.ttft_s(),
                     "worker_ttft_s": float(done["ttft_s"]),
                     "cached_tokens": int(done["cached_tokens"]),
-                    **worker_memory([r for r in w.records(since) if r.get("fn") == "generate"]),
+                    **worker_memory(w.finished(since, 1)),
                 }
             )
         if rep:

@@ -21,8 +21,7 @@ from .queue_client import BenchWorker, cleanup, enqueue_many, follow, job_failur
 
 # Each of these synchronises (mx.eval / .tolist()) inside, so its wall time is its work's time.
 SCORE_PHASES = {
-    "shared spans (PrefixScorer._extend)": (PrefixScorer, "_extend"),
-    "suffix batches (PrefixScorer._run_leaves)": (PrefixScorer, "_run_leaves"),
+    "model (PrefixScorer.last_logits)": (PrefixScorer, "last_logits"),
     "prefix cache offer (KV copy)": (PrefixCache, "offer"),
     "candidate_scores (per row)": (worker.engine.engine, "candidate_scores"),
 }
@@ -52,7 +51,7 @@ def _queue_run(b: Bench, w: BenchWorker, payloads: list[dict[str, Any]]) -> dict
     failed = job_failures(b.conn, job_ids)
     if failed:
         raise RuntimeError(f"{len(failed)} score jobs failed, first: {failed[0]}")
-    records = w.records(since)
+    records = w.finished(since, len(payloads))
     batches = [r for r in records if r.get("fn") == "score_many"]
     rows = sum(len(p["rows"]) for p in payloads)
     dones = [tr.done or {} for tr in traces.values()]
@@ -63,11 +62,9 @@ def _queue_run(b: Bench, w: BenchWorker, payloads: list[dict[str, Any]]) -> dict
         "rows_s": rows / wall,
         "batches": len(batches),
         "rows_per_batch": [r["rows"] for r in batches],
-        "batch1_spans": sum(r.get("extend", 0) for r in batches),
-        "suffix_batches": sum(r.get("leaf_batches", 0) for r in batches),
         "engine_score_s": sum(r["s"] for r in batches),
         "tokenize_s": sum(r["s"] for r in records if r.get("fn") == "score_tokens_many"),
-        "finish_s": sum(r["s"] for r in records if r.get("fn") == "finish_score"),
+        "finish_s": sum(r["s"] for r in records if r.get("fn") == "finish_streams"),
         "prompt_tokens": sum(int(d["prompt_tokens"]) for d in dones),
         "cached_tokens": sum(int(d["cached_tokens"]) for d in dones),
         **worker_memory(records),
@@ -298,12 +295,12 @@ def queue_overhead(b: Bench) -> dict[str, Any]:
         for j in job_ids:
             pipe.exists(f"mlxq:result:{j}")
         finished = sum(pipe.execute())
-        jobs_run = [r for r in records if r.get("fn") == "execute_job"]
-        # Steady state: first job's start to last job's end (worker start-up and teardown left out).
-        wall = max(r["start"] + r["s"] for r in jobs_run) - min(r["start"] for r in jobs_run)
+        # Steady state: the first job's tokenizing to the last job's end (start-up and teardown left out).
+        first = min(r["start"] for r in records if r.get("fn") == "score_tokens_many")
+        wall = max(r["start"] + r["s"] for r in records if r.get("fn") == "finish_streams") - first
         sums = {
             fn: sum(r["s"] for r in records if r.get("fn") == fn)
-            for fn in ("score_many", "score_tokens_many", "finish_score", "execute_job")
+            for fn in ("score_many", "score_tokens_many", "finish_streams")
         }
         table[label] = {
             "jobs": n,
@@ -312,17 +309,9 @@ def queue_overhead(b: Bench) -> dict[str, Any]:
             "process_wall_s": exit_["start"] - ready["start"],
             "jobs_s": n / wall,
             "batches": sum(1 for r in records if r.get("fn") == "score_many"),
-            "batch1_spans": sum(r.get("extend", 0) for r in records if r.get("fn") == "score_many"),
-            "batch1_spans_s": sum(r.get("extend_s", 0) for r in records if r.get("fn") == "score_many"),
-            "suffix_batches_s": sum(
-                r.get("leaf_batches_s", 0) for r in records if r.get("fn") == "score_many"
-            ),
-            "suffix_batches": sum(r.get("leaf_batches", 0) for r in records if r.get("fn") == "score_many"),
             "engine_score_s": sums["score_many"],
             "tokenize_s": sums["score_tokens_many"],
-            "finish_score_s": sums["finish_score"],
-            "in_execute_job_s": sums["execute_job"],
-            "outside_execute_job_s": wall - sums["execute_job"],
+            "finish_streams_s": sums["finish_streams"],
             "share_outside_mlx": 1 - sums["score_many"] / wall,
             "ms_per_job_outside_mlx": 1000 * (wall - sums["score_many"]) / n,
             "load_s": ready["load_s"],

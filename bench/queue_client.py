@@ -94,6 +94,17 @@ class BenchWorker:
                     out.append(rec)
         return out
 
+    def finished(self, since: float, jobs: int, timeout: float = 10.0) -> list[dict[str, Any]]:
+        """Records since `since`, once `finish_streams` records cover `jobs` jobs: the worker writes
+        such a record just after the `done` events it carries, so a reader may see `done` first."""
+        deadline = time.monotonic() + timeout
+        while True:
+            records = self.records(since)
+            ended = sum(r["jobs"] for r in records if r.get("fn") == "finish_streams")
+            if ended >= jobs or time.monotonic() > deadline:
+                return records
+            time.sleep(0.01)
+
     def event(self, name: str) -> dict[str, Any] | None:
         return next((r for r in self.records() if r.get("event") == name), None)
 

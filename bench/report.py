@@ -59,10 +59,6 @@ def _cached(_k: str, r: dict[str, Any]) -> str:
     return f"{r['cached_tokens']}/{r['prompt_tokens']}" if "cached_tokens" in r else "-"
 
 
-def _parts(_k: str, r: dict[str, Any]) -> str:
-    return f"{r['batch1_spans']} / {r['suffix_batches']}" if "batch1_spans" in r else "-"
-
-
 PATH: Column = ("path", lambda k, _r: k)
 MEM: Column = ("peak MiB (+over resident)", lambda _k, r: _mem(r))
 
@@ -107,7 +103,6 @@ SCORING: list[Column] = [
     ("rows/s", _get("rows_s")),
     ("x one-forward-per-row", _get("x_one_forward_per_row")),
     ("batches", _get("batches")),
-    ("batch-1 spans / suffix batches", _parts),
     ("engine score ms", _get("engine_score_s", 1000)),
     ("tokenize ms", _get("tokenize_s", 1000)),
     ("cached/prompt tokens", _cached),
@@ -117,19 +112,36 @@ QUEUE: list[Column] = [
     ("pass", lambda k, _r: k),
     ("jobs", _get("jobs")),
     ("done", _get("finished")),
-    ("wall s (1st job start → last end)", _get("wall_s", digits=2)),
+    ("wall s (1st job's tokenizing → last end)", _get("wall_s", digits=2)),
     ("jobs/s", _get("jobs_s")),
     ("batches", _get("batches")),
-    ("batch-1 spans / suffix batches", _parts),
     ("engine score s", _get("engine_score_s", digits=2)),
     ("tokenize s", _get("tokenize_s", digits=2)),
-    ("finish_score s", _get("finish_score_s", digits=2)),
-    ("between jobs s", _get("outside_execute_job_s", digits=2)),
+    ("finish_streams s", _get("finish_streams_s", digits=2)),
     ("share outside MLX", lambda _k, r: f"{100 * r['share_outside_mlx']:.0f}%"),
     ("ms/job outside MLX", _get("ms_per_job_outside_mlx", digits=2)),
     ("Redis cmds/job", _get("redis_commands_per_job")),
     MEM,
 ]
+BATCH: list[Column] = [
+    PATH,
+    ("tok/s", _get("tok_s", digits=0)),
+    ("vs mlx-lm", _get("vs_mlx_lm", digits=2)),
+    ("all reps' tok/s", lambda _k, r: ", ".join(f"{x:,.0f}" for x in r["all_tok_s"])),
+    ("decode tok/s", _get("decode_tok_s", digits=0)),
+    ("TTFT p50 ms", _get("ttft_p50_s", 1000)),
+    ("wall s", _get("wall_s", digits=2)),
+    ("same ids as engine", lambda _k, r: f"{r['same_ids_as_engine']}/{r['jobs']}"),
+    ("worker batch_step s / flush_streams s / finish_streams s", lambda _k, r: _batch_phases(r)),
+    MEM,
+]
+
+
+def _batch_phases(r: dict[str, Any]) -> str:
+    p = r.get("phases") or {}
+    if not p:
+        return "-"
+    return " / ".join(f"{p.get(k, 0.0):.3f}" for k in ("batch_step_s", "flush_streams_s", "finish_streams_s"))
 
 
 DECODE: list[Column] = [
@@ -201,35 +213,21 @@ def render(result: dict[str, Any]) -> str:
             "one burst worker)"
         )
         out.append(_columns(QUEUE, q["table"]))
-    if (d := figs.get("diagnostics")) and "decode" in d:
-        out.append("\n### Diagnostics: decode, loop × model × stream (same prompts, taking turns)")
-        out.append(_columns(DECODE, d["decode"]))
-        out.append("\n### Diagnostics: engine.generate TTFT on a long prefix, phases forced to finish (ms)")
-        phases = list(next(iter(d["warm_cache_phases"].values()))["phases_ms"])
-        rows = [
-            [k, _fmt(r["ttft_ms"]), _fmt(r["total_ms"]), r["cached_tokens"]]
-            + [_fmt(r["phases_ms"][p], 2) for p in phases]
-            for k, r in d["warm_cache_phases"].items()
-        ]
-        out.append(table(["job", "TTFT", "total", "cached tokens", *phases], rows))
+    if (bg := figs.get("batch")) and "rows" in bg:
+        out.append(
+            f"\n### 6. Batched generation (N jobs at once, {bg['prompt_tokens']}-token prompts, "
+            f"{bg['max_tokens']} new tokens each, greedy, median of {bg['reps']})"
+        )
+        out.append(_columns(BATCH, bg["rows"]))
     if (ab := figs.get("decode_ab")) and "rows" in ab:
         out.append(
-            f"\n### Probe: decode rate, {ab['reps']} repetitions in rotating order ({ab['tokens']} tokens)"
+            f"\n### Decode A/B: decode rate, {ab['reps']} repetitions in rotating order "
+            f"({ab['tokens']} tokens)"
         )
         out.append(_columns(DECODE, ab["rows"]))
         out.append(
             "\nAll repetitions (tok/s): "
             + "; ".join(f"{k}: {', '.join(f'{x:.0f}' for x in r['all'] if x)}" for k, r in ab["rows"].items())
-        )
-    if (jit := figs.get("shape_jit")) and "error" not in jit:
-        out.append(
-            "\n### Probe: prefill + first token for prompt lengths seen for the first time, then again (ms)"
-        )
-        out.append(
-            table(
-                ["lengths", "ms each"],
-                [[k, ", ".join(f"{x:.1f}" for x in v)] for k, v in jit.items() if isinstance(v, list)],
-            )
         )
     for name, fig in figs.items():
         if "error" in fig:
@@ -263,14 +261,13 @@ def targets(figs: dict[str, Any]) -> list[dict[str, str]]:
         for k in ("mlxq engine.generate", "mlxq via Redis (worker + XREAD)"):
             v = g["rows"][k]["decode_vs_mlx_lm"]
             add("decode ≥ 95% of mlx-lm", k, v, None if v is None else v >= 0.95, "{:.1%}")
-    # The rotating probe's repetitions take turns in a changing order: on a host whose speed drifts
-    # (the H200's: mlx-lm alone 318-486 tok/s a minute apart) it judges the target more surely than the
-    # 3 repetitions above (`results/gpu-runs-bcfd0d4.md`).
+    # The rotating A/B's paths take turns in a changing order: on a host whose speed drifts it judges
+    # the target more surely than `generation`'s few repetitions.
     if (ab := figs.get("decode_ab")) and "rows" in ab:
         for k, r in ab["rows"].items():
             if k.startswith("mlxq engine.generate") or k.startswith("mlxq via Redis"):
                 v = r["vs_mlx_lm"]
-                label = f"{k}, rotating probe ({ab['reps']} repetitions)"
+                label = f"{k}, rotating A/B ({ab['reps']} repetitions)"
                 add("decode ≥ 95% of mlx-lm", label, v, None if v is None else v >= 0.95, "{:.1%}")
     if (p := figs.get("prefill")) and "rows" in p:
         for n, paths in p["rows"].items():
@@ -285,7 +282,16 @@ def targets(figs: dict[str, Any]) -> list[dict[str, str]]:
     if (c := figs.get("warm_cache")) and "rows" in c:
         for k, r in c["rows"].items():
             add("second TTFT < 10% of first", k, r["ttft_ratio"], r["ttft_ratio"] < 0.10, "{:.1%}")
+    if (bg := figs.get("batch")) and "rows" in bg and bg["max_tokens"] == 128:
+        for k, r in bg["rows"].items():
+            if r["jobs"] == 64 and k.endswith(QUEUE_BATCH):
+                add(
+                    "64 jobs x 128 tokens ≥ 12,000 tok/s", k, r["tok_s"], r["tok_s"] >= 12000, "{:,.0f} tok/s"
+                )
     return out
+
+
+QUEUE_BATCH = "mlxq via Redis (batching worker)"
 
 
 def _git_commit() -> str:

@@ -28,9 +28,10 @@ T = TypeVar("T")
 def padded_size(n: int, smallest: int = 16) -> int:
     """`n` rounded up to one of a few sizes: powers of two from `smallest` to 512, then multiples of 512.
 
-    On a GPU (MLX's CUDA build above all) the first forward of a new input shape costs 0.1-1 s of kernel
-    building, then ~10 ms: measured on an H200 (`bench/batch_step.py`). Padding prompt chunks and batch
-    sizes to a few sizes makes a worker meet each shape once in its life, not once per prompt length.
+    On a GPU (MLX's CUDA build above all) the first forward of a new input shape builds its kernels, many
+    times the forward itself (`bench/README.md`, what the engine's defaults rest on). Padding prompt
+    chunks and batch sizes to a few sizes makes a worker meet each shape once in its life, not once per
+    prompt length.
     """
     if n <= smallest:
         return smallest
@@ -67,13 +68,11 @@ def idle_prefill_by_default(chunk: int) -> int:
 
 def overlap_by_default() -> bool:
     """Whether a decode batch's steps launch on a thread of their own (`DecodeBatch`'s `launcher`): on a
-    GPU, where the launch is host work (with the GIL released) and a batched step is bound by it
-    (H200, 64 rows: 3.42-3.90 against 3.90-4.32 ms a step with the tokens handled on a second thread
-    instead, same tokens: `bench.launcher_ab`). Not on the CPU: there `async_eval` returns only when
-    the step is nearly computed (0.55 ms of a tiny model's 0.8 ms step), and a second thread measured
-    slower on 2 cores (`bench.launcher_ab --model tiny --rows 8`: 3.05 against 2.33 ms a step). Not on
-    Metal by default either: not measured there (no Apple machine here), where MLX's launch is cheaper.
-    It needs MLX 0.32 (`mx.new_thread_unsafe_stream`)."""
+    GPU, where the launch is host work (with the GIL released) and a batched step is bound by it. Not
+    on the CPU: there `async_eval` returns only when the step is nearly computed, and a second thread
+    made steps slower (`bench/README.md`, what the engine's defaults rest on). Not on Metal by default
+    either: not measured there, and MLX's launch is cheaper. It needs MLX 0.32
+    (`mx.new_thread_unsafe_stream`)."""
     return on_cuda() and hasattr(mx, "new_thread_unsafe_stream")
 
 

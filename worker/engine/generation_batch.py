@@ -52,8 +52,7 @@ log = logging.getLogger(__name__)
 # Prompts sharing at least this many uncached tokens are not prefilled in one forward (see `_prefill`);
 # prompts prefilled together reuse a cached prefix only from this many tokens on: splicing a prefix into
 # a rows forward (left-padded cached parts, a mask instead of plain causal attention) costs more than
-# computing a short one (H200, 64 prompts whose first ~5 tokens were cached: 4,293 tok/s against 5,859
-# with no prefix cache, `bench.prefix_cache_ab`).
+# computing a short one (`bench/README.md`, what the engine's defaults rest on).
 _SHARED_MIN = 32
 
 

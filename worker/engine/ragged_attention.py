@@ -2,8 +2,8 @@
 
 A `DecodeBatch` keeps its rows left-padded in one buffer (`batch_cache.py`), so each row attends to its
 own columns `start[row] .. end-1` only. MLX's fast attention takes no per-row mask when decoding on
-CUDA: with a mask it falls back to unfused ops (measured on an H200, 64 rows x 300 keys, 16 layers:
-3.6-4.2 ms per step against 0.8 ms unmasked, `bench/sdpa_probe.py`), about half a decode step. This
+CUDA: with a mask it falls back to unfused ops, several times the fused attention's time and about
+half a decode step (`bench/README.md`, what the engine's defaults rest on). This
 kernel reads each row's columns straight from the cache buffer: one thread block per (row, kv head),
 one warp per query head of that group, the lanes splitting the row's keys with an online softmax in
 float32, then one warp reduction.
@@ -11,8 +11,7 @@ float32, then one warp reduction.
 CUDA only (`available()`): a decode batch uses it there by default and MLX's masked attention
 elsewhere. On other devices `decode_attention` computes the same thing with MLX's masked attention, so
 the batch's use of it is tested on the CPU; the kernel's results equal MLX's masked attention within
-bf16 rounding (its sums run in float32 in another order), checked on the GPU by `bench/sdpa_probe.py`
-(1.1 ms for the same step; measured with head_dim 64 only).
+bf16 rounding (its sums run in float32 in another order), checked on the GPU with head_dim 64 only.
 """
 
 from __future__ import annotations

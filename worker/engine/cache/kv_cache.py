@@ -100,9 +100,9 @@ def key_columns(total: int) -> int:
     a whole number of cache steps.
 
     On MLX's CUDA build attention over many queries goes through cuDNN, whose plans are built per shape
-    of the keys: measured on an H200 (`bench/sdpa_probe.py`), a 16-token prompt tail over a cached 8k
-    prefix cost 44-65 ms the first time each prefix length was met and 4-6 ms again. Reading whole
-    steps of the cache (the extra columns masked) leaves one shape per 256 positions.
+    of the keys: a prefix length met for the first time costs a plan build, many times the attention
+    itself (`bench/README.md`, what the engine's defaults rest on). Reading whole steps of the cache
+    (the extra columns masked) leaves one shape per 256 positions.
     """
     return -(-total // KVCache.step) * KVCache.step
 

@@ -229,8 +229,9 @@ def _fuse_linears(module: nn.Module, names: list[str]) -> nn.Module | None:
     they have them, concatenated along the outputs), which it then drops; None, and nothing changed,
     if any of them is not a plain `nn.Linear` (quantized) or only some have a bias.
 
-    A decode step on a GPU is bound by the host's launch of each op, a matmul's the dearest (~22 us each
-    on an H200, `bench/launch_probe.py`): fusing q/k/v and gate/up saves three of a layer's seven.
+    A decode step on a GPU is bound by the host's launch of each op, a matmul's the dearest
+    (`bench/README.md`, what the engine's defaults rest on): fusing q/k/v and gate/up saves three of a
+    layer's seven.
     Quantized projections with dense copies (`quantized_rows.use_dense_rows`) fuse those copies."""
     parts = [getattr(module, name) for name in names]
     if (dense := fuse_dense_rows(parts)) is not None:

@@ -2,8 +2,7 @@
 
 A quantized matmul reads a quarter of the weight bytes, which is what a forward of one row (a lone
 decode step) is bound by; but MLX's CUDA kernels for it fall far behind a dense matmul once a forward
-has many rows: a 64-row decode step of the Llama-3.2-1B shape in 4-bit took ~34 ms on an H200 against
-~4.4 ms in bf16, and a 2,048-row projection 2-5x as long (`bench/quant_probe.py`, 2026-12-01). With
+has many rows (`bench/README.md`, what the engine's defaults rest on). With
 `use_dense_rows(model, min_rows)` every quantized Linear (and a quantized embedding used as the tied
 output layer) also holds its weight dequantized once, in the compute dtype, and a call with at least
 `min_rows` rows (a decode batch, a prefill chunk, a score batch) multiplies by that instead: the speed
@@ -24,7 +23,7 @@ from worker.engine.device import on_cuda
 
 log = logging.getLogger(__name__)
 
-# From how many rows a quantized layer uses its dense copy on CUDA by default (`bench/quant_probe.py`).
+# From how many rows a quantized layer uses its dense copy on CUDA by default (see the module docstring).
 CUDA_DENSE_ROWS = 8
 
 

@@ -1,10 +1,9 @@
-"""Focused probes for what the headline figures left open (run with `--only decode_ab,shape_jit`).
+"""The rotating decode A/B: the decode paths of one job taking turns, many repetitions, in a changing order.
 
-- decode_ab: decode rate of mlx-lm, the bare mlxq loop, engine.generate (no-op sink, Redis sink) and
-  the queue, many repetitions in a rotating order, so slow drifts (clocks, other processes) fall on
-  every path alike;
-- shape_jit: time to first token for prompt lengths never seen before in this process, then the same
-  lengths again: what a first-seen shape costs (kernels built for it) on this device.
+Paths: mlx-lm's `generate_step`, the engine's bare decode loop, `Engine.generate` with a no-op sink and
+with a Redis `StreamWriter` sink, and a job through the queue. Rotating who goes first makes slow drifts
+of the host's speed fall on every path alike, so this judges the decode target more surely than
+`generation`'s few repetitions.
 """
 
 from __future__ import annotations
@@ -16,38 +15,46 @@ from typing import Any
 import mlx.core as mx
 
 from jobs.schema import GenerateRequest
-from worker.engine.generate import prefill
+from worker.engine.generate import decode, prefill
 from worker.engine.sampler import Sampler
 from worker.stream_writer import StreamOptions, StreamWriter
 
 from .common import Bench, median
-from .fig_diagnose import _mlxq_loop
 from .fig_generate import _queue_run, gap_rate, gen_payload, rate
 from .queue_client import cleanup
 
 REPS = 8
+Arrivals = list[tuple[float, int]]
+
+
+def _bare_loop(b: Bench, ids: list[int], n: int) -> Arrivals:
+    """The engine's prefill and decode loop alone (no text, no sink): arrival time of each token."""
+    model = b.engine.model
+    sampler = Sampler(model.args.vocab_size, temperature=0.0, logit_bias=b.no_eos)
+    cache = model.make_cache()
+    logits = prefill(model, ids, cache, b.engine.options.prefill_chunk)
+    times = [(time.perf_counter(), 1) for _token in decode(model, logits, cache, sampler, n)]
+    mx.synchronize()
+    return times
 
 
 def decode_ab(b: Bench) -> dict[str, Any]:
     s = b.sizes
     n = s.gen_tokens
     engine = b.engine
-    mq = engine.model
     b.worker()
 
-    def mlx_lm(text: str) -> list[tuple[float, int]]:
+    def mlx_lm(text: str) -> Arrivals:
         _t0, times = b.mlxlm.generate_times(engine.tokenizer.encode(text), n)
         return [(t, 1) for t in times]
 
-    def bare(text: str) -> list[tuple[float, int]]:
-        sampler = Sampler(mq.args.vocab_size, temperature=0.0, logit_bias=b.no_eos)
-        return [(t, 1) for t in _mlxq_loop(mq, mq.make_cache, engine.tokenizer.encode(text), n, sampler)]
-
-    def generate(sink_for: Callable[[str], Any] | None) -> Callable[[str], list[tuple[float, int]]]:
-        def run(text: str) -> list[tuple[float, int]]:
-            arrivals: list[tuple[float, int]] = []
+    def generate(to_redis: bool) -> Callable[[str], Arrivals]:
+        def run(text: str) -> Arrivals:
+            arrivals: Arrivals = []
             job_id = f"bench-ab-{time.time_ns()}"
-            writer = sink_for(job_id) if sink_for is not None else None
+            writer = StreamWriter(b.conn, job_id, StreamOptions()) if to_redis else None
+            if writer is not None:
+                writer.open(attempt=1)
 
             def sink(delta: str, ids: list[int]) -> None:
                 arrivals.append((time.perf_counter(), len(ids)))
@@ -62,21 +69,18 @@ def decode_ab(b: Bench) -> dict[str, Any]:
 
         return run
 
-    def redis_writer(job_id: str) -> StreamWriter:
-        writer = StreamWriter(b.conn, job_id, StreamOptions())
-        writer.open(attempt=1)
-        return writer
-
-    paths: dict[str, Callable[[str], list[tuple[float, int]]]] = {
+    paths: dict[str, Callable[[str], Arrivals]] = {
         "mlx-lm generate_step": mlx_lm,
-        "mlxq decode loop + engine Sampler (logit_bias)": bare,
-        "mlxq engine.generate, no-op sink": generate(None),
-        "mlxq engine.generate, Redis StreamWriter sink": generate(redis_writer),
+        "mlxq decode loop + engine Sampler (logit_bias)": lambda text: _bare_loop(
+            b, engine.tokenizer.encode(text), n
+        ),
+        "mlxq engine.generate, no-op sink": generate(False),
+        "mlxq engine.generate, Redis StreamWriter sink": generate(True),
     }
     names = list(paths)
     results: dict[str, list[tuple[float | None, float | None]]] = {k: [] for k in names}
     queue_rates: list[tuple[float | None, float | None]] = []
-    for rep in range(REPS + 1):
+    for rep in range(REPS + 1):  # the first warms up
         text = b.maker.prompt(s.gen_prompt)
         order = names[rep % len(names) :] + names[: rep % len(names)]  # rotate who goes first
         for name in order:
@@ -105,22 +109,3 @@ def decode_ab(b: Bench) -> dict[str, Any]:
         gap = row["decode_median_gap_tok_s"] or 0.0
         row["median_gap_vs_mlx_lm"] = gap / (base["decode_median_gap_tok_s"] or 1.0)
     return {"reps": REPS, "tokens": n, "rows": rows}
-
-
-def shape_jit(b: Bench) -> dict[str, Any]:
-    """Prefill+first token for new prompt lengths, then the same lengths again (ms)."""
-    model = b.engine.model
-    out: dict[str, Any] = {}
-    vocab = model.args.vocab_size
-    for base in (3000, 200):
-        lengths = [base + i for i in range(4)]
-        for label in ("first time", "again"):
-            times = []
-            for n in lengths:
-                ids = [(7 * i + n) % (vocab - 10) + 5 for i in range(n)]
-                t0 = time.perf_counter()
-                logits = prefill(model, ids, model.make_cache(), 2048)
-                mx.argmax(logits, axis=-1).item()
-                times.append(round(1000 * (time.perf_counter() - t0), 2))
-            out[f"{lengths[0]}..{lengths[-1]} tokens, {label}"] = times
-    return out
