@@ -61,7 +61,7 @@ def decode_ab(b: Bench) -> dict[str, Any]:
                 if writer is not None:
                     writer(delta, ids)
 
-            engine.generate(GenerateRequest.model_validate(gen_payload(b, text, n)), sink)
+            generate(engine, GenerateRequest.model_validate(gen_payload(b, text, n)), sink)
             if writer is not None:
                 writer.flush()
                 cleanup(b.conn, [job_id])

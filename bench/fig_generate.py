@@ -15,6 +15,7 @@ from jobs.schema import GenerateRequest
 from worker.engine import Engine
 from worker.engine.cache.prefix_cache import PrefixCache
 from worker.engine.generate import prefill
+from worker.engine.generation_batch import generate
 
 from .common import Bench, median, mem_fields, memory, phase_timers, worker_memory
 from .queue_client import cleanup, enqueue, follow
@@ -47,7 +48,9 @@ def _engine_generate(engine: Engine, request: GenerateRequest) -> dict[str, Any]
     phases = {"prefix cache offer": (PrefixCache, "offer")}
     with memory() as mem, phase_timers(phases) as timers:
         t0 = time.perf_counter()
-        result = engine.generate(request, lambda _text, ids: arrivals.append((time.perf_counter(), len(ids))))
+        result = generate(
+            engine, request, lambda _text, ids: arrivals.append((time.perf_counter(), len(ids)))
+        )
         t_end = time.perf_counter()
     return {
         "ttft_s": arrivals[0][0] - t0 if arrivals else None,
@@ -166,7 +169,7 @@ def prefill_rates(b: Bench) -> dict[str, Any]:
     def engine_generate(n: int) -> float:
         request = GenerateRequest(prompt=b.maker.prompt(n), max_tokens=1, temperature=0.0)
         t0 = time.perf_counter()
-        cold.generate(request, lambda _t, _i: None)
+        generate(cold, request, lambda _t, _i: None)
         return time.perf_counter() - t0
 
     def engine_model_mlx_lm_plan(ids: list[int]) -> float:

@@ -26,6 +26,7 @@ from worker_process import ROOT, WorkerProcess
 from jobs import keys
 from jobs.schema import GenerateRequest
 from producer import AsyncClient, Client
+from worker.engine.generation_batch import generate
 
 REDIS_DB = 15  # the bulk tests' DB (the modules run one after the other; each flushes it)
 
@@ -72,7 +73,7 @@ def test_rows_come_back_in_order_with_what_each_request_gives_alone(
     for row, g in zip(rows, got, strict=True):
         own = {k: v for k, v in row.items() if k not in ("custom_id", "note")}
         request = GenerateRequest.model_validate({**defaults, **own})
-        alone = engine.generate(request, lambda _text, _ids: None)
+        alone = generate(engine, request, lambda _text, _ids: None)
         assert (g["text"], g["token_ids"], g["finish_reason"]) == (alone.text, alone.token_ids, "length")
         assert g["usage"]["prompt_tokens"] == alone.usage.prompt_tokens
         assert len(g["token_ids"]) == row.get("max_tokens", 5)

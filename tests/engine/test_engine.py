@@ -12,6 +12,7 @@ from jobs.schema import GenerateRequest, ScoreRequest
 from worker.engine import Engine, EngineOptions
 from worker.engine.cache.kv_cache import key_columns
 from worker.engine.cache.token_match import common_length
+from worker.engine.generation_batch import generate
 from worker.modelfiles.tiny_model import write_random_checkpoint
 
 LONG = "The capital of France is Paris. " * 12
@@ -29,7 +30,9 @@ def engine(model_dir: Path) -> Engine:
 
 def _run(engine: Engine, **fields: object) -> tuple[list[tuple[str, list[int]]], object]:
     deltas: list[tuple[str, list[int]]] = []
-    result = engine.generate(GenerateRequest.model_validate(fields), lambda t, i: deltas.append((t, list(i))))
+    result = generate(
+        engine, GenerateRequest.model_validate(fields), lambda t, i: deltas.append((t, list(i)))
+    )
     return deltas, result
 
 
@@ -103,7 +106,8 @@ def test_bad_requests_say_what_is_wrong(engine: Engine) -> None:
 
 def test_cancel_between_tokens(engine: Engine) -> None:
     seen: list[str] = []
-    result = engine.generate(
+    result = generate(
+        engine,
         GenerateRequest(prompt=LONG, max_tokens=200, temperature=0, logit_bias=_no_eos(engine)),
         lambda t, i: seen.append(t),
         cancelled=lambda: len(seen) >= 5,

@@ -1,7 +1,8 @@
 """Batched generation on the engine (no Redis): every request's result equals running it alone.
 
 float32 on the CPU: a batched forward is bit-identical per row, so greedy tokens, seeded draws, stop
-strings and finish reasons must all be exactly those of `Engine.generate`, whoever the batch-mates are
+strings and finish reasons must all be exactly those of the request run alone (`generate`: a batch of
+one; the model itself is held against transformers in `test_models.py`), whoever the batch-mates are
 and whenever they join or leave.
 """
 
@@ -21,7 +22,7 @@ from worker.engine import Engine, EngineOptions
 from worker.engine.cache.batch_cache import BatchKVCache
 from worker.engine.cache.kv_cache import KVCache, key_columns
 from worker.engine.generate import DecodeBatch, padded_size, padded_width, prefill, prefill_rows
-from worker.engine.generation_batch import Finished, GenerationBatch
+from worker.engine.generation_batch import Finished, GenerationBatch, generate
 from worker.engine.models import llama
 from worker.engine.sampler import Sampler
 from worker.modelfiles.tiny_model import write_random_checkpoint
@@ -94,7 +95,7 @@ def _record_rows_forwards(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
 def _alone(engine: Engine, request: GenerateRequest) -> tuple[GenerateResult, list[str]]:
     deltas: list[str] = []
-    return engine.generate(request, lambda t, _ids: deltas.append(t)), deltas
+    return generate(engine, request, lambda t, _ids: deltas.append(t)), deltas
 
 
 def _run_batch(
@@ -318,8 +319,7 @@ def test_with_a_launcher_steps_launch_on_its_thread_and_tokens_are_handled_here(
 def test_a_lone_generation_with_a_launcher_gives_the_same_tokens_and_leaves_nothing_launching(
     model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """`engine.generate` (a worker that does not batch) launches its decode steps on the launcher's
-    thread too: the same results as without it, also stopped early by a stop string, and no launch is
+    """A lone generation (`generate`, a batch of one) launches its decode steps on the launcher's thread: the same results as without it, also stopped early by a stop string, and no launch is
     in flight once it returns."""
     import worker.engine.launcher as launcher_module
 

@@ -16,6 +16,7 @@ from jobs.errors import OutOfMemory
 from jobs.schema import GenerateRequest, ScoreRequest
 from worker.engine import Engine, EngineOptions
 from worker.engine.cache.kv_cache import key_columns
+from worker.engine.generation_batch import GenerationBatch, generate
 from worker.modelfiles.tiny_model import write_random_checkpoint
 
 METAL_OOM = (
@@ -59,7 +60,7 @@ def _fail(
 
 def _generate(engine: Engine, **fields: Any) -> Any:
     req = GenerateRequest(prompt=PROMPT, temperature=0, logit_bias={0: -100.0, 2: -100.0}, **fields)
-    return engine.generate(req, lambda text, ids: None)
+    return generate(engine, req, lambda text, ids: None)
 
 
 def test_one_allocation_failure_empties_the_caches_and_the_job_succeeds(
@@ -137,7 +138,6 @@ def test_a_score_batch_that_runs_out_of_memory_retries_in_smaller_batches(
 def test_a_batched_prefill_retries_once_then_its_jobs_fail_clearly(
     engine: Engine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from worker.engine.generation_batch import GenerationBatch
 
     def run_batch() -> list[Any]:
         batch = GenerationBatch(engine, max_sequences=3)

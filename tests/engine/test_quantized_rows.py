@@ -18,7 +18,7 @@ from mlx.utils import tree_flatten
 
 from jobs.schema import GenerateRequest
 from worker.engine import Engine, EngineOptions
-from worker.engine.generation_batch import GenerationBatch
+from worker.engine.generation_batch import GenerationBatch, generate
 from worker.engine.models.loader import load_config, load_model, save_quantized
 from worker.engine.models.quantized_rows import (
     DenseRowsEmbedding,
@@ -119,7 +119,7 @@ def test_generation_batch_decodes_through_the_copies(
     assert all(f.result is not None and f.result.usage.completion_tokens == 12 for f in done.values())
     assert any(rows >= 2 and decode for rows, decode in rows_seen)  # batched decode steps: the copies
     rows_seen.clear()
-    engine.generate(requests[0], lambda _t, _ids: None)
+    generate(engine, requests[0], lambda _t, _ids: None)
     assert any(rows == 1 and decode for rows, decode in rows_seen)  # alone: the quantized kernels
 
 

@@ -28,6 +28,7 @@ from jobs import keys, parse_generate, parse_score
 from producer import Client
 from worker.allowlist import forbidden_reason
 from worker.engine import Engine
+from worker.engine.generation_batch import generate
 from worker.modelfiles.tiny_model import write_random_checkpoint
 
 REDIS_DB = 4
@@ -127,7 +128,7 @@ def _outcome_in_process(engine: Engine, blob: bytes) -> str:
         return "ForbiddenJob"
     try:
         if job.func_name == keys.GENERATE_FUNC:
-            engine.generate(parse_generate(job.args[0]), lambda text, ids: None)
+            generate(engine, parse_generate(job.args[0]), lambda text, ids: None)
         else:
             engine.score(parse_score(job.args[0]))
     except Exception as e:

@@ -20,6 +20,7 @@ from jobs import keys
 from jobs.schema import DoneEvent, GenerateRequest, GenerateResult, ScoreRequest, TokenEvent
 from producer import Client, JobFailed
 from worker.engine import Engine, EngineOptions
+from worker.engine.generation_batch import generate
 
 REDIS_DB = 5
 PROMPT = "The capital of France is Paris. "
@@ -33,7 +34,7 @@ def engine(model_dir: Path) -> Engine:
 
 
 def _alone(engine: Engine, fields: dict[str, Any]) -> GenerateResult:
-    return engine.generate(GenerateRequest.model_validate(fields), lambda _t, _i: None)
+    return generate(engine, GenerateRequest.model_validate(fields), lambda _t, _i: None)
 
 
 def _eventually(check: Callable[[], bool], timeout: float = 30.0) -> None:

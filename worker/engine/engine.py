@@ -352,29 +352,6 @@ class Engine:
         gc.collect()
         mx.clear_cache()
 
-    def generate(
-        self, request: GenerateRequest, sink: TokenSink, cancelled: Callable[[], bool] = lambda: False
-    ) -> GenerateResult:
-        """Generate for one request in this process, reporting text deltas to `sink`; returns the result.
-
-        A generation batch of one: the path every generation job of a worker takes (there is no other),
-        for tests, benchmarks and scripts that hold an engine. The request's own error is raised.
-        """
-        from worker.engine.generation_batch import GenerationBatch  # it is built on this module
-
-        batch = GenerationBatch(self, max_sequences=1)
-        try:
-            batch.admit("one", request, sink, cancelled)
-            while True:
-                for done in batch.step():
-                    batch.settle()
-                    if done.error is not None:
-                        raise done.error
-                    assert done.result is not None
-                    return done.result
-        finally:
-            batch.close()
-
     def generate_result(
         self, run: TextRun, finish: FinishReason, prompt: list[int], n_cached: int, clock: GenerationClock
     ) -> GenerateResult:

@@ -506,3 +506,25 @@ class GenerationBatch:
         self.decode = self._new_decode()
         self._offers = []
         return [*ended, *(Finished(s.key, error=error) for s in seqs)]
+
+
+def generate(
+    engine: Engine, request: GenerateRequest, sink: TokenSink, cancelled: Callable[[], bool] = lambda: False
+) -> GenerateResult:
+    """Generate for one request in this process, reporting text deltas to `sink`; returns the result.
+
+    A generation batch of one: the path every generation job of a worker takes (there is no other), for
+    tests, benchmarks and scripts that hold an engine. The request's own error is raised.
+    """
+    batch = GenerationBatch(engine, max_sequences=1)
+    try:
+        batch.admit("one", request, sink, cancelled)
+        while True:
+            for done in batch.step():
+                batch.settle()
+                if done.error is not None:
+                    raise done.error
+                assert done.result is not None
+                return done.result
+    finally:
+        batch.close()
