@@ -258,9 +258,9 @@ class JoinGate:
     until that many rows are free, so newcomers prefill together: on a GPU a prefill forward costs at
     least a decode step's launch whatever its rows, and rows freed one at a time by staggered departures
     otherwise cost one each. It never waits more than `patience` steps (long generations free rows
-    rarely, and a free row is lost throughput), and a batch less than half full fills at once. Measured, it
-    changed no throughput on the CPU or the H200 (fewer prefill groups in the same prefill time:
-    `bench/README.md`), hence off by default."""
+    rarely, and a free row is lost throughput), and a batch less than half full fills at once. It made
+    fewer prefill groups in the same prefill time and changed no throughput where it was measured,
+    hence off by default."""
 
     def __init__(self, min_join: int, max_sequences: int, patience: int = 16) -> None:
         self.min_join = min_join

@@ -58,11 +58,11 @@ def pad_shapes_by_default() -> bool:
 
 
 def idle_prefill_by_default(chunk: int) -> int:
-    """Prompt tokens a generation batch's step may prefill while none of its requests decodes (a burst
-    of new jobs; `GenerationBatch._prefill`). On a GPU 8 chunks: one forward of many rows costs far less
-    per token than several of a chunk each (H200, 1B: 64 prompts of 192 tokens in 42 ms, 8 forwards of
-    8 of them in 8.8 ms each), and nothing streams meanwhile. On a CPU one chunk, as while requests
-    decode: the forward is bound by arithmetic there, and the first prompts' tokens come sooner."""
+    """Prompt tokens a generation batch's step may prefill while none of its requests decodes (a burst of new
+    jobs; `GenerationBatch._prefill`). On a GPU 8 chunks: one forward of many rows costs far less per token
+    than several of a chunk each (`bench/README.md`), and nothing streams meanwhile. On a CPU one chunk, as
+    while requests decode: the forward is bound by arithmetic there, and the first prompts' tokens come
+    sooner."""
     return 8 * chunk if mx.default_device().type == mx.DeviceType.gpu else chunk
 
 
@@ -177,28 +177,27 @@ def prefill_rows_layers(
 class DecodeBatch:
     """Sequences decoded together: one forward per step for every row, each row sampled on its own.
 
-    Rows join with their prefilled batch-1 cache and last logits (`add`) and leave with their cache
-    (`remove`) between steps; the others never recompute anything. One step stays in flight: a step's
-    tokens are handled while the next one computes, except right after rows join (see `step_with`).
+    Rows join with their prefilled batch-1 cache and last logits (`add`) and leave with their cache (`remove`)
+    between steps; the others never recompute anything. One step stays in flight: a step's tokens are handled
+    while the next one computes, except right after rows join (see `step_with`).
 
-    With `pad_shapes` the forward runs on a power-of-two number of rows: padding rows (no tokens, all
-    masked) follow the real ones, so a GPU meets 7 batch shapes up to 64 rows instead of 64 (a new one
-    cost ~0.23 s on the H200). A row that leaves then becomes an idle row where it is, like a padding
+    With `pad_shapes` the forward runs on a power-of-two number of rows: padding rows (no tokens, all masked)
+    follow the real ones, so a GPU meets 7 batch shapes up to 64 rows instead of 64 (a new shape builds its
+    kernels, far dearer than a step). A row that leaves then becomes an idle row where it is, like a padding
     row, and a row that joins takes an idle row when one is free (no longer than the batch's rows): the
-    buffers are copied only when the live rows fit a smaller power of two or newcomers find no room,
-    not at every departure and arrival. `slots` maps each live row to its row of the buffers.
+    buffers are copied only when the live rows fit a smaller power of two or newcomers find no room, not at
+    every departure and arrival. `slots` maps each live row to its row of the buffers.
 
-    With `ragged_kernel` (default: where it runs, MLX's CUDA build) rows of different lengths attend
-    through `ragged_attention.decode_attention` instead of MLX's attention with a mask.
+    With `ragged_kernel` (default: where it runs, MLX's CUDA build) rows of different lengths attend through
+    `ragged_attention.decode_attention` instead of MLX's attention with a mask.
 
-    With `launcher` (`launcher.py`: a GPU's default) each step is launched on a thread of its own while
-    this thread reads the step before back, handles its tokens and builds the next step: on a GPU a
-    batched step is bound by the host (H200, 64 rows: ~1.2-2 ms of graph building and ~2.4-4.4 ms of
-    MLX's launch, C++ that releases the GIL, against ~0.7 ms of device work after it), so the Python
-    (building, text, stop strings, streams) runs in time that was lost, and a step costs about its
-    launch. This thread calls `quiet()` before it evaluates anything else. Either way, the first step
-    after rows joined reads their first tokens back before it builds the next step (see `step_with`).
-    """
+    With `launcher` (`launcher.py`: a GPU's default) each step is launched on a thread of its own while this
+    thread reads the step before back, handles its tokens and builds the next step: on a GPU a batched step is
+    bound by the host (graph building and MLX's launch, C++ that releases the GIL, each take longer than the
+    device's work), so the Python (building, text, stop strings, streams) runs in time that was lost, and a
+    step costs about its launch. This thread calls `quiet()` before it evaluates anything else. Either way,
+    the first step after rows joined reads their first tokens back before it builds the next step (see
+    `step_with`)."""
 
     def __init__(
         self,

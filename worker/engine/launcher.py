@@ -1,7 +1,7 @@
 """A thread that launches decode steps while the loop's thread builds the next one.
 
-On a GPU a batched decode step is bound by the host: building its graph in Python (~1.2-2 ms for 64
-rows of a 1B model on the H200) and MLX's launch of its ops (~2.4-5 ms, C++ that releases the GIL).
+On a GPU a batched decode step is bound by the host: building its graph in Python and MLX's launch of
+its ops (C++ that releases the GIL) each take longer than the device's work (`bench/README.md`).
 Done one after the other on one thread, a step costs their sum. `Launcher` runs each launch
 (`mx.async_eval`) on a thread of its own, so the loop's thread builds step N+1 on step N's lazy
 outputs while step N is being launched: a step then costs about the longer of the two.

@@ -175,9 +175,9 @@ def compact(node: _Node, min_shared: int) -> None:
 
 def score_kv_by_default() -> int:
     """A score batch's suffix rows may hold an eighth of MLX's memory limit in KV copies (`PrefixScorer`).
-    Rows of 64 tokens on a 2,048-token prefix hold 75 MB each on the Llama-3.2-1B shape and 302 MB on
-    an 8B: on an H200 (17.8 GB) 64 of the 1B's go in one batch and 58 of the 8B's (32 with `pad_shapes`);
-    on a Mac whose limit is 24 GB, 39 and 9."""
+    Each row copies its shared prefix (rows of 64 tokens on a 2,048-token prefix hold 75 MB each on the
+    Llama-3.2-1B shape and 302 MB on an 8B), so the bound scales with the machine's memory rather than
+    a row count: a large GPU batches all 64 rows of a 1B, a small Mac few of an 8B."""
     return int(mx.get_memory_limit()) // 8
 
 

@@ -11,10 +11,9 @@ _BLOCK = 256
 def common_length(span: Sequence[int], tokens: Sequence[int], start: int = 0) -> int:
     """How many of `span`'s first tokens equal those of `tokens` from `start` on.
 
-    Whole blocks are compared as slices (in C), and only the block that differs token by token:
-    walking an 8k-token prefix one token at a time took 0.92 ms on the 2-core CPU box (0.04 ms so),
-    paid by every prefix-cache hit before its first token, and by every row a score batch inserts
-    into its tree (64 rows sharing 2,048 tokens: 131k steps)."""
+    Whole blocks are compared as slices (in C), and only the block that differs token by token: a walk
+    one token at a time in Python is paid by every prefix-cache hit before its first token, and by
+    every row a score batch inserts into its tree (64 rows sharing 2,048 tokens: 131k steps)."""
     n = min(len(span), len(tokens) - start)
     for b in range(0, n, _BLOCK):
         e = min(b + _BLOCK, n)
