@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -19,6 +20,7 @@ import mlx.nn as nn
 from worker.engine.cache.batch_cache import BatchKVCache
 from worker.engine.cache.kv_cache import KVCache, key_columns
 from worker.engine.errors import CheckpointError, UnsupportedArchitecture
+from worker.engine.models.base import LayerCache
 from worker.engine.models.quantized_rows import FusedDenseRows, fuse_dense_rows
 from worker.engine.models.rope import make_rope
 from worker.engine.ragged_attention import RaggedRows, decode_attention
@@ -118,7 +120,7 @@ class Attention(nn.Module):
         self,
         x: mx.array,
         mask: Mask,
-        cache: KVCache | None,
+        cache: LayerCache | None,
         last: int | None = None,
         columns: int | None = None,
     ) -> mx.array:
@@ -156,6 +158,7 @@ class Attention(nn.Module):
             if cache is not None and columns is None:  # other cache kinds take no `columns`
                 k, v = cache.update_and_fetch(k, v)
             elif cache is not None:
+                assert isinstance(cache, KVCache)  # `columns` come with batch-1 caches (`_bucketed_keys`)
                 k, v = cache.update_and_fetch(k, v, columns)
             out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(b, xq.shape[1], -1))
@@ -267,7 +270,7 @@ class TransformerBlock(nn.Module):
         self,
         x: mx.array,
         mask: Mask,
-        cache: KVCache | None,
+        cache: LayerCache | None,
         last: int | None = None,
         columns: int | None = None,
     ) -> mx.array:
@@ -277,7 +280,7 @@ class TransformerBlock(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
-def _mask_for_one_query(mask: Mask, last: int, n: int, cache: KVCache | None) -> Mask:
+def _mask_for_one_query(mask: Mask, last: int, n: int, cache: LayerCache | None) -> Mask:
     """The mask of query `last` alone (of `n` new positions): its row of an explicit mask; for causal
     attention nothing when it is the last position (it sees every key), else the keys up to its own."""
     if isinstance(mask, mx.array):
@@ -291,7 +294,7 @@ def _mask_for_one_query(mask: Mask, last: int, n: int, cache: KVCache | None) ->
 
 
 def _bucketed_keys(
-    inputs: mx.array, caches: list[KVCache | None], dtype: mx.Dtype
+    inputs: mx.array, caches: Sequence[LayerCache | None], dtype: mx.Dtype
 ) -> tuple[int, mx.array] | None:
     """For L new positions on top of a cached prefix: the cache columns to read (`key_columns`) and the
     additive (1, 1, L, columns) causal mask hiding the columns past each query; None when the exact
@@ -324,7 +327,7 @@ class LlamaModel(nn.Module):
     def __call__(
         self,
         inputs: mx.array,
-        cache: list[KVCache] | None = None,
+        cache: Sequence[LayerCache] | None = None,
         mask: mx.array | RaggedRows | None = None,
         last: int | None = None,
     ) -> mx.array:
@@ -335,7 +338,7 @@ class LlamaModel(nn.Module):
         elif mask is None and inputs.shape[1] > 1:
             # MLX's "causal" aligns the last query with the last key, so it is right with a cache offset.
             layer_mask = "causal"
-        caches: list[KVCache | None] = list(cache) if cache is not None else [None] * len(self.layers)
+        caches: list[LayerCache | None] = list(cache) if cache is not None else [None] * len(self.layers)
         columns = None
         if self.bucket_keys and mask is None and (bucketed := _bucketed_keys(inputs, caches, h.dtype)):
             columns, layer_mask = bucketed
@@ -361,7 +364,10 @@ class Model(nn.Module):
             log.warning("sliding window ignored window=%d: attention is full-length", window)
 
     def __call__(
-        self, inputs: mx.array, cache: list[KVCache] | None = None, mask: mx.array | RaggedRows | None = None
+        self,
+        inputs: mx.array,
+        cache: Sequence[LayerCache] | None = None,
+        mask: mx.array | RaggedRows | None = None,
     ) -> mx.array:
         """Logits (B, L, vocab) for int32 token ids (B, L).
 
@@ -373,7 +379,7 @@ class Model(nn.Module):
     def hidden(
         self,
         inputs: mx.array,
-        cache: list[KVCache] | None = None,
+        cache: Sequence[LayerCache] | None = None,
         mask: mx.array | RaggedRows | None = None,
         last: int | None = None,
     ) -> mx.array:

@@ -30,7 +30,7 @@ class RoPE(nn.Module):
         # Leading underscore keeps it out of parameters(): it is derived from the config, not loaded.
         self._freqs = freqs
 
-    def __call__(self, x: mx.array, offset: int = 0) -> mx.array:
+    def __call__(self, x: mx.array, offset: int | mx.array = 0) -> mx.array:
         return mx.fast.rope(
             x,
             self.dims,
