@@ -17,6 +17,7 @@ from worker.engine.cache.batch_cache import BatchKVCache, PrefillRowsCache, pref
 from worker.engine.cache.kv_cache import KVCache
 from worker.engine.device import on_cuda
 from worker.engine.launcher import Launcher
+from worker.engine.models.base import Model
 from worker.engine.sampler import Sampler, SamplerRows
 
 # Release MLX's buffer cache at intervals, not every token: freeing is cheap, reallocating is not.
@@ -86,9 +87,9 @@ class TokenSampler(Protocol):
 
 
 def prefill(
-    model: Any,
+    model: Model,
     tokens: Sequence[int],
-    cache: list[Any],
+    cache: list[KVCache],
     chunk: int,
     cancelled: Callable[[], bool] = lambda: False,
     pad_shapes: bool = False,
@@ -114,7 +115,7 @@ class ChunkedPrefill:
     """
 
     def __init__(
-        self, model: Any, tokens: Sequence[int], cache: list[Any], chunk: int, pad_shapes: bool = False
+        self, model: Model, tokens: Sequence[int], cache: list[KVCache], chunk: int, pad_shapes: bool = False
     ) -> None:
         if not tokens:
             raise ValueError("prefill needs at least one token")
@@ -146,7 +147,7 @@ class ChunkedPrefill:
 
 
 def prefill_rows(
-    model: Any, rows: Sequence[tuple[Sequence[int], list[KVCache]]], pad_shapes: bool = False
+    model: Model, rows: Sequence[tuple[Sequence[int], list[KVCache]]], pad_shapes: bool = False
 ) -> tuple[list[list[KVCache]], mx.array]:
     """`prefill_rows_layers`, with each row's batch-1 cache (`PrefillRowsCache.row_cache`)."""
     layers, logits = prefill_rows_layers(model, rows, pad_shapes)
@@ -154,7 +155,7 @@ def prefill_rows(
 
 
 def prefill_rows_layers(
-    model: Any, rows: Sequence[tuple[Sequence[int], list[KVCache]]], pad_shapes: bool = False
+    model: Model, rows: Sequence[tuple[Sequence[int], list[KVCache]]], pad_shapes: bool = False
 ) -> tuple[list[PrefillRowsCache], mx.array]:
     """Prefill several prompts in one forward: each row is its new tokens and its batch-1 cache (a
     cached prefix, or empty). Returns the forward's caches, one per layer, holding every row's prefix
@@ -278,7 +279,7 @@ class DecodeBatch:
 
     def __init__(
         self,
-        model: Any,
+        model: Model,
         pad_shapes: bool = False,
         ragged_kernel: bool | None = None,
         launcher: Launcher | None = None,
@@ -312,7 +313,7 @@ class DecodeBatch:
         taken = set(self.slots)
         return [r for r in range(self.cache[0].batch) if r not in taken]
 
-    def add(self, caches: list[list[Any]], logits: mx.array, samplers: list[Sampler]) -> None:
+    def add(self, caches: list[list[KVCache]], logits: mx.array, samplers: list[Sampler]) -> None:
         """New last rows: their prefilled batch-1 caches, the (k, V) logits their first tokens are sampled
         from, and their samplers. They go into idle buffer rows where those suffice (no copy of the
         buffers), else the buffers are copied once for all of them."""
@@ -456,7 +457,7 @@ class DecodeBatch:
             layer.reserve(1)
         return ragged_attention.RaggedRows(first._starts, first.end + 1, first.capacity)
 
-    def remove(self, rows: list[int]) -> list[list[Any]]:
+    def remove(self, rows: list[int]) -> list[list[KVCache]]:
         """Drop `rows`; return each one's batch-1 cache (exactly its tokens), in the order given. Their
         buffer rows become idle rows; the buffers are compacted only when the batch can shrink."""
         caches = [[layer.row(self.slots[i]) for layer in self.cache] for i in rows]
@@ -473,7 +474,7 @@ class DecodeBatch:
         self._pad()
         return caches
 
-    def _join_in_place(self, caches: list[list[Any]]) -> bool:
+    def _join_in_place(self, caches: list[list[KVCache]]) -> bool:
         """Put joining rows into idle buffer rows (padding, or rows that left) when there are enough
         and none is longer than the batch's rows: each layer writes the newcomers' columns, and the
         buffers are not copied. False when they must be added by copying the buffers."""
