@@ -8,7 +8,7 @@ own sampler; its cache layout (left padding, per-row RoPE offsets) is explained 
 from __future__ import annotations
 
 from collections.abc import Callable, Generator, Sequence
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar, cast
 
 import mlx.core as mx
 
@@ -382,7 +382,8 @@ class DecodeBatch:
         self._fresh = False
         if fresh:
             self.quiet()  # then nothing is in flight: `pending` itself may be read
-            result = handle([int(t) for t in pending.tolist()])
+            # `tolist` of a 1-D int32 array gives ints (MLX's stub allows any nesting of any scalar)
+            result = handle([int(t) for t in cast("list[int]", pending.tolist())])
             if meanwhile is not None:
                 meanwhile()
             if ends_all is not None and ends_all(result):
@@ -416,10 +417,10 @@ class DecodeBatch:
         """How to read the live rows' `pending` tokens once the next step is launched."""
         copy, rows = self._pending_copy, self._copy_rows
         if self.launcher is None or copy is None:
-            return lambda: [int(t) for t in pending.tolist()]
+            return lambda: [int(t) for t in cast("list[int]", pending.tolist())]
 
         def read() -> list[int]:
-            values = copy.tolist()
+            values = cast("list[int]", copy.tolist())
             return [int(values[i]) for i in rows]
 
         return read

@@ -473,7 +473,9 @@ class GenerationBatch:
         if offers:
             self.quiet()
         prefix_cache = self.engine.prefix_cache
-        for tokens, cache in offers if prefix_cache is not None else []:
+        if prefix_cache is None:
+            return
+        for tokens, cache in offers:
             try:
                 prefix_cache.offer(tokens, cache)
             except Exception:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import cast
 
 import mlx.core as mx
 
@@ -365,7 +366,8 @@ def candidate_scores(
     cols = mx.array([c for cands in candidate_ids for c in cands])
     picked = table[rows, cols]
     lse = mx.logsumexp(table, axis=-1)[rows]
-    raw, logprobs = picked.tolist(), (picked - lse).tolist()
+    # 1-D float arrays: lists of floats (MLX types `tolist` as any nesting)
+    raw, logprobs = cast("list[float]", picked.tolist()), cast("list[float]", (picked - lse).tolist())
     out, start = [], 0
     for cands in candidate_ids:
         end = start + len(cands)
