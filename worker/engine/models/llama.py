@@ -93,7 +93,7 @@ class Attention(nn.Module):
     """Grouped-query attention with RoPE; positions continue from the layer's cache offset."""
 
     def __init__(self, args: ModelArgs) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]  # mlx.nn.Module.__init__ is unannotated
         assert args.head_dim is not None
         self.n_heads = args.num_attention_heads
         self.n_kv_heads = args.n_kv_heads
@@ -189,14 +189,14 @@ class Attention(nn.Module):
 @partial(mx.compile, shapeless=True)
 def _swiglu(gate: mx.array, up: mx.array) -> mx.array:
     """silu(gate) * up as one compiled op: one kernel launch where two ops would make two."""
-    return nn.silu(gate) * up
+    return nn.silu(gate) * up  # type: ignore[no-any-return]  # mlx.nn.silu is unannotated
 
 
 class MLP(nn.Module):
     """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
 
     def __init__(self, args: ModelArgs) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]  # mlx.nn.Module.__init__ is unannotated
         h, inter, bias = args.hidden_size, args.intermediate_size, args.mlp_bias
         self.gate_proj = nn.Linear(h, inter, bias=bias)
         self.up_proj = nn.Linear(h, inter, bias=bias)
@@ -260,7 +260,7 @@ class TransformerBlock(nn.Module):
     """Pre-norm residual block: attention then MLP."""
 
     def __init__(self, args: ModelArgs) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]  # mlx.nn.Module.__init__ is unannotated
         self.self_attn = Attention(args)
         self.mlp = MLP(args)
         self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
@@ -318,7 +318,7 @@ class LlamaModel(nn.Module):
     """
 
     def __init__(self, args: ModelArgs) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]  # mlx.nn.Module.__init__ is unannotated
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
         self.layers = [TransformerBlock(args) for _ in range(args.num_hidden_layers)]
         self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
@@ -347,14 +347,14 @@ class LlamaModel(nn.Module):
         if last is not None:
             layer_mask = _mask_for_one_query(layer_mask, last, inputs.shape[1], caches[-1])
         h = self.layers[-1](h, layer_mask, caches[-1], last, columns)
-        return self.norm(h)
+        return self.norm(h)  # type: ignore[no-any-return]  # mlx.nn.RMSNorm.__call__ is unannotated
 
 
 class Model(nn.Module):
     """A causal LM: `model(inputs, cache, mask) -> logits`, or `hidden` and `logits` separately."""
 
     def __init__(self, args: ModelArgs) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]  # mlx.nn.Module.__init__ is unannotated
         self.args = args
         self.model = LlamaModel(args)
         if not args.tie_word_embeddings:
@@ -394,7 +394,7 @@ class Model(nn.Module):
     def logits(self, hidden: mx.array) -> mx.array:
         """Project hidden states (..., hidden_size) to vocabulary logits (..., vocab)."""
         if self.args.tie_word_embeddings:
-            return self.model.embed_tokens.as_linear(hidden)
+            return self.model.embed_tokens.as_linear(hidden)  # type: ignore[no-any-return]  # unannotated in MLX
         return self.lm_head(hidden)
 
     @property

@@ -160,7 +160,8 @@ def _quantize_like(model: nn.Module, weights: dict[str, mx.array], quantization:
         override = quantization.get(path)  # mlx-lm's mixed-precision recipes store per-layer settings
         return dict(override) if isinstance(override, dict) else True
 
-    nn.quantize(model, group_size, bits, mode=mode, class_predicate=predicate)
+    # MLX annotates group_size and bits as int, though their defaults are None (its own defaults then)
+    nn.quantize(model, group_size, bits, mode=mode, class_predicate=predicate)  # type: ignore[arg-type]
 
 
 def _check_keys(model: nn.Module, weights: dict[str, mx.array], folder: Path) -> None:
