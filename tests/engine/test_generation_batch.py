@@ -319,8 +319,9 @@ def test_with_a_launcher_steps_launch_on_its_thread_and_tokens_are_handled_here(
 def test_a_lone_generation_with_a_launcher_gives_the_same_tokens_and_leaves_nothing_launching(
     model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A lone generation (`generate`, a batch of one) launches its decode steps on the launcher's thread: the same results as without it, also stopped early by a stop string, and no launch is
-    in flight once it returns."""
+    """A lone generation (`generate`, a batch of one) launches its decode steps on the launcher's
+    thread: the same results as without it, also stopped early by a stop string, and no launch is in
+    flight once it returns."""
     import worker.engine.launcher as launcher_module
 
     launches = _Launches()

@@ -37,7 +37,7 @@ def memory_figures() -> dict[str, int | str]:
     """This process's device, MLX version and MLX memory now, for the worker's published stats."""
     return {
         "device": str(mx.default_device()),
-        "mlx_version": mx.__version__,
+        "mlx_version": mx.__version__,  # type: ignore[attr-defined]  # not in MLX's stubs
         "memory_bytes": mx.get_active_memory(),
         "peak_memory_bytes": mx.get_peak_memory(),
         "memory_cache_bytes": mx.get_cache_memory(),

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import mlx.core as mx
+import mlx.nn as nn
 
 from jobs.errors import ContextTooLong, InvalidCandidate, InvalidRequest
 from jobs.schema import (
@@ -27,6 +28,7 @@ from jobs.schema import (
     Timings,
     Usage,
 )
+from worker.engine.cache.kv_cache import KVCache
 from worker.engine.cache.prefix_cache import PrefixCache
 from worker.engine.device import memory_figures
 from worker.engine.generate import (
@@ -36,6 +38,7 @@ from worker.engine.generate import (
 )
 from worker.engine.launcher import Launcher
 from worker.engine.memory_guard import with_memory_retry
+from worker.engine.models.base import Model
 from worker.engine.models.loader import default_dtype, load_model, parse_dtype, resolve_model_path
 from worker.engine.models.quantized_rows import default_max_bytes, dense_rows_by_default, use_dense_rows
 from worker.engine.sampler import Sampler
@@ -80,7 +83,7 @@ class Engine:
     """A model, its tokenizer and the policies (context length, chunking) that run requests on it."""
 
     def __init__(
-        self, model: Any, tokenizer: Tokenizer, config: dict[str, Any], name: str, options: EngineOptions
+        self, model: Model, tokenizer: Tokenizer, config: dict[str, Any], name: str, options: EngineOptions
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -119,6 +122,7 @@ class Engine:
         t0 = time.perf_counter()
         net, config = load_model(path, dtype=options.dtype)
         if config.get("quantization"):  # see `quantized_rows.py`
+            assert isinstance(net, nn.Module)  # every architecture is one (`models/base.py`)
             dtype = parse_dtype(options.dtype) if options.dtype else default_dtype(config)
             if options.dense_rows is None and dense_rows_by_default():
                 use_dense_rows(net, dense_rows_by_default(), dtype, default_max_bytes())
@@ -195,7 +199,7 @@ class Engine:
             raise ContextTooLong(len(ids), self.context_length)
         return ids
 
-    def begin_cache(self, prompt: list[int], min_reuse: int = 1) -> tuple[list[Any], int]:
+    def begin_cache(self, prompt: list[int], min_reuse: int = 1) -> tuple[list[KVCache], int]:
         """A KV cache for `prompt`: the longest cached prefix already in it (none if shorter than
         `min_reuse` tokens), and that prefix's length."""
         if self.prefix_cache is None:
@@ -320,6 +324,7 @@ class Engine:
     def kv_bytes_per_token(self) -> int:
         """Bytes of keys and values one token adds to a sequence's cache (all layers)."""
         args = self.model.args
+        assert args.head_dim is not None  # derived by the architecture when config.json has none
         itemsize = self.model.model.norm.weight.dtype.size  # floating weights are in the compute dtype
         return 2 * len(self.model.layers) * args.n_kv_heads * args.head_dim * itemsize
 

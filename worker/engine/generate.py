@@ -8,7 +8,7 @@ own sampler; its cache layout (left padding, per-row RoPE offsets) is explained 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from typing import TypeVar, cast
 
 import mlx.core as mx
 
@@ -17,6 +17,7 @@ from worker.engine.cache.batch_cache import BatchKVCache, PrefillRowsCache, pref
 from worker.engine.cache.kv_cache import KVCache
 from worker.engine.device import on_cuda
 from worker.engine.launcher import Launcher
+from worker.engine.models.base import Model
 from worker.engine.sampler import Sampler, SamplerRows
 
 # Release MLX's buffer cache at intervals, not every token: freeing is cheap, reallocating is not.
@@ -77,9 +78,9 @@ def overlap_by_default() -> bool:
 
 
 def prefill(
-    model: Any,
+    model: Model,
     tokens: Sequence[int],
-    cache: list[Any],
+    cache: list[KVCache],
     chunk: int,
     pad_shapes: bool = False,
 ) -> mx.array:
@@ -103,7 +104,7 @@ class ChunkedPrefill:
     """
 
     def __init__(
-        self, model: Any, tokens: Sequence[int], cache: list[Any], chunk: int, pad_shapes: bool = False
+        self, model: Model, tokens: Sequence[int], cache: list[KVCache], chunk: int, pad_shapes: bool = False
     ) -> None:
         if not tokens:
             raise ValueError("prefill needs at least one token")
@@ -135,7 +136,7 @@ class ChunkedPrefill:
 
 
 def prefill_rows(
-    model: Any, rows: Sequence[tuple[Sequence[int], list[KVCache]]], pad_shapes: bool = False
+    model: Model, rows: Sequence[tuple[Sequence[int], list[KVCache]]], pad_shapes: bool = False
 ) -> tuple[list[list[KVCache]], mx.array]:
     """`prefill_rows_layers`, with each row's batch-1 cache (`PrefillRowsCache.row_cache`)."""
     layers, logits = prefill_rows_layers(model, rows, pad_shapes)
@@ -143,7 +144,7 @@ def prefill_rows(
 
 
 def prefill_rows_layers(
-    model: Any, rows: Sequence[tuple[Sequence[int], list[KVCache]]], pad_shapes: bool = False
+    model: Model, rows: Sequence[tuple[Sequence[int], list[KVCache]]], pad_shapes: bool = False
 ) -> tuple[list[PrefillRowsCache], mx.array]:
     """Prefill several prompts in one forward: each row is its new tokens and its batch-1 cache (a
     cached prefix, or empty). Returns the forward's caches, one per layer, holding every row's prefix
@@ -201,7 +202,7 @@ class DecodeBatch:
 
     def __init__(
         self,
-        model: Any,
+        model: Model,
         pad_shapes: bool = False,
         ragged_kernel: bool | None = None,
         launcher: Launcher | None = None,
@@ -235,7 +236,7 @@ class DecodeBatch:
         taken = set(self.slots)
         return [r for r in range(self.cache[0].batch) if r not in taken]
 
-    def add(self, caches: list[list[Any]], logits: mx.array, samplers: list[Sampler]) -> None:
+    def add(self, caches: list[list[KVCache]], logits: mx.array, samplers: list[Sampler]) -> None:
         """New last rows: their prefilled batch-1 caches, the (k, V) logits their first tokens are sampled
         from, and their samplers. They go into idle buffer rows where those suffice (no copy of the
         buffers), else the buffers are copied once for all of them."""
@@ -304,7 +305,8 @@ class DecodeBatch:
         self._fresh = False
         if fresh:
             self.quiet()  # then nothing is in flight: `pending` itself may be read
-            result = handle([int(t) for t in pending.tolist()])
+            # `tolist` of a 1-D int32 array gives ints (MLX's stub allows any nesting of any scalar)
+            result = handle([int(t) for t in cast("list[int]", pending.tolist())])
             if meanwhile is not None:
                 meanwhile()
             if ends_all is not None and ends_all(result):
@@ -338,10 +340,10 @@ class DecodeBatch:
         """How to read the live rows' `pending` tokens once the next step is launched."""
         copy, rows = self._pending_copy, self._copy_rows
         if self.launcher is None or copy is None:
-            return lambda: [int(t) for t in pending.tolist()]
+            return lambda: [int(t) for t in cast("list[int]", pending.tolist())]
 
         def read() -> list[int]:
-            values = copy.tolist()
+            values = cast("list[int]", copy.tolist())
             return [int(values[i]) for i in rows]
 
         return read
@@ -379,7 +381,7 @@ class DecodeBatch:
             layer.reserve(1)
         return ragged_attention.RaggedRows(first._starts, first.end + 1, first.capacity)
 
-    def remove(self, rows: list[int]) -> list[list[Any]]:
+    def remove(self, rows: list[int]) -> list[list[KVCache]]:
         """Drop `rows`; return each one's batch-1 cache (exactly its tokens), in the order given. Their
         buffer rows become idle rows; the buffers are compacted only when the batch can shrink."""
         caches = [[layer.row(self.slots[i]) for layer in self.cache] for i in rows]
@@ -396,7 +398,7 @@ class DecodeBatch:
         self._pad()
         return caches
 
-    def _join_in_place(self, caches: list[list[Any]]) -> bool:
+    def _join_in_place(self, caches: list[list[KVCache]]) -> bool:
         """Put joining rows into idle buffer rows (padding, or rows that left) when there are enough
         and none is longer than the batch's rows: each layer writes the newcomers' columns, and the
         buffers are not copied. False when they must be added by copying the buffers."""

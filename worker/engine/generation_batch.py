@@ -33,14 +33,13 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 import mlx.core as mx
 
 from jobs.errors import OutOfMemory
 from jobs.schema import FinishReason, GenerateRequest, GenerateResult
 from worker.engine.cache.batch_cache import BatchKVCache, PrefillRowsCache
-from worker.engine.cache.kv_cache import key_columns
+from worker.engine.cache.kv_cache import KVCache, key_columns
 from worker.engine.cache.token_match import common_length
 from worker.engine.engine import Engine, GenerationClock, TextRun, TokenSink
 from worker.engine.generate import ChunkedPrefill, DecodeBatch, padded_size, padded_width, prefill_rows_layers
@@ -74,7 +73,7 @@ class _Sequence:
     run: TextRun
     cancelled: Callable[[], bool]
     clock: GenerationClock = field(default_factory=GenerationClock)
-    cache: list[Any] | None = None
+    cache: list[KVCache] | None = None
     n_cached: int = 0
     prefill: ChunkedPrefill | None = None
 
@@ -90,7 +89,7 @@ class _Launched:
     the forward's logits), their caches, the logits (rows, vocab), and the forward's own caches."""
 
     seqs: list[_Sequence]
-    caches: list[list[Any]]
+    caches: list[list[KVCache]]
     logits: mx.array
     rows: list[int]
     layers: list[PrefillRowsCache]
@@ -120,7 +119,7 @@ class GenerationBatch:
         self.decoding: list[_Sequence] = []  # in the order of the decode batch's rows
         self.decode = self._new_decode()
         self.steps = 0
-        self._offers: list[tuple[list[int], list[Any]]] = []  # finished requests' caches (`settle`)
+        self._offers: list[tuple[list[int], list[KVCache]]] = []  # finished requests' caches (`settle`)
         self._ended: list[Finished] = []  # requests ended by a failed launch, for the next `step`
 
     def __len__(self) -> int:
@@ -361,7 +360,7 @@ class GenerationBatch:
         caches = [c for run in launched for c in run.caches]
         self._join(seqs, caches, logits[0] if len(logits) == 1 else mx.concatenate(logits))
 
-    def _join(self, seqs: list[_Sequence], caches: list[list[Any]], logits: mx.array) -> None:
+    def _join(self, seqs: list[_Sequence], caches: list[list[KVCache]], logits: mx.array) -> None:
         """Prefilled `seqs` start decoding; `logits` are their last positions' logits, row for row."""
         if not seqs:
             return
@@ -467,7 +466,7 @@ class GenerationBatch:
                 leaving.append((i, reason))
         return leaving
 
-    def _finish(self, seq: _Sequence, reason: FinishReason, cache: list[Any] | None) -> Finished:
+    def _finish(self, seq: _Sequence, reason: FinishReason, cache: list[KVCache] | None) -> Finished:
         """The request's result; its cache waits for `settle`, so the caller writes the result first."""
         try:
             reason = seq.run.finish(reason)
@@ -488,7 +487,9 @@ class GenerationBatch:
         if offers:
             self.quiet()
         prefix_cache = self.engine.prefix_cache
-        for tokens, cache in offers if prefix_cache is not None else []:
+        if prefix_cache is None:
+            return
+        for tokens, cache in offers:
             try:
                 prefix_cache.offer(tokens, cache)
             except Exception:

@@ -41,7 +41,7 @@ class Launcher:
         if not hasattr(mx, "new_thread_unsafe_stream"):
             raise RuntimeError(
                 f"decode steps on a thread of their own (MLXQ_DECODE_OVERLAP) need MLX 0.32 or newer, "
-                f"this is {mx.__version__}; upgrade MLX or set MLXQ_DECODE_OVERLAP=false"
+                f"this is {mx.__version__}; upgrade MLX or set MLXQ_DECODE_OVERLAP=false"  # type: ignore[attr-defined]
             )
         self.thread = threading.get_ident()
         device = mx.default_device()

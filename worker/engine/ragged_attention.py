@@ -132,6 +132,7 @@ def decode_attention(
     hkv = keys.shape[1]
     if not available() or abs(scale - d**-0.5) > 1e-9 or (d * q.dtype.size) % 16:
         return _masked(q[:, :h] if h < qh else q, keys, values, rows, scale)
+    out: mx.array  # MLX types a custom kernel as `object`
     (out,) = _kernel()(
         inputs=[q, keys, values, rows.starts, rows.meta],
         template=[("T", q.dtype), ("D", d), ("HKV", hkv), ("REP", h // hkv), ("QH", qh)],

@@ -166,10 +166,12 @@ class SamplingOptions(Protocol):
     top_k: int
     min_p: float
     seed: int | None
-    logit_bias: Mapping[int, float]
     repetition_penalty: float
     presence_penalty: float
     frequency_penalty: float
+
+    @property  # read-only, so a request's `dict` fits
+    def logit_bias(self) -> Mapping[int, float]: ...
 
 
 class Sampler:
@@ -439,7 +441,11 @@ class SamplerRows:
         else:
             assert self._keys is not None
             drawn, self._keys = draw_rows(x, self._arrays, self._keys)
-            tokens = drawn if self._greedy_mask is None else mx.where(self._greedy_mask, greedy, drawn)
+            if self._greedy_mask is None:
+                tokens = drawn
+            else:
+                assert greedy is not None  # a mask is made only where some row is greedy
+                tokens = mx.where(self._greedy_mask, greedy, drawn)
         for i, s in enumerate(self.samplers):
             s.observe(tokens[i : i + 1] if i in self._penalized_set else tokens)  # counts where penalized
         return tokens

@@ -11,15 +11,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import cast
 
 import mlx.core as mx
 
 from jobs.errors import InvalidCandidate
-from worker.engine.cache.kv_cache import broadcast_batch, key_columns
+from worker.engine.cache.kv_cache import KVCache, broadcast_batch, key_columns
 from worker.engine.cache.prefix_cache import PrefixCache
 from worker.engine.cache.token_match import common_length
 from worker.engine.generate import padded_size
+from worker.engine.models.base import Model
 from worker.engine.text.tokenizer import Tokenizer
 
 
@@ -197,7 +198,7 @@ class PrefixScorer:
 
     def __init__(
         self,
-        model: Any,
+        model: Model,
         *,
         prefix_cache: PrefixCache | None = None,
         prefill_chunk: int = 2048,
@@ -241,7 +242,12 @@ class PrefixScorer:
         return [o for o in out if o is not None]  # every row is filled by construction
 
     def _visit(
-        self, node: _Node, prefix: list[int], cache: list[Any], out: list[mx.array | None], stats: ScoreStats
+        self,
+        node: _Node,
+        prefix: list[int],
+        cache: list[KVCache],
+        out: list[mx.array | None],
+        stats: ScoreStats,
     ) -> None:
         """Offer `prefix` (what `cache` holds) to the prefix cache, then score everything below `node`."""
         if self.prefix_cache is not None:
@@ -258,7 +264,7 @@ class PrefixScorer:
         self._run_leaves(leaves, cache, out, stats)
 
     def _extend(
-        self, node: _Node, cache: list[Any], out: list[mx.array | None], stats: ScoreStats, start: int = 0
+        self, node: _Node, cache: list[KVCache], out: list[mx.array | None], stats: ScoreStats, start: int = 0
     ) -> None:
         """Append the node's span (from `start`) to the batch-1 cache; fill rows that end here."""
         ids = mx.array(node.span, dtype=mx.int32)[None]
@@ -284,7 +290,7 @@ class PrefixScorer:
             out[row] = logits
 
     def _run_leaves(
-        self, leaves: list[_Node], cache: list[Any], out: list[mx.array | None], stats: ScoreStats
+        self, leaves: list[_Node], cache: list[KVCache], out: list[mx.array | None], stats: ScoreStats
     ) -> None:
         for group in self._batches(leaves, cache[0].offset if cache else 0):
             width = max(len(n.span) for n in group)
@@ -360,7 +366,8 @@ def candidate_scores(
     cols = mx.array([c for cands in candidate_ids for c in cands])
     picked = table[rows, cols]
     lse = mx.logsumexp(table, axis=-1)[rows]
-    raw, logprobs = picked.tolist(), (picked - lse).tolist()
+    # 1-D float arrays: lists of floats (MLX types `tolist` as any nesting)
+    raw, logprobs = cast("list[float]", picked.tolist()), cast("list[float]", (picked - lse).tolist())
     out, start = [], 0
     for cands in candidate_ids:
         end = start + len(cands)

@@ -251,7 +251,7 @@ def _is_linear(hf_name: str, tensor: Any) -> bool:
 
 
 def _header_entries(plan: list[_Planned]) -> list[tuple[str, str, tuple[int, ...]]]:
-    entries = []
+    entries: list[tuple[str, str, tuple[int, ...]]] = []
     for p in plan:
         if p.packed:
             rows, cols = p.shape

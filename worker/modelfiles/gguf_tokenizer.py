@@ -126,8 +126,8 @@ def build_tokenizer(vocab: GGUFVocab) -> Tokenizer:
             f"tokenizer.ggml.pre={pre!r} is not supported; supported: {sorted(_PRE_TOKENIZERS)}"
         )
     ids: dict[str, int] = {}
-    for i, tok in enumerate(vocab.tokens):
-        ids.setdefault(tok, i)  # a repeated string keeps its first id, as llama.cpp's token_to_id does
+    for i, token in enumerate(vocab.tokens):
+        ids.setdefault(token, i)  # a repeated string keeps its first id, as llama.cpp's token_to_id does
     merges = [_split_merge(m) for m in vocab.merges]
     bpe = models.BPE(vocab=ids, merges=merges, fuse_unk=False, ignore_merges=pre in _IGNORE_MERGES)
     tok = Tokenizer(bpe)

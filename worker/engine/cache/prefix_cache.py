@@ -167,7 +167,7 @@ class PrefixCache:
 
     # --- insertion --------------------------------------------------------------------------------
 
-    def offer(self, tokens: list[int], cache: list[Any]) -> int:
+    def offer(self, tokens: list[int], cache: list[KVCache]) -> int:
         """Store the KV of `tokens` (the cache's first len(tokens) positions) not cached yet.
 
         Returns how many new tokens were stored.

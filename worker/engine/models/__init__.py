@@ -7,13 +7,13 @@ module with `ModelArgs` (with `from_dict`) and `Model`, plus one `register(...)`
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import mlx.nn as nn
-
 from worker.engine.errors import UnsupportedArchitecture
 from worker.engine.models import llama
+from worker.engine.models.base import Model
 
 
 @dataclass(frozen=True)
@@ -21,14 +21,14 @@ class Architecture:
     """How to build one architecture: its module's `ModelArgs` and `Model`, and fixed config switches."""
 
     args: Any
-    model: type[nn.Module]
+    model: Callable[[Any], Model]
     switches: dict[str, Any] = field(default_factory=dict)
 
 
 _REGISTRY: dict[str, Architecture] = {}
 
 
-def register(name: str, args: Any, model: type[nn.Module], **switches: Any) -> None:
+def register(name: str, args: Any, model: Callable[[Any], Model], **switches: Any) -> None:
     """Make `name` (a config.json `architectures[0]` value) buildable; `switches` override config keys."""
     _REGISTRY[name] = Architecture(args, model, dict(switches))
 
@@ -46,7 +46,7 @@ def architecture_name(config: dict[str, Any]) -> str:
     return str(names[0])
 
 
-def build_model(config: dict[str, Any]) -> nn.Module:
+def build_model(config: dict[str, Any]) -> Model:
     """A randomly initialised model for this config; `UnsupportedArchitecture` if it is not registered."""
     name = architecture_name(config)
     arch = _REGISTRY.get(name)

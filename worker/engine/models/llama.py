@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -19,6 +20,7 @@ import mlx.nn as nn
 from worker.engine.cache.batch_cache import BatchKVCache
 from worker.engine.cache.kv_cache import KVCache, key_columns
 from worker.engine.errors import CheckpointError, UnsupportedArchitecture
+from worker.engine.models.base import LayerCache
 from worker.engine.models.quantized_rows import FusedDenseRows, fuse_dense_rows
 from worker.engine.models.rope import make_rope
 from worker.engine.ragged_attention import RaggedRows, decode_attention
@@ -91,7 +93,7 @@ class Attention(nn.Module):
     """Grouped-query attention with RoPE; positions continue from the layer's cache offset."""
 
     def __init__(self, args: ModelArgs) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]  # mlx.nn.Module.__init__ is unannotated
         assert args.head_dim is not None
         self.n_heads = args.num_attention_heads
         self.n_kv_heads = args.n_kv_heads
@@ -118,7 +120,7 @@ class Attention(nn.Module):
         self,
         x: mx.array,
         mask: Mask,
-        cache: KVCache | None,
+        cache: LayerCache | None,
         last: int | None = None,
         columns: int | None = None,
     ) -> mx.array:
@@ -156,6 +158,7 @@ class Attention(nn.Module):
             if cache is not None and columns is None:  # other cache kinds take no `columns`
                 k, v = cache.update_and_fetch(k, v)
             elif cache is not None:
+                assert isinstance(cache, KVCache)  # `columns` come with batch-1 caches (`_bucketed_keys`)
                 k, v = cache.update_and_fetch(k, v, columns)
             out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(b, xq.shape[1], -1))
@@ -186,14 +189,14 @@ class Attention(nn.Module):
 @partial(mx.compile, shapeless=True)
 def _swiglu(gate: mx.array, up: mx.array) -> mx.array:
     """silu(gate) * up as one compiled op: one kernel launch where two ops would make two."""
-    return nn.silu(gate) * up
+    return nn.silu(gate) * up  # type: ignore[no-any-return]  # mlx.nn.silu is unannotated
 
 
 class MLP(nn.Module):
     """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
 
     def __init__(self, args: ModelArgs) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]  # mlx.nn.Module.__init__ is unannotated
         h, inter, bias = args.hidden_size, args.intermediate_size, args.mlp_bias
         self.gate_proj = nn.Linear(h, inter, bias=bias)
         self.up_proj = nn.Linear(h, inter, bias=bias)
@@ -258,7 +261,7 @@ class TransformerBlock(nn.Module):
     """Pre-norm residual block: attention then MLP."""
 
     def __init__(self, args: ModelArgs) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]  # mlx.nn.Module.__init__ is unannotated
         self.self_attn = Attention(args)
         self.mlp = MLP(args)
         self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
@@ -268,7 +271,7 @@ class TransformerBlock(nn.Module):
         self,
         x: mx.array,
         mask: Mask,
-        cache: KVCache | None,
+        cache: LayerCache | None,
         last: int | None = None,
         columns: int | None = None,
     ) -> mx.array:
@@ -278,7 +281,7 @@ class TransformerBlock(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
-def _mask_for_one_query(mask: Mask, last: int, n: int, cache: KVCache | None) -> Mask:
+def _mask_for_one_query(mask: Mask, last: int, n: int, cache: LayerCache | None) -> Mask:
     """The mask of query `last` alone (of `n` new positions): its row of an explicit mask; for causal
     attention nothing when it is the last position (it sees every key), else the keys up to its own."""
     if isinstance(mask, mx.array):
@@ -292,7 +295,7 @@ def _mask_for_one_query(mask: Mask, last: int, n: int, cache: KVCache | None) ->
 
 
 def _bucketed_keys(
-    inputs: mx.array, caches: list[KVCache | None], dtype: mx.Dtype
+    inputs: mx.array, caches: Sequence[LayerCache | None], dtype: mx.Dtype
 ) -> tuple[int, mx.array] | None:
     """For L new positions on top of a cached prefix: the cache columns to read (`key_columns`) and the
     additive (1, 1, L, columns) causal mask hiding the columns past each query; None when the exact
@@ -316,7 +319,7 @@ class LlamaModel(nn.Module):
     """
 
     def __init__(self, args: ModelArgs) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]  # mlx.nn.Module.__init__ is unannotated
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
         self.layers = [TransformerBlock(args) for _ in range(args.num_hidden_layers)]
         self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
@@ -325,7 +328,7 @@ class LlamaModel(nn.Module):
     def __call__(
         self,
         inputs: mx.array,
-        cache: list[KVCache] | None = None,
+        cache: Sequence[LayerCache] | None = None,
         mask: mx.array | RaggedRows | None = None,
         last: int | None = None,
     ) -> mx.array:
@@ -336,7 +339,7 @@ class LlamaModel(nn.Module):
         elif mask is None and inputs.shape[1] > 1:
             # MLX's "causal" aligns the last query with the last key, so it is right with a cache offset.
             layer_mask = "causal"
-        caches: list[KVCache | None] = list(cache) if cache is not None else [None] * len(self.layers)
+        caches: list[LayerCache | None] = list(cache) if cache is not None else [None] * len(self.layers)
         columns = None
         if self.bucket_keys and mask is None and (bucketed := _bucketed_keys(inputs, caches, h.dtype)):
             columns, layer_mask = bucketed
@@ -345,14 +348,14 @@ class LlamaModel(nn.Module):
         if last is not None:
             layer_mask = _mask_for_one_query(layer_mask, last, inputs.shape[1], caches[-1])
         h = self.layers[-1](h, layer_mask, caches[-1], last, columns)
-        return self.norm(h)
+        return self.norm(h)  # type: ignore[no-any-return]  # mlx.nn.RMSNorm.__call__ is unannotated
 
 
 class Model(nn.Module):
     """A causal LM: `model(inputs, cache, mask) -> logits`, or `hidden` and `logits` separately."""
 
     def __init__(self, args: ModelArgs) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]  # mlx.nn.Module.__init__ is unannotated
         self.args = args
         self.model = LlamaModel(args)
         if not args.tie_word_embeddings:
@@ -362,7 +365,10 @@ class Model(nn.Module):
             log.warning("sliding window ignored window=%d: attention is full-length", window)
 
     def __call__(
-        self, inputs: mx.array, cache: list[KVCache] | None = None, mask: mx.array | RaggedRows | None = None
+        self,
+        inputs: mx.array,
+        cache: Sequence[LayerCache] | None = None,
+        mask: mx.array | RaggedRows | None = None,
     ) -> mx.array:
         """Logits (B, L, vocab) for int32 token ids (B, L).
 
@@ -374,7 +380,7 @@ class Model(nn.Module):
     def hidden(
         self,
         inputs: mx.array,
-        cache: list[KVCache] | None = None,
+        cache: Sequence[LayerCache] | None = None,
         mask: mx.array | RaggedRows | None = None,
         last: int | None = None,
     ) -> mx.array:
@@ -389,7 +395,7 @@ class Model(nn.Module):
     def logits(self, hidden: mx.array) -> mx.array:
         """Project hidden states (..., hidden_size) to vocabulary logits (..., vocab)."""
         if self.args.tie_word_embeddings:
-            return self.model.embed_tokens.as_linear(hidden)
+            return self.model.embed_tokens.as_linear(hidden)  # type: ignore[no-any-return]  # unannotated in MLX
         return self.lm_head(hidden)
 
     @property

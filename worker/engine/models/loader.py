@@ -21,6 +21,7 @@ from mlx.utils import tree_flatten
 
 from worker.engine.errors import CheckpointError, ModelNotFound
 from worker.engine.models import build_model
+from worker.engine.models.base import Model
 
 DTYPES: dict[str, mx.Dtype] = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 
@@ -125,7 +126,7 @@ def load_weights(path: str | Path) -> dict[str, mx.array]:
     return weights
 
 
-def load_model(path: str | Path, dtype: str | None = None) -> tuple[nn.Module, dict[str, Any]]:
+def load_model(path: str | Path, dtype: str | None = None) -> tuple[Model, dict[str, Any]]:
     """Build the config's architecture and fill it from the folder's weights; return (model, config).
 
     `dtype` ("float32" | "bfloat16" | "float16") overrides `default_dtype(config)`; floating weights,
@@ -135,6 +136,7 @@ def load_model(path: str | Path, dtype: str | None = None) -> tuple[nn.Module, d
     config = load_config(folder)
     target = parse_dtype(dtype) if dtype is not None else default_dtype(config)
     model = build_model(config)  # random init stays lazy: never computed, replaced below
+    assert isinstance(model, nn.Module)  # every architecture is one (`models/base.py`): loaded as one
     weights = model.sanitize(load_weights(folder))
     quantization = config.get("quantization")
     if quantization:
@@ -158,7 +160,8 @@ def _quantize_like(model: nn.Module, weights: dict[str, mx.array], quantization:
         override = quantization.get(path)  # mlx-lm's mixed-precision recipes store per-layer settings
         return dict(override) if isinstance(override, dict) else True
 
-    nn.quantize(model, group_size, bits, mode=mode, class_predicate=predicate)
+    # MLX annotates group_size and bits as int, though their defaults are None (its own defaults then)
+    nn.quantize(model, group_size, bits, mode=mode, class_predicate=predicate)  # type: ignore[arg-type]
 
 
 def _check_keys(model: nn.Module, weights: dict[str, mx.array], folder: Path) -> None:

@@ -66,7 +66,7 @@ class DenseRowsLinear(nn.QuantizedLinear):
 
     def __call__(self, x: mx.array) -> mx.array:
         if _rows(x) < self._dense.min_rows:
-            return super().__call__(x)
+            return super().__call__(x)  # type: ignore[no-untyped-call, no-any-return]  # unannotated in MLX
         out = x @ self._dense.weight.T
         return out + self["bias"] if "bias" in self else out
 
@@ -79,7 +79,7 @@ class DenseRowsEmbedding(nn.QuantizedEmbedding):
 
     def as_linear(self, x: mx.array) -> mx.array:
         if _rows(x) < self._dense.min_rows:
-            return super().as_linear(x)
+            return super().as_linear(x)  # type: ignore[no-untyped-call, no-any-return]  # unannotated in MLX
         return x @ self._dense.weight.T
 
 
@@ -88,13 +88,15 @@ class FusedDenseRows(nn.Module):
     ones: many rows in one matmul by their dense copies concatenated (a batched step launches as few
     matmuls as the dense model's); few rows (`apart`) through each part's quantized kernel."""
 
+    _dense: _Dense
+
     def __init__(self, parts: list[DenseRowsLinear]) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]  # mlx.nn.Module.__init__ is unannotated
         weight = mx.concatenate([p._dense.weight for p in parts], axis=0)
         mx.eval(weight)
         object.__setattr__(self, "_dense", _Dense(weight, parts[0]._dense.min_rows))
         for part in parts:  # plain quantized layers again: their own dense copies are freed
-            part.__class__ = nn.QuantizedLinear
+            part.__class__ = nn.QuantizedLinear  # type: ignore[assignment]  # a deliberate swap to the base
             object.__delattr__(part, "_dense")
         self.parts = parts
         if all("bias" in p for p in parts):

@@ -23,14 +23,14 @@ class RoPE(nn.Module):
     """Applies RoPE to (B, heads, L, head_dim) arrays; positions start at `offset` (the cache length)."""
 
     def __init__(self, dims: int, base: float, scale: float = 1.0, freqs: mx.array | None = None) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]  # mlx.nn.Module.__init__ is unannotated
         self.dims = dims
         self.base = base
         self.scale = scale
         # Leading underscore keeps it out of parameters(): it is derived from the config, not loaded.
         self._freqs = freqs
 
-    def __call__(self, x: mx.array, offset: int = 0) -> mx.array:
+    def __call__(self, x: mx.array, offset: int | mx.array = 0) -> mx.array:
         return mx.fast.rope(
             x,
             self.dims,

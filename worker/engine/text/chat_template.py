@@ -85,7 +85,7 @@ class _Namespace(jinja2.utils.Namespace):
 class _GenerationBlock(jinja2.ext.Extension):
     """`{% generation %}...{% endgeneration %}` (marks assistant text for training): renders its body."""
 
-    tags = frozenset({"generation"})
+    tags = frozenset({"generation"})  # type: ignore[assignment]  # jinja2 says set[str]; it only iterates
 
     def parse(self, parser: Any) -> jinja2.nodes.Node:
         lineno = next(parser.stream).lineno
