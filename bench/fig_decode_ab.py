@@ -1,9 +1,9 @@
 """The rotating decode A/B: the decode paths of one job taking turns, many repetitions, in a changing order.
 
-Paths: mlx-lm's `generate_step`, the engine's bare decode loop, `Engine.generate` with a no-op sink and
-with a Redis `StreamWriter` sink, and a job through the queue. Rotating who goes first makes slow drifts
-of the host's speed fall on every path alike, so this judges the decode target more surely than
-`generation`'s few repetitions.
+Paths: mlx-lm's `generate_step`, the engine's `generate` (a generation batch of one, the path every job
+takes) with a no-op sink and with a Redis `StreamWriter` sink, and a job through the queue. Rotating
+who goes first makes slow drifts of the host's speed fall on every path alike, so this judges the
+decode target more surely than `generation`'s few repetitions.
 """
 
 from __future__ import annotations
@@ -12,11 +12,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import mlx.core as mx
-
 from jobs.schema import GenerateRequest
-from worker.engine.generate import decode, prefill
-from worker.engine.sampler import Sampler
+from worker.engine.generation_batch import generate
 from worker.stream_writer import StreamOptions, StreamWriter
 
 from .common import Bench, median
@@ -25,17 +22,6 @@ from .queue_client import cleanup
 
 REPS = 8
 Arrivals = list[tuple[float, int]]
-
-
-def _bare_loop(b: Bench, ids: list[int], n: int) -> Arrivals:
-    """The engine's prefill and decode loop alone (no text, no sink): arrival time of each token."""
-    model = b.engine.model
-    sampler = Sampler(model.args.vocab_size, temperature=0.0, logit_bias=b.no_eos)
-    cache = model.make_cache()
-    logits = prefill(model, ids, cache, b.engine.options.prefill_chunk)
-    times = [(time.perf_counter(), 1) for _token in decode(model, logits, cache, sampler, n)]
-    mx.synchronize()
-    return times
 
 
 def decode_ab(b: Bench) -> dict[str, Any]:
@@ -48,7 +34,7 @@ def decode_ab(b: Bench) -> dict[str, Any]:
         _t0, times = b.mlxlm.generate_times(engine.tokenizer.encode(text), n)
         return [(t, 1) for t in times]
 
-    def generate(to_redis: bool) -> Callable[[str], Arrivals]:
+    def in_process(to_redis: bool) -> Callable[[str], Arrivals]:
         def run(text: str) -> Arrivals:
             arrivals: Arrivals = []
             job_id = f"bench-ab-{time.time_ns()}"
@@ -71,11 +57,8 @@ def decode_ab(b: Bench) -> dict[str, Any]:
 
     paths: dict[str, Callable[[str], Arrivals]] = {
         "mlx-lm generate_step": mlx_lm,
-        "mlxq decode loop + engine Sampler (logit_bias)": lambda text: _bare_loop(
-            b, engine.tokenizer.encode(text), n
-        ),
-        "mlxq engine.generate, no-op sink": generate(False),
-        "mlxq engine.generate, Redis StreamWriter sink": generate(True),
+        "mlxq engine.generate, no-op sink": in_process(False),
+        "mlxq engine.generate, Redis StreamWriter sink": in_process(True),
     }
     names = list(paths)
     results: dict[str, list[tuple[float | None, float | None]]] = {k: [] for k in names}

@@ -88,6 +88,15 @@ def test_a_package_imports_nothing_above_or_beside_it(package: str, forbidden: t
     assert _offending(package, forbidden) == {}
 
 
+def test_the_queue_service_reaches_mlx_only_through_the_engine() -> None:
+    service = sorted((ROOT / "worker").glob("*.py"))  # worker/engine and worker/modelfiles are below
+    assert {
+        str(path.relative_to(ROOT)): bad
+        for path in service
+        if (bad := sorted(m for m in _imports(path) if m == "mlx" or m.startswith("mlx.")))
+    } == {}
+
+
 def test_the_producer_dispatches_to_the_worker_cli_only_when_asked() -> None:
     """`producer.cli` hands `worker` and `import-gguf` to `worker.cli`, imported inside the call."""
     tree = ast.parse((ROOT / "producer" / "cli.py").read_text())
