@@ -96,7 +96,7 @@ def instrument(recorder: Recorder) -> None:
     Must run before `worker.service` is imported: the service's modules import `flush_streams` and
     `finish_streams` by name, so they take whatever `worker.stream_writer` holds at that moment.
     """
-    for name in ("generate", "score_tokens_many", "score_many"):
+    for name in ("score_tokens_many", "score_many"):
         setattr(Engine, name, _timed(recorder, name, getattr(Engine, name), attach=name == "score_many"))
     GenerationBatch.step = _summed(recorder, "batch_step", GenerationBatch.step)  # type: ignore[method-assign]
     GenerationBatch.admit = _summed(recorder, "admit", GenerationBatch.admit)  # type: ignore[method-assign]
