@@ -64,7 +64,7 @@ def test_the_job_function_accepts_the_plain_payload(
     run_rq_worker()
     job = Job.fetch(enqueued, connection=redis_conn, serializer=JSONSerializer)
     result = job.latest_result()
-    # jobs.generate validated the request, then found no mlxq executor in a plain RQ worker.
+    # jobs.generate validated the request, then raised NotInWorker: a plain RQ worker ran its body.
     assert result is not None and result.exc_string is not None
     assert result.exc_string.strip().splitlines()[-1].startswith("jobs.errors.NotInWorker")
 

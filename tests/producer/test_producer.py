@@ -318,7 +318,7 @@ def test_a_job_failing_in_a_real_rq_worker_reports_rqs_reason(
     client: Client, run_rq_worker: Callable[..., None]
 ) -> None:
     handle = client.submit_generate("Hi")
-    run_rq_worker()  # no mlxq executor here: jobs.generate raises NotInWorker
+    run_rq_worker()  # a plain RQ worker runs the body of jobs.generate: it raises NotInWorker
     assert handle.status() == "failed"
     with pytest.raises(errors.JobFailed) as info:
         handle.result(timeout=3)
