@@ -40,3 +40,9 @@ def rq_job_key(job_id: str) -> str:
 
 
 RQ_QUEUES_SET = "rq:queues"
+
+
+def dead_letter_key(queue: str) -> str:
+    """Capped stream of the jobs taken from `queue` that could not be read (a malformed RQ hash, a key
+    of another type), each with the job id and the reason: put aside, never run."""
+    return f"{PREFIX}:dead:{queue}"

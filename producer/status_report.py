@@ -32,6 +32,7 @@ class QueueReport:
     deferred: int
     scheduled: int
     canceled: int
+    unreadable: int = 0  # jobs put aside because RQ could not read them (`mlxq:dead:<queue>`)
 
 
 @dataclass(frozen=True)
@@ -156,6 +157,7 @@ def _queue_report(queue: Queue) -> QueueReport:
         deferred=count(queue.deferred_job_registry),
         scheduled=count(queue.scheduled_job_registry),
         canceled=count(queue.canceled_job_registry),
+        unreadable=int(queue.connection.xlen(keys.dead_letter_key(queue.name))),
     )
 
 
@@ -275,6 +277,11 @@ def render(report: StatusReport) -> str:
         lines.append(
             f"  {q.name:<16} queued={q.queued} started={q.started} finished={q.finished} "
             f"failed={q.failed} deferred={q.deferred} scheduled={q.scheduled} canceled={q.canceled}"
+            + (
+                f" unreadable={q.unreadable} (XRANGE {keys.dead_letter_key(q.name)} - +)"
+                if q.unreadable
+                else ""
+            )
         )
     lines.append("workers:")
     if not report.workers:

@@ -21,9 +21,12 @@ from typing import Any
 
 import redis
 from rq import Queue
+from rq.exceptions import NoSuchJobError
 from rq.job import Job
 
 from jobs import keys
+from worker.dead_letters import DeadLetters
+from worker.stream_writer import REDIS_TRANSIENT
 
 log = logging.getLogger(__name__)
 
@@ -72,9 +75,12 @@ def parse_queued(job_id: str, data: bytes | None) -> QueuedJob | None:
 class JobClaimer:
     """Moves chosen queued jobs from a queue into RQ's intermediate list for this worker."""
 
-    def __init__(self, conn: redis.Redis, serializer: Any, scan: int = 128) -> None:
+    def __init__(
+        self, conn: redis.Redis, serializer: Any, scan: int = 128, dead_letters: DeadLetters | None = None
+    ) -> None:
         self.conn = conn
         self.serializer = serializer
+        self.dead_letters = dead_letters  # where a claimed job RQ cannot read goes (else: left for RQ)
         self.scan = scan  # queued ids looked at per claim
         self._move = conn.register_script(_MOVE)
         # Parsed `data` of the ids seen at the head of the queue last time: a queued job's data does
@@ -101,7 +107,7 @@ class JobClaimer:
         if not chosen:
             return []
         moved = [_text(m) for m in self._move(keys=[queue.key, queue.intermediate_queue_key], args=chosen)]
-        return self._fetch(moved)
+        return self._fetch(moved, queue)
 
     def _read(self, ids: list[str]) -> None:
         """Make `_seen` hold exactly `ids`, reading and parsing only the ones not seen before."""
@@ -114,8 +120,9 @@ class JobClaimer:
                 self._seen[job_id] = parse_queued(job_id, data)
         self._seen = {job_id: self._seen[job_id] for job_id in ids}
 
-    def _fetch(self, ids: list[str]) -> list[Job]:
-        """The claimed jobs, read in one round trip (one by one if that fails)."""
+    def _fetch(self, ids: list[str], queue: Queue) -> list[Job]:
+        """The claimed jobs, read in one round trip (one by one if that fails); one RQ cannot read is
+        put aside (`DeadLetters`)."""
         try:
             found = Job.fetch_many(ids, connection=self.conn, serializer=self.serializer)
         except Exception:  # a job RQ cannot restore: find it alone below
@@ -124,8 +131,15 @@ class JobClaimer:
         for job_id, job in zip(ids, found, strict=True):
             try:
                 jobs.append(job or Job.fetch(job_id, connection=self.conn, serializer=self.serializer))
-            except Exception as e:  # deleted meanwhile: nothing to run; leave it to RQ's cleanup
+            except NoSuchJobError as e:  # deleted meanwhile: nothing to run; leave it to RQ's cleanup
                 log.warning("claimed job vanished job=%s error=%s", job_id, e)
+            except REDIS_TRANSIENT:
+                raise
+            except Exception as e:
+                if self.dead_letters is None:
+                    log.warning("claimed job cannot be read job=%s error=%s", job_id, e)
+                else:
+                    self.dead_letters.put_aside(job_id, queue, e)
         return jobs
 
 

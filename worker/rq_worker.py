@@ -20,12 +20,16 @@ from time import monotonic
 from typing import Any, Protocol
 
 import redis
-from rq import Queue, SimpleWorker
+from rq import Queue, SimpleWorker, worker_registration
+from rq.exceptions import StopRequested
 from rq.job import Job, JobStatus
+from rq.registry import clean_registries
 from rq.serializers import JSONSerializer
+from rq.utils import now
 
 from jobs.errors import ForbiddenJob
 from worker.allowlist import forbidden_reason
+from worker.dead_letters import DeadLetters
 from worker.job_watch import JobWatch
 from worker.rq_batches import RqBatches, Run
 from worker.stream_writer import REDIS_TRANSIENT, StreamOptions, StreamWriter
@@ -34,7 +38,11 @@ log = logging.getLogger(__name__)
 
 _BEAT_AGAIN_S = 1.0  # a heartbeat repeating the last one's TTL sooner than this is skipped (`heartbeat`)
 _STUCK = "Job was stuck in intermediate queue."  # what RQ's IntermediateQueue.cleanup fails jobs with
-_STATS_EVERY_S = 1.0  # how often a running generation batch republishes the worker's stats
+_STATS_EVERY_S = 1.0
+_NOT_THE_JOBS: tuple[type[Exception], ...] = (
+    StopRequested,
+    *REDIS_TRANSIENT,
+)  # how often a running generation batch republishes the worker's stats
 
 
 class JobRunner(Protocol):
@@ -79,6 +87,8 @@ class MlxqWorker(SimpleWorker):
         self._watch: JobWatch | None = None
         self._force_stop = False
         self._last_beat = (-1e9, 0)  # (monotonic time, TTL) of the last heartbeat
+        self.dead_letters = DeadLetters(connection, stream_options)
+        self.fatal_error: BaseException | None = None  # what made RQ's loop quit, if anything did
 
     # --- the JobHost its components are handed (see `job_host.py`) -------------------------------------
 
@@ -148,6 +158,49 @@ class MlxqWorker(SimpleWorker):
             return False
         return True
 
+    def dequeue_job_and_maintain_ttl(
+        self, timeout: int | None, max_idle_time: int | None = None
+    ) -> tuple[Job, Queue] | None:
+        """RQ's dequeue, where a job RQ cannot read (a malformed field, a key of another type) is put
+        aside with the reason (`DeadLetters`) and the dequeue goes on, instead of ending the worker."""
+        while True:
+            try:
+                return super().dequeue_job_and_maintain_ttl(timeout, max_idle_time)
+            except _NOT_THE_JOBS:  # a stop signal while idle, Redis away: RQ's loop handles these
+                raise
+            except Exception as e:
+                job_id, queue = getattr(e, "job_id", None), getattr(e, "queue", None)
+                if job_id is None or not isinstance(queue, Queue):
+                    self.fatal_error = e
+                    raise
+                self.dead_letters.put_aside(job_id, queue, e)
+
+    def clean_registries(self) -> None:
+        """RQ's registry maintenance (`BaseWorker.clean_registries`, queue by queue), after the jobs in
+        a queue's intermediate list that RQ cannot read are put aside: its cleanup reads each one, and
+        one it cannot read would end the worker and leave the queue's maintenance lock held for
+        minutes. A queue whose maintenance fails anyway is logged, its lock given back, the next one
+        cleaned."""
+        for queue in self.queues:
+            if not queue.acquire_maintenance_lock():
+                continue
+            try:
+                self.dead_letters.sweep(queue)
+                self.log.info("Worker %s: cleaning registries for queue: %s", self.name, queue.name)
+                clean_registries(queue, self._exc_handlers)
+                worker_registration.clean_worker_registry(queue)
+                queue.intermediate_queue.cleanup(self, queue)
+            except REDIS_TRANSIENT:
+                raise
+            except Exception:
+                log.exception("registry maintenance failed queue=%s", queue.name)
+            finally:
+                try:
+                    queue.release_maintenance_lock()  # type: ignore[no-untyped-call]
+                except REDIS_TRANSIENT as e:
+                    log.warning("could not release the maintenance lock queue=%s error=%s", queue.name, e)
+        self.last_cleaned_at = now()  # type: ignore[assignment]  # RQ declares it None only
+
     def heartbeat(self, timeout: int | None = None, pipeline: Any = None) -> None:
         """RQ's worker heartbeat (the worker key's `last_heartbeat` and TTL, its executions key's TTL)
         in one round trip instead of three. RQ's loop beats after each job and twice around each
@@ -182,10 +235,16 @@ class MlxqWorker(SimpleWorker):
         runner = self.runners.get(job.func_name or "") if problem is None else None
         if problem is None and runner is None:
             problem = f"this worker runs no {job.func_name} jobs"
-        if runner is None:
-            self._reject(job, queue, problem or "")
-        else:
-            runner.run(job, queue)
+        try:
+            if runner is None:
+                self._reject(job, queue, problem or "")
+            else:
+                runner.run(job, queue)
+        except StopRequested:
+            raise
+        except Exception as e:  # RQ's loop quits on it: the process must say it failed
+            self.fatal_error = e
+            raise
         self.set_state("idle")
         if self.stats is not None:
             self.stats.publish()

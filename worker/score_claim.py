@@ -11,6 +11,7 @@ from rq import Queue
 from rq.job import Job
 
 from jobs import keys
+from worker.dead_letters import DeadLetters
 from worker.job_claim import JobClaimer, QueuedJob
 
 log = logging.getLogger(__name__)
@@ -34,9 +35,11 @@ def score_rows(queued: QueuedJob) -> int | None:
 class ScoreClaimer:
     """Moves queued score jobs from a queue into RQ's intermediate list for this worker."""
 
-    def __init__(self, conn: redis.Redis, serializer: Any, budget: ClaimBudget) -> None:
+    def __init__(
+        self, conn: redis.Redis, serializer: Any, budget: ClaimBudget, dead_letters: DeadLetters | None = None
+    ) -> None:
         self.budget = budget
-        self.claimer = JobClaimer(conn, serializer, scan=budget.scan)
+        self.claimer = JobClaimer(conn, serializer, scan=budget.scan, dead_letters=dead_letters)
 
     def claim(self, queue: Queue, rows_taken: int) -> list[Job]:
         """Score jobs claimed from `queue` to join a batch that already has one job of `rows_taken` rows."""

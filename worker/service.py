@@ -102,7 +102,7 @@ class WorkerService:
         score_claimer = None
         if settings.score_batch_rows > 0:
             budget = ClaimBudget(max_rows=settings.score_batch_rows, max_jobs=settings.score_batch_jobs)
-            score_claimer = ScoreClaimer(conn, worker.serializer, budget)
+            score_claimer = ScoreClaimer(conn, worker.serializer, budget, worker.dead_letters)
         scores = ScoreJobs(engine, worker, results, score_claimer)
         options = BatchOptions(
             max_sequences=settings.max_batch_sequences,
@@ -112,7 +112,12 @@ class WorkerService:
             min_join=settings.batch_min_join,
         )
         generations = GenerationJobs(
-            engine, worker, results, scores, JobClaimer(conn, worker.serializer), options
+            engine,
+            worker,
+            results,
+            scores,
+            JobClaimer(conn, worker.serializer, dead_letters=worker.dead_letters),
+            options,
         )
         worker.runners = {keys.GENERATE_FUNC: generations, keys.SCORE_FUNC: scores}
         stats = StatsPublisher(
@@ -126,7 +131,8 @@ class WorkerService:
         return cls(settings, conn, engine, worker, results, stats)
 
     def work(self, *, burst: bool = False, max_jobs: int | None = None) -> int:
-        """Serve jobs until stopped; returns a process exit code."""
+        """Serve jobs until stopped; returns a process exit code: 0 when stopped or done, 1 when RQ's
+        loop quit on an error (so a service manager restarts the worker)."""
         _reclaim_name(self.conn, self.worker)
         metrics = self._start_metrics()
         self.stats.publish()
@@ -137,6 +143,9 @@ class WorkerService:
                 metrics.stop()
             self.stats.remove()
             self.engine.close()
+        if self.worker.fatal_error is not None:
+            log.error("worker quit on an error error=%r", self.worker.fatal_error)
+            return 1
         return 0
 
     def _start_metrics(self) -> MetricsServer | None:

@@ -7,7 +7,9 @@ from rq import Queue
 from rq.serializers import JSONSerializer
 
 from jobs import keys
+from worker.dead_letters import DeadLetters
 from worker.job_claim import JobClaimer, QueuedJob
+from worker.stream_writer import StreamOptions
 
 REDIS_DB = 9
 
@@ -47,3 +49,24 @@ def test_each_queued_job_is_read_once_however_often_the_queue_is_looked_at(redis
     claimed = [claimer.claim(queue, lambda q: True, limit=2) for _ in range(5)]
     assert [j.id for batch in claimed for j in batch] == [j.id for j in jobs[:10]]
     assert _hgets(redis_conn) - before == 16 + 4 * 2  # the first window, then the 2 new ids per look
+
+
+def test_a_claimed_job_rq_cannot_read_is_put_aside_and_the_others_are_claimed(
+    redis_conn: redis.Redis,
+) -> None:
+    """Its `data` is a well-formed mlxq request, another field is not (a date in another format)."""
+    queue = Queue("claims", connection=redis_conn, serializer=JSONSerializer)
+    before = queue.enqueue_call(keys.SCORE_FUNC, args=({"rows": []},))
+    bad = queue.enqueue_call(keys.SCORE_FUNC, args=({"rows": []},))
+    redis_conn.hset(bad.key, "created_at", "2026-01-01T12:00:00+00:00")
+    after = queue.enqueue_call(keys.SCORE_FUNC, args=({"rows": []},))
+    claimer = JobClaimer(redis_conn, JSONSerializer, dead_letters=DeadLetters(redis_conn, StreamOptions()))
+    claimed = claimer.claim(queue, lambda _queued: True, limit=8)
+    assert [j.id for j in claimed] == [before.id, after.id]
+    (_, entry), *_ = redis_conn.xrange(keys.dead_letter_key("claims"))
+    assert entry[b"job_id"].decode() == bad.id and b"field 'created_at'" in entry[b"reason"]
+    assert [i.decode() for i in redis_conn.lrange(queue.intermediate_queue_key, 0, -1)] == [
+        before.id,
+        after.id,
+    ]
+    assert redis_conn.xrange(keys.stream_key(bad.id))[-1][1][b"event"] == b"error"

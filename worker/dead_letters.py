@@ -1,0 +1,148 @@
+"""Jobs that cannot be read, put aside so that they never stop a worker or RQ's maintenance.
+
+RQ restores a job from its hash field by field and raises on the first it cannot parse (a `created_at`
+in another date format, a `status` that is no status, a `timeout` that is no number, a key that is not a
+hash at all); in RQ's loop that error ends the worker process, and the job's id is left in the queue's
+intermediate list, where the next worker's maintenance meets it again. A producer in any language
+writes these hashes, so one malformed field must fail only its own job.
+
+`DeadLetters.put_aside` takes such a job off the intermediate list, records it in the queue's capped
+dead-letter stream (`mlxq:dead:<queue>`: job id and the reason, naming the field), and ends the job's own
+stream with an `error` event so that a waiting producer learns why; its hash is left as it was (nothing
+is deleted). `reason` names the field by running RQ's own parsers over the fields that RQ's
+`Job.restore` parses, in its order.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import zlib
+from collections.abc import Callable
+from typing import Any
+
+import redis
+from rq import Queue
+from rq.job import JobStatus
+from rq.utils import parse_timeout, str_to_date
+
+from jobs import keys
+from worker.stream_writer import REDIS_TRANSIENT, StreamOptions, StreamWriter, retrying
+
+log = logging.getLogger(__name__)
+
+DEAD_LETTERS_MAXLEN = 10_000  # entries kept per queue (approximately)
+
+
+def _json_list(value: bytes) -> Any:
+    parsed = json.loads(value.decode())
+    if not isinstance(parsed, list):
+        raise ValueError("not a JSON list")
+    return parsed
+
+
+def _flag(value: bytes) -> bool:
+    return bool(int(value))
+
+
+# The fields `rq.job.Job.restore` parses, in its order, each with RQ's parser and what it expects.
+_FIELDS: list[tuple[str, Callable[[bytes], Any], str]] = [
+    ("created_at", str_to_date, "a date in RQ's format, e.g. 2026-01-01T12:00:00.000000Z"),
+    ("enqueued_at", str_to_date, "a date in RQ's format"),
+    ("started_at", str_to_date, "a date in RQ's format"),
+    ("ended_at", str_to_date, "a date in RQ's format"),
+    ("last_heartbeat", str_to_date, "a date in RQ's format"),
+    ("timeout", lambda v: parse_timeout(v.decode()), "a number of seconds"),
+    ("result_ttl", int, "an integer"),
+    ("failure_ttl", int, "an integer"),
+    ("status", lambda v: JobStatus(v.decode()), "one of RQ's job statuses"),
+    ("success_callback_timeout", int, "an integer"),
+    ("failure_callback_timeout", int, "an integer"),
+    ("stopped_callback_timeout", int, "an integer"),
+    ("dependency_ids", _json_list, "a JSON list of job ids"),
+    ("allow_dependency_failures", _flag, "0 or 1"),
+    ("enqueue_at_front", _flag, "0 or 1"),
+    ("ttl", int, "an integer"),
+    ("number_of_retries", int, "an integer"),
+    ("retries_left", int, "an integer"),
+    ("retry_intervals", _json_list, "a JSON list of seconds"),
+    ("enqueue_at_front_on_retry", _flag, "0 or 1"),
+    ("repeats_left", int, "an integer"),
+    ("repeat_intervals", _json_list, "a JSON list of seconds"),
+    ("rate_limit_concurrency", int, "an integer"),
+]
+
+
+def reason(conn: redis.Redis, job_id: str, error: BaseException) -> str:
+    """Why the job cannot be read, naming the key's type or the first field RQ cannot parse."""
+    key = keys.rq_job_key(job_id)
+    kind = conn.type(key)
+    kind = kind.decode() if isinstance(kind, bytes) else str(kind)
+    if kind != "hash":
+        return f"{key} is a Redis {kind}, not a hash: not an RQ job"
+    fields: dict[bytes, bytes] = conn.hgetall(key)  # type: ignore[assignment]
+    for name, parse, expected in _FIELDS:
+        value = fields.get(name.encode())
+        if not value:
+            continue
+        try:
+            parse(value)
+        except Exception:
+            shown = value[:60].decode(errors="replace")
+            return f"field {name!r} of {key} is {shown!r}, not {expected}"
+    data = fields.get(b"data")
+    if data is not None:
+        try:
+            zlib.decompress(data)
+        except zlib.error:
+            pass
+        except Exception as e:
+            return f"field 'data' of {key} cannot be decompressed ({type(e).__name__}: {e})"
+    return f"{key} cannot be read by RQ ({type(error).__name__}: {error})"
+
+
+class DeadLetters:
+    """Puts unreadable jobs aside (see the module docstring); one instance per worker."""
+
+    def __init__(self, conn: redis.Redis, options: StreamOptions) -> None:
+        self.conn = conn
+        self.options = options
+
+    def put_aside(self, job_id: str, queue: Queue, error: BaseException) -> str:
+        """Take the job off `queue`'s intermediate list into its dead-letter stream; end its stream with
+        an `error` event. Returns the reason."""
+        why = reason(self.conn, job_id, error)
+        log.warning("unreadable job put aside job=%s queue=%s reason=%s", job_id, queue.name, why)
+
+        def record() -> None:
+            with self.conn.pipeline() as pipe:
+                pipe.lrem(queue.intermediate_queue_key, 1, job_id)
+                pipe.xadd(
+                    keys.dead_letter_key(queue.name),
+                    {"job_id": job_id, "reason": why},
+                    maxlen=DEAD_LETTERS_MAXLEN,
+                    approximate=True,
+                )
+                pipe.execute()
+
+        retrying(self.options)(record)
+        try:
+            StreamWriter(self.conn, job_id, self.options).error_once(f"UnreadableJob: {why}")
+        except Exception:  # the dead-letter entry is the record; the stream is a courtesy to readers
+            log.exception("could not end the stream of an unreadable job job=%s", job_id)
+        return why
+
+    def sweep(self, queue: Queue) -> int:
+        """Put aside every job in `queue`'s intermediate list that RQ cannot read (before RQ's own
+        maintenance reads them); how many."""
+        put = 0
+        for raw in self.conn.lrange(queue.intermediate_queue_key, 0, -1):
+            job_id = raw.decode() if isinstance(raw, bytes) else str(raw)
+            try:
+                queue.fetch_job(job_id)
+            except REDIS_TRANSIENT:
+                raise
+            except Exception as e:
+                self.put_aside(job_id, queue, e)
+                put += 1
+        return put
