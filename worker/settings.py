@@ -80,6 +80,10 @@ class WorkerSettings(BaseSettings):
     )
     max_score_rows: int = Field(default=64, ge=1, description="rows one score job may have")
     max_score_candidates: int = Field(default=26, ge=1, description="candidates one score row may have")
+    max_prompt_chars: int | None = Field(
+        default=None, ge=1, description="characters of a prompt or a chat; unset: 32 x the context length"
+    )
+    max_stop_chars: int = Field(default=4096, ge=1, description="characters of a request's stop strings")
 
     stream_maxlen: int = Field(default=10_000, ge=10, description="approximate cap on a stream's entries")
     stream_ttl_s: int = Field(default=3600, ge=1)

@@ -261,3 +261,28 @@ def test_a_stop_string_completed_by_the_final_flush_still_stops(engine: Engine) 
         assert not run.add(token)
     assert run.finish("length") == "stop"
     assert run.text == "xxab" == "".join(emitted)
+
+
+def test_a_prompt_or_stop_strings_larger_than_the_worker_takes_fail_before_any_tokenizing(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine = Engine.load(str(model_dir), EngineOptions(max_prompt_chars=100, max_stop_chars=10))
+    encoded: list[str] = []
+    real = engine.tokenizer.encode
+    monkeypatch.setattr(
+        engine.tokenizer, "encode", lambda text, *a, **k: encoded.append(text) or real(text, *a, **k)
+    )
+    cases = [
+        ({"prompt": "x" * 101}, "the prompt has 101 characters; this worker takes at most 100"),
+        ({"messages": [{"role": "user", "content": "y" * 100}]}, "the prompt has 104 characters"),
+        ({"prompt": "hi", "stop": ["abcdef", "ghijk"]}, "the stop strings have 11 characters together"),
+    ]
+    for fields, message in cases:
+        with pytest.raises(InvalidRequest, match=message):
+            engine.prepare_generation(GenerateRequest.model_validate(fields))
+    assert encoded == []
+    default = Engine.load(str(model_dir))
+    assert default.max_prompt_chars == 32 * default.context_length
+    too_long = ScoreRequest.model_validate({"rows": [{"prompt": "z" * 101, "candidates": [" a"]}]})
+    (error,) = engine.score_tokens_many([too_long])
+    assert isinstance(error, InvalidRequest) and "row 0's prompt has 101 characters" in str(error)

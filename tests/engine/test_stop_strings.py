@@ -108,3 +108,22 @@ def test_streamed_result_equals_cutting_the_whole_text(
 )
 def test_character_by_character(text: str, stops: list[str]) -> None:
     assert _run(stops, list(text))[0] == _expected(stops, text)
+
+
+def test_a_long_stop_string_costs_memory_in_proportion_to_its_length() -> None:
+    """A 64 KB stop string (a producer may send one) holds back a tail of at most its length; nothing
+    the size of its square is built (every prefix of it would be ~2 GB)."""
+    import tracemalloc
+
+    stop = "ab" * 32_767 + "c"
+    tracemalloc.start()
+    try:
+        matcher = StopStringMatcher([stop, "zz"])
+        emitted = [matcher.feed("ab")[0] for _ in range(33_000)]
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 2_000_000
+    assert not matcher.stopped  # what it holds back could still become the long stop
+    assert "".join(emitted) == "ab" * (33_000 - 32_767)
+    assert matcher.feed("zz") == ("ab" * 32_767, True)

@@ -77,6 +77,8 @@ class EngineOptions:
     dense_rows: int | None = None  # quantized layers' dense copies from this many rows (`quantized_rows`)
     idle_prefill_tokens: int | None = None  # None: see `idle_prefill_by_default`
     score_kv_bytes: int | None = None  # score batches' prefix copies; None: `score_kv_by_default`
+    max_prompt_chars: int | None = None  # a prompt's (or a chat's) characters; None: 32 x the context
+    max_stop_chars: int = 4096  # characters of a request's stop strings together
 
 
 class Engine:
@@ -243,13 +245,19 @@ class Engine:
         return good
 
     def _limits_error(self, request: ScoreRequest) -> InvalidRequest | None:
-        """The job's error where it has more rows or candidates than this worker takes, else None."""
+        """The job's error where it has more rows, candidates or prompt characters than this worker
+        takes, else None."""
         if len(request.rows) > self.options.max_score_rows:
             return InvalidRequest(
                 f"the score job has {len(request.rows)} rows; this worker takes at most "
                 f"{self.options.max_score_rows} per job (MLXQ_MAX_SCORE_ROWS): split it into several jobs"
             )
         for i, row in enumerate(request.rows):
+            if len(row.prompt) > self.max_prompt_chars:
+                return InvalidRequest(
+                    f"row {i}'s prompt has {len(row.prompt)} characters; this worker takes at most "
+                    f"{self.max_prompt_chars} (MLXQ_MAX_PROMPT_CHARS)"
+                )
             if len(row.candidates) > self.options.max_score_candidates:
                 return InvalidRequest(
                     f"row {i} has {len(row.candidates)} candidates; this worker takes at most "
@@ -328,8 +336,36 @@ class Engine:
         itemsize = self.model.model.norm.weight.dtype.size  # floating weights are in the compute dtype
         return 2 * len(self.model.layers) * args.n_kv_heads * args.head_dim * itemsize
 
+    @property
+    def max_prompt_chars(self) -> int:
+        """Characters a prompt (a chat's messages together) may have, checked before it is tokenized:
+        the setting, else 32 per token of context (a token is a few characters; a text far longer than
+        the context can hold would only cost its tokenizing before `ContextTooLong`)."""
+        return self.options.max_prompt_chars or 32 * self.context_length
+
+    def check_sizes(self, request: GenerateRequest) -> None:
+        """`InvalidRequest` for a request larger than this worker takes, before any work is done on it."""
+        if request.messages is not None:
+            chars = sum(
+                len(m.role) + len(m.content) + len(str(m.model_extra or "")) for m in request.messages
+            )
+        else:
+            chars = len(request.prompt or "")
+        if chars > self.max_prompt_chars:
+            raise InvalidRequest(
+                f"the prompt has {chars} characters; this worker takes at most {self.max_prompt_chars} "
+                "(MLXQ_MAX_PROMPT_CHARS)"
+            )
+        stop_chars = sum(len(stop) for stop in request.stop)
+        if stop_chars > self.options.max_stop_chars:
+            raise InvalidRequest(
+                f"the stop strings have {stop_chars} characters together; this worker takes at most "
+                f"{self.options.max_stop_chars} (MLXQ_MAX_STOP_CHARS)"
+            )
+
     def prepare_generation(self, request: GenerateRequest) -> tuple[list[int], int, Sampler]:
         """Prompt tokens, the token budget and the sampler of a request; `InvalidRequest` if it is bad."""
+        self.check_sizes(request)
         prompt = self.prompt_tokens(request)
         max_tokens = min(request.max_tokens, self.context_length - len(prompt))
         try:

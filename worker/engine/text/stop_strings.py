@@ -3,7 +3,8 @@
 Text arrives in deltas (one per token, split anywhere); a stop string may straddle several of them. The
 result equals cutting the whole text at the earliest-starting occurrence of any stop, however the text
 was split. The matcher keeps only a tail shorter than the longest stop, so its work per delta is bounded
-by the delta and the stops, not by the text generated so far.
+by the delta and the stops, not by the text generated so far; its memory is the stops and that tail
+(no table of every prefix of every stop: a long stop string would cost the square of its length).
 
 One corner follows from "earliest start": when a stop is complete but a longer stop that would start
 earlier is still possible (stops "abcdef" and "cd" on text "abcd"), the matcher waits for the next
@@ -23,8 +24,6 @@ class StopStringMatcher:
             if not isinstance(stop, str) or not stop:
                 raise ValueError(f"stop strings must be non-empty strings, got {stop!r}")
         self.stops: tuple[str, ...] = tuple(dict.fromkeys(stops))
-        # Every proper prefix of every stop: a tail in this set might still become a stop.
-        self._prefixes = frozenset(s[:i] for s in self.stops for i in range(1, len(s)))
         self._longest_prefix = max((len(s) - 1 for s in self.stops), default=0)
         self._held = ""
         self.stopped = False
@@ -61,8 +60,16 @@ class StopStringMatcher:
         return text[: hit[0]]
 
     def _tail_len(self, text: str) -> int:
-        """Length of the longest tail of `text` that is a proper prefix of some stop."""
-        for n in range(min(len(text), self._longest_prefix), 0, -1):
-            if text[-n:] in self._prefixes:
-                return n
-        return 0
+        """Length of the longest tail of `text` that is a proper prefix of some stop: for each stop,
+        the earliest place in the tail where the stop's first character stands and the rest of the
+        tail continues the stop (the searches and comparisons run in C)."""
+        best = 0
+        for stop in self.stops:
+            tail = text[len(text) - min(len(stop) - 1, len(text)) :]
+            at = tail.find(stop[0])
+            while at != -1 and len(tail) - at > best:
+                if stop.startswith(tail[at:]):
+                    best = len(tail) - at
+                    break
+                at = tail.find(stop[0], at + 1)
+        return best
