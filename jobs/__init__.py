@@ -8,6 +8,7 @@ bodies never run in an mlxq worker; a plain `rq worker` that calls them gets `No
 
 from __future__ import annotations
 
+import reprlib
 from typing import Any
 
 from pydantic import ValidationError
@@ -24,7 +25,10 @@ def describe_validation_error(kind: str, err: ValidationError) -> str:
         if not where:  # a whole-request rule, e.g. "give exactly one of prompt or messages"
             parts.append(e["msg"].removeprefix("Value error, "))
             continue
-        shown = repr(e.get("input"))
+        try:
+            shown = repr(e.get("input"))
+        except RecursionError:  # nested too deeply to show whole: its first levels
+            shown = reprlib.repr(e.get("input"))
         if len(shown) > 80:
             shown = shown[:77] + "..."
         parts.append(f"{where}: {e['msg'].removeprefix('Value error, ')} (got {shown})")
@@ -36,6 +40,8 @@ def parse_generate(payload: Any) -> GenerateRequest:
         return GenerateRequest.model_validate(payload)
     except ValidationError as e:
         raise InvalidRequest(describe_validation_error("generate", e)) from None
+    except RecursionError:
+        raise InvalidRequest("invalid generate request: a field is nested too deeply") from None
 
 
 def parse_score(payload: Any) -> ScoreRequest:
@@ -43,6 +49,8 @@ def parse_score(payload: Any) -> ScoreRequest:
         return ScoreRequest.model_validate(payload)
     except ValidationError as e:
         raise InvalidRequest(describe_validation_error("score", e)) from None
+    except RecursionError:
+        raise InvalidRequest("invalid score request: a field is nested too deeply") from None
 
 
 _NOT_IN_WORKER = (

@@ -55,10 +55,17 @@ Ended = tuple[Run, Any]  # a run that returned, with its return value
 class RqBatches:
     """Starts and ends jobs through RQ on behalf of `worker`, many at a time where RQ does one."""
 
-    def __init__(self, worker: SimpleWorker, options: StreamOptions, default_job_timeout: int) -> None:
+    def __init__(
+        self,
+        worker: SimpleWorker,
+        options: StreamOptions,
+        default_job_timeout: int,
+        max_job_timeout: int = -1,
+    ) -> None:
         self.worker = worker
         self.options = options
         self.default_job_timeout = default_job_timeout
+        self.max_job_timeout = max_job_timeout  # -1: a job may ask for any timeout, none included
 
     def start(self, jobs: list[Job], queue: Queue) -> list[Run]:
         """Start jobs that are in RQ's intermediate list (dequeued or claimed), all in one transaction."""
@@ -74,8 +81,7 @@ class RqBatches:
             executions = []
             with w.connection.pipeline() as pipe:
                 for job in jobs:
-                    if job.timeout is None:  # RQ's own default (180 s) is too short for long generations
-                        job.timeout = self.default_job_timeout
+                    job.timeout = self.timeout_of(job)
                     ttl = w.get_heartbeat_ttl(job)
                     executions.append(Execution.create(job, ttl, pipeline=pipe, worker_name=w.name))
                     job.heartbeat(now(), ttl, pipeline=pipe)
@@ -94,6 +100,15 @@ class RqBatches:
             job.started_at = now()
             runs.append(Run(job, queue, execution))
         return runs
+
+    def timeout_of(self, job: Job) -> int:
+        """The job's timeout as this worker runs it: the worker's default where the job has none (RQ's
+        own, 180 s, is too short for long generations), never above the worker's maximum (a producer
+        cannot lift the limit for its own job with a long one, or with -1 for none)."""
+        timeout = self.default_job_timeout if job.timeout is None else int(job.timeout)
+        if self.max_job_timeout > 0 and (timeout < 0 or timeout > self.max_job_timeout):
+            return self.max_job_timeout
+        return timeout
 
     def start_one(self, job: Job, queue: Queue) -> Run:
         """Start one job outside a batch (one that is failed before it runs): RQ's `prepare_execution`."""

@@ -71,6 +71,7 @@ class MlxqWorker(SimpleWorker):
         heartbeat_s: float = 10.0,
         cancel_poll_s: float = 0.1,
         default_job_timeout: int = 3600,
+        max_job_timeout: int = -1,
         **kwargs: Any,
     ) -> None:
         kwargs.setdefault("log_job_description", False)  # descriptions hold prompts: keep them out of logs
@@ -79,7 +80,7 @@ class MlxqWorker(SimpleWorker):
         self.heartbeat_s = heartbeat_s
         self.cancel_poll_s = cancel_poll_s
         self.default_job_timeout = default_job_timeout
-        self.batches = RqBatches(self, stream_options, default_job_timeout)
+        self.batches = RqBatches(self, stream_options, default_job_timeout, max_job_timeout)
         self.runners: dict[str, JobRunner] = {}  # job function name -> its component (set by the service)
         self.stats: Stats | None = None
         self.active_sequences = 0
@@ -257,9 +258,14 @@ class MlxqWorker(SimpleWorker):
         exc_string: str = "",
         execution: Any = None,
     ) -> None:
-        if exc_string == _STUCK and execution is None and job.get_status(refresh=False) == JobStatus.QUEUED:
-            self._requeue_stuck(job, queue)
-            return
+        if exc_string == _STUCK and execution is None:
+            status = job.get_status(refresh=False)
+            if status == JobStatus.QUEUED:
+                self._requeue_stuck(job, queue)
+                return
+            if status in (JobStatus.FAILED, JobStatus.FINISHED, JobStatus.CANCELED, JobStatus.STOPPED):
+                return  # it ended already (a rejected job, say): its record stands; RQ drops the id
+
         will_retry = job.should_retry and self._stopped_job_id != job.id
         if not will_retry:
             self._end_stream_with_error(job, exc_string)
@@ -294,6 +300,8 @@ class MlxqWorker(SimpleWorker):
         log.warning("rejected job=%s reason=%s", job.id, reason)
         job.retries_left = 0
         execution = self.prepare_execution(job)
+        # Off the intermediate list, where RQ's maintenance would later fail it again as "stuck".
+        self.connection.lrem(queue.intermediate_queue_key, 1, job.id)
         self.handle_job_failure(
             job, queue, exc_string=f"{ForbiddenJob.__name__}: {reason}", execution=execution
         )

@@ -99,6 +99,7 @@ class WorkerService:
             maintenance_interval=settings.maintenance_interval_s,
             default_result_ttl=settings.result_ttl_s,
             default_job_timeout=settings.job_timeout_s,
+            max_job_timeout=settings.max_job_timeout_s,
         )
         results = JobResults(conn, stream_options, engine.cache_log_fields)
         score_claimer = None

@@ -91,6 +91,9 @@ class WorkerSettings(BaseSettings):
     stream_flush_ms: float = Field(default=20.0, ge=0.0, description="...or after this many milliseconds")
     result_ttl_s: int = Field(default=86_400, ge=1)
     job_timeout_s: int = Field(default=3600, ge=1, description="default for jobs enqueued without one")
+    max_job_timeout_s: int = Field(
+        default=86_400, ge=-1, description="the longest timeout a job may ask for; -1: any, none included"
+    )
     heartbeat_s: float = Field(default=10.0, gt=0.0, description="how often a busy worker proves it lives")
     cancel_poll_s: float = Field(default=0.1, gt=0.0)
     worker_ttl_s: int = Field(default=60, ge=20, description="an idle worker's registration lifetime")

@@ -478,6 +478,19 @@ def test_producer_worker_and_ops_users_can_do_all_they_need_and_no_more(
         assert running.cancel().value == "requested"
         assert running.result(timeout=30).finish_reason == "cancelled"
 
+        # A job the worker cannot read (written by hand, a date in another format): put aside.
+        admin.hset(
+            "rq:job:acl-unreadable",
+            mapping={
+                "data": '["jobs.score", null, [{"rows": []}], {}]',
+                "status": "queued",
+                "origin": "acl",
+                "created_at": "2026-01-01T12:00:00+00:00",
+            },
+        )
+        admin.rpush("rq:queue:acl", "acl-unreadable")
+        _eventually(lambda: admin.xlen("mlxq:dead:acl") == 1, what="the unreadable job put aside")
+
         rows = [{"custom_id": f"r{i}", "prompt": PROMPT, "candidates": [" the", " a"]} for i in range(5)]
         summary = client.score_dataset(rows, tmp_path / "out.jsonl", queue="acl", rows_per_job=2)
         assert (summary.succeeded, summary.failed) == (5, 0)

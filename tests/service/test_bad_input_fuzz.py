@@ -25,6 +25,7 @@ from rq.job import Job
 from rq.serializers import JSONSerializer
 
 from jobs import keys, parse_generate, parse_score
+from jobs.errors import InvalidRequest
 from producer import Client
 from worker.allowlist import forbidden_reason
 from worker.engine import Engine
@@ -218,3 +219,15 @@ def test_bad_input_fails_only_its_job_through_the_queue(
         f"{len(blobs)} through one worker: {outcomes}"
     )
     assert len(outcomes) >= 3, outcomes  # the draws reach several different error paths
+
+
+def test_a_deeply_nested_field_fails_with_a_readable_error() -> None:
+    nested: Any = {"a": 1}
+    for _ in range(5000):
+        nested = {"a": nested}
+    for parse, payload in (
+        (parse_generate, {"prompt": "x", "logit_bias": nested}),
+        (parse_score, {"rows": [{"prompt": "x", "candidates": [" a"]}], "extra": nested}),
+    ):
+        with pytest.raises(InvalidRequest, match=r"invalid (generate|score) request"):
+            parse(payload)

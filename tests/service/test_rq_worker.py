@@ -118,3 +118,32 @@ def test_a_job_taken_but_never_started_goes_back_to_the_head_of_its_queue(redis_
     assert redis_conn.llen(q.intermediate_queue_key) == 0 and not redis_conn.exists(first_seen)
     assert stuck.get_status(refresh=True) == "queued" and q.failed_job_registry.count == 0
     assert not redis_conn.exists(keys.stream_key(stuck.id))
+
+
+def test_a_job_cannot_lift_the_workers_timeout_limit(redis_conn: redis.Redis) -> None:
+    q = Queue("timeouts", connection=redis_conn, serializer=JSONSerializer)
+    w = MlxqWorker([q], connection=redis_conn, stream_options=StreamOptions(), max_job_timeout=600)
+    asked = [None, 30, 600, 601, -1]
+    jobs = [q.enqueue_call(keys.SCORE_FUNC, args=({"rows": []},), timeout=t) for t in asked]
+    for job in jobs:
+        if asked[jobs.index(job)] is None:
+            job.timeout = None  # enqueued without one, as a plain-Redis producer may
+    assert [w.batches.timeout_of(job) for job in jobs] == [600, 30, 600, 600, 600]  # default 3600, capped
+    anything = MlxqWorker([q], connection=redis_conn, stream_options=StreamOptions(), max_job_timeout=-1)
+    assert [anything.batches.timeout_of(job) for job in jobs] == [3600, 30, 600, 601, -1]
+
+
+def test_a_rejected_jobs_reason_is_not_overwritten_by_maintenance(redis_conn: redis.Redis) -> None:
+    """A job the allowlist refuses fails with its reason; the maintenance a minute later finds no
+    trace of it in the intermediate list to fail again as "stuck"."""
+    q = Queue("rejects", connection=redis_conn, serializer=JSONSerializer)
+    w = MlxqWorker([q], connection=redis_conn, stream_options=StreamOptions())
+    job = q.enqueue_call("os.getcwd")
+    assert w.work(burst=True)
+    assert redis_conn.llen(q.intermediate_queue_key) == 0
+    reason = job.latest_result().exc_string or ""
+    assert "is not an mlxq job" in reason
+    q.intermediate_queue.cleanup(w, q)
+    w.handle_job_failure(job, q, exc_string="Job was stuck in intermediate queue.")  # as RQ's cleanup would
+    assert job.get_status(refresh=True) == "failed"
+    assert "is not an mlxq job" in (job.latest_result().exc_string or "")
