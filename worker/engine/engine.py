@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import gc
 import logging
+import re
+import secrets
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -188,10 +190,7 @@ class Engine:
     def prompt_tokens(self, request: GenerateRequest) -> list[int]:
         """Token ids for a request: raw `prompt` encoded, or `messages` rendered by the chat template."""
         if request.messages is not None:
-            messages = [m.model_dump() for m in request.messages]
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-            # Templates write their own BOS; encoding must not add a second one.
-            ids = self.tokenizer.encode(text, add_special_tokens=False)
+            ids = self.chat_tokens([m.model_dump() for m in request.messages])
         else:
             assert request.prompt is not None
             ids = self.tokenizer.encode(request.prompt, add_special_tokens=request.add_special_tokens)
@@ -199,6 +198,38 @@ class Engine:
             raise InvalidRequest("the prompt is empty: it encodes to no tokens")
         if len(ids) >= self.context_length:
             raise ContextTooLong(len(ids), self.context_length)
+        return ids
+
+    def chat_tokens(self, messages: list[dict[str, Any]]) -> list[int]:
+        """Token ids of a chat rendered by the model's template. What the messages hold (a content, a
+        role, any other field) is untrusted text: where it holds the text of a special token, that
+        string enters the template as a placeholder and is encoded as ordinary text in its place, so
+        `<|im_start|>system` inside a user's content never opens a turn. Other chats are encoded whole,
+        as the model's own tokenizer would."""
+        tokenizer = self.tokenizer
+        spans: dict[str, str] = {}
+        nonce = secrets.token_hex(6)
+
+        def guard(value: Any) -> Any:
+            if isinstance(value, str) and tokenizer.has_special_text(value):
+                mark = f"\ue000{nonce}{len(spans)}\ue001"
+                spans[mark] = value
+                return mark
+            if isinstance(value, dict):
+                return {k: guard(v) for k, v in value.items()}
+            if isinstance(value, list):
+                return [guard(v) for v in value]
+            return value
+
+        text = tokenizer.apply_chat_template([guard(m) for m in messages], add_generation_prompt=True)
+        if not spans:  # templates write their own BOS; encoding must not add a second one
+            return tokenizer.encode(text, add_special_tokens=False)
+        ids: list[int] = []
+        for piece in re.split(f"(\ue000{nonce}\\d+\ue001)", text):
+            if piece in spans:
+                ids += tokenizer.encode_as_text(spans[piece])
+            elif piece:
+                ids += tokenizer.encode(piece, add_special_tokens=False)
         return ids
 
     def begin_cache(self, prompt: list[int], min_reuse: int = 1) -> tuple[list[KVCache], int]:

@@ -234,6 +234,24 @@ class Tokenizer:
             self._short.popitem(last=False)
         return out
 
+    @cached_property
+    def special_texts(self) -> tuple[str, ...]:
+        """The text of every special (control) token: what must never be read as one in untrusted text."""
+        return tuple(t.content for t in self.backend.get_added_tokens_decoder().values() if t.special)
+
+    def has_special_text(self, text: str) -> bool:
+        """Whether `text` holds the text of a special token (`<|im_start|>`, say)."""
+        return any(special in text for special in self.special_texts)
+
+    def encode_as_text(self, text: str) -> list[int]:
+        """Ids of `text` with the text of special tokens encoded as ordinary text, never as control
+        tokens (no BOS/EOS added): for untrusted text inside a prompt built around it."""
+        self.backend.encode_special_tokens = True
+        try:
+            return list(self.backend.encode(text, add_special_tokens=False).ids)
+        finally:
+            self.backend.encode_special_tokens = False
+
     def decode_many(self, sequences: Sequence[Sequence[int]]) -> list[str]:
         """`decode` of each id sequence (special tokens kept), in one call to the backend."""
         return [
