@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import logging
-import zlib
 from collections.abc import Callable
 from typing import Any
 
@@ -27,6 +26,7 @@ from rq.job import JobStatus
 from rq.utils import parse_timeout, str_to_date
 
 from jobs import keys
+from worker.bounded_job import BoundedJob, payload_size_error
 from worker.stream_writer import REDIS_TRANSIENT, StreamOptions, StreamWriter, retrying
 
 log = logging.getLogger(__name__)
@@ -90,14 +90,9 @@ def reason(conn: redis.Redis, job_id: str, error: BaseException) -> str:
         except Exception:
             shown = value[:60].decode(errors="replace")
             return f"field {name!r} of {key} is {shown!r}, not {expected}"
-    data = fields.get(b"data")
-    if data is not None:
-        try:
-            zlib.decompress(data)
-        except zlib.error:
-            pass
-        except Exception as e:
-            return f"field 'data' of {key} cannot be decompressed ({type(e).__name__}: {e})"
+    too_large = payload_size_error(fields.get(b"data"), BoundedJob.max_payload_bytes)
+    if too_large is not None:
+        return f"{too_large}: {key}"
     return f"{key} cannot be read by RQ ({type(error).__name__}: {error})"
 
 

@@ -25,6 +25,7 @@ from rq.exceptions import NoSuchJobError
 from rq.job import Job
 
 from jobs import keys
+from worker.bounded_job import BoundedJob, payload_size_error
 from worker.dead_letters import DeadLetters
 from worker.stream_writer import REDIS_TRANSIENT
 
@@ -54,10 +55,11 @@ class QueuedJob:
 def parse_queued(job_id: str, data: bytes | None) -> QueuedJob | None:
     """The job in RQ's `data` field if it is an mlxq job with exactly one argument, else None.
 
-    Anything else (pickle, another function, extra arguments) is left in the queue for RQ's own
-    dequeue, where the worker rejects it with a reason.
+    Anything else (pickle, another function, extra arguments, a payload over the worker's size limit,
+    which is never inflated here) is left in the queue for RQ's own dequeue, where the worker rejects
+    it, or puts it aside, with a reason.
     """
-    if not data:
+    if not data or payload_size_error(data, BoundedJob.max_payload_bytes) is not None:
         return None
     try:
         raw = zlib.decompress(data)
@@ -124,13 +126,13 @@ class JobClaimer:
         """The claimed jobs, read in one round trip (one by one if that fails); one RQ cannot read is
         put aside (`DeadLetters`)."""
         try:
-            found = Job.fetch_many(ids, connection=self.conn, serializer=self.serializer)
+            found = BoundedJob.fetch_many(ids, connection=self.conn, serializer=self.serializer)
         except Exception:  # a job RQ cannot restore: find it alone below
             found = [None] * len(ids)
         jobs = []
         for job_id, job in zip(ids, found, strict=True):
             try:
-                jobs.append(job or Job.fetch(job_id, connection=self.conn, serializer=self.serializer))
+                jobs.append(job or BoundedJob.fetch(job_id, connection=self.conn, serializer=self.serializer))
             except NoSuchJobError as e:  # deleted meanwhile: nothing to run; leave it to RQ's cleanup
                 log.warning("claimed job vanished job=%s error=%s", job_id, e)
             except REDIS_TRANSIENT:

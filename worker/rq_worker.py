@@ -29,6 +29,7 @@ from rq.utils import now
 
 from jobs.errors import ForbiddenJob
 from worker.allowlist import forbidden_reason
+from worker.bounded_job import BoundedJob
 from worker.dead_letters import DeadLetters
 from worker.job_watch import JobWatch
 from worker.rq_batches import RqBatches, Run
@@ -75,6 +76,7 @@ class MlxqWorker(SimpleWorker):
         **kwargs: Any,
     ) -> None:
         kwargs.setdefault("log_job_description", False)  # descriptions hold prompts: keep them out of logs
+        kwargs.setdefault("job_class", BoundedJob)  # payload sizes checked before RQ inflates them
         super().__init__(queues, connection=connection, serializer=JSONSerializer, **kwargs)
         self.stream_options = stream_options
         self.heartbeat_s = heartbeat_s

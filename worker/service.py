@@ -16,6 +16,7 @@ from typing import Any
 import redis
 
 from jobs import keys
+from worker.bounded_job import BoundedJob
 from worker.engine import Engine, EngineOptions
 from worker.engine.device import limit_buffer_cache
 from worker.generation_jobs import BatchOptions, GenerationJobs
@@ -75,6 +76,7 @@ class WorkerService:
     def start(cls, settings: WorkerSettings, engine: Engine | None = None) -> WorkerService:
         """Load the model (unless given) and build the worker; nothing is dequeued yet."""
         conn = redis_from_url(settings.redis_url)
+        BoundedJob.max_payload_bytes = settings.max_payload_bytes  # every job this process reads
         limit_buffer_cache(settings.mlx_cache_limit_bytes)
         if settings.metrics_port is not None:
             require_prometheus()  # before the model loads: a missing extra should fail fast

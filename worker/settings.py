@@ -84,6 +84,9 @@ class WorkerSettings(BaseSettings):
         default=None, ge=1, description="characters of a prompt or a chat; unset: 32 x the context length"
     )
     max_stop_chars: int = Field(default=4096, ge=1, description="characters of a request's stop strings")
+    max_payload_bytes: int = Field(
+        default=16 << 20, ge=1024, description="a job's stored payload, and what it inflates to (zlib)"
+    )
 
     stream_maxlen: int = Field(default=10_000, ge=10, description="approximate cap on a stream's entries")
     stream_ttl_s: int = Field(default=3600, ge=1)

@@ -5,6 +5,7 @@ never started (put back, not failed). Many jobs started and ended together: `tes
 from __future__ import annotations
 
 import time
+import zlib
 from typing import Any
 
 import pytest
@@ -17,6 +18,7 @@ from rq.serializers import JSONSerializer
 
 from jobs import keys
 from worker import rq_worker
+from worker.job_claim import JobClaimer
 from worker.rq_worker import MlxqWorker
 from worker.stream_writer import StreamOptions
 
@@ -147,3 +149,35 @@ def test_a_rejected_jobs_reason_is_not_overwritten_by_maintenance(redis_conn: re
     w.handle_job_failure(job, q, exc_string="Job was stuck in intermediate queue.")  # as RQ's cleanup would
     assert job.get_status(refresh=True) == "failed"
     assert "is not an mlxq job" in (job.latest_result().exc_string or "")
+
+
+def test_a_payload_that_inflates_past_the_limit_is_put_aside_uninflated(redis_conn: redis.Redis) -> None:
+    """1 MB of zlib can hold 1 GiB: RQ would inflate it whole as it reads the job. Here it is measured
+    in steps that stop at the limit, the job is put aside with the reason, and the job behind it runs
+    (it fails: no component runs it in this bare worker, which is its own clear reason)."""
+    q = Queue("bombs", connection=redis_conn, serializer=JSONSerializer)
+    w = MlxqWorker([q], connection=redis_conn, stream_options=StreamOptions())
+    payload = b'["jobs.score", null, [{"rows": []}], {}]' + b" " * (17 << 20)  # valid JSON, 17 MiB
+    bomb = zlib.compress(payload, 9)
+    assert len(bomb) < 100_000
+    redis_conn.hset(
+        keys.rq_job_key("bomb"),
+        mapping={
+            "data": bomb,
+            "origin": "bombs",
+            "status": "queued",
+            "created_at": "2026-01-01T12:00:00.000000Z",
+        },
+    )
+    redis_conn.rpush(q.key, "bomb")
+    behind = q.enqueue_call(keys.SCORE_FUNC, args=({"rows": []},))
+    assert w.work(burst=True)
+    (_, entry), *_ = redis_conn.xrange(keys.dead_letter_key("bombs"))
+    assert entry[b"job_id"] == b"bomb"
+    assert b"inflates to more than 16777216 bytes" in entry[b"reason"], entry
+    assert behind.get_status(refresh=True) == "failed"  # it was read and run (by nobody here)
+    assert "runs no jobs.score jobs" in (behind.latest_result().exc_string or "")
+    assert w.fatal_error is None
+    claimer_view = JobClaimer(redis_conn, JSONSerializer)  # a claim's look never inflates it either
+    redis_conn.rpush(q.key, "bomb")
+    assert claimer_view.claim(q, lambda _queued: True, limit=4) == []
