@@ -1,22 +1,29 @@
-"""RQ's `Job`, with the size of its payload checked before RQ decompresses and decodes it.
+"""RQ's `Job`, read defensively: every field RQ reads checked, and the payload's size, before RQ reads it.
 
-RQ inflates a job's `data` field (zlib) in full as it reads the job, before any check of ours: 1 MB of
-zlib can hold 1 GiB. Every job this worker reads (dequeued, claimed, looked at by RQ's maintenance) is
-read through `BoundedJob`, whose `restore` first measures the payload: its stored bytes, and what they
-inflate to, inflated in steps that stop at the cap. A job over either limit cannot be read: it is put
-aside with the reason (`dead_letters.py`) and never inflated again.
+A producer in any language writes job hashes. RQ inflates a job's `data` field (zlib) in full as it
+reads the job (1 MB of zlib can hold 1 GiB), and takes some malformed fields that its own bookkeeping
+fails on later (a dependency list that is a number), where the error ends the worker. Every job this
+worker reads (dequeued, claimed, looked at by RQ's maintenance) is read through `BoundedJob`, whose
+`restore` first checks each field RQ reads with RQ's own parser (or a stricter one) and measures the
+payload: its stored bytes, and what they inflate to, inflated in steps that stop at the cap. A job that
+fails a check cannot be read: `UnreadableJob` names the field, and the job is put aside with that
+reason (`dead_letters.py`), never inflated again.
 """
 
 from __future__ import annotations
 
+import json
 import zlib
+from collections.abc import Callable
 from typing import Any, ClassVar
 
-from rq.job import Job
+from rq.job import Job, JobStatus
+from rq.utils import parse_timeout, str_to_date
 
 
-class PayloadTooLarge(ValueError):
-    """A job's `data` is larger, stored or inflated, than the worker takes (`MLXQ_MAX_PAYLOAD_BYTES`)."""
+class UnreadableJob(ValueError):
+    """A job hash with a field this worker will not read (named in the message), or whose payload is
+    larger, stored or inflated, than it takes (`MLXQ_MAX_PAYLOAD_BYTES`)."""
 
 
 def payload_size_error(data: bytes | str | None, limit: int) -> str | None:
@@ -41,14 +48,82 @@ def payload_size_error(data: bytes | str | None, limit: int) -> str | None:
     return None
 
 
+def _json_list(value: bytes) -> Any:
+    parsed = json.loads(value.decode())
+    if not isinstance(parsed, list) or not all(isinstance(v, str | int | float) for v in parsed):
+        raise ValueError("not a JSON list of ids or numbers")
+    return parsed
+
+
+def _flag(value: bytes) -> bool:
+    return bool(int(value))
+
+
+def _text(value: bytes) -> str:
+    return value.decode()
+
+
+# The fields `rq.job.Job.restore` reads, in its order, each with RQ's parser (or a stricter one where
+# RQ takes a value its own bookkeeping later fails on, such as a dependency list that is no list) and
+# what it expects.
+_FIELDS: list[tuple[str, Callable[[bytes], Any], str]] = [
+    ("origin", _text, "UTF-8 text"),
+    ("worker_name", _text, "UTF-8 text"),
+    ("description", _text, "UTF-8 text"),
+    ("group_id", _text, "UTF-8 text"),
+    ("created_at", str_to_date, "a date in RQ's format, e.g. 2026-01-01T12:00:00.000000Z"),
+    ("enqueued_at", str_to_date, "a date in RQ's format"),
+    ("started_at", str_to_date, "a date in RQ's format"),
+    ("ended_at", str_to_date, "a date in RQ's format"),
+    ("last_heartbeat", str_to_date, "a date in RQ's format"),
+    ("timeout", lambda v: parse_timeout(v.decode()), "a number of seconds"),
+    ("result_ttl", int, "an integer"),
+    ("failure_ttl", int, "an integer"),
+    ("status", lambda v: JobStatus(v.decode()), "one of RQ's job statuses"),
+    ("success_callback_name", _text, "UTF-8 text"),
+    ("failure_callback_name", _text, "UTF-8 text"),
+    ("stopped_callback_name", _text, "UTF-8 text"),
+    ("success_callback_timeout", int, "an integer"),
+    ("failure_callback_timeout", int, "an integer"),
+    ("stopped_callback_timeout", int, "an integer"),
+    ("dependency_ids", _json_list, "a JSON list of job ids"),
+    ("allow_dependency_failures", _flag, "0 or 1"),
+    ("enqueue_at_front", _flag, "0 or 1"),
+    ("ttl", int, "an integer"),
+    ("number_of_retries", int, "an integer"),
+    ("retries_left", int, "an integer"),
+    ("retry_intervals", _json_list, "a JSON list of seconds"),
+    ("enqueue_at_front_on_retry", _flag, "0 or 1"),
+    ("repeats_left", int, "an integer"),
+    ("repeat_intervals", _json_list, "a JSON list of seconds"),
+    ("rate_limit_key", _text, "UTF-8 text"),
+    ("rate_limit_concurrency", int, "an integer"),
+]
+
+
+def field_problem(fields: dict[bytes, bytes], max_payload_bytes: int) -> str | None:
+    """The first field of a job hash this worker will not read, named with what it expects; else None."""
+    for name, parse, expected in _FIELDS:
+        value = fields.get(name.encode())
+        if not value:
+            continue
+        try:
+            parse(value)
+        except Exception:
+            return f"field {name!r} is {value[:60].decode(errors='replace')!r}, not {expected}"
+    return payload_size_error(fields.get(b"data"), max_payload_bytes)
+
+
 class BoundedJob(Job):
-    """A `Job` that refuses to restore a payload over `max_payload_bytes` (stored or inflated)."""
+    """A `Job` that reads a hash only when every field RQ reads holds what RQ expects and its payload is
+    within `max_payload_bytes` (stored and inflated); else `UnreadableJob`, naming the field."""
 
     max_payload_bytes: ClassVar[int] = 16 << 20
 
     def restore(self, raw_data: Any) -> Any:
-        data = raw_data.get(b"data", raw_data.get("data")) if isinstance(raw_data, dict) else None
-        problem = payload_size_error(data, self.max_payload_bytes)
+        fields = {k.encode() if isinstance(k, str) else k: v for k, v in dict(raw_data).items()}
+        fields = {k: v.encode() if isinstance(v, str) else v for k, v in fields.items()}
+        problem = field_problem(fields, self.max_payload_bytes)
         if problem is not None:
-            raise PayloadTooLarge(f"{problem} (job {self.id})")
+            raise UnreadableJob(problem)
         return super().restore(raw_data)

@@ -9,24 +9,18 @@ writes these hashes, so one malformed field must fail only its own job.
 `DeadLetters.put_aside` takes such a job off the intermediate list, records it in the queue's capped
 dead-letter stream (`mlxq:dead:<queue>`: job id and the reason, naming the field), and ends the job's own
 stream with an `error` event so that a waiting producer learns why; its hash is left as it was (nothing
-is deleted). `reason` names the field by running RQ's own parsers over the fields that RQ's
-`Job.restore` parses, in its order.
+is deleted). `reason` names the field (`bounded_job.field_problem`).
 """
 
 from __future__ import annotations
 
-import json
 import logging
-from collections.abc import Callable
-from typing import Any
 
 import redis
 from rq import Queue
-from rq.job import JobStatus
-from rq.utils import parse_timeout, str_to_date
 
 from jobs import keys
-from worker.bounded_job import BoundedJob, payload_size_error
+from worker.bounded_job import BoundedJob, UnreadableJob, field_problem
 from worker.stream_writer import REDIS_TRANSIENT, StreamOptions, StreamWriter, retrying
 
 log = logging.getLogger(__name__)
@@ -34,65 +28,19 @@ log = logging.getLogger(__name__)
 DEAD_LETTERS_MAXLEN = 10_000  # entries kept per queue (approximately)
 
 
-def _json_list(value: bytes) -> Any:
-    parsed = json.loads(value.decode())
-    if not isinstance(parsed, list):
-        raise ValueError("not a JSON list")
-    return parsed
-
-
-def _flag(value: bytes) -> bool:
-    return bool(int(value))
-
-
-# The fields `rq.job.Job.restore` parses, in its order, each with RQ's parser and what it expects.
-_FIELDS: list[tuple[str, Callable[[bytes], Any], str]] = [
-    ("created_at", str_to_date, "a date in RQ's format, e.g. 2026-01-01T12:00:00.000000Z"),
-    ("enqueued_at", str_to_date, "a date in RQ's format"),
-    ("started_at", str_to_date, "a date in RQ's format"),
-    ("ended_at", str_to_date, "a date in RQ's format"),
-    ("last_heartbeat", str_to_date, "a date in RQ's format"),
-    ("timeout", lambda v: parse_timeout(v.decode()), "a number of seconds"),
-    ("result_ttl", int, "an integer"),
-    ("failure_ttl", int, "an integer"),
-    ("status", lambda v: JobStatus(v.decode()), "one of RQ's job statuses"),
-    ("success_callback_timeout", int, "an integer"),
-    ("failure_callback_timeout", int, "an integer"),
-    ("stopped_callback_timeout", int, "an integer"),
-    ("dependency_ids", _json_list, "a JSON list of job ids"),
-    ("allow_dependency_failures", _flag, "0 or 1"),
-    ("enqueue_at_front", _flag, "0 or 1"),
-    ("ttl", int, "an integer"),
-    ("number_of_retries", int, "an integer"),
-    ("retries_left", int, "an integer"),
-    ("retry_intervals", _json_list, "a JSON list of seconds"),
-    ("enqueue_at_front_on_retry", _flag, "0 or 1"),
-    ("repeats_left", int, "an integer"),
-    ("repeat_intervals", _json_list, "a JSON list of seconds"),
-    ("rate_limit_concurrency", int, "an integer"),
-]
-
-
 def reason(conn: redis.Redis, job_id: str, error: BaseException) -> str:
-    """Why the job cannot be read, naming the key's type or the first field RQ cannot parse."""
+    """Why the job cannot be read: the key's type, or the first field RQ cannot parse (named)."""
     key = keys.rq_job_key(job_id)
     kind = conn.type(key)
     kind = kind.decode() if isinstance(kind, bytes) else str(kind)
     if kind != "hash":
         return f"{key} is a Redis {kind}, not a hash: not an RQ job"
+    if isinstance(error, UnreadableJob):
+        return f"{error} of {key}"
     fields: dict[bytes, bytes] = conn.hgetall(key)  # type: ignore[assignment]
-    for name, parse, expected in _FIELDS:
-        value = fields.get(name.encode())
-        if not value:
-            continue
-        try:
-            parse(value)
-        except Exception:
-            shown = value[:60].decode(errors="replace")
-            return f"field {name!r} of {key} is {shown!r}, not {expected}"
-    too_large = payload_size_error(fields.get(b"data"), BoundedJob.max_payload_bytes)
-    if too_large is not None:
-        return f"{too_large}: {key}"
+    problem = field_problem(fields, BoundedJob.max_payload_bytes)
+    if problem is not None:
+        return f"{problem} of {key}"
     return f"{key} cannot be read by RQ ({type(error).__name__}: {error})"
 
 
