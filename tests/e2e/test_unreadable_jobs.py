@@ -18,7 +18,7 @@ from rq.serializers import JSONSerializer
 from worker_process import WorkerProcess
 
 from jobs import keys
-from producer import Client
+from producer import Client, JobFailed
 from worker.engine import Engine
 from worker.rq_worker import MlxqWorker
 from worker.service import WorkerService
@@ -76,6 +76,9 @@ def test_unreadable_jobs_are_put_aside_with_a_reason_and_the_job_behind_them_run
     with Client(redis_url) as client:
         canary = client.submit_generate("The capital of France is", max_tokens=3, temperature=0)
         assert canary.result(timeout=60).finish_reason in ("stop", "length")
+        # A producer waiting on one learns why at once, from its stream.
+        with pytest.raises(JobFailed, match="UnreadableJob: field 'created_at'"):
+            client.job("iso-created-at").result(timeout=30)
     _eventually(lambda: len(_dead(redis_conn)) == len(BAD), what="every bad job put aside")
     dead = _dead(redis_conn)
     for job_id, (_, named) in BAD.items():
