@@ -26,26 +26,31 @@ class UnreadableJob(ValueError):
     larger, stored or inflated, than it takes (`MLXQ_MAX_PAYLOAD_BYTES`)."""
 
 
-def payload_size_error(data: bytes | str | None, limit: int) -> str | None:
-    """Why `data` (a job hash's `data` field, zlib-compressed or not) is too large, else None."""
-    if data is None:
-        return None
+def bounded_payload(data: bytes | str, limit: int) -> tuple[bytes | None, str | None]:
+    """A job hash's `data` field as RQ reads it (inflated where it is zlib-compressed, else as stored),
+    and None; or None and why it is too large. Never inflates past `limit` + 1 bytes."""
     raw = data.encode() if isinstance(data, str) else data
     if len(raw) > limit:
-        return (
+        why = (
             f"field 'data' holds {len(raw)} bytes; this worker takes at most {limit} (MLXQ_MAX_PAYLOAD_BYTES)"
         )
+        return None, why
     inflater = zlib.decompressobj()
     try:
-        inflated = len(inflater.decompress(raw, limit + 1))
+        inflated = inflater.decompress(raw, limit + 1)
     except zlib.error:
-        return None  # not compressed: RQ reads it as it is, and its size was checked above
-    if inflated > limit:
-        return (
+        return raw, None  # not compressed: RQ reads it as it is, and its size was checked above
+    if len(inflated) > limit:
+        return None, (
             f"field 'data' inflates to more than {limit} bytes ({len(raw)} compressed); this worker takes "
             f"at most {limit} (MLXQ_MAX_PAYLOAD_BYTES)"
         )
-    return None
+    return inflated, None
+
+
+def payload_size_error(data: bytes | str | None, limit: int) -> str | None:
+    """Why `data` (a job hash's `data` field, zlib-compressed or not) is too large, else None."""
+    return None if data is None else bounded_payload(data, limit)[1]
 
 
 def _json_list(value: bytes) -> Any:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import logging
-import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -25,7 +24,7 @@ from rq.exceptions import NoSuchJobError
 from rq.job import Job
 
 from jobs import keys
-from worker.bounded_job import BoundedJob, payload_size_error
+from worker.bounded_job import BoundedJob, bounded_payload
 from worker.dead_letters import DeadLetters
 from worker.stream_writer import REDIS_TRANSIENT
 
@@ -59,12 +58,11 @@ def parse_queued(job_id: str, data: bytes | None) -> QueuedJob | None:
     which is never inflated here) is left in the queue for RQ's own dequeue, where the worker rejects
     it, or puts it aside, with a reason.
     """
-    if not data or payload_size_error(data, BoundedJob.max_payload_bytes) is not None:
+    if not data:
         return None
-    try:
-        raw = zlib.decompress(data)
-    except zlib.error:
-        raw = data
+    raw, _too_large = bounded_payload(data, BoundedJob.max_payload_bytes)  # inflated once, at most the cap
+    if raw is None:
+        return None
     try:
         func, _instance, args, kwargs = json.loads(raw)
     except (ValueError, TypeError):
