@@ -50,6 +50,7 @@ from .tail import (
     decode_xread,
     newest,
 )
+from .tenant import Tenant
 
 log = logging.getLogger(__name__)
 
@@ -183,8 +184,9 @@ class AsyncClient:
         settings: ProducerSettings | None = None,
     ) -> None:
         self.settings = settings or ProducerSettings()
+        self.tenant = Tenant(self.settings.tenant)
         self.redis_url = redis_url or self.settings.redis_url
-        self.queue = queue or self.settings.queue
+        self.queue = self.tenant.queue(queue or self.settings.queue)
         self.connection: redis.asyncio.Redis = connect_async(self.redis_url, self.settings)
         self.retry = RetryPolicy.from_settings(self.settings)
         self._sync: redis.Redis | None = None
@@ -325,7 +327,9 @@ class AsyncClient:
 
     def _bulk_target(self) -> bulk.BulkTarget:
         """This client as a bulk run sees it, on its sync connection (a run is sync, in a thread)."""
-        return bulk.BulkTarget(self._sync_connection(), self.retry, self.queue, self.settings.job_options())
+        return bulk.BulkTarget(
+            self._sync_connection(), self.retry, self.queue, self.settings.job_options(), self.tenant
+        )
 
     async def enqueue(
         self,
@@ -337,7 +341,9 @@ class AsyncClient:
     ) -> str:
         """Write the RQ job in one transaction; retried on connection errors, never enqueued twice."""
         queue = queue or self.queue
-        job = rq_wire.build_job(func_name, job_payload, queue=queue, options=options, job_id=job_id)
+        job = rq_wire.build_job(
+            func_name, job_payload, queue=queue, options=options, job_id=job_id, tenant=self.tenant
+        )
         await self.retry.acall(self._enqueue_once, job)
         log.debug("enqueued job=%s func=%s queue=%s", job.id, func_name, job.queue)
         return job.id

@@ -30,6 +30,7 @@ from .bulk_kinds import BulkKind, RowNotDone
 from .bulk_progress import ProgressLine
 from .connection import RetryPolicy
 from .tail import START_ID, decode_entries, first_terminal
+from .tenant import SHARED, Tenant
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +65,7 @@ class BulkTarget:
     retry: RetryPolicy  # the client's: cancels use it as it is, the run's own reads a patient copy
     queue: str  # the client's queue, unless `BulkOptions.queue` names another
     job_options: rq_wire.JobOptions  # the settings' RQ options for every job of the run
+    tenant: Tenant = SHARED  # the client's key space: job ids and queue names
 
 
 @dataclass(eq=False)
@@ -91,7 +93,7 @@ class BulkRun:
         self.call = target.retry.patient().call  # a run of hours outlives a Redis restart
         self.kind = kind
         self.options = options
-        self.queue = options.queue or target.queue
+        self.queue = target.tenant.queue(options.queue) if options.queue else target.queue
         self.rows = rows
         self.output = output
         self.progress = progress
@@ -162,7 +164,11 @@ class BulkRun:
             request = self.kind.request([s.row for s in slots])
             options = replace(self.target.job_options, at_front=True) if retried else self.target.job_options
             wire = rq_wire.build_job(
-                self.kind.func, payload.wire_payload(request), queue=self.queue, options=options
+                self.kind.func,
+                payload.wire_payload(request),
+                queue=self.queue,
+                options=options,
+                tenant=self.target.tenant,
             )
             batch.append((_Job(wire.id, slots), wire))
         if not batch:

@@ -23,7 +23,7 @@ import redis
 from jobs import errors
 from jobs.schema import DoneEvent, ErrorEvent, GenerateResult, RestartEvent, ScoreResult, TokenEvent
 
-from . import status_report
+from . import status_report, tenant
 from .bulk_files import BulkSummary
 from .client import Client, JobHandle
 from .connection import redact_url
@@ -39,6 +39,9 @@ NEEDS_MLX = "mlxq: the worker needs MLX: pip install 'mlxq[cpu]' on Linux, 'mlxq
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mlxq", description="Submit and follow mlxq jobs.")
     parser.add_argument("--redis-url", help="redis://, rediss:// or unix:// URL [MLXQ_REDIS_URL]")
+    parser.add_argument(
+        "--tenant", help="this producer's key space: ids and queues `<tenant>_...` [MLXQ_TENANT]"
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="submit a generation job and stream its text")
@@ -82,6 +85,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _sampling_arguments(gen_file)
     _bulk_arguments(gen_file)
+
+    acl = sub.add_parser("tenant-acl", help="print the users.acl line of a tenant's producer user")
+    acl.add_argument("name", help="the tenant: 1-32 lowercase letters and digits")
+    acl.add_argument("--user", help="the ACL user name [the tenant's name]")
 
     # Listed for --help only: main() hands these to worker.cli before parsing.
     sub.add_parser("worker", help="run a worker (needs MLX; see `mlxq worker --help`)", add_help=False)
@@ -327,6 +334,18 @@ def _failed(e: errors.JobFailed) -> int:
     return 1
 
 
+def _tenant_acl(args: argparse.Namespace) -> int:
+    """Print `user <name> on >CHANGE-ME <rules>` for `deploy/redis/users.acl` (needs Redis 7 or later)."""
+    try:
+        rules = tenant.acl_rules(args.name)
+    except ValueError as e:
+        print(f"mlxq: {e}", file=sys.stderr)
+        return 2
+    print(f"user {args.user or args.name} on >CHANGE-ME {rules}")
+    print("mlxq: replace CHANGE-ME with the password (or #<sha256>) before loading it", file=sys.stderr)
+    return 0
+
+
 def _split_worker_command(argv: list[str]) -> tuple[list[str], str | None] | None:
     """`[worker|import-gguf, ...]` and the global --redis-url, if argv runs one of those; else None."""
     i, redis_url = 0, None
@@ -363,7 +382,10 @@ def main(argv: list[str] | None = None) -> int:
     if delegated is not None:
         return run_worker_command(*delegated)
     args = build_parser().parse_args(argv)
-    settings = ProducerSettings(**({"redis_url": args.redis_url} if args.redis_url else {}))
+    if args.command == "tenant-acl":
+        return _tenant_acl(args)
+    given = {"redis_url": args.redis_url, "tenant": args.tenant}
+    settings = ProducerSettings(**{k: v for k, v in given.items() if v})
     try:
         with Client(settings=settings) as client:
             return COMMANDS[args.command](client, args)

@@ -48,6 +48,7 @@ from .tail import (
     decode_xread,
     newest,
 )
+from .tenant import Tenant
 
 log = logging.getLogger(__name__)
 
@@ -186,7 +187,8 @@ class Client:
         settings: ProducerSettings | None = None,
     ) -> None:
         self.settings = settings or ProducerSettings()
-        self.queue = queue or self.settings.queue
+        self.tenant = Tenant(self.settings.tenant)
+        self.queue = self.tenant.queue(queue or self.settings.queue)
         self.connection = connection or connect(redis_url or self.settings.redis_url, self.settings)
         self.retry = RetryPolicy.from_settings(self.settings)
 
@@ -320,7 +322,9 @@ class Client:
 
     def _bulk_target(self) -> bulk.BulkTarget:
         """This client as a bulk run sees it: its connection, retry policy, queue and job options."""
-        return bulk.BulkTarget(self.connection, self.retry, self.queue, self.settings.job_options())
+        return bulk.BulkTarget(
+            self.connection, self.retry, self.queue, self.settings.job_options(), self.tenant
+        )
 
     def enqueue(
         self,
@@ -332,7 +336,9 @@ class Client:
     ) -> str:
         """Write the RQ job in one transaction; retried on connection errors, never enqueued twice."""
         queue = queue or self.queue
-        job = rq_wire.build_job(func_name, job_payload, queue=queue, options=options, job_id=job_id)
+        job = rq_wire.build_job(
+            func_name, job_payload, queue=queue, options=options, job_id=job_id, tenant=self.tenant
+        )
         self.retry.call(self._enqueue_once, job)
         log.debug("enqueued job=%s func=%s queue=%s", job.id, func_name, job.queue)
         return job.id

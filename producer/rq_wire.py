@@ -12,7 +12,6 @@ Reading back goes through RQ's own code where RQ has it (`Result.restore` for a 
 from __future__ import annotations
 
 import json
-import uuid
 import zlib
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -28,6 +27,8 @@ from rq.serializers import JSONSerializer
 from rq.utils import now, utcformat
 
 from jobs import keys
+
+from .tenant import SHARED, Tenant
 
 DESCRIPTION_MAX_CHARS = 200
 """RQ puts the whole call in `description`; a long prompt would be stored twice, so it is cut."""
@@ -69,11 +70,6 @@ class WireJob:
     @property
     def queue_key(self) -> str:
         return keys.rq_queue_key(self.queue)
-
-
-def new_job_id() -> str:
-    """A fresh job id (uuid4 hex): made by the client, so a retried submission can see it already landed."""
-    return uuid.uuid4().hex
 
 
 def job_data(func_name: str, payload: dict[str, Any], *, compress: bool = True) -> bytes:
@@ -118,11 +114,14 @@ def build_job(
     options: JobOptions | None = None,
     job_id: str | None = None,
     at: datetime | None = None,
+    tenant: Tenant = SHARED,
 ) -> WireJob:
-    """The RQ job hash for `func_name(payload)` on `queue`, as `Queue.enqueue` would write it."""
+    """The RQ job hash for `func_name(payload)` on `queue`, as `Queue.enqueue` would write it; the queue
+    and the job id (a fresh one unless given) are `tenant`'s."""
     if func_name not in keys.JOB_FUNCS:
         raise ValueError(f"{func_name!r} is not an mlxq job function; use one of {sorted(keys.JOB_FUNCS)}")
     options = options or JobOptions()
+    queue = tenant.queue(queue)
     stamp = utcformat(at or now())
     fields: dict[str, str | bytes] = {
         "data": job_data(func_name, payload),
@@ -133,7 +132,7 @@ def build_job(
         "enqueued_at": stamp,
         **_option_fields(options),
     }
-    return WireJob(id=job_id or new_job_id(), queue=queue, fields=fields, at_front=options.at_front)
+    return WireJob(id=tenant.job_id(job_id), queue=queue, fields=fields, at_front=options.at_front)
 
 
 def queue_commands(pipe: AnyPipeline, job: WireJob) -> None:

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 from rq import Retry
 
+from . import tenant
 from .rq_wire import JobOptions
 
 READ_BLOCK_MS = 1000
@@ -27,6 +28,10 @@ class ProducerSettings(BaseSettings):
 
     redis_url: str = "redis://127.0.0.1:6379/0"
     queue: str = Field(default="default", min_length=1)
+    tenant: str | None = Field(
+        default=None,
+        description="this producer's key space: job ids and queues named `<tenant>_...` (see tenant.py)",
+    )
     job_timeout: int | None = Field(
         default=None, ge=1, description="seconds a job may run; None leaves it to the worker's default"
     )
@@ -38,6 +43,11 @@ class ProducerSettings(BaseSettings):
     redis_retry_max_wait_s: float = Field(default=2.0, gt=0.0)
     socket_timeout_s: float = Field(default=10.0, description="must exceed the longest XREAD BLOCK (1 s)")
     socket_connect_timeout_s: float = Field(default=5.0, gt=0.0)
+
+    @field_validator("tenant")
+    @classmethod
+    def _tenant_name(cls, value: str | None) -> str | None:
+        return None if value is None else tenant.check_name(value)
 
     @model_validator(mode="after")
     def _socket_outlasts_block(self) -> ProducerSettings:

@@ -108,6 +108,8 @@ _FIELDS: list[tuple[str, Callable[[bytes], Any], str]] = [
 
 def field_problem(fields: dict[bytes, bytes], max_payload_bytes: int) -> str | None:
     """The first field of a job hash this worker will not read, named with what it expects; else None."""
+    if not fields.get(b"origin"):  # RQ would end the job in registries of a queue named ""
+        return "field 'origin' is missing: it must name the job's queue"
     for name, parse, expected in _FIELDS:
         value = fields.get(name.encode())
         if not value:

@@ -9,7 +9,8 @@ writes these hashes, so one malformed field must fail only its own job.
 `DeadLetters.put_aside` takes such a job off the intermediate list, records it in the queue's capped
 dead-letter stream (`mlxq:dead:<queue>`: job id and the reason, naming the field), and ends the job's own
 stream with an `error` event so that a waiting producer learns why; its hash is left as it was (nothing
-is deleted). `reason` names the field (`bounded_job.field_problem`).
+is deleted). `reason` names the field (`bounded_job.field_problem`). `DeadLetters.misplaced` records a
+job found in a queue that is not its own (its origin names another), touching nothing of the job.
 """
 
 from __future__ import annotations
@@ -56,6 +57,28 @@ class DeadLetters:
         an `error` event. Returns the reason."""
         why = reason(self.conn, job_id, error)
         log.warning("unreadable job put aside job=%s queue=%s reason=%s", job_id, queue.name, why)
+        self._record(job_id, queue, why)
+        try:
+            StreamWriter(self.conn, job_id, self.options).error_once(f"UnreadableJob: {why}")
+        except Exception:  # the dead-letter entry is the record; the stream is a courtesy to readers
+            log.exception("could not end the stream of an unreadable job job=%s", job_id)
+        return why
+
+    def misplaced(self, job_id: str, queue: Queue, origin: str) -> str:
+        """Take a job found in `queue` whose hash names another queue as its origin off `queue`'s
+        intermediate list, and record it in the dead-letter stream; never run it here, never touch its
+        records: the job (maybe another tenant's, its id pushed onto this queue by a producer who may
+        push only here) stays as its own queue has it. Returns the reason."""
+        why = (
+            f"job {job_id} was found in queue {queue.name!r} but belongs to queue {origin!r} (its origin): "
+            "not run from here, its records left as they are"
+        )
+        log.warning("misplaced job dropped job=%s queue=%s origin=%s", job_id, queue.name, origin)
+        self._record(job_id, queue, why)
+        return why
+
+    def _record(self, job_id: str, queue: Queue, why: str) -> None:
+        """Off `queue`'s intermediate list, into its dead-letter stream, in one transaction."""
 
         def record() -> None:
             with self.conn.pipeline() as pipe:
@@ -69,11 +92,6 @@ class DeadLetters:
                 pipe.execute()
 
         retrying(self.options)(record)
-        try:
-            StreamWriter(self.conn, job_id, self.options).error_once(f"UnreadableJob: {why}")
-        except Exception:  # the dead-letter entry is the record; the stream is a courtesy to readers
-            log.exception("could not end the stream of an unreadable job job=%s", job_id)
-        return why
 
     def sweep(self, queue: Queue) -> int:
         """Put aside every job in `queue`'s intermediate list that RQ cannot read (before RQ's own

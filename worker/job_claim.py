@@ -51,15 +51,15 @@ class QueuedJob:
     payload: Any
 
 
-def parse_queued(job_id: str, data: bytes | None) -> QueuedJob | None:
+def parse_queued(job_id: str, data: bytes | None, origin: bytes | None, queue: str) -> QueuedJob | None:
     """The job in RQ's `data` field if it is an mlxq job with exactly one argument, else None.
 
     Anything else (pickle, another function, extra arguments, a payload over the worker's size limit,
-    which is never inflated here) is left in the queue for RQ's own dequeue, where the worker rejects
-    it, or puts it aside, with a reason.
+    which is never inflated here, a job whose origin is another queue) is left in the queue for RQ's own
+    dequeue, where the worker rejects it, puts it aside or drops it, with a reason.
     """
-    if not data:
-        return None
+    if not data or origin is None or origin.decode(errors="replace") != queue:
+        return None  # a job of another queue (its id pushed here) is RQ's dequeue's to drop
     raw, _too_large = bounded_payload(data, BoundedJob.max_payload_bytes)  # inflated once, at most the cap
     if raw is None:
         return None
@@ -87,6 +87,7 @@ class JobClaimer:
         # not change, and with a backlog most of the window is the same from one claim to the next
         # (a generation batch claims every few steps; each look read and parsed 128 jobs).
         self._seen: dict[str, QueuedJob | None] = {}
+        self._seen_in = ""  # the queue `_seen` was read from (a job is parsed against its queue)
 
     def claim(self, queue: Queue, pick: Callable[[QueuedJob], bool], limit: int) -> list[Job]:
         """Up to `limit` jobs, in queue order, for which `pick` says yes (it may keep a budget)."""
@@ -95,7 +96,7 @@ class JobClaimer:
         ids = [_text(i) for i in self.conn.lrange(queue.key, 0, self.scan - 1)]
         if not ids:
             return []
-        self._read(ids)
+        self._read(ids, queue.name)
         chosen: list[str] = []
         for job_id in ids:
             queued = self._seen[job_id]
@@ -109,15 +110,17 @@ class JobClaimer:
         moved = [_text(m) for m in self._move(keys=[queue.key, queue.intermediate_queue_key], args=chosen)]
         return self._fetch(moved, queue)
 
-    def _read(self, ids: list[str]) -> None:
+    def _read(self, ids: list[str], queue: str) -> None:
         """Make `_seen` hold exactly `ids`, reading and parsing only the ones not seen before."""
+        if queue != self._seen_in:
+            self._seen, self._seen_in = {}, queue
         new = [job_id for job_id in ids if job_id not in self._seen]
         if new:
             pipe = self.conn.pipeline(transaction=False)
             for job_id in new:
-                pipe.hget(keys.rq_job_key(job_id), "data")
-            for job_id, data in zip(new, pipe.execute(), strict=True):
-                self._seen[job_id] = parse_queued(job_id, data)
+                pipe.hmget(keys.rq_job_key(job_id), ["data", "origin"])
+            for job_id, (data, origin) in zip(new, pipe.execute(), strict=True):
+                self._seen[job_id] = parse_queued(job_id, data, origin, queue)
         self._seen = {job_id: self._seen[job_id] for job_id in ids}
 
     def _fetch(self, ids: list[str], queue: Queue) -> list[Job]:

@@ -97,9 +97,13 @@ class MlxqWorker(SimpleWorker):
 
     def start(self, jobs: list[Job], queue: Queue) -> list[Run]:
         """Fail the taken jobs this worker must not run (`forbidden_reason`: claims already leave such
-        jobs queued, this is the same check a dequeued job gets), start the others together."""
+        jobs queued, this is the same check a dequeued job gets), drop those of another queue, start the
+        others together."""
         allowed = []
         for job in jobs:
+            if job.origin != queue.name:
+                self.dead_letters.misplaced(job.id, queue, job.origin)
+                continue
             problem = forbidden_reason(job)
             if problem is None:
                 allowed.append(job)
@@ -165,10 +169,16 @@ class MlxqWorker(SimpleWorker):
         self, timeout: int | None, max_idle_time: int | None = None
     ) -> tuple[Job, Queue] | None:
         """RQ's dequeue, where a job RQ cannot read (a malformed field, a key of another type) is put
-        aside with the reason (`DeadLetters`) and the dequeue goes on, instead of ending the worker."""
+        aside with the reason (`DeadLetters`) and the dequeue goes on, instead of ending the worker. A
+        job found in a queue that is not its origin (its id pushed there by someone allowed to push only
+        there, `producer/tenant.py`) is dropped from that queue, never run from it, and recorded."""
         while True:
             try:
-                return super().dequeue_job_and_maintain_ttl(timeout, max_idle_time)
+                taken = super().dequeue_job_and_maintain_ttl(timeout, max_idle_time)
+                if taken is not None and taken[0].origin != taken[1].name:
+                    self.dead_letters.misplaced(taken[0].id, taken[1], taken[0].origin)
+                    continue
+                return taken
             except _NOT_THE_JOBS:  # a stop signal while idle, Redis away: RQ's loop handles these
                 raise
             except Exception as e:
@@ -261,6 +271,8 @@ class MlxqWorker(SimpleWorker):
         execution: Any = None,
     ) -> None:
         if exc_string == _STUCK and execution is None:
+            if job.origin != queue.name:
+                return  # another queue's job, its id pushed onto this one: its record is not ours to end
             status = job.get_status(refresh=False)
             if status == JobStatus.QUEUED:
                 self._requeue_stuck(job, queue)

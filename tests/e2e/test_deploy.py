@@ -576,6 +576,9 @@ def test_producer_worker_and_ops_users_can_do_all_they_need_and_no_more(
     worker_conn = redis.Redis.from_url(_url("worker", port))
     for attempt in (
         lambda: producer.hset("mlxq:worker:acl-a", "model", "forged"),
+        lambda: producer.set("mlxq:result:any", '{"text": "forged"}'),  # only workers write results
+        lambda: producer.xadd("mlxq:stream:any", {"event": "done"}),
+        lambda: producer.sadd("rq:job:any:dependents", "other"),
         lambda: producer.lpush("rq:wip:acl", "x"),
         lambda: producer.publish("rq:pubsub:acl-a", "{}"),
         lambda: producer.keys("*"),

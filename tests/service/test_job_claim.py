@@ -15,7 +15,7 @@ REDIS_DB = 9
 
 
 def _hgets(conn: redis.Redis) -> int:
-    return int(conn.info("commandstats").get("cmdstat_hget", {"calls": 0})["calls"])
+    return int(conn.info("commandstats").get("cmdstat_hmget", {"calls": 0})["calls"])
 
 
 def test_chosen_jobs_move_in_queue_order_and_the_rest_stay(redis_conn: redis.Redis) -> None:
@@ -49,6 +49,20 @@ def test_each_queued_job_is_read_once_however_often_the_queue_is_looked_at(redis
     claimed = [claimer.claim(queue, lambda q: True, limit=2) for _ in range(5)]
     assert [j.id for batch in claimed for j in batch] == [j.id for j in jobs[:10]]
     assert _hgets(redis_conn) - before == 16 + 4 * 2  # the first window, then the 2 new ids per look
+
+
+def test_a_job_of_another_queue_is_never_claimed_from_this_one(redis_conn: redis.Redis) -> None:
+    """Its id pushed onto this queue (by a tenant allowed to push only here): left for RQ's dequeue to
+    drop, even right after the same job was looked at in its own queue."""
+    own = Queue("acme_q", connection=redis_conn, serializer=JSONSerializer)
+    here = Queue("beta_q", connection=redis_conn, serializer=JSONSerializer)
+    victim = own.enqueue_call(keys.SCORE_FUNC, args=({"rows": []},))
+    mine = here.enqueue_call(keys.SCORE_FUNC, args=({"rows": []},))
+    redis_conn.rpush(here.key, victim.id)
+    claimer = JobClaimer(redis_conn, JSONSerializer)
+    assert claimer.claim(own, lambda q: False, limit=4) == []  # looked at in its own queue first
+    assert [j.id for j in claimer.claim(here, lambda q: True, limit=4)] == [mine.id]
+    assert here.get_job_ids() == [victim.id] and own.get_job_ids() == [victim.id]
 
 
 def test_a_claimed_job_rq_cannot_read_is_put_aside_and_the_others_are_claimed(
