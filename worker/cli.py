@@ -20,6 +20,11 @@ def _worker_parser(sub: Any) -> None:
         "--model", help="model folder (Hugging Face layout), Hub repo id, or `default` [MLXQ_MODEL]"
     )
     p.add_argument("--queue", "-q", action="append", dest="queues", help="queue to serve (repeatable)")
+    p.add_argument(
+        "--queue-order",
+        choices=["priority", "round_robin", "random"],
+        help="the first queue with jobs, the queues in turn, or any [MLXQ_QUEUE_ORDER: priority]",
+    )
     p.add_argument("--burst", action="store_true", help="process what is queued, then exit")
     p.add_argument("--redis-url", help="redis://, rediss:// or unix:// URL [MLXQ_REDIS_URL]")
     p.add_argument("--name", help="worker name (default: RQ's)")
@@ -46,6 +51,7 @@ def settings_from_args(args: argparse.Namespace) -> WorkerSettings:
         for k, v in {
             "model": args.model,
             "queues": args.queues,
+            "queue_order": args.queue_order,
             "redis_url": args.redis_url,
             "name": args.name,
             "dtype": args.dtype,

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import redis
+from rq.worker import DequeueStrategy
 
 from jobs import keys
 from worker.bounded_job import BoundedJob
@@ -30,6 +31,12 @@ from worker.settings import WorkerSettings
 from worker.stream_writer import StreamOptions
 
 log = logging.getLogger(__name__)
+
+_DEQUEUE_STRATEGY = {
+    "priority": DequeueStrategy.DEFAULT,
+    "round_robin": DequeueStrategy.ROUND_ROBIN,
+    "random": DequeueStrategy.RANDOM,
+}  # `MLXQ_QUEUE_ORDER` in RQ's words
 
 
 def redis_from_url(url: str) -> redis.Redis:
@@ -142,7 +149,12 @@ class WorkerService:
         metrics = self._start_metrics()
         self.stats.publish()
         try:
-            self.worker.work(burst=burst, max_jobs=max_jobs, logging_level=self.settings.log_level)
+            self.worker.work(
+                burst=burst,
+                max_jobs=max_jobs,
+                logging_level=self.settings.log_level,
+                dequeue_strategy=_DEQUEUE_STRATEGY[self.settings.queue_order],
+            )
         finally:
             if metrics is not None:
                 metrics.stop()

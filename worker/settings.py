@@ -16,6 +16,11 @@ class WorkerSettings(BaseSettings):
     redis_url: str = "redis://127.0.0.1:6379/0"
     model: str = Field(default="", description="model folder (Hugging Face layout) or a Hub repo id")
     queues: list[str] = Field(default_factory=lambda: ["default"])
+    queue_order: Literal["priority", "round_robin", "random"] = Field(
+        default="priority",
+        description="which queue RQ takes the next job from: the first with jobs (the order given), "
+        "the next after the last one served (fair between queues, e.g. tenants), or any",
+    )
     name: str | None = Field(default=None, description="worker name; RQ makes one if unset")
 
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"

@@ -185,3 +185,36 @@ def test_tenants_share_workers_and_cannot_reach_each_others_jobs(
         acme.close()
         beta.close()
         admin.close()
+
+
+@pytest.mark.parametrize("order", ["priority", "round_robin"])
+def test_queue_order_round_robin_serves_tenants_in_turn(
+    order: str, redis_url: str, model_dir: Path, no_eos: dict[int, float]
+) -> None:
+    """`MLXQ_QUEUE_ORDER=round_robin`: a worker serving two tenants' queues takes from each in turn
+    (RQ's own round-robin dequeue); by default the first queue is served while it has jobs."""
+    from worker.engine import Engine
+    from worker.service import WorkerService
+    from worker.settings import WorkerSettings
+
+    submitted: dict[str, list[str]] = {}
+    for tenant in ("acme", "beta"):
+        with Client(redis_url, settings=ProducerSettings(tenant=tenant)) as client:
+            jobs = [client.submit_generate("hi", max_tokens=1, logit_bias=no_eos) for _ in range(3)]
+            submitted[tenant] = [job.id for job in jobs]
+    settings = WorkerSettings(  # type: ignore[call-arg]
+        model=str(model_dir),
+        redis_url=redis_url,
+        queues=["acme_default", "beta_default"],
+        queue_order=order,
+        max_batch_sequences=1,  # one job per dequeue, so the dequeue order is the run order
+        _env_file=None,
+    )
+    service = WorkerService.start(settings, engine=Engine.load(str(model_dir)))
+    assert service.work(burst=True) == 0
+    conn = redis.Redis.from_url(redis_url)
+    ids = submitted["acme"] + submitted["beta"]
+    started = {i: conn.hget(keys.rq_job_key(i), "started_at") for i in ids}
+    tenants = [i.split("_")[0] for i in sorted(ids, key=lambda i: started[i] or b"")]
+    expected = ["acme", "beta"] * 3 if order == "round_robin" else ["acme"] * 3 + ["beta"] * 3
+    assert tenants == expected
