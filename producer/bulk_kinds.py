@@ -93,6 +93,11 @@ class ScoreKind:
     window_jobs: int = 2  # a score job's rows take about as long as its neighbours'
 
     def row(self, obj: Mapping[str, Any]) -> ScoreRow:
+        if isinstance(obj.get("body"), Mapping) and "prompt" not in obj:
+            raise BadRow(
+                "an OpenAI Batch API request line (custom_id, method, url, body): score-file takes "
+                '{"custom_id", "prompt", "candidates"} lines; generate-file takes Batch lines'
+            )
         return ScoreRow.model_validate({k: obj[k] for k in ("prompt", "candidates") if k in obj})
 
     def request(self, rows: Sequence[Any]) -> ScoreRequest:

@@ -12,6 +12,7 @@ import argparse
 import contextlib
 import importlib
 import json
+import os
 import signal
 import sys
 import threading
@@ -36,15 +37,24 @@ WORKER_COMMANDS = ("worker", "import-gguf")
 NEEDS_MLX = "mlxq: the worker needs MLX: pip install 'mlxq[cpu]' on Linux, 'mlxq[worker]' on macOS"
 
 
+def _connection_arguments(p: argparse.ArgumentParser, default: Any) -> None:
+    p.add_argument("--redis-url", default=default, help="redis://, rediss:// or unix:// URL [MLXQ_REDIS_URL]")
+    p.add_argument(
+        "--tenant",
+        default=default,
+        help="this producer's key space: ids and queues `<tenant>_...` [MLXQ_TENANT]",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mlxq", description="Submit and follow mlxq jobs.")
-    parser.add_argument("--redis-url", help="redis://, rediss:// or unix:// URL [MLXQ_REDIS_URL]")
-    parser.add_argument(
-        "--tenant", help="this producer's key space: ids and queues `<tenant>_...` [MLXQ_TENANT]"
-    )
+    _connection_arguments(parser, None)
+    # The same options after the command (`mlxq status --redis-url ...`); given there, they win.
+    after = argparse.ArgumentParser(add_help=False)
+    _connection_arguments(after, argparse.SUPPRESS)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    gen = sub.add_parser("generate", help="submit a generation job and stream its text")
+    gen = sub.add_parser("generate", parents=[after], help="submit a generation job and stream its text")
     gen.add_argument("prompt")
     gen.add_argument("--chat", action="store_true", help="send the prompt as a user message (chat template)")
     gen.add_argument("--system", help="system message (implies --chat)")
@@ -53,30 +63,34 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--timeout", type=float, help="give up (and cancel the job) after this many seconds")
     gen.add_argument("--json", action="store_true", help="print the final result as JSON, not the text")
 
-    tail = sub.add_parser("tail", help="print a job's stream")
+    tail = sub.add_parser("tail", parents=[after], help="print a job's stream")
     tail.add_argument("job_id")
     tail.add_argument("--from", dest="from_id", default=START_ID, help="resume after this stream id")
     tail.add_argument("--timeout", type=float)
     tail.add_argument("--json", action="store_true", help="one JSON object per event, with its id")
 
-    status = sub.add_parser("status", help="queues and workers")
+    status = sub.add_parser("status", parents=[after], help="queues and workers")
     status.add_argument("--queue", action="append", dest="queues", help="only this queue (repeatable)")
     status.add_argument("--json", action="store_true")
 
-    cancel = sub.add_parser("cancel", help="cancel a job (queued: never runs; running: stops)")
+    cancel = sub.add_parser(
+        "cancel", parents=[after], help="cancel a job (queued: never runs; running: stops)"
+    )
     cancel.add_argument("job_id")
 
-    result = sub.add_parser("result", help="wait for a job's result and print it as JSON")
+    result = sub.add_parser("result", parents=[after], help="wait for a job's result and print it as JSON")
     result.add_argument("job_id")
     result.add_argument("--timeout", type=float)
 
-    score = sub.add_parser("score-file", help="score a JSONL file of rows in bulk (resumable)")
+    score = sub.add_parser(
+        "score-file", parents=[after], help="score a JSONL file of rows in bulk (resumable)"
+    )
     score.add_argument("input", help='JSONL: {"custom_id": ..., "prompt": ..., "candidates": [...]} per line')
     score.add_argument("--rows-per-job", type=int, default=16, help="rows per score job (1..64) [16]")
     _bulk_arguments(score)
 
     gen_file = sub.add_parser(
-        "generate-file", help="generate for a JSONL file of prompts in bulk (resumable)"
+        "generate-file", parents=[after], help="generate for a JSONL file of prompts in bulk (resumable)"
     )
     gen_file.add_argument(
         "input",
@@ -152,7 +166,20 @@ def render_stream(items: Iterable[StreamItem], out: TextIO, err: TextIO) -> Stre
 
 
 def _print_json(value: Any, out: TextIO) -> None:
-    out.write(json.dumps(value, indent=2, ensure_ascii=False) + "\n")
+    """JSON for a person: objects indented, a list of numbers or strings on one line (token ids)."""
+    out.write(_json_text(value, "") + "\n")
+
+
+def _json_text(value: Any, indent: str) -> str:
+    inner = indent + "  "
+    if isinstance(value, dict) and value:
+        items = (
+            f"{inner}{json.dumps(k, ensure_ascii=False)}: {_json_text(v, inner)}" for k, v in value.items()
+        )
+        return "{\n" + ",\n".join(items) + "\n" + indent + "}"
+    if isinstance(value, list) and any(isinstance(v, dict | list) for v in value):
+        return "[\n" + ",\n".join(inner + _json_text(v, inner) for v in value) + "\n" + indent + "]"
+    return json.dumps(value, ensure_ascii=False)
 
 
 # --- commands --------------------------------------------------------------------------------------
@@ -346,6 +373,13 @@ def _tenant_acl(args: argparse.Namespace) -> int:
     return 0
 
 
+def _quiet_stdout() -> None:
+    """Point stdout at /dev/null, so that flushing it at exit raises no second BrokenPipeError."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+
+
 def _split_worker_command(argv: list[str]) -> tuple[list[str], str | None] | None:
     """`[worker|import-gguf, ...]` and the global --redis-url, if argv runs one of those; else None."""
     i, redis_url = 0, None
@@ -391,6 +425,9 @@ def main(argv: list[str] | None = None) -> int:
             return COMMANDS[args.command](client, args)
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # `mlxq status | head`: the reader has all it wanted
+        _quiet_stdout()
+        return 141  # what a shell reports for a program ended by SIGPIPE
     except (redis.ConnectionError, redis.TimeoutError) as e:
         print(f"mlxq: cannot reach Redis at {redact_url(settings.redis_url)}: {e}", file=sys.stderr)
         return 2

@@ -12,6 +12,7 @@ import sys
 import threading
 import types
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 import redis
@@ -21,7 +22,7 @@ from rq.job import Job
 from rq.serializers import JSONSerializer
 
 from jobs import keys
-from producer import Client
+from producer import Client, ProducerSettings
 from producer.cli import NEEDS_MLX, main
 
 REDIS_DB = 14
@@ -253,3 +254,45 @@ def test_the_cli_runs_as_a_module_without_importing_the_worker(redis_url: str) -
         [sys.executable, "-c", probe], capture_output=True, text=True, timeout=30, check=True
     )
     assert imported.stdout.strip() == "[]"
+
+
+def test_options_after_the_command_and_results_for_a_person(
+    redis_url: str, worker_side: WorkerSide, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--redis-url`/`--tenant` are taken after the command too (there they win); `result` prints token
+    ids on one line, not one per line."""
+    with Client(redis_url, settings=ProducerSettings(tenant="acme")) as client:
+        done = client.submit_generate("c").id
+    result = generate_result("C").model_copy(update={"token_ids": list(range(40))})
+    worker_side.done(done, result)
+    assert main(["--redis-url", "redis://127.0.0.1:1/0", "result", done, "--redis-url", redis_url]) == 0
+    out = capsys.readouterr().out
+    assert json.loads(out)["token_ids"] == list(range(40))
+    assert '"token_ids": [0, 1, 2,' in out and len(out.splitlines()) < 30
+    assert main(["status", "--redis-url", redis_url, "--tenant", "acme", "--json"]) == 0
+    assert "queues" in json.loads(capsys.readouterr().out)
+
+
+def test_status_into_a_closed_pipe_ends_quietly(redis_url: str, redis_conn: redis.Redis) -> None:
+    """`mlxq status | head -1`: output larger than a pipe's buffer, the reader gone after one line."""
+    with redis_conn.pipeline() as pipe:
+        for i in range(3000):
+            pipe.sadd(keys.RQ_QUEUES_SET, keys.rq_queue_key(f"q{i:04d}"))
+        pipe.execute()
+    shell = f"{sys.executable} -m producer.cli --redis-url {redis_url} status | head -1"
+    run = subprocess.run(["bash", "-c", shell], capture_output=True, text=True, timeout=60, check=False)
+    assert run.stdout.count("\n") == 1
+    assert "Traceback" not in run.stderr and "BrokenPipe" not in run.stderr, run.stderr
+
+
+def test_score_file_says_what_an_openai_batch_line_is(
+    redis_url: str, tmp_path: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    line = {"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": {"messages": []}}
+    source = tmp_path / "in.jsonl"
+    source.write_text(json.dumps(line) + "\n")
+    out = tmp_path / "out.jsonl"
+    assert main(["--redis-url", redis_url, "score-file", str(source), "-o", str(out)]) == 1
+    errors = [json.loads(x) for x in (tmp_path / "out.errors.jsonl").read_text().splitlines()]
+    assert "an OpenAI Batch API request line" in errors[0]["error"], errors
+    assert "generate-file takes Batch lines" in errors[0]["error"]
