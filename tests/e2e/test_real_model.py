@@ -39,3 +39,25 @@ def test_import_gguf_then_a_worker_answers_paris(
         result = job.result(timeout=30)
     assert "Paris" in text
     assert result.text == text and result.usage.prompt_tokens > 20
+
+
+def test_the_demo_runs_end_to_end_and_leaves_nothing_in_redis(
+    tmp_path: Path, redis_url: str, redis_conn: Any
+) -> None:
+    """`make demo`'s script against a Redis of the user's (a test DB here): it answers, and every key it
+    made is gone afterwards (its queue, jobs, streams, results and RQ's registries); what is left is RQ's
+    own locks, which expire."""
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "MLXQ_REDIS_URL": redis_url, "MLXQ_CACHE_DIR": str(tmp_path / "cache")}
+    run = subprocess.run(
+        [sys.executable, "demo.py"], cwd=root, env=env, capture_output=True, text=True, timeout=600
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "The capital of France is Paris" in run.stdout
+    assert "Done: worker stopped cleanly" in run.stdout
+    left = {k: redis_conn.ttl(k) for k in redis_conn.scan_iter(count=1000)}
+    assert all(ttl > 0 for ttl in left.values()), left  # at most RQ's own expiring locks
