@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
+from pathlib import Path
 from typing import Any
 
+import redis
+
+from jobs.errors import MlxqError
 from worker.settings import WorkerSettings
 
 log = logging.getLogger("worker")
@@ -68,6 +73,18 @@ def configure_logging(level: str) -> None:
     logging.basicConfig(
         level=level, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s %(message)s"
     )
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(RqLines())
+
+
+class RqLines(logging.Filter):
+    """RQ's own log lines as mlxq writes its lines, `key=value`: RQ's sentence becomes `msg="..."`
+    (quoted as JSON), so one parser reads every line of a worker's log."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.name == "rq" or record.name.startswith("rq."):
+            record.msg, record.args = "msg=" + json.dumps(record.getMessage(), ensure_ascii=False), ()
+        return True
 
 
 def run_worker(settings: WorkerSettings, *, burst: bool = False, max_jobs: int | None = None) -> int:
@@ -83,8 +100,27 @@ def run_worker(settings: WorkerSettings, *, burst: bool = False, max_jobs: int |
         from worker.modelfiles.default_model import default_model_dir
 
         settings = settings.model_copy(update={"model": str(default_model_dir())})
-    service = WorkerService.start(settings)
-    return service.work(burst=burst, max_jobs=max_jobs)
+    if settings.model.lower().endswith(".gguf") and Path(settings.model).is_file():
+        print(
+            f"mlxq worker: {settings.model} is a GGUF file; convert it once with "
+            f"`mlxq import-gguf {settings.model} <folder>` and pass that folder as --model",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        service = WorkerService.start(settings)
+        return service.work(burst=burst, max_jobs=max_jobs)
+    except MlxqError as e:  # the model: missing, unreadable, an architecture or feature not supported
+        log.debug("worker start failed", exc_info=True)
+        print(f"mlxq worker: {e}", file=sys.stderr)
+        return 2
+    except (redis.ConnectionError, redis.TimeoutError, redis.AuthenticationError) as e:
+        log.debug("worker start failed", exc_info=True)
+        print(
+            f"mlxq worker: cannot reach Redis ({e}); start it, or point MLXQ_REDIS_URL / --redis-url at it",
+            file=sys.stderr,
+        )
+        return 1  # a service manager restarts the worker: Redis may be on its way up
 
 
 def main(argv: list[str] | None = None) -> int:

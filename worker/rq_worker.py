@@ -23,11 +23,12 @@ import redis
 from rq import Queue, SimpleWorker, worker_registration
 from rq.exceptions import StopRequested
 from rq.job import Job, JobStatus
+from rq.job_lifecycle import call_exception_handlers
 from rq.registry import clean_registries
 from rq.serializers import JSONSerializer
 from rq.utils import now
 
-from jobs.errors import ForbiddenJob
+from jobs.errors import ForbiddenJob, InvalidRequest
 from worker.allowlist import forbidden_reason
 from worker.bounded_job import BoundedJob
 from worker.dead_letters import DeadLetters
@@ -286,6 +287,18 @@ class MlxqWorker(SimpleWorker):
         super().handle_job_failure(
             job, queue, started_job_registry=started_job_registry, exc_string=exc_string, execution=execution
         )
+
+    def handle_exception(self, job: Job, *exc_info: Any) -> None:
+        """RQ's report of a failed job, but a job's expected failure (a request the worker refuses: too
+        long, invalid, not an mlxq job) is one warning line, not an ERROR with a traceback; RQ's
+        exception handlers run either way."""
+        error = exc_info[1] if len(exc_info) > 1 else None
+        if not isinstance(error, InvalidRequest | ForbiddenJob):
+            super().handle_exception(job, *exc_info)
+            return
+        name = type(error).__name__
+        log.warning("job failed job=%s queue=%s error=%s: %s", job.id, job.origin, name, error)
+        call_exception_handlers(self._exc_handlers, job, *exc_info)
 
     def _requeue_stuck(self, job: Job, queue: Queue) -> None:
         """Put back at the head of its queue a job RQ's maintenance found in the intermediate list a

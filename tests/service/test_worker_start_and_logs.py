@@ -1,0 +1,64 @@
+"""What an operator reads: one line for each mistake at worker start (no traceback unless at debug
+level), RQ's log lines as `key=value` like mlxq's, and a job's expected failure as one warning line."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+
+from producer import Client, JobFailed
+from worker.cli import RqLines, main
+from worker.service import WorkerService
+from worker.settings import WorkerSettings
+
+REDIS_DB = 6
+
+
+def _one_line(err: str) -> str:
+    lines = [line for line in err.splitlines() if line.strip() and " INFO " not in line]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
+
+
+def test_start_mistakes_are_one_line_each(
+    tmp_path: Path, model_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["worker", "--model", str(tmp_path / "missing")]) == 2
+    assert "is neither a local folder" in _one_line(capsys.readouterr().err)
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF")
+    assert main(["worker", "--model", str(gguf)]) == 2
+    assert f"mlxq import-gguf {gguf} <folder>" in _one_line(capsys.readouterr().err)
+    assert main(["worker", "--model", str(model_dir), "--redis-url", "redis://127.0.0.1:1/0"]) == 1
+    assert "cannot reach Redis" in _one_line(capsys.readouterr().err)
+
+
+def test_rq_lines_are_key_value() -> None:
+    args = ("w1", "quitting")
+    record = logging.LogRecord("rq.worker", logging.INFO, __file__, 1, "Worker %s: done, %s", args, None)
+    assert RqLines().filter(record)
+    assert record.getMessage() == 'msg="Worker w1: done, quitting"'
+    ours = logging.LogRecord("worker.rq_worker", logging.INFO, __file__, 1, "job=%s", ("a",), None)
+    assert RqLines().filter(ours) and ours.getMessage() == "job=a"
+
+
+def test_an_expected_job_failure_is_a_warning_line(
+    redis_url: str, model_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    settings = WorkerSettings(  # type: ignore[call-arg]
+        model=str(model_dir), redis_url=redis_url, max_context=64, _env_file=None
+    )
+    service = WorkerService.start(settings)
+    with Client(redis_url) as client:
+        job = client.submit_generate("word " * 200, max_tokens=2)
+        with caplog.at_level(logging.INFO):
+            assert service.work(burst=True) == 0
+        with pytest.raises(JobFailed, match="context length"):
+            job.result(timeout=5)
+    failed = [r for r in caplog.records if job.id in r.getMessage() and r.levelno >= logging.WARNING]
+    assert [(r.levelname, r.exc_info) for r in failed] == [("WARNING", None)], [
+        r.getMessage() for r in failed
+    ]
+    assert "error=ContextTooLong: prompt is" in failed[0].getMessage()
