@@ -34,7 +34,10 @@ from .settings import ProducerSettings
 from .tail import START_ID, StreamItem
 
 WORKER_COMMANDS = ("worker", "import-gguf")
-NEEDS_MLX = "mlxq: the worker needs MLX: pip install 'mlxq[cpu]' on Linux, 'mlxq[worker]' on macOS"
+NEEDS_MLX = (
+    "mlxq: the worker needs MLX: in the mlxq repository (or with its wheel), pip install '.[cpu]' on Linux, "
+    "'.[worker]' on macOS (README: Install)"
+)
 
 
 def _connection_arguments(p: argparse.ArgumentParser, default: Any) -> None:

@@ -24,7 +24,10 @@ from jobs import keys
 
 log = logging.getLogger(__name__)
 
-NEEDS_PROMETHEUS = "MLXQ_METRICS_PORT is set but prometheus-client is missing: pip install 'mlxq[metrics]'"
+NEEDS_PROMETHEUS = (
+    "MLXQ_METRICS_PORT is set but prometheus-client is missing: pip install prometheus-client "
+    "(or mlxq's `metrics` extra: pip install '.[metrics]' in its repository)"
+)
 
 # Hash field -> (metric name, kind, help). Other numeric fields become gauges named `mlxq_worker_<field>`.
 _KNOWN: dict[str, tuple[str, str, str]] = {

@@ -194,7 +194,7 @@ def test_worker_publishes_its_health_and_mlxq_status_shows_it(
     assert "jobs_done: 2" in text and "hit rate 50% (1/2 lookups" in text
 
 
-@pytest.mark.skipif(not HAVE_PROMETHEUS, reason="needs the metrics extra: pip install 'mlxq[metrics]'")
+@pytest.mark.skipif(not HAVE_PROMETHEUS, reason="needs the metrics extra: pip install '.[metrics]'")
 def test_the_metrics_endpoint_serves_the_same_numbers(
     worker: WorkerProcess,
     client: Client,

@@ -50,7 +50,7 @@ def resolve_model_path(name: str) -> Path:
         from huggingface_hub import snapshot_download
     except ImportError as e:
         raise _not_found(
-            name, "no such folder, and huggingface_hub is not installed (pip install 'mlxq[hub]')"
+            name, "no such folder, and huggingface_hub is not installed (pip install huggingface_hub)"
         ) from e
     # huggingface_hub reads HF_HUB_OFFLINE once at import; read it here so a later change is honoured.
     offline = os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in {"1", "true", "yes", "on"}
