@@ -14,8 +14,9 @@ A queue's maintenance, under its lease:
    RQ's end of the job) are ended `finished` with that result (`RqBatches.end_abandoned`): the job is
    done, so RQ must neither fail it as abandoned nor run it again;
 3. RQ's own cleanup: registries (the other abandoned `started` jobs are retried, their streams saying
-   `restart` when they run again, or failed with `AbandonedJobError`), dead workers, and the
-   intermediate list (jobs taken but never started).
+   `restart` when they run again, or failed with `AbandonedJobError`, their streams ending with an
+   `error` event as a failed job's do), dead workers, and the intermediate list (jobs taken but never
+   started).
 """
 
 from __future__ import annotations
@@ -28,8 +29,9 @@ from uuid import uuid4
 
 import redis
 from rq import Queue, worker_registration
+from rq.exceptions import AbandonedJobError
 from rq.executions import Execution
-from rq.job import JobStatus
+from rq.job import Job, JobStatus
 from rq.registry import clean_registries
 from rq.utils import current_timestamp, parse_composite_key
 from rq.worker import BaseWorker
@@ -37,7 +39,7 @@ from rq.worker import BaseWorker
 from jobs import keys
 from worker.dead_letters import DeadLetters
 from worker.rq_batches import RqBatches
-from worker.stream_writer import REDIS_TRANSIENT
+from worker.stream_writer import REDIS_TRANSIENT, StreamOptions, StreamWriter
 
 log = logging.getLogger(__name__)
 
@@ -106,12 +108,18 @@ class Maintenance:
     """Runs a worker's registry maintenance queue by queue (see the module docstring)."""
 
     def __init__(
-        self, worker: BaseWorker, batches: RqBatches, dead_letters: DeadLetters, lease_s: int
+        self,
+        worker: BaseWorker,
+        batches: RqBatches,
+        dead_letters: DeadLetters,
+        options: StreamOptions,
+        lease_s: int,
     ) -> None:
         self.worker = worker
         self.conn: redis.Redis = worker.connection
         self.batches = batches
         self.dead_letters = dead_letters
+        self.options = options
         self.lease_s = lease_s
 
     def run(self, queues: list[Queue], exc_handlers: list[Any]) -> None:
@@ -139,7 +147,7 @@ class Maintenance:
         self.dead_letters.sweep(queue)
         self.end_finished_abandoned(queue)
         self.worker.log.info("Worker %s: cleaning registries for queue: %s", self.worker.name, queue.name)
-        clean_registries(queue, exc_handlers)
+        clean_registries(queue, [self._end_stream_of_abandoned, *exc_handlers])
         worker_registration.clean_worker_registry(queue)
         queue.intermediate_queue.cleanup(self.worker, queue)
 
@@ -174,6 +182,18 @@ class Maintenance:
             self.batches.end_abandoned(job, queue, execution, json.loads(result))
             ended += 1
         return ended
+
+    def _end_stream_of_abandoned(self, job: Job, exc_type: Any, *exc: Any) -> bool:
+        """Called by RQ's cleanup for each abandoned job just before it retries or fails it: one it
+        will fail gets an `error` event, so its stream ends as a failed job's does."""
+        if exc_type is AbandonedJobError and not (job.retries_left and job.retries_left > 0):
+            try:
+                StreamWriter(self.conn, job.id, self.options).error_once(
+                    "AbandonedJobError: its worker stopped while running it (killed, or lost)"
+                )
+            except Exception:  # RQ records the failure; the stream is a courtesy to its readers
+                log.exception("could not end the stream of an abandoned job job=%s", job.id)
+        return True
 
 
 def _text(value: Any) -> str:

@@ -92,7 +92,9 @@ class MlxqWorker(SimpleWorker):
         self._last_beat = (-1e9, 0)  # (monotonic time, TTL) of the last heartbeat
         self.dead_letters = DeadLetters(connection, stream_options)
         # A maintainer's lease lasts as long as a job's heartbeat: a dead one is noticed as soon.
-        self.maintenance = Maintenance(self, self.batches, self.dead_letters, self.get_heartbeat_ttl(None))
+        self.maintenance = Maintenance(
+            self, self.batches, self.dead_letters, stream_options, self.get_heartbeat_ttl(None)
+        )
         self.fatal_error: BaseException | None = None  # what made RQ's loop quit, if anything did
 
     # --- the JobHost its components are handed (see `job_host.py`) -------------------------------------

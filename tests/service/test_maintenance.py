@@ -125,6 +125,8 @@ def test_an_abandoned_job_that_wrote_its_result_ends_finished_the_others_as_rq_e
     assert retried.job.get_status(refresh=True) == "queued" and q.job_ids == [retried.job.id]
     assert failed.job.get_status(refresh=True) == "failed"
     assert "AbandonedJobError" in (failed.job.latest_result().exc_string or "")  # type: ignore[union-attr]
+    assert _events(redis_conn, failed.job.id) == ["error"]  # its stream ends, as a failed job's does
+    assert not redis_conn.exists(keys.stream_key(retried.job.id))  # it says `restart` when it runs
     assert q.started_job_registry.count == 0
     assert not redis_conn.exists(q.registry_cleaning_key)
 
