@@ -53,6 +53,7 @@ _RELEASE = """
 if redis.call('mget', KEYS[1])[1] == ARGV[1] then return redis.call('del', KEYS[1]) end
 return 0
 """
+_CLOCK_SLACK_MS = 1000
 
 
 class Lease:
@@ -176,6 +177,8 @@ class Maintenance:
             job = queue.fetch_job(job_id)
             if job is None or job.get_status(refresh=False) != JobStatus.STARTED:
                 continue
+            if not _written_by_this_run(job, _text(last[0][0])):
+                continue
             try:
                 execution = Execution.fetch(execution_id, job_id, self.conn)
             except ValueError:  # its record expired with its heartbeat: the id is all RQ needs
@@ -207,6 +210,16 @@ def _noting_failures(failing: list[str]) -> Any:
         return True
 
     return note
+
+
+def _written_by_this_run(job: Job, done_id: str) -> bool:
+    """Whether the `done` entry (its id is `<ms>-<seq>`, the writer's clock) came after the job's
+    current run started (RQ's `started_at`, the same worker's clock): not a `done` left by an earlier
+    job under the same id. A second of slack for a clock that stepped back between the two."""
+    if job.started_at is None:
+        return True
+    done_ms = int(done_id.split("-")[0])
+    return done_ms >= job.started_at.timestamp() * 1000 - _CLOCK_SLACK_MS
 
 
 def _text(value: Any) -> str:

@@ -4,6 +4,7 @@ that had written their result ended `finished` instead of failed or run again (r
 from __future__ import annotations
 
 import time
+from datetime import datetime, timedelta, timezone
 from typing import Any
 
 import redis
@@ -11,6 +12,7 @@ from rq import Queue, Retry
 from rq.job import Job
 from rq.results import Result
 from rq.serializers import JSONSerializer
+from rq.utils import utcformat
 
 from jobs import keys
 from jobs.schema import ScoreResult
@@ -144,3 +146,18 @@ def test_a_running_job_that_wrote_its_result_is_left_to_its_worker(redis_conn: r
     assert run.job.get_status(refresh=True) == "started" and run.job.id in q.started_job_registry
     alive.batches.succeed_many([(run, RESULT.model_dump(mode="json"))])
     assert run.job.get_status(refresh=True) == "finished"
+
+
+def test_a_done_left_by_an_earlier_job_of_the_same_id_does_not_end_a_new_run(redis_conn: redis.Redis) -> None:
+    """A producer may reuse a job id: the result and `done` of the earlier job are no proof that the
+    abandoned run finished. It fails as abandoned, as RQ would fail it."""
+    q = Queue("reused", connection=redis_conn, serializer=JSONSerializer)
+    dead = MlxqWorker([q], connection=redis_conn, stream_options=StreamOptions(), name="dead")
+    run = _start(dead, q)
+    JobResults(redis_conn, StreamOptions()).finish_scores([(run.job, RESULT)])  # the earlier job's end
+    later = datetime.now(timezone.utc) + timedelta(seconds=10)  # this run started after it
+    redis_conn.hset(run.job.key, "started_at", utcformat(later))
+    _abandon(redis_conn, q)
+    MlxqWorker([q], connection=redis_conn, stream_options=StreamOptions(), name="other").clean_registries()
+    assert run.job.get_status(refresh=True) == "failed"
+    assert "AbandonedJobError" in (run.job.latest_result().exc_string or "")  # type: ignore[union-attr]
