@@ -246,6 +246,7 @@ def test_thirty_kills_every_job_ends_exactly_once(
     ends = [_check_job(redis_conn, job_id, kind) for job_id, kind in jobs.items()]
     assert redis_conn.llen(keys.rq_queue_key("default")) == 0
     assert redis_conn.zcard("rq:wip:default") == 0
+    assert redis_conn.llen("rq:queue:default:intermediate") == 0
     assert len(lease_lapsed_s) == in_maintenance and all(s <= LEASE_S + 1 for s in lease_lapsed_s)
     logs = "".join(p.read_text() for p in tmp_path.glob("*.log"))
     ended_by_recovery = logs.count("abandoned job had finished")
@@ -268,5 +269,6 @@ def test_thirty_kills_every_job_ends_exactly_once(
         "failed": len(ends) - finished,
         "restarted": sum(restarted for _, restarted in ends),
         "finished_by_recovery": ended_by_recovery,
+        "requeued_taken_never_started": logs.count("requeued a job taken but never started"),
     }
     print(reliability_report["crash_recovery"])
