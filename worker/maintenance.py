@@ -103,6 +103,8 @@ class Lease:
                     return
             except REDIS_TRANSIENT as e:  # Redis restarting: the next tick tries again
                 log.warning("could not renew lease key=%s error=%s", self.key, e)
+            except Exception:  # a bug here must not end the renewals while the holder works
+                log.exception("lease renewal failed key=%s", self.key)
 
 
 class Maintenance:
