@@ -150,9 +150,7 @@ class Maintenance:
         self.dead_letters.sweep(queue)
         self.end_finished_abandoned(queue)
         self.worker.log.info("Worker %s: cleaning registries for queue: %s", self.worker.name, queue.name)
-        failing: list[str] = []
-        clean_registries(queue, [_noting_failures(failing), *exc_handlers])
-        self._end_streams_of_failed(failing)
+        clean_registries(queue, [self._ending_streams_of_failed(), *exc_handlers])
         worker_registration.clean_worker_registry(queue)
         queue.intermediate_queue.cleanup(self.worker, queue)
 
@@ -190,28 +188,25 @@ class Maintenance:
             ended += 1
         return ended
 
-    def _end_streams_of_failed(self, failing: list[str]) -> None:
-        """End with an `error` event the streams of abandoned jobs RQ's cleanup just failed, after it
-        recorded their failure: a reader who sees `error` finds RQ's status `failed`."""
-        for job_id in failing:
-            try:
-                StreamWriter(self.conn, job_id, self.options).error_once(
-                    "AbandonedJobError: its worker stopped while running it (killed, or lost)"
-                )
-            except Exception:  # RQ recorded the failure; the stream is a courtesy to its readers
-                log.exception("could not end the stream of an abandoned job job=%s", job_id)
+    def _ending_streams_of_failed(self) -> Any:
+        """An exception handler for RQ's cleanup, which calls it for each abandoned job just before it
+        retries or fails it: a job it will fail (no retries left) gets its `error` event now. Before
+        RQ's commit, not after: a maintainer killed in between leaves the job `started` and the next
+        one fails it (`error_once` writes no second event), where one killed after the commit would
+        leave a failed job whose stream never ends. RQ's status follows the event by a moment, as it
+        follows `done`."""
 
+        def end(job: Job, exc_type: Any, *exc: Any) -> bool:
+            if exc_type is AbandonedJobError and not (job.retries_left and job.retries_left > 0):
+                try:
+                    StreamWriter(self.conn, job.id, self.options).error_once(
+                        "AbandonedJobError: its worker stopped while running it (killed, or lost)"
+                    )
+                except Exception:  # RQ records the failure; the stream is a courtesy to its readers
+                    log.exception("could not end the stream of an abandoned job job=%s", job.id)
+            return True
 
-def _noting_failures(failing: list[str]) -> Any:
-    """An exception handler for RQ's cleanup, which calls it for each abandoned job just before it
-    retries or fails it: notes in `failing` the jobs it will fail (no retries left)."""
-
-    def note(job: Job, exc_type: Any, *exc: Any) -> bool:
-        if exc_type is AbandonedJobError and not (job.retries_left and job.retries_left > 0):
-            failing.append(job.id)
-        return True
-
-    return note
+        return end
 
 
 def _written_by_this_run(job: Job, done_id: str) -> bool:
