@@ -218,6 +218,7 @@ def test_thirty_kills_every_job_ends_exactly_once(
             workers[slot] = spawn(slot)
     kill_phase_s = last_kill - t0
     assert not recoveries.wait(60 - (time.monotonic() - last_kill)), "jobs of killed workers not recovered"
+    assert max(recoveries.delays, default=0) < 60, "a killed worker's job recovered after more than a minute"
 
     ids = list(jobs)
     abandoned_left_s = None
