@@ -192,9 +192,7 @@ class MlxqWorker(SimpleWorker):
     def dequeue_timeout(self) -> int:
         """How long an idle worker blocks on the queues: RQ's (`worker_ttl - 15`), but never past the
         maintenance interval, so that an idle worker still runs maintenance on time."""
-        rq_timeout = max(1, self.worker_ttl - 15)
-        interval = getattr(self, "maintenance_interval", rq_timeout)  # RQ asks before it is set
-        return max(1, min(rq_timeout, int(interval)))
+        return max(1, min(self.worker_ttl - 15, int(self.maintenance_interval)))
 
     def heartbeat(self, timeout: int | None = None, pipeline: Any = None) -> None:
         """RQ's worker heartbeat (the worker key's `last_heartbeat` and TTL, its executions key's TTL)
