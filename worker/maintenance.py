@@ -90,7 +90,7 @@ class Lease:
         """Stop renewing and delete the key if this holder still has it."""
         self._stop.set()
         if self._thread is not None:
-            self._thread.join()
+            self._thread.join(timeout=5)  # a renewal stuck on a hung Redis must not hold the worker
             self._thread = None
         self._release(keys=[self.key], args=[self.token])
 
