@@ -141,7 +141,7 @@ def _check_job(conn: redis.Redis, job_id: str, kind: str) -> tuple[str, bool]:
     latest = job.latest_result()
     assert latest is not None, (job_id, status, events)
     if status == b"finished":
-        assert stored is not None and events[-1] == "done", (job_id, events)
+        assert stored is not None and events[-1:] == ["done"], (job_id, events)
         assert latest.type == Result.Type.SUCCESSFUL and latest.return_value == json.loads(stored)
         if kind == "generate":  # the last run's text, as streamed, is the result's
             last_run = (
@@ -151,7 +151,7 @@ def _check_job(conn: redis.Redis, job_id: str, kind: str) -> tuple[str, bool]:
             assert text == json.loads(stored)["text"], (job_id, events)
     else:
         assert status == b"failed", (job_id, status, events)
-        assert stored is None and "done" not in events and events[-1] == "error", (job_id, events)
+        assert stored is None and "done" not in events and events[-1:] == ["error"], (job_id, events)
         assert latest.type == Result.Type.FAILED and latest.exc_string, job_id
     return status.decode(), "restart" in events
 
