@@ -10,7 +10,10 @@ batch does the same bookkeeping for all of them in one transaction. What is copi
 - `succeed_many`: what `Worker._finalize_success` and `Worker.handle_job_success` write for a job
   without dependents or repeats (result, status `finished`, registries, TTLs, execution record, the
   worker's counters), for every job in one MULTI/EXEC, with the dependents sets WATCHed as RQ does.
-  A job with repeats left, and every job when that transaction fails for good, ends through RQ itself.
+  A job with repeats left, and every job when that transaction fails for good, ends through RQ itself;
+- `end_abandoned`: what `Worker._finalize_success` writes, through RQ's own `handle_job_success`, for a
+  job whose worker died after writing its result and `done` but before RQ's end of it (found by
+  another worker's maintenance, `maintenance.py`): RQ would fail it as abandoned, or run it again.
 
 Single jobs end through RQ's own methods (`succeed`, `fail`). Every step retries while Redis restarts
 (`retrying`): an error escaping `execute_job` would make RQ's loop stop the whole worker. The private RQ
@@ -117,6 +120,25 @@ class RqBatches:
     def succeed(self, run: Run, value: Any) -> None:
         """RQ's end of one successful job (`_finalize_success`), retried while Redis restarts."""
         retrying(self.options)(self.worker._finalize_success, run.job, run.queue, run.execution, value)
+
+    def end_abandoned(self, job: Job, queue: Queue, execution: Execution, value: Any) -> None:
+        """End `finished`, with `value` as its result, a `started` job whose worker died after writing its
+        result: RQ's `_finalize_success` without the callbacks (the allowlist refuses jobs that name one),
+        by RQ's `handle_job_success` (registries, dependents, repeats, the dead execution's record). The
+        job counts among this worker's successful jobs, as RQ counts a job where it ends."""
+        at = now()
+        job.ended_at = at
+        job.started_at = job.started_at or at
+        job._result = value
+        job._status = JobStatus.FINISHED
+        retrying(self.options)(
+            self.worker.handle_job_success,
+            job=job,
+            queue=queue,
+            started_job_registry=queue.started_job_registry,
+            execution=execution,
+        )
+        job.send_webhooks(JobStatus.FINISHED)
 
     def fail(self, run: Run, exc_info: Any) -> None:
         """RQ's end of one failed job (`_finalize_failure`: retries, failed registry, the failure hook)."""

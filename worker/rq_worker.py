@@ -20,11 +20,10 @@ from time import monotonic
 from typing import Any, Protocol
 
 import redis
-from rq import Queue, SimpleWorker, worker_registration
+from rq import Queue, SimpleWorker
 from rq.exceptions import StopRequested
 from rq.job import Job, JobStatus
 from rq.job_lifecycle import call_exception_handlers
-from rq.registry import clean_registries
 from rq.serializers import JSONSerializer
 from rq.utils import now
 
@@ -33,6 +32,7 @@ from worker.allowlist import forbidden_reason
 from worker.bounded_job import BoundedJob
 from worker.dead_letters import DeadLetters
 from worker.job_watch import JobWatch
+from worker.maintenance import Maintenance
 from worker.rq_batches import RqBatches, Run
 from worker.stream_writer import REDIS_TRANSIENT, StreamOptions, StreamWriter
 
@@ -92,6 +92,10 @@ class MlxqWorker(SimpleWorker):
         self._force_stop = False
         self._last_beat = (-1e9, 0)  # (monotonic time, TTL) of the last heartbeat
         self.dead_letters = DeadLetters(connection, stream_options)
+        # A maintainer's lease lasts as long as a job's heartbeat: a dead one is noticed as soon.
+        self.maintenance = Maintenance(
+            self, self.batches, self.dead_letters, stream_options, self.get_heartbeat_ttl(None)
+        )
         self.fatal_error: BaseException | None = None  # what made RQ's loop quit, if anything did
 
     # --- the JobHost its components are handed (see `job_host.py`) -------------------------------------
@@ -190,30 +194,16 @@ class MlxqWorker(SimpleWorker):
                 self.dead_letters.put_aside(job_id, queue, e)
 
     def clean_registries(self) -> None:
-        """RQ's registry maintenance (`BaseWorker.clean_registries`, queue by queue), after the jobs in
-        a queue's intermediate list that RQ cannot read are put aside: its cleanup reads each one, and
-        one it cannot read would end the worker and leave the queue's maintenance lock held for
-        minutes. A queue whose maintenance fails anyway is logged, its lock given back, the next one
-        cleaned."""
-        for queue in self.queues:
-            if not queue.acquire_maintenance_lock():
-                continue
-            try:
-                self.dead_letters.sweep(queue)
-                self.log.info("Worker %s: cleaning registries for queue: %s", self.name, queue.name)
-                clean_registries(queue, self._exc_handlers)
-                worker_registration.clean_worker_registry(queue)
-                queue.intermediate_queue.cleanup(self, queue)
-            except REDIS_TRANSIENT:
-                raise
-            except Exception:
-                log.exception("registry maintenance failed queue=%s", queue.name)
-            finally:
-                try:
-                    queue.release_maintenance_lock()  # type: ignore[no-untyped-call]
-                except REDIS_TRANSIENT as e:
-                    log.warning("could not release the maintenance lock queue=%s error=%s", queue.name, e)
+        """RQ's registry maintenance, queue by queue, under a lease that dies with this process
+        (`Maintenance`: RQ's own lock would outlive a worker killed inside it by 15 minutes)."""
+        self.maintenance.run(self.queues, self._exc_handlers)
         self.last_cleaned_at = now()  # type: ignore[assignment]  # RQ declares it None only
+
+    @property
+    def dequeue_timeout(self) -> int:
+        """How long an idle worker blocks on the queues: RQ's (`worker_ttl - 15`), but never past the
+        maintenance interval, so that an idle worker still runs maintenance on time."""
+        return max(1, min(self.worker_ttl - 15, int(self.maintenance_interval)))
 
     def heartbeat(self, timeout: int | None = None, pipeline: Any = None) -> None:
         """RQ's worker heartbeat (the worker key's `last_heartbeat` and TTL, its executions key's TTL)
@@ -238,7 +228,7 @@ class MlxqWorker(SimpleWorker):
             self.stats.on_heartbeat(ttl, pipeline)
         self._last_beat = (at, ttl)
 
-    def get_heartbeat_ttl(self, job: Job, working_time: float = 0.0) -> int:
+    def get_heartbeat_ttl(self, job: Job | None, working_time: float = 0.0) -> int:
         # Short, refreshed by the watch thread: a killed worker's job is noticed within a few beats.
         return int(self.heartbeat_s * 3 + 5)
 

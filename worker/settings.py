@@ -106,7 +106,10 @@ class WorkerSettings(BaseSettings):
     cancel_poll_s: float = Field(default=0.1, gt=0.0)
     worker_ttl_s: int = Field(default=60, ge=20, description="an idle worker's registration lifetime")
     maintenance_interval_s: int = Field(
-        default=30, ge=1, description="how often a worker moves dead workers' jobs to failed or retry"
+        default=15,
+        ge=1,
+        description="how often a worker looks for dead workers' jobs (retried, failed, or ended finished "
+        "if they wrote their result); an idle worker wakes at least this often to do so",
     )
 
     redis_retry_attempts: int = Field(default=8, ge=1)

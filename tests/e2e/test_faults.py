@@ -59,6 +59,9 @@ def test_a_killed_workers_job_without_retries_fails_with_a_reason(
     spawn_worker(model_dir, redis_url, name="rescuer", **FAST)
     with pytest.raises(JobFailed, match="AbandonedJobError"):
         job.result(timeout=90)
+    deadline = time.monotonic() + 10  # RQ's record of the failure follows the stream's `error` event
+    while job.status() != "failed" and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert job.status() == "failed"
 
 

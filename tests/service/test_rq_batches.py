@@ -169,3 +169,25 @@ def test_a_job_whose_end_fails_fails_with_the_reason_and_the_others_finish(
     assert bad[0].job.get_status(refresh=True) == "failed"
     assert "this result cannot be saved" in (bad[0].job.latest_result().exc_string or "")
     assert int(redis_conn.hget(w.key, "successful_job_count") or 0) == 2
+
+
+def test_an_abandoned_job_that_finished_is_ended_by_another_worker_as_rq_ends_one(
+    redis_conn: redis.Redis,
+) -> None:
+    """A worker died after writing a job's result: another worker ends it with the same records as
+    RQ's own end of a job, and the dead execution's records go."""
+    q = Queue("ends", connection=redis_conn, serializer=JSONSerializer)
+    dead = MlxqWorker([q], connection=redis_conn, stream_options=StreamOptions(), name="dead")
+    dead.register_birth()
+    (alone, *_), (abandoned, value) = _started(dead, q, 1), _started(dead, q, 1)[0]
+    dead.batches.succeed(*alone)  # RQ's own end of one job
+    rescuer = MlxqWorker([q], connection=redis_conn, stream_options=StreamOptions(), name="rescuer")
+    rescuer.register_birth()
+    job = Job.fetch(abandoned.job.id, connection=redis_conn, serializer=JSONSerializer)
+    rescuer.batches.end_abandoned(job, q, abandoned.execution, value)
+    reference = _ended_state(alone[0].job)
+    assert _ended_state(job) == {**reference, "results": [(Result.Type.SUCCESSFUL, value)]}
+    assert not redis_conn.exists(abandoned.execution.key)
+    execution = abandoned.execution
+    assert not redis_conn.sismember(execution.worker_executions_key, execution.composite_key)
+    assert q.started_job_registry.count == 0
