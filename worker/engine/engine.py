@@ -188,12 +188,17 @@ class Engine:
             launcher.close()
 
     def prompt_tokens(self, request: GenerateRequest) -> list[int]:
-        """Token ids for a request: raw `prompt` encoded, or `messages` rendered by the chat template."""
+        """Token ids for a request: raw `prompt` encoded (special-token text as text unless the request
+        allows special tokens), or `messages` rendered by the chat template (`chat_tokens`)."""
         if request.messages is not None:
             ids = self.chat_tokens([m.model_dump() for m in request.messages])
         else:
             assert request.prompt is not None
-            ids = self.tokenizer.encode(request.prompt, add_special_tokens=request.add_special_tokens)
+            ids = self.tokenizer.encode(
+                request.prompt,
+                add_special_tokens=request.add_special_tokens,
+                split_special=not request.allow_special_tokens,
+            )
         if not ids:
             raise InvalidRequest("the prompt is empty: it encodes to no tokens")
         if len(ids) >= self.context_length:
@@ -253,7 +258,7 @@ class Engine:
         tokenizer for all of their short texts); a bad job gets its error in its place, alone."""
         limits = [self._limits_error(request) for request in requests]
         rows = [
-            RowText(r.prompt, r.candidates, i, request.add_special_tokens)
+            RowText(r.prompt, r.candidates, i, request.add_special_tokens, not request.allow_special_tokens)
             for request, error in zip(requests, limits, strict=True)
             if error is None
             for i, r in enumerate(request.rows)
