@@ -27,13 +27,13 @@ from dataclasses import dataclass
 import redis
 from rq import Queue
 from rq.job import Job
-from rq.timeouts import JobTimeoutException
 
 from jobs import keys, parse_generate
 from worker.engine import Engine
 from worker.engine.generation_batch import Finished, GenerationBatch
 from worker.finalizer import Finalizer
 from worker.job_claim import JobClaimer, QueuedJob
+from worker.job_deadline import JobDeadline
 from worker.job_host import JobHost
 from worker.job_results import JobResults
 from worker.job_watch import JobWatch
@@ -158,6 +158,7 @@ class GenerationJobs:
         runs = self.host.start(claimed, queue)
         if not runs:
             return
+        deadlines = [JobDeadline.of(run.job) for run in runs]  # from now: admitting them counts
         watch.add(runs)
         try:
             writers = self.results.open_streams([run.job for run in runs])
@@ -166,24 +167,22 @@ class GenerationJobs:
                 watch.remove(run.job.id)
                 self.host.batches.fail(run, sys.exc_info())
             return
-        for run, writer in zip(runs, writers, strict=True):
+        for run, writer, deadline in zip(runs, writers, deadlines, strict=True):
             try:
                 request = parse_generate(run.job.args[0])
-                batch.admit(run.job.id, request, writer, self._cancel_check(run.job))
+                batch.admit(run.job.id, request, writer, self._cancel_check(run.job, deadline))
             except Exception:
                 watch.remove(run.job.id)
                 self.host.batches.fail(run, sys.exc_info())
                 continue
             jobs[run.job.id] = _BatchJob(run, writer)
 
-    def _cancel_check(self, job: Job) -> Callable[[], bool]:
-        """The job's cancel check; past its timeout it raises, as RQ's death penalty would."""
-        timeout = int(job.timeout or 0)  # set when the job started (`RqBatches.start`)
-        deadline = time.monotonic() + timeout if timeout > 0 else float("inf")
+    def _cancel_check(self, job: Job, deadline: JobDeadline) -> Callable[[], bool]:
+        """The job's cancel check; past its deadline it raises, as RQ's death penalty would. The batch
+        calls it after admitting the job, between prefill chunks and forwards, and between tokens."""
 
         def cancelled() -> bool:
-            if time.monotonic() > deadline:
-                raise JobTimeoutException(f"Task exceeded maximum timeout value ({timeout} seconds)")
+            deadline.check()
             return self.host.is_cancelled(job.id)
 
         return cancelled

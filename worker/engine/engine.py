@@ -305,13 +305,16 @@ class Engine:
         """Score one request's rows (shared prefixes computed once)."""
         return self.score_many([self.score_tokens(request)])[0]
 
-    def score_many(self, jobs: list[list[RowTokens]]) -> list[ScoreResult]:
+    def score_many(
+        self, jobs: list[list[RowTokens]], interrupt: Callable[[], None] | None = None
+    ) -> list[ScoreResult]:
         """Score the prepared rows (`score_tokens`) of several jobs together; one result per job.
 
         All rows go into one prefix tree, so a prefix shared across jobs is computed once. A row's
         `cached_tokens` counts prompt tokens it did not compute itself (shared, or from the cache).
         Out of memory: caches are emptied and the rows scored once more, their suffix batches holding a
-        quarter of the prefix copies (`score_kv_bytes`).
+        quarter of the prefix copies (`score_kv_bytes`). `interrupt` is called before every forward
+        (`PrefixScorer.last_logits`): what it raises ends the scoring (a job's timeout).
         """
         rows = sum(len(j) for j in jobs)
         kv_bytes = [self.score_kv_bytes]
@@ -321,10 +324,12 @@ class Engine:
             kv_bytes[0] = max(1, (kv_bytes[0] or score_kv_by_default()) // 4)
 
         return with_memory_retry(
-            lambda: self._score_many(jobs, kv_bytes[0]), free_and_shrink, f"scoring {rows} rows"
+            lambda: self._score_many(jobs, kv_bytes[0], interrupt), free_and_shrink, f"scoring {rows} rows"
         )
 
-    def _score_many(self, jobs: list[list[RowTokens]], kv_bytes: int) -> list[ScoreResult]:
+    def _score_many(
+        self, jobs: list[list[RowTokens]], kv_bytes: int, interrupt: Callable[[], None] | None
+    ) -> list[ScoreResult]:
         flat = [row for rows in jobs for row in rows]
         stats = ScoreStats()
         scorer = PrefixScorer(
@@ -335,6 +340,7 @@ class Engine:
             max_batch_kv_bytes=kv_bytes,
             kv_bytes_per_token=self.kv_bytes_per_token,
             pad_shapes=self.pad_shapes,
+            interrupt=interrupt,
         )
         logits = scorer.last_logits([p for p, _ in flat], stats)
         scores = candidate_scores(logits, [cands for _, cands in flat])

@@ -9,7 +9,7 @@ a pad that sits after it. Only the positions whose logits are needed go through 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import cast
 
@@ -222,6 +222,10 @@ class PrefixScorer:
     `max_batch_kv_bytes` (and the model's `kv_bytes_per_token`) a batch takes only as many rows as
     keep those copies, prefix and suffixes, within that many bytes (`score_kv_by_default`): without,
     64 rows on a 2,048-token prefix held 19 GB at once on an 8B model, which a 32 GB Mac has not got.
+
+    `interrupt` is called before every forward (each prefill chunk of a span, each suffix batch):
+    whatever it raises ends the scoring there (a job's timeout); what was computed so far stays in the
+    prefix cache.
     """
 
     def __init__(
@@ -236,6 +240,7 @@ class PrefixScorer:
         kv_bytes_per_token: int = 0,
         min_shared: int = 32,
         pad_shapes: bool = False,
+        interrupt: Callable[[], None] | None = None,
     ) -> None:
         self.model = model
         self.pad_shapes = pad_shapes
@@ -246,6 +251,7 @@ class PrefixScorer:
         self.max_batch_kv_bytes = max_batch_kv_bytes
         self.kv_bytes_per_token = kv_bytes_per_token
         self.min_shared = min_shared
+        self.interrupt = interrupt or (lambda: None)
 
     def last_logits(self, prompts: Sequence[list[int]], stats: ScoreStats | None = None) -> list[mx.array]:
         """One (vocab,) float32 logits array per prompt: the distribution of the token after it."""
@@ -298,9 +304,11 @@ class PrefixScorer:
         ids = mx.array(node.span, dtype=mx.int32)[None]
         stats.computed_tokens += len(node.span) - start
         while len(node.span) - start > self.prefill_chunk:
+            self.interrupt()
             self.model(ids[:, start : start + self.prefill_chunk], cache=cache)
             mx.eval([c.state for c in cache])
             start += self.prefill_chunk
+        self.interrupt()
         tail = ids[:, start:]
         real = tail.shape[1]
         pad = padded_size(real) - real if self.pad_shapes else 0
@@ -321,6 +329,7 @@ class PrefixScorer:
         self, leaves: list[_Node], cache: list[KVCache], out: list[mx.array | None], stats: ScoreStats
     ) -> None:
         for group in self._batches(leaves, cache[0].offset if cache else 0):
+            self.interrupt()
             width = max(len(n.span) for n in group)
             pad = group[0].span[0]  # any real id; padded positions are never read
             spans = [n.span for n in group]
