@@ -28,7 +28,7 @@ import redis
 from rq import Queue
 from rq.job import Job
 
-from jobs import keys, parse_generate
+from jobs import MAX_NESTING_DEPTH, keys, parse_generate
 from worker.engine import Engine
 from worker.engine.generation_batch import Finished, GenerationBatch
 from worker.finalizer import Finalizer
@@ -73,6 +73,7 @@ class GenerationJobs:
         scores: ScoreJobs,
         claimer: JobClaimer,
         options: BatchOptions,
+        max_depth: int = MAX_NESTING_DEPTH,
     ) -> None:
         self.engine = engine
         self.host = host
@@ -80,6 +81,7 @@ class GenerationJobs:
         self.scores = scores
         self.claimer = claimer
         self.options = options
+        self.max_depth = max_depth  # a request's nesting, checked before it is validated
 
     def run(self, first: Job, queue: Queue) -> None:
         """Run `first` in a generation batch that admits more queued jobs until the batch is empty."""
@@ -169,7 +171,7 @@ class GenerationJobs:
             return
         for run, writer, deadline in zip(runs, writers, deadlines, strict=True):
             try:
-                request = parse_generate(run.job.args[0])
+                request = parse_generate(run.job.args[0], self.max_depth)
                 batch.admit(run.job.id, request, writer, self._cancel_check(run.job, deadline))
             except Exception:
                 watch.remove(run.job.id)

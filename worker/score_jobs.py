@@ -18,7 +18,7 @@ from rq import Queue
 from rq.job import Job
 from rq.timeouts import JobTimeoutException
 
-from jobs import parse_score
+from jobs import MAX_NESTING_DEPTH, parse_score
 from jobs.errors import InvalidRequest
 from jobs.schema import ScoreRequest, ScoreResult
 from worker.engine.scoring import RowTokens
@@ -51,12 +51,18 @@ class ScoreJobs:
     """Runs score jobs in batches on the engine; built once per worker."""
 
     def __init__(
-        self, engine: ScoringEngine, host: JobHost, results: JobResults, claimer: ScoreClaimer | None
+        self,
+        engine: ScoringEngine,
+        host: JobHost,
+        results: JobResults,
+        claimer: ScoreClaimer | None,
+        max_depth: int = MAX_NESTING_DEPTH,
     ) -> None:
         self.engine = engine
         self.host = host
         self.results = results
         self.claimer = claimer
+        self.max_depth = max_depth  # a request's nesting, checked before it is validated
 
     @property
     def budget(self) -> ClaimBudget | None:
@@ -171,7 +177,7 @@ class ScoreJobs:
         parsed: list[ScoreRequest | Exception] = []
         for payload in payloads:
             try:
-                parsed.append(parse_score(payload))
+                parsed.append(parse_score(payload, self.max_depth))
             except Exception as e:
                 parsed.append(e)
         prepared = iter(self.engine.score_tokens_many([p for p in parsed if isinstance(p, ScoreRequest)]))

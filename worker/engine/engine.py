@@ -81,6 +81,7 @@ class EngineOptions:
     score_kv_bytes: int | None = None  # score batches' prefix copies; None: `score_kv_by_default`
     max_prompt_chars: int | None = None  # a prompt's (or a chat's) characters; None: 32 x the context
     max_stop_chars: int = 4096  # characters of a request's stop strings together
+    max_messages: int = 256  # messages of one chat
 
 
 class Engine:
@@ -387,6 +388,11 @@ class Engine:
 
     def check_sizes(self, request: GenerateRequest) -> None:
         """`InvalidRequest` for a request larger than this worker takes, before any work is done on it."""
+        if request.messages is not None and len(request.messages) > self.options.max_messages:
+            raise InvalidRequest(
+                f"`messages` holds {len(request.messages)} messages; this worker takes at most "
+                f"{self.options.max_messages} (MLXQ_MAX_MESSAGES)"
+            )
         if request.messages is not None:
             chars = sum(
                 len(m.role) + len(m.content) + len(str(m.model_extra or "")) for m in request.messages
