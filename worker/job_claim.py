@@ -110,14 +110,17 @@ class JobClaimer:
         return self._fetch(moved, queue)
 
     def _read(self, ids: list[str]) -> None:
-        """Make `_seen` hold exactly `ids`, reading and parsing only the ones not seen before."""
+        """Make `_seen` hold exactly `ids`, reading and parsing only the ones not seen before. An id
+        whose key is no hash (WRONGTYPE) is not claimed: RQ's dequeue meets it and puts it aside."""
         new = [job_id for job_id in ids if job_id not in self._seen]
         if new:
             pipe = self.conn.pipeline(transaction=False)
             for job_id in new:
                 pipe.hget(keys.rq_job_key(job_id), "data")
-            for job_id, data in zip(new, pipe.execute(), strict=True):
-                self._seen[job_id] = parse_queued(job_id, data)
+            for job_id, data in zip(new, pipe.execute(raise_on_error=False), strict=True):
+                if isinstance(data, REDIS_TRANSIENT):
+                    raise data
+                self._seen[job_id] = parse_queued(job_id, data) if isinstance(data, bytes | None) else None
         self._seen = {job_id: self._seen[job_id] for job_id in ids}
 
     def _fetch(self, ids: list[str], queue: Queue) -> list[Job]:
