@@ -23,6 +23,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import redis
 from rq import Queue
@@ -166,16 +167,14 @@ class GenerationJobs:
             writers = self.results.open_streams([run.job for run in runs])
         except Exception:
             for run in runs:
-                watch.remove(run.job.id)
-                self.host.batches.fail(run, sys.exc_info())
+                self._fail(run, watch, sys.exc_info())
             return
         for run, writer, deadline in zip(runs, writers, deadlines, strict=True):
             try:
                 request = parse_generate(run.job.args[0], self.max_depth)
                 batch.admit(run.job.id, request, writer, self._cancel_check(run.job, deadline))
             except Exception:
-                watch.remove(run.job.id)
-                self.host.batches.fail(run, sys.exc_info())
+                self._fail(run, watch, sys.exc_info())
                 continue
             jobs[run.job.id] = _BatchJob(run, writer)
 
@@ -206,8 +205,7 @@ class GenerationJobs:
             results = self.results.finish_generates([(e.run.job.id, w, result) for e, w, result in ok])
         except Exception:
             for entry, _, _ in ok:
-                watch.remove(entry.run.job.id)
-                self.host.batches.fail(entry.run, sys.exc_info())
+                self._fail(entry.run, watch, sys.exc_info())
             return
         for (entry, _, _), result in zip(ok, results, strict=True):
             watch.remove(entry.run.job.id)
@@ -216,16 +214,22 @@ class GenerationJobs:
     def _retire(self, entry: _BatchJob, done: Finished, watch: JobWatch) -> None:
         """Finish one job of the batch through RQ: its stream's end, result and status."""
         run = entry.run
-        watch.remove(run.job.id)
         if done.error is not None:
-            self.host.batches.fail_with(run, done.error)
+            self._fail(run, watch, (type(done.error), done.error, done.error.__traceback__))
             return
+        watch.remove(run.job.id)
         assert done.result is not None and entry.writer is not None
         try:
             (result,) = self.results.finish_generates([(run.job.id, entry.writer, done.result)])
             self.host.batches.succeed(run, result.model_dump(mode="json"))
         except Exception:
-            self.host.batches.fail(run, sys.exc_info())
+            self._fail(run, watch, sys.exc_info())
+
+    def _fail(self, run: Run, watch: JobWatch, exc_info: Any) -> None:
+        """End a job of the batch as failed through RQ; nothing of it stays behind in the worker."""
+        watch.remove(run.job.id)
+        self.results.forget(run.job.id)
+        self.host.batches.fail(run, exc_info)
 
 
 class _StreamFlush:

@@ -70,7 +70,8 @@ def test_each_request_past_a_limit_fails_alone_naming_it(
     )
     saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        assert WorkerService.start(settings, engine=load_engine(settings)).work(burst=True) == 0
+        service = WorkerService.start(settings, engine=load_engine(settings))
+        assert service.work(burst=True) == 0
     finally:
         for sig, handler in saved.items():
             signal.signal(sig, handler)
@@ -80,3 +81,4 @@ def test_each_request_past_a_limit_fails_alone_naming_it(
         assert "MLXQ_MAX_NESTING_DEPTH" in str(failed.value) or "nesting" not in name
         assert reason in str(failed.value), name
     assert canary.result(timeout=5).usage.completion_tokens == 3
+    assert service.results._queued_s == {}  # nothing the failed jobs' streams noted stays behind
