@@ -112,7 +112,9 @@ class ScoreJobs:
             if i in timed_out:
                 continue
             try:
-                result = results.get(i) or self.engine.score_many([rows], deadlines[run.job.id].check)[0]
+                result = results.get(i)
+                if result is None:  # the batch failed: this job alone, still within its deadline
+                    result = self.engine.score_many([rows], deadlines[run.job.id].check)[0]
                 scored.append((run, result))
             except Exception:
                 batches.fail(run, sys.exc_info())
