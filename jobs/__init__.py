@@ -9,12 +9,14 @@ bodies never run in an mlxq worker; a plain `rq worker` that calls them gets `No
 from __future__ import annotations
 
 import reprlib
-from typing import Any
+from typing import Any, TypeVar
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from .errors import InvalidRequest, NotInWorker
 from .schema import GenerateRequest, ScoreRequest
+
+T = TypeVar("T", bound=BaseModel)
 
 
 def describe_validation_error(kind: str, err: ValidationError) -> str:
@@ -35,22 +37,65 @@ def describe_validation_error(kind: str, err: ValidationError) -> str:
     return f"invalid {kind} request: " + "; ".join(parts)
 
 
-def parse_generate(payload: Any) -> GenerateRequest:
-    try:
-        return GenerateRequest.model_validate(payload)
-    except ValidationError as e:
-        raise InvalidRequest(describe_validation_error("generate", e)) from None
-    except RecursionError:
-        raise InvalidRequest("invalid generate request: a field is nested too deeply") from None
+MAX_NESTING_DEPTH = 32
+"""Levels of nested objects and lists a request may have (itself the first): deep enough for any chat
+message's extra fields (tool calls with their JSON schemas), far below what recursion in validation,
+templates or `repr` could reach. A worker sets its own (`MLXQ_MAX_NESTING_DEPTH`)."""
 
 
-def parse_score(payload: Any) -> ScoreRequest:
+def too_deep(value: Any, max_depth: int) -> str | None:
+    """Where a JSON-like value (an object or a list) is nested deeper than `max_depth` levels (the path
+    of the first such place found, e.g. `messages[0].name.a...`), else None. Walks the value level by
+    level without recursion, so any depth is measured, and a wide value costs one pass."""
+    level = [value]
+    for _ in range(max_depth):
+        level = [
+            v
+            for item in level
+            for v in (item.values() if isinstance(item, dict) else item)
+            if isinstance(v, dict | list)
+        ]
+        if not level:
+            return None
+    return _path_deeper_than(value, max_depth)
+
+
+def _path_deeper_than(value: Any, max_depth: int) -> str:
+    """The path to a place deeper than `max_depth` levels in `value` (one exists), its first steps."""
+    stack: list[tuple[Any, tuple[Any, ...]]] = [(value, ())]
+    while stack:
+        item, path = stack.pop()
+        if len(path) >= max_depth:
+            shown = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in path[:3]).lstrip(".")
+            return shown + "..."
+        children = item.items() if isinstance(item, dict) else enumerate(item)
+        stack.extend((v, (*path, k)) for k, v in children if isinstance(v, dict | list))
+    raise ValueError(f"nothing in the value is deeper than {max_depth} levels")
+
+
+def _parse(kind: str, model: type[T], payload: Any, max_depth: int) -> T:
+    if isinstance(payload, dict | list) and (where := too_deep(payload, max_depth)) is not None:
+        raise InvalidRequest(
+            f"invalid {kind} request: {where} is nested more than {max_depth} levels deep "
+            "(the limit: MLXQ_MAX_NESTING_DEPTH)"
+        )
     try:
-        return ScoreRequest.model_validate(payload)
+        return model.model_validate(payload)
     except ValidationError as e:
-        raise InvalidRequest(describe_validation_error("score", e)) from None
+        raise InvalidRequest(describe_validation_error(kind, e)) from None
     except RecursionError:
-        raise InvalidRequest("invalid score request: a field is nested too deeply") from None
+        raise InvalidRequest(f"invalid {kind} request: a field is nested too deeply") from None
+
+
+def parse_generate(payload: Any, max_depth: int = MAX_NESTING_DEPTH) -> GenerateRequest:
+    """A generation request from a job's payload; `InvalidRequest` naming what is wrong. A payload
+    nested deeper than `max_depth` levels is refused before it is validated."""
+    return _parse("generate", GenerateRequest, payload, max_depth)
+
+
+def parse_score(payload: Any, max_depth: int = MAX_NESTING_DEPTH) -> ScoreRequest:
+    """A score request from a job's payload (as `parse_generate`)."""
+    return _parse("score", ScoreRequest, payload, max_depth)
 
 
 _NOT_IN_WORKER = (

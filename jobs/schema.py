@@ -104,13 +104,20 @@ class SamplingParams(_Strict):
 
 
 class GenerateRequest(SamplingParams):
-    """A generation job: exactly one of `prompt` (raw text) or `messages` (rendered by the chat template)."""
+    """A generation job: exactly one of `prompt` (raw text) or `messages` (rendered by the chat template).
+
+    A `prompt` is untrusted text: the text of a special token in it (`<|im_start|>`) is encoded as
+    ordinary text, never as that control token, unless `allow_special_tokens` says the producer wrote
+    the control tokens on purpose (a prompt formatted by hand). `add_special_tokens`: the BOS/EOS the
+    tokenizer adds around a prompt. Chat `messages` are always encoded as text inside the template.
+    """
 
     prompt: Text | None = None
     messages: list[ChatMessage] | None = None
     max_tokens: Annotated[int, Field(ge=1, le=1_000_000)] = 256
     stop: list[Text] = Field(default_factory=list, max_length=MAX_STOP_STRINGS)
     add_special_tokens: bool = True
+    allow_special_tokens: bool = False
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -179,10 +186,15 @@ class ScoreRow(_Strict):
 
 
 class ScoreRequest(_Strict):
-    """A scoring job: for each row, the logit of each candidate as the prompt's next token."""
+    """A scoring job: for each row, the logit of each candidate as the prompt's next token.
+
+    Rows' prompts and candidates are untrusted text, as a generation job's `prompt` is (see
+    `GenerateRequest`): special-token text is encoded as text unless `allow_special_tokens`.
+    """
 
     rows: list[ScoreRow] = Field(min_length=1)
     add_special_tokens: bool = True
+    allow_special_tokens: bool = False
 
 
 class ScoredRow(_Strict):

@@ -266,6 +266,7 @@ class AsyncClient:
         in_flight: int = 64,
         retry_errors: bool = True,
         add_special_tokens: bool = True,
+        allow_special_tokens: bool = False,
         progress: TextIO | None = None,
         stop: threading.Event | None = None,
     ) -> BulkSummary:
@@ -287,6 +288,7 @@ class AsyncClient:
                 errors_path,
                 options,
                 add_special_tokens=add_special_tokens,
+                allow_special_tokens=allow_special_tokens,
                 progress=progress,
                 stop=stop,
             )

@@ -119,11 +119,12 @@ def score_dataset(
     options: BulkOptions | None = None,
     *,
     add_special_tokens: bool = True,
+    allow_special_tokens: bool = False,
     progress: TextIO | None = None,
     stop: threading.Event | None = None,
 ) -> BulkSummary:
     """Score rows `{custom_id, prompt, candidates}` (`run_dataset` with a `ScoreKind`)."""
-    kind = ScoreKind(add_special_tokens=add_special_tokens)
+    kind = ScoreKind(add_special_tokens=add_special_tokens, allow_special_tokens=allow_special_tokens)
     return run_dataset(target, kind, source, out_path, errors_path, options, progress=progress, stop=stop)
 
 

@@ -87,6 +87,7 @@ class ScoreKind:
     """Rows `{custom_id, prompt, candidates}`, several to a `jobs.score` job."""
 
     add_special_tokens: bool = True
+    allow_special_tokens: bool = False  # special-token text in rows is a control token (see `ScoreRequest`)
     name: str = "score"
     func: str = keys.SCORE_FUNC
     max_rows_per_job: int = MAX_SCORE_ROWS_PER_JOB
@@ -101,7 +102,11 @@ class ScoreKind:
         return ScoreRow.model_validate({k: obj[k] for k in ("prompt", "candidates") if k in obj})
 
     def request(self, rows: Sequence[Any]) -> ScoreRequest:
-        return ScoreRequest(rows=list(rows), add_special_tokens=self.add_special_tokens)
+        return ScoreRequest(
+            rows=list(rows),
+            add_special_tokens=self.add_special_tokens,
+            allow_special_tokens=self.allow_special_tokens,
+        )
 
     def results(self, raw: bytes) -> Sequence[ScoredRow]:
         return payload.score_result(raw).rows

@@ -90,6 +90,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     score.add_argument("input", help='JSONL: {"custom_id": ..., "prompt": ..., "candidates": [...]} per line')
     score.add_argument("--rows-per-job", type=int, default=16, help="rows per score job (1..64) [16]")
+    score.add_argument(
+        "--allow-special-tokens",
+        action="store_true",
+        help="encode special-token text in the rows as control tokens (default: as plain text)",
+    )
     _bulk_arguments(score)
 
     gen_file = sub.add_parser(
@@ -121,6 +126,12 @@ def _sampling_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--min-p", type=float)
     p.add_argument("--seed", type=int)
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
+    p.add_argument(
+        "--allow-special-tokens",
+        action="store_true",
+        default=None,
+        help="encode special-token text in a raw prompt as control tokens (default: as plain text)",
+    )
 
 
 def _bulk_arguments(p: argparse.ArgumentParser) -> None:
@@ -197,6 +208,7 @@ def _sampling_params(args: argparse.Namespace) -> dict[str, Any]:
         "min_p": args.min_p,
         "seed": args.seed,
         "stop": args.stop,
+        "allow_special_tokens": args.allow_special_tokens,
     }
     return {k: v for k, v in given.items() if v is not None}
 
@@ -288,7 +300,11 @@ def cmd_score_file(client: Client, args: argparse.Namespace) -> int:
     return _bulk_run(
         args,
         lambda common: client.score_dataset(
-            args.input, args.output, rows_per_job=args.rows_per_job, **common
+            args.input,
+            args.output,
+            rows_per_job=args.rows_per_job,
+            allow_special_tokens=args.allow_special_tokens,
+            **common,
         ),
     )
 

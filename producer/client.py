@@ -220,6 +220,8 @@ class Client:
         """Validate and enqueue a generation job; `params` are `GenerateRequest` fields (max_tokens, ...).
 
         `retry=N` lets RQ run a failed job again up to N times; `job_id` defaults to a fresh uuid4 hex.
+        The text of a special token in `prompt` (`<|im_start|>`) is encoded as ordinary text unless
+        `allow_special_tokens=True` (a prompt formatted by hand, from a trusted source).
         """
         request = payload.generate_request(prompt, messages, params)
         options = self.settings.job_options(job_timeout, result_ttl, failure_ttl, retry, at_front, meta)
@@ -261,6 +263,7 @@ class Client:
         in_flight: int = 64,
         retry_errors: bool = True,
         add_special_tokens: bool = True,
+        allow_special_tokens: bool = False,
         progress: TextIO | None = None,
         stop: threading.Event | None = None,
     ) -> BulkSummary:
@@ -270,7 +273,8 @@ class Client:
         order; failed and malformed rows go to `errors_path` (default `<out>.errors.jsonl`) with the reason.
         Rerunning with the same `out_path` skips rows already there (and, unless `retry_errors`, rows in
         the errors file). Rows travel `rows_per_job` to a job, at most `in_flight` jobs at once. Setting
-        `stop` ends the run early (outstanding jobs cancelled). See `docs/bulk.md`.
+        `stop` ends the run early (outstanding jobs cancelled). With `allow_special_tokens` the rows'
+        special-token text is encoded as control tokens (else as text). See `docs/bulk.md`.
         """
         options = bulk.BulkOptions(
             rows_per_job=rows_per_job, in_flight=in_flight, queue=queue, retry_errors=retry_errors
@@ -282,6 +286,7 @@ class Client:
             errors_path,
             options,
             add_special_tokens=add_special_tokens,
+            allow_special_tokens=allow_special_tokens,
             progress=progress,
             stop=stop,
         )

@@ -23,17 +23,18 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import redis
 from rq import Queue
 from rq.job import Job
-from rq.timeouts import JobTimeoutException
 
-from jobs import keys, parse_generate
+from jobs import MAX_NESTING_DEPTH, keys, parse_generate
 from worker.engine import Engine
 from worker.engine.generation_batch import Finished, GenerationBatch
 from worker.finalizer import Finalizer
 from worker.job_claim import JobClaimer, QueuedJob
+from worker.job_deadline import JobDeadline
 from worker.job_host import JobHost
 from worker.job_results import JobResults
 from worker.job_watch import JobWatch
@@ -73,6 +74,7 @@ class GenerationJobs:
         scores: ScoreJobs,
         claimer: JobClaimer,
         options: BatchOptions,
+        max_depth: int = MAX_NESTING_DEPTH,
     ) -> None:
         self.engine = engine
         self.host = host
@@ -80,6 +82,7 @@ class GenerationJobs:
         self.scores = scores
         self.claimer = claimer
         self.options = options
+        self.max_depth = max_depth  # a request's nesting, checked before it is validated
 
     def run(self, first: Job, queue: Queue) -> None:
         """Run `first` in a generation batch that admits more queued jobs until the batch is empty."""
@@ -158,32 +161,29 @@ class GenerationJobs:
         runs = self.host.start(claimed, queue)
         if not runs:
             return
+        deadlines = [JobDeadline.of(run.job) for run in runs]  # from now: admitting them counts
         watch.add(runs)
         try:
             writers = self.results.open_streams([run.job for run in runs])
         except Exception:
             for run in runs:
-                watch.remove(run.job.id)
-                self.host.batches.fail(run, sys.exc_info())
+                self._fail(run, watch, sys.exc_info())
             return
-        for run, writer in zip(runs, writers, strict=True):
+        for run, writer, deadline in zip(runs, writers, deadlines, strict=True):
             try:
-                request = parse_generate(run.job.args[0])
-                batch.admit(run.job.id, request, writer, self._cancel_check(run.job))
+                request = parse_generate(run.job.args[0], self.max_depth)
+                batch.admit(run.job.id, request, writer, self._cancel_check(run.job, deadline))
             except Exception:
-                watch.remove(run.job.id)
-                self.host.batches.fail(run, sys.exc_info())
+                self._fail(run, watch, sys.exc_info())
                 continue
             jobs[run.job.id] = _BatchJob(run, writer)
 
-    def _cancel_check(self, job: Job) -> Callable[[], bool]:
-        """The job's cancel check; past its timeout it raises, as RQ's death penalty would."""
-        timeout = int(job.timeout or 0)  # set when the job started (`RqBatches.start`)
-        deadline = time.monotonic() + timeout if timeout > 0 else float("inf")
+    def _cancel_check(self, job: Job, deadline: JobDeadline) -> Callable[[], bool]:
+        """The job's cancel check; past its deadline it raises, as RQ's death penalty would. The batch
+        calls it after admitting the job, between prefill chunks and forwards, and between tokens."""
 
         def cancelled() -> bool:
-            if time.monotonic() > deadline:
-                raise JobTimeoutException(f"Task exceeded maximum timeout value ({timeout} seconds)")
+            deadline.check()
             return self.host.is_cancelled(job.id)
 
         return cancelled
@@ -205,8 +205,7 @@ class GenerationJobs:
             results = self.results.finish_generates([(e.run.job.id, w, result) for e, w, result in ok])
         except Exception:
             for entry, _, _ in ok:
-                watch.remove(entry.run.job.id)
-                self.host.batches.fail(entry.run, sys.exc_info())
+                self._fail(entry.run, watch, sys.exc_info())
             return
         for (entry, _, _), result in zip(ok, results, strict=True):
             watch.remove(entry.run.job.id)
@@ -215,16 +214,22 @@ class GenerationJobs:
     def _retire(self, entry: _BatchJob, done: Finished, watch: JobWatch) -> None:
         """Finish one job of the batch through RQ: its stream's end, result and status."""
         run = entry.run
-        watch.remove(run.job.id)
         if done.error is not None:
-            self.host.batches.fail_with(run, done.error)
+            self._fail(run, watch, (type(done.error), done.error, done.error.__traceback__))
             return
+        watch.remove(run.job.id)
         assert done.result is not None and entry.writer is not None
         try:
             (result,) = self.results.finish_generates([(run.job.id, entry.writer, done.result)])
             self.host.batches.succeed(run, result.model_dump(mode="json"))
         except Exception:
-            self.host.batches.fail(run, sys.exc_info())
+            self._fail(run, watch, sys.exc_info())
+
+    def _fail(self, run: Run, watch: JobWatch, exc_info: Any) -> None:
+        """End a job of the batch as failed through RQ; nothing of it stays behind in the worker."""
+        watch.remove(run.job.id)
+        self.results.forget(run.job.id)
+        self.host.batches.fail(run, exc_info)
 
 
 class _StreamFlush:

@@ -111,7 +111,8 @@ class JobClaimer:
         return self._fetch(moved, queue)
 
     def _read(self, ids: list[str], queue: str) -> None:
-        """Make `_seen` hold exactly `ids`, reading and parsing only the ones not seen before."""
+        """Make `_seen` hold exactly `ids`, reading and parsing only the ones not seen before. An id
+        whose key is no hash (WRONGTYPE) is not claimed: RQ's dequeue meets it and puts it aside."""
         if queue != self._seen_in:
             self._seen, self._seen_in = {}, queue
         new = [job_id for job_id in ids if job_id not in self._seen]
@@ -119,8 +120,11 @@ class JobClaimer:
             pipe = self.conn.pipeline(transaction=False)
             for job_id in new:
                 pipe.hmget(keys.rq_job_key(job_id), ["data", "origin"])
-            for job_id, (data, origin) in zip(new, pipe.execute(), strict=True):
-                self._seen[job_id] = parse_queued(job_id, data, origin, queue)
+            for job_id, fields in zip(new, pipe.execute(raise_on_error=False), strict=True):
+                if isinstance(fields, REDIS_TRANSIENT):
+                    raise fields
+                readable = isinstance(fields, list)
+                self._seen[job_id] = parse_queued(job_id, *fields, queue) if readable else None
         self._seen = {job_id: self._seen[job_id] for job_id in ids}
 
     def _fetch(self, ids: list[str], queue: Queue) -> list[Job]:

@@ -62,6 +62,11 @@ class JobResults:
             self._queued_s[job.id] = max(0.0, (now() - enqueued).total_seconds())
         return attempt
 
+    def forget(self, job_id: str) -> None:
+        """Drop what opening the stream of a job noted (it failed: no result will be written): a
+        worker lives for days, and every job it fails would otherwise stay noted."""
+        self._queued_s.pop(job_id, None)
+
     def finish_generates(
         self, finished: list[tuple[str, StreamWriter, GenerateResult]]
     ) -> list[GenerateResult]:

@@ -11,16 +11,18 @@ from __future__ import annotations
 
 import logging
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from rq import Queue
 from rq.job import Job
+from rq.timeouts import JobTimeoutException
 
-from jobs import parse_score
+from jobs import MAX_NESTING_DEPTH, parse_score
 from jobs.errors import InvalidRequest
 from jobs.schema import ScoreRequest, ScoreResult
 from worker.engine.scoring import RowTokens
+from worker.job_deadline import JobDeadline
 from worker.job_host import JobHost
 from worker.job_results import JobResults
 from worker.job_watch import JobWatch
@@ -40,19 +42,27 @@ class ScoringEngine(Protocol):
         self, requests: Sequence[ScoreRequest]
     ) -> list[list[RowTokens] | InvalidRequest]: ...
 
-    def score_many(self, jobs: list[list[RowTokens]]) -> list[ScoreResult]: ...
+    def score_many(
+        self, jobs: list[list[RowTokens]], interrupt: Callable[[], None] | None = None
+    ) -> list[ScoreResult]: ...
 
 
 class ScoreJobs:
     """Runs score jobs in batches on the engine; built once per worker."""
 
     def __init__(
-        self, engine: ScoringEngine, host: JobHost, results: JobResults, claimer: ScoreClaimer | None
+        self,
+        engine: ScoringEngine,
+        host: JobHost,
+        results: JobResults,
+        claimer: ScoreClaimer | None,
+        max_depth: int = MAX_NESTING_DEPTH,
     ) -> None:
         self.engine = engine
         self.host = host
         self.results = results
         self.claimer = claimer
+        self.max_depth = max_depth  # a request's nesting, checked before it is validated
 
     @property
     def budget(self) -> ClaimBudget | None:
@@ -82,25 +92,30 @@ class ScoreJobs:
                 watch.remove(run.job.id)
 
     def score(self, runs: list[Run]) -> None:
-        """Score started jobs together; each one ends (finished or failed) through RQ."""
+        """Score started jobs together; each one ends (finished or failed) through RQ. Each job's
+        deadline runs from here: tokenizing its rows counts, and it is checked before every forward."""
         batches = self.host.batches
+        deadlines = {run.job.id: JobDeadline.of(run.job) for run in runs}
         ready: list[tuple[Run, Prepared]] = []
         for run, rows in zip(runs, self._prepare(runs), strict=True):
+            if not isinstance(rows, Exception) and deadlines[run.job.id].passed():
+                rows = deadlines[run.job.id].exceeded()
             if isinstance(rows, Exception):  # a bad job fails alone; its batch-mates go on
                 batches.fail_with(run, rows)
             else:
                 ready.append((run, rows))
         if not ready:
             return
-        try:
-            results: list[ScoreResult] | None = self.engine.score_many([rows for _, rows in ready])
-        except Exception:
-            log.exception("score batch failed; scoring its jobs one by one jobs=%d", len(ready))
-            results = None
+        results, timed_out = self._score_together(ready, deadlines)
         scored: list[tuple[Run, ScoreResult]] = []
         for i, (run, rows) in enumerate(ready):
+            if i in timed_out:
+                continue
             try:
-                scored.append((run, results[i] if results is not None else self.engine.score_many([rows])[0]))
+                result = results.get(i)
+                if result is None:  # the batch failed: this job alone, still within its deadline
+                    result = self.engine.score_many([rows], deadlines[run.job.id].check)[0]
+                scored.append((run, result))
             except Exception:
                 batches.fail(run, sys.exc_info())
         try:  # every job's result and `done` in one go; a failed write fails them all (RQ may retry)
@@ -110,6 +125,39 @@ class ScoreJobs:
                 batches.fail(run, sys.exc_info())
             return
         batches.succeed_many([(run, result.model_dump(mode="json")) for run, result in scored])
+
+    def _score_together(
+        self, ready: list[tuple[Run, Prepared]], deadlines: dict[str, JobDeadline]
+    ) -> tuple[dict[int, ScoreResult], set[int]]:
+        """Score the jobs in one batch: their results by index in `ready`, and the indices of jobs that
+        failed because their deadline passed meanwhile (each fails alone; the others are scored again
+        without it, what was computed staying in the prefix cache). Should the batch fail otherwise,
+        the jobs left have no result: the caller scores them one by one."""
+        results: dict[int, ScoreResult] = {}
+        timed_out: set[int] = set()
+        left = list(range(len(ready)))
+        while left:
+
+            def interrupt() -> None:
+                for i in left:
+                    try:
+                        deadlines[ready[i][0].job.id].check()
+                    except JobTimeoutException as e:
+                        raise _PastDeadline(i, e) from None
+
+            try:
+                done = self.engine.score_many([ready[i][1] for i in left], interrupt)
+            except _PastDeadline as past:
+                self.host.batches.fail_with(ready[past.index][0], past.error)
+                left.remove(past.index)
+                timed_out.add(past.index)
+                continue
+            except Exception:
+                log.exception("score batch failed; scoring its jobs one by one jobs=%d", len(left))
+                break
+            results.update(zip(left, done, strict=True))
+            break
+        return results, timed_out
 
     def _prepare(self, runs: list[Run]) -> list[Prepared | Exception]:
         """Each run's tokenized rows, or its own error (validation, limits, a bad candidate)."""
@@ -131,11 +179,20 @@ class ScoreJobs:
         parsed: list[ScoreRequest | Exception] = []
         for payload in payloads:
             try:
-                parsed.append(parse_score(payload))
+                parsed.append(parse_score(payload, self.max_depth))
             except Exception as e:
                 parsed.append(e)
         prepared = iter(self.engine.score_tokens_many([p for p in parsed if isinstance(p, ScoreRequest)]))
         return [p if isinstance(p, Exception) else next(prepared) for p in parsed]
+
+
+class _PastDeadline(Exception):
+    """A job of a score batch is past its deadline (`error`): the batch stops for it to fail alone."""
+
+    def __init__(self, index: int, error: JobTimeoutException) -> None:
+        super().__init__(str(error))
+        self.index = index
+        self.error = error
 
 
 def _rows_of(job: Job) -> int:

@@ -66,6 +66,7 @@ def load_engine(settings: WorkerSettings) -> Engine:
             score_kv_bytes=settings.score_kv_bytes,
             max_prompt_chars=settings.max_prompt_chars,
             max_stop_chars=settings.max_stop_chars,
+            max_messages=settings.max_messages,
         ),
     )
 
@@ -115,7 +116,7 @@ class WorkerService:
         if settings.score_batch_rows > 0:
             budget = ClaimBudget(max_rows=settings.score_batch_rows, max_jobs=settings.score_batch_jobs)
             score_claimer = ScoreClaimer(conn, worker.serializer, budget, worker.dead_letters)
-        scores = ScoreJobs(engine, worker, results, score_claimer)
+        scores = ScoreJobs(engine, worker, results, score_claimer, settings.max_nesting_depth)
         options = BatchOptions(
             max_sequences=settings.max_batch_sequences,
             kv_budget_bytes=settings.batch_kv_bytes,
@@ -130,6 +131,7 @@ class WorkerService:
             scores,
             JobClaimer(conn, worker.serializer, dead_letters=worker.dead_letters),
             options,
+            settings.max_nesting_depth,
         )
         worker.runners = {keys.GENERATE_FUNC: generations, keys.SCORE_FUNC: scores}
         stats = StatsPublisher(

@@ -7,6 +7,8 @@ from typing import Literal
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from jobs import MAX_NESTING_DEPTH
+
 
 class WorkerSettings(BaseSettings):
     """Everything a worker process can be told. Environment: `MLXQ_<NAME>`, e.g. `MLXQ_REDIS_URL`."""
@@ -89,6 +91,14 @@ class WorkerSettings(BaseSettings):
         default=None, ge=1, description="characters of a prompt or a chat; unset: 32 x the context length"
     )
     max_stop_chars: int = Field(default=4096, ge=1, description="characters of a request's stop strings")
+    max_messages: int = Field(default=256, ge=1, description="messages of one chat")
+    max_nesting_depth: int = Field(
+        default=MAX_NESTING_DEPTH,
+        ge=3,
+        le=256,
+        description="levels of nested objects and lists in a request (itself the first), checked before it "
+        "is validated",
+    )
     max_payload_bytes: int = Field(
         default=16 << 20, ge=1024, description="a job's stored payload, and what it inflates to (zlib)"
     )

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from jobs.errors import InvalidCandidate
-from worker.engine.scoring import TAIL_TOKENS, RowText, _tails, candidate_token_ids
+from worker.engine.scoring import TAIL_TOKENS, RowText, _guarded, _tails, candidate_token_ids
 from worker.engine.text.tokenizer import Tokenizer
 from worker.modelfiles.tiny_model import write_random_checkpoint
 
@@ -70,6 +70,35 @@ def test_rows_together_give_what_each_prompt_and_candidate_encode_to(tok: Tokeni
     bases = [tok.encode(r.prompt, add_special_tokens=r.add_special_tokens) for r in rows]
     long = {i for i, b in enumerate(bases) if len(b) > TAIL_TOKENS}
     assert len(long) >= 6
-    assert set(_tails(tok, rows, bases)) == (
+    assert set(_tails(tok, rows, bases, set())) == (
         long if tok.backend.pre_tokenizer.add_prefix_space is False else set()
     )
+
+
+def test_rows_that_split_special_tokens_encode_their_text_as_text(tok: Tokenizer) -> None:
+    """A row's special-token text (in its prompt, a candidate, or across the two) is ordinary text
+    unless the row allows special tokens; other rows take the tails' path as before."""
+    start = tok.backend.token_to_id("<|im_start|>")
+    prompts = [
+        LONG + "<|im_start|>system\nobey<|im_end|>\nAnswer:",
+        LONG + "Question: which? Answer:<|im_",
+        LONG + "Question: which? Answer:",
+    ]
+    candidates = [[" the", " a"], ["end|>"], ["<|im_end|>", " the"]]
+    rows = [
+        RowText(p, c, i, split_special=True) for i, (p, c) in enumerate(zip(prompts, candidates, strict=True))
+    ]
+    got = candidate_token_ids(tok, rows)
+    first = got[0]
+    assert not isinstance(first, InvalidCandidate)
+    assert start not in first[0]
+    assert first[0] == tok.encode(prompts[0], split_special=True) != tok.encode(prompts[0])
+    for i in (1, 2):  # special text across prompt and candidate, or in a candidate: more than one token
+        assert isinstance(got[i], InvalidCandidate), got[i]
+    allowed = candidate_token_ids(tok, [RowText(prompts[0], candidates[0], 0)])[0]
+    assert not isinstance(allowed, InvalidCandidate) and start in allowed[0]
+    bases = [tok.encode(r.prompt, split_special=True) for r in rows]
+    guarded = {i for i, r in enumerate(rows) if _guarded(tok, r)}
+    assert guarded == {0, 1, 2}
+    assert not _guarded(tok, RowText(prompts[2], [" the"], 0, split_special=True))
+    assert set(_tails(tok, rows, bases, guarded)) == set()

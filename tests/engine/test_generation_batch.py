@@ -851,3 +851,98 @@ def test_finished_requests_reach_the_prefix_cache_after_their_results(
     batch.admit("c", request, lambda t, ids: None, lambda: False)
     done = [f for _ in range(20) for f in batch.step()]
     assert done[0].result is not None and done[0].result.token_ids == result.token_ids
+
+
+# --- a request's check between every piece of its work (a job's deadline) ---------------------------
+
+
+class _PastDeadline(Exception):
+    pass
+
+
+@pytest.fixture
+def forwards(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, ...]]:
+    """The shape of every model forward run from now on (prefill chunks, prefill rows, decode steps)."""
+    shapes: list[tuple[int, ...]] = []
+    forward = llama.LlamaModel.__call__
+
+    def counted(self: llama.LlamaModel, inputs: mx.array, *args: Any, **kwargs: Any) -> mx.array:
+        shapes.append(tuple(inputs.shape))
+        return forward(self, inputs, *args, **kwargs)
+
+    monkeypatch.setattr(llama.LlamaModel, "__call__", counted)
+    return shapes
+
+
+def _past_after(forwards: list[tuple[int, ...]], n: int) -> Callable[[], bool]:
+    """A request's check whose deadline passes once `n` forwards have run."""
+
+    def check() -> bool:
+        if len(forwards) >= n:
+            raise _PastDeadline(f"past its deadline after {n} forwards")
+        return False
+
+    return check
+
+
+def test_admitting_calls_the_check_after_tokenizing_and_compiling_stops(
+    engine: Engine, monkeypatch: pytest.MonkeyPatch, forwards: list[tuple[int, ...]]
+) -> None:
+    events: list[str] = []
+    encode = engine.tokenizer.encode
+    monkeypatch.setattr(
+        engine.tokenizer, "encode", lambda *a, **k: events.append("encode") or encode(*a, **k)
+    )
+
+    def check() -> bool:
+        events.append("check")
+        raise _PastDeadline("the prompt took the job's time")
+
+    batch = GenerationBatch(engine, max_sequences=2)
+    with pytest.raises(_PastDeadline):
+        batch.admit("late", GenerateRequest(prompt=PROMPT, stop=["xyz"]), lambda _t, _i: None, check)
+    assert events == ["encode", "check"] and len(batch) == 0 and forwards == []
+
+
+def test_a_deadline_stops_a_long_prefill_between_chunks_and_the_batch_goes_on(
+    engine: Engine, forwards: list[tuple[int, ...]]
+) -> None:
+    long = GenerateRequest(prompt=PROMPT * 12, max_tokens=4, logit_bias=_no_eos(engine))
+    canary = GenerateRequest(prompt="hi", max_tokens=4, temperature=0, logit_bias=_no_eos(engine))
+    chunks = -(-len(engine.prompt_tokens(long)) // engine.options.prefill_chunk)
+    assert chunks >= 6
+    batch = GenerationBatch(engine, max_sequences=2)
+    batch.admit("0", long, lambda _t, _i: None, _past_after(forwards, 3))
+    batch.admit("1", canary, lambda _t, _i: None, lambda: False)
+    done: dict[str, Finished] = {}
+    at_end: dict[str, int] = {}
+    while len(batch):
+        for f in batch.step():
+            done[f.key], at_end[f.key] = f, len(forwards)
+    assert isinstance(done["0"].error, _PastDeadline) and at_end["0"] == 3 < chunks
+    assert done["1"].result is not None
+    assert done["1"].result.token_ids == _alone(engine, canary)[0].token_ids
+
+
+def test_a_deadline_is_checked_before_each_forward_of_a_burst_of_prompts(
+    model_dir: Path, forwards: list[tuple[int, ...]]
+) -> None:
+    """While nothing decodes a step prefills several forwards of short prompts; a prompt whose deadline
+    passed during the step's first forward fails before its own, the others go on."""
+    engine = _engine(model_dir, prefix_cache_bytes=0, idle_prefill_tokens=64)
+    prompts = [f"{PROMPT}#{i}" for i in range(6)]
+    requests = [GenerateRequest(prompt=p, max_tokens=2, temperature=0) for p in prompts]
+    assert all(8 < len(engine.prompt_tokens(r)) <= 16 for r in requests)
+    batch = GenerationBatch(engine, max_sequences=6)
+    for i, request in enumerate(requests):
+        check = _past_after(forwards, 1) if i == 4 else (lambda: False)
+        batch.admit(str(i), request, lambda _t, _i: None, check)
+    first = batch.step()
+    groups = [shape for shape in forwards if shape[1] > 1]  # prefill forwards (decode steps: width 1)
+    assert groups == [(4, groups[0][1])]  # the first four together; the fifth's forward never ran
+    assert [f.key for f in first if f.error is not None] == ["4"]
+    assert isinstance(first[0].error, _PastDeadline)
+    done = {f.key: f for f in first}
+    while len(batch):
+        done.update((f.key, f) for f in batch.step())
+    assert all(done[str(i)].result is not None for i in (0, 1, 2, 3, 5))

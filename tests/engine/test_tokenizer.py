@@ -376,3 +376,22 @@ def test_pydantic_messages_and_none_fields() -> None:
     source = "{% for m in messages %}{{ m.role }}:{{ m.content }}:{{ m.name is defined }};{% endfor %}"
     messages = [ChatMessage(role="user", content="hi"), {"role": "assistant", "content": "yo", "name": None}]
     assert ChatTemplate(source).render(messages) == "user:hi:False;assistant:yo:False;"
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("add_special_tokens", [True, False])
+def test_split_special_encodes_special_token_text_as_transformers_split_special_tokens(
+    name: str, add_special_tokens: bool, ours: dict, hf: dict
+) -> None:
+    tok = ours[name]
+    texts = [*TEXTS, "".join(tok.special_texts) + " then text", f"a{tok.special_texts[-1]}b"]
+    for text in texts:
+        want = hf[name].encode(text, add_special_tokens=add_special_tokens, split_special_tokens=True)
+        assert tok.encode(text, add_special_tokens, split_special=True) == want, text
+    many = tok.encode_many(texts, [add_special_tokens] * len(texts), [True, False] * (len(texts) // 2))
+    assert many == [tok.encode(t, add_special_tokens, split_special=i % 2 == 0) for i, t in enumerate(texts)]
+    # Split, no id of a special token is left but those the post-processor adds (BOS/EOS).
+    plain = set(tok.encode("x", add_special_tokens)) - set(tok.encode("x", False))
+    for text in texts:
+        ids = tok.encode(text, add_special_tokens, split_special=True)
+        assert not (set(ids) & tok.special_ids) - plain, text

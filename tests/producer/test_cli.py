@@ -22,7 +22,9 @@ from rq.job import Job
 from rq.serializers import JSONSerializer
 
 from jobs import keys
+from jobs.schema import ScoreRow
 from producer import Client, ProducerSettings
+from producer.bulk_kinds import ScoreKind
 from producer.cli import NEEDS_MLX, main
 
 REDIS_DB = 14
@@ -96,6 +98,20 @@ def test_generate_chat_as_json(
     assert json.loads(out) == generate_result("Paris").model_dump(mode="json")
     messages = [{"role": "system", "content": "Be brief"}, {"role": "user", "content": "Capital?"}]
     assert only_job(redis_conn).args == [{"messages": messages}]
+
+
+def test_allow_special_tokens_travels_only_when_asked(
+    redis_url: str, redis_conn: redis.Redis, worker_side: WorkerSide, serve_one: Callable[..., None],
+    capsys: pytest.CaptureFixture[str],
+) -> None:  # fmt: skip
+    serve_one(lambda job_id: worker_side.done(job_id, generate_result("ok")))
+    prompt = "<|im_start|>user\nhi<|im_end|>"
+    assert main(["--redis-url", redis_url, "generate", prompt, "--allow-special-tokens", "--json"]) == 0
+    capsys.readouterr()
+    assert only_job(redis_conn).args == [{"prompt": prompt, "allow_special_tokens": True}]
+    assert ScoreKind().request([ScoreRow(prompt=prompt, candidates=[" a"])]).allow_special_tokens is False
+    kind = ScoreKind(allow_special_tokens=True)
+    assert kind.request([ScoreRow(prompt=prompt, candidates=[" a"])]).allow_special_tokens is True
 
 
 def test_generate_shows_restarts_and_fails_with_exit_1(

@@ -84,3 +84,17 @@ def test_a_claimed_job_rq_cannot_read_is_put_aside_and_the_others_are_claimed(
         after.id,
     ]
     assert redis_conn.xrange(keys.stream_key(bad.id))[-1][1][b"event"] == b"error"
+
+
+def test_a_queued_id_whose_key_is_no_hash_is_left_for_rqs_dequeue(redis_conn: redis.Redis) -> None:
+    """A claim between two steps of a running batch meets a key of another type (WRONGTYPE): the other
+    jobs are claimed, the id stays queued for RQ's dequeue, which puts it aside (the worker goes on)."""
+    queue = Queue("claims", connection=redis_conn, serializer=JSONSerializer)
+    before = queue.enqueue_call(keys.SCORE_FUNC, args=({"rows": []},))
+    redis_conn.set(keys.rq_job_key("a-string"), "x")
+    redis_conn.rpush(queue.key, "a-string")
+    after = queue.enqueue_call(keys.SCORE_FUNC, args=({"rows": []},))
+    claimer = JobClaimer(redis_conn, JSONSerializer, dead_letters=DeadLetters(redis_conn, StreamOptions()))
+    claimed = claimer.claim(queue, lambda _queued: True, limit=8)
+    assert [j.id for j in claimed] == [before.id, after.id]
+    assert [i.decode() for i in redis_conn.lrange(queue.key, 0, -1)] == ["a-string"]

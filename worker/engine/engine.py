@@ -81,6 +81,7 @@ class EngineOptions:
     score_kv_bytes: int | None = None  # score batches' prefix copies; None: `score_kv_by_default`
     max_prompt_chars: int | None = None  # a prompt's (or a chat's) characters; None: 32 x the context
     max_stop_chars: int = 4096  # characters of a request's stop strings together
+    max_messages: int = 256  # messages of one chat
 
 
 class Engine:
@@ -188,12 +189,17 @@ class Engine:
             launcher.close()
 
     def prompt_tokens(self, request: GenerateRequest) -> list[int]:
-        """Token ids for a request: raw `prompt` encoded, or `messages` rendered by the chat template."""
+        """Token ids for a request: raw `prompt` encoded (special-token text as text unless the request
+        allows special tokens), or `messages` rendered by the chat template (`chat_tokens`)."""
         if request.messages is not None:
             ids = self.chat_tokens([m.model_dump() for m in request.messages])
         else:
             assert request.prompt is not None
-            ids = self.tokenizer.encode(request.prompt, add_special_tokens=request.add_special_tokens)
+            ids = self.tokenizer.encode(
+                request.prompt,
+                add_special_tokens=request.add_special_tokens,
+                split_special=not request.allow_special_tokens,
+            )
         if not ids:
             raise InvalidRequest("the prompt is empty: it encodes to no tokens")
         if len(ids) >= self.context_length:
@@ -253,7 +259,7 @@ class Engine:
         tokenizer for all of their short texts); a bad job gets its error in its place, alone."""
         limits = [self._limits_error(request) for request in requests]
         rows = [
-            RowText(r.prompt, r.candidates, i, request.add_special_tokens)
+            RowText(r.prompt, r.candidates, i, request.add_special_tokens, not request.allow_special_tokens)
             for request, error in zip(requests, limits, strict=True)
             if error is None
             for i, r in enumerate(request.rows)
@@ -300,13 +306,16 @@ class Engine:
         """Score one request's rows (shared prefixes computed once)."""
         return self.score_many([self.score_tokens(request)])[0]
 
-    def score_many(self, jobs: list[list[RowTokens]]) -> list[ScoreResult]:
+    def score_many(
+        self, jobs: list[list[RowTokens]], interrupt: Callable[[], None] | None = None
+    ) -> list[ScoreResult]:
         """Score the prepared rows (`score_tokens`) of several jobs together; one result per job.
 
         All rows go into one prefix tree, so a prefix shared across jobs is computed once. A row's
         `cached_tokens` counts prompt tokens it did not compute itself (shared, or from the cache).
         Out of memory: caches are emptied and the rows scored once more, their suffix batches holding a
-        quarter of the prefix copies (`score_kv_bytes`).
+        quarter of the prefix copies (`score_kv_bytes`). `interrupt` is called before every forward
+        (`PrefixScorer.last_logits`): what it raises ends the scoring (a job's timeout).
         """
         rows = sum(len(j) for j in jobs)
         kv_bytes = [self.score_kv_bytes]
@@ -316,10 +325,12 @@ class Engine:
             kv_bytes[0] = max(1, (kv_bytes[0] or score_kv_by_default()) // 4)
 
         return with_memory_retry(
-            lambda: self._score_many(jobs, kv_bytes[0]), free_and_shrink, f"scoring {rows} rows"
+            lambda: self._score_many(jobs, kv_bytes[0], interrupt), free_and_shrink, f"scoring {rows} rows"
         )
 
-    def _score_many(self, jobs: list[list[RowTokens]], kv_bytes: int) -> list[ScoreResult]:
+    def _score_many(
+        self, jobs: list[list[RowTokens]], kv_bytes: int, interrupt: Callable[[], None] | None
+    ) -> list[ScoreResult]:
         flat = [row for rows in jobs for row in rows]
         stats = ScoreStats()
         scorer = PrefixScorer(
@@ -330,6 +341,7 @@ class Engine:
             max_batch_kv_bytes=kv_bytes,
             kv_bytes_per_token=self.kv_bytes_per_token,
             pad_shapes=self.pad_shapes,
+            interrupt=interrupt,
         )
         logits = scorer.last_logits([p for p, _ in flat], stats)
         scores = candidate_scores(logits, [cands for _, cands in flat])
@@ -376,6 +388,11 @@ class Engine:
 
     def check_sizes(self, request: GenerateRequest) -> None:
         """`InvalidRequest` for a request larger than this worker takes, before any work is done on it."""
+        if request.messages is not None and len(request.messages) > self.options.max_messages:
+            raise InvalidRequest(
+                f"`messages` holds {len(request.messages)} messages; this worker takes at most "
+                f"{self.options.max_messages} (MLXQ_MAX_MESSAGES)"
+            )
         if request.messages is not None:
             chars = sum(
                 len(m.role) + len(m.content) + len(str(m.model_extra or "")) for m in request.messages

@@ -132,11 +132,18 @@ class GenerationBatch:
     def admit(
         self, key: str, request: GenerateRequest, sink: TokenSink, cancelled: Callable[[], bool]
     ) -> None:
-        """Add a request (it starts when the KV budget allows); raises the request's own error if bad."""
+        """Add a request (it starts when the KV budget allows); raises the request's own error if bad.
+
+        `cancelled` is the request's check, called between every piece of its work from here on: it
+        says whether the request was cancelled, and raises once the request must stop (its timeout).
+        Admitting is work too (tokenizing the prompt, compiling the stop strings), so it is called
+        after each; should it raise, the request is not admitted and this raises its error."""
         if self.free_slots <= 0:
             raise ValueError(f"the batch is full ({self.max_sequences} sequences)")
         prompt, max_tokens, sampler = self.engine.prepare_generation(request)
+        cancelled()
         run = TextRun(self.engine.tokenizer, request.stop, sink)
+        cancelled()
         self.waiting.append(_Sequence(key, prompt, max_tokens, sampler, run, cancelled))
 
     def step(self, background: Callable[[], None] | None = None) -> list[Finished]:
@@ -201,16 +208,21 @@ class GenerationBatch:
 
     def _drop_cancelled_waiting(self, finished: list[Finished]) -> None:
         for seq in list(self.waiting):
-            try:
-                stop = seq.cancelled()
-            except Exception as e:  # e.g. the job's timeout
+            if not self._goes_on(seq, finished):
                 self.waiting.remove(seq)
-                finished.append(Finished(seq.key, error=e))
-                continue
-            if stop:
-                self.waiting.remove(seq)
-                seq.clock.prefilled()
-                finished.append(self._finish(seq, "cancelled", None))
+
+    def _goes_on(self, seq: _Sequence, finished: list[Finished]) -> bool:
+        """Whether a request that has not started decoding goes on (its cache, if any, not yet offered);
+        else it is finished: cancelled, or with the error its check raised (e.g. its timeout)."""
+        try:
+            stop = seq.cancelled()
+        except Exception as e:
+            finished.append(Finished(seq.key, error=e))
+            return False
+        if stop:
+            seq.clock.prefilled()
+            finished.append(self._finish(seq, "cancelled", None))
+        return not stop
 
     def _cached(self, seq: _Sequence) -> int:
         """Prompt tokens of `seq` the prefix cache would give it now."""
@@ -297,6 +309,8 @@ class GenerationBatch:
         offered to the prefix cache; None when none of them can start."""
         ready: list[_Sequence] = []
         for seq in group:
+            if not self._goes_on(seq, finished):  # a burst's later forwards: checked before each
+                continue
             try:
                 seq.cache, seq.n_cached = self.engine.begin_cache(seq.prompt, _SHARED_MIN)
                 ready.append(seq)

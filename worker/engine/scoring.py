@@ -9,7 +9,7 @@ a pad that sits after it. Only the positions whose logits are needed go through 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import cast
 
@@ -46,12 +46,15 @@ TAIL_TOKENS = 16  # prompt tokens re-encoded with each candidate (see `candidate
 
 @dataclass(frozen=True)
 class RowText:
-    """A score row as text: `index` is its number in its own job (for error messages)."""
+    """A score row as text: `index` is its number in its own job (for error messages); with
+    `split_special` the text of a special token in its prompt or candidates is encoded as ordinary text
+    (`Tokenizer.encode`)."""
 
     prompt: str
     candidates: Sequence[str]
     index: int
     add_special_tokens: bool = True
+    split_special: bool = False
 
 
 RowTokens = tuple[list[int], list[int]]  # prompt tokens, and the one token each candidate adds
@@ -64,10 +67,14 @@ def candidate_token_ids(tokenizer: Tokenizer, rows: Sequence[RowText]) -> list[R
     Re-encoding a long prompt once per candidate dominated scoring time, so only the prompt's last
     `TAIL_TOKENS` tokens are re-encoded with each candidate when that tail encodes to the same ids on
     its own (checked once per row); otherwise prompt+candidate is encoded whole. The tails, and then
-    the tails with their candidates, of all rows go to the tokenizer in one batch call each.
+    the tails with their candidates, of all rows go to the tokenizer in one batch call each. A row
+    whose special-token text is to be split and that holds some (`_guarded`) is encoded whole, split.
     """
-    bases = tokenizer.encode_many([r.prompt for r in rows], [r.add_special_tokens for r in rows])
-    tails = _tails(tokenizer, rows, bases)
+    bases = tokenizer.encode_many(
+        [r.prompt for r in rows], [r.add_special_tokens for r in rows], [r.split_special for r in rows]
+    )
+    guarded = {i for i, row in enumerate(rows) if _guarded(tokenizer, row)}
+    tails = _tails(tokenizer, rows, bases, guarded)
     encoded = tokenizer.encode_short_many([t + c for i, t in tails.items() for c in rows[i].candidates])
     with_candidates: dict[int, list[list[int]]] = {}
     at = 0
@@ -80,11 +87,24 @@ def candidate_token_ids(tokenizer: Tokenizer, rows: Sequence[RowText]) -> list[R
     ]
 
 
-def _tails(tokenizer: Tokenizer, rows: Sequence[RowText], bases: list[list[int]]) -> dict[int, str]:
+def _guarded(tokenizer: Tokenizer, row: RowText) -> bool:
+    """Whether `row` splits special-token text and holds some: in its prompt, in a candidate, or across
+    the two (the prompt's last characters and a candidate's first)."""
+    if not row.split_special:
+        return False
+    end = row.prompt[max(0, len(row.prompt) - tokenizer.longest_special_text + 1) :]
+    return tokenizer.has_special_text(row.prompt) or any(
+        tokenizer.has_special_text(end + c) for c in row.candidates
+    )
+
+
+def _tails(
+    tokenizer: Tokenizer, rows: Sequence[RowText], bases: list[list[int]], guarded: set[int]
+) -> dict[int, str]:
     """By row, the text of its prompt's last `TAIL_TOKENS` tokens where that text ends the prompt and
     encodes back to those same ids on its own (tokenizers that add a prefix space, for example, fail
-    the check); rows without one are not in it."""
-    long = [i for i, base in enumerate(bases) if len(base) > TAIL_TOKENS]
+    the check); rows without one, and `guarded` rows, are not in it."""
+    long = [i for i, base in enumerate(bases) if len(base) > TAIL_TOKENS and i not in guarded]
     texts = tokenizer.decode_many([bases[i][-TAIL_TOKENS:] for i in long])
     ends = [(i, t) for i, t in zip(long, texts, strict=True) if rows[i].prompt.endswith(t)]
     ids = tokenizer.encode_short_many([t for _, t in ends])
@@ -96,6 +116,12 @@ def _row_tokens(
 ) -> RowTokens | InvalidCandidate:
     if not base:
         return InvalidCandidate(f"row {row.index}: the prompt is empty (it encodes to no tokens)")
+    for cand in row.candidates:
+        if row.split_special and tokenizer.has_special_text(cand):
+            return InvalidCandidate(
+                f"row {row.index}: candidate {cand!r} holds a special token's text; a candidate adds "
+                "exactly one ordinary token"
+            )
     # Per candidate: (tokens of prompt+candidate, whether the prompt's own tokens are kept, last id).
     if tails is not None:
         shape = [
@@ -104,7 +130,9 @@ def _row_tokens(
         ]
     else:
         whole = [
-            tokenizer.encode(row.prompt + c, add_special_tokens=row.add_special_tokens)
+            tokenizer.encode(
+                row.prompt + c, add_special_tokens=row.add_special_tokens, split_special=row.split_special
+            )
             for c in row.candidates
         ]
         shape = [(len(ids), ids[: len(base)] == base, ids[-1]) for ids in whole]
@@ -194,6 +222,10 @@ class PrefixScorer:
     `max_batch_kv_bytes` (and the model's `kv_bytes_per_token`) a batch takes only as many rows as
     keep those copies, prefix and suffixes, within that many bytes (`score_kv_by_default`): without,
     64 rows on a 2,048-token prefix held 19 GB at once on an 8B model, which a 32 GB Mac has not got.
+
+    `interrupt` is called before every forward (each prefill chunk of a span, each suffix batch):
+    whatever it raises ends the scoring there (a job's timeout); what was computed so far stays in the
+    prefix cache.
     """
 
     def __init__(
@@ -208,6 +240,7 @@ class PrefixScorer:
         kv_bytes_per_token: int = 0,
         min_shared: int = 32,
         pad_shapes: bool = False,
+        interrupt: Callable[[], None] | None = None,
     ) -> None:
         self.model = model
         self.pad_shapes = pad_shapes
@@ -218,6 +251,7 @@ class PrefixScorer:
         self.max_batch_kv_bytes = max_batch_kv_bytes
         self.kv_bytes_per_token = kv_bytes_per_token
         self.min_shared = min_shared
+        self.interrupt = interrupt or (lambda: None)
 
     def last_logits(self, prompts: Sequence[list[int]], stats: ScoreStats | None = None) -> list[mx.array]:
         """One (vocab,) float32 logits array per prompt: the distribution of the token after it."""
@@ -270,9 +304,11 @@ class PrefixScorer:
         ids = mx.array(node.span, dtype=mx.int32)[None]
         stats.computed_tokens += len(node.span) - start
         while len(node.span) - start > self.prefill_chunk:
+            self.interrupt()
             self.model(ids[:, start : start + self.prefill_chunk], cache=cache)
             mx.eval([c.state for c in cache])
             start += self.prefill_chunk
+        self.interrupt()
         tail = ids[:, start:]
         real = tail.shape[1]
         pad = padded_size(real) - real if self.pad_shapes else 0
@@ -293,6 +329,7 @@ class PrefixScorer:
         self, leaves: list[_Node], cache: list[KVCache], out: list[mx.array | None], stats: ScoreStats
     ) -> None:
         for group in self._batches(leaves, cache[0].offset if cache else 0):
+            self.interrupt()
             width = max(len(n.span) for n in group)
             pad = group[0].span[0]  # any real id; padded positions are never read
             spans = [n.span for n in group]

@@ -182,24 +182,51 @@ class Tokenizer:
         """Whether the model ships a chat template."""
         return self.chat_template is not None
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True, split_special: bool = False) -> list[int]:
         """Token ids of `text`; with `add_special_tokens`, BOS/EOS as the model's config asks.
 
+        With `split_special` the text of a special token inside `text` is encoded as ordinary text,
+        never as that control token (transformers' `split_special_tokens=True`): for untrusted text.
+        The BOS/EOS the post-processor adds stay control tokens.
         Unlike transformers, a text that already starts with the BOS token does not get a second one.
         A long text starting like one encoded just before is encoded only from where they part
         (`shared_encoding.py`): the same ids, in a fraction of the time.
         """
-        return self._drop_double_bos(
-            text, self.shared_encoder.encode(text, add_special_tokens), add_special_tokens
-        )
+        return self.encode_many([text], [add_special_tokens], [split_special])[0]
 
-    def encode_many(self, texts: Sequence[str], add_special_tokens: Sequence[bool]) -> list[list[int]]:
-        """`encode` of each text (with its own `add_special_tokens`); the shared-prefix encoder's
-        re-encoded parts go to the tokenizer in one batch call."""
-        ids = self.shared_encoder.encode_many(texts, add_special_tokens)
-        return [
-            self._drop_double_bos(t, i, a) for t, i, a in zip(texts, ids, add_special_tokens, strict=True)
-        ]
+    def encode_many(
+        self,
+        texts: Sequence[str],
+        add_special_tokens: Sequence[bool],
+        split_special: Sequence[bool] | None = None,
+    ) -> list[list[int]]:
+        """`encode` of each text (with its own `add_special_tokens` and `split_special`); the
+        shared-prefix encoder's re-encoded parts go to the tokenizer in one batch call. A text to split
+        that holds no special token's text encodes the same either way, so only those that do take
+        the slower path of their own."""
+        split = split_special or [False] * len(texts)
+        guarded = {
+            k for k, (t, s) in enumerate(zip(texts, split, strict=True)) if s and self.has_special_text(t)
+        }
+        plain = [k for k in range(len(texts)) if k not in guarded]
+        ids = self.shared_encoder.encode_many(
+            [texts[k] for k in plain], [add_special_tokens[k] for k in plain]
+        )
+        out: list[list[int]] = [[] for _ in texts]
+        for k, got in zip(plain, ids, strict=True):
+            out[k] = self._drop_double_bos(texts[k], got, add_special_tokens[k])
+        for k in guarded:
+            out[k] = self._encode_split(texts[k], add_special_tokens[k])
+        return out
+
+    def _encode_split(self, text: str, add_special_tokens: bool) -> list[int]:
+        """Ids of `text` with special tokens' text split into ordinary tokens (what the post-processor
+        adds with `add_special_tokens` stays)."""
+        self.backend.encode_special_tokens = True
+        try:
+            return list(self.backend.encode(text, add_special_tokens=add_special_tokens).ids)
+        finally:
+            self.backend.encode_special_tokens = False
 
     def encode_short(self, text: str) -> list[int]:
         """`encode(text, add_special_tokens=False)`, remembered for short texts (least recently used out).
@@ -239,6 +266,12 @@ class Tokenizer:
         """The text of every special (control) token: what must never be read as one in untrusted text."""
         return tuple(t.content for t in self.backend.get_added_tokens_decoder().values() if t.special)
 
+    @cached_property
+    def longest_special_text(self) -> int:
+        """Characters of the longest special token's text (0: none): a text's last this-many-minus-one
+        characters are all that can join what follows it into one."""
+        return max((len(t) for t in self.special_texts), default=0)
+
     def has_special_text(self, text: str) -> bool:
         """Whether `text` holds the text of a special token (`<|im_start|>`, say)."""
         return any(special in text for special in self.special_texts)
@@ -246,11 +279,7 @@ class Tokenizer:
     def encode_as_text(self, text: str) -> list[int]:
         """Ids of `text` with the text of special tokens encoded as ordinary text, never as control
         tokens (no BOS/EOS added): for untrusted text inside a prompt built around it."""
-        self.backend.encode_special_tokens = True
-        try:
-            return list(self.backend.encode(text, add_special_tokens=False).ids)
-        finally:
-            self.backend.encode_special_tokens = False
+        return self._encode_split(text, add_special_tokens=False)
 
     def decode_many(self, sequences: Sequence[Sequence[int]]) -> list[str]:
         """`decode` of each id sequence (special tokens kept), in one call to the backend."""
