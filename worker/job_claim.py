@@ -123,8 +123,11 @@ class JobClaimer:
             for job_id, fields in zip(new, pipe.execute(raise_on_error=False), strict=True):
                 if isinstance(fields, REDIS_TRANSIENT):
                     raise fields
-                readable = isinstance(fields, list)
-                self._seen[job_id] = parse_queued(job_id, *fields, queue) if readable else None
+                if isinstance(fields, list):
+                    data, origin = fields
+                    self._seen[job_id] = parse_queued(job_id, data, origin, queue)
+                else:  # WRONGTYPE: not a hash
+                    self._seen[job_id] = None
         self._seen = {job_id: self._seen[job_id] for job_id in ids}
 
     def _fetch(self, ids: list[str], queue: Queue) -> list[Job]:
