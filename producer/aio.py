@@ -72,7 +72,10 @@ class AsyncJobHandle(Generic[R]):
 
     async def status(self) -> str:
         """RQ's status (`queued`, `started`, `finished`, `failed`, `canceled`, ...) or `missing`."""
-        raw = await self._retry(self._conn.hget, keys.rq_job_key(self.id), "status")
+        try:
+            raw = await self._retry(self._conn.hget, keys.rq_job_key(self.id), "status")
+        except redis.ResponseError as e:
+            return rq_wire.status_after(e)
         return rq_wire.decode_status(raw)
 
     def stream(self, from_id: str = START_ID, timeout: float | None = None) -> AsyncIterator[StreamItem]:

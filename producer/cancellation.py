@@ -58,7 +58,11 @@ def rq_cancel(connection: redis.Redis, job_id: str) -> CancelOutcome:
 
 def cancel_job(connection: redis.Redis, retry: RetryPolicy, job_id: str) -> CancelOutcome:
     """Cancel `job_id` on a sync connection; every Redis call is retried under `retry`."""
-    steps = plan(rq_wire.decode_status(retry.call(connection.hget, keys.rq_job_key(job_id), "status")))
+    try:
+        status = rq_wire.decode_status(retry.call(connection.hget, keys.rq_job_key(job_id), "status"))
+    except redis.ResponseError as e:
+        status = rq_wire.status_after(e)
+    steps = plan(status)
     if steps.request_stop:
         retry.call(connection.set, keys.cancel_key(job_id), "1", ex=CANCEL_KEY_TTL_S)
     if steps.rq_cancel:

@@ -70,7 +70,11 @@ class JobHandle(Generic[R]):
 
     def status(self) -> str:
         """RQ's status (`queued`, `started`, `finished`, `failed`, `canceled`, ...) or `missing`."""
-        return rq_wire.decode_status(self._retry(self._conn.hget, keys.rq_job_key(self.id), "status"))
+        try:
+            raw = self._retry(self._conn.hget, keys.rq_job_key(self.id), "status")
+        except redis.ResponseError as e:
+            return rq_wire.status_after(e)
+        return rq_wire.decode_status(raw)
 
     def stream(self, from_id: str = START_ID, timeout: float | None = None) -> Iterator[StreamItem]:
         """The job's events (token, restart, then done or error) from `from_id`; ends after the last one.

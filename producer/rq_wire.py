@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, cast
 
+import redis
 from redis import Redis
 from redis.asyncio.client import Pipeline as AsyncPipeline
 from redis.client import Pipeline
@@ -149,6 +150,14 @@ def queue_commands(pipe: AnyPipeline, job: WireJob) -> None:
 def results_key(job_id: str) -> str:
     """RQ's stream of execution results for a job (RQ's own naming)."""
     return cast(str, Result.get_key(job_id))  # type: ignore[no-untyped-call]
+
+
+def status_after(error: redis.ResponseError) -> str:
+    """`missing` (no job hash) after a WRONGTYPE reply to reading a job's status: the key holds no RQ
+    job (a worker puts such an id aside); any other reply error is raised again."""
+    if not str(error).startswith("WRONGTYPE"):
+        raise error
+    return "missing"
 
 
 def decode_status(raw: bytes | str | None) -> str:

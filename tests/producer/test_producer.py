@@ -390,3 +390,14 @@ def test_cancel_a_started_job_asks_the_worker_to_stop(
     worker_side.done(handle.id, generate_result("Par", finish_reason="cancelled"))
     assert handle.result(timeout=2).finish_reason == "cancelled"
     assert handle.cancel() == CancelOutcome.REQUESTED  # RQ still says started: harmless
+
+
+def test_a_job_id_whose_key_holds_no_hash_reads_as_missing(client: Client, redis_conn: redis.Redis) -> None:
+    """`SET rq:job:<id> x` (a key of another type): the handle says `missing` instead of raising Redis's
+    WRONGTYPE, and cancelling it finds no such job; a worker puts such an id aside."""
+    redis_conn.set(keys.rq_job_key("not-a-hash"), "x")
+    handle = client.job("not-a-hash")
+    assert handle.status() == "missing"
+    assert handle.cancel() == CancelOutcome.MISSING
+    with pytest.raises(JobNotFound):
+        handle.result(timeout=2)
