@@ -66,6 +66,7 @@ def load_engine(settings: WorkerSettings) -> Engine:
             score_kv_bytes=settings.score_kv_bytes,
             max_prompt_chars=settings.max_prompt_chars,
             max_stop_chars=settings.max_stop_chars,
+            max_stops=settings.max_stops,
             max_messages=settings.max_messages,
         ),
     )

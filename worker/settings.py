@@ -8,6 +8,7 @@ from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from jobs import MAX_NESTING_DEPTH
+from jobs.schema import MAX_STOP_STRINGS
 
 
 class WorkerSettings(BaseSettings):
@@ -91,6 +92,9 @@ class WorkerSettings(BaseSettings):
         default=None, ge=1, description="characters of a prompt or a chat; unset: 32 x the context length"
     )
     max_stop_chars: int = Field(default=4096, ge=1, description="characters of a request's stop strings")
+    max_stops: int = Field(
+        default=MAX_STOP_STRINGS, ge=0, le=MAX_STOP_STRINGS, description="stop strings of a request (0: none)"
+    )
     max_messages: int = Field(default=256, ge=1, description="messages of one chat")
     max_nesting_depth: int = Field(
         default=MAX_NESTING_DEPTH,

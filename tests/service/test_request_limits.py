@@ -54,6 +54,7 @@ def test_each_request_past_a_limit_fails_alone_naming_it(
         "nesting": (gen, {"messages": [{**user, "name": _nested(12)}]}, "messages[0].name... is nested"),
         "score-nesting": (score, {"rows": [row], "x": _nested(9)}, "x.a.a... is nested more than 8 levels"),
         "stop-count": (gen, {"prompt": "hi", "stop": [f"s{i}" for i in range(17)]}, "at most 16 items"),
+        "stops-setting": (gen, {"prompt": "hi", "stop": ["a", "b", "c"]}, f"{limit} 2 (MLXQ_MAX_STOPS)"),
         "stop-chars": (gen, {"prompt": "hi", "stop": ["x" * 65_536]}, f"{limit} 4096 (MLXQ_MAX_STOP_CHARS)"),
         "prompt-chars": (gen, {"prompt": "x" * 100_001}, f"{limit} 100000 (MLXQ_MAX_PROMPT_CHARS)"),
     }
@@ -66,6 +67,7 @@ def test_each_request_past_a_limit_fails_alone_naming_it(
         max_messages=4,
         max_nesting_depth=8,
         max_prompt_chars=100_000,
+        max_stops=2,
         _env_file=None,
     )
     saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}

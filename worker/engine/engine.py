@@ -21,6 +21,7 @@ import mlx.nn as nn
 
 from jobs.errors import ContextTooLong, InvalidCandidate, InvalidRequest
 from jobs.schema import (
+    MAX_STOP_STRINGS,
     FinishReason,
     GenerateRequest,
     GenerateResult,
@@ -81,6 +82,7 @@ class EngineOptions:
     score_kv_bytes: int | None = None  # score batches' prefix copies; None: `score_kv_by_default`
     max_prompt_chars: int | None = None  # a prompt's (or a chat's) characters; None: 32 x the context
     max_stop_chars: int = 4096  # characters of a request's stop strings together
+    max_stops: int = MAX_STOP_STRINGS  # stop strings of a request (the wire allows at most 16)
     max_messages: int = 256  # messages of one chat
 
 
@@ -403,6 +405,11 @@ class Engine:
             raise InvalidRequest(
                 f"the prompt has {chars} characters; this worker takes at most {self.max_prompt_chars} "
                 "(MLXQ_MAX_PROMPT_CHARS)"
+            )
+        if len(request.stop) > self.options.max_stops:
+            raise InvalidRequest(
+                f"the request has {len(request.stop)} stop strings; this worker takes at most "
+                f"{self.options.max_stops} (MLXQ_MAX_STOPS)"
             )
         stop_chars = sum(len(stop) for stop in request.stop)
         if stop_chars > self.options.max_stop_chars:
