@@ -37,7 +37,8 @@ from jobs.schema import (
 from . import bulk, cancellation, job_state, payload, rq_wire
 from .bulk_files import BulkSource, BulkSummary
 from .connection import RetryPolicy, connect, connect_async
-from .errors import JobFailed, JobNotFound
+from .errors import JobFailed, JobNotFound, RedisFull
+from .eviction_check import EvictionCheck
 from .job_state import CancelOutcome
 from .settings import ProducerSettings
 from .tail import (
@@ -187,6 +188,7 @@ class AsyncClient:
         self.queue = queue or self.settings.queue
         self.connection: redis.asyncio.Redis = connect_async(self.redis_url, self.settings)
         self.retry = RetryPolicy.from_settings(self.settings)
+        self.evictions = EvictionCheck()  # the Redis's memory policy, looked at before the first submit
         self._sync: redis.Redis | None = None
 
     async def __aenter__(self) -> AsyncClient:
@@ -325,6 +327,7 @@ class AsyncClient:
 
     def _bulk_target(self) -> bulk.BulkTarget:
         """This client as a bulk run sees it, on its sync connection (a run is sync, in a thread)."""
+        self.evictions.run(self._sync_connection())
         return bulk.BulkTarget(self._sync_connection(), self.retry, self.queue, self.settings.job_options())
 
     async def enqueue(
@@ -338,7 +341,11 @@ class AsyncClient:
         """Write the RQ job in one transaction; retried on connection errors, never enqueued twice."""
         queue = queue or self.queue
         job = rq_wire.build_job(func_name, job_payload, queue=queue, options=options, job_id=job_id)
-        await self.retry.acall(self._enqueue_once, job)
+        await self.evictions.arun(self.connection)
+        try:
+            await self.retry.acall(self._enqueue_once, job)
+        except redis.exceptions.OutOfMemoryError as e:
+            raise RedisFull(job.id, e) from e
         log.debug("enqueued job=%s func=%s queue=%s", job.id, func_name, job.queue)
         return job.id
 

@@ -35,7 +35,8 @@ from jobs.schema import (
 from . import bulk, cancellation, job_state, payload, rq_wire
 from .bulk_files import BulkSource, BulkSummary
 from .connection import RetryPolicy, connect
-from .errors import JobFailed, JobNotFound
+from .errors import JobFailed, JobNotFound, RedisFull
+from .eviction_check import EvictionCheck
 from .job_state import CancelOutcome
 from .settings import ProducerSettings
 from .tail import (
@@ -189,6 +190,7 @@ class Client:
         self.queue = queue or self.settings.queue
         self.connection = connection or connect(redis_url or self.settings.redis_url, self.settings)
         self.retry = RetryPolicy.from_settings(self.settings)
+        self.evictions = EvictionCheck()  # the Redis's memory policy, looked at before the first submit
 
     def __enter__(self) -> Client:
         return self
@@ -320,6 +322,7 @@ class Client:
 
     def _bulk_target(self) -> bulk.BulkTarget:
         """This client as a bulk run sees it: its connection, retry policy, queue and job options."""
+        self.evictions.run(self.connection)
         return bulk.BulkTarget(self.connection, self.retry, self.queue, self.settings.job_options())
 
     def enqueue(
@@ -333,7 +336,11 @@ class Client:
         """Write the RQ job in one transaction; retried on connection errors, never enqueued twice."""
         queue = queue or self.queue
         job = rq_wire.build_job(func_name, job_payload, queue=queue, options=options, job_id=job_id)
-        self.retry.call(self._enqueue_once, job)
+        self.evictions.run(self.connection)
+        try:
+            self.retry.call(self._enqueue_once, job)
+        except redis.exceptions.OutOfMemoryError as e:
+            raise RedisFull(job.id, e) from e
         log.debug("enqueued job=%s func=%s queue=%s", job.id, func_name, job.queue)
         return job.id
 

@@ -4,6 +4,7 @@ front of one that can cut the network for a while (imported by test modules, lik
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
 import subprocess
 import threading
@@ -14,15 +15,33 @@ import redis
 
 
 def free_port() -> int:
+    """A loopback port nobody listens on: from `MLXQ_TEST_PORTS` (`first-last`) where it is set (a
+    machine shared by several test runs gives each its own range), else one the system picks."""
+    span = os.environ.get("MLXQ_TEST_PORTS")
+    if span:
+        first, last = (int(p) for p in span.split("-"))
+        for port in range(first, last + 1):
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+            with socket.socket() as s, contextlib.suppress(OSError):
+                s.settimeout(0.2)
+                s.connect(("127.0.0.1", port))
+                continue  # bound on another address: in use
+            return port
+        raise RuntimeError(f"no free port in MLXQ_TEST_PORTS={span}")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
 
 
 class PrivateRedis:
-    """`redis-server` on a free loopback port, append-only file fsynced always, so a restart keeps all."""
+    """`redis-server` on a free loopback port, append-only file fsynced always, so a restart keeps all.
+    `extra` options are appended (`--maxmemory 4mb`, `--replicaof 127.0.0.1 6379`, ...)."""
 
-    def __init__(self, folder: Path) -> None:
+    def __init__(self, folder: Path, *extra: str) -> None:
         self.port = free_port()
         self.url = f"redis://127.0.0.1:{self.port}/0"
         self.cmd = [
@@ -39,6 +58,7 @@ class PrivateRedis:
             "always",
             "--save",
             "",
+            *extra,
         ]
         self.proc: subprocess.Popen[bytes] | None = None
 

@@ -27,7 +27,7 @@ from worker.rq_worker import MlxqWorker
 from worker.score_claim import ClaimBudget, ScoreClaimer
 from worker.score_jobs import ScoreJobs
 from worker.settings import WorkerSettings
-from worker.stream_writer import StreamOptions
+from worker.stream_writer import StreamOptions, retrying
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +89,7 @@ class WorkerService:
             flush_ms=settings.stream_flush_ms,
             retry_attempts=settings.redis_retry_attempts,
             retry_max_wait_s=settings.redis_retry_max_wait_s,
+            full_wait_s=settings.redis_full_wait_s,
         )
         worker = MlxqWorker(
             settings.queues,
@@ -138,7 +139,7 @@ class WorkerService:
     def work(self, *, burst: bool = False, max_jobs: int | None = None) -> int:
         """Serve jobs until stopped; returns a process exit code: 0 when stopped or done, 1 when RQ's
         loop quit on an error (so a service manager restarts the worker)."""
-        _reclaim_name(self.conn, self.worker)
+        retrying(self.worker.stream_options)(_reclaim_name, self.conn, self.worker)
         metrics = self._start_metrics()
         self.stats.publish()
         try:
@@ -199,5 +200,7 @@ def _stats_fields(
         "active_sequences": worker.active_sequences,
         "max_batch_sequences": max_sequences,
         "tokens_per_s": f"{results.last_tokens_per_s or 0.0:.1f}",
+        **worker.full.fields(),
+        **worker.evictions.fields(),
         **engine.status(),
     }
