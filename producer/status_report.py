@@ -131,6 +131,7 @@ class StatusReport:
     unserved: list[UnservedQueue] = field(default_factory=list)
     mixed: list[MixedQueue] = field(default_factory=list)
     redis: MemoryPolicy | None = None
+    workers_unread: str | None = None  # why the workers could not be read, if they could not
 
     def as_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -220,16 +221,22 @@ def collect(conn: redis.Redis, queue_names: list[str] | None = None) -> StatusRe
         queues = [Queue(name, connection=conn, serializer=JSONSerializer) for name in queue_names]
     else:
         queues = sorted(Queue.all(connection=conn, serializer=JSONSerializer), key=lambda q: q.name)
-    workers = sorted(Worker.all(connection=conn, serializer=JSONSerializer), key=lambda w: w.name)
-    now = datetime.now(timezone.utc)
+    memory = read_policy(conn)
     queue_reports = [_queue_report(q) for q in queues]
-    worker_reports = [_worker_report(conn, w, now) for w in workers]
+    now = datetime.now(timezone.utc)
+    workers_unread = None
+    try:
+        workers = sorted(Worker.all(connection=conn, serializer=JSONSerializer), key=lambda w: w.name)
+        worker_reports = [_worker_report(conn, w, now) for w in workers]
+    except redis.exceptions.OutOfMemoryError:  # RQ reads workers in MULTI, which a full Redis refuses
+        worker_reports, workers_unread = [], "Redis is full: it refuses the transactions RQ reads workers in"
     return StatusReport(
         queues=queue_reports,
         workers=worker_reports,
         unserved=unserved_queues(queue_reports, worker_reports),
         mixed=mixed_queues(worker_reports),
-        redis=read_policy(conn),
+        redis=memory,
+        workers_unread=workers_unread,
     )
 
 
@@ -293,7 +300,9 @@ def render(report: StatusReport) -> str:
             )
         )
     lines.append("workers:")
-    if not report.workers:
+    if report.workers_unread is not None:
+        lines.append(f"  (not read: {report.workers_unread})")
+    elif not report.workers:
         lines.append("  (none)")
     for w in report.workers:
         age = f"{w.heartbeat_age_s:.0f}s ago" if w.heartbeat_age_s is not None else "-"

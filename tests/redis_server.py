@@ -157,3 +157,25 @@ class CuttableProxy:
             conns, self._conns = self._conns, []
         for s in conns:
             s.close()
+
+
+def fill_memory(conn: redis.Redis) -> int:
+    """Fill a `noeviction` Redis with `filler:*` keys until it refuses one (OOM); returns how many went
+    in. Redis's own use moves by a few KB (client buffers), so the limit is then set 512 KB under what
+    it uses: full for sure until `free_memory`."""
+    n = 0
+    while True:
+        try:
+            conn.set(f"filler:{n}", b"x" * 65536)
+        except redis.exceptions.OutOfMemoryError:
+            break
+        n += 1
+    conn.config_set("maxmemory", int(conn.info("memory")["used_memory"]) - (512 << 10))
+    return n
+
+
+def free_memory(conn: redis.Redis) -> None:
+    """Delete what `fill_memory` wrote: megabytes under the limit again."""
+    fillers = conn.keys("filler:*")
+    if fillers:
+        conn.delete(*fillers)

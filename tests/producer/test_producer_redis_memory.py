@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import redis
-from redis_server import PrivateRedis
+from redis_server import PrivateRedis, fill_memory, free_memory
 
 from producer import AsyncClient, Client, RedisFull
 from producer.cli import main as cli_main
@@ -88,14 +88,7 @@ def test_a_client_is_quiet_under_noeviction(
 
 def test_a_full_redis_refuses_a_submit_at_once_and_status_says_full(small_redis: PrivateRedis) -> None:
     conn = redis.Redis.from_url(small_redis.url)
-    n = 0
-    while True:  # fill it, then set the limit under what it uses: full until the filler goes
-        try:
-            conn.set(f"filler:{n}", b"x" * 65536)
-        except redis.exceptions.OutOfMemoryError:
-            break
-        n += 1
-    conn.config_set("maxmemory", int(conn.info("memory")["used_memory"]) - (512 << 10))
+    fill_memory(conn)
     with Client(small_redis.url) as client:
         with pytest.raises(RedisFull) as refused:
             client.submit_generate("hello", max_tokens=4, job_id="refused")
@@ -107,7 +100,7 @@ def test_a_full_redis_refuses_a_submit_at_once_and_status_says_full(small_redis:
         assert report.redis is not None and report.redis.full
         assert "warning: Redis is full: writes are refused" in render(report)
 
-        conn.delete(*conn.keys("filler:*"))
+        free_memory(conn)
         handle = client.submit_generate("hello", max_tokens=4, job_id="accepted")
         assert handle.status() == "queued"
     conn.close()

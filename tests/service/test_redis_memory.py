@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import redis
-from redis_server import PrivateRedis
+from redis_server import PrivateRedis, fill_memory, free_memory
 
 from jobs.redis_memory import MemoryPolicy, from_config, from_info, read_policy
 from worker.redis_full import RedisFull
@@ -104,25 +104,9 @@ def test_a_user_who_may_not_ask_gets_a_note_not_an_error(safe_redis: redis.Redis
     assert reading.unknown and "INFO" in (reading.refused or "") and "CONFIG GET" in (reading.refused or "")
 
 
-def _fill(conn: redis.Redis) -> int:
-    """Write filler keys until Redis refuses one (OOM); returns how many went in. Redis's own memory
-    moves by a few KB (client buffers), so the limit is then set 512 KB under what it uses: full for
-    sure until the filler keys are deleted."""
-    n = 0
-    while True:
-        try:
-            conn.set(f"filler:{n}", b"x" * 65536)
-        except redis.exceptions.OutOfMemoryError:
-            break
-        n += 1
-    used = int(conn.info("memory")["used_memory"])
-    conn.config_set("maxmemory", used - (512 << 10))
-    return n
-
-
 def test_a_stream_write_waits_for_a_full_redis_and_lands_once(tmp_path: Path) -> None:
     for conn in _server(tmp_path, "--maxmemory", "4mb", "--maxmemory-policy", "noeviction"):
-        _fill(conn)
+        fill_memory(conn)
         full = RedisFull()
         options = StreamOptions(flush_tokens=1, retry_attempts=2, retry_max_wait_s=0.2, full=full)
         writer = StreamWriter(conn, "full-job", options)
@@ -130,7 +114,7 @@ def test_a_stream_write_waits_for_a_full_redis_and_lands_once(tmp_path: Path) ->
         wrote.start()
         wrote.join(1.5)  # well past two attempts: an OOM reply is waited out, not counted as one
         assert wrote.is_alive() and full.full and full.refusals >= 2
-        conn.delete(*conn.keys("filler:*"))
+        free_memory(conn)
         wrote.join(10)
         assert not wrote.is_alive() and not full.full
         entries = conn.xrange("mlxq:stream:full-job")
@@ -139,7 +123,7 @@ def test_a_stream_write_waits_for_a_full_redis_and_lands_once(tmp_path: Path) ->
 
 def test_a_full_redis_waited_for_a_bounded_time_raises_the_oom_error(tmp_path: Path) -> None:
     for conn in _server(tmp_path, "--maxmemory", "4mb", "--maxmemory-policy", "noeviction"):
-        _fill(conn)
+        fill_memory(conn)
         options = StreamOptions(retry_max_wait_s=0.05, full_wait_s=0.3)
         with pytest.raises(redis.exceptions.OutOfMemoryError):
             retrying(options)(conn.set, "k", "v")
