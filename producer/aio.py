@@ -21,6 +21,7 @@ from rq import Retry
 from rq.results import Result
 
 from jobs import keys
+from jobs.replication import aconfirm_replicated
 from jobs.schema import (
     ChatMessage,
     DoneEvent,
@@ -36,7 +37,7 @@ from jobs.schema import (
 
 from . import bulk, cancellation, job_state, payload, rq_wire
 from .bulk_files import BulkSource, BulkSummary
-from .connection import RetryPolicy, connect, connect_async
+from .connection import RetryPolicy, connect, connect_async, replica_acks
 from .errors import JobFailed, JobNotFound, RedisFull
 from .eviction_check import EvictionCheck
 from .job_state import CancelOutcome
@@ -188,6 +189,7 @@ class AsyncClient:
         self.queue = queue or self.settings.queue
         self.connection: redis.asyncio.Redis = connect_async(self.redis_url, self.settings)
         self.retry = RetryPolicy.from_settings(self.settings)
+        self._replica_acks = replica_acks(self.connection, self.settings)
         self.evictions = EvictionCheck()  # the Redis's memory policy, looked at before the first submit
         self._sync: redis.Redis | None = None
 
@@ -343,11 +345,16 @@ class AsyncClient:
         job = rq_wire.build_job(func_name, job_payload, queue=queue, options=options, job_id=job_id)
         await self.evictions.arun(self.connection)
         try:
-            await self.retry.acall(self._enqueue_once, job)
+            await self.retry.acall(self._enqueue_durably, job)
         except redis.exceptions.OutOfMemoryError as e:
             raise RedisFull(job.id, e) from e
         log.debug("enqueued job=%s func=%s queue=%s", job.id, func_name, job.queue)
         return job.id
+
+    async def _enqueue_durably(self, job: rq_wire.WireJob) -> None:
+        """Enqueue once, then wait for the replicas `replica_acks` asks for (each try does both)."""
+        await self._enqueue_once(job)
+        await aconfirm_replicated(self.connection, self._replica_acks, self.settings.replica_ack_timeout_ms)
 
     async def _enqueue_once(self, job: rq_wire.WireJob) -> None:
         async with self.connection.pipeline() as pipe:

@@ -15,7 +15,8 @@ from typing import Any
 
 import redis
 
-from jobs import keys
+from jobs import keys, redis_url
+from jobs.replication import default_replica_acks
 from worker.bounded_job import BoundedJob
 from worker.engine import Engine, EngineOptions
 from worker.engine.device import limit_buffer_cache
@@ -27,17 +28,19 @@ from worker.rq_worker import MlxqWorker
 from worker.score_claim import ClaimBudget, ScoreClaimer
 from worker.score_jobs import ScoreJobs
 from worker.settings import WorkerSettings
-from worker.stream_writer import StreamOptions, retrying
+from worker.stream_writer import Replication, StreamOptions, retrying
 
 log = logging.getLogger(__name__)
 
 
 def redis_from_url(url: str) -> redis.Redis:
-    """A connection for redis://, rediss:// (TLS) and unix:// URLs, with users/passwords in the URL.
+    """A connection for redis://, rediss:// (TLS), unix:// and redis+sentinel:// URLs, with users and
+    passwords in the URL (`jobs.redis_url`). Through Sentinel, every new connection goes to the current
+    primary, and one that meets a demoted primary is dropped (a connection error, retried).
 
     No socket timeout on reads: RQ's dequeue blocks on BLMOVE for minutes.
     """
-    return redis.Redis.from_url(
+    return redis_url.sync_client(
         url, socket_connect_timeout=5, socket_keepalive=True, health_check_interval=30
     )
 
@@ -90,6 +93,10 @@ class WorkerService:
             retry_attempts=settings.redis_retry_attempts,
             retry_max_wait_s=settings.redis_retry_max_wait_s,
             full_wait_s=settings.redis_full_wait_s,
+            replication=Replication(
+                conn,
+                settings.replica_acks if settings.replica_acks is not None else default_replica_acks(conn),
+            ),
         )
         worker = MlxqWorker(
             settings.queues,
