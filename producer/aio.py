@@ -21,7 +21,7 @@ from rq import Retry
 from rq.results import Result
 
 from jobs import keys
-from jobs.replication import aconfirm_replicated
+from jobs.replication import NotReplicated, aconfirm_replicated
 from jobs.schema import (
     ChatMessage,
     DoneEvent,
@@ -354,7 +354,13 @@ class AsyncClient:
     async def _enqueue_durably(self, job: rq_wire.WireJob) -> None:
         """Enqueue once, then wait for the replicas `replica_acks` asks for (each try does both)."""
         await self._enqueue_once(job)
-        await aconfirm_replicated(self.connection, self._replica_acks, self.settings.replica_ack_timeout_ms)
+        try:
+            await aconfirm_replicated(
+                self.connection, self._replica_acks, self.settings.replica_ack_timeout_ms
+            )
+        except NotReplicated:  # pooled connections may still reach a primary being demoted: ask again
+            await self.connection.connection_pool.disconnect(inuse_connections=False)
+            raise
 
     async def _enqueue_once(self, job: rq_wire.WireJob) -> None:
         async with self.connection.pipeline() as pipe:

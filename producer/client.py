@@ -19,7 +19,7 @@ from rq import Retry
 from rq.results import Result
 
 from jobs import keys
-from jobs.replication import confirm_replicated
+from jobs.replication import NotReplicated, confirm_replicated
 from jobs.schema import (
     ChatMessage,
     DoneEvent,
@@ -349,7 +349,11 @@ class Client:
     def _enqueue_durably(self, job: rq_wire.WireJob) -> None:
         """Enqueue once, then wait for the replicas `replica_acks` asks for (each try does both)."""
         self._enqueue_once(job)
-        confirm_replicated(self.connection, self._replica_acks, self.settings.replica_ack_timeout_ms)
+        try:
+            confirm_replicated(self.connection, self._replica_acks, self.settings.replica_ack_timeout_ms)
+        except NotReplicated:  # pooled connections may still reach a primary being demoted: ask again
+            self.connection.connection_pool.disconnect(inuse_connections=False)
+            raise
 
     def _enqueue_once(self, job: rq_wire.WireJob) -> None:
         with self.connection.pipeline() as pipe:

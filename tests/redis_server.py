@@ -22,14 +22,12 @@ def free_port() -> int:
         first, last = (int(p) for p in span.split("-"))
         for port in range(first, last + 1):
             with socket.socket() as s:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as redis-server binds
                 try:
                     s.bind(("127.0.0.1", port))
+                    s.listen()
                 except OSError:
                     continue
-            with socket.socket() as s, contextlib.suppress(OSError):
-                s.settimeout(0.2)
-                s.connect(("127.0.0.1", port))
-                continue  # bound on another address: in use
             return port
         raise RuntimeError(f"no free port in MLXQ_TEST_PORTS={span}")
     with socket.socket() as s:
@@ -179,3 +177,87 @@ def free_memory(conn: redis.Redis) -> None:
     fillers = conn.keys("filler:*")
     if fillers:
         conn.delete(*fillers)
+
+
+class SentinelSet:
+    """A primary, two replicas and three sentinels (quorum 2) on loopback ports, each server in a folder
+    of its own, watching the service `name`: the set Sentinel's documentation recommends, and a
+    failover as production sees one, in a few seconds."""
+
+    def __init__(self, folder: Path, name: str = "mlxq", down_after_ms: int = 1000) -> None:
+        self.name = name
+        self.folder = folder
+        (folder / "primary").mkdir(parents=True)
+        self.primary = PrivateRedis(folder / "primary", "--enable-debug-command", "local")
+        self.primary.start()
+        self.replicas = []
+        for i in range(2):
+            (folder / f"replica-{i}").mkdir()
+            replica = PrivateRedis(
+                folder / f"replica-{i}", "--replicaof", "127.0.0.1", str(self.primary.port)
+            )
+            replica.start()
+            self.replicas.append(replica)
+        self.sentinels: list[subprocess.Popen[bytes]] = []
+        self.sentinel_ports: list[int] = []
+        for i in range(3):
+            port = free_port()
+            conf = folder / f"sentinel-{i}.conf"
+            conf.write_text(
+                f"port {port}\nbind 127.0.0.1\ndir {folder}\n"
+                f"sentinel monitor {name} 127.0.0.1 {self.primary.port} 2\n"
+                f"sentinel down-after-milliseconds {name} {down_after_ms}\n"
+                f"sentinel failover-timeout {name} 10000\n"
+                f"sentinel parallel-syncs {name} 1\n"
+            )
+            self.sentinels.append(
+                subprocess.Popen(["redis-server", str(conf), "--sentinel"], stdout=subprocess.DEVNULL)
+            )
+            self.sentinel_ports.append(port)
+            _wait_ping(port)
+        self.url = f"redis+sentinel://{','.join(f'127.0.0.1:{p}' for p in self.sentinel_ports)}/{name}/0"
+        self._wait_settled()
+
+    def sentinel(self, i: int = 0) -> redis.Redis:
+        return redis.Redis(port=self.sentinel_ports[i], decode_responses=True)
+
+    def primary_port(self) -> int:
+        """The port the sentinels name as the primary now."""
+        _host, port = self.sentinel().sentinel_get_master_addr_by_name(self.name)
+        return int(port)
+
+    def _wait_settled(self, timeout: float = 30.0) -> None:
+        """Until every sentinel knows the replica and the other sentinels, and the replica is in sync."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            ready = True
+            for i in range(3):
+                master = self.sentinel(i).sentinel_master(self.name)
+                if int(master.get("num-slaves", 0)) < 2 or int(master.get("num-other-sentinels", 0)) < 2:
+                    ready = False
+            links = [
+                redis.Redis(port=r.port).info("replication").get("master_link_status") for r in self.replicas
+            ]
+            if ready and links == ["up", "up"]:
+                return
+            time.sleep(0.2)
+        raise RuntimeError("sentinels did not settle")
+
+    def stop(self) -> None:
+        for proc in self.sentinels:
+            if proc.poll() is None:
+                proc.terminate()
+                proc.wait(10)
+        for replica in self.replicas:
+            replica.stop()
+        self.primary.stop()
+
+
+def _wait_ping(port: int) -> None:
+    conn = redis.Redis(port=port)
+    for _ in range(200):
+        with contextlib.suppress(redis.ConnectionError):
+            conn.ping()
+            return
+        time.sleep(0.05)
+    raise RuntimeError(f"nothing answers on port {port}")
