@@ -18,7 +18,7 @@ import time
 log = logging.getLogger(__name__)
 
 
-class RedisFull:
+class FullRedis:
     """Whether Redis is refusing this process's writes for want of memory, since when, and how often."""
 
     def __init__(self) -> None:

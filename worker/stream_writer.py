@@ -27,7 +27,7 @@ from jobs import keys
 from jobs.replication import NotReplicated, confirm_replicated
 from jobs.schema import DoneEvent, ErrorEvent, GenerateResult, RestartEvent, ScoreResult, TokenEvent
 from jobs.transient import WORKER_TRANSIENT_ERRORS, is_out_of_memory, is_worker_transient
-from worker.redis_full import RedisFull
+from worker.redis_full import FullRedis
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +49,7 @@ class StreamOptions:
     retry_attempts: int = 8
     retry_max_wait_s: float = 5.0
     full_wait_s: float | None = None  # how long a write waits for a full Redis; None: until it frees
-    full: RedisFull = field(default_factory=RedisFull, compare=False, repr=False)  # shared by the process
+    full: FullRedis = field(default_factory=FullRedis, compare=False, repr=False)  # shared by the process
     replication: Replication | None = field(default=None, compare=False, repr=False)
 
 
@@ -68,7 +68,7 @@ class Replication:
 class retrying:  # lower case: used as a function, `retrying(options)(fn, *args)`
     """The worker's policy for a Redis write: bounded retries with exponential backoff for Redis away
     (a restart, a failover), and waiting, backed off the same way, while Redis is full (OOM replies)
-    for `full_wait_s` or until memory frees: the jobs are kept, never failed for it (`RedisFull`)."""
+    for `full_wait_s` or until memory frees: the jobs are kept, never failed for it (`FullRedis`)."""
 
     def __init__(self, options: StreamOptions) -> None:
         self.options = options

@@ -16,7 +16,7 @@ import redis
 from redis_server import PrivateRedis, fill_memory, free_memory
 
 from jobs.redis_memory import MemoryPolicy, from_config, from_info, read_policy
-from worker.redis_full import RedisFull
+from worker.redis_full import FullRedis
 from worker.rq_worker import MlxqWorker
 from worker.stream_writer import StreamOptions, StreamWriter, retrying
 
@@ -107,7 +107,7 @@ def test_a_user_who_may_not_ask_gets_a_note_not_an_error(safe_redis: redis.Redis
 def test_a_stream_write_waits_for_a_full_redis_and_lands_once(tmp_path: Path) -> None:
     for conn in _server(tmp_path, "--maxmemory", "4mb", "--maxmemory-policy", "noeviction"):
         fill_memory(conn)
-        full = RedisFull()
+        full = FullRedis()
         options = StreamOptions(flush_tokens=1, retry_attempts=2, retry_max_wait_s=0.2, full=full)
         writer = StreamWriter(conn, "full-job", options)
         wrote = threading.Thread(target=writer, args=("hello", [1, 2]))
