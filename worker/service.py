@@ -148,6 +148,7 @@ class WorkerService:
         loop quit on an error (so a service manager restarts the worker)."""
         retrying(self.worker.stream_options)(_reclaim_name, self.conn, self.worker)
         metrics = self._start_metrics()
+        self.worker.evictions.check(force=True)  # warned of at once, and in the first stats
         self.stats.publish()
         try:
             self.worker.work(burst=burst, max_jobs=max_jobs, logging_level=self.settings.log_level)

@@ -113,3 +113,29 @@ def test_a_running_worker_keeps_its_jobs_through_a_full_redis(
     assert "redis accepts writes again" in log and worker.proc.poll() is None
     reliability_report["worker_through_full_redis"] = {"jobs": 4, "lost": 0, "oom_pause_s": 10.0}
     conn.close()
+
+
+def test_a_worker_on_an_evicting_redis_says_so_in_its_log(
+    tmp_path: Path, model_dir: Path, spawn_worker: Any
+) -> None:
+    server = PrivateRedis(tmp_path, "--maxmemory", "64mb", "--maxmemory-policy", "allkeys-lru")
+    server.start()
+    try:
+        worker = spawn_worker(model_dir, server.url)
+        worker.wait_ready()
+        _until(lambda: "REDIS MAY LOSE JOBS" in worker.log(), 30, f"no warning:\n{worker.log()}")
+        line = next(line for line in worker.log().splitlines() if "REDIS MAY LOSE JOBS" in line)
+        assert "allkeys-lru" in line and "noeviction" in line
+        stats = redis.Redis.from_url(server.url).hgetall(f"mlxq:worker:{worker_name(server.url)}")
+        assert stats.get(b"redis_maxmemory_policy") == b"allkeys-lru"
+    finally:
+        server.stop()
+
+
+def worker_name(url: str) -> str:
+    """The one registered worker's name."""
+    conn = redis.Redis.from_url(url)
+    names = [m.decode() for m in conn.smembers("rq:workers")]
+    conn.close()
+    assert len(names) == 1, names
+    return names[0].removeprefix("rq:worker:")

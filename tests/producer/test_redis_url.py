@@ -63,3 +63,13 @@ def test_a_producer_gets_a_sentinel_managed_client() -> None:
     assert not isinstance(
         connect("redis://127.0.0.1:1/0").connection_pool, redis.sentinel.SentinelConnectionPool
     )
+
+
+def test_an_async_producer_gets_a_sentinel_managed_client() -> None:
+    import redis.asyncio.sentinel
+
+    from producer.connection import connect_async
+
+    client = connect_async("redis+sentinel://127.0.0.1:1/mlxq/4")
+    assert isinstance(client.connection_pool, redis.asyncio.sentinel.SentinelConnectionPool)
+    assert client.connection_pool.connection_kwargs["db"] == 4
