@@ -41,6 +41,10 @@ def rq_job_key(job_id: str) -> str:
 
 RQ_QUEUES_SET = "rq:queues"
 
+REPLICATION_MARK = f"{PREFIX}:replicated"
+"""Written just before WAIT (never read; `jobs.replication`): WAIT then counts the replicas that hold
+all that was written before the mark, whichever connection wrote it."""
+
 
 def dead_letter_key(queue: str) -> str:
     """Capped stream of the jobs taken from `queue` that could not be read (a malformed RQ hash, a key

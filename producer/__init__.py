@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from .aio import AsyncClient, AsyncJobHandle
 from .client import Client, JobHandle
-from .errors import JobFailed, JobNotFound
+from .errors import JobFailed, JobNotFound, RedisFull
 from .job_state import CancelOutcome
 from .rq_wire import JobOptions
 from .settings import ProducerSettings
@@ -24,5 +24,6 @@ __all__ = [
     "JobNotFound",
     "JobOptions",
     "ProducerSettings",
+    "RedisFull",
     "StreamItem",
 ]

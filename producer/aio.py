@@ -21,6 +21,7 @@ from rq import Retry
 from rq.results import Result
 
 from jobs import keys
+from jobs.replication import NotReplicated, aconfirm_replicated
 from jobs.schema import (
     ChatMessage,
     DoneEvent,
@@ -36,8 +37,9 @@ from jobs.schema import (
 
 from . import bulk, cancellation, job_state, payload, rq_wire
 from .bulk_files import BulkSource, BulkSummary
-from .connection import RetryPolicy, connect, connect_async
-from .errors import JobFailed, JobNotFound
+from .connection import RetryPolicy, connect, connect_async, replica_acks
+from .errors import JobFailed, JobNotFound, RedisFull
+from .eviction_check import EvictionCheck
 from .job_state import CancelOutcome
 from .settings import ProducerSettings
 from .tail import (
@@ -192,6 +194,8 @@ class AsyncClient:
         self.queue = self.tenant.queue(queue or self.settings.queue)
         self.connection: redis.asyncio.Redis = connect_async(self.redis_url, self.settings)
         self.retry = RetryPolicy.from_settings(self.settings)
+        self._replica_acks = replica_acks(self.connection, self.settings)
+        self.evictions = EvictionCheck()  # the Redis's memory policy, looked at before the first submit
         self._sync: redis.Redis | None = None
 
     async def __aenter__(self) -> AsyncClient:
@@ -332,6 +336,7 @@ class AsyncClient:
 
     def _bulk_target(self) -> bulk.BulkTarget:
         """This client as a bulk run sees it, on its sync connection (a run is sync, in a thread)."""
+        self.evictions.run(self._sync_connection())
         return bulk.BulkTarget(
             self._sync_connection(), self.retry, self.queue, self.settings.job_options(), self.tenant
         )
@@ -349,9 +354,24 @@ class AsyncClient:
         job = rq_wire.build_job(
             func_name, job_payload, queue=queue, options=options, job_id=job_id, tenant=self.tenant
         )
-        await self.retry.acall(self._enqueue_once, job)
+        await self.evictions.arun(self.connection)
+        try:
+            await self.retry.acall(self._enqueue_durably, job)
+        except redis.exceptions.OutOfMemoryError as e:
+            raise RedisFull(job.id, e) from e
         log.debug("enqueued job=%s func=%s queue=%s", job.id, func_name, job.queue)
         return job.id
+
+    async def _enqueue_durably(self, job: rq_wire.WireJob) -> None:
+        """Enqueue once, then wait for the replicas `replica_acks` asks for (each try does both)."""
+        await self._enqueue_once(job)
+        try:
+            await aconfirm_replicated(
+                self.connection, self._replica_acks, self.settings.replica_ack_timeout_ms
+            )
+        except NotReplicated:  # pooled connections may still reach a primary being demoted: ask again
+            await self.connection.connection_pool.disconnect(inuse_connections=False)
+            raise
 
     async def _enqueue_once(self, job: rq_wire.WireJob) -> None:
         async with self.connection.pipeline() as pipe:

@@ -19,6 +19,7 @@ from rq import Retry
 from rq.results import Result
 
 from jobs import keys
+from jobs.replication import NotReplicated, confirm_replicated
 from jobs.schema import (
     ChatMessage,
     DoneEvent,
@@ -34,8 +35,9 @@ from jobs.schema import (
 
 from . import bulk, cancellation, job_state, payload, rq_wire
 from .bulk_files import BulkSource, BulkSummary
-from .connection import RetryPolicy, connect
-from .errors import JobFailed, JobNotFound
+from .connection import RetryPolicy, connect, replica_acks
+from .errors import JobFailed, JobNotFound, RedisFull
+from .eviction_check import EvictionCheck
 from .job_state import CancelOutcome
 from .settings import ProducerSettings
 from .tail import (
@@ -195,6 +197,8 @@ class Client:
         self.queue = self.tenant.queue(queue or self.settings.queue)
         self.connection = connection or connect(redis_url or self.settings.redis_url, self.settings)
         self.retry = RetryPolicy.from_settings(self.settings)
+        self._replica_acks = replica_acks(self.connection, self.settings)
+        self.evictions = EvictionCheck()  # the Redis's memory policy, looked at before the first submit
 
     def __enter__(self) -> Client:
         return self
@@ -331,6 +335,7 @@ class Client:
 
     def _bulk_target(self) -> bulk.BulkTarget:
         """This client as a bulk run sees it: its connection, retry policy, queue and job options."""
+        self.evictions.run(self.connection)
         return bulk.BulkTarget(
             self.connection, self.retry, self.queue, self.settings.job_options(), self.tenant
         )
@@ -348,9 +353,22 @@ class Client:
         job = rq_wire.build_job(
             func_name, job_payload, queue=queue, options=options, job_id=job_id, tenant=self.tenant
         )
-        self.retry.call(self._enqueue_once, job)
+        self.evictions.run(self.connection)
+        try:
+            self.retry.call(self._enqueue_durably, job)
+        except redis.exceptions.OutOfMemoryError as e:
+            raise RedisFull(job.id, e) from e
         log.debug("enqueued job=%s func=%s queue=%s", job.id, func_name, job.queue)
         return job.id
+
+    def _enqueue_durably(self, job: rq_wire.WireJob) -> None:
+        """Enqueue once, then wait for the replicas `replica_acks` asks for (each try does both)."""
+        self._enqueue_once(job)
+        try:
+            confirm_replicated(self.connection, self._replica_acks, self.settings.replica_ack_timeout_ms)
+        except NotReplicated:  # pooled connections may still reach a primary being demoted: ask again
+            self.connection.connection_pool.disconnect(inuse_connections=False)
+            raise
 
     def _enqueue_once(self, job: rq_wire.WireJob) -> None:
         with self.connection.pipeline() as pipe:

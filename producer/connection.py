@@ -1,8 +1,12 @@
 """Redis connections from a URL, and the one retry policy both clients use for connection errors.
 
-`redis://[user:password@]host:port/db`, `rediss://` (TLS) and `unix:///path/redis.sock?db=N` are all
-`redis.Redis.from_url` URLs. redis-py's own per-command retry is switched off: the tenacity policy here is
-the only one, so "how many tries, how long" has a single, bounded answer.
+`redis://[user:password@]host:port/db`, `rediss://` (TLS), `unix:///path/redis.sock?db=N` and Sentinel's
+`redis+sentinel://[user:password@]host1:26379,host2:26379/<service_name>/<db>` (read in `jobs.redis_url`,
+shared with the worker). redis-py's own per-command retry is switched off: the tenacity policy here is
+the only one, so "how many tries, how long" has a single, bounded answer. Its defaults (5 tries, waits
+0.1, 0.2, 0.4, 0.8 s, each try up to the socket timeouts) cover a Sentinel failover when the client's
+connections break at once; a failover that takes longer (the sentinels' `down-after-milliseconds` plus
+their election) needs more: docs/operations.md gives the figures and settings.
 """
 
 from __future__ import annotations
@@ -10,7 +14,6 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import ParamSpec, TypeVar
-from urllib.parse import urlsplit, urlunsplit
 
 import redis
 import redis.asyncio
@@ -25,6 +28,8 @@ from tenacity import (
     wait_exponential,
 )
 
+from jobs import redis_url
+from jobs.replication import default_replica_acks
 from jobs.transient import is_transient
 
 from .settings import ProducerSettings
@@ -37,7 +42,7 @@ T = TypeVar("T")
 class RetryPolicy:
     """Bounded tries with exponential backoff, for Redis connection errors only."""
 
-    attempts: int = 5
+    attempts: int = 8
     initial_wait_s: float = 0.1
     max_wait_s: float = 2.0
 
@@ -77,10 +82,16 @@ class RetryPolicy:
         return await retrying(attempt)
 
 
+def replica_acks(conn: redis.Redis | redis.asyncio.Redis, settings: ProducerSettings) -> int:
+    """Replicas that must hold a job before a submit returns: the setting, else
+    `jobs.replication.default_replica_acks` (1 through Sentinel, else 0)."""
+    return settings.replica_acks if settings.replica_acks is not None else default_replica_acks(conn)
+
+
 def connect(url: str, settings: ProducerSettings | None = None) -> redis.Redis:
     """A sync client (bytes replies, as RQ needs) for `url`; connects lazily."""
     settings = settings or ProducerSettings()
-    return redis.Redis.from_url(
+    return redis_url.sync_client(
         url,
         retry=Retry(NoBackoff(), 0),
         socket_timeout=settings.socket_timeout_s,
@@ -92,7 +103,7 @@ def connect(url: str, settings: ProducerSettings | None = None) -> redis.Redis:
 def connect_async(url: str, settings: ProducerSettings | None = None) -> redis.asyncio.Redis:
     """An asyncio client (bytes replies) for `url`; connects lazily."""
     settings = settings or ProducerSettings()
-    return redis.asyncio.Redis.from_url(
+    return redis_url.async_client(
         url,
         retry=AsyncRetry(NoBackoff(), 0),
         socket_timeout=settings.socket_timeout_s,
@@ -102,11 +113,5 @@ def connect_async(url: str, settings: ProducerSettings | None = None) -> redis.a
 
 
 def redact_url(url: str) -> str:
-    """`url` with its password replaced by `***`, for messages and logs."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    user = parts.username or ""
-    host = parts.hostname or ""
-    netloc = f"{user}:***@{host}" + (f":{parts.port}" if parts.port else "")
-    return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
+    """`url` with its passwords replaced by `***`, for messages and logs."""
+    return redis_url.redact_url(url)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from redis.exceptions import OutOfMemoryError
+
 from jobs import errors
 
 
@@ -23,4 +25,16 @@ class JobNotFound(errors.MlxqError, LookupError):
 
     def __init__(self, job_id: str) -> None:
         super().__init__(f"no job {job_id!r}: unknown id, or its job, stream and result have all expired")
+        self.job_id = job_id
+
+
+class RedisFull(errors.MlxqError, OutOfMemoryError):
+    """Redis refused to store the job: it reached `maxmemory` (under `noeviction`, the safe policy, it
+    refuses writes rather than evicting). Nothing was enqueued. Also a `redis.exceptions.OutOfMemoryError`,
+    so code that catches redis-py's error keeps working. Retry later, shed load, or raise `maxmemory`."""
+
+    def __init__(self, job_id: str, error: OutOfMemoryError) -> None:
+        super().__init__(
+            f"job {job_id!r} not enqueued: Redis is full (maxmemory reached; it refuses writes): {error}"
+        )
         self.job_id = job_id

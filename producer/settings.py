@@ -38,9 +38,18 @@ class ProducerSettings(BaseSettings):
     result_ttl: int | None = Field(default=None, description="seconds RQ keeps a finished job (RQ: 500)")
     failure_ttl: int | None = Field(default=None, description="seconds RQ keeps a failed job (RQ: 1 year)")
 
-    redis_retry_attempts: int = Field(default=5, ge=1, description="tries per Redis operation")
+    redis_retry_attempts: int = Field(
+        default=8, ge=1, description="tries per Redis operation (8: about 7 s, a Sentinel failover)"
+    )
     redis_retry_initial_wait_s: float = Field(default=0.1, gt=0.0)
     redis_retry_max_wait_s: float = Field(default=2.0, gt=0.0)
+    replica_acks: int | None = Field(
+        default=None,
+        ge=0,
+        description="replicas that must hold a job before a submit returns (WAIT); unset: 1 on a "
+        "redis+sentinel:// URL, else 0",
+    )
+    replica_ack_timeout_ms: int = Field(default=1000, ge=1, description="how long one WAIT waits")
     socket_timeout_s: float = Field(default=10.0, description="must exceed the longest XREAD BLOCK (1 s)")
     socket_connect_timeout_s: float = Field(default=5.0, gt=0.0)
 

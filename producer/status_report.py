@@ -3,7 +3,9 @@
 Each worker publishes its `mlxq:worker:<name>` hash (model, device, jobs done, decode speed, prefix
 cache, memory; see docs/operations.md); RQ's own worker registration says its state, current job and
 heartbeat. With one queue per model, two warnings matter: a queue holding jobs that no registered worker
-listens on (a model nobody serves), and a queue whose workers announce different models.
+listens on (a model nobody serves), and a queue whose workers announce different models. Redis's own
+memory is shown too (`INFO memory`): a `maxmemory-policy` that can evict mlxq's keys is warned of, and a
+Redis at its limit (writes refused, workers waiting) is said to be full.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from rq.serializers import JSONSerializer
 from rq.worker import BaseWorker
 
 from jobs import keys
+from jobs.redis_memory import MemoryPolicy, read_policy
 
 
 @dataclass(frozen=True)
@@ -127,9 +130,15 @@ class StatusReport:
     workers: list[WorkerReport]
     unserved: list[UnservedQueue] = field(default_factory=list)
     mixed: list[MixedQueue] = field(default_factory=list)
+    redis: MemoryPolicy | None = None
+    workers_unread: str | None = None  # why the workers could not be read, if they could not
 
     def as_dict(self) -> dict[str, Any]:
         out = asdict(self)
+        if self.redis is not None:
+            out["redis"]["evicts"] = self.redis.evicts
+            out["redis"]["full"] = self.redis.full
+            out["redis"]["warning"] = self.redis.warning()
         for entry, worker in zip(out["workers"], self.workers, strict=True):
             entry["health"]["cache_hit_rate"] = worker.health.cache_hit_rate
         return out
@@ -212,15 +221,22 @@ def collect(conn: redis.Redis, queue_names: list[str] | None = None) -> StatusRe
         queues = [Queue(name, connection=conn, serializer=JSONSerializer) for name in queue_names]
     else:
         queues = sorted(Queue.all(connection=conn, serializer=JSONSerializer), key=lambda q: q.name)
-    workers = sorted(Worker.all(connection=conn, serializer=JSONSerializer), key=lambda w: w.name)
-    now = datetime.now(timezone.utc)
+    memory = read_policy(conn)
     queue_reports = [_queue_report(q) for q in queues]
-    worker_reports = [_worker_report(conn, w, now) for w in workers]
+    now = datetime.now(timezone.utc)
+    workers_unread = None
+    try:
+        workers = sorted(Worker.all(connection=conn, serializer=JSONSerializer), key=lambda w: w.name)
+        worker_reports = [_worker_report(conn, w, now) for w in workers]
+    except redis.exceptions.OutOfMemoryError:  # RQ reads workers in MULTI, which a full Redis refuses
+        worker_reports, workers_unread = [], "Redis is full: it refuses the transactions RQ reads workers in"
     return StatusReport(
         queues=queue_reports,
         workers=worker_reports,
         unserved=unserved_queues(queue_reports, worker_reports),
         mixed=mixed_queues(worker_reports),
+        redis=memory,
+        workers_unread=workers_unread,
     )
 
 
@@ -284,7 +300,9 @@ def render(report: StatusReport) -> str:
             )
         )
     lines.append("workers:")
-    if not report.workers:
+    if report.workers_unread is not None:
+        lines.append(f"  (not read: {report.workers_unread})")
+    elif not report.workers:
         lines.append("  (none)")
     for w in report.workers:
         age = f"{w.heartbeat_age_s:.0f}s ago" if w.heartbeat_age_s is not None else "-"
@@ -299,4 +317,25 @@ def render(report: StatusReport) -> str:
     for m in report.mixed:
         served = "; ".join(f"{model} ({', '.join(names)})" for model, names in sorted(m.models.items()))
         lines.append(f"warning: queue {m.name} is served by different models: {served}")
+    lines.extend(_redis_lines(report.redis))
     return "\n".join(lines)
+
+
+def _redis_lines(memory: MemoryPolicy | None) -> list[str]:
+    if memory is None:
+        return []
+    if memory.unknown:
+        return [f"redis: {memory.unknown_note()}"]
+    limit = human_bytes(memory.maxmemory) if memory.maxmemory else "no limit"
+    lines = [
+        f"redis: maxmemory-policy={memory.policy} used={human_bytes(memory.used_memory)} maxmemory={limit}"
+    ]
+    warning = memory.warning()
+    if warning is not None:
+        lines.append(f"warning: {warning}")
+    if memory.full:
+        lines.append(
+            "warning: Redis is full: writes are refused (producers get OOM errors, workers wait with "
+            "their jobs); free memory or raise maxmemory"
+        )
+    return lines

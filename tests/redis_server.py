@@ -4,6 +4,7 @@ front of one that can cut the network for a while (imported by test modules, lik
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
 import subprocess
 import threading
@@ -14,15 +15,31 @@ import redis
 
 
 def free_port() -> int:
+    """A loopback port nobody listens on: from `MLXQ_TEST_PORTS` (`first-last`) where it is set (a
+    machine shared by several test runs gives each its own range), else one the system picks."""
+    span = os.environ.get("MLXQ_TEST_PORTS")
+    if span:
+        first, last = (int(p) for p in span.split("-"))
+        for port in range(first, last + 1):
+            with socket.socket() as s:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as redis-server binds
+                try:
+                    s.bind(("127.0.0.1", port))
+                    s.listen()
+                except OSError:
+                    continue
+            return port
+        raise RuntimeError(f"no free port in MLXQ_TEST_PORTS={span}")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
 
 
 class PrivateRedis:
-    """`redis-server` on a free loopback port, append-only file fsynced always, so a restart keeps all."""
+    """`redis-server` on a free loopback port, append-only file fsynced always, so a restart keeps all.
+    `extra` options are appended (`--maxmemory 4mb`, `--replicaof 127.0.0.1 6379`, ...)."""
 
-    def __init__(self, folder: Path) -> None:
+    def __init__(self, folder: Path, *extra: str) -> None:
         self.port = free_port()
         self.url = f"redis://127.0.0.1:{self.port}/0"
         self.cmd = [
@@ -39,6 +56,7 @@ class PrivateRedis:
             "always",
             "--save",
             "",
+            *extra,
         ]
         self.proc: subprocess.Popen[bytes] | None = None
 
@@ -137,3 +155,109 @@ class CuttableProxy:
             conns, self._conns = self._conns, []
         for s in conns:
             s.close()
+
+
+def fill_memory(conn: redis.Redis) -> int:
+    """Fill a `noeviction` Redis with `filler:*` keys until it refuses one (OOM); returns how many went
+    in. Redis's own use moves by a few KB (client buffers), so the limit is then set 512 KB under what
+    it uses: full for sure until `free_memory`."""
+    n = 0
+    while True:
+        try:
+            conn.set(f"filler:{n}", b"x" * 65536)
+        except redis.exceptions.OutOfMemoryError:
+            break
+        n += 1
+    conn.config_set("maxmemory", int(conn.info("memory")["used_memory"]) - (512 << 10))
+    return n
+
+
+def free_memory(conn: redis.Redis) -> None:
+    """Delete what `fill_memory` wrote: megabytes under the limit again."""
+    fillers = conn.keys("filler:*")
+    if fillers:
+        conn.delete(*fillers)
+
+
+class SentinelSet:
+    """A primary, two replicas and three sentinels (quorum 2) on loopback ports, each server in a folder
+    of its own, watching the service `name`: the set Sentinel's documentation recommends, and a
+    failover as production sees one, in a few seconds."""
+
+    def __init__(self, folder: Path, name: str = "mlxq", down_after_ms: int = 1000) -> None:
+        self.name = name
+        self.folder = folder
+        (folder / "primary").mkdir(parents=True)
+        self.primary = PrivateRedis(folder / "primary", "--enable-debug-command", "local")
+        self.primary.start()
+        self.replicas = []
+        for i in range(2):
+            (folder / f"replica-{i}").mkdir()
+            replica = PrivateRedis(
+                folder / f"replica-{i}", "--replicaof", "127.0.0.1", str(self.primary.port)
+            )
+            replica.start()
+            self.replicas.append(replica)
+        self.sentinels: list[subprocess.Popen[bytes]] = []
+        self.sentinel_ports: list[int] = []
+        for i in range(3):
+            port = free_port()
+            conf = folder / f"sentinel-{i}.conf"
+            conf.write_text(
+                f"port {port}\nbind 127.0.0.1\ndir {folder}\n"
+                f"sentinel monitor {name} 127.0.0.1 {self.primary.port} 2\n"
+                f"sentinel down-after-milliseconds {name} {down_after_ms}\n"
+                f"sentinel failover-timeout {name} 10000\n"
+                f"sentinel parallel-syncs {name} 1\n"
+            )
+            self.sentinels.append(
+                subprocess.Popen(["redis-server", str(conf), "--sentinel"], stdout=subprocess.DEVNULL)
+            )
+            self.sentinel_ports.append(port)
+            _wait_ping(port)
+        self.url = f"redis+sentinel://{','.join(f'127.0.0.1:{p}' for p in self.sentinel_ports)}/{name}/0"
+        self._wait_settled()
+
+    def sentinel(self, i: int = 0) -> redis.Redis:
+        return redis.Redis(port=self.sentinel_ports[i], decode_responses=True)
+
+    def primary_port(self) -> int:
+        """The port the sentinels name as the primary now."""
+        _host, port = self.sentinel().sentinel_get_master_addr_by_name(self.name)
+        return int(port)
+
+    def _wait_settled(self, timeout: float = 30.0) -> None:
+        """Until every sentinel knows the replica and the other sentinels, and the replica is in sync."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            ready = True
+            for i in range(3):
+                master = self.sentinel(i).sentinel_master(self.name)
+                if int(master.get("num-slaves", 0)) < 2 or int(master.get("num-other-sentinels", 0)) < 2:
+                    ready = False
+            links = [
+                redis.Redis(port=r.port).info("replication").get("master_link_status") for r in self.replicas
+            ]
+            if ready and links == ["up", "up"]:
+                return
+            time.sleep(0.2)
+        raise RuntimeError("sentinels did not settle")
+
+    def stop(self) -> None:
+        for proc in self.sentinels:
+            if proc.poll() is None:
+                proc.terminate()
+                proc.wait(10)
+        for replica in self.replicas:
+            replica.stop()
+        self.primary.stop()
+
+
+def _wait_ping(port: int) -> None:
+    conn = redis.Redis(port=port)
+    for _ in range(200):
+        with contextlib.suppress(redis.ConnectionError):
+            conn.ping()
+            return
+        time.sleep(0.05)
+    raise RuntimeError(f"nothing answers on port {port}")

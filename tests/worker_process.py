@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-import redis
+from jobs.redis_url import sync_client
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -37,7 +37,7 @@ class WorkerProcess:
 
     def wait_ready(self, timeout: float = 60.0) -> None:
         """Until the worker registered itself with RQ (model loaded, listening)."""
-        conn = redis.Redis.from_url(self.redis_url)
+        conn = sync_client(self.redis_url)  # a Sentinel URL too
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

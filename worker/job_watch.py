@@ -108,16 +108,22 @@ class JobWatch:
 
     def _run(self) -> None:
         since_beat = 0.0
+        failing = False  # the last tick met a Redis error (logged once per outage, not every tick)
         while not self._stop.wait(self.poll_s):
             try:
                 self._poll_cancels()
                 since_beat += self.poll_s
                 if since_beat >= self.beat_s:
-                    since_beat = 0.0
                     with self._lock:  # once `remove` returns, that job gets no more heartbeats
                         for run in self.runs:
                             self.worker.maintain_heartbeats(run.job, run.execution)
-            except REDIS_TRANSIENT as e:  # Redis restarting: the jobs go on; try again next tick
-                log.warning("job watch redis error=%s", e)
+                    since_beat = 0.0  # only once beaten: a refused beat is tried again next tick
+                if failing:
+                    log.warning("job watch reaches redis again")
+                    failing = False
+            except REDIS_TRANSIENT as e:  # Redis restarting, failing over or full: the jobs go on
+                if not failing:
+                    log.warning("job watch redis error=%s", e)
+                failing = True
             except Exception:  # a bug here must not kill the thread that keeps jobs alive
                 log.exception("job watch failed a tick")

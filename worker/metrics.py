@@ -50,6 +50,8 @@ _KNOWN: dict[str, tuple[str, str, str]] = {
     "cache_budget_bytes": ("mlxq_prefix_cache_budget_bytes", "gauge", "the prefix cache's byte budget"),
     "started_at": ("mlxq_worker_start_time_seconds", "gauge", "when the worker started (unix time)"),
     "updated_at": ("mlxq_worker_stats_updated_time_seconds", "gauge", "when these numbers were taken"),
+    "redis_full": ("mlxq_redis_full", "gauge", "1 while Redis refuses this worker's writes (OOM)"),
+    "redis_oom_refusals": ("mlxq_redis_oom_refusals", "counter", "OOM replies this worker met"),
 }
 _INFO_FIELDS = ("device", "queues", "model_path", "version", "mlx_version")
 

@@ -14,6 +14,7 @@ maintenance) goes on while Redis restarts instead of quitting.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from time import monotonic
@@ -28,19 +29,22 @@ from rq.serializers import JSONSerializer
 from rq.utils import now
 
 from jobs.errors import ForbiddenJob, InvalidRequest
+from jobs.transient import is_out_of_memory
 from worker.allowlist import forbidden_reason
 from worker.bounded_job import BoundedJob
 from worker.dead_letters import DeadLetters
+from worker.eviction_watch import EvictionWatch
 from worker.job_watch import JobWatch
 from worker.maintenance import Maintenance
 from worker.rq_batches import RqBatches, Run
-from worker.stream_writer import REDIS_TRANSIENT, StreamOptions, StreamWriter
+from worker.stream_writer import REDIS_TRANSIENT, StreamOptions, StreamWriter, retrying
 
 log = logging.getLogger(__name__)
 
 _BEAT_AGAIN_S = 1.0  # a heartbeat repeating the last one's TTL sooner than this is skipped (`heartbeat`)
 _STUCK = "Job was stuck in intermediate queue."  # what RQ's IntermediateQueue.cleanup fails jobs with
 _STATS_EVERY_S = 1.0
+_FULL_WAIT_MAX_S = 5.0  # the longest pause between dequeues while Redis refuses them (full, read-only)
 _NOT_THE_JOBS: tuple[type[Exception], ...] = (
     StopRequested,
     *REDIS_TRANSIENT,
@@ -96,6 +100,8 @@ class MlxqWorker(SimpleWorker):
         self.maintenance = Maintenance(
             self, self.batches, self.dead_letters, stream_options, self.get_heartbeat_ttl(None)
         )
+        self.full = stream_options.full  # Redis refusing writes for memory (shared with every writer)
+        self.evictions = EvictionWatch(connection)
         self.fatal_error: BaseException | None = None  # what made RQ's loop quit, if anything did
 
     # --- the JobHost its components are handed (see `job_host.py`) -------------------------------------
@@ -157,6 +163,14 @@ class MlxqWorker(SimpleWorker):
 
     def run_maintenance_tasks(self) -> None:
         self._between_jobs(super().run_maintenance_tasks)
+        self.evictions.check()
+
+    def register_birth(self) -> None:
+        """RQ's registration of the worker, under the write policy (`retrying`): a full Redis (OOM
+        replies) is waited out, so a worker started while Redis is full starts once memory frees
+        rather than exiting; then the memory policy is read and an evicting one warned of."""
+        retrying(self.stream_options)(super().register_birth)
+        self.evictions.check(force=True)
 
     def _between_jobs(self, step: Callable[..., Any], *args: Any) -> bool:
         """A step of RQ's loop between jobs (the worker's state, its heartbeat, the suspension check,
@@ -166,7 +180,10 @@ class MlxqWorker(SimpleWorker):
         try:
             step(*args)
         except REDIS_TRANSIENT as e:
-            log.warning("redis unreachable between jobs; skipped step=%s error=%s", step.__name__, e)
+            if is_out_of_memory(e):
+                self.full.refused(e, step.__name__)
+            else:
+                log.warning("redis unreachable between jobs; skipped step=%s error=%s", step.__name__, e)
             return False
         return True
 
@@ -176,14 +193,29 @@ class MlxqWorker(SimpleWorker):
         """RQ's dequeue, where a job RQ cannot read (a malformed field, a key of another type) is put
         aside with the reason (`DeadLetters`) and the dequeue goes on, instead of ending the worker. A
         job found in a queue that is not its origin (its id pushed there by someone allowed to push only
-        there, `producer/tenant.py`) is dropped from that queue, never run from it, and recorded."""
+        there, `producer/tenant.py`) is dropped from that queue, never run from it, and recorded. A
+        dequeue Redis refuses (full: an OOM reply; a demoted primary: READONLY) is tried again, backed
+        off, until it goes through or the worker is asked to stop; RQ's dequeue waits out a Redis that
+        is away itself."""
+        pause = 0.1
         while True:
             try:
                 taken = super().dequeue_job_and_maintain_ttl(timeout, max_idle_time)
+                self.full.accepted()
                 if taken is not None and taken[0].origin != taken[1].name:
                     self.dead_letters.misplaced(taken[0].id, taken[1], taken[0].origin)
                     continue
                 return taken
+            except (redis.exceptions.OutOfMemoryError, redis.exceptions.ReadOnlyError) as e:
+                if is_out_of_memory(e):
+                    self.full.refused(e, "dequeue")
+                else:  # new connections may reach the new primary (behind a proxy); Sentinel does it itself
+                    log.warning("redis is read-only (a failover?); dequeue tried again error=%s", e)
+                    self.connection.connection_pool.disconnect()
+                if self._stop_requested:
+                    return None
+                time.sleep(pause)
+                pause = min(pause * 2, _FULL_WAIT_MAX_S)
             except _NOT_THE_JOBS:  # a stop signal while idle, Redis away: RQ's loop handles these
                 raise
             except Exception as e:

@@ -16,7 +16,8 @@ from typing import Any
 import redis
 from rq.worker import DequeueStrategy
 
-from jobs import keys
+from jobs import keys, redis_url
+from jobs.replication import default_replica_acks
 from worker.bounded_job import BoundedJob
 from worker.engine import Engine, EngineOptions
 from worker.engine.device import limit_buffer_cache
@@ -28,7 +29,7 @@ from worker.rq_worker import MlxqWorker
 from worker.score_claim import ClaimBudget, ScoreClaimer
 from worker.score_jobs import ScoreJobs
 from worker.settings import WorkerSettings
-from worker.stream_writer import StreamOptions
+from worker.stream_writer import Replication, StreamOptions, retrying
 
 log = logging.getLogger(__name__)
 
@@ -40,11 +41,13 @@ _DEQUEUE_STRATEGY = {
 
 
 def redis_from_url(url: str) -> redis.Redis:
-    """A connection for redis://, rediss:// (TLS) and unix:// URLs, with users/passwords in the URL.
+    """A connection for redis://, rediss:// (TLS), unix:// and redis+sentinel:// URLs, with users and
+    passwords in the URL (`jobs.redis_url`). Through Sentinel, every new connection goes to the current
+    primary, and one that meets a demoted primary is dropped (a connection error, retried).
 
     No socket timeout on reads: RQ's dequeue blocks on BLMOVE for minutes.
     """
-    return redis.Redis.from_url(
+    return redis_url.sync_client(
         url, socket_connect_timeout=5, socket_keepalive=True, health_check_interval=30
     )
 
@@ -98,6 +101,11 @@ class WorkerService:
             flush_ms=settings.stream_flush_ms,
             retry_attempts=settings.redis_retry_attempts,
             retry_max_wait_s=settings.redis_retry_max_wait_s,
+            full_wait_s=settings.redis_full_wait_s,
+            replication=Replication(
+                conn,
+                settings.replica_acks if settings.replica_acks is not None else default_replica_acks(conn),
+            ),
         )
         worker = MlxqWorker(
             settings.queues,
@@ -148,8 +156,9 @@ class WorkerService:
     def work(self, *, burst: bool = False, max_jobs: int | None = None) -> int:
         """Serve jobs until stopped; returns a process exit code: 0 when stopped or done, 1 when RQ's
         loop quit on an error (so a service manager restarts the worker)."""
-        _reclaim_name(self.conn, self.worker)
+        retrying(self.worker.stream_options)(_reclaim_name, self.conn, self.worker)
         metrics = self._start_metrics()
+        self.worker.evictions.check(force=True)  # warned of at once, and in the first stats
         self.stats.publish()
         try:
             self.worker.work(
@@ -214,5 +223,7 @@ def _stats_fields(
         "active_sequences": worker.active_sequences,
         "max_batch_sequences": max_sequences,
         "tokens_per_s": f"{results.last_tokens_per_s or 0.0:.1f}",
+        **worker.full.fields(),
+        **worker.evictions.fields(),
         **engine.status(),
     }

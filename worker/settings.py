@@ -128,6 +128,19 @@ class WorkerSettings(BaseSettings):
 
     redis_retry_attempts: int = Field(default=8, ge=1)
     redis_retry_max_wait_s: float = Field(default=5.0, gt=0.0)
+    replica_acks: int | None = Field(
+        default=None,
+        ge=0,
+        description="replicas that must hold a job's streams, results and RQ records before the worker "
+        "goes on (WAIT; written again on a shortfall, as after a failover); unset: 1 through Sentinel, "
+        "else 0",
+    )
+    redis_full_wait_s: float | None = Field(
+        default=None,
+        gt=0.0,
+        description="how long a write waits while Redis is full (OOM replies) before the job fails; "
+        "unset: until memory frees (the worker keeps its jobs and says so in its log and metrics)",
+    )
 
     metrics_port: int | None = Field(
         default=None,

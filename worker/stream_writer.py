@@ -17,19 +17,23 @@ import json
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, ParamSpec, TypeVar
 
 import redis
-from tenacity import Retrying, retry_if_exception, stop_after_attempt, wait_exponential
+from tenacity import RetryCallState, Retrying, retry_if_exception, wait_exponential
 
 from jobs import keys
+from jobs.replication import NotReplicated, confirm_replicated
 from jobs.schema import DoneEvent, ErrorEvent, GenerateResult, RestartEvent, ScoreResult, TokenEvent
-from jobs.transient import TRANSIENT_ERRORS, is_transient
+from jobs.transient import WORKER_TRANSIENT_ERRORS, is_out_of_memory, is_worker_transient
+from worker.redis_full import FullRedis
 
 log = logging.getLogger(__name__)
 
-REDIS_TRANSIENT = TRANSIENT_ERRORS
+REDIS_TRANSIENT = WORKER_TRANSIENT_ERRORS
+P = ParamSpec("P")
+T = TypeVar("T")
 
 # How often a stream being written refreshes its TTL (at most; a quarter of a short TTL).
 _EXPIRE_EVERY_S = 60.0
@@ -44,21 +48,82 @@ class StreamOptions:
     flush_ms: float = 20.0
     retry_attempts: int = 8
     retry_max_wait_s: float = 5.0
+    full_wait_s: float | None = None  # how long a write waits for a full Redis; None: until it frees
+    full: FullRedis = field(default_factory=FullRedis, compare=False, repr=False)  # shared by the process
+    replication: Replication | None = field(default=None, compare=False, repr=False)
 
 
-def retrying(options: StreamOptions) -> Retrying:
-    """Bounded retries with exponential backoff for Redis connection hiccups (e.g. a restart)."""
-    return Retrying(
-        retry=retry_if_exception(is_transient),
-        stop=stop_after_attempt(options.retry_attempts),
-        wait=wait_exponential(multiplier=0.05, max=options.retry_max_wait_s),
-        reraise=True,
-        before_sleep=lambda rs: log.warning(
-            "redis write retry attempt=%d error=%s",
-            rs.attempt_number,
-            rs.outcome.exception() if rs.outcome else None,
-        ),
-    )
+@dataclass(frozen=True)
+class Replication:
+    """Writes wait until `wanted` replicas hold them (`jobs.replication`): on `conn`, any connection."""
+
+    conn: redis.Redis
+    wanted: int
+    timeout_ms: int = 1000
+
+    def confirm(self) -> None:
+        confirm_replicated(self.conn, self.wanted, self.timeout_ms)
+
+
+class retrying:  # lower case: used as a function, `retrying(options)(fn, *args)`
+    """The worker's policy for a Redis write: bounded retries with exponential backoff for Redis away
+    (a restart, a failover), and waiting, backed off the same way, while Redis is full (OOM replies)
+    for `full_wait_s` or until memory frees: the jobs are kept, never failed for it (`FullRedis`)."""
+
+    def __init__(self, options: StreamOptions) -> None:
+        self.options = options
+        self._retrying = Retrying(
+            retry=retry_if_exception(is_worker_transient),
+            stop=self._stop,
+            wait=wait_exponential(multiplier=0.05, max=options.retry_max_wait_s),
+            reraise=True,
+            before_sleep=self._before_sleep,
+        )
+
+    def __call__(self, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
+        replication = self.options.replication
+        if replication is None or replication.wanted <= 0:
+            result = self._retrying(fn, *args, **kwargs)
+        else:
+            result = self._replicated(replication, fn, *args, **kwargs)
+        self.options.full.accepted()
+        return result
+
+    def _replicated(
+        self, replication: Replication, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs
+    ) -> T:
+        """`fn`, then WAIT for the replicas; a shortfall writes again (as after a lost reply), so after a
+        failover the writes reach the new primary. Should no replica confirm within the tries, the
+        worker goes on (the writes are on the primary): a replica outage must not fail jobs."""
+        done: list[T] = []
+
+        def durably() -> T:
+            out = fn(*args, **kwargs)
+            done[:] = [out]
+            replication.confirm()
+            return out
+
+        try:
+            return self._retrying(durably)
+        except NotReplicated as e:
+            if not done:
+                raise
+            log.warning("writes not confirmed by a replica; going on error=%s", e)
+            return done[0]
+
+    def _stop(self, state: RetryCallState) -> bool:
+        error = state.outcome.exception() if state.outcome else None
+        if error is not None and is_out_of_memory(error):
+            limit = self.options.full_wait_s
+            return limit is not None and (state.seconds_since_start or 0.0) >= limit
+        return state.attempt_number >= self.options.retry_attempts
+
+    def _before_sleep(self, state: RetryCallState) -> None:
+        error = state.outcome.exception() if state.outcome else None
+        if error is not None and is_out_of_memory(error):
+            self.options.full.refused(error, getattr(state.fn, "__name__", "write"))
+            return
+        log.warning("redis write retry attempt=%d error=%s", state.attempt_number, error)
 
 
 class StreamWriter:
