@@ -41,6 +41,7 @@ from .connection import RetryPolicy, connect, connect_async, replica_acks
 from .errors import JobFailed, JobNotFound, RedisFull
 from .eviction_check import EvictionCheck
 from .job_state import CancelOutcome
+from .queue_check import QueueCheck, aexplain_timeout
 from .settings import ProducerSettings
 from .tail import (
     RESULT_GRACE_S,
@@ -142,7 +143,10 @@ class AsyncJobHandle(Generic[R]):
                         await self._ended_without_event(status)
                         return
             if not follower.ended:
-                follower.deadline.check(f"job {self.id}")
+                try:
+                    follower.deadline.check(f"job {self.id}")
+                except TimeoutError as e:
+                    raise await aexplain_timeout(self._conn, self.id, e) from None
 
     async def _ended_without_event(self, status: str) -> None:
         if status in job_state.UNSUCCESSFUL:
@@ -196,6 +200,7 @@ class AsyncClient:
         self.retry = RetryPolicy.from_settings(self.settings)
         self._replica_acks = replica_acks(self.connection, self.settings)
         self.evictions = EvictionCheck()  # the Redis's memory policy, looked at before the first submit
+        self.queue_check = QueueCheck()  # whether a worker serves each queue submitted to
         self._sync: redis.Redis | None = None
 
     async def __aenter__(self) -> AsyncClient:
@@ -360,6 +365,7 @@ class AsyncClient:
         except redis.exceptions.OutOfMemoryError as e:
             raise RedisFull(job.id, e) from e
         log.debug("enqueued job=%s func=%s queue=%s", job.id, func_name, job.queue)
+        await self.queue_check.arun(self.connection, job.queue)
         return job.id
 
     async def _enqueue_durably(self, job: rq_wire.WireJob) -> None:

@@ -39,6 +39,7 @@ from .connection import RetryPolicy, connect, replica_acks
 from .errors import JobFailed, JobNotFound, RedisFull
 from .eviction_check import EvictionCheck
 from .job_state import CancelOutcome
+from .queue_check import QueueCheck, explain_timeout
 from .settings import ProducerSettings
 from .tail import (
     RESULT_GRACE_S,
@@ -143,7 +144,10 @@ class JobHandle(Generic[R]):
                         self._ended_without_event(status)
                         return
             if not follower.ended:
-                follower.deadline.check(f"job {self.id}")
+                try:
+                    follower.deadline.check(f"job {self.id}")
+                except TimeoutError as e:
+                    raise explain_timeout(self._conn, self.id, e) from None
 
     def _ended_without_event(self, status: str) -> None:
         """The job is over but its stream has no terminal event: RQ says why (or it all expired)."""
@@ -199,6 +203,7 @@ class Client:
         self.retry = RetryPolicy.from_settings(self.settings)
         self._replica_acks = replica_acks(self.connection, self.settings)
         self.evictions = EvictionCheck()  # the Redis's memory policy, looked at before the first submit
+        self.queue_check = QueueCheck()  # whether a worker serves each queue submitted to
 
     def __enter__(self) -> Client:
         return self
@@ -359,6 +364,7 @@ class Client:
         except redis.exceptions.OutOfMemoryError as e:
             raise RedisFull(job.id, e) from e
         log.debug("enqueued job=%s func=%s queue=%s", job.id, func_name, job.queue)
+        self.queue_check.run(self.connection, job.queue)
         return job.id
 
     def _enqueue_durably(self, job: rq_wire.WireJob) -> None:

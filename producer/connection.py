@@ -11,6 +11,7 @@ their election) needs more: docs/operations.md gives the figures and settings.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import ParamSpec, TypeVar
@@ -22,6 +23,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 from tenacity import (
     AsyncRetrying,
+    RetryCallState,
     Retrying,
     retry_if_exception,
     stop_after_attempt,
@@ -34,6 +36,8 @@ from jobs.transient import is_transient
 
 from .settings import ProducerSettings
 
+log = logging.getLogger("producer")
+
 P = ParamSpec("P")
 T = TypeVar("T")
 
@@ -45,11 +49,12 @@ class RetryPolicy:
     attempts: int = 8
     initial_wait_s: float = 0.1
     max_wait_s: float = 2.0
+    say_waits: bool = False  # log each wait as a warning (long runs: a person should know why it stalls)
 
     def patient(self) -> RetryPolicy:
         """This policy for work that runs for hours (bulk runs): at least 12 tries, waits growing to at
         least 5 s, so a Redis restart or failover of about half a minute is ridden out, not fatal."""
-        return RetryPolicy(max(self.attempts, 12), self.initial_wait_s, max(self.max_wait_s, 5.0))
+        return RetryPolicy(max(self.attempts, 12), self.initial_wait_s, max(self.max_wait_s, 5.0), True)
 
     @classmethod
     def from_settings(cls, settings: ProducerSettings) -> RetryPolicy:
@@ -65,7 +70,16 @@ class RetryPolicy:
             "wait": wait_exponential(multiplier=self.initial_wait_s, max=self.max_wait_s),
             "retry": retry_if_exception(is_transient),
             "reraise": True,
+            **({"before_sleep": self._say_wait} if self.say_waits else {}),
         }
+
+    def _say_wait(self, state: RetryCallState) -> None:
+        error = state.outcome.exception() if state.outcome is not None else None
+        wait = state.next_action.sleep if state.next_action is not None else 0.0
+        log.warning(
+            "redis unreachable; trying again in %.1f s (try %d of %d) error=%s",
+            wait, state.attempt_number + 1, self.attempts, error,
+        )  # fmt: skip
 
     def call(self, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
         """Run `fn`, trying again on a connection error; the last error is raised as it was."""

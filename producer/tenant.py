@@ -81,17 +81,17 @@ def acl_rules(tenant: str) -> str:
     runs do, to keep Redis small). It cannot write a result or stream entry, touch another tenant's
     keys, read a worker's keys, or delete anything else. `SADD rq:queues` (RQ's list of queue names)
     and the mark written before a `WAIT` for replicas (through Sentinel) are the shared writes; `INFO`
-    tells it Redis's memory policy.
+    tells it Redis's memory policy, and RQ's sets of the workers serving its queues whether anyone does.
     """
     p = check_name(tenant) + SEPARATOR
     commands = (
-        "+info +wait +multi +exec +discard +watch +unwatch +exists +get +set +hget +hgetall +hset "
-        "+rpush +lpush +lrem +zadd +xread +xrevrange +xlen"
+        "+info +wait +multi +exec +discard +watch +unwatch +exists +get +set +hget +hmget +hgetall +hset "
+        "+scard +rpush +lpush +lrem +zadd +xread +xrevrange +xlen"
     )
     own = (
         f"%RW~{keys.rq_job_key(p)}* %RW~{keys.rq_queue_key(p)}* %W~rq:canceled:{p}* "
         f"%W~{keys.cancel_key(p)}* %R~rq:results:{p}* %R~{keys.result_key(p)}* %R~{keys.stream_key(p)}* "
-        f"%W~{keys.REPLICATION_MARK}"
+        f"%R~rq:workers:{p}* %W~{keys.REPLICATION_MARK}"
     )
     return (
         f"resetchannels -@all +@connection -@dangerous {commands} resetkeys {own} "

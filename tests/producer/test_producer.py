@@ -4,6 +4,7 @@ a plain `rq.SimpleWorker` where RQ's own lifecycle is what is tested."""
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -401,3 +402,23 @@ def test_a_job_id_whose_key_holds_no_hash_reads_as_missing(client: Client, redis
     assert handle.cancel() == CancelOutcome.MISSING
     with pytest.raises(JobNotFound):
         handle.result(timeout=2)
+
+
+def test_a_long_runs_retries_say_why_it_stalls(caplog: pytest.LogCaptureFixture) -> None:
+    """Bulk runs use the patient policy: each wait for Redis is a warning line, not silence; a
+    submit's quick policy stays quiet."""
+    fails = iter([redis.ConnectionError("refused"), redis.ConnectionError("refused")])
+
+    def flaky() -> str:
+        error = next(fails, None)
+        if error is not None:
+            raise error
+        return "ok"
+
+    with caplog.at_level(logging.WARNING, logger="producer"):
+        assert RetryPolicy(attempts=3, initial_wait_s=0.01).patient().call(flaky) == "ok"
+        fails = iter([redis.ConnectionError("refused")])
+        assert RetryPolicy(attempts=3, initial_wait_s=0.01).call(flaky) == "ok"
+    said = [r.getMessage() for r in caplog.records if r.name == "producer"]
+    assert len(said) == 2 and all("redis unreachable; trying again in" in s for s in said), said
+    assert "(try 2 of 12)" in said[0] and "error=refused" in said[0]
