@@ -193,7 +193,7 @@ def test_connection_errors_are_retried_a_bounded_number_of_times() -> None:
     assert (patient.attempts, patient.max_wait_s) == (12, 5.0)
     waits = [min(patient.max_wait_s, patient.initial_wait_s * 2**i) for i in range(patient.attempts - 1)]
     assert 25 < sum(waits) < 45
-    assert RetryPolicy(attempts=20, max_wait_s=9.0).patient() == RetryPolicy(attempts=20, max_wait_s=9.0)
+    assert RetryPolicy(attempts=20, max_wait_s=9.0).patient() == RetryPolicy(20, 0.1, 9.0, say_waits=True)
 
 
 def test_settings_and_urls(monkeypatch: pytest.MonkeyPatch) -> None:
