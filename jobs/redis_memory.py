@@ -98,52 +98,45 @@ def from_config(reply: dict[Any, Any]) -> MemoryPolicy | None:
     return MemoryPolicy(_text(policy), _int(values.get("maxmemory")))
 
 
+_READS = (
+    ("INFO", ("info", "memory"), from_info, "INFO memory has no maxmemory_policy"),
+    ("CONFIG GET", ("config_get", "maxmemory*"), from_config, "CONFIG GET has no maxmemory-policy"),
+)
+"""The two ways to ask, in order: INFO first (the shipped ACL users may run it, not CONFIG)."""
+
+
 def read_policy(conn: redis.Redis) -> MemoryPolicy:
     """The Redis's policy: INFO memory, else CONFIG GET; `unknown` where both are refused. A connection
     error is raised: the caller retries as it retries anything else."""
     refusals = []
-    try:
-        found = from_info(conn.info("memory"))
+    for name, (method, arg), parse, absent in _READS:
+        try:
+            found = parse(getattr(conn, method)(arg))
+        except (redis.ConnectionError, redis.TimeoutError):
+            raise
+        except redis.RedisError as e:
+            refusals.append(f"{name}: {e}")
+            continue
         if found is not None:
             return found
-        refusals.append("INFO memory has no maxmemory_policy")
-    except (redis.ConnectionError, redis.TimeoutError):
-        raise
-    except redis.RedisError as e:
-        refusals.append(f"INFO: {e}")
-    try:
-        found = from_config(conn.config_get("maxmemory*"))
-        if found is not None:
-            return found
-        refusals.append("CONFIG GET has no maxmemory-policy")
-    except (redis.ConnectionError, redis.TimeoutError):
-        raise
-    except redis.RedisError as e:
-        refusals.append(f"CONFIG GET: {e}")
+        refusals.append(absent)
     return MemoryPolicy(None, refused="; ".join(refusals))
 
 
 async def aread_policy(conn: redis.asyncio.Redis) -> MemoryPolicy:
     """`read_policy` on an asyncio client."""
     refusals = []
-    try:
-        found = from_info(await conn.info("memory"))
+    for name, (method, arg), parse, absent in _READS:
+        try:
+            found = parse(await getattr(conn, method)(arg))
+        except (redis.ConnectionError, redis.TimeoutError):
+            raise
+        except redis.RedisError as e:
+            refusals.append(f"{name}: {e}")
+            continue
         if found is not None:
             return found
-        refusals.append("INFO memory has no maxmemory_policy")
-    except (redis.ConnectionError, redis.TimeoutError):
-        raise
-    except redis.RedisError as e:
-        refusals.append(f"INFO: {e}")
-    try:
-        found = from_config(await conn.config_get("maxmemory*"))
-        if found is not None:
-            return found
-        refusals.append("CONFIG GET has no maxmemory-policy")
-    except (redis.ConnectionError, redis.TimeoutError):
-        raise
-    except redis.RedisError as e:
-        refusals.append(f"CONFIG GET: {e}")
+        refusals.append(absent)
     return MemoryPolicy(None, refused="; ".join(refusals))
 
 
