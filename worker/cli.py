@@ -136,6 +136,11 @@ def main(argv: list[str] | None = None) -> int:
     from worker.modelfiles.gguf_import import import_gguf
 
     configure_logging("INFO")
-    out = import_gguf(args.gguf, args.out_dir, quantize=False if args.no_quantize else None)
+    try:
+        out = import_gguf(args.gguf, args.out_dir, quantize=False if args.no_quantize else None)
+    except (MlxqError, OSError) as e:  # not importable, or not readable
+        log.debug("import failed", exc_info=True)
+        print(f"mlxq import-gguf: {e}", file=sys.stderr)
+        return 2
     print(out)
     return 0

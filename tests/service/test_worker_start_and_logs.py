@@ -4,6 +4,7 @@ level), RQ's log lines as `key=value` like mlxq's, and a job's expected failure 
 from __future__ import annotations
 
 import logging
+import sys
 from pathlib import Path
 
 import pytest
@@ -33,6 +34,16 @@ def test_start_mistakes_are_one_line_each(
     assert f"mlxq import-gguf {gguf} <folder>" in _one_line(capsys.readouterr().err)
     assert main(["worker", "--model", str(model_dir), "--redis-url", "redis://127.0.0.1:1/0"]) == 1
     assert "cannot reach Redis" in _one_line(capsys.readouterr().err)
+
+
+def test_import_gguf_mistakes_are_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["import-gguf", str(tmp_path / "missing.gguf"), str(tmp_path / "out")]) == 2
+    assert "missing.gguf" in _one_line(capsys.readouterr().err)
+    monkeypatch.setitem(sys.modules, "gguf", None)  # the `gguf` extra not installed
+    assert main(["import-gguf", str(tmp_path / "any.gguf"), str(tmp_path / "out")]) == 2
+    assert "needs the gguf package: pip install gguf" in _one_line(capsys.readouterr().err)
 
 
 def test_rq_lines_are_key_value() -> None:

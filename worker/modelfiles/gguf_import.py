@@ -88,7 +88,12 @@ def import_gguf(gguf_path: str | Path, out_dir: str | Path, *, quantize: bool | 
     weight is Q4_0/Q4_1, else writes bfloat16; `True` demands the 4-bit checkpoint; `False` always
     writes bfloat16. Raises `GGUFImportError` for an unsupported architecture, tensor, type or tokenizer.
     """
-    from gguf import GGUFReader
+    try:
+        from gguf import GGUFReader
+    except ModuleNotFoundError as e:
+        raise GGUFImportError(
+            "reading a GGUF file needs the gguf package: pip install gguf (mlxq's `gguf` extra)"
+        ) from e
 
     reader = GGUFReader(str(gguf_path))
     hp = read_hparams(reader)
