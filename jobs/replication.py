@@ -8,7 +8,9 @@ may hand out another connection than the one that wrote: so a mark key is writte
 connection, in one pipeline. The mark comes after the earlier writes in Redis's replication stream,
 so a replica that has the mark has them too. A shortfall raises `NotReplicated`, a connection error:
 the caller writes again (its writes are idempotent, as after a lost reply), reaching the new primary
-once the sentinels have switched.
+once the sentinels have switched. When its retries end short (after a failover the new primary may
+have no replica in sync for a while), a producer's submit stands with a warning, as a worker's writes
+do: the job is on the primary.
 """
 
 from __future__ import annotations
@@ -25,6 +27,16 @@ _MARK_TTL_MS = 60_000  # the mark is only ever written, never read: it need not 
 
 class NotReplicated(redis.ConnectionError):
     """No replica confirmed the writes in time: the primary may be failing over; write again."""
+
+
+def unreplicated_warning(job_id: str, error: NotReplicated) -> str:
+    """What a producer says when its retries end without a replica's confirmation: the job is on the
+    primary (each try wrote it, or found it there), so the submit stands; only a failover before a replica
+    copies it could lose it. Raising instead would invite a second submission of the same work."""
+    return (
+        f"job {job_id} is enqueued but no replica confirmed it ({error}); it is on the primary, and a "
+        "failover before a replica copies it could lose it"
+    )
 
 
 def default_replica_acks(conn: redis.Redis | redis.asyncio.Redis) -> int:

@@ -21,7 +21,7 @@ from rq import Retry
 from rq.results import Result
 
 from jobs import keys
-from jobs.replication import NotReplicated, aconfirm_replicated
+from jobs.replication import NotReplicated, aconfirm_replicated, unreplicated_warning
 from jobs.schema import (
     ChatMessage,
     DoneEvent,
@@ -364,6 +364,8 @@ class AsyncClient:
             await self.retry.acall(self._enqueue_durably, job)
         except redis.exceptions.OutOfMemoryError as e:
             raise RedisFull(job.id, e) from e
+        except NotReplicated as e:  # enqueued on the primary; only a replica's copy is unconfirmed
+            log.warning("%s", unreplicated_warning(job.id, e))
         log.debug("enqueued job=%s func=%s queue=%s", job.id, func_name, job.queue)
         await self.queue_check.arun(self.connection, job.queue)
         return job.id

@@ -19,7 +19,7 @@ from rq import Retry
 from rq.results import Result
 
 from jobs import keys
-from jobs.replication import NotReplicated, confirm_replicated
+from jobs.replication import NotReplicated, confirm_replicated, unreplicated_warning
 from jobs.schema import (
     ChatMessage,
     DoneEvent,
@@ -363,6 +363,8 @@ class Client:
             self.retry.call(self._enqueue_durably, job)
         except redis.exceptions.OutOfMemoryError as e:
             raise RedisFull(job.id, e) from e
+        except NotReplicated as e:  # enqueued on the primary; only a replica's copy is unconfirmed
+            log.warning("%s", unreplicated_warning(job.id, e))
         log.debug("enqueued job=%s func=%s queue=%s", job.id, func_name, job.queue)
         self.queue_check.run(self.connection, job.queue)
         return job.id
