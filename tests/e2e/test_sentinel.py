@@ -134,7 +134,7 @@ def test_jobs_ride_out_the_primary_shutting_down_and_returning_as_a_replica(
     reliability_report: dict[str, Any],
 ) -> None:
     """The primary goes away (SHUTDOWN); the sentinels promote a replica; the old primary comes back
-    and is made a replica. Nothing is lost: each submit returns once a replica holds the job (WAIT)."""
+    and is made a replica. Nothing is lost: each submit waits for a replica to hold the job (WAIT)."""
 
     def shut_down(ha: SentinelSet) -> None:
         old = ha.primary
