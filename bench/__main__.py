@@ -22,7 +22,7 @@ import mlx.core as mx
 import redis
 from mlx.utils import tree_flatten
 
-from worker.engine import Engine
+from mlxq.worker.engine import Engine
 
 from . import fig_batch, fig_decode_ab, fig_generate, fig_score, report
 from .baseline import MlxLm

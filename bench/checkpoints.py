@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from worker.modelfiles.tiny_model import write_random_checkpoint
+from mlxq.worker.modelfiles.tiny_model import write_random_checkpoint
 
 # Small enough for a CPU with a reference BLAS; long context so 8k-token prefixes fit.
 TINY: dict[str, Any] = {"max_position_embeddings": 16384}
@@ -34,7 +34,9 @@ def checkpoint(name: str, cache_dir: Path) -> Path:
     one of those quantized (`QUANTIZED`), `smollm2` (the real model, imported by
     `worker.modelfiles.default_model`), or a path."""
     if name == "smollm2":
-        from worker.modelfiles.default_model import default_model_dir  # not there yet: the caller skips it
+        from mlxq.worker.modelfiles.default_model import (
+            default_model_dir,  # not there yet: the caller skips it
+        )
 
         return Path(default_model_dir())
     if name in QUANTIZED:
@@ -57,7 +59,7 @@ def checkpoint(name: str, cache_dir: Path) -> Path:
 
 
 def _quantized(name: str, cache_dir: Path) -> Path:
-    from worker.engine.models.loader import load_config, load_model, save_quantized  # imports MLX
+    from mlxq.worker.engine.models.loader import load_config, load_model, save_quantized  # imports MLX
 
     source_name, bits = QUANTIZED[name]
     source = checkpoint(source_name, cache_dir)

@@ -13,7 +13,7 @@ from typing import Any
 import mlx.core as mx
 import redis
 
-from worker.engine import Engine
+from mlxq.worker.engine import Engine
 
 from .baseline import MlxLm
 from .prompts import PromptMaker

@@ -22,9 +22,9 @@ from typing import Any
 
 import mlx.core as mx
 
-from jobs import keys
-from jobs.schema import GenerateRequest
-from worker.engine.generation_batch import GenerationBatch
+from mlxq.jobs import keys
+from mlxq.jobs.schema import GenerateRequest
+from mlxq.worker.engine.generation_batch import GenerationBatch
 
 from .common import Bench, median, worker_memory
 from .fig_generate import gen_payload

@@ -12,9 +12,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from jobs.schema import GenerateRequest
-from worker.engine.generation_batch import generate
-from worker.stream_writer import StreamOptions, StreamWriter
+from mlxq.jobs.schema import GenerateRequest
+from mlxq.worker.engine.generation_batch import generate
+from mlxq.worker.stream_writer import StreamOptions, StreamWriter
 
 from .common import Bench, median
 from .fig_generate import _queue_run, gap_rate, gen_payload, rate

@@ -10,10 +10,10 @@ from typing import Any
 import mlx.core as mx
 import redis
 
-import worker.engine.engine
-from jobs.schema import ScoreRequest
-from worker.engine.cache.prefix_cache import PrefixCache
-from worker.engine.scoring import PrefixScorer
+from mlxq.jobs.schema import ScoreRequest
+from mlxq.worker.engine import engine as engine_module
+from mlxq.worker.engine.cache.prefix_cache import PrefixCache
+from mlxq.worker.engine.scoring import PrefixScorer
 
 from .common import Bench, mem_fields, memory, phase_timers, worker_memory
 from .prompts import PromptMaker
@@ -23,7 +23,7 @@ from .queue_client import BenchWorker, cleanup, enqueue_many, follow, job_failur
 SCORE_PHASES = {
     "model (PrefixScorer.last_logits)": (PrefixScorer, "last_logits"),
     "prefix cache offer (KV copy)": (PrefixCache, "offer"),
-    "candidate_scores (per row)": (worker.engine.engine, "candidate_scores"),
+    "candidate_scores (per row)": (engine_module, "candidate_scores"),
 }
 
 
@@ -256,7 +256,7 @@ def _engine_from_ids(b: Bench, table: dict[str, Any]) -> None:
 
 def queue_overhead(b: Bench) -> dict[str, Any]:
     """Many small score jobs through one burst worker on the tiny model: jobs/s and where time goes."""
-    from worker.engine.text.tokenizer import Tokenizer
+    from mlxq.worker.engine.text.tokenizer import Tokenizer
 
     s = b.sizes
     maker = PromptMaker(Tokenizer.from_dir(b.tiny_path), seed=5)

@@ -25,7 +25,7 @@ import redis
 from rq import Queue
 from rq.serializers import JSONSerializer
 
-from jobs import keys
+from mlxq.jobs import keys
 
 ROOT = Path(__file__).resolve().parent.parent
 

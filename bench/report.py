@@ -11,7 +11,7 @@ from typing import Any
 
 import mlx.core as mx
 
-import worker
+from mlxq import worker
 
 
 def _fmt(v: Any, digits: int = 1) -> str:

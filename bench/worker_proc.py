@@ -26,13 +26,13 @@ from typing import Any, TextIO
 
 import mlx.core as mx
 
-import worker
-import worker.stream_writer
-from worker.cli import configure_logging
-from worker.engine import Engine
-from worker.engine.generation_batch import GenerationBatch
-from worker.engine.scoring import PrefixScorer
-from worker.settings import WorkerSettings
+from mlxq import worker
+from mlxq.worker import stream_writer
+from mlxq.worker.cli import configure_logging
+from mlxq.worker.engine import Engine
+from mlxq.worker.engine.generation_batch import GenerationBatch
+from mlxq.worker.engine.scoring import PrefixScorer
+from mlxq.worker.settings import WorkerSettings
 
 
 class Recorder:
@@ -101,7 +101,7 @@ def instrument(recorder: Recorder) -> None:
     GenerationBatch.step = _summed(recorder, "batch_step", GenerationBatch.step)  # type: ignore[method-assign]
     GenerationBatch.admit = _summed(recorder, "admit", GenerationBatch.admit)  # type: ignore[method-assign]
     PrefixScorer.last_logits = _summed(recorder, "last_logits", PrefixScorer.last_logits)  # type: ignore[method-assign]
-    streams = worker.stream_writer
+    streams = stream_writer
     streams.flush_streams = _summed(recorder, "flush_streams", streams.flush_streams)  # type: ignore[assignment]
     streams.finish_streams = _timed(recorder, "finish_streams", streams.finish_streams, attach=True)  # type: ignore[assignment]
 
@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging(settings.log_level)
     recorder = Recorder(args.records)
     instrument(recorder)
-    from worker.service import WorkerService  # after `instrument`: see there
+    from mlxq.worker.service import WorkerService  # after `instrument`: see there
 
     t0 = time.perf_counter()
     service = WorkerService.start(settings)

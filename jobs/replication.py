@@ -20,7 +20,7 @@ import redis.asyncio
 import redis.asyncio.sentinel
 import redis.sentinel
 
-from jobs import keys
+from mlxq.jobs import keys
 
 _MARK_TTL_MS = 60_000  # the mark is only ever written, never read: it need not last
 

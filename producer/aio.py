@@ -20,9 +20,9 @@ import redis.asyncio
 from rq import Retry
 from rq.results import Result
 
-from jobs import keys
-from jobs.replication import NotReplicated, aconfirm_replicated, unreplicated_warning
-from jobs.schema import (
+from mlxq.jobs import keys
+from mlxq.jobs.replication import NotReplicated, aconfirm_replicated, unreplicated_warning
+from mlxq.jobs.schema import (
     ChatMessage,
     DoneEvent,
     ErrorEvent,

@@ -24,7 +24,7 @@ from typing import Any, TextIO
 
 from pydantic import ValidationError
 
-import jobs
+from mlxq import jobs
 
 from .bulk_kinds import BadRow, BulkKind
 

@@ -13,9 +13,9 @@ from typing import Any, Protocol
 
 from pydantic import ValidationError
 
-import jobs
-from jobs import keys
-from jobs.schema import GenerateRequest, GenerateResult, ScoredRow, ScoreRequest, ScoreRow
+from mlxq import jobs
+from mlxq.jobs import keys
+from mlxq.jobs.schema import GenerateRequest, GenerateResult, ScoredRow, ScoreRequest, ScoreRow
 
 from . import payload
 

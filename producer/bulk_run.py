@@ -21,8 +21,8 @@ import redis
 from pydantic import ValidationError
 from redis.client import Pipeline
 
-from jobs import keys
-from jobs.schema import ErrorEvent, StreamEvent
+from mlxq.jobs import keys
+from mlxq.jobs.schema import ErrorEvent, StreamEvent
 
 from . import cancellation, job_state, payload, rq_wire
 from .bulk_files import OrderedOutput, RowState, Slot

@@ -16,7 +16,7 @@ from rq.exceptions import InvalidJobOperation, NoSuchJobError
 from rq.job import Job
 from rq.serializers import JSONSerializer
 
-from jobs import keys
+from mlxq.jobs import keys
 
 from . import job_state, rq_wire
 from .connection import RetryPolicy

@@ -21,8 +21,8 @@ from typing import Any, TextIO
 
 import redis
 
-from jobs import errors
-from jobs.schema import DoneEvent, ErrorEvent, GenerateResult, RestartEvent, ScoreResult, TokenEvent
+from mlxq.jobs import errors
+from mlxq.jobs.schema import DoneEvent, ErrorEvent, GenerateResult, RestartEvent, ScoreResult, TokenEvent
 
 from . import status_report, tenant
 from .bulk_files import BulkSummary
@@ -419,7 +419,7 @@ def run_worker_command(argv: list[str], redis_url: str | None) -> int:
     if redis_url is not None and argv[0] == "worker" and "--redis-url" not in argv:
         argv = [*argv, "--redis-url", redis_url]
     try:
-        module = importlib.import_module("worker.cli")
+        module = importlib.import_module("mlxq.worker.cli")
         return int(module.main(argv))
     except ModuleNotFoundError as e:
         if (e.name or "").split(".")[0] != "mlx":

@@ -30,13 +30,13 @@ from tenacity import (
     wait_exponential,
 )
 
-from jobs import redis_url
-from jobs.replication import default_replica_acks
-from jobs.transient import is_transient
+from mlxq.jobs import redis_url
+from mlxq.jobs.replication import default_replica_acks
+from mlxq.jobs.transient import is_transient
 
 from .settings import ProducerSettings
 
-log = logging.getLogger("producer")
+log = logging.getLogger("mlxq.producer")
 
 P = ParamSpec("P")
 T = TypeVar("T")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from redis.exceptions import OutOfMemoryError
 
-from jobs import errors
+from mlxq.jobs import errors
 
 
 class JobFailed(errors.JobFailed):

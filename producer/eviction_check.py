@@ -15,9 +15,9 @@ import logging
 import redis
 import redis.asyncio
 
-from jobs.redis_memory import MemoryPolicy, aread_policy, read_policy
+from mlxq.jobs.redis_memory import MemoryPolicy, aread_policy, read_policy
 
-log = logging.getLogger("producer")
+log = logging.getLogger("mlxq.producer")
 
 
 class EvictionCheck:

@@ -12,8 +12,8 @@ from typing import Any
 
 from pydantic import TypeAdapter
 
-import jobs
-from jobs.schema import ChatMessage, GenerateRequest, GenerateResult, ScoreRequest, ScoreResult, ScoreRow
+from mlxq import jobs
+from mlxq.jobs.schema import ChatMessage, GenerateRequest, GenerateResult, ScoreRequest, ScoreResult, ScoreRow
 
 
 def generate_request(

@@ -16,11 +16,11 @@ import redis
 import redis.asyncio
 from rq.job import JobStatus
 
-from jobs import keys
+from mlxq.jobs import keys
 
 from . import rq_wire
 
-log = logging.getLogger("producer")
+log = logging.getLogger("mlxq.producer")
 
 LOOK_EVERY_S = 60.0
 

@@ -27,7 +27,7 @@ from rq.results import Result
 from rq.serializers import JSONSerializer
 from rq.utils import now, utcformat
 
-from jobs import keys
+from mlxq.jobs import keys
 
 from .tenant import SHARED, Tenant
 

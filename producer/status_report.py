@@ -19,8 +19,8 @@ from rq import Queue, Worker
 from rq.serializers import JSONSerializer
 from rq.worker import BaseWorker
 
-from jobs import keys
-from jobs.redis_memory import MemoryPolicy, read_policy
+from mlxq.jobs import keys
+from mlxq.jobs.redis_memory import MemoryPolicy, read_policy
 
 
 @dataclass(frozen=True)

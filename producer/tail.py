@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from jobs.schema import DoneEvent, ErrorEvent, StreamEvent, parse_event
+from mlxq.jobs.schema import DoneEvent, ErrorEvent, StreamEvent, parse_event
 
 from .settings import READ_BLOCK_MS
 

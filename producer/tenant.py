@@ -19,7 +19,7 @@ import re
 import uuid
 from dataclasses import dataclass
 
-from jobs import keys
+from mlxq.jobs import keys
 
 TENANT_NAME = re.compile(r"[a-z0-9]{1,32}")
 SEPARATOR = "_"

@@ -19,8 +19,8 @@ from rq import Queue, SimpleWorker
 from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
 
-from jobs import keys
-from jobs.schema import (
+from mlxq.jobs import keys
+from mlxq.jobs.schema import (
     DoneEvent,
     ErrorEvent,
     GenerateResult,
@@ -30,7 +30,7 @@ from jobs.schema import (
     TokenEvent,
     Usage,
 )
-from producer import Client
+from mlxq.producer import Client
 
 # --- Redis -----------------------------------------------------------------------------------------
 
@@ -78,7 +78,7 @@ def client(redis_url: str) -> Iterator[Client]:
 @pytest.fixture
 def suffix_batches(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """The row counts of the suffix batches every `PrefixScorer` makes from now on, in order."""
-    from worker.engine.scoring import PrefixScorer  # needs MLX: imported only where a test asks for it
+    from mlxq.worker.engine.scoring import PrefixScorer  # needs MLX: imported only where a test asks for it
 
     groups: list[int] = []
     batches = PrefixScorer._batches
@@ -261,7 +261,7 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Any:
     """A tiny random-weight Llama checkpoint (2 layers, 4096-token context) with a trained tokenizer.
     Modules that need another shape define their own `model_dir`."""
-    from worker.modelfiles.tiny_model import write_random_checkpoint
+    from mlxq.worker.modelfiles.tiny_model import write_random_checkpoint
 
     return write_random_checkpoint(tmp_path_factory.mktemp("tiny"), {"max_position_embeddings": 4096})
 
@@ -269,7 +269,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Any:
 @pytest.fixture(scope="session")
 def no_eos(model_dir: Any) -> dict[int, float]:
     """A `logit_bias` that keeps the tiny model from ending early (its EOS ids at -100)."""
-    from worker.engine.text.tokenizer import Tokenizer
+    from mlxq.worker.engine.text.tokenizer import Tokenizer
 
     return {i: -100.0 for i in Tokenizer.from_dir(model_dir).eos_ids}
 

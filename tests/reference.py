@@ -18,7 +18,7 @@ import numpy as np
 import torch
 import transformers
 
-from worker.modelfiles.tiny_model import build_tokenizer
+from mlxq.worker.modelfiles.tiny_model import build_tokenizer
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 

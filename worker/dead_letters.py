@@ -20,9 +20,9 @@ import logging
 import redis
 from rq import Queue
 
-from jobs import keys
-from worker.bounded_job import BoundedJob, UnreadableJob, field_problem
-from worker.stream_writer import REDIS_TRANSIENT, StreamOptions, StreamWriter, retrying
+from mlxq.jobs import keys
+from mlxq.worker.bounded_job import BoundedJob, UnreadableJob, field_problem
+from mlxq.worker.stream_writer import REDIS_TRANSIENT, StreamOptions, StreamWriter, retrying
 
 log = logging.getLogger(__name__)
 

@@ -14,8 +14,8 @@ import time
 
 import redis
 
-from jobs.redis_memory import MemoryPolicy, read_policy
-from jobs.transient import WORKER_TRANSIENT_ERRORS
+from mlxq.jobs.redis_memory import MemoryPolicy, read_policy
+from mlxq.jobs.transient import WORKER_TRANSIENT_ERRORS
 
 log = logging.getLogger(__name__)
 

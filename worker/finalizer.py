@@ -21,7 +21,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from worker.rq_batches import Ended, Run
+from mlxq.worker.rq_batches import Ended, Run
 
 log = logging.getLogger(__name__)
 

@@ -29,19 +29,19 @@ import redis
 from rq import Queue
 from rq.job import Job
 
-from jobs import MAX_NESTING_DEPTH, keys, parse_generate
-from worker.engine import Engine
-from worker.engine.generation_batch import Finished, GenerationBatch
-from worker.finalizer import Finalizer
-from worker.job_claim import JobClaimer, QueuedJob
-from worker.job_deadline import JobDeadline
-from worker.job_host import JobHost
-from worker.job_results import JobResults
-from worker.job_watch import JobWatch
-from worker.rq_batches import Run
-from worker.score_claim import ScorePicker
-from worker.score_jobs import ScoreJobs
-from worker.stream_writer import REDIS_TRANSIENT, StreamOptions, StreamWriter, flush_streams
+from mlxq.jobs import MAX_NESTING_DEPTH, keys, parse_generate
+from mlxq.worker.engine import Engine
+from mlxq.worker.engine.generation_batch import Finished, GenerationBatch
+from mlxq.worker.finalizer import Finalizer
+from mlxq.worker.job_claim import JobClaimer, QueuedJob
+from mlxq.worker.job_deadline import JobDeadline
+from mlxq.worker.job_host import JobHost
+from mlxq.worker.job_results import JobResults
+from mlxq.worker.job_watch import JobWatch
+from mlxq.worker.rq_batches import Run
+from mlxq.worker.score_claim import ScorePicker
+from mlxq.worker.score_jobs import ScoreJobs
+from mlxq.worker.stream_writer import REDIS_TRANSIENT, StreamOptions, StreamWriter, flush_streams
 
 log = logging.getLogger(__name__)
 

@@ -23,10 +23,10 @@ from rq import Queue
 from rq.exceptions import NoSuchJobError
 from rq.job import Job
 
-from jobs import keys
-from worker.bounded_job import BoundedJob, bounded_payload
-from worker.dead_letters import DeadLetters
-from worker.stream_writer import REDIS_TRANSIENT
+from mlxq.jobs import keys
+from mlxq.worker.bounded_job import BoundedJob, bounded_payload
+from mlxq.worker.dead_letters import DeadLetters
+from mlxq.worker.stream_writer import REDIS_TRANSIENT
 
 log = logging.getLogger(__name__)
 

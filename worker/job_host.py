@@ -13,8 +13,8 @@ from typing import Protocol
 from rq import Queue
 from rq.job import Job
 
-from worker.job_watch import JobWatch
-from worker.rq_batches import RqBatches, Run
+from mlxq.worker.job_watch import JobWatch
+from mlxq.worker.rq_batches import RqBatches, Run
 
 
 class JobHost(Protocol):

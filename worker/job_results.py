@@ -18,8 +18,8 @@ import redis
 from rq.job import Job
 from rq.utils import now
 
-from jobs.schema import DoneEvent, GenerateResult, ScoreResult
-from worker.stream_writer import StreamOptions, StreamWriter, finish_streams, open_streams
+from mlxq.jobs.schema import DoneEvent, GenerateResult, ScoreResult
+from mlxq.worker.stream_writer import StreamOptions, StreamWriter, finish_streams, open_streams
 
 log = logging.getLogger(__name__)
 

@@ -9,9 +9,9 @@ from typing import Any, Protocol
 import redis
 from rq.job import Job
 
-from jobs import keys
-from worker.rq_batches import Run
-from worker.stream_writer import REDIS_TRANSIENT
+from mlxq.jobs import keys
+from mlxq.worker.rq_batches import Run
+from mlxq.worker.stream_writer import REDIS_TRANSIENT
 
 log = logging.getLogger(__name__)
 

@@ -36,10 +36,10 @@ from rq.registry import clean_registries
 from rq.utils import current_timestamp, parse_composite_key
 from rq.worker import BaseWorker
 
-from jobs import keys
-from worker.dead_letters import DeadLetters
-from worker.rq_batches import RqBatches
-from worker.stream_writer import REDIS_TRANSIENT, StreamOptions, StreamWriter
+from mlxq.jobs import keys
+from mlxq.worker.dead_letters import DeadLetters
+from mlxq.worker.rq_batches import RqBatches
+from mlxq.worker.stream_writer import REDIS_TRANSIENT, StreamOptions, StreamWriter
 
 log = logging.getLogger(__name__)
 

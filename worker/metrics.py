@@ -20,7 +20,7 @@ from typing import Any, Protocol
 
 import redis
 
-from jobs import keys
+from mlxq.jobs import keys
 
 log = logging.getLogger(__name__)
 

@@ -38,7 +38,7 @@ from rq.rate_limit import release_slot
 from rq.utils import now
 from rq.worker import WorkerStatus
 
-from worker.stream_writer import StreamOptions, retrying
+from mlxq.worker.stream_writer import StreamOptions, retrying
 
 log = logging.getLogger(__name__)
 

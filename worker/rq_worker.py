@@ -28,16 +28,16 @@ from rq.job_lifecycle import call_exception_handlers
 from rq.serializers import JSONSerializer
 from rq.utils import now
 
-from jobs.errors import ForbiddenJob, InvalidRequest
-from jobs.transient import is_out_of_memory
-from worker.allowlist import forbidden_reason
-from worker.bounded_job import BoundedJob
-from worker.dead_letters import DeadLetters
-from worker.eviction_watch import EvictionWatch
-from worker.job_watch import JobWatch
-from worker.maintenance import Maintenance
-from worker.rq_batches import RqBatches, Run
-from worker.stream_writer import REDIS_TRANSIENT, StreamOptions, StreamWriter, retrying
+from mlxq.jobs.errors import ForbiddenJob, InvalidRequest
+from mlxq.jobs.transient import is_out_of_memory
+from mlxq.worker.allowlist import forbidden_reason
+from mlxq.worker.bounded_job import BoundedJob
+from mlxq.worker.dead_letters import DeadLetters
+from mlxq.worker.eviction_watch import EvictionWatch
+from mlxq.worker.job_watch import JobWatch
+from mlxq.worker.maintenance import Maintenance
+from mlxq.worker.rq_batches import RqBatches, Run
+from mlxq.worker.stream_writer import REDIS_TRANSIENT, StreamOptions, StreamWriter, retrying
 
 log = logging.getLogger(__name__)
 

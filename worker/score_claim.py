@@ -10,9 +10,9 @@ import redis
 from rq import Queue
 from rq.job import Job
 
-from jobs import keys
-from worker.dead_letters import DeadLetters
-from worker.job_claim import JobClaimer, QueuedJob
+from mlxq.jobs import keys
+from mlxq.worker.dead_letters import DeadLetters
+from mlxq.worker.job_claim import JobClaimer, QueuedJob
 
 log = logging.getLogger(__name__)
 

@@ -18,17 +18,17 @@ from rq import Queue
 from rq.job import Job
 from rq.timeouts import JobTimeoutException
 
-from jobs import MAX_NESTING_DEPTH, parse_score
-from jobs.errors import InvalidRequest
-from jobs.schema import ScoreRequest, ScoreResult
-from worker.engine.scoring import RowTokens
-from worker.job_deadline import JobDeadline
-from worker.job_host import JobHost
-from worker.job_results import JobResults
-from worker.job_watch import JobWatch
-from worker.rq_batches import Run
-from worker.score_claim import ClaimBudget, ScoreClaimer
-from worker.stream_writer import REDIS_TRANSIENT
+from mlxq.jobs import MAX_NESTING_DEPTH, parse_score
+from mlxq.jobs.errors import InvalidRequest
+from mlxq.jobs.schema import ScoreRequest, ScoreResult
+from mlxq.worker.engine.scoring import RowTokens
+from mlxq.worker.job_deadline import JobDeadline
+from mlxq.worker.job_host import JobHost
+from mlxq.worker.job_results import JobResults
+from mlxq.worker.job_watch import JobWatch
+from mlxq.worker.rq_batches import Run
+from mlxq.worker.score_claim import ClaimBudget, ScoreClaimer
+from mlxq.worker.stream_writer import REDIS_TRANSIENT
 
 log = logging.getLogger(__name__)
 

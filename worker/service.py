@@ -16,20 +16,20 @@ from typing import Any
 import redis
 from rq.worker import DequeueStrategy
 
-from jobs import keys, redis_url
-from jobs.replication import default_replica_acks
-from worker.bounded_job import BoundedJob
-from worker.engine import Engine, EngineOptions
-from worker.engine.device import limit_buffer_cache
-from worker.generation_jobs import BatchOptions, GenerationJobs
-from worker.job_claim import JobClaimer
-from worker.job_results import JobResults
-from worker.metrics import MetricsServer, StatsPublisher, require_prometheus
-from worker.rq_worker import MlxqWorker
-from worker.score_claim import ClaimBudget, ScoreClaimer
-from worker.score_jobs import ScoreJobs
-from worker.settings import WorkerSettings
-from worker.stream_writer import Replication, StreamOptions, retrying
+from mlxq.jobs import keys, redis_url
+from mlxq.jobs.replication import default_replica_acks
+from mlxq.worker.bounded_job import BoundedJob
+from mlxq.worker.engine import Engine, EngineOptions
+from mlxq.worker.engine.device import limit_buffer_cache
+from mlxq.worker.generation_jobs import BatchOptions, GenerationJobs
+from mlxq.worker.job_claim import JobClaimer
+from mlxq.worker.job_results import JobResults
+from mlxq.worker.metrics import MetricsServer, StatsPublisher, require_prometheus
+from mlxq.worker.rq_worker import MlxqWorker
+from mlxq.worker.score_claim import ClaimBudget, ScoreClaimer
+from mlxq.worker.score_jobs import ScoreJobs
+from mlxq.worker.settings import WorkerSettings
+from mlxq.worker.stream_writer import Replication, StreamOptions, retrying
 
 log = logging.getLogger(__name__)
 

@@ -7,8 +7,8 @@ from typing import Literal
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from jobs import MAX_NESTING_DEPTH
-from jobs.schema import MAX_STOP_STRINGS
+from mlxq.jobs import MAX_NESTING_DEPTH
+from mlxq.jobs.schema import MAX_STOP_STRINGS
 
 
 class WorkerSettings(BaseSettings):

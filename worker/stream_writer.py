@@ -23,11 +23,11 @@ from typing import Any, ParamSpec, TypeVar
 import redis
 from tenacity import RetryCallState, Retrying, retry_if_exception, wait_exponential
 
-from jobs import keys
-from jobs.replication import NotReplicated, confirm_replicated
-from jobs.schema import DoneEvent, ErrorEvent, GenerateResult, RestartEvent, ScoreResult, TokenEvent
-from jobs.transient import WORKER_TRANSIENT_ERRORS, is_out_of_memory, is_worker_transient
-from worker.redis_full import FullRedis
+from mlxq.jobs import keys
+from mlxq.jobs.replication import NotReplicated, confirm_replicated
+from mlxq.jobs.schema import DoneEvent, ErrorEvent, GenerateResult, RestartEvent, ScoreResult, TokenEvent
+from mlxq.jobs.transient import WORKER_TRANSIENT_ERRORS, is_out_of_memory, is_worker_transient
+from mlxq.worker.redis_full import FullRedis
 
 log = logging.getLogger(__name__)
 

@@ -26,9 +26,9 @@ from rq import Queue
 from rq.serializers import JSONSerializer
 from worker_process import WorkerProcess
 
-from jobs import keys
-from producer import Client, JobFailed, JobHandle
-from worker.engine.text.tokenizer import Tokenizer
+from mlxq.jobs import keys
+from mlxq.producer import Client, JobFailed, JobHandle
+from mlxq.worker.engine.text.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.slow
 

@@ -23,10 +23,10 @@ from rq.job import Job
 from rq.serializers import JSONSerializer
 from worker_process import ROOT, WorkerProcess
 
-from jobs import keys
-from jobs.schema import GenerateRequest
-from producer import AsyncClient, Client
-from worker.engine.generation_batch import generate
+from mlxq.jobs import keys
+from mlxq.jobs.schema import GenerateRequest
+from mlxq.producer import AsyncClient, Client
+from mlxq.worker.engine.generation_batch import generate
 
 REDIS_DB = 15  # the bulk tests' DB (the modules run one after the other; each flushes it)
 
@@ -47,7 +47,7 @@ def test_rows_come_back_in_order_with_what_each_request_gives_alone(
     no_eos: dict[int, float],
     tmp_path: Path,
 ) -> None:
-    from worker.engine.engine import Engine, EngineOptions
+    from mlxq.worker.engine.engine import Engine, EngineOptions
 
     rows: list[dict[str, Any]] = [
         {"custom_id": f"p{i}", "prompt": f"Question {i}: the capital of France is"} for i in range(12)
@@ -98,7 +98,7 @@ def test_the_cli_generates_a_file_and_a_rerun_skips_what_is_done(
     cli = [
         sys.executable,
         "-m",
-        "producer.cli",
+        "mlxq.producer.cli",
         "--redis-url",
         redis_url,
         "generate-file",

@@ -20,10 +20,10 @@ from jsonl_files import read_jsonl, write_jsonl
 from rq.registry import CanceledJobRegistry
 from worker_process import ROOT, WorkerProcess
 
-from jobs import keys
-from jobs.schema import ScoredRow, ScoreRequest
-from producer import AsyncClient, Client
-from producer.bulk_files import BulkSummary
+from mlxq.jobs import keys
+from mlxq.jobs.schema import ScoredRow, ScoreRequest
+from mlxq.producer import AsyncClient, Client
+from mlxq.producer.bulk_files import BulkSummary
 
 REDIS_DB = 15
 BASE = "The capital of France is Paris. " * 3
@@ -79,7 +79,7 @@ def test_a_few_hundred_rows_wait_under_backpressure_then_match_one_row_scores_in
     redis_conn: redis.Redis,
     tmp_path: Path,
 ) -> None:
-    from worker.engine.engine import Engine, EngineOptions
+    from mlxq.worker.engine.engine import Engine, EngineOptions
 
     data = rows(300)
     src, out = write_jsonl(tmp_path / "in.jsonl", data), tmp_path / "out.jsonl"
@@ -123,7 +123,7 @@ def test_a_few_hundred_rows_wait_under_backpressure_then_match_one_row_scores_in
 def test_a_bad_row_fails_alone_and_malformed_lines_are_reported_with_line_numbers(
     model_dir: Path, worker: WorkerProcess, client: Client, tmp_path: Path
 ) -> None:
-    from worker.engine.text.tokenizer import Tokenizer
+    from mlxq.worker.engine.text.tokenizer import Tokenizer
 
     tok = Tokenizer.from_dir(model_dir)
     bad = {"custom_id": "bad", "prompt": BASE + "The capital is", "candidates": [" a", " Paris"]}
@@ -199,7 +199,7 @@ def test_the_cli_scores_a_file_with_progress_and_a_summary(
 ) -> None:
     src = write_jsonl(tmp_path / "in.jsonl", [*rows(40), "not json"])
     out = tmp_path / "out.jsonl"
-    cli = [sys.executable, "-m", "producer.cli", "--redis-url", redis_url, "score-file", str(src)]
+    cli = [sys.executable, "-m", "mlxq.producer.cli", "--redis-url", redis_url, "score-file", str(src)]
     proc = subprocess.run(
         [*cli, "-o", str(out), "--errors", str(tmp_path / "err.jsonl"), "--rows-per-job", "8", "--progress"],
         capture_output=True, timeout=60, cwd=ROOT, check=False,
@@ -222,7 +222,7 @@ def test_ctrl_c_in_the_cli_cancels_outstanding_jobs_keeps_the_output_and_exits_1
 ) -> None:
     src, out = write_jsonl(tmp_path / "in.jsonl", rows(50)), tmp_path / "out.jsonl"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "producer.cli", "--redis-url", redis_url, "score-file", str(src),
+        [sys.executable, "-m", "mlxq.producer.cli", "--redis-url", redis_url, "score-file", str(src),
          "-o", str(out), "--in-flight", "3", "--rows-per-job", "4"],
         stderr=subprocess.PIPE, text=True, cwd=ROOT,
     )  # fmt: skip

@@ -26,9 +26,9 @@ from rq.job import Job
 from rq.results import Result
 from rq.serializers import JSONSerializer
 
-from jobs import keys
-from producer import Client
-from worker.modelfiles.tiny_model import write_random_checkpoint
+from mlxq.jobs import keys
+from mlxq.producer import Client
+from mlxq.worker.modelfiles.tiny_model import write_random_checkpoint
 
 REDIS_DB = 13
 KILLS = int(os.environ.get("MLXQ_CRASH_KILLS", "30"))

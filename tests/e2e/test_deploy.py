@@ -27,8 +27,8 @@ from rq.command import send_shutdown_command
 from rq.job import Job
 from rq.serializers import JSONSerializer
 
-from jobs.schema import RestartEvent, TokenEvent
-from producer import Client, JobFailed
+from mlxq.jobs.schema import RestartEvent, TokenEvent
+from mlxq.producer import Client, JobFailed
 
 REDIS_DB = 7
 ROOT = Path(__file__).resolve().parents[2]
@@ -549,7 +549,7 @@ def test_producer_worker_and_ops_users_can_do_all_they_need_and_no_more(
         assert long.result(timeout=10).finish_reason == "length"
 
         # The operator: mlxq status, RQ's own `rq info`, and RQ's shutdown command over pub/sub.
-        from producer.cli import main
+        from mlxq.producer.cli import main
 
         for user in ("ops", "producer"):
             assert main(["--redis-url", _url(user, port), "status"]) == 0

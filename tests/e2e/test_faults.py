@@ -11,9 +11,9 @@ from typing import Any
 import pytest
 from rq.intermediate_queue import IntermediateQueue
 
-from jobs import keys
-from jobs.schema import RestartEvent, TokenEvent
-from producer import Client, JobFailed
+from mlxq.jobs import keys
+from mlxq.jobs.schema import RestartEvent, TokenEvent
+from mlxq.producer import Client, JobFailed
 
 REDIS_DB = 6
 NO_EOS = {0: -100.0, 2: -100.0}  # the tiny tokenizer's <|endoftext|> and <|im_end|>

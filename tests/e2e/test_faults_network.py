@@ -14,9 +14,9 @@ import pytest
 import redis
 from redis_server import CuttableProxy, PrivateRedis
 
-from jobs import keys
-from jobs.schema import TokenEvent
-from producer import Client
+from mlxq.jobs import keys
+from mlxq.jobs.schema import TokenEvent
+from mlxq.producer import Client
 
 REDIS_DB = 1
 NO_EOS = {0: -100.0, 2: -100.0}

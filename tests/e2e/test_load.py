@@ -17,9 +17,9 @@ from typing import Any
 import pytest
 import redis
 
-from jobs import keys
-from producer import Client
-from worker.modelfiles.tiny_model import write_random_checkpoint
+from mlxq.jobs import keys
+from mlxq.producer import Client
+from mlxq.worker.modelfiles.tiny_model import write_random_checkpoint
 
 REDIS_DB = 2
 JOBS = int(os.environ.get("MLXQ_LOAD_JOBS", "10000"))

@@ -15,9 +15,9 @@ import pytest
 import redis
 from redis_server import PrivateRedis, fill_memory, free_memory
 
-from jobs.schema import RestartEvent, TokenEvent
-from producer import Client, RedisFull
-from producer.status_report import collect, render
+from mlxq.jobs.schema import RestartEvent, TokenEvent
+from mlxq.producer import Client, RedisFull
+from mlxq.producer.status_report import collect, render
 
 pytestmark = [
     pytest.mark.slow,

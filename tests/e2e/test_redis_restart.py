@@ -12,9 +12,9 @@ import pytest
 from redis_server import PrivateRedis
 from worker_process import WorkerProcess
 
-from jobs.schema import TokenEvent
-from producer import Client
-from worker.modelfiles.tiny_model import write_random_checkpoint
+from mlxq.jobs.schema import TokenEvent
+from mlxq.producer import Client
+from mlxq.worker.modelfiles.tiny_model import write_random_checkpoint
 
 pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs redis-server on PATH")
 

@@ -18,8 +18,8 @@ import pytest
 import redis
 from redis_server import SentinelSet
 
-from jobs.schema import TokenEvent
-from producer import Client, JobHandle
+from mlxq.jobs.schema import TokenEvent
+from mlxq.producer import Client, JobHandle
 
 pytestmark = [
     pytest.mark.slow,

@@ -15,11 +15,11 @@ from rq import Queue, SimpleWorker
 from rq.serializers import JSONSerializer
 from worker_process import WorkerProcess
 
-from jobs import keys
-from jobs.schema import TokenEvent
-from producer import Client
-from producer.cli import main
-from producer.status_report import collect, human_bytes, render
+from mlxq.jobs import keys
+from mlxq.jobs.schema import TokenEvent
+from mlxq.producer import Client
+from mlxq.producer.cli import main
+from mlxq.producer.status_report import collect, human_bytes, render
 
 REDIS_DB = 8
 HAVE_PROMETHEUS = importlib.util.find_spec("prometheus_client") is not None  # the `metrics` extra

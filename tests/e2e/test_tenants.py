@@ -22,10 +22,10 @@ import redis
 from redis_server import free_port
 from worker_process import WorkerProcess
 
-from jobs import keys
-from jobs.schema import DoneEvent, RestartEvent, TokenEvent
-from producer import AsyncClient, Client, ProducerSettings
-from producer.job_state import CancelOutcome
+from mlxq.jobs import keys
+from mlxq.jobs.schema import DoneEvent, RestartEvent, TokenEvent
+from mlxq.producer import AsyncClient, Client, ProducerSettings
+from mlxq.producer.job_state import CancelOutcome
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy" / "redis"
@@ -47,7 +47,7 @@ def port(tmp_path: Path) -> Iterator[int]:
     acl = tmp_path / "users.acl"
     lines = [(DEPLOY / "users.acl").read_text().rstrip("\n")]
     for tenant in ("acme", "beta"):
-        argv = [sys.executable, "-m", "producer.cli", "tenant-acl", tenant]
+        argv = [sys.executable, "-m", "mlxq.producer.cli", "tenant-acl", tenant]
         out = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT)
         assert out.returncode == 0, out.stderr
         lines.append(out.stdout.strip().replace(">CHANGE-ME ", f">{PASSWORDS[tenant]} ", 1))
@@ -193,9 +193,9 @@ def test_queue_order_round_robin_serves_tenants_in_turn(
 ) -> None:
     """`MLXQ_QUEUE_ORDER=round_robin`: a worker serving two tenants' queues takes from each in turn
     (RQ's own round-robin dequeue); by default the first queue is served while it has jobs."""
-    from worker.engine import Engine
-    from worker.service import WorkerService
-    from worker.settings import WorkerSettings
+    from mlxq.worker.engine import Engine
+    from mlxq.worker.service import WorkerService
+    from mlxq.worker.settings import WorkerSettings
 
     submitted: dict[str, list[str]] = {}
     for tenant in ("acme", "beta"):

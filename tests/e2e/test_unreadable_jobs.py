@@ -17,13 +17,13 @@ from rq import Queue
 from rq.serializers import JSONSerializer
 from worker_process import WorkerProcess
 
-from jobs import keys
-from producer import Client, JobFailed
-from worker.engine import Engine
-from worker.rq_worker import MlxqWorker
-from worker.service import WorkerService
-from worker.settings import WorkerSettings
-from worker.stream_writer import StreamOptions
+from mlxq.jobs import keys
+from mlxq.producer import Client, JobFailed
+from mlxq.worker.engine import Engine
+from mlxq.worker.rq_worker import MlxqWorker
+from mlxq.worker.service import WorkerService
+from mlxq.worker.settings import WorkerSettings
+from mlxq.worker.stream_writer import StreamOptions
 
 REDIS_DB = 8
 DATA = json.dumps(["jobs.generate", None, [{"prompt": "hi", "max_tokens": 2}], {}])

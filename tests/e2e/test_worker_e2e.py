@@ -15,9 +15,9 @@ from rq import Callback, Queue
 from rq.serializers import JSONSerializer
 from worker_process import WorkerProcess
 
-from jobs import keys
-from jobs.schema import DoneEvent, TokenEvent
-from producer import Client, JobFailed
+from mlxq.jobs import keys
+from mlxq.jobs.schema import DoneEvent, TokenEvent
+from mlxq.producer import Client, JobFailed
 
 REDIS_DB = 11
 PROMPT = "The capital of France is Paris. " * 4

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from jobs.errors import InvalidCandidate
-from worker.engine.scoring import TAIL_TOKENS, RowText, _guarded, _tails, candidate_token_ids
-from worker.engine.text.tokenizer import Tokenizer
-from worker.modelfiles.tiny_model import write_random_checkpoint
+from mlxq.jobs.errors import InvalidCandidate
+from mlxq.worker.engine.scoring import TAIL_TOKENS, RowText, _guarded, _tails, candidate_token_ids
+from mlxq.worker.engine.text.tokenizer import Tokenizer
+from mlxq.worker.modelfiles.tiny_model import write_random_checkpoint
 
 LONG = "Read the passage, then answer with one letter. The passage: queues hold jobs and workers take them. "
 

@@ -15,9 +15,9 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer as Backend
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from worker.engine.text.detokenizer import IncrementalDetokenizer
-from worker.engine.text.tokenizer import Tokenizer
-from worker.modelfiles.tiny_model import build_tokenizer
+from mlxq.worker.engine.text.detokenizer import IncrementalDetokenizer
+from mlxq.worker.engine.text.tokenizer import Tokenizer
+from mlxq.worker.modelfiles.tiny_model import build_tokenizer
 
 _CORPUS = [
     "The capital of France is Paris. The capital of Italy is Rome.",

@@ -8,14 +8,14 @@ from typing import Any
 import mlx.core as mx
 import pytest
 
-from jobs.errors import ContextTooLong, InvalidCandidate, InvalidRequest
-from jobs.schema import GenerateRequest, ScoreRequest
-from worker.engine import Engine, EngineOptions
-from worker.engine.cache.kv_cache import key_columns
-from worker.engine.cache.token_match import common_length
-from worker.engine.generation_batch import generate
-from worker.engine.models import llama
-from worker.modelfiles.tiny_model import write_random_checkpoint
+from mlxq.jobs.errors import ContextTooLong, InvalidCandidate, InvalidRequest
+from mlxq.jobs.schema import GenerateRequest, ScoreRequest
+from mlxq.worker.engine import Engine, EngineOptions
+from mlxq.worker.engine.cache.kv_cache import key_columns
+from mlxq.worker.engine.cache.token_match import common_length
+from mlxq.worker.engine.generation_batch import generate
+from mlxq.worker.engine.models import llama
+from mlxq.worker.modelfiles.tiny_model import write_random_checkpoint
 
 LONG = "The capital of France is Paris. " * 12
 
@@ -255,7 +255,7 @@ def test_jobs_tokenized_together_keep_their_own_rows_and_errors(model_dir: Path)
 def test_a_stop_string_completed_by_the_final_flush_still_stops(engine: Engine) -> None:
     # Two stops, one inside the other: "cd" alone is held while "abcdef" could still match; at the end
     # the held text is released up to "cd" and the finish reason is `stop`.
-    from worker.engine.engine import TextRun
+    from mlxq.worker.engine.engine import TextRun
 
     emitted: list[str] = []
     run = TextRun(engine.tokenizer, ["abcdef", "cd"], lambda t, i: emitted.append(t))

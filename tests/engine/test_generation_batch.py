@@ -16,16 +16,16 @@ from typing import Any
 import mlx.core as mx
 import pytest
 
-from jobs.errors import ContextTooLong, InvalidRequest
-from jobs.schema import GenerateRequest, GenerateResult
-from worker.engine import Engine, EngineOptions
-from worker.engine.cache.batch_cache import BatchKVCache
-from worker.engine.cache.kv_cache import KVCache, key_columns
-from worker.engine.generate import DecodeBatch, padded_size, padded_width, prefill, prefill_rows
-from worker.engine.generation_batch import Finished, GenerationBatch, generate
-from worker.engine.models import llama
-from worker.engine.sampler import Sampler
-from worker.modelfiles.tiny_model import write_random_checkpoint
+from mlxq.jobs.errors import ContextTooLong, InvalidRequest
+from mlxq.jobs.schema import GenerateRequest, GenerateResult
+from mlxq.worker.engine import Engine, EngineOptions
+from mlxq.worker.engine.cache.batch_cache import BatchKVCache
+from mlxq.worker.engine.cache.kv_cache import KVCache, key_columns
+from mlxq.worker.engine.generate import DecodeBatch, padded_size, padded_width, prefill, prefill_rows
+from mlxq.worker.engine.generation_batch import Finished, GenerationBatch, generate
+from mlxq.worker.engine.models import llama
+from mlxq.worker.engine.sampler import Sampler
+from mlxq.worker.modelfiles.tiny_model import write_random_checkpoint
 
 PROMPT = "The capital of France is Paris. "
 
@@ -80,7 +80,7 @@ def _requests(engine: Engine, n: int) -> list[GenerateRequest]:
 
 def _record_rows_forwards(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """The number of prompts of each rows prefill forward the batches make from now on, in order."""
-    import worker.engine.generation_batch as generation_batch
+    import mlxq.worker.engine.generation_batch as generation_batch
 
     groups: list[int] = []
     real = generation_batch.prefill_rows_layers
@@ -266,7 +266,7 @@ def test_with_a_launcher_steps_launch_on_its_thread_and_tokens_are_handled_here(
     step's background work run on the stepping thread, once per step (also in steps with no decode);
     tokens are those of running alone; a background error ends the decoding requests with it, none is
     lost."""
-    import worker.engine.launcher as launcher_module
+    import mlxq.worker.engine.launcher as launcher_module
 
     launches = _Launches()
     monkeypatch.setattr(launcher_module, "mx", launches)
@@ -322,7 +322,7 @@ def test_a_lone_generation_with_a_launcher_gives_the_same_tokens_and_leaves_noth
     """A lone generation (`generate`, a batch of one) launches its decode steps on the launcher's
     thread: the same results as without it, also stopped early by a stop string, and no launch is in
     flight once it returns."""
-    import worker.engine.launcher as launcher_module
+    import mlxq.worker.engine.launcher as launcher_module
 
     launches = _Launches()
     monkeypatch.setattr(launcher_module, "mx", launches)
@@ -353,7 +353,7 @@ def test_a_launch_that_fails_on_the_launchers_thread_ends_the_decoding_requests(
     """A step's launch fails on the launcher's thread after `step` returned: the next step, or a
     `quiet()` before other work (a score batch between steps), waits for it and every decoding
     request ends with its error, returned by the next step; none is lost, and the batch goes on."""
-    import worker.engine.launcher as launcher_module
+    import mlxq.worker.engine.launcher as launcher_module
 
     launches = _Launches()
     monkeypatch.setattr(launcher_module, "mx", launches)
@@ -456,7 +456,7 @@ def test_a_prompt_with_a_long_cached_prefix_prefills_alone_into_the_cached_buffe
 ) -> None:
     """A cached prefix longer than a chunk is not spliced into a rows forward: the prompt prefills
     alone into the prefix cache's copy, and, joining an empty batch, hands those buffers to it."""
-    import worker.engine.cache.batch_cache as batch_cache
+    import mlxq.worker.engine.cache.batch_cache as batch_cache
 
     engine = _engine(model_dir, pad_shapes=pad_shapes)
     rows_forwards = _record_rows_forwards(monkeypatch)
@@ -784,7 +784,7 @@ def test_a_burst_whose_wait_fails_fails_its_requests_alone_and_the_batch_goes_on
 ) -> None:
     """The one wait after a burst's forwards runs out of memory: each of its requests fails with a
     message that says so (none is lost), and the batch serves the next requests."""
-    import worker.engine.generation_batch as generation_batch
+    import mlxq.worker.engine.generation_batch as generation_batch
 
     class FailingWait:
         failures = 1

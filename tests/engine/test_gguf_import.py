@@ -17,10 +17,10 @@ from gguf import GGMLQuantizationType as QT
 from gguf.quants import dequantize, quantize
 from tokenizers import Tokenizer
 
-from worker.modelfiles import default_model
-from worker.modelfiles.default_model import cached_import, default_model_dir
-from worker.modelfiles.gguf_import import GGUFImportError, hf_tensor_name, import_gguf, unpermute_qk
-from worker.modelfiles.tiny_model import CHATML_TEMPLATE, write_random_checkpoint
+from mlxq.worker.modelfiles import default_model
+from mlxq.worker.modelfiles.default_model import cached_import, default_model_dir
+from mlxq.worker.modelfiles.gguf_import import GGUFImportError, hf_tensor_name, import_gguf, unpermute_qk
+from mlxq.worker.modelfiles.tiny_model import CHATML_TEMPLATE, write_random_checkpoint
 
 # Q6_K (the usual type of output.weight in Q4_K_M files) has 256-weight blocks: ffn_down needs 256 columns.
 CONFIG = {"intermediate_size": 256, "rope_theta": 50000.0}
@@ -303,7 +303,7 @@ def test_config_and_generation_config(tmp_path: Path, hf_source: Path) -> None:
 def test_tied_q4_embedding_is_packed_and_loads(tmp_path: Path) -> None:
     import mlx.core as mx
 
-    from worker.engine.models.loader import load_model
+    from mlxq.worker.engine.models.loader import load_model
 
     hf = write_random_checkpoint(tmp_path / "hf", {**CONFIG, "tie_word_embeddings": True})
     src = write_gguf(tmp_path / "m.gguf", hf, "Q4_0")
@@ -398,7 +398,7 @@ def _hf_order(t: dict[str, np.ndarray], cfg: dict[str, Any]) -> dict[str, np.nda
 def test_project_loader_4bit_matches_bf16_import(tmp_path: Path, hf_source: Path) -> None:
     import mlx.core as mx
 
-    from worker.engine.models.loader import load_model
+    from mlxq.worker.engine.models.loader import load_model
 
     src = write_gguf(tmp_path / "m.gguf", hf_source, "Q4_1", embed="Q8_0")
     ids = mx.array([[5, 77, 120, 9, 300, 41, 250, 18]])
@@ -586,7 +586,7 @@ def test_smollm_bf16_import_answers_paris_in_transformers(smollm_cache: Path) ->
 def test_smollm_4bit_import_is_exact_and_loads(smollm_cache: Path) -> None:
     import mlx.core as mx
 
-    from worker.engine.models.loader import load_model
+    from mlxq.worker.engine.models.loader import load_model
 
     q4 = default_model_dir(quantized=True, cache_dir=smollm_cache)
     assert q4.name == "SmolLM2-135M-Instruct-4bit"

@@ -8,9 +8,9 @@ from typing import Any
 import mlx.core as mx
 import pytest
 
-from worker.engine.cache.kv_cache import KVCache, broadcast_batch, copy_cache
-from worker.engine.models.loader import load_model
-from worker.modelfiles.tiny_model import write_random_checkpoint
+from mlxq.worker.engine.cache.kv_cache import KVCache, broadcast_batch, copy_cache
+from mlxq.worker.engine.models.loader import load_model
+from mlxq.worker.modelfiles.tiny_model import write_random_checkpoint
 
 B, H, D = 1, 2, 4
 

@@ -8,8 +8,8 @@ import threading
 import mlx.core as mx
 import pytest
 
-import worker.engine.launcher as launcher_module
-from worker.engine.launcher import SWITCH_INTERVAL_S, Launcher
+import mlxq.worker.engine.launcher as launcher_module
+from mlxq.worker.engine.launcher import SWITCH_INTERVAL_S, Launcher
 
 
 def test_ops_made_on_the_creating_thread_launch_on_the_launchers_and_close_puts_back_what_it_changed(
@@ -79,7 +79,7 @@ def test_a_failed_launch_raises_at_the_next_wait_once(monkeypatch: pytest.Monkey
 def test_an_mlx_without_thread_unsafe_streams_gets_no_launcher_by_default_and_a_clear_error_if_asked(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    import worker.engine.generate as generate_module
+    import mlxq.worker.engine.generate as generate_module
 
     class OldMlx:  # MLX before 0.32
         __version__ = "0.31.1"

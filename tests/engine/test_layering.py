@@ -12,7 +12,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _module(path: Path) -> str:
-    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    """The installed name of a source file: the top-level folders are `mlxq.jobs`, `mlxq.worker`, ..."""
+    parts = ["mlxq", *path.relative_to(ROOT).with_suffix("").parts]
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
@@ -55,9 +56,9 @@ def _offending(package: str, forbidden: tuple[str, ...]) -> dict[str, list[str]]
                 "redis",
                 "rq",
                 "tenacity",
-                "jobs.keys",
+                "mlxq.jobs.keys",
                 *(
-                    f"worker.{m}"
+                    f"mlxq.worker.{m}"
                     for m in (
                         "service",
                         "rq_worker",
@@ -80,8 +81,8 @@ def _offending(package: str, forbidden: tuple[str, ...]) -> dict[str, list[str]]
                 ),
             ),
         ),
-        ("jobs", ("mlx", "worker", "producer")),
-        ("producer", ("mlx", "worker")),
+        ("jobs", ("mlx", "mlxq.worker", "mlxq.producer")),
+        ("producer", ("mlx", "mlxq.worker")),
     ],
 )
 def test_a_package_imports_nothing_above_or_beside_it(package: str, forbidden: tuple[str, ...]) -> None:
@@ -106,7 +107,7 @@ def test_the_producer_dispatches_to_the_worker_cli_only_when_asked() -> None:
         if isinstance(node, ast.Import | ast.ImportFrom)
         for alias in node.names
     }
-    assert not {m for m in top if m and m.startswith("worker")}
+    assert not {m for m in top if m and m.startswith("mlxq.worker")}
 
 
 @pytest.mark.parametrize("package", ["jobs", "producer", "worker"])
@@ -135,3 +136,15 @@ def test_no_import_circle_inside_a_package(package: str) -> None:
     for name in sorted(graph):
         if name not in seen:
             assert visit(name, []) is None
+
+
+def test_everything_imports_the_packages_by_their_installed_names() -> None:
+    """`jobs`, `worker` and `producer` are installed as `mlxq.*` only; an import of the bare name would
+    work in a checkout and fail (or find a user's own `jobs.py`) once installed."""
+    bare = ("jobs", "worker", "producer")
+    sources = [p for d in ("jobs", "worker", "producer", "tests", "bench") for p in (ROOT / d).rglob("*.py")]
+    offending = {
+        str(path.relative_to(ROOT)): sorted(m for m in _imports(path) if m.split(".")[0] in bare)
+        for path in [*sources, ROOT / "demo.py"]
+    }
+    assert {path: bad for path, bad in offending.items() if bad} == {}

@@ -14,16 +14,16 @@ from mlx.utils import tree_flatten
 from reference import hf_logits, load_hf_model, make_hf_checkpoint, prompt_ids, rel_err
 from safetensors.numpy import load_file, save_file
 
-from worker.engine.errors import CheckpointError, ModelNotFound, UnsupportedArchitecture, WorkerError
-from worker.engine.models import build_model
-from worker.engine.models.loader import (
+from mlxq.worker.engine.errors import CheckpointError, ModelNotFound, UnsupportedArchitecture, WorkerError
+from mlxq.worker.engine.models import build_model
+from mlxq.worker.engine.models.loader import (
     default_dtype,
     load_model,
     parse_dtype,
     resolve_model_path,
     save_quantized,
 )
-from worker.modelfiles.tiny_model import write_random_checkpoint
+from mlxq.worker.modelfiles.tiny_model import write_random_checkpoint
 
 
 def logits_of(model: Any, ids: list[int]) -> np.ndarray:

@@ -12,12 +12,12 @@ from typing import Any
 
 import pytest
 
-from jobs.errors import OutOfMemory
-from jobs.schema import GenerateRequest, ScoreRequest
-from worker.engine import Engine, EngineOptions
-from worker.engine.cache.kv_cache import key_columns
-from worker.engine.generation_batch import GenerationBatch, generate
-from worker.modelfiles.tiny_model import write_random_checkpoint
+from mlxq.jobs.errors import OutOfMemory
+from mlxq.jobs.schema import GenerateRequest, ScoreRequest
+from mlxq.worker.engine import Engine, EngineOptions
+from mlxq.worker.engine.cache.kv_cache import key_columns
+from mlxq.worker.engine.generation_batch import GenerationBatch, generate
+from mlxq.worker.modelfiles.tiny_model import write_random_checkpoint
 
 METAL_OOM = (
     "[metal::malloc] Attempting to allocate 9663676416 bytes which is greater than the maximum allowed"

@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 from reference import hf_greedy, hf_logits, load_hf_model, make_hf_checkpoint, prompt_ids, rel_err
 
-from worker.engine.cache.kv_cache import broadcast_batch, copy_cache
-from worker.engine.errors import CheckpointError
-from worker.engine.models import build_model, supported_architectures
-from worker.engine.models.llama import ModelArgs
-from worker.engine.models.loader import load_model
-from worker.modelfiles.tiny_model import write_random_checkpoint
+from mlxq.worker.engine.cache.kv_cache import broadcast_batch, copy_cache
+from mlxq.worker.engine.errors import CheckpointError
+from mlxq.worker.engine.models import build_model, supported_architectures
+from mlxq.worker.engine.models.llama import ModelArgs
+from mlxq.worker.engine.models.loader import load_model
+from mlxq.worker.modelfiles.tiny_model import write_random_checkpoint
 
 LLAMA3_ROPE = {
     "rope_type": "llama3",

@@ -9,8 +9,8 @@ from typing import Any
 import mlx.core as mx
 import pytest
 
-from worker.engine.cache.kv_cache import KVCache
-from worker.engine.cache.prefix_cache import PrefixCache
+from mlxq.worker.engine.cache.kv_cache import KVCache
+from mlxq.worker.engine.cache.prefix_cache import PrefixCache
 
 LAYERS, HEADS, DIM = 2, 2, 4
 BYTES_PER_TOKEN = LAYERS * 2 * HEADS * DIM * 4  # keys+values, float32

@@ -16,11 +16,11 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
-from jobs.schema import GenerateRequest
-from worker.engine import Engine, EngineOptions
-from worker.engine.generation_batch import GenerationBatch, generate
-from worker.engine.models.loader import load_config, load_model, save_quantized
-from worker.engine.models.quantized_rows import (
+from mlxq.jobs.schema import GenerateRequest
+from mlxq.worker.engine import Engine, EngineOptions
+from mlxq.worker.engine.generation_batch import GenerationBatch, generate
+from mlxq.worker.engine.models.loader import load_config, load_model, save_quantized
+from mlxq.worker.engine.models.quantized_rows import (
     DenseRowsEmbedding,
     DenseRowsLinear,
     FusedDenseRows,
@@ -28,8 +28,8 @@ from worker.engine.models.quantized_rows import (
     dense_rows_by_default,
     use_dense_rows,
 )
-from worker.modelfiles.tiny_model import write_random_checkpoint
-from worker.settings import WorkerSettings
+from mlxq.worker.modelfiles.tiny_model import write_random_checkpoint
+from mlxq.worker.settings import WorkerSettings
 
 
 @pytest.fixture(scope="module", params=[False, True], ids=["lm_head", "tied"])

@@ -8,7 +8,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from worker.engine.sampler import (
+from mlxq.worker.engine.sampler import (
     Sampler,
     SamplerRows,
     apply_logit_bias,
@@ -345,7 +345,7 @@ def test_bad_values_in_the_pure_functions() -> None:
 
 
 def test_from_request() -> None:
-    from jobs.schema import GenerateRequest
+    from mlxq.jobs.schema import GenerateRequest
 
     request = GenerateRequest(prompt="hi", temperature=0.0, top_k=3, seed=7, logit_bias={2: 1.0})
     sampler = Sampler.from_request(request, vocab_size=V, prompt=[1, 2])

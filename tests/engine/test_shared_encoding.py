@@ -9,8 +9,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
-from worker.engine.text.shared_encoding import SharedPrefixEncoder, reusable
-from worker.modelfiles.tiny_model import build_tokenizer
+from mlxq.worker.engine.text.shared_encoding import SharedPrefixEncoder, reusable
+from mlxq.worker.modelfiles.tiny_model import build_tokenizer
 
 # Llama 3's pre-tokenizer regex (as its tokenizer.json writes it).
 LLAMA3_SPLIT = (
@@ -144,9 +144,9 @@ def test_the_real_smollm2_tokenizer_gives_its_own_ids(tmp_path: Path) -> None:
 
     from gguf import GGUFReader
 
-    from worker.modelfiles.default_model import default_gguf_path
-    from worker.modelfiles.gguf_tokenizer import build_tokenizer as from_gguf
-    from worker.modelfiles.gguf_tokenizer import read_vocab
+    from mlxq.worker.modelfiles.default_model import default_gguf_path
+    from mlxq.worker.modelfiles.gguf_tokenizer import build_tokenizer as from_gguf
+    from mlxq.worker.modelfiles.gguf_tokenizer import read_vocab
 
     backend = from_gguf(read_vocab(GGUFReader(default_gguf_path())))
     encoder = SharedPrefixEncoder(backend, min_shared_chars=256)

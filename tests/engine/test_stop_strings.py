@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from worker.engine.text.stop_strings import StopStringMatcher
+from mlxq.worker.engine.text.stop_strings import StopStringMatcher
 
 
 def _run(stops: list[str], deltas: list[str]) -> tuple[str, bool]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from worker.engine.cache.token_match import common_length
+from mlxq.worker.engine.cache.token_match import common_length
 
 
 def _walk(span: list[int], tokens: list[int], start: int) -> int:

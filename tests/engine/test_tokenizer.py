@@ -16,9 +16,9 @@ import pytest
 from tokenizers import AddedToken, processors
 from tokenizers import Tokenizer as Backend
 
-from worker.engine.text.chat_template import ChatTemplate, ChatTemplateError
-from worker.engine.text.tokenizer import Tokenizer
-from worker.modelfiles.tiny_model import build_tokenizer, write_random_checkpoint
+from mlxq.worker.engine.text.chat_template import ChatTemplate, ChatTemplateError
+from mlxq.worker.engine.text.tokenizer import Tokenizer
+from mlxq.worker.modelfiles.tiny_model import build_tokenizer, write_random_checkpoint
 
 LLAMA3_TEMPLATE = """{{- bos_token }}
 {%- if not date_string is defined %}{%- set date_string = strftime_now("%d %b %Y") %}{%- endif %}
@@ -184,7 +184,7 @@ def test_encode_short_remembers_exactly_what_encode_gives(
 ) -> None:
     """`encode_short` (scoring's prompt tails with each candidate) is `encode` without special tokens,
     remembered for short texts with the least recently used forgotten first; long texts pass through."""
-    import worker.engine.text.tokenizer as tokenizer_module
+    import mlxq.worker.engine.text.tokenizer as tokenizer_module
 
     monkeypatch.setattr(tokenizer_module, "_SHORT_TEXTS", 3)
     tok = Tokenizer.from_dir(folders[name])
@@ -203,7 +203,7 @@ def test_encode_short_many_is_encode_short_in_one_call(
 ) -> None:
     """Texts not remembered go to the tokenizer in one batch call (from `_BATCH_FROM` of them): the
     same ids as one call each, duplicates and long texts included; the memory stays bounded."""
-    import worker.engine.text.tokenizer as tokenizer_module
+    import mlxq.worker.engine.text.tokenizer as tokenizer_module
 
     monkeypatch.setattr(tokenizer_module, "_SHORT_TEXTS", 16)
     tok = Tokenizer.from_dir(folders[name])
@@ -371,7 +371,7 @@ def test_generation_block_and_loop_controls() -> None:
 
 
 def test_pydantic_messages_and_none_fields() -> None:
-    from jobs.schema import ChatMessage
+    from mlxq.jobs.schema import ChatMessage
 
     source = "{% for m in messages %}{{ m.role }}:{{ m.content }}:{{ m.name is defined }};{% endfor %}"
     messages = [ChatMessage(role="user", content="hi"), {"role": "assistant", "content": "yo", "name": None}]

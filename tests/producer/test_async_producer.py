@@ -16,9 +16,9 @@ from rq import Queue
 from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
 
-from jobs import errors, keys
-from jobs.schema import GenerateResult, RestartEvent, ScoreResult
-from producer import AsyncClient, CancelOutcome, Client, JobFailed, JobNotFound, ProducerSettings
+from mlxq.jobs import errors, keys
+from mlxq.jobs.schema import GenerateResult, RestartEvent, ScoreResult
+from mlxq.producer import AsyncClient, CancelOutcome, Client, JobFailed, JobNotFound, ProducerSettings
 
 REDIS_DB = 12
 

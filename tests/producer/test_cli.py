@@ -21,11 +21,11 @@ from rq import Queue, SimpleWorker
 from rq.job import Job
 from rq.serializers import JSONSerializer
 
-from jobs import keys
-from jobs.schema import ScoreRow
-from producer import Client, ProducerSettings
-from producer.bulk_kinds import ScoreKind
-from producer.cli import NEEDS_MLX, main
+from mlxq.jobs import keys
+from mlxq.jobs.schema import ScoreRow
+from mlxq.producer import Client, ProducerSettings
+from mlxq.producer.bulk_kinds import ScoreKind
+from mlxq.producer.cli import NEEDS_MLX, main
 
 REDIS_DB = 14
 
@@ -237,9 +237,9 @@ def test_worker_commands_are_handed_to_worker_cli_only_when_run(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     seen: list[list[str]] = []
-    fake = types.ModuleType("worker.cli")
+    fake = types.ModuleType("mlxq.worker.cli")
     fake.main = lambda argv: seen.append(argv) or 0  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "worker.cli", fake)
+    monkeypatch.setitem(sys.modules, "mlxq.worker.cli", fake)
     assert main(["--redis-url", "redis://h/1", "worker", "--model", "m"]) == 0
     assert main(["import-gguf", "a.gguf", "out"]) == 0
     assert seen == [
@@ -257,7 +257,7 @@ def test_worker_commands_are_handed_to_worker_cli_only_when_run(
 
 def test_the_cli_runs_as_a_module_without_importing_the_worker(redis_url: str) -> None:
     status = subprocess.run(
-        [sys.executable, "-m", "producer.cli", "--redis-url", redis_url, "status"],
+        [sys.executable, "-m", "mlxq.producer.cli", "--redis-url", redis_url, "status"],
         capture_output=True, text=True, timeout=30, check=False,
     )  # fmt: skip
     assert status.returncode == 0, status.stderr

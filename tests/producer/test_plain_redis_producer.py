@@ -99,7 +99,7 @@ def test_stream_status_result_and_cancel_with_raw_commands(
 
 
 def test_the_recipe_is_the_core_of_what_the_python_clients_write() -> None:
-    from producer import rq_wire  # the reference; imported here only, never on the producing side
+    from mlxq.producer import rq_wire  # the reference; imported here only, never on the producing side
 
     hset = shlex.split(doc_blocks()[0][1])
     fields = dict(zip(hset[2::2], hset[3::2], strict=True))

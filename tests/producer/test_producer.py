@@ -18,10 +18,10 @@ from rq.job import Job, JobStatus
 from rq.registry import CanceledJobRegistry
 from rq.serializers import JSONSerializer
 
-from jobs import errors, keys
-from jobs.schema import DoneEvent, GenerateRequest, GenerateResult, RestartEvent, ScoreResult, TokenEvent
-from producer import CancelOutcome, Client, JobFailed, JobNotFound, JobOptions, ProducerSettings
-from producer.connection import RetryPolicy, redact_url
+from mlxq.jobs import errors, keys
+from mlxq.jobs.schema import DoneEvent, GenerateRequest, GenerateResult, RestartEvent, ScoreResult, TokenEvent
+from mlxq.producer import CancelOutcome, Client, JobFailed, JobNotFound, JobOptions, ProducerSettings
+from mlxq.producer.connection import RetryPolicy, redact_url
 
 REDIS_DB = 11
 
@@ -415,10 +415,10 @@ def test_a_long_runs_retries_say_why_it_stalls(caplog: pytest.LogCaptureFixture)
             raise error
         return "ok"
 
-    with caplog.at_level(logging.WARNING, logger="producer"):
+    with caplog.at_level(logging.WARNING, logger="mlxq.producer"):
         assert RetryPolicy(attempts=3, initial_wait_s=0.01).patient().call(flaky) == "ok"
         fails = iter([redis.ConnectionError("refused")])
         assert RetryPolicy(attempts=3, initial_wait_s=0.01).call(flaky) == "ok"
-    said = [r.getMessage() for r in caplog.records if r.name == "producer"]
+    said = [r.getMessage() for r in caplog.records if r.name == "mlxq.producer"]
     assert len(said) == 2 and all("redis unreachable; trying again in" in s for s in said), said
     assert "(try 2 of 12)" in said[0] and "error=refused" in said[0]

@@ -14,9 +14,9 @@ import pytest
 import redis
 from redis_server import PrivateRedis, fill_memory, free_memory
 
-from producer import AsyncClient, Client, RedisFull
-from producer.cli import main as cli_main
-from producer.status_report import collect, render
+from mlxq.producer import AsyncClient, Client, RedisFull
+from mlxq.producer.cli import main as cli_main
+from mlxq.producer.status_report import collect, render
 
 pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs redis-server on PATH")
 
@@ -45,14 +45,14 @@ def _warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
     return [
         r.getMessage()
         for r in caplog.records
-        if r.name == "producer" and r.levelno == logging.WARNING and "maxmemory" in r.getMessage()
+        if r.name == "mlxq.producer" and r.levelno == logging.WARNING and "maxmemory" in r.getMessage()
     ]
 
 
 def test_a_client_warns_once_of_an_evicting_redis(
     lru_redis: PrivateRedis, caplog: pytest.LogCaptureFixture
 ) -> None:
-    with caplog.at_level(logging.WARNING, logger="producer"), Client(lru_redis.url) as client:
+    with caplog.at_level(logging.WARNING, logger="mlxq.producer"), Client(lru_redis.url) as client:
         for _ in range(3):
             client.submit_generate("hello", max_tokens=4)
     said = _warnings(caplog)
@@ -68,7 +68,7 @@ def test_an_async_client_warns_once_of_an_evicting_redis(
             for _ in range(3):
                 await client.submit_score([{"prompt": "a", "candidates": [" b"]}])
 
-    with caplog.at_level(logging.WARNING, logger="producer"):
+    with caplog.at_level(logging.WARNING, logger="mlxq.producer"):
         asyncio.run(submit())
     said = _warnings(caplog)
     assert len(said) == 1 and "allkeys-lru" in said[0]
@@ -86,9 +86,9 @@ def test_status_warns_of_an_evicting_redis(
 def test_a_client_is_quiet_under_noeviction(
     small_redis: PrivateRedis, caplog: pytest.LogCaptureFixture
 ) -> None:
-    with caplog.at_level(logging.INFO, logger="producer"), Client(small_redis.url) as client:
+    with caplog.at_level(logging.INFO, logger="mlxq.producer"), Client(small_redis.url) as client:
         client.submit_generate("hello", max_tokens=4)
-    assert not [r for r in caplog.records if r.name == "producer" and "maxmemory" in r.getMessage()]
+    assert not [r for r in caplog.records if r.name == "mlxq.producer" and "maxmemory" in r.getMessage()]
 
 
 def test_a_full_redis_refuses_a_submit_at_once_and_status_says_full(small_redis: PrivateRedis) -> None:

@@ -8,20 +8,21 @@ import logging
 import pytest
 import redis
 
-from producer import AsyncClient, Client
+from mlxq.producer import AsyncClient, Client
 
 REDIS_DB = 10
 
 
 def _warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
-    return [r.getMessage() for r in caplog.records if r.name == "producer" and r.levelno == logging.WARNING]
+    ours = [r for r in caplog.records if r.name == "mlxq.producer"]
+    return [r.getMessage() for r in ours if r.levelno == logging.WARNING]
 
 
 def test_submitting_to_an_unserved_queue_warns_once_and_a_timeout_says_why(
     client: Client, redis_conn: redis.Redis, caplog: pytest.LogCaptureFixture
 ) -> None:
     redis_conn.sadd("rq:workers:served", "rq:worker:w1")  # how RQ registers a worker on its queues
-    with caplog.at_level(logging.WARNING, logger="producer"):
+    with caplog.at_level(logging.WARNING, logger="mlxq.producer"):
         first = client.submit_generate("hi", queue="nobody")
         client.submit_generate("hi", queue="nobody")
         client.submit_generate("hi", queue="served")
@@ -44,6 +45,6 @@ def test_the_async_client_warns_and_explains_too(redis_url: str, caplog: pytest.
             with pytest.raises(TimeoutError, match="is still queued: no worker serves 'nobody'"):
                 await job.result(timeout=0.5)
 
-    with caplog.at_level(logging.WARNING, logger="producer"):
+    with caplog.at_level(logging.WARNING, logger="mlxq.producer"):
         asyncio.run(flow())
     assert any("no worker serves 'nobody'" in w for w in _warnings(caplog))

@@ -7,8 +7,8 @@ import pytest
 import redis
 import redis.sentinel
 
-from jobs.redis_url import BadRedisUrl, SentinelUrl, is_sentinel, parse_sentinel, redact_url, sync_client
-from producer.connection import connect
+from mlxq.jobs.redis_url import BadRedisUrl, SentinelUrl, is_sentinel, parse_sentinel, redact_url, sync_client
+from mlxq.producer.connection import connect
 
 
 def test_a_sentinel_url_names_sentinels_service_db_and_credentials() -> None:
@@ -68,7 +68,7 @@ def test_a_producer_gets_a_sentinel_managed_client() -> None:
 def test_an_async_producer_gets_a_sentinel_managed_client() -> None:
     import redis.asyncio.sentinel
 
-    from producer.connection import connect_async
+    from mlxq.producer.connection import connect_async
 
     client = connect_async("redis+sentinel://127.0.0.1:1/mlxq/4")
     assert isinstance(client.connection_pool, redis.asyncio.sentinel.SentinelConnectionPool)

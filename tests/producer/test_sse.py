@@ -14,9 +14,9 @@ import pytest
 from conftest import WorkerSide, generate_result
 from httpx_sse import connect_sse
 
-from producer import Client
-from producer.sse import frame, item_frame
-from producer.tail import START_ID
+from mlxq.producer import Client
+from mlxq.producer.sse import frame, item_frame
+from mlxq.producer.tail import START_ID
 
 REDIS_DB = 13
 TEXTS = ["Hello", "\n", "a\nb", "\r\n", "c\rd", "\n\n", " end"]

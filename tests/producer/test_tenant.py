@@ -6,9 +6,9 @@ import pytest
 import redis
 from pydantic import ValidationError
 
-from producer import Client, ProducerSettings
-from producer.cli import main
-from producer.tenant import SHARED, Tenant, acl_rules
+from mlxq.producer import Client, ProducerSettings
+from mlxq.producer.cli import main
+from mlxq.producer.tenant import SHARED, Tenant, acl_rules
 
 REDIS_DB = 12
 

@@ -24,13 +24,13 @@ from hypothesis import strategies as st
 from rq.job import Job
 from rq.serializers import JSONSerializer
 
-from jobs import keys, parse_generate, parse_score
-from jobs.errors import InvalidRequest
-from producer import Client
-from worker.allowlist import forbidden_reason
-from worker.engine import Engine
-from worker.engine.generation_batch import generate
-from worker.modelfiles.tiny_model import write_random_checkpoint
+from mlxq.jobs import keys, parse_generate, parse_score
+from mlxq.jobs.errors import InvalidRequest
+from mlxq.producer import Client
+from mlxq.worker.allowlist import forbidden_reason
+from mlxq.worker.engine import Engine
+from mlxq.worker.engine.generation_batch import generate
+from mlxq.worker.modelfiles.tiny_model import write_random_checkpoint
 
 REDIS_DB = 4
 # What a failed job may say: mlxq's own errors, each with a message written for a person.

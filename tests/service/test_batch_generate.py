@@ -16,11 +16,11 @@ import redis
 from rq import Queue
 from rq.serializers import JSONSerializer
 
-from jobs import keys
-from jobs.schema import DoneEvent, GenerateRequest, GenerateResult, ScoreRequest, TokenEvent
-from producer import Client, JobFailed
-from worker.engine import Engine, EngineOptions
-from worker.engine.generation_batch import generate
+from mlxq.jobs import keys
+from mlxq.jobs.schema import DoneEvent, GenerateRequest, GenerateResult, ScoreRequest, TokenEvent
+from mlxq.producer import Client, JobFailed
+from mlxq.worker.engine import Engine, EngineOptions
+from mlxq.worker.engine.generation_batch import generate
 
 REDIS_DB = 5
 PROMPT = "The capital of France is Paris. "

@@ -10,8 +10,8 @@ import redis
 from rq import Queue
 from rq.job import Job
 
-from worker.finalizer import Finalizer
-from worker.rq_batches import Ended, Run
+from mlxq.worker.finalizer import Finalizer
+from mlxq.worker.rq_batches import Ended, Run
 
 REDIS_DB = 9
 

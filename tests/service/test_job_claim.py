@@ -6,10 +6,10 @@ import redis
 from rq import Queue
 from rq.serializers import JSONSerializer
 
-from jobs import keys
-from worker.dead_letters import DeadLetters
-from worker.job_claim import JobClaimer, QueuedJob
-from worker.stream_writer import StreamOptions
+from mlxq.jobs import keys
+from mlxq.worker.dead_letters import DeadLetters
+from mlxq.worker.job_claim import JobClaimer, QueuedJob
+from mlxq.worker.stream_writer import StreamOptions
 
 REDIS_DB = 9
 

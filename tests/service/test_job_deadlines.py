@@ -17,13 +17,13 @@ from typing import Any
 import mlx.core as mx
 import pytest
 
-from jobs.schema import ScoreRequest
-from producer import Client, JobFailed
-from worker import job_deadline
-from worker.engine import Engine, EngineOptions
-from worker.engine.models import llama
-from worker.service import WorkerService
-from worker.settings import WorkerSettings
+from mlxq.jobs.schema import ScoreRequest
+from mlxq.producer import Client, JobFailed
+from mlxq.worker import job_deadline
+from mlxq.worker.engine import Engine, EngineOptions
+from mlxq.worker.engine.models import llama
+from mlxq.worker.service import WorkerService
+from mlxq.worker.settings import WorkerSettings
 
 PROMPT = "The capital of France is Paris. "
 CHUNK = 16

@@ -15,9 +15,9 @@ from hypothesis import strategies as st
 from rq import Queue
 from rq.serializers import JSONSerializer
 
-from jobs import keys
-from worker.rq_worker import MlxqWorker
-from worker.stream_writer import StreamOptions
+from mlxq.jobs import keys
+from mlxq.worker.rq_worker import MlxqWorker
+from mlxq.worker.stream_writer import StreamOptions
 
 REDIS_DB = 7
 FIELDS = [

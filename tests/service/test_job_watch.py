@@ -10,10 +10,10 @@ import redis
 from rq import Queue
 from rq.job import Job
 
-from jobs import keys
-from worker import job_watch
-from worker.job_watch import JobWatch
-from worker.rq_batches import Run
+from mlxq.jobs import keys
+from mlxq.worker import job_watch
+from mlxq.worker.job_watch import JobWatch
+from mlxq.worker.rq_batches import Run
 
 REDIS_DB = 9
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from worker.generation_jobs import JoinGate
+from mlxq.worker.generation_jobs import JoinGate
 
 
 @dataclass

@@ -14,13 +14,13 @@ from rq.results import Result
 from rq.serializers import JSONSerializer
 from rq.utils import utcformat
 
-from jobs import keys
-from jobs.schema import ScoreResult
-from worker.job_results import JobResults
-from worker.maintenance import Lease
-from worker.rq_batches import Run
-from worker.rq_worker import MlxqWorker
-from worker.stream_writer import StreamOptions
+from mlxq.jobs import keys
+from mlxq.jobs.schema import ScoreResult
+from mlxq.worker.job_results import JobResults
+from mlxq.worker.maintenance import Lease
+from mlxq.worker.rq_batches import Run
+from mlxq.worker.rq_worker import MlxqWorker
+from mlxq.worker.stream_writer import StreamOptions
 
 REDIS_DB = 12
 ROW = {"rows": [{"prompt": "a", "candidates": ["b"]}]}

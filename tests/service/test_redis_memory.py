@@ -15,10 +15,10 @@ import pytest
 import redis
 from redis_server import PrivateRedis, fill_memory, free_memory
 
-from jobs.redis_memory import MemoryPolicy, from_config, from_info, read_policy
-from worker.redis_full import FullRedis
-from worker.rq_worker import MlxqWorker
-from worker.stream_writer import StreamOptions, StreamWriter, retrying
+from mlxq.jobs.redis_memory import MemoryPolicy, from_config, from_info, read_policy
+from mlxq.worker.redis_full import FullRedis
+from mlxq.worker.rq_worker import MlxqWorker
+from mlxq.worker.stream_writer import StreamOptions, StreamWriter, retrying
 
 pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs redis-server on PATH")
 
@@ -67,28 +67,28 @@ def test_worker_warns_at_start_and_when_the_policy_changes(
     lru_redis: redis.Redis, caplog: pytest.LogCaptureFixture
 ) -> None:
     worker = MlxqWorker(["mem"], connection=lru_redis, stream_options=StreamOptions())
-    with caplog.at_level(logging.WARNING, logger="worker.eviction_watch"):
+    with caplog.at_level(logging.WARNING, logger="mlxq.worker.eviction_watch"):
         worker.register_birth()
-    said = [r.getMessage() for r in caplog.records if r.name == "worker.eviction_watch"]
+    said = [r.getMessage() for r in caplog.records if r.name == "mlxq.worker.eviction_watch"]
     assert len(said) == 1 and "REDIS MAY LOSE JOBS" in said[0] and "allkeys-lru" in said[0]
     assert worker.evictions.fields() == {"redis_maxmemory_policy": "allkeys-lru"}
 
     caplog.clear()
     worker.evictions.every_s = 0.0  # re-read at every maintenance run
     lru_redis.config_set("maxmemory-policy", "volatile-lru")
-    with caplog.at_level(logging.WARNING, logger="worker.eviction_watch"):
+    with caplog.at_level(logging.WARNING, logger="mlxq.worker.eviction_watch"):
         worker.run_maintenance_tasks()
         worker.run_maintenance_tasks()  # unchanged since: said once, not at every run
-    said = [r.getMessage() for r in caplog.records if r.name == "worker.eviction_watch"]
+    said = [r.getMessage() for r in caplog.records if r.name == "mlxq.worker.eviction_watch"]
     assert len(said) == 1 and "volatile-lru" in said[0] and "token streams" in said[0]
     worker.register_death()  # type: ignore[no-untyped-call]
 
 
 def test_worker_is_quiet_under_noeviction(safe_redis: redis.Redis, caplog: pytest.LogCaptureFixture) -> None:
     worker = MlxqWorker(["mem"], connection=safe_redis, stream_options=StreamOptions())
-    with caplog.at_level(logging.INFO, logger="worker.eviction_watch"):
+    with caplog.at_level(logging.INFO, logger="mlxq.worker.eviction_watch"):
         worker.register_birth()
-    assert not [r for r in caplog.records if r.name == "worker.eviction_watch"]
+    assert not [r for r in caplog.records if r.name == "mlxq.worker.eviction_watch"]
     assert worker.evictions.fields() == {"redis_maxmemory_policy": "noeviction"}
     worker.register_death()  # type: ignore[no-untyped-call]
 

@@ -9,10 +9,10 @@ import logging
 import pytest
 import redis
 
-from jobs import keys
-from jobs.replication import confirm_replicated, default_replica_acks
-from producer import Client, ProducerSettings
-from worker.stream_writer import Replication, StreamOptions, retrying
+from mlxq.jobs import keys
+from mlxq.jobs.replication import confirm_replicated, default_replica_acks
+from mlxq.producer import Client, ProducerSettings
+from mlxq.worker.stream_writer import Replication, StreamOptions, retrying
 
 
 def test_nothing_is_waited_for_off_sentinel(redis_conn: redis.Redis) -> None:
@@ -30,7 +30,7 @@ def test_a_submit_no_replica_confirms_stands_with_a_warning(
     settings = ProducerSettings(
         replica_acks=1, replica_ack_timeout_ms=20, redis_retry_attempts=2, redis_retry_initial_wait_s=0.01
     )
-    with Client(redis_url, settings=settings) as client, caplog.at_level("WARNING", logger="producer"):
+    with Client(redis_url, settings=settings) as client, caplog.at_level("WARNING", logger="mlxq.producer"):
         job = client.submit_generate("hello", max_tokens=4, job_id="unconfirmed")
     assert job.id == "unconfirmed"
     said = [r.getMessage() for r in caplog.records if "no replica confirmed" in r.getMessage()]
@@ -52,7 +52,7 @@ def test_a_worker_write_no_replica_confirms_goes_on(
         calls.append(redis_conn.incr("writes"))
         return "written"
 
-    with caplog.at_level(logging.WARNING, logger="worker.stream_writer"):
+    with caplog.at_level(logging.WARNING, logger="mlxq.worker.stream_writer"):
         assert retrying(options)(write) == "written"
     assert calls == [1, 2]  # written again after the shortfall, as after a lost reply
     assert "writes not confirmed by a replica" in caplog.text

@@ -13,11 +13,11 @@ import redis
 from rq import Queue
 from rq.serializers import JSONSerializer
 
-from jobs import MAX_NESTING_DEPTH, keys, parse_generate, too_deep
-from jobs.errors import InvalidRequest
-from producer import Client, JobFailed
-from worker.service import WorkerService, load_engine
-from worker.settings import WorkerSettings
+from mlxq.jobs import MAX_NESTING_DEPTH, keys, parse_generate, too_deep
+from mlxq.jobs.errors import InvalidRequest
+from mlxq.producer import Client, JobFailed
+from mlxq.worker.service import WorkerService, load_engine
+from mlxq.worker.settings import WorkerSettings
 
 
 def _nested(depth: int) -> Any:

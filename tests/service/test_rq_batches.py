@@ -13,11 +13,11 @@ from rq.job import Job
 from rq.results import Result
 from rq.serializers import JSONSerializer
 
-from jobs import keys
-from worker import rq_batches
-from worker.rq_batches import Run
-from worker.rq_worker import MlxqWorker
-from worker.stream_writer import StreamOptions
+from mlxq.jobs import keys
+from mlxq.worker import rq_batches
+from mlxq.worker.rq_batches import Run
+from mlxq.worker.rq_worker import MlxqWorker
+from mlxq.worker.stream_writer import StreamOptions
 
 ROW = {"rows": [{"prompt": "a", "candidates": ["b"]}]}
 

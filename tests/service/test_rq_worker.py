@@ -16,11 +16,11 @@ from redis_server import CuttableProxy
 from rq import Queue
 from rq.serializers import JSONSerializer
 
-from jobs import keys
-from worker import rq_worker
-from worker.job_claim import JobClaimer
-from worker.rq_worker import MlxqWorker
-from worker.stream_writer import StreamOptions
+from mlxq.jobs import keys
+from mlxq.worker import rq_worker
+from mlxq.worker.job_claim import JobClaimer
+from mlxq.worker.rq_worker import MlxqWorker
+from mlxq.worker.stream_writer import StreamOptions
 
 
 def _commands(conn: redis.Redis, names: tuple[str, ...] = ("hset", "expire")) -> dict[str, int]:
@@ -85,7 +85,7 @@ def test_the_worker_goes_on_when_redis_drops_between_jobs(
                 pass
 
         w.stats = CutAfterFirstJob()
-        with caplog.at_level("WARNING", logger="worker.rq_worker"):
+        with caplog.at_level("WARNING", logger="mlxq.worker.rq_worker"):
             assert w.work(burst=True)
 
         assert ended == ["job", "job"]

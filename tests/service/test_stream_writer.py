@@ -8,9 +8,9 @@ import time
 import pytest
 import redis
 
-from jobs import keys
-from jobs.schema import DoneEvent, GenerateResult, Timings, TokenEvent, Usage, parse_event
-from worker.stream_writer import StreamOptions, StreamWriter, finish_streams, open_streams
+from mlxq.jobs import keys
+from mlxq.jobs.schema import DoneEvent, GenerateResult, Timings, TokenEvent, Usage, parse_event
+from mlxq.worker.stream_writer import StreamOptions, StreamWriter, finish_streams, open_streams
 
 REDIS_DB = 10
 
@@ -125,7 +125,7 @@ def test_stream_is_capped(conn: redis.Redis) -> None:
 
 
 def test_deferred_writers_are_flushed_together(conn: redis.Redis) -> None:
-    from worker.stream_writer import flush_streams
+    from mlxq.worker.stream_writer import flush_streams
 
     opts = StreamOptions(flush_tokens=2, flush_ms=1e9)
     writers = [StreamWriter(conn, f"d{i}", opts, deferred=True) for i in range(3)]

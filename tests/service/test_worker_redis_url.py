@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import redis.sentinel
 
-from worker.service import redis_from_url
+from mlxq.worker.service import redis_from_url
 
 
 def test_a_worker_gets_a_sentinel_managed_client_with_the_urls_service_and_db() -> None:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 
-from worker.engine.device import buffer_cache_limit
-from worker.settings import WorkerSettings
+from mlxq.worker.engine.device import buffer_cache_limit
+from mlxq.worker.settings import WorkerSettings
 
 
 def test_mlx_cache_limit_is_the_setting_else_the_devices_default(monkeypatch: pytest.MonkeyPatch) -> None:

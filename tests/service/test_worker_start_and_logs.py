@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from producer import Client, JobFailed
-from worker.cli import RqLines, main
-from worker.service import WorkerService
-from worker.settings import WorkerSettings
+from mlxq.producer import Client, JobFailed
+from mlxq.worker.cli import RqLines, main
+from mlxq.worker.service import WorkerService
+from mlxq.worker.settings import WorkerSettings
 
 REDIS_DB = 6
 

@@ -11,6 +11,6 @@ takes tokens out; nothing here imports it.
 
 from __future__ import annotations
 
-from worker.engine.engine import Engine, EngineOptions
+from mlxq.worker.engine.engine import Engine, EngineOptions
 
 __all__ = ["Engine", "EngineOptions"]

@@ -19,8 +19,8 @@ from typing import Any, Protocol
 import mlx.core as mx
 import mlx.nn as nn
 
-from jobs.errors import ContextTooLong, InvalidCandidate, InvalidRequest
-from jobs.schema import (
+from mlxq.jobs.errors import ContextTooLong, InvalidCandidate, InvalidRequest
+from mlxq.jobs.schema import (
     MAX_STOP_STRINGS,
     FinishReason,
     GenerateRequest,
@@ -31,21 +31,21 @@ from jobs.schema import (
     Timings,
     Usage,
 )
-from worker.engine.cache.kv_cache import KVCache
-from worker.engine.cache.prefix_cache import PrefixCache
-from worker.engine.device import memory_figures
-from worker.engine.generate import (
+from mlxq.worker.engine.cache.kv_cache import KVCache
+from mlxq.worker.engine.cache.prefix_cache import PrefixCache
+from mlxq.worker.engine.device import memory_figures
+from mlxq.worker.engine.generate import (
     idle_prefill_by_default,
     overlap_by_default,
     pad_shapes_by_default,
 )
-from worker.engine.launcher import Launcher
-from worker.engine.memory_guard import with_memory_retry
-from worker.engine.models.base import Model
-from worker.engine.models.loader import default_dtype, load_model, parse_dtype, resolve_model_path
-from worker.engine.models.quantized_rows import default_max_bytes, dense_rows_by_default, use_dense_rows
-from worker.engine.sampler import Sampler
-from worker.engine.scoring import (
+from mlxq.worker.engine.launcher import Launcher
+from mlxq.worker.engine.memory_guard import with_memory_retry
+from mlxq.worker.engine.models.base import Model
+from mlxq.worker.engine.models.loader import default_dtype, load_model, parse_dtype, resolve_model_path
+from mlxq.worker.engine.models.quantized_rows import default_max_bytes, dense_rows_by_default, use_dense_rows
+from mlxq.worker.engine.sampler import Sampler
+from mlxq.worker.engine.scoring import (
     PrefixScorer,
     RowText,
     RowTokens,
@@ -54,9 +54,9 @@ from worker.engine.scoring import (
     candidate_token_ids,
     score_kv_by_default,
 )
-from worker.engine.text.detokenizer import IncrementalDetokenizer
-from worker.engine.text.stop_strings import StopStringMatcher
-from worker.engine.text.tokenizer import Tokenizer
+from mlxq.worker.engine.text.detokenizer import IncrementalDetokenizer
+from mlxq.worker.engine.text.stop_strings import StopStringMatcher
+from mlxq.worker.engine.text.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 

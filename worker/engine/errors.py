@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from jobs.errors import MlxqError
+from mlxq.jobs.errors import MlxqError
 
 
 class WorkerError(MlxqError):

@@ -12,13 +12,13 @@ from typing import TypeVar, cast
 
 import mlx.core as mx
 
-from worker.engine import ragged_attention
-from worker.engine.cache.batch_cache import BatchKVCache, PrefillRowsCache, prefill_mask
-from worker.engine.cache.kv_cache import KVCache
-from worker.engine.device import on_cuda
-from worker.engine.launcher import Launcher
-from worker.engine.models.base import Model
-from worker.engine.sampler import Sampler, SamplerRows
+from mlxq.worker.engine import ragged_attention
+from mlxq.worker.engine.cache.batch_cache import BatchKVCache, PrefillRowsCache, prefill_mask
+from mlxq.worker.engine.cache.kv_cache import KVCache
+from mlxq.worker.engine.device import on_cuda
+from mlxq.worker.engine.launcher import Launcher
+from mlxq.worker.engine.models.base import Model
+from mlxq.worker.engine.sampler import Sampler, SamplerRows
 
 # Release MLX's buffer cache at intervals, not every token: freeing is cheap, reallocating is not.
 _CLEAR_CACHE_EVERY = 256

@@ -36,15 +36,21 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
-from jobs.errors import OutOfMemory
-from jobs.schema import FinishReason, GenerateRequest, GenerateResult
-from worker.engine.cache.batch_cache import BatchKVCache, PrefillRowsCache
-from worker.engine.cache.kv_cache import KVCache, key_columns
-from worker.engine.cache.token_match import common_length
-from worker.engine.engine import Engine, GenerationClock, TextRun, TokenSink
-from worker.engine.generate import ChunkedPrefill, DecodeBatch, padded_size, padded_width, prefill_rows_layers
-from worker.engine.memory_guard import is_out_of_memory, with_memory_retry
-from worker.engine.sampler import Sampler
+from mlxq.jobs.errors import OutOfMemory
+from mlxq.jobs.schema import FinishReason, GenerateRequest, GenerateResult
+from mlxq.worker.engine.cache.batch_cache import BatchKVCache, PrefillRowsCache
+from mlxq.worker.engine.cache.kv_cache import KVCache, key_columns
+from mlxq.worker.engine.cache.token_match import common_length
+from mlxq.worker.engine.engine import Engine, GenerationClock, TextRun, TokenSink
+from mlxq.worker.engine.generate import (
+    ChunkedPrefill,
+    DecodeBatch,
+    padded_size,
+    padded_width,
+    prefill_rows_layers,
+)
+from mlxq.worker.engine.memory_guard import is_out_of_memory, with_memory_retry
+from mlxq.worker.engine.sampler import Sampler
 
 log = logging.getLogger(__name__)
 

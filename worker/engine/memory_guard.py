@@ -12,7 +12,7 @@ import logging
 from collections.abc import Callable
 from typing import TypeVar
 
-from jobs.errors import OutOfMemory
+from mlxq.jobs.errors import OutOfMemory
 
 log = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from worker.engine.device import on_cuda
+from mlxq.worker.engine.device import on_cuda
 
 _SOURCE = """
     constexpr int WARP = 32;

@@ -15,13 +15,13 @@ from typing import cast
 
 import mlx.core as mx
 
-from jobs.errors import InvalidCandidate
-from worker.engine.cache.kv_cache import KVCache, broadcast_batch, key_columns
-from worker.engine.cache.prefix_cache import PrefixCache
-from worker.engine.cache.token_match import common_length
-from worker.engine.generate import padded_size
-from worker.engine.models.base import Model
-from worker.engine.text.tokenizer import Tokenizer
+from mlxq.jobs.errors import InvalidCandidate
+from mlxq.worker.engine.cache.kv_cache import KVCache, broadcast_batch, key_columns
+from mlxq.worker.engine.cache.prefix_cache import PrefixCache
+from mlxq.worker.engine.cache.token_match import common_length
+from mlxq.worker.engine.generate import padded_size
+from mlxq.worker.engine.models.base import Model
+from mlxq.worker.engine.text.tokenizer import Tokenizer
 
 
 @dataclass

@@ -19,7 +19,7 @@ import tempfile
 from importlib.metadata import PackageNotFoundError, distribution
 from pathlib import Path
 
-from worker.modelfiles.gguf_import import import_gguf
+from mlxq.worker.modelfiles.gguf_import import import_gguf
 
 logger = logging.getLogger(__name__)
 

@@ -18,8 +18,8 @@ from typing import Any
 
 import numpy as np
 
-from worker.engine.errors import WorkerError
-from worker.modelfiles.gguf_tokenizer import (
+from mlxq.worker.engine.errors import WorkerError
+from mlxq.worker.modelfiles.gguf_tokenizer import (
     GGUFVocab,
     UnsupportedTokenizer,
     build_tokenizer,

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from worker.engine.cache.kv_cache import KVCache, key_columns
+from mlxq.worker.engine.cache.kv_cache import KVCache, key_columns
 
 
 def _pad_columns(a: mx.array, left: int, right: int) -> mx.array:

@@ -22,8 +22,8 @@ from typing import Any
 
 import mlx.core as mx
 
-from worker.engine.cache.kv_cache import KVCache, key_columns
-from worker.engine.cache.token_match import common_length
+from mlxq.worker.engine.cache.kv_cache import KVCache, key_columns
+from mlxq.worker.engine.cache.token_match import common_length
 
 log = logging.getLogger(__name__)
 

@@ -11,9 +11,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from worker.engine.errors import UnsupportedArchitecture
-from worker.engine.models import llama
-from worker.engine.models.base import Model
+from mlxq.worker.engine.errors import UnsupportedArchitecture
+from mlxq.worker.engine.models import llama
+from mlxq.worker.engine.models.base import Model
 
 
 @dataclass(frozen=True)

@@ -15,8 +15,8 @@ from typing import Protocol
 import mlx.core as mx
 import mlx.nn as nn
 
-from worker.engine.cache.kv_cache import KVCache
-from worker.engine.ragged_attention import RaggedRows
+from mlxq.worker.engine.cache.kv_cache import KVCache
+from mlxq.worker.engine.ragged_attention import RaggedRows
 
 
 class LayerCache(Protocol):

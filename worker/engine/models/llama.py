@@ -17,13 +17,13 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from worker.engine.cache.batch_cache import BatchKVCache
-from worker.engine.cache.kv_cache import KVCache, key_columns
-from worker.engine.errors import CheckpointError, UnsupportedArchitecture
-from worker.engine.models.base import LayerCache
-from worker.engine.models.quantized_rows import FusedDenseRows, fuse_dense_rows
-from worker.engine.models.rope import make_rope
-from worker.engine.ragged_attention import RaggedRows, decode_attention
+from mlxq.worker.engine.cache.batch_cache import BatchKVCache
+from mlxq.worker.engine.cache.kv_cache import KVCache, key_columns
+from mlxq.worker.engine.errors import CheckpointError, UnsupportedArchitecture
+from mlxq.worker.engine.models.base import LayerCache
+from mlxq.worker.engine.models.quantized_rows import FusedDenseRows, fuse_dense_rows
+from mlxq.worker.engine.models.rope import make_rope
+from mlxq.worker.engine.ragged_attention import RaggedRows, decode_attention
 
 log = logging.getLogger(__name__)
 

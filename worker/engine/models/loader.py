@@ -19,9 +19,9 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from worker.engine.errors import CheckpointError, ModelNotFound
-from worker.engine.models import build_model
-from worker.engine.models.base import Model
+from mlxq.worker.engine.errors import CheckpointError, ModelNotFound
+from mlxq.worker.engine.models import build_model
+from mlxq.worker.engine.models.base import Model
 
 DTYPES: dict[str, mx.Dtype] = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
-from worker.engine.device import on_cuda
+from mlxq.worker.engine.device import on_cuda
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from worker.engine.errors import UnsupportedArchitecture
+from mlxq.worker.engine.errors import UnsupportedArchitecture
 
 ROPE_TYPES = ("default", "linear", "llama3")
 

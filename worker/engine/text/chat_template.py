@@ -22,7 +22,7 @@ import jinja2.nodes
 import jinja2.utils
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from jobs.errors import InvalidRequest
+from mlxq.jobs.errors import InvalidRequest
 
 # The named special tokens transformers passes to every template (its `special_tokens_map`).
 SPECIAL_TOKEN_NAMES = (

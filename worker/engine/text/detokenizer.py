@@ -20,7 +20,7 @@ from __future__ import annotations
 import codecs
 from typing import Protocol
 
-from worker.engine.text.tokenizer import Tokenizer
+from mlxq.worker.engine.text.tokenizer import Tokenizer
 
 _REPLACEMENT = "\ufffd"
 

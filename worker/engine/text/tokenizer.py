@@ -20,8 +20,8 @@ from typing import Any
 import tokenizers
 from tokenizers import AddedToken, processors
 
-from worker.engine.text.chat_template import SPECIAL_TOKEN_NAMES, ChatTemplate, ChatTemplateError
-from worker.engine.text.shared_encoding import SharedPrefixEncoder, encode_plain
+from mlxq.worker.engine.text.chat_template import SPECIAL_TOKEN_NAMES, ChatTemplate, ChatTemplateError
+from mlxq.worker.engine.text.shared_encoding import SharedPrefixEncoder, encode_plain
 
 # `Tokenizer.encode_short`: texts up to this long are remembered, this many at most (least recent out).
 # The repeats it serves are near each other (one job's rows, or a batch's: 64 rows x 8 candidates is
