@@ -21,7 +21,7 @@ from rq import Retry
 from rq.results import Result
 
 from mlxq.jobs import keys
-from mlxq.jobs.replication import NotReplicated, aconfirm_replicated, unreplicated_warning
+from mlxq.jobs.replication import AsyncReplicas, NotReplicated, unreplicated_warning
 from mlxq.jobs.schema import (
     ChatMessage,
     DoneEvent,
@@ -198,7 +198,11 @@ class AsyncClient:
         self.queue = self.tenant.queue(queue or self.settings.queue)
         self.connection: redis.asyncio.Redis = connect_async(self.redis_url, self.settings)
         self.retry = RetryPolicy.from_settings(self.settings)
-        self._replica_acks = replica_acks(self.connection, self.settings)
+        self._replicas = AsyncReplicas(
+            self.connection,
+            replica_acks(self.connection, self.settings),
+            self.settings.replica_ack_timeout_ms,
+        )
         self.evictions = EvictionCheck()  # the Redis's memory policy, looked at before the first submit
         self.queue_check = QueueCheck()  # whether a worker serves each queue submitted to
         self._sync: redis.Redis | None = None
@@ -371,15 +375,10 @@ class AsyncClient:
         return job.id
 
     async def _enqueue_durably(self, job: rq_wire.WireJob) -> None:
-        """Enqueue once, then wait for the replicas `replica_acks` asks for (each try does both)."""
+        """Enqueue once, then wait for the replicas (`jobs.replication.AsyncReplicas`; each try does
+        both)."""
         await self._enqueue_once(job)
-        try:
-            await aconfirm_replicated(
-                self.connection, self._replica_acks, self.settings.replica_ack_timeout_ms
-            )
-        except NotReplicated:  # pooled connections may still reach a primary being demoted: ask again
-            await self.connection.connection_pool.disconnect(inuse_connections=False)
-            raise
+        await self._replicas.confirm()
 
     async def _enqueue_once(self, job: rq_wire.WireJob) -> None:
         async with self.connection.pipeline() as pipe:

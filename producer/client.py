@@ -19,7 +19,7 @@ from rq import Retry
 from rq.results import Result
 
 from mlxq.jobs import keys
-from mlxq.jobs.replication import NotReplicated, confirm_replicated, unreplicated_warning
+from mlxq.jobs.replication import NotReplicated, Replicas, unreplicated_warning
 from mlxq.jobs.schema import (
     ChatMessage,
     DoneEvent,
@@ -201,7 +201,11 @@ class Client:
         self.queue = self.tenant.queue(queue or self.settings.queue)
         self.connection = connection or connect(redis_url or self.settings.redis_url, self.settings)
         self.retry = RetryPolicy.from_settings(self.settings)
-        self._replica_acks = replica_acks(self.connection, self.settings)
+        self._replicas = Replicas(
+            self.connection,
+            replica_acks(self.connection, self.settings),
+            self.settings.replica_ack_timeout_ms,
+        )
         self.evictions = EvictionCheck()  # the Redis's memory policy, looked at before the first submit
         self.queue_check = QueueCheck()  # whether a worker serves each queue submitted to
 
@@ -370,13 +374,9 @@ class Client:
         return job.id
 
     def _enqueue_durably(self, job: rq_wire.WireJob) -> None:
-        """Enqueue once, then wait for the replicas `replica_acks` asks for (each try does both)."""
+        """Enqueue once, then wait for the replicas (`jobs.replication.Replicas`; each try does both)."""
         self._enqueue_once(job)
-        try:
-            confirm_replicated(self.connection, self._replica_acks, self.settings.replica_ack_timeout_ms)
-        except NotReplicated:  # pooled connections may still reach a primary being demoted: ask again
-            self.connection.connection_pool.disconnect(inuse_connections=False)
-            raise
+        self._replicas.confirm()
 
     def _enqueue_once(self, job: rq_wire.WireJob) -> None:
         with self.connection.pipeline() as pipe:
