@@ -6,6 +6,10 @@ logit bias, repetition penalty, presence/frequency penalties, then greedy `argma
 temperature, top-k, top-p, min-p and a draw from the remaining distribution. Draws go through the
 row-wise filters (`draw_rows`), alone (one row) or batched, so a seeded request gets the same tokens
 either way; a batch of 64 sampled rows costs one small graph per step, not 64.
+
+A sampler may carry a `Constraint` (structured output, `constraint.py`): its row's logits outside the
+tokens the grammar allows are masked with -inf after the penalties, before greedy or a draw. The
+masks are computed on the host (`SamplerRows.advance`); rows without a constraint are untouched.
 """
 
 from __future__ import annotations
@@ -17,6 +21,9 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import mlx.core as mx
+import numpy as np
+
+from mlxq.worker.engine.constraint import Constraint, fill_masks
 
 _NEG_INF = float("-inf")
 
@@ -198,6 +205,7 @@ class Sampler:
         presence_penalty: float = 0.0,
         frequency_penalty: float = 0.0,
         prompt: Sequence[int] = (),
+        constraint: Constraint | None = None,
     ) -> None:
         _validate(vocab_size, temperature, top_p, top_k, min_p)
         _check_repetition_penalty(repetition_penalty)
@@ -218,9 +226,16 @@ class Sampler:
         self._observed = 0  # generated tokens counted so far
         self.row = _RowParams.of(self, vocab_size)
         self._row_arrays: _RowArrays | None = None  # built at the first draw
+        self.constraint = constraint  # structured output: the tokens its grammar allows
 
     @classmethod
-    def from_request(cls, request: SamplingOptions, vocab_size: int, prompt: Sequence[int] = ()) -> Sampler:
+    def from_request(
+        cls,
+        request: SamplingOptions,
+        vocab_size: int,
+        prompt: Sequence[int] = (),
+        constraint: Constraint | None = None,
+    ) -> Sampler:
         """A sampler for a generation request (any object with the sampling fields)."""
         return cls(
             vocab_size,
@@ -234,6 +249,7 @@ class Sampler:
             presence_penalty=request.presence_penalty,
             frequency_penalty=request.frequency_penalty,
             prompt=prompt,
+            constraint=constraint,
         )
 
     @property
@@ -350,6 +366,10 @@ class _RowArrays:
         self.log_min_p = _column([r.log_min_p for r in rows], mx.float32) if use_min_p else None
 
 
+def _words(vocab_size: int) -> int:
+    return (vocab_size + 31) // 32
+
+
 def _column(values: Sequence[float], dtype: mx.Dtype) -> mx.array:
     return mx.array(list(values), dtype=dtype)[:, None]
 
@@ -405,6 +425,44 @@ class SamplerRows:
         self._arrays = None if all(greedy) else _RowArrays([s.row for s in samplers])
         mixed = self._any_greedy and self._arrays is not None
         self._greedy_mask = mx.array(greedy) if mixed else None
+        self._constrained = [i for i, s in enumerate(samplers) if s.constraint is not None]
+        self._masks: np.ndarray | None = None  # the constrained rows' next bitmasks, once computed
+
+    @property
+    def constrained(self) -> bool:
+        """Whether any row has a constraint: its next token waits for its mask (`advance`)."""
+        return bool(self._constrained)
+
+    def advance(self, tokens: Sequence[int]) -> None:
+        """Host work for the next draw: each constrained row takes its token (one per row, in row
+        order) and its mask of allowed next tokens is computed. A row whose token breaks its grammar
+        keeps the error in its constraint (`Constraint.error`); the others go on."""
+        constraints: list[Constraint] = []
+        for i in self._constrained:
+            c = self.samplers[i].constraint
+            assert c is not None
+            c.take(tokens[i])
+            constraints.append(c)
+        self._masks = fill_masks(constraints, _words(self.vocab_size))
+
+    def _masked(self, x: mx.array) -> mx.array:
+        """`x` with the constrained rows' disallowed tokens at -inf (their masks computed now if
+        `advance` did not)."""
+        masks = self._masks
+        if masks is None:
+            constraints = [self.samplers[i].constraint for i in self._constrained]
+            masks = fill_masks([c for c in constraints if c is not None], _words(self.vocab_size))
+        self._masks = None  # one draw per mask
+        width = x.shape[-1]
+        column = mx.arange(width, dtype=mx.uint32)
+        words = mx.array(masks.view(np.uint32))[:, column >> 5]  # (k, width): each token's word
+        allowed = ((words >> (column & 31)) & 1).astype(mx.bool_)
+        if len(self._constrained) == x.shape[0]:
+            return mx.where(allowed, x, _NEG_INF)
+        index = mx.array(self._constrained, dtype=mx.int32)
+        x = mx.array(x)  # a copy: the logits themselves may be read elsewhere
+        x[index] = mx.where(allowed, x[index], _NEG_INF)
+        return x
 
     def select(self, rows: Sequence[int]) -> None:
         """Keep only `rows`, in that order."""
@@ -434,6 +492,8 @@ class SamplerRows:
             own = [self.samplers[i].process_logits(logits[i : i + 1]) for i in self._penalized]
             x = x.astype(mx.float32)  # exact; a penalized row's logits are float32 alone too
             x[index] = mx.concatenate(own)
+        if self._constrained:
+            x = self._masked(x)
         greedy = mx.argmax(x, axis=-1) if self._any_greedy else None
         if self._arrays is None:
             assert greedy is not None
