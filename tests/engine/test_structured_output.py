@@ -102,14 +102,18 @@ def _alone(engine: Engine, request: GenerateRequest) -> GenerateResult:
     return generate(engine, request, lambda _text, _ids: None)
 
 
-def _batch(engine: Engine, requests: list[GenerateRequest]) -> list[Finished]:
-    """Every request in one batch (all admitted at once); the outcomes in request order."""
+def _batch(engine: Engine, requests: list[GenerateRequest], join_every: int = 0) -> list[Finished]:
+    """Every request in one batch: all admitted at once, or one every `join_every` steps (joining
+    rows that decode); the outcomes in request order."""
     batch = GenerationBatch(engine, max_sequences=len(requests))
-    for i, request in enumerate(requests):
-        batch.admit(str(i), request, lambda _text, _ids: None, lambda: False)
+    waiting = list(enumerate(requests))
     done: dict[str, Finished] = {}
     try:
-        while len(batch):
+        while waiting or len(batch):
+            if waiting and (not join_every or batch.steps % join_every == 0):
+                for i, request in waiting if not join_every else waiting[:1]:
+                    batch.admit(str(i), request, lambda _text, _ids: None, lambda: False)
+                waiting = [] if not join_every else waiting[1:]
             for finished in batch.step():
                 done[finished.key] = finished
             batch.settle()
@@ -175,10 +179,18 @@ def test_json_object_gives_a_json_object(engine: Engine) -> None:
         assert result.text.startswith("{")
 
 
-def test_a_mixed_batch_gives_each_row_what_it_gets_alone(engine: Engine, model_dir: Path) -> None:
+@pytest.mark.parametrize(("pad_shapes", "overlap", "join_every"), [(False, False, 0), (True, True, 3)])
+def test_a_mixed_batch_gives_each_row_what_it_gets_alone(
+    engine: Engine, model_dir: Path, pad_shapes: bool, overlap: bool, join_every: int
+) -> None:
+    """All rows at once; and joining one by one into padded buffers, with the steps launched on the
+    launcher's thread (as on a GPU)."""
     no_eos = {i: -100.0 for i in engine.tokenizer.eos_ids}
     constrained = [
-        _request(prompt="Person:", response_format=json_schema(PERSON), temperature=0.0),
+        # Greedy on noise repeats a digit of a free number until the budget: a penalty ends it.
+        _request(
+            prompt="Person:", response_format=json_schema(PERSON), temperature=0.0, frequency_penalty=1.0
+        ),
         _request(prompt="A date:", response_format={"type": "regex", "regex": DATE}, temperature=0.0),
         _request(prompt="Scores, seeded:", response_format=json_schema(SCORES), temperature=1.0, seed=11),
     ]
@@ -187,9 +199,10 @@ def test_a_mixed_batch_gives_each_row_what_it_gets_alone(engine: Engine, model_d
         _request(prompt="Free text two, sampled", max_tokens=25, temperature=1.0, seed=5, logit_bias=no_eos),
     ]
     mixed = [free[0], constrained[0], constrained[1], free[1], constrained[2]]
-    together = [_result(f) for f in _batch(engine, mixed)]
+    batched = _engine(model_dir, prefix_cache_bytes=0, pad_shapes=pad_shapes, decode_overlap=overlap)
+    together = [_result(f) for f in _batch(batched, mixed, join_every)]
     for request, got in zip(mixed, together, strict=True):
-        alone = _alone(_engine(model_dir, prefix_cache_bytes=0), request)
+        alone = _alone(engine, request)
         assert (got.text, got.token_ids, got.finish_reason) == (
             alone.text,
             alone.token_ids,
@@ -197,6 +210,12 @@ def test_a_mixed_batch_gives_each_row_what_it_gets_alone(engine: Engine, model_d
         )
     # The free rows are not constrained by their batch-mates: they run to their budgets.
     assert [len(together[i].token_ids) for i in (0, 3)] == [40, 25]
+    assert [together[i].finish_reason for i in (1, 2, 4)] == ["stop"] * 3, [
+        together[i].text for i in (1, 2, 4)
+    ]
+    jsonschema.validate(json.loads(together[1].text), PERSON)
+    assert re.fullmatch(DATE, together[2].text)
+    jsonschema.validate(json.loads(together[4].text), SCORES)
 
 
 def test_a_constraint_that_cannot_be_compiled_fails_before_any_token(engine: Engine) -> None:

@@ -93,11 +93,30 @@ class Constraint:
 
 def fill_masks(constraints: Sequence[Constraint], words: int) -> np.ndarray:
     """The allowed-token bitmasks of `constraints`, one row each: (len, `words`) int32, bit t of a
-    row set where its grammar allows token t."""
+    row set where its grammar allows token t. Several rows are computed in parallel on the library's
+    threads (it releases the GIL): on a GPU host a step of 64 rows lasts about as long as 64 masks
+    computed one after another would."""
     out = np.full((len(constraints), words), -1, dtype=np.int32)
-    for i, c in enumerate(constraints):
-        c.fill(out[i])
+    live = [
+        (c.matcher, i) for i, c in enumerate(constraints) if c.error is None and not c.matcher.is_stopped()
+    ]
+    if len(live) > 1:
+        _executor().unsafe_compute_mask_ptr(live, out.ctypes.data, words * 4, len(constraints))
+    elif live:
+        constraints[live[0][1]].fill(out[live[0][1]])
+    for c in constraints:
+        if c.error is None and c.matcher.is_error():
+            c.error = ConstraintViolated(f"the {c.what} failed: {c.matcher.get_error()}")
     return out
+
+
+_EXECUTOR: list[Any] = []  # the library's thread pool, made at first use (one per process)
+
+
+def _executor() -> Any:
+    if not _EXECUTOR:
+        _EXECUTOR.append(_llguidance().LLExecutor())
+    return _EXECUTOR[0]
 
 
 class ConstraintCompiler:
