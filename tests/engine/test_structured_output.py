@@ -271,3 +271,41 @@ def test_the_wire_carries_one_response_format() -> None:
     for bad in ({"type": "xml"}, {"type": "regex"}, {"type": "json_schema", "json_schema": {"name": "n"}}):
         with pytest.raises(ValueError, match="response_format"):
             _request(prompt="x", response_format=bad)
+
+
+def test_the_mask_keeps_exactly_the_allowed_tokens_of_a_vocabulary_wider_than_the_tokenizer(
+    tmp_path: Path,
+) -> None:
+    """A model whose embedding has more rows than its tokenizer has tokens (400 > 384, not a multiple
+    of 32): the padding ids are never allowed, and a constrained row's greedy token is the best one
+    its grammar allows, whatever its logits say elsewhere; its free batch-mate is untouched."""
+    import mlx.core as mx
+
+    from mlxq.jobs.schema import RegexFormat
+    from mlxq.worker.engine.sampler import Sampler, SamplerRows
+
+    engine = _engine(write_random_checkpoint(tmp_path, {"vocab_size": 400}), prefix_cache_bytes=0)
+    assert engine.tokenizer.vocab_size < 400 == engine.model.args.vocab_size
+    digits = {
+        i for text, i in engine.tokenizer.backend.get_vocab().items() if text.isascii() and text.isdigit()
+    }
+    constraint = engine.constraints.compile(RegexFormat(type="regex", regex="[0-9]+"))
+    samplers = [Sampler(400, temperature=0.0, constraint=constraint), Sampler(400, temperature=0.0)]
+    logits = mx.random.normal((2, 400), key=mx.random.key(0))
+    logits[:, 399] = 100.0  # a padding id, the best logit of both rows
+    best_digit = max(digits, key=lambda t: logits[0, t].item())
+    tokens = SamplerRows(samplers, 400).sample(logits).tolist()
+    assert tokens == [best_digit, 399]
+    with pytest.raises(ValueError, match="SamplerRows"):
+        samplers[0](logits[:1])
+    result = _alone(
+        engine,
+        _request(
+            prompt="n:",
+            temperature=1.0,
+            seed=1,
+            max_tokens=12,
+            response_format={"type": "regex", "regex": "[0-9]{1,8}"},
+        ),
+    )
+    assert re.fullmatch("[0-9]{1,8}", result.text) and max(result.token_ids) < engine.tokenizer.vocab_size

@@ -272,7 +272,10 @@ class Sampler:
 
         `history` (the generated ids so far) is an alternative to calling `observe`: only the ids not
         yet observed are counted, so passing the growing list each step stays O(1) per token.
+        A constrained sampler draws through `SamplerRows`, which advances its constraint.
         """
+        if self.constraint is not None:
+            raise ValueError("a constrained sampler draws in a SamplerRows (it advances the constraint)")
         if history is not None and len(history) > self._observed:
             for token in history[self._observed :]:
                 self.observe(token)
