@@ -307,7 +307,7 @@ class DecodeBatch:
             self.quiet()  # then nothing is in flight: `pending` itself may be read
             # `tolist` of a 1-D int32 array gives ints (MLX's stub allows any nesting of any scalar)
             tokens = [int(t) for t in cast("list[int]", pending.tolist())]
-            self._advance(tokens)
+            self._take(tokens)
             result = handle(tokens)
             if meanwhile is not None:
                 meanwhile()
@@ -316,19 +316,20 @@ class DecodeBatch:
                 return result
             self._launch(self._next_step(pending))
         elif self.rows is not None and self.rows.constrained:
-            # A constrained row's next token waits for its mask, which waits for its token of this
-            # step: the forward is launched first, the masks are computed while it runs, then the
-            # draw is launched (a batch without constraints draws in the forward's graph instead).
+            # A constrained row's next draw waits for its mask, which waits for its token of this
+            # step: the forward is launched first; while it runs the tokens are read back, taken by
+            # the grammars and handled, and the masks computed as the draw is built; then the draw
+            # is launched (a batch without constraints draws in the forward's graph instead).
             read = self._readable(pending)
             logits = self._forward(pending)
             self._launch_logits(logits)
             if meanwhile is not None:
                 meanwhile()
             tokens = read()
-            self._advance(tokens)
+            self._take(tokens)
+            result = handle(tokens)
             self._pending = self.rows.sample(logits)
             self._launch(self._pending)
-            result = handle(tokens)
         else:
             read = self._readable(pending)
             self._launch(self._next_step(pending))  # a launcher waits for `pending`'s launch first
@@ -359,10 +360,11 @@ class DecodeBatch:
         else:
             self.launcher.launch(logits)
 
-    def _advance(self, tokens: list[int]) -> None:
-        """Constrained rows take this step's tokens and compute the masks of their next ones."""
+    def _take(self, tokens: list[int]) -> None:
+        """Constrained rows take this step's tokens (before they are handled: a row whose grammar is
+        complete or broken ends with them)."""
         if self.rows is not None and self.rows.constrained:
-            self.rows.advance(tokens)
+            self.rows.take(tokens)
 
     def _readable(self, pending: mx.array) -> Callable[[], list[int]]:
         """How to read the live rows' `pending` tokens once the next step is launched."""

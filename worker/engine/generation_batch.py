@@ -478,7 +478,7 @@ class GenerationBatch:
             try:
                 constraint = seq.sampler.constraint
                 if constraint is not None and constraint.error is not None:
-                    raise constraint.error  # its token broke its grammar (see `SamplerRows.advance`)
+                    raise constraint.error  # its token broke its grammar (see `SamplerRows.take`)
                 reason = self.engine.finish_reason_after(seq.run, token, seq.cancelled)
                 if reason is None and constraint is not None and constraint.stopped:
                     reason = "stop"  # its grammar is complete and allows no end-of-text token

@@ -9,7 +9,8 @@ either way; a batch of 64 sampled rows costs one small graph per step, not 64.
 
 A sampler may carry a `Constraint` (structured output, `constraint.py`): its row's logits outside the
 tokens the grammar allows are masked with -inf after the penalties, before greedy or a draw. The
-masks are computed on the host (`SamplerRows.advance`); rows without a constraint are untouched.
+masks are computed on the host as the draw is built (`SamplerRows.sample`), once every constrained
+row took its token of the step before (`SamplerRows.take`); rows without a constraint are untouched.
 """
 
 from __future__ import annotations
@@ -429,33 +430,26 @@ class SamplerRows:
         mixed = self._any_greedy and self._arrays is not None
         self._greedy_mask = mx.array(greedy) if mixed else None
         self._constrained = [i for i, s in enumerate(samplers) if s.constraint is not None]
-        self._masks: np.ndarray | None = None  # the constrained rows' next bitmasks, once computed
 
     @property
     def constrained(self) -> bool:
-        """Whether any row has a constraint: its next token waits for its mask (`advance`)."""
+        """Whether any row has a constraint: its next draw waits for its mask, which waits for its
+        token of the step before (`take`)."""
         return bool(self._constrained)
 
-    def advance(self, tokens: Sequence[int]) -> None:
-        """Host work for the next draw: each constrained row takes its token (one per row, in row
-        order) and its mask of allowed next tokens is computed. A row whose token breaks its grammar
-        keeps the error in its constraint (`Constraint.error`); the others go on."""
-        constraints: list[Constraint] = []
+    def take(self, tokens: Sequence[int]) -> None:
+        """Each constrained row takes its token (one per row, in row order): its grammar moves on, and
+        its next draw's mask is computed then (`sample`, on the host). A row whose token breaks its
+        grammar keeps the error in its constraint (`Constraint.error`); the others go on."""
         for i in self._constrained:
             c = self.samplers[i].constraint
             assert c is not None
             c.take(tokens[i])
-            constraints.append(c)
-        self._masks = fill_masks(constraints, _words(self.vocab_size))
 
     def _masked(self, x: mx.array) -> mx.array:
-        """`x` with the constrained rows' disallowed tokens at -inf (their masks computed now if
-        `advance` did not)."""
-        masks = self._masks
-        if masks is None:
-            constraints = [self.samplers[i].constraint for i in self._constrained]
-            masks = fill_masks([c for c in constraints if c is not None], _words(self.vocab_size))
-        self._masks = None  # one draw per mask
+        """`x` with the constrained rows' disallowed tokens at -inf, their masks computed now."""
+        constraints = [self.samplers[i].constraint for i in self._constrained]
+        masks = fill_masks([c for c in constraints if c is not None], _words(self.vocab_size))
         width = x.shape[-1]
         column = mx.arange(width, dtype=mx.uint32)
         words = mx.array(masks.view(np.uint32))[:, column >> 5]  # (k, width): each token's word
