@@ -15,6 +15,7 @@ row took its token of the step before (`SamplerRows.take`); rows without a const
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from collections.abc import Mapping, Sequence
@@ -374,6 +375,14 @@ def _words(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
 
 
+@functools.cache
+def _bit_columns(width: int) -> tuple[mx.array, mx.array]:
+    """Each token's int32 word in a bitmask row and its bit in that word (made once per width, from
+    host data: no op of any thread's stream is kept)."""
+    column = np.arange(width, dtype=np.uint32)
+    return mx.array(column >> 5), mx.array(column & 31)
+
+
 def _column(values: Sequence[float], dtype: mx.Dtype) -> mx.array:
     return mx.array(list(values), dtype=dtype)[:, None]
 
@@ -447,19 +456,18 @@ class SamplerRows:
             c.take(tokens[i])
 
     def _masked(self, x: mx.array) -> mx.array:
-        """`x` with the constrained rows' disallowed tokens at -inf, their masks computed now."""
+        """`x` with the constrained rows' disallowed tokens at -inf, their masks computed now (a free
+        row's mask allows everything: one `where` for the batch, no scatter of rows)."""
         constraints = [self.samplers[i].constraint for i in self._constrained]
-        masks = fill_masks([c for c in constraints if c is not None], _words(self.vocab_size))
-        width = x.shape[-1]
-        column = mx.arange(width, dtype=mx.uint32)
-        words = mx.array(masks.view(np.uint32))[:, column >> 5]  # (k, width): each token's word
-        allowed = ((words >> (column & 31)) & 1).astype(mx.bool_)
-        if len(self._constrained) == x.shape[0]:
-            return mx.where(allowed, x, _NEG_INF)
-        index = mx.array(self._constrained, dtype=mx.int32)
-        x = mx.array(x)  # a copy: the logits themselves may be read elsewhere
-        x[index] = mx.where(allowed, x[index], _NEG_INF)
-        return x
+        words = _words(self.vocab_size)
+        masks = fill_masks([c for c in constraints if c is not None], words)
+        if len(self._constrained) < x.shape[0]:
+            every = np.full((x.shape[0], words), -1, dtype=np.int32)
+            every[self._constrained] = masks
+            masks = every
+        word, bit = _bit_columns(x.shape[-1])
+        allowed = (mx.array(masks.view(np.uint32))[:, word] >> bit) & 1  # (B, width): 1 where allowed
+        return mx.where(allowed.astype(mx.bool_), x, _NEG_INF)
 
     def select(self, rows: Sequence[int]) -> None:
         """Keep only `rows`, in that order."""
