@@ -62,9 +62,10 @@ class Constraint:
     A token the grammar does not allow (or a grammar that fails on the way) leaves the error in
     `error`: the row it belongs to ends with it, its batch-mates go on."""
 
-    def __init__(self, matcher: llguidance.LLMatcher, what: str) -> None:
+    def __init__(self, matcher: llguidance.LLMatcher, what: str, executor: llguidance.LLExecutor) -> None:
         self.matcher = matcher
         self.what = what  # e.g. "json_schema 'person'", for messages
+        self.executor = executor  # its engine's pool of mask threads (`fill_masks`)
         self.error: ConstraintViolated | None = None
 
     def take(self, token: int) -> None:
@@ -101,22 +102,14 @@ def fill_masks(constraints: Sequence[Constraint], words: int) -> np.ndarray:
         (c.matcher, i) for i, c in enumerate(constraints) if c.error is None and not c.matcher.is_stopped()
     ]
     if len(live) > 1:
-        _executor().unsafe_compute_mask_ptr(live, out.ctypes.data, words * 4, len(constraints))
+        executor = constraints[live[0][1]].executor
+        executor.unsafe_compute_mask_ptr(live, out.ctypes.data, words * 4, len(constraints))
     elif live:
         constraints[live[0][1]].fill(out[live[0][1]])
     for c in constraints:
         if c.error is None and c.matcher.is_error():
             c.error = ConstraintViolated(f"the {c.what} failed: {c.matcher.get_error()}")
     return out
-
-
-_EXECUTOR: list[Any] = []  # the library's thread pool, made at first use (one per process)
-
-
-def _executor() -> Any:
-    if not _EXECUTOR:
-        _EXECUTOR.append(_llguidance().LLExecutor())
-    return _EXECUTOR[0]
 
 
 class ConstraintCompiler:
@@ -128,6 +121,7 @@ class ConstraintCompiler:
         self.vocab_size = vocab_size  # the model's logits' width (may exceed the tokenizer's)
         self._eos_ids = sorted(eos_ids)
         self._tokenizer: llguidance.LLTokenizer | None = None
+        self._executor: llguidance.LLExecutor | None = None  # threads that compute masks, made with it
 
     @property
     def words(self) -> int:
@@ -143,6 +137,7 @@ class ConstraintCompiler:
                 )
             except Exception as e:
                 raise InvalidRequest(f"this model's tokenizer cannot be used to constrain output: {e}") from e
+            self._executor = llg.LLExecutor()
         return self._tokenizer
 
     def compile(self, fmt: ResponseFormat | None) -> Constraint | None:
@@ -156,7 +151,8 @@ class ConstraintCompiler:
         matcher = llg.LLMatcher(tokenizer, grammar, log_level=0)
         if matcher.is_error():
             raise InvalidRequest(f"response_format: the {what} cannot be compiled: {matcher.get_error()}")
-        return Constraint(matcher, what)
+        assert self._executor is not None  # made with the tokenizer
+        return Constraint(matcher, what, self._executor)
 
 
 def _grammar(llg: Any, fmt: ResponseFormat) -> tuple[str, str]:
