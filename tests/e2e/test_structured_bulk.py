@@ -125,6 +125,12 @@ def test_generate_file_takes_one_schema_for_the_whole_file(
         capture_output=True, text=True, timeout=60, cwd=ROOT, check=False,
     )  # fmt: skip
     assert missing.returncode == 2 and "cannot read" in missing.stderr and "nope.json" in missing.stderr
+    one = subprocess.run(
+        [*cli[:5], "generate", "Code:", "--regex", CODE, "--json", "--timeout", "60"],
+        capture_output=True, text=True, timeout=120, cwd=ROOT, check=False,
+    )  # fmt: skip
+    assert one.returncode == 0, one.stderr
+    assert re.fullmatch(CODE, json.loads(one.stdout)["text"])
     both = subprocess.run(
         [*cli, "-o", str(out), "--json-object", "--regex", "a+"],
         capture_output=True, text=True, timeout=60, cwd=ROOT, check=False,
