@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     AfterValidator,
@@ -103,6 +103,59 @@ class SamplingParams(_Strict):
         return _finite(info.field_name or "value", v)
 
 
+# --- Structured output ---------------------------------------------------------------------------
+# `response_format` in OpenAI's shape (`text`, `json_object`, `json_schema`), plus two mlxq types of the
+# same shape: `regex` and `grammar` (Lark, as llguidance reads it). One field, so a request carries at
+# most one constraint.
+
+
+class TextFormat(_Strict):
+    type: Literal["text"]
+
+
+class JsonObjectFormat(_Strict):
+    """Any JSON object."""
+
+    type: Literal["json_object"]
+
+
+class JsonSchemaSpec(_Strict):
+    """OpenAI's `json_schema` object: the schema under `schema` (a JSON Schema document)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_by_name=True, serialize_by_alias=True)
+    name: Text = Field(default="response", min_length=1, max_length=64)
+    description: Text | None = None
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None
+
+
+class JsonSchemaFormat(_Strict):
+    """JSON that validates against `json_schema.schema`."""
+
+    type: Literal["json_schema"]
+    json_schema: JsonSchemaSpec
+
+
+class RegexFormat(_Strict):
+    """Text that matches `regex` whole."""
+
+    type: Literal["regex"]
+    regex: Text = Field(min_length=1)
+
+
+class GrammarFormat(_Strict):
+    """Text of the Lark grammar `grammar` (its `start` rule), in llguidance's dialect of Lark."""
+
+    type: Literal["grammar"]
+    grammar: Text = Field(min_length=1)
+
+
+ResponseFormat = Annotated[
+    TextFormat | JsonObjectFormat | JsonSchemaFormat | RegexFormat | GrammarFormat,
+    Field(discriminator="type"),
+]
+
+
 class GenerateRequest(SamplingParams):
     """A generation job: exactly one of `prompt` (raw text) or `messages` (rendered by the chat template).
 
@@ -110,6 +163,7 @@ class GenerateRequest(SamplingParams):
     ordinary text, never as that control token, unless `allow_special_tokens` says the producer wrote
     the control tokens on purpose (a prompt formatted by hand). `add_special_tokens`: the BOS/EOS the
     tokenizer adds around a prompt. Chat `messages` are always encoded as text inside the template.
+    `response_format` constrains the output to JSON (a schema), a regex or a grammar (see above).
     """
 
     prompt: Text | None = None
@@ -118,6 +172,7 @@ class GenerateRequest(SamplingParams):
     stop: list[Text] = Field(default_factory=list, max_length=MAX_STOP_STRINGS)
     add_special_tokens: bool = True
     allow_special_tokens: bool = False
+    response_format: ResponseFormat | None = None
 
     @field_validator("stop", mode="before")
     @classmethod

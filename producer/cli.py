@@ -17,6 +17,7 @@ import signal
 import sys
 import threading
 from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
 from typing import Any, TextIO
 
 import redis
@@ -132,6 +133,64 @@ def _sampling_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="encode special-token text in a raw prompt as control tokens (default: as plain text)",
     )
+    shape = p.add_mutually_exclusive_group()  # a request carries one constraint (`response_format`)
+    shape.add_argument(
+        "--json-schema",
+        dest="response_format",
+        type=_json_schema_file,
+        metavar="FILE",
+        help="constrain the output to JSON valid under this JSON Schema file (or an OpenAI "
+        "response_format object of type json_schema)",
+    )
+    shape.add_argument(
+        "--json-object",
+        dest="response_format",
+        action="store_const",
+        const={"type": "json_object"},
+        help="constrain the output to a JSON object",
+    )
+    shape.add_argument(
+        "--regex",
+        dest="response_format",
+        type=lambda r: {"type": "regex", "regex": r},
+        metavar="REGEX",
+        help="constrain the output to text matching REGEX whole",
+    )
+    shape.add_argument(
+        "--grammar",
+        dest="response_format",
+        type=_grammar_file,
+        metavar="FILE",
+        help="constrain the output to this Lark grammar (llguidance's dialect; rule `start`)",
+    )
+
+
+def _read_text(path: str) -> str:
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise argparse.ArgumentTypeError(f"cannot read {path}: {e}") from e
+
+
+def _json_schema_file(path: str) -> dict[str, Any]:
+    """A `response_format` from a JSON Schema file (wrapped, named after the file) or from a file
+    holding a whole `{"type": "json_schema", "json_schema": {...}}` object."""
+    try:
+        value = json.loads(_read_text(path))
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"{path} is not JSON: {e}") from e
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"{path} holds no JSON Schema object")
+    if value.get("type") == "json_schema":
+        return value
+    return {
+        "type": "json_schema",
+        "json_schema": {"name": Path(path).stem[:64] or "response", "schema": value},
+    }
+
+
+def _grammar_file(path: str) -> dict[str, Any]:
+    return {"type": "grammar", "grammar": _read_text(path)}
 
 
 def _bulk_arguments(p: argparse.ArgumentParser) -> None:
@@ -209,6 +268,7 @@ def _sampling_params(args: argparse.Namespace) -> dict[str, Any]:
         "seed": args.seed,
         "stop": args.stop,
         "allow_special_tokens": args.allow_special_tokens,
+        "response_format": args.response_format,
     }
     return {k: v for k, v in given.items() if v is not None}
 

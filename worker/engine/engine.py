@@ -33,6 +33,7 @@ from mlxq.jobs.schema import (
 )
 from mlxq.worker.engine.cache.kv_cache import KVCache
 from mlxq.worker.engine.cache.prefix_cache import PrefixCache
+from mlxq.worker.engine.constraint import ConstraintCompiler
 from mlxq.worker.engine.device import memory_figures
 from mlxq.worker.engine.generate import (
     idle_prefill_by_default,
@@ -120,6 +121,8 @@ class Engine:
         overlap = options.decode_overlap
         self.decode_overlap = overlap_by_default() if overlap is None else overlap
         self._launcher: Launcher | None = Launcher() if self.decode_overlap else None
+        # Structured output (`response_format`): the grammar library's tokenizer, built at first use.
+        self.constraints = ConstraintCompiler(tokenizer.backend, model.args.vocab_size, tokenizer.eos_ids)
 
     @classmethod
     def load(cls, model: str, options: EngineOptions | None = None) -> Engine:
@@ -423,8 +426,11 @@ class Engine:
         self.check_sizes(request)
         prompt = self.prompt_tokens(request)
         max_tokens = min(request.max_tokens, self.context_length - len(prompt))
+        constraint = self.constraints.compile(request.response_format)  # its error before any token
         try:
-            sampler = Sampler.from_request(request, vocab_size=self.model.args.vocab_size, prompt=prompt)
+            sampler = Sampler.from_request(
+                request, vocab_size=self.model.args.vocab_size, prompt=prompt, constraint=constraint
+            )
         except ValueError as e:
             raise InvalidRequest(str(e)) from e
         return prompt, max_tokens, sampler
