@@ -34,7 +34,9 @@ if TYPE_CHECKING:
     import llguidance
     import tokenizers
 
-INSTALL_HINT = "pip install 'mlxq[structured]'"
+INSTALL_HINT = (
+    "pip install llguidance, or mlxq's `structured` extra: pip install '.[structured]' in its repository"
+)
 
 # JSON is written compactly (no free whitespace between tokens): a model could otherwise spend its
 # token budget on spaces and newlines the schema allows.
