@@ -21,7 +21,7 @@ from rq import Retry
 from rq.results import Result
 
 from mlxq.jobs import keys
-from mlxq.jobs.replication import AsyncReplicas, NotReplicated, unreplicated_warning
+from mlxq.jobs.replication import AsyncReplicas, NotReplicated, Replicas, unreplicated_warning
 from mlxq.jobs.schema import (
     ChatMessage,
     DoneEvent,
@@ -206,6 +206,7 @@ class AsyncClient:
         self.evictions = EvictionCheck()  # the Redis's memory policy, looked at before the first submit
         self.queue_check = QueueCheck()  # whether a worker serves each queue submitted to
         self._sync: redis.Redis | None = None
+        self._sync_replicas: Replicas | None = None  # what a bulk run's enqueues wait for, on `_sync`
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -346,8 +347,17 @@ class AsyncClient:
     def _bulk_target(self) -> bulk.BulkTarget:
         """This client as a bulk run sees it, on its sync connection (a run is sync, in a thread)."""
         self.evictions.run(self._sync_connection())
+        if self._sync_replicas is None:
+            self._sync_replicas = Replicas(
+                self._sync_connection(), self._replicas.floor, self.settings.replica_ack_timeout_ms
+            )
         return bulk.BulkTarget(
-            self._sync_connection(), self.retry, self.queue, self.settings.job_options(), self.tenant
+            self._sync_connection(),
+            self.retry,
+            self.queue,
+            self.settings.job_options(),
+            self.tenant,
+            replicas=self._sync_replicas,
         )
 
     async def enqueue(

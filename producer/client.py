@@ -346,7 +346,12 @@ class Client:
         """This client as a bulk run sees it: its connection, retry policy, queue and job options."""
         self.evictions.run(self.connection)
         return bulk.BulkTarget(
-            self.connection, self.retry, self.queue, self.settings.job_options(), self.tenant
+            self.connection,
+            self.retry,
+            self.queue,
+            self.settings.job_options(),
+            self.tenant,
+            replicas=self._replicas,
         )
 
     def enqueue(

@@ -5,6 +5,7 @@ outage must not fail jobs). Run against a Redis without replicas, where WAIT alw
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -99,7 +100,9 @@ def test_writes_wait_for_every_replica_the_primary_lists_and_a_promoted_one_refu
     replicas.confirm()
     assert replicas.set.wanted() == 2
 
-    first.stop()  # down: no longer acknowledges
+    assert first.proc is not None
+    first.proc.kill()  # down (a crash): no longer acknowledges
+    first.proc.wait(10)
     with pytest.raises(NotReplicated, match="1 of 2"):
         replicas.confirm()
     replicas.confirm()  # looked again: the one that went down is forgotten
@@ -130,3 +133,33 @@ def test_no_replica_setting_means_no_waiting_and_no_looking(redis_conn: redis.Re
     after = int(redis_conn.info("commandstats").get("cmdstat_info", {"calls": 0})["calls"])
     assert after - before == 1  # only this test's own INFO
     assert not redis_conn.exists(keys.REPLICATION_MARK)
+
+
+def test_a_bulk_run_waits_for_replicas_as_a_submit_does(
+    redis_url: str, redis_conn: redis.Redis, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A bulk run's enqueues wait for the replicas too (WAIT after each transaction of jobs); when none
+    confirms, its jobs stand with the submit's warning, each enqueued once. (No worker here: the run is
+    stopped once its jobs are queued.)"""
+    settings = ProducerSettings(
+        replica_acks=1, replica_ack_timeout_ms=20, redis_retry_attempts=2, redis_retry_initial_wait_s=0.01
+    )
+    rows = [{"custom_id": str(i), "prompt": "a", "candidates": ["b"]} for i in range(6)]
+    stop = threading.Event()
+    waits = int(redis_conn.info("commandstats").get("cmdstat_wait", {"calls": 0})["calls"])
+
+    def stop_once_queued() -> None:
+        deadline = time.monotonic() + 30
+        while redis_conn.llen(keys.rq_queue_key("bulk")) < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        stop.set()
+
+    threading.Thread(target=stop_once_queued, daemon=True).start()
+    with Client(redis_url, settings=settings) as client, caplog.at_level("WARNING", logger="mlxq.producer"):
+        summary = client.score_dataset(rows, tmp_path / "out.jsonl", queue="bulk", rows_per_job=2, stop=stop)
+    assert summary.succeeded == 0
+    said = [r.getMessage() for r in caplog.records if "no replica confirmed" in r.getMessage()]
+    assert len(said) == 1 and "(and 2 more)" in said[0], said
+    assert int(redis_conn.info("commandstats")["cmdstat_wait"]["calls"]) - waits >= 2  # tried, then again
+    job_keys = [k for k in redis_conn.scan_iter(match="rq:job:*") if b":dependents" not in k]
+    assert len(job_keys) == 3  # written once, found there on the retry
