@@ -2,9 +2,10 @@
 
 Both run lm-eval's command line on the same tiny random-weight checkpoint (float32) over local tasks
 (YAML over JSONL files written here: nothing is downloaded): a multiple-choice task
-(`loglikelihood`, a shared preamble, continuations of several tokens, one with an empty context) and a
-perplexity task (`loglikelihood_rolling`, texts longer than the context). mlxq's side goes through real
-Redis to a real worker process. Per-request loglikelihoods agree within 1e-4, and so do the metrics.
+(`loglikelihood`, a shared preamble, continuations of several tokens, one with an empty context), a
+perplexity task (`loglikelihood_rolling`, texts longer than the context) and a greedy generation task
+(`generate_until`). mlxq's side goes through real Redis to a real worker process. Per-request
+loglikelihoods agree within 1e-4, generated texts are equal, and so are the metrics.
 """
 
 from __future__ import annotations
@@ -66,6 +67,25 @@ metric_list:
 """
 
 
+GEN_TASK = """task: mlxq_gen
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: generate_until
+doc_to_text: "Question: {{{{ question }}}} Answer:"
+doc_to_target: "{{{{ choices[answer] }}}}"
+generation_kwargs:
+  until: ["\\n", "."]
+  max_gen_toks: 8
+  do_sample: false
+metric_list:
+  - metric: exact_match
+"""
+TASKS = ("mlxq_mc", "mlxq_ppl", "mlxq_gen")
+
+
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from reference import make_hf_checkpoint
@@ -83,6 +103,7 @@ def _tasks(folder: Path) -> Path:
     ppl.write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS))
     (tasks / "mlxq_mc.yaml").write_text(MC_TASK.format(data=mc))
     (tasks / "mlxq_ppl.yaml").write_text(PPL_TASK.format(data=ppl))
+    (tasks / "mlxq_gen.yaml").write_text(GEN_TASK.format(data=mc))
     return tasks
 
 
@@ -97,13 +118,13 @@ def _run(cmd: list[str], folder: Path, name: str) -> tuple[dict[str, Any], dict[
         "HF_DATASETS_CACHE": str(folder / "datasets-cache"),
         "TOKENIZERS_PARALLELISM": "false",
     }
-    flags = ["--tasks", "mlxq_mc,mlxq_ppl", "--include_path", str(folder / "tasks")]
+    flags = ["--tasks", ",".join(TASKS), "--include_path", str(folder / "tasks")]
     flags += ["--output_path", str(out), "--log_samples", "--batch_size", "1"]
     done = subprocess.run([*cmd, *flags], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     results = json.loads(next(out.rglob("results_*.json")).read_text())["results"]
     samples = {}
-    for task in ("mlxq_mc", "mlxq_ppl"):
+    for task in TASKS:
         lines = next(out.rglob(f"samples_{task}_*.jsonl")).read_text().splitlines()
         docs = sorted((json.loads(line) for line in lines), key=lambda s: s["doc_id"])
         samples[task] = [d["resps"] for d in docs]
@@ -143,6 +164,9 @@ def test_mlxq_eval_matches_lm_evals_own_hf_backend(checkpoint: Path, redis_url: 
             got_n, want_n = _numbers(got), _numbers(want)
             assert [type(x) for x in got_n] == [type(x) for x in want_n]
             assert got_n == pytest.approx(want_n, abs=1e-4)
+    # generate_until: greedy, so the same text, cut at the same `until` strings.
+    assert mlxq_samples["mlxq_gen"] == hf_samples["mlxq_gen"]
+    assert any(r[0][0] for r in hf_samples["mlxq_gen"])  # something was generated
     assert mlxq_results["mlxq_mc"]["acc,none"] == hf_results["mlxq_mc"]["acc,none"]
     for metric in ("word_perplexity,none", "byte_perplexity,none", "bits_per_byte,none"):
         assert mlxq_results["mlxq_ppl"][metric] == pytest.approx(hf_results["mlxq_ppl"][metric], rel=1e-4)
