@@ -9,15 +9,17 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
+    SerializerFunctionWrapHandler,
     ValidationInfo,
     field_validator,
+    model_serializer,
     model_validator,
 )
 
@@ -296,6 +298,20 @@ class ScoredRow(_Strict):
     prompt_logprobs: PromptLogprobs | None = None
     input_tokens: int
     cached_tokens: int
+
+    @model_serializer(mode="wrap")
+    def _only_what_was_asked(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        """A candidates row serializes as it always has (logits, logprobs, token counts); another kind's
+        row has its own field instead of empty candidate lists."""
+        data: dict[str, Any] = handler(self)
+        kinds = ("continuations", "rolling", "prompt_logprobs")
+        for k in kinds:
+            if data.get(k) is None:
+                data.pop(k, None)
+        if any(k in data for k in kinds):
+            data.pop("logits", None)
+            data.pop("logprobs", None)
+        return data
 
 
 class ScoreResult(_Strict):

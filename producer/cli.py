@@ -91,6 +91,11 @@ def build_parser() -> argparse.ArgumentParser:
     score.add_argument("input", help='JSONL: {"custom_id": ..., "prompt": ..., "candidates": [...]} per line')
     score.add_argument("--rows-per-job", type=int, default=16, help="rows per score job (1..64) [16]")
     score.add_argument(
+        "--max-tokens",
+        type=int,
+        help="each row's tokens through the model must be 1..N (never truncated) [the model's context]",
+    )
+    score.add_argument(
         "--allow-special-tokens",
         action="store_true",
         help="encode special-token text in the rows as control tokens (default: as plain text)",
@@ -310,6 +315,7 @@ def cmd_score_file(client: Client, args: argparse.Namespace) -> int:
             args.output,
             rows_per_job=args.rows_per_job,
             allow_special_tokens=args.allow_special_tokens,
+            max_tokens=args.max_tokens,
             **common,
         ),
     )
