@@ -192,3 +192,50 @@ def test_a_row_asks_exactly_one_thing() -> None:
         ScoreRequest.model_validate({"rows": [{"prompt": "a"}]})
     with pytest.raises(ValueError, match="belong to a `prompt_logprobs` row"):
         ScoreRequest.model_validate({"rows": [{"prompt": "a", "rolling": True, "top_logprobs": 2}]})
+
+
+def test_a_kv_budget_splits_suffix_batches_and_changes_no_score(
+    checkpoint: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import mlxq.worker.engine.token_scoring as ts
+
+    sizes: list[int] = []
+    original = ts.TokenScorer._batches
+
+    def recorded(self: ts.TokenScorer, leaves: list[Any], prefix: int) -> list[list[Any]]:
+        groups = original(self, leaves, prefix)
+        sizes.extend(len(g) for g in groups)
+        return groups
+
+    monkeypatch.setattr(ts.TokenScorer, "_batches", recorded)
+    rows = [
+        {
+            "prompt": FEW_SHOT + f"Question {i}: what do workers run? Answer:",
+            "continuations": [" jobs", " models"],
+        }
+        for i in range(6)
+    ]
+    request = ScoreRequest.model_validate({"rows": rows})
+    free = Engine.load(str(checkpoint), EngineOptions(prefix_cache_bytes=0)).score(request)
+    free_sizes = list(sizes)
+    sizes.clear()
+    tight = Engine.load(str(checkpoint), EngineOptions(prefix_cache_bytes=0, score_kv_bytes=1)).score(request)
+    assert max(free_sizes) > 1 and max(sizes) == 1
+    for a, b in zip(free.rows, tight.rows, strict=True):
+        assert a.continuations is not None and b.continuations is not None
+        for x, y in zip(a.continuations, b.continuations, strict=True):
+            assert x.token_logprobs == pytest.approx(y.token_logprobs, abs=1e-5)
+    assert free.cached_tokens == tight.cached_tokens > 0
+
+
+def test_an_empty_rolling_text_scores_nothing_and_an_empty_logprob_prompt_fails(checkpoint: Path) -> None:
+    engine = Engine.load(str(checkpoint))
+    got = engine.score(ScoreRequest.model_validate({"rows": [{"prompt": "", "rolling": True}]}))
+    assert got.rows[0].rolling is not None
+    assert (got.rows[0].rolling.logprob, got.rows[0].rolling.tokens, got.rows[0].rolling.windows) == (
+        0.0,
+        0,
+        0,
+    )
+    with pytest.raises(InvalidRequest, match="row 0: the prompt is empty"):
+        engine.score_tokens(ScoreRequest.model_validate({"rows": [{"prompt": "", "prompt_logprobs": True}]}))

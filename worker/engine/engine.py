@@ -315,17 +315,15 @@ class Engine:
         tokens = self.tokenizer.encode(
             row.prompt, add_special_tokens=request.add_special_tokens, split_special=split
         )
-        if not tokens:
-            raise InvalidRequest(f"row {index}: the prompt is empty (it encodes to no tokens)")
-        if row.rolling:
+        if row.rolling:  # an empty text has no windows: 0 over 0 tokens, as lm-eval has it
             window = min(row.window or request.max_tokens or self.context_length, self.context_length)
-            if window < 1:
-                raise InvalidRequest(f"row {index}: a rolling window must hold at least 1 token")
             return SeqRow("rolling", rolling_seqs(self.tokenizer, tokens, window))
         vocab = self.model.args.vocab_size
         for t in row.token_ids:
             if t >= vocab:
                 raise InvalidRequest(f"row {index}: token id {t} is not in the vocabulary (0..{vocab - 1})")
+        if not tokens:
+            raise InvalidRequest(f"row {index}: the prompt is empty (it encodes to no tokens)")
         if len(tokens) < 2:
             return SeqRow("prompt_logprobs", [])  # one token: nothing before it, no logprob
         return SeqRow("prompt_logprobs", [TokenSeq(tokens, 1, row.top_logprobs, tuple(row.token_ids))])
@@ -445,6 +443,8 @@ class Engine:
                 prefix_cache=self.prefix_cache,
                 prefill_chunk=self.options.prefill_chunk,
                 max_batch_rows=64,
+                max_batch_kv_bytes=kv_bytes,
+                kv_bytes_per_token=self.kv_bytes_per_token,
                 interrupt=interrupt,
             )
             results, per_seq = token_scorer.score(seqs)

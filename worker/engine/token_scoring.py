@@ -23,7 +23,7 @@ from typing import cast
 
 import mlx.core as mx
 
-from mlxq.worker.engine.cache.kv_cache import KVCache, broadcast_batch
+from mlxq.worker.engine.cache.kv_cache import KVCache, broadcast_batch, key_columns
 from mlxq.worker.engine.cache.prefix_cache import PrefixCache
 from mlxq.worker.engine.models.base import Model
 from mlxq.worker.engine.scoring import _Node, build_tree, computed_per_row
@@ -67,6 +67,9 @@ class TokenScorer:
 
     With a `PrefixCache`, a top-level span starts from the longest cached prefix that ends before any
     position a sequence under it needs, and every span computed on the batch-1 path is offered back.
+    A suffix batch holds a copy of its shared prefix's keys and values per row: with
+    `max_batch_kv_bytes` (and the model's `kv_bytes_per_token`) it takes only as many rows as keep
+    those copies within that many bytes, as `PrefixScorer`'s do.
     `interrupt` is called before every forward; whatever it raises ends the scoring there.
     """
 
@@ -78,6 +81,8 @@ class TokenScorer:
         prefill_chunk: int = 2048,
         max_batch_rows: int = 32,
         max_batch_tokens: int = 8192,
+        max_batch_kv_bytes: int = 0,
+        kv_bytes_per_token: int = 0,
         min_shared: int = 32,
         head_chunk: int = 256,
         interrupt: Callable[[], None] | None = None,
@@ -87,6 +92,8 @@ class TokenScorer:
         self.prefill_chunk = prefill_chunk
         self.max_batch_rows = max_batch_rows
         self.max_batch_tokens = max_batch_tokens
+        self.max_batch_kv_bytes = max_batch_kv_bytes
+        self.kv_bytes_per_token = kv_bytes_per_token
         self.min_shared = min_shared
         self.head_chunk = head_chunk
         self.interrupt = interrupt or (lambda: None)
@@ -163,7 +170,7 @@ class TokenScorer:
         return range(max(lo, s.first - 1), min(hi, len(s.tokens) - 1))
 
     def _run_leaves(self, leaves: list[_Node], cache: list[KVCache], depth: int) -> None:
-        for group in self._batches(leaves):
+        for group in self._batches(leaves, depth):
             self.interrupt()
             width = max(len(n.span) for n in group)
             ids = mx.array([n.span + [0] * (width - len(n.span)) for n in group], dtype=mx.int32)
@@ -178,13 +185,17 @@ class TokenScorer:
             ]
             self._score(flat, picks)
 
-    def _batches(self, leaves: list[_Node]) -> list[list[_Node]]:
+    def _batches(self, leaves: list[_Node], prefix: int) -> list[list[_Node]]:
+        """Leaf suffixes grouped (similar lengths together) under the row, token and KV budgets."""
         groups: list[list[_Node]] = []
         current: list[_Node] = []
         for n in sorted(leaves, key=lambda n: len(n.span)):
+            rows, width = len(current) + 1, len(n.span)
+            kv = rows * key_columns(prefix + width) * self.kv_bytes_per_token if prefix else 0
             if current and (
-                len(current) >= self.max_batch_rows
-                or len(n.span) * (len(current) + 1) > self.max_batch_tokens
+                rows > self.max_batch_rows
+                or width * rows > self.max_batch_tokens
+                or kv > self.max_batch_kv_bytes > 0
             ):
                 groups.append(current)
                 current = []
