@@ -30,10 +30,11 @@ from .checkpoints import checkpoint
 from .queue_client import BenchWorker, private_redis
 from .report import _git_commit as commit_label
 
-WORDS = (
-    "queue worker model prefix cache token batch stream result job redis score row answer question "
-    "paris france river mountain city light water stone garden window letter music"
-).split()
+WORDS = [
+    *("queue", "worker", "model", "prefix", "cache", "token", "batch", "stream", "result", "job", "redis"),
+    *("score", "row", "answer", "question", "paris", "france", "river", "mountain", "city", "light"),
+    *("water", "stone", "garden", "window", "letter", "music"),
+]
 
 
 @dataclass(frozen=True)
@@ -43,7 +44,7 @@ class Request:
     args: tuple[str, str]
 
 
-def workload(questions: int, shots: int = 5, seed: int = 0) -> list[Request]:
+def workload(questions: int, shots: int = 4, seed: int = 0) -> list[Request]:
     import random
 
     rng = random.Random(seed)
@@ -121,7 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     (out / f"{label}.json").write_text(json.dumps(result, indent=2) + "\n")
     table = "\n".join(
         [
-            f"# {label}: multiple-choice loglikelihood, {len(requests)} requests ({args.questions} questions x 4)",
+            f"# {label}: multiple-choice loglikelihood, {len(requests)} requests "
+            f"({args.questions} questions x 4)",
             "",
             "| path | requests/s |",
             "| --- | --- |",
