@@ -10,6 +10,9 @@ lm-eval calls a model with lists of requests; this owns turning them into jobs a
   context).
 - `generate_until`: one generation job per request; `until` strings are stop strings.
 
+Nothing is truncated: a request longer than the model's context fails its job (lm-eval's `hf` backend
+would drop the context's first tokens instead), and the evaluation stops with the worker's message.
+
 Every job is submitted before any result is awaited, then results are collected in order with a
 progress bar. The producer side only: nothing here needs MLX.
 

@@ -239,3 +239,24 @@ def test_an_empty_rolling_text_scores_nothing_and_an_empty_logprob_prompt_fails(
     )
     with pytest.raises(InvalidRequest, match="row 0: the prompt is empty"):
         engine.score_tokens(ScoreRequest.model_validate({"rows": [{"prompt": "", "prompt_logprobs": True}]}))
+
+
+def test_a_few_shot_prefix_is_shared_across_jobs_and_reused_from_the_prefix_cache(checkpoint: Path) -> None:
+    engine = Engine.load(str(checkpoint))
+
+    def job(i: int) -> ScoreRequest:
+        prompt = FEW_SHOT + f"Question {i}: what runs? Answer:"
+        return ScoreRequest.model_validate(
+            {"rows": [{"prompt": prompt, "continuations": [" jobs", " models"]}]}
+        )
+
+    first, second = engine.score_many([engine.score_tokens(job(1)), engine.score_tokens(job(2))])
+    shared = len(engine.tokenizer.encode(FEW_SHOT)) - 2  # its last tokens may merge with what follows
+    assert first.cached_tokens >= shared  # its second continuation reuses what its first computed
+    assert second.cached_tokens >= 2 * shared  # both continuations: the first job computed the prefix
+    (again,) = engine.score_many([engine.score_tokens(job(3))])  # a later batch: the prefix cache has it
+    assert again.cached_tokens >= 2 * shared
+    alone = Engine.load(str(checkpoint), EngineOptions(prefix_cache_bytes=0)).score(job(3))
+    assert alone.cached_tokens < again.cached_tokens
+    for a, b in zip(again.rows[0].continuations or [], alone.rows[0].continuations or [], strict=True):
+        assert a.token_logprobs == pytest.approx(b.token_logprobs, abs=1e-5)
