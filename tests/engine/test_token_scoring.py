@@ -135,27 +135,35 @@ def test_rolling_loglikelihood_matches_transformers(checkpoint: Path, hf: tuple[
     assert rolling.logprob == pytest.approx(want, abs=1e-3)
 
 
-def test_prompt_logprobs_with_top_k_and_chosen_ids(checkpoint: Path, hf: tuple[Any, Any]) -> None:
+def test_prompt_logprobs_with_top_k_and_chosen_ids(
+    checkpoint: Path, hf: tuple[Any, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
     model, tok = hf
     engine = Engine.load(str(checkpoint))
-    engine_scorer_chunk = 3  # a head chunk smaller than the prompt: the LM head runs in pieces
     import mlxq.worker.engine.token_scoring as ts
 
     original = ts.TokenScorer.__init__
 
     def small_head(self: ts.TokenScorer, *args: Any, **kwargs: Any) -> None:
-        original(self, *args, **{**kwargs, "head_chunk": engine_scorer_chunk})
+        original(self, *args, **{**kwargs, "head_chunk": 3})  # the LM head runs on 3 positions at a time
 
-    ts.TokenScorer.__init__ = small_head  # type: ignore[method-assign]
-    try:
-        prompt = "Workers keep a model loaded and score rows by shared prefix."
-        got = engine.score(
-            ScoreRequest(
-                rows=[{"prompt": prompt, "prompt_logprobs": True, "top_logprobs": 3, "token_ids": [5, 9]}]
-            )  # type: ignore[list-item]
-        ).rows[0]
-    finally:
-        ts.TokenScorer.__init__ = original  # type: ignore[method-assign]
+    head_rows: list[int] = []
+    logits = engine.model.logits
+
+    def recorded(hidden: Any) -> Any:
+        head_rows.append(int(hidden.shape[0]))
+        return logits(hidden)
+
+    monkeypatch.setattr(ts.TokenScorer, "__init__", small_head)
+    monkeypatch.setattr(engine.model, "logits", recorded)
+    prompt = "Workers keep a model loaded and score rows by shared prefix."
+    got = engine.score(
+        ScoreRequest(
+            rows=[{"prompt": prompt, "prompt_logprobs": True, "top_logprobs": 3, "token_ids": [5, 9]}]
+        )  # type: ignore[list-item]
+    ).rows[0]
+    # Never a [prompt, vocab] block: every LM-head call saw at most a chunk of positions, all of them once.
+    assert max(head_rows) == 3 and sum(head_rows) == len(tok.encode(prompt)) - 1
     ids = tok.encode(prompt)
     lp = _logprobs(model, ids)
     assert got.prompt_logprobs is not None
