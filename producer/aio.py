@@ -284,6 +284,7 @@ class AsyncClient:
         retry_errors: bool = True,
         add_special_tokens: bool = True,
         allow_special_tokens: bool = False,
+        max_tokens: int | None = None,
         progress: TextIO | None = None,
         stop: threading.Event | None = None,
     ) -> BulkSummary:
@@ -306,6 +307,7 @@ class AsyncClient:
                 options,
                 add_special_tokens=add_special_tokens,
                 allow_special_tokens=allow_special_tokens,
+                max_tokens=max_tokens,
                 progress=progress,
                 stop=stop,
             )

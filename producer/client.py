@@ -259,7 +259,8 @@ class Client:
         meta: dict[str, Any] | None = None,
         **params: Any,
     ) -> JobHandle[ScoreResult]:
-        """Validate and enqueue a scoring job of `rows` (`{prompt, candidates}`); options as for generate."""
+        """Validate and enqueue a scoring job of `rows` (`{prompt, candidates}`, or `continuations`,
+        `rolling`, `prompt_logprobs`: see `ScoreRow`); options as for generate."""
         request = payload.score_request(rows, params)
         options = self.settings.job_options(job_timeout, result_ttl, failure_ttl, retry, at_front, meta)
         job_id = self.enqueue(keys.SCORE_FUNC, payload.wire_payload(request), options, queue, job_id)
@@ -281,12 +282,15 @@ class Client:
         retry_errors: bool = True,
         add_special_tokens: bool = True,
         allow_special_tokens: bool = False,
+        max_tokens: int | None = None,
         progress: TextIO | None = None,
         stop: threading.Event | None = None,
     ) -> BulkSummary:
-        """Score a dataset: a JSONL file's path, or rows `{custom_id, prompt, candidates}`.
+        """Score a dataset: a JSONL file's path, or rows `{custom_id, prompt, candidates}` (or, in place
+        of candidates, `continuations`, `rolling` or `prompt_logprobs`: see `ScoreRow`).
 
-        Writes `{custom_id, logits, logprobs, input_tokens, cached_tokens}` per row to `out_path` in input
+        Writes `{custom_id, logits, logprobs, input_tokens, cached_tokens}` per candidates row (the
+        kind's own field in place of logits and logprobs for the others) to `out_path` in input
         order; failed and malformed rows go to `errors_path` (default `<out>.errors.jsonl`) with the reason.
         Rerunning with the same `out_path` skips rows already there (and, unless `retry_errors`, rows in
         the errors file). Rows travel `rows_per_job` to a job, at most `in_flight` jobs at once. Setting
@@ -304,6 +308,7 @@ class Client:
             options,
             add_special_tokens=add_special_tokens,
             allow_special_tokens=allow_special_tokens,
+            max_tokens=max_tokens,
             progress=progress,
             stop=stop,
         )
