@@ -11,7 +11,7 @@ import pytest
 from reference import hf_greedy, hf_logits, load_hf_model, make_hf_checkpoint, prompt_ids, rel_err
 
 from mlxq.worker.engine.cache.kv_cache import broadcast_batch, copy_cache
-from mlxq.worker.engine.errors import CheckpointError
+from mlxq.worker.engine.errors import CheckpointError, UnsupportedArchitecture
 from mlxq.worker.engine.models import build_model, supported_architectures
 from mlxq.worker.engine.models.llama import ModelArgs
 from mlxq.worker.engine.models.loader import load_model
@@ -234,3 +234,40 @@ def test_build_model_is_lazy_and_shaped() -> None:
     model = build_model(config)
     assert model.layers[0].self_attn.q_norm.weight.shape == (8,)
     assert model(mx.array([[1, 2, 3]], dtype=mx.int32)).shape == (1, 3, 50)
+
+
+def test_an_active_sliding_window_is_refused_at_load_naming_it(tmp_path: Path) -> None:
+    """Full attention in place of a window would change every position past it: never approximated."""
+    folder = make_hf_checkpoint(tmp_path, "MistralForCausalLM", sliding_window=8)
+    with pytest.raises(UnsupportedArchitecture, match=r"sliding_window '8' \(attention over only the last"):
+        load_model(folder)
+
+
+@pytest.mark.parametrize(
+    ("arch", "window", "use", "refused"),
+    [
+        ("MistralForCausalLM", 511, None, True),
+        ("MistralForCausalLM", 512, None, False),  # as long as the context: never slides
+        ("Qwen2ForCausalLM", 8, False, False),  # Qwen2's window is off unless use_sliding_window
+        ("Qwen2ForCausalLM", 8, True, True),
+    ],
+)
+def test_a_window_is_refused_exactly_when_it_would_slide(
+    arch: str, window: int, use: bool | None, refused: bool
+) -> None:
+    config = {
+        "architectures": [arch],
+        "hidden_size": 32,
+        "num_hidden_layers": 1,
+        "intermediate_size": 64,
+        "num_attention_heads": 2,
+        "vocab_size": 50,
+        "max_position_embeddings": 512,
+        "sliding_window": window,
+        **({} if use is None else {"use_sliding_window": use}),
+    }
+    if refused:
+        with pytest.raises(UnsupportedArchitecture, match=f"sliding_window '{window}'"):
+            build_model(config)
+    else:
+        assert len(build_model(config).layers) == 1

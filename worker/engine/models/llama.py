@@ -8,8 +8,7 @@ attribute names equal the Hugging Face checkpoint keys, so weights load without 
 from __future__ import annotations
 
 import inspect
-import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -24,8 +23,6 @@ from mlxq.worker.engine.models.base import LayerCache
 from mlxq.worker.engine.models.quantized_rows import FusedDenseRows, fuse_dense_rows
 from mlxq.worker.engine.models.rope import make_rope
 from mlxq.worker.engine.ragged_attention import RaggedRows, decode_attention
-
-log = logging.getLogger(__name__)
 
 Mask = mx.array | str | RaggedRows | None
 
@@ -61,6 +58,15 @@ class ModelArgs:
         self.head_dim = self.head_dim or self.hidden_size // self.num_attention_heads
         if self.hidden_act != "silu":
             raise UnsupportedArchitecture(self.hidden_act, ["silu"], what="hidden_act")
+        window = self.sliding_window if self.use_sliding_window is not False else None
+        if window and window < self.max_position_embeddings:
+            raise UnsupportedArchitecture(
+                str(window),
+                ["none", f"a window of at least max_position_embeddings ({self.max_position_embeddings})"],
+                what="sliding_window",
+                why="attention over only the last sliding_window positions is not implemented, and full "
+                "attention would change every position past the window",
+            )
 
     @classmethod
     def from_dict(cls, config: dict[str, Any]) -> ModelArgs:
@@ -257,13 +263,19 @@ def _fuse_linears(module: nn.Module, names: list[str]) -> nn.Module | None:
     return fused
 
 
-class TransformerBlock(nn.Module):
-    """Pre-norm residual block: attention then MLP."""
+FeedForward = Callable[[int], tuple[str, nn.Module]]  # layer index -> (checkpoint name, module)
 
-    def __init__(self, args: ModelArgs) -> None:
+
+class TransformerBlock(nn.Module):
+    """Pre-norm residual block: attention then a feed-forward, by default the dense SwiGLU `MLP` under
+    the checkpoint name `mlp`; a mixture of experts (`moe.py`) brings its own module and name."""
+
+    def __init__(self, args: ModelArgs, feed_forward: tuple[str, nn.Module] | None = None) -> None:
         super().__init__()  # type: ignore[no-untyped-call]  # mlx.nn.Module.__init__ is unannotated
         self.self_attn = Attention(args)
-        self.mlp = MLP(args)
+        name, module = feed_forward if feed_forward is not None else ("mlp", MLP(args))
+        setattr(self, name, module)
+        self.feed_forward_name = name  # a str: a plain attribute, not a parameter
         self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
 
@@ -278,7 +290,13 @@ class TransformerBlock(nn.Module):
         """The block's output for every position, or with `last` for that position only."""
         attn = self.self_attn(self.input_layernorm(x), mask, cache, last, columns)
         h = (x if last is None else x[:, last : last + 1]) + attn
-        return h + self.mlp(self.post_attention_layernorm(h))
+        out: mx.array = self.feed_forward(self.post_attention_layernorm(h))
+        return h + out
+
+    @property
+    def feed_forward(self) -> nn.Module:
+        """The block's feed-forward module (dense `MLP` or a mixture of experts)."""
+        return self[self.feed_forward_name]  # type: ignore[no-any-return]  # nn.Module is an untyped dict
 
 
 def _mask_for_one_query(mask: Mask, last: int, n: int, cache: LayerCache | None) -> Mask:
@@ -318,10 +336,13 @@ class LlamaModel(nn.Module):
     reads whole steps of the cache, masked, so attention meets few key shapes (`kv_cache.key_columns`).
     """
 
-    def __init__(self, args: ModelArgs) -> None:
+    def __init__(self, args: ModelArgs, feed_forward: FeedForward | None = None) -> None:
         super().__init__()  # type: ignore[no-untyped-call]  # mlx.nn.Module.__init__ is unannotated
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.layers = [TransformerBlock(args) for _ in range(args.num_hidden_layers)]
+        self.layers = [
+            TransformerBlock(args, feed_forward(i) if feed_forward is not None else None)
+            for i in range(args.num_hidden_layers)
+        ]
         self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.bucket_keys = False
 
@@ -352,17 +373,17 @@ class LlamaModel(nn.Module):
 
 
 class Model(nn.Module):
-    """A causal LM: `model(inputs, cache, mask) -> logits`, or `hidden` and `logits` separately."""
+    """A causal LM: `model(inputs, cache, mask) -> logits`, or `hidden` and `logits` separately.
 
-    def __init__(self, args: ModelArgs) -> None:
+    `feed_forward` (layer index -> (checkpoint name, module)) replaces the dense `MLP` of some or all
+    layers: how the mixture-of-experts architectures (`moe.py`) reuse everything else here."""
+
+    def __init__(self, args: ModelArgs, feed_forward: FeedForward | None = None) -> None:
         super().__init__()  # type: ignore[no-untyped-call]  # mlx.nn.Module.__init__ is unannotated
         self.args = args
-        self.model = LlamaModel(args)
+        self.model = LlamaModel(args, feed_forward)
         if not args.tie_word_embeddings:
             self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
-        window = args.sliding_window if args.use_sliding_window is not False else None
-        if window and window < args.max_position_embeddings:
-            log.warning("sliding window ignored window=%d: attention is full-length", window)
 
     def __call__(
         self,
@@ -417,7 +438,7 @@ class Model(nn.Module):
         model's parameters no longer have the checkpoint's names)."""
         for layer in self.layers:
             layer.self_attn.fuse()
-            layer.mlp.fuse()
+            layer.feed_forward.fuse()
 
     def make_cache(self) -> list[KVCache]:
         """One empty `KVCache` per layer."""
