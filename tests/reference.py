@@ -20,7 +20,14 @@ import transformers
 
 from mlxq.worker.modelfiles.tiny_model import build_tokenizer
 
-ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "MixtralForCausalLM",
+    "Qwen3MoeForCausalLM",
+)
 
 # Small enough for a slow CPU, big enough for GQA (4 query heads on 2 KV heads) and two layers.
 TINY: dict[str, Any] = {
@@ -91,8 +98,10 @@ def _rewrite_as_v4(path: Path) -> None:
     if "dtype" in cfg:
         cfg["torch_dtype"] = cfg.pop("dtype")
     derived = cfg["hidden_size"] // cfg["num_attention_heads"]
-    if cfg["model_type"] != "qwen3" and cfg.get("head_dim") == derived:
+    if cfg["model_type"] not in ("qwen3", "qwen3_moe") and cfg.get("head_dim") == derived:
         del cfg["head_dim"]  # older configs derive it; Qwen3 always writes it (its default is 128)
+    if cfg["model_type"] == "qwen3_moe" and "num_local_experts" in cfg:
+        cfg["num_experts"] = cfg.pop("num_local_experts")  # transformers 4's name for Qwen3-MoE
     cfg["transformers_version"] = "4.45.0"
     path.write_text(json.dumps(cfg, indent=2))
 

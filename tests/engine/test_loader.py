@@ -132,6 +132,7 @@ def test_unsupported_architecture(tiny: Path, tmp_path: Path) -> None:
     with pytest.raises(UnsupportedArchitecture, match="GPT2LMHeadModel") as e:
         load_model(folder)
     assert "LlamaForCausalLM" in str(e.value) and "Qwen3ForCausalLM" in str(e.value)
+    assert "MixtralForCausalLM" in str(e.value) and "Qwen3MoeForCausalLM" in str(e.value)
     assert isinstance(e.value, WorkerError)
 
 

@@ -9,6 +9,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from reference import hf_greedy, hf_logits, load_hf_model, make_hf_checkpoint, prompt_ids, rel_err
+from safetensors.numpy import load_file, save_file
 
 from mlxq.worker.engine.cache.kv_cache import broadcast_batch, copy_cache
 from mlxq.worker.engine.errors import CheckpointError, UnsupportedArchitecture
@@ -39,7 +40,55 @@ CASES: dict[str, tuple[str, dict[str, Any], str]] = {
     "qwen2-bias-tied": ("Qwen2ForCausalLM", {"tie_word_embeddings": True}, "v5"),
     "qwen3-qk-norm": ("Qwen3ForCausalLM", {"head_dim": 32}, "v5"),
     "qwen3-v4": ("Qwen3ForCausalLM", {"num_key_value_heads": 1}, "v4"),
+    "mixtral-5-experts": ("MixtralForCausalLM", {"num_local_experts": 5, "num_experts_per_tok": 2}, "v5"),
+    "mixtral-router-ties-v4": (
+        "MixtralForCausalLM",
+        {"num_local_experts": 5, "num_experts_per_tok": 3, "head_dim": 32},
+        "v4",
+    ),
+    "qwen3-moe-dense-layer-v4": (
+        "Qwen3MoeForCausalLM",
+        {
+            "num_experts": 7,
+            "num_experts_per_tok": 3,
+            "moe_intermediate_size": 48,
+            "norm_topk_prob": True,
+            "mlp_only_layers": [1],
+        },
+        "v4",
+    ),
+    "qwen3-moe-router-ties": (
+        "Qwen3MoeForCausalLM",
+        {"num_experts": 5, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "norm_topk_prob": False},
+        "v5",
+    ),
 }
+
+
+def tie_routers(folder: Path) -> None:
+    """Rewrite a two-layer mixture of experts so its routers tie. Layer 0: experts 1 and 2 share a router
+    row v, the others' rows are -a·v with distinct a, so for every token the tied pair either leads (a
+    tie inside the top-k between different experts, weighted equally) or trails. Layer 1: experts 3 and 4
+    share a router row and all their weights, so a tie at the k-th place gives one output whichever wins
+    (which one wins is each sort's own choice: transformers' torch.topk does not say)."""
+    path = folder / "model.safetensors"
+    w = load_file(path)
+    for layer in (0, 1):
+        (gate,) = [k for k in w if k.startswith(f"model.layers.{layer}.") and k.endswith(".gate.weight")]
+        rows = w[gate].copy()
+        if layer == 0:
+            v = rows[1]
+            rows[:] = [-0.5 * v, v, v, -1.0 * v, -2.0 * v]
+        else:
+            rows[4] = rows[3]
+            prefix = gate[: -len("gate.weight")] + "experts."
+            for key in [k for k in w if k.startswith(prefix + "3.")]:
+                w[prefix + "4." + key[len(prefix + "3.") :]] = w[key]
+        w[gate] = rows
+    save_file(w, path, metadata={"format": "pt"})
+
+
+EDITS = {"mixtral-router-ties-v4": tie_routers, "qwen3-moe-router-ties": tie_routers}
 
 
 @pytest.fixture(scope="module", params=sorted(CASES))
@@ -47,6 +96,8 @@ def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     """(checkpoint folder, our model as the engine runs it (projections fused), transformers' model)."""
     arch, overrides, style = CASES[request.param]
     folder = make_hf_checkpoint(tmp_path_factory.mktemp(request.param), arch, config_style=style, **overrides)
+    if request.param in EDITS:
+        EDITS[request.param](folder)
     model, _ = load_model(folder, dtype="float32")
     model.fuse()
     return folder, model, load_hf_model(folder)
