@@ -94,6 +94,9 @@ def _rewrite_as_v4(path: Path) -> None:
     cfg = json.loads(path.read_text())
     rope = dict(cfg.pop("rope_parameters", None) or {})
     cfg["rope_theta"] = rope.pop("rope_theta", 10000.0)
+    partial = rope.pop("partial_rotary_factor", 1.0)
+    if partial != 1.0:
+        cfg["partial_rotary_factor"] = partial  # transformers 4 kept it beside the scaling
     cfg["rope_scaling"] = None if rope.get("rope_type", "default") == "default" else rope
     if "dtype" in cfg:
         cfg["torch_dtype"] = cfg.pop("dtype")

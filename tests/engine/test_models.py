@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
 from reference import hf_greedy, hf_logits, load_hf_model, make_hf_checkpoint, prompt_ids, rel_err
 from safetensors.numpy import load_file, save_file
 
+from mlxq.worker.engine import Engine, EngineOptions
 from mlxq.worker.engine.cache.kv_cache import broadcast_batch, copy_cache
 from mlxq.worker.engine.errors import CheckpointError, UnsupportedArchitecture
 from mlxq.worker.engine.models import build_model, supported_architectures
@@ -25,6 +28,16 @@ LLAMA3_ROPE = {
     "low_freq_factor": 1.0,
     "high_freq_factor": 4.0,
     "original_max_position_embeddings": 16,  # short, so the scaled band covers most frequencies
+}
+
+# LongRoPE with Phi-3's per-pair factors, on a context 8x the original one: within the original context
+# (to which the model's is capped) the short factors and the attention factor apply.
+PHI3_LONGROPE = {
+    "rope_type": "longrope",
+    "rope_theta": 10000.0,
+    "short_factor": [1.0 + 0.25 * i for i in range(8)],
+    "long_factor": [2.0 + i for i in range(8)],
+    "original_max_position_embeddings": 64,
 }
 
 # name -> (architecture, config overrides, config.json style)
@@ -61,6 +74,26 @@ CASES: dict[str, tuple[str, dict[str, Any], str]] = {
         "Qwen3MoeForCausalLM",
         {"num_experts": 5, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "norm_topk_prob": False},
         "v5",
+    ),
+    "phi3": ("Phi3ForCausalLM", {}, "v5"),
+    "phi3-partial-rotary": ("Phi3ForCausalLM", {"rope_parameters": {"partial_rotary_factor": 0.75}}, "v5"),
+    "phi3-partial-rotary-tied-v4": (
+        "Phi3ForCausalLM",
+        {
+            "rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.75},
+            "tie_word_embeddings": True,
+        },
+        "v4",
+    ),
+    "phi3-longrope": (
+        "Phi3ForCausalLM",
+        {"rope_parameters": PHI3_LONGROPE, "original_max_position_embeddings": 64},
+        "v5",
+    ),
+    "phi3-longrope-v4": (
+        "Phi3ForCausalLM",
+        {"rope_parameters": PHI3_LONGROPE, "original_max_position_embeddings": 64},
+        "v4",
     ),
 }
 
@@ -322,3 +355,61 @@ def test_a_window_is_refused_exactly_when_it_would_slide(
             build_model(config)
     else:
         assert len(build_model(config).layers) == 1
+
+
+def test_phi3_rope_reads_partial_rotary_and_longrope_and_caps_the_context(tmp_path: Path) -> None:
+    """What the Phi-3 cases above run on: 12 of 16 features rotated; LongRoPE's short factors and attention
+    factor (a context 8x the original: sqrt(1 + ln 8 / ln 64)), the context capped at the original one."""
+    partial = make_hf_checkpoint(
+        tmp_path / "p", "Phi3ForCausalLM", config_style="v4", rope_parameters={"partial_rotary_factor": 0.75}
+    )
+    assert load_model(partial)[0].layers[0].self_attn.rope.dims == 12
+    folder = make_hf_checkpoint(
+        tmp_path / "l", "Phi3ForCausalLM", rope_parameters=PHI3_LONGROPE, original_max_position_embeddings=64
+    )
+    model, config = load_model(folder)
+    rope = model.layers[0].self_attn.rope
+    assert config["max_position_embeddings"] == 512 and model.args.max_position_embeddings == 64
+    assert rope.magnitude == pytest.approx((1 + np.log(8) / np.log(64)) ** 0.5)
+    old = {
+        **config,
+        "rope_parameters": None,
+        "rope_scaling": {**PHI3_LONGROPE, "type": "su", "rope_type": None},
+    }
+    assert build_model(old).layers[0].self_attn.rope.magnitude == rope.magnitude
+    engine = Engine.load(str(folder), EngineOptions(prefix_cache_bytes=0))
+    assert engine.context_length == 64  # longer requests are refused (ContextTooLong), never approximated
+
+
+def test_phi3_quantized_folder_with_fused_projections(tmp_path: Path) -> None:
+    """mlx-community's Phi-3 folders keep qkv_proj and gate_up_proj fused and quantized: split by rows at
+    load, they compute what the same weights dequantized compute."""
+    src = make_hf_checkpoint(tmp_path / "src", "Phi3ForCausalLM")
+    weights = load_file(src / "model.safetensors")
+    quantized, dequantized = {}, {}
+    for key, value in weights.items():
+        if value.ndim == 2 and key.endswith(".weight") and "embed" not in key and "lm_head" not in key:
+            w, scales, biases = mx.quantize(mx.array(value), group_size=32, bits=4)
+            stem = key[: -len(".weight")]
+            quantized |= {
+                key: np.array(w),
+                f"{stem}.scales": np.array(scales),
+                f"{stem}.biases": np.array(biases),
+            }
+            dequantized[key] = np.array(mx.dequantize(w, scales, biases, group_size=32, bits=4))
+        else:
+            quantized[key] = dequantized[key] = value
+    assert "model.layers.0.self_attn.qkv_proj.scales" in quantized
+    config = json.loads((src / "config.json").read_text())
+    for name, tensors, extra in (
+        ("q", quantized, {"quantization": {"group_size": 32, "bits": 4}}),
+        ("d", dequantized, {}),
+    ):
+        (tmp_path / name).mkdir()
+        save_file(tensors, tmp_path / name / "model.safetensors", metadata={"format": "mlx"})
+        (tmp_path / name / "config.json").write_text(json.dumps({**config, **extra}))
+    model, _ = load_model(tmp_path / "q", dtype="float32")
+    plain, _ = load_model(tmp_path / "d", dtype="float32")
+    assert isinstance(model.layers[0].self_attn.k_proj, nn.QuantizedLinear)
+    ids = mx.array([prompt_ids(src)], dtype=mx.int32)
+    assert rel_err(np.array(model(ids)[0]), np.array(plain(ids)[0])) < 1e-4

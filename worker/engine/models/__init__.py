@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mlxq.worker.engine.errors import UnsupportedArchitecture
-from mlxq.worker.engine.models import llama, moe
+from mlxq.worker.engine.models import llama, moe, phi3
 from mlxq.worker.engine.models.base import Model
 
 
@@ -64,5 +64,6 @@ register(
     "MixtralForCausalLM", moe.ModelArgs, moe.Model, norm_topk_prob=True, feed_forward_name="block_sparse_moe"
 )
 register("Qwen3MoeForCausalLM", moe.ModelArgs, moe.Model, qk_norm=True)
+register("Phi3ForCausalLM", phi3.ModelArgs, phi3.Model)
 
 __all__ = ["Architecture", "build_model", "register", "supported_architectures"]

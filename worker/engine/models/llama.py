@@ -46,6 +46,8 @@ class ModelArgs:
     attention_bias: bool = False
     mlp_bias: bool = False
     hidden_act: str = "silu"
+    partial_rotary_factor: float = 1.0  # the share of each head's features RoPE rotates (Phi-4-mini: 0.75)
+    original_max_position_embeddings: int | None = None  # LongRoPE's original context (Phi-3)
     sliding_window: int | None = None
     use_sliding_window: bool | None = None  # Qwen2/3 write it (False); Mistral's window is on when set
     qkv_bias: bool = False  # set by the registry for Qwen2, not read from config.json
@@ -56,6 +58,19 @@ class ModelArgs:
         self.num_key_value_heads = self.num_key_value_heads or self.num_attention_heads
         self.n_kv_heads = self.num_key_value_heads
         self.head_dim = self.head_dim or self.hidden_size // self.num_attention_heads
+        if self.rope_scaling is not None and self.rope_scaling.get("rope_type") == "longrope":
+            # transformers takes the top-level value first; a context past it is refused (`rope.longrope`)
+            original = int(
+                self.original_max_position_embeddings
+                or self.rope_scaling.get("original_max_position_embeddings")
+                or self.max_position_embeddings
+            )
+            self.rope_scaling = {
+                **self.rope_scaling,
+                "original_max_position_embeddings": original,
+                "max_position_embeddings": self.max_position_embeddings,
+            }
+            self.max_position_embeddings = min(self.max_position_embeddings, original)
         if self.hidden_act != "silu":
             raise UnsupportedArchitecture(self.hidden_act, ["silu"], what="hidden_act")
         window = self.sliding_window if self.use_sliding_window is not False else None
@@ -78,21 +93,23 @@ class ModelArgs:
             raise CheckpointError(
                 f"config.json lacks {', '.join(missing)}, needed for {config.get('architectures')}"
             )
-        args["rope_theta"], args["rope_scaling"] = _rope_settings(config)
+        args["rope_theta"], args["rope_scaling"], args["partial_rotary_factor"] = _rope_settings(config)
         return cls(**args)
 
 
-def _rope_settings(config: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
-    """(theta, scaling dict with a `rope_type` key or None) from either config.json layout."""
+def _rope_settings(config: dict[str, Any]) -> tuple[float, dict[str, Any] | None, float]:
+    """(theta, scaling dict with a `rope_type` key or None, partial rotary factor) from either
+    config.json layout."""
     params = config.get("rope_parameters")  # transformers 5: one dict with theta and scaling together
     if not isinstance(params, dict):
         params = {**(config.get("rope_scaling") or {}), "rope_theta": config.get("rope_theta", 10000.0)}
     params = dict(params)
     theta = float(params.pop("rope_theta", config.get("rope_theta", 10000.0)))
+    partial = float(params.pop("partial_rotary_factor", None) or config.get("partial_rotary_factor") or 1.0)
     rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"  # "type": old v4
     if rope_type == "default":
-        return theta, None
-    return theta, {**params, "rope_type": rope_type}
+        return theta, None, partial
+    return theta, {**params, "rope_type": rope_type}, partial
 
 
 class Attention(nn.Module):
@@ -114,7 +131,8 @@ class Attention(nn.Module):
             self.q_norm = nn.RMSNorm(self.head_dim, eps=args.rms_norm_eps)
             self.k_norm = nn.RMSNorm(self.head_dim, eps=args.rms_norm_eps)
         self.qk_norm = args.qk_norm
-        self.rope = make_rope(self.head_dim, args.rope_theta, args.rope_scaling)
+        rotated = int(self.head_dim * args.partial_rotary_factor)
+        self.rope = make_rope(rotated, args.rope_theta, args.rope_scaling)
         self.qkv_proj: nn.Module | None = None  # set by `fuse`, in place of q_proj, k_proj and v_proj
 
     def fuse(self) -> None:
