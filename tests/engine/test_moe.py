@@ -24,6 +24,7 @@ from mlxq.worker.engine.errors import CheckpointError
 from mlxq.worker.engine.generation_batch import GenerationBatch, generate
 from mlxq.worker.engine.models import build_model, moe
 from mlxq.worker.engine.models.loader import load_model, save_quantized
+from mlxq.worker.modelfiles.tiny_model import write_random_checkpoint
 
 LONG = "The capital of France is Paris. " * 8
 QWEN3_MOE = {"num_experts": 5, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "norm_topk_prob": True}
@@ -198,3 +199,27 @@ def test_prefix_cache_reuse_gives_the_same_tokens(moe_dir: Path) -> None:
         cold.usage.cached_tokens == 0 and warm.usage.cached_tokens == len(engine.tokenizer.encode(LONG)) - 1
     )
     assert warm.token_ids == cold.token_ids
+
+
+@pytest.mark.parametrize(
+    ("arch", "config"),
+    [
+        ("Qwen3MoeForCausalLM", {"num_experts": 5, "moe_intermediate_size": 32}),
+        ("MixtralForCausalLM", {"num_local_experts": 5}),  # an expert as wide as intermediate_size (128)
+    ],
+)
+def test_random_checkpoints_write_experts_stacked_and_load_as_they_are(
+    tmp_path: Path, arch: str, config: dict[str, Any]
+) -> None:
+    """What benchmarks run on: experts written stacked (mlx-community's layout), read without stacking."""
+    folder = write_random_checkpoint(
+        tmp_path, {"architectures": [arch], "num_experts_per_tok": 2, **config}, dtype="bfloat16"
+    )
+    raw = (folder / "model.safetensors").read_bytes()
+    header = json.loads(raw[8 : 8 + int.from_bytes(raw[:8], "little")])
+    block = "block_sparse_moe" if arch == "MixtralForCausalLM" else "mlp"
+    width = config.get("moe_intermediate_size", 128)
+    assert header[f"model.layers.1.{block}.switch_mlp.down_proj.weight"]["shape"] == [5, 64, width]
+    model, _ = load_model(folder, dtype="float32")
+    assert isinstance(model.layers[1].feed_forward, moe.SparseMoeBlock)
+    assert np.isfinite(np.array(model(mx.array([[1, 2, 3, 4]], dtype=mx.int32)))).all()

@@ -60,8 +60,14 @@ register("LlamaForCausalLM", llama.ModelArgs, llama.Model)
 register("MistralForCausalLM", llama.ModelArgs, llama.Model)
 register("Qwen2ForCausalLM", llama.ModelArgs, llama.Model, qkv_bias=True)
 register("Qwen3ForCausalLM", llama.ModelArgs, llama.Model, qk_norm=True)
+# Mixtral always renormalises its top-k weights, and its experts are intermediate_size wide.
 register(
-    "MixtralForCausalLM", moe.ModelArgs, moe.Model, norm_topk_prob=True, feed_forward_name="block_sparse_moe"
+    "MixtralForCausalLM",
+    moe.ModelArgs,
+    moe.Model,
+    norm_topk_prob=True,
+    moe_intermediate_size=None,
+    feed_forward_name="block_sparse_moe",
 )
 register("Qwen3MoeForCausalLM", moe.ModelArgs, moe.Model, qk_norm=True)
 register("Phi3ForCausalLM", phi3.ModelArgs, phi3.Model)
