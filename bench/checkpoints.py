@@ -56,6 +56,9 @@ TINY_MOE: dict[str, Any] = {
     "num_experts_per_tok": 3,
     "moe_intermediate_size": 64,
     "norm_topk_prob": True,
+    "decoder_sparse_step": 1,  # mlx-lm's Qwen3-MoE needs these three written out
+    "mlp_only_layers": [],
+    "head_dim": 16,
 }
 
 SHAPES = {

@@ -133,8 +133,37 @@ def _no_eos(engine: Engine) -> dict[int, float]:
     return {i: -100.0 for i in engine.tokenizer.eos_ids}
 
 
+# Checkpoints run through the engine's batches: the mixtures of experts, and Phi-3 with LongRoPE (its
+# attention factor scales q and k after RoPE, in the batched decode's fused rotation too) and a partial
+# rotary factor.
+BATCHED = {
+    "qwen3-moe": ("Qwen3MoeForCausalLM", QWEN3_MOE),
+    "mixtral": ("MixtralForCausalLM", MIXTRAL),
+    "phi3-longrope-partial": (
+        "Phi3ForCausalLM",
+        {
+            "rope_parameters": {
+                "rope_type": "longrope",
+                "partial_rotary_factor": 0.75,
+                "short_factor": [1.0 + 0.5 * i for i in range(6)],
+                "long_factor": [4.0] * 6,
+            },
+            "original_max_position_embeddings": 128,
+        },
+    ),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(BATCHED))
+def batched_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    arch, overrides = BATCHED[request.param]
+    folder = tmp_path_factory.mktemp(request.param)
+    return make_hf_checkpoint(folder, arch, max_position_embeddings=1024, **overrides)
+
+
 @pytest.mark.parametrize("pad_shapes", [False, True])
-def test_batched_generation_equals_each_request_alone(moe_dir: Path, pad_shapes: bool) -> None:
+def test_batched_generation_equals_each_request_alone(batched_dir: Path, pad_shapes: bool) -> None:
+    moe_dir = batched_dir
     engine = Engine.load(str(moe_dir), EngineOptions(prefill_chunk=16, prefix_cache_bytes=0))
     requests = [
         GenerateRequest.model_validate(
