@@ -17,7 +17,7 @@ from mlxq.worker.engine import Engine, EngineOptions
 from mlxq.worker.engine.cache.kv_cache import broadcast_batch, copy_cache
 from mlxq.worker.engine.errors import CheckpointError, UnsupportedArchitecture
 from mlxq.worker.engine.models import build_model, supported_architectures
-from mlxq.worker.engine.models.llama import ModelArgs
+from mlxq.worker.engine.models.llama import Attention, ModelArgs
 from mlxq.worker.engine.models.loader import load_model
 from mlxq.worker.modelfiles.tiny_model import write_random_checkpoint
 
@@ -38,6 +38,43 @@ PHI3_LONGROPE = {
     "short_factor": [1.0 + 0.25 * i for i in range(8)],
     "long_factor": [2.0 + i for i in range(8)],
     "original_max_position_embeddings": 64,
+}
+
+QWEN3_YARN = {
+    "rope_type": "yarn",
+    "rope_theta": 10000.0,
+    "factor": 4.0,
+    "original_max_position_embeddings": 16,
+}
+# DeepSeek-V3 in small: latent attention (q through a low rank; keys 12 + 8 rotated features wide,
+# values 10), 6 routed experts in 3 groups (2 groups kept, 2 experts per token), 1 shared expert, the
+# first layer dense. transformers writes the RoPE width as head_dim.
+DEEPSEEK_V3 = {
+    "n_routed_experts": 6,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32,
+    "n_group": 3,
+    "topk_group": 2,
+    "first_k_dense_replace": 1,
+    "n_shared_experts": 1,
+    "routed_scaling_factor": 2.5,
+    "q_lora_rank": 24,
+    "kv_lora_rank": 16,
+    "qk_rope_head_dim": 8,
+    "qk_nope_head_dim": 12,
+    "v_head_dim": 10,
+    "head_dim": 8,
+    "num_key_value_heads": 4,
+}
+DEEPSEEK_YARN = {
+    "rope_type": "yarn",
+    "rope_theta": 10000.0,
+    "factor": 8.0,
+    "original_max_position_embeddings": 64,
+    "mscale": 1.0,
+    "mscale_all_dim": 1.0,
+    "beta_fast": 32,
+    "beta_slow": 1,
 }
 
 # name -> (architecture, config overrides, config.json style)
@@ -95,7 +132,24 @@ CASES: dict[str, tuple[str, dict[str, Any], str]] = {
         {"rope_parameters": PHI3_LONGROPE, "original_max_position_embeddings": 64},
         "v4",
     ),
+    "qwen3-yarn": ("Qwen3ForCausalLM", {"rope_parameters": QWEN3_YARN}, "v5"),
+    "deepseek-v3": ("DeepseekV3ForCausalLM", DEEPSEEK_V3, "v5"),
+    "deepseek-v3-yarn-no-q-lora-v4": (
+        "DeepseekV3ForCausalLM",
+        {**DEEPSEEK_V3, "q_lora_rank": None, "v_head_dim": 24, "rope_parameters": DEEPSEEK_YARN},
+        "v4",
+    ),
 }
+
+
+def correction_bias(folder: Path) -> None:
+    """DeepSeek-V3's routers with a random `e_score_correction_bias` (transformers initialises it to 0)."""
+    path = folder / "model.safetensors"
+    w = load_file(path)
+    rng = np.random.default_rng(0)
+    for key in [k for k in w if k.endswith("e_score_correction_bias")]:
+        w[key] = (0.3 * rng.standard_normal(w[key].shape)).astype(np.float32)
+    save_file(w, path, metadata={"format": "pt"})
 
 
 def tie_routers(folder: Path) -> None:
@@ -121,7 +175,12 @@ def tie_routers(folder: Path) -> None:
     save_file(w, path, metadata={"format": "pt"})
 
 
-EDITS = {"mixtral-router-ties-v4": tie_routers, "qwen3-moe-router-ties": tie_routers}
+EDITS = {
+    "mixtral-router-ties-v4": tie_routers,
+    "qwen3-moe-router-ties": tie_routers,
+    "deepseek-v3": correction_bias,
+    "deepseek-v3-yarn-no-q-lora-v4": correction_bias,
+}
 
 
 @pytest.fixture(scope="module", params=sorted(CASES))
@@ -141,7 +200,8 @@ def test_fused_projections_compute_what_the_checkpoint_layout_does(pair: tuple[P
     plain, _ = load_model(folder, dtype="float32")
     fused.fuse()  # a second time changes nothing
     attn = fused.layers[0].self_attn
-    assert attn.qkv_proj is not None and "q_proj" not in attn and "q_proj" in plain.layers[0].self_attn
+    if isinstance(attn, Attention):  # DeepSeek's latent attention has nothing to fuse
+        assert attn.qkv_proj is not None and "q_proj" not in attn and "q_proj" in plain.layers[0].self_attn
     ids = mx.array([prompt_ids(folder)], dtype=mx.int32)
     np.testing.assert_allclose(np.array(fused(ids)), np.array(plain(ids)), rtol=1e-5, atol=1e-5)
     last = ids.shape[1] - 3  # a prefill's last position only: q sliced after the fused matmul

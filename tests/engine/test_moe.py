@@ -21,9 +21,11 @@ from safetensors.numpy import load_file, save_file
 from mlxq.jobs.schema import GenerateRequest, ScoreRequest
 from mlxq.worker.engine import Engine, EngineOptions
 from mlxq.worker.engine.errors import CheckpointError
+from mlxq.worker.engine.generate import DecodeBatch, prefill
 from mlxq.worker.engine.generation_batch import GenerationBatch, generate
-from mlxq.worker.engine.models import build_model, moe
+from mlxq.worker.engine.models import build_model, deepseek, llama, moe
 from mlxq.worker.engine.models.loader import load_model, save_quantized
+from mlxq.worker.engine.sampler import Sampler
 from mlxq.worker.modelfiles.tiny_model import write_random_checkpoint
 
 LONG = "The capital of France is Paris. " * 8
@@ -133,12 +135,32 @@ def _no_eos(engine: Engine) -> dict[int, float]:
     return {i: -100.0 for i in engine.tokenizer.eos_ids}
 
 
-# Checkpoints run through the engine's batches: the mixtures of experts, and Phi-3 with LongRoPE (its
+# Checkpoints run through the engine's batches: the mixtures of experts (DeepSeek-V3's with its latent
+# attention), and Phi-3 with LongRoPE (its
 # attention factor scales q and k after RoPE, in the batched decode's fused rotation too) and a partial
 # rotary factor.
 BATCHED = {
     "qwen3-moe": ("Qwen3MoeForCausalLM", QWEN3_MOE),
     "mixtral": ("MixtralForCausalLM", MIXTRAL),
+    "deepseek-v3": (  # latent attention: values narrower than keys, padded in the caches
+        "DeepseekV3ForCausalLM",
+        {
+            "n_routed_experts": 6,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "n_group": 3,
+            "topk_group": 2,
+            "first_k_dense_replace": 1,
+            "n_shared_experts": 1,
+            "q_lora_rank": 24,
+            "kv_lora_rank": 16,
+            "qk_rope_head_dim": 8,
+            "qk_nope_head_dim": 12,
+            "v_head_dim": 10,
+            "head_dim": 8,
+            "num_key_value_heads": 4,
+        },
+    ),
     "phi3-longrope-partial": (
         "Phi3ForCausalLM",
         {
@@ -252,3 +274,38 @@ def test_random_checkpoints_write_experts_stacked_and_load_as_they_are(
     model, _ = load_model(folder, dtype="float32")
     assert isinstance(model.layers[1].feed_forward, moe.SparseMoeBlock)
     assert np.isfinite(np.array(model(mx.array([[1, 2, 3, 4]], dtype=mx.int32)))).all()
+
+
+def test_the_ragged_decode_path_decodes_what_the_mask_path_decodes(
+    batched_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The decode step of left-padded rows that GPUs take (`ragged_kernel`: each row's first column in
+    place of a mask; here `decode_attention` computes it with MLX) gives the mask path's tokens, for the
+    latent attention's padded values and LongRoPE's scaled rotation too."""
+    engine = Engine.load(str(batched_dir), EngineOptions(prefix_cache_bytes=0))
+    model = engine.model
+    calls: list[int] = []
+    for module in (llama, deepseek):
+        original = module.decode_attention
+
+        def counted(*a: Any, _original: Any = original, **k: Any) -> mx.array:
+            calls.append(1)
+            return _original(*a, **k)
+
+        monkeypatch.setattr(module, "decode_attention", counted)
+    ids = engine.tokenizer.encode(LONG)
+    prompts = [ids[:n] for n in (7, 30, 55)]
+
+    def start(kernel: bool) -> DecodeBatch:
+        batch = DecodeBatch(model, ragged_kernel=kernel)
+        caches = [model.make_cache() for _ in prompts]
+        logits = [prefill(model, p, c, chunk=16) for p, c in zip(prompts, caches, strict=True)]
+        batch.add(
+            caches, mx.concatenate(logits), [Sampler(model.args.vocab_size, temperature=0) for _ in prompts]
+        )
+        return batch
+
+    masked, ragged = start(False), start(True)
+    steps = [(masked.step(), ragged.step()) for _ in range(6)]
+    assert all(a == b for a, b in steps), steps
+    assert len(calls) == 6 * len(model.layers)

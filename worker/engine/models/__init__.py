@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mlxq.worker.engine.errors import UnsupportedArchitecture
-from mlxq.worker.engine.models import llama, moe, phi3
+from mlxq.worker.engine.models import deepseek, llama, moe, phi3
 from mlxq.worker.engine.models.base import Model
 
 
@@ -71,5 +71,6 @@ register(
 )
 register("Qwen3MoeForCausalLM", moe.ModelArgs, moe.Model, qk_norm=True)
 register("Phi3ForCausalLM", phi3.ModelArgs, phi3.Model)
+register("DeepseekV3ForCausalLM", deepseek.ModelArgs, deepseek.Model)
 
 __all__ = ["Architecture", "build_model", "register", "supported_architectures"]

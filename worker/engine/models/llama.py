@@ -58,8 +58,9 @@ class ModelArgs:
         self.num_key_value_heads = self.num_key_value_heads or self.num_attention_heads
         self.n_kv_heads = self.num_key_value_heads
         self.head_dim = self.head_dim or self.hidden_size // self.num_attention_heads
-        if self.rope_scaling is not None and self.rope_scaling.get("rope_type") == "longrope":
-            # transformers takes the top-level value first; a context past it is refused (`rope.longrope`)
+        if self.rope_scaling is not None and self.rope_scaling.get("rope_type") in ("longrope", "yarn"):
+            # transformers takes the top-level value first; a LongRoPE context past it is refused
+            # (`rope.longrope`); YaRN's scaling is the same at every length
             original = int(
                 self.original_max_position_embeddings
                 or self.rope_scaling.get("original_max_position_embeddings")
@@ -70,7 +71,8 @@ class ModelArgs:
                 "original_max_position_embeddings": original,
                 "max_position_embeddings": self.max_position_embeddings,
             }
-            self.max_position_embeddings = min(self.max_position_embeddings, original)
+            if self.rope_scaling["rope_type"] == "longrope":
+                self.max_position_embeddings = min(self.max_position_embeddings, original)
         if self.hidden_act != "silu":
             raise UnsupportedArchitecture(self.hidden_act, ["silu"], what="hidden_act")
         window = self.sliding_window if self.use_sliding_window is not False else None
@@ -282,15 +284,21 @@ def _fuse_linears(module: nn.Module, names: list[str]) -> nn.Module | None:
 
 
 FeedForward = Callable[[int], tuple[str, nn.Module]]  # layer index -> (checkpoint name, module)
+AttentionFactory = Callable[[int], nn.Module]  # layer index -> an attention taking `Attention`'s call
 
 
 class TransformerBlock(nn.Module):
     """Pre-norm residual block: attention then a feed-forward, by default the dense SwiGLU `MLP` under
     the checkpoint name `mlp`; a mixture of experts (`moe.py`) brings its own module and name."""
 
-    def __init__(self, args: ModelArgs, feed_forward: tuple[str, nn.Module] | None = None) -> None:
+    def __init__(
+        self,
+        args: ModelArgs,
+        feed_forward: tuple[str, nn.Module] | None = None,
+        attention: nn.Module | None = None,
+    ) -> None:
         super().__init__()  # type: ignore[no-untyped-call]  # mlx.nn.Module.__init__ is unannotated
-        self.self_attn = Attention(args)
+        self.self_attn = attention if attention is not None else Attention(args)
         name, module = feed_forward if feed_forward is not None else ("mlp", MLP(args))
         setattr(self, name, module)
         self.feed_forward_name = name  # a str: a plain attribute, not a parameter
@@ -306,7 +314,7 @@ class TransformerBlock(nn.Module):
         columns: int | None = None,
     ) -> mx.array:
         """The block's output for every position, or with `last` for that position only."""
-        attn = self.self_attn(self.input_layernorm(x), mask, cache, last, columns)
+        attn: mx.array = self.self_attn(self.input_layernorm(x), mask, cache, last, columns)
         h = (x if last is None else x[:, last : last + 1]) + attn
         out: mx.array = self.feed_forward(self.post_attention_layernorm(h))
         return h + out
@@ -354,11 +362,20 @@ class LlamaModel(nn.Module):
     reads whole steps of the cache, masked, so attention meets few key shapes (`kv_cache.key_columns`).
     """
 
-    def __init__(self, args: ModelArgs, feed_forward: FeedForward | None = None) -> None:
+    def __init__(
+        self,
+        args: ModelArgs,
+        feed_forward: FeedForward | None = None,
+        attention: AttentionFactory | None = None,
+    ) -> None:
         super().__init__()  # type: ignore[no-untyped-call]  # mlx.nn.Module.__init__ is unannotated
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
         self.layers = [
-            TransformerBlock(args, feed_forward(i) if feed_forward is not None else None)
+            TransformerBlock(
+                args,
+                feed_forward(i) if feed_forward is not None else None,
+                attention(i) if attention is not None else None,
+            )
             for i in range(args.num_hidden_layers)
         ]
         self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
@@ -394,12 +411,18 @@ class Model(nn.Module):
     """A causal LM: `model(inputs, cache, mask) -> logits`, or `hidden` and `logits` separately.
 
     `feed_forward` (layer index -> (checkpoint name, module)) replaces the dense `MLP` of some or all
-    layers: how the mixture-of-experts architectures (`moe.py`) reuse everything else here."""
+    layers, `attention` the attention: how the mixture-of-experts architectures (`moe.py`) and
+    DeepSeek-V3's latent attention (`deepseek.py`) reuse everything else here."""
 
-    def __init__(self, args: ModelArgs, feed_forward: FeedForward | None = None) -> None:
+    def __init__(
+        self,
+        args: ModelArgs,
+        feed_forward: FeedForward | None = None,
+        attention: AttentionFactory | None = None,
+    ) -> None:
         super().__init__()  # type: ignore[no-untyped-call]  # mlx.nn.Module.__init__ is unannotated
         self.args = args
-        self.model = LlamaModel(args, feed_forward)
+        self.model = LlamaModel(args, feed_forward, attention)
         if not args.tie_word_embeddings:
             self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
 
