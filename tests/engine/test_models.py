@@ -473,3 +473,51 @@ def test_phi3_quantized_folder_with_fused_projections(tmp_path: Path) -> None:
     assert isinstance(model.layers[0].self_attn.k_proj, nn.QuantizedLinear)
     ids = mx.array([prompt_ids(src)], dtype=mx.int32)
     assert rel_err(np.array(model(ids)[0]), np.array(plain(ids)[0])) < 1e-4
+
+
+def test_deepseek_reads_mlx_lm_split_latent_projection(tmp_path: Path) -> None:
+    """mlx-community's DeepSeek-V3 folders (written by mlx-lm) hold kv_b_proj per head as `embed_q`
+    (heads, latent, nope) and `unembed_out` (heads, v_dim, latent), each quantized on its own: joined
+    back, the float parts compute what transformers computes, and the quantized ones what their
+    dequantized values compute."""
+    config = {**DEEPSEEK_V3, "q_lora_rank": 32, "kv_lora_rank": 32, "qk_nope_head_dim": 32, "v_head_dim": 16}
+    src = make_hf_checkpoint(tmp_path / "src", "DeepseekV3ForCausalLM", **config)
+    heads, nope = 4, 32
+    base = load_file(src / "model.safetensors")
+    split, quantized, joined = {}, {}, {}
+    for key, value in base.items():
+        if not key.endswith("kv_b_proj.weight"):
+            split[key] = quantized[key] = joined[key] = value
+            continue
+        stem = key[: -len("kv_b_proj.weight")]
+        per_head = value.reshape(heads, -1, value.shape[-1])
+        parts = {"embed_q": per_head[:, :nope].swapaxes(1, 2), "unembed_out": per_head[:, nope:]}
+        dequantized = {}
+        for name, part in parts.items():
+            split[f"{stem}{name}.weight"] = np.ascontiguousarray(part)
+            w, scales, biases = mx.quantize(mx.array(part), group_size=32, bits=4)
+            quantized |= {
+                f"{stem}{name}.{k}": np.array(v)
+                for k, v in (("weight", w), ("scales", scales), ("biases", biases))
+            }
+            dequantized[name] = np.array(mx.dequantize(w, scales, biases, group_size=32, bits=4))
+        both = np.concatenate([dequantized["embed_q"].swapaxes(1, 2), dequantized["unembed_out"]], axis=1)
+        joined[key] = both.reshape(-1, both.shape[-1])
+    hf_config = json.loads((src / "config.json").read_text())
+    for name, tensors, extra in (
+        ("split", split, {}),
+        ("quantized", quantized, {"quantization": {"group_size": 32, "bits": 4}}),
+        ("joined", joined, {}),
+    ):
+        (tmp_path / name).mkdir()
+        save_file(tensors, tmp_path / name / "model.safetensors", metadata={"format": "mlx"})
+        (tmp_path / name / "config.json").write_text(json.dumps({**hf_config, **extra}))
+    ids = prompt_ids(src)
+    batch = mx.array([ids], dtype=mx.int32)
+    ours = load_model(tmp_path / "split", dtype="float32")[0]
+    assert rel_err(np.array(ours(batch)[0]), hf_logits(load_hf_model(src), ids)) < 1e-4
+    from_quantized = np.array(load_model(tmp_path / "quantized", dtype="float32")[0](batch)[0])
+    assert (
+        rel_err(from_quantized, np.array(load_model(tmp_path / "joined", dtype="float32")[0](batch)[0]))
+        < 1e-5
+    )

@@ -55,6 +55,7 @@ class ModelArgs(llama.ModelArgs):
     norm_topk_prob: bool = True
     routed_scaling_factor: float = 1.0
     first_k_dense_replace: int = 0
+    quantization: dict[str, Any] | None = None  # an MLX-quantized folder's: to read mlx-lm's split kv_b_proj
     qk_head_dim: int = field(init=False)
 
     def __post_init__(self) -> None:
@@ -244,9 +245,46 @@ class Model(moe.Model):
         self.n_experts = args.n_routed_experts
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
-        """`moe.Model`'s, less the multi-token-prediction layers some checkpoints carry past the last one."""
+        """`moe.Model`'s, less the multi-token-prediction layers some checkpoints carry past the last one,
+        with mlx-lm's split of `kv_b_proj` (mlx-community's folders) joined back (`_join_kv_b`)."""
         layers = len(self.layers)
-        return super().sanitize({k: v for k, v in weights.items() if not _beyond(k, layers)})
+        weights = {k: v for k, v in weights.items() if not _beyond(k, layers)}
+        for i in range(layers):
+            prefix = f"model.layers.{i}.self_attn"
+            if f"{prefix}.embed_q.weight" in weights:
+                self._join_kv_b(weights, prefix)
+        return super().sanitize(weights)
+
+    def _join_kv_b(self, weights: dict[str, mx.array], prefix: str) -> None:
+        """mlx-lm stores `kv_b_proj` per head as `embed_q` (heads, latent, nope: the key part, transposed)
+        and `unembed_out` (heads, v_dim, latent), each quantized on its own in quantized folders; this
+        model computes with the expanded projection, so the parts are dequantized and joined back."""
+        args = self.args
+        assert isinstance(args, ModelArgs)
+        key = self._dense(weights, f"{prefix}.embed_q").swapaxes(-1, -2)
+        value = self._dense(weights, f"{prefix}.unembed_out")
+        joined = mx.concatenate([key, value], axis=1)  # (heads, nope + v_dim, latent)
+        weights[f"{prefix}.kv_b_proj.weight"] = joined.reshape(-1, joined.shape[-1])
+
+    def _dense(self, weights: dict[str, mx.array], stem: str) -> mx.array:
+        weight = weights.pop(f"{stem}.weight")
+        if f"{stem}.scales" not in weights:
+            return weight
+        args = self.args
+        assert isinstance(args, ModelArgs)
+        settings = dict(args.quantization or {})
+        override = settings.get(stem)
+        if isinstance(override, dict):
+            settings = {**settings, **override}
+        scales, biases = weights.pop(f"{stem}.scales"), weights.pop(f"{stem}.biases", None)
+        return mx.dequantize(
+            weight,
+            scales,
+            biases,
+            group_size=settings.get("group_size"),
+            bits=settings.get("bits"),
+            mode=settings.get("mode", "affine"),
+        )
 
 
 def _beyond(key: str, layers: int) -> bool:
