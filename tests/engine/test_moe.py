@@ -1,5 +1,6 @@
-"""Mixtures of experts (Mixtral, Qwen3-MoE) through the engine: routing, stacked quantized experts in
-mlx-community's layout, batched generation, scoring and the prefix cache.
+"""The new architectures through the engine: the mixtures of experts' routing and stacked (quantized)
+experts in mlx-community's layout; for Qwen3-MoE, Mixtral, DeepSeek-V3 and Phi-3 (LongRoPE, partial
+rotary) batched generation, the ragged decode step, scoring and the prefix cache.
 
 The models themselves are held against transformers in `test_models.py`; here float32 on the CPU, where
 a batched forward is exact per row, every request's tokens must equal the request's run alone.
@@ -185,8 +186,7 @@ def batched_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPat
 
 @pytest.mark.parametrize("pad_shapes", [False, True])
 def test_batched_generation_equals_each_request_alone(batched_dir: Path, pad_shapes: bool) -> None:
-    moe_dir = batched_dir
-    engine = Engine.load(str(moe_dir), EngineOptions(prefill_chunk=16, prefix_cache_bytes=0))
+    engine = Engine.load(str(batched_dir), EngineOptions(prefill_chunk=16, prefix_cache_bytes=0))
     requests = [
         GenerateRequest.model_validate(
             {
@@ -201,7 +201,7 @@ def test_batched_generation_equals_each_request_alone(batched_dir: Path, pad_sha
     alone = [generate(engine, r, lambda _t, _i: None) for r in requests]
     assert len({tuple(a.token_ids) for a in alone}) == len(requests)
     batched = Engine.load(
-        str(moe_dir), EngineOptions(prefill_chunk=16, prefix_cache_bytes=0, pad_shapes=pad_shapes)
+        str(batched_dir), EngineOptions(prefill_chunk=16, prefix_cache_bytes=0, pad_shapes=pad_shapes)
     )
     batch = GenerationBatch(batched, max_sequences=4)
     done: dict[int, Any] = {}
@@ -218,8 +218,8 @@ def test_batched_generation_equals_each_request_alone(batched_dir: Path, pad_sha
         assert got.token_ids == want.token_ids, f"request {i}"
 
 
-def test_scores_equal_a_full_forward_and_a_warm_prefix_changes_nothing(moe_dir: Path) -> None:
-    engine = Engine.load(str(moe_dir), EngineOptions(prefill_chunk=32))
+def test_scores_equal_a_full_forward_and_a_warm_prefix_changes_nothing(batched_dir: Path) -> None:
+    engine = Engine.load(str(batched_dir), EngineOptions(prefill_chunk=32))
     rows = [
         {"prompt": LONG + "The capital of France is", "candidates": [" the", " a"]},
         {"prompt": LONG + "The capital of Italy is", "candidates": [" is"]},
@@ -239,8 +239,8 @@ def test_scores_equal_a_full_forward_and_a_warm_prefix_changes_nothing(moe_dir: 
         assert a.logits == pytest.approx(b.logits, rel=1e-5, abs=1e-6)
 
 
-def test_prefix_cache_reuse_gives_the_same_tokens(moe_dir: Path) -> None:
-    engine = Engine.load(str(moe_dir), EngineOptions(prefill_chunk=32))
+def test_prefix_cache_reuse_gives_the_same_tokens(batched_dir: Path) -> None:
+    engine = Engine.load(str(batched_dir), EngineOptions(prefill_chunk=32))
     request = GenerateRequest.model_validate(
         {"prompt": LONG, "max_tokens": 12, "temperature": 0, "logit_bias": _no_eos(engine)}
     )
