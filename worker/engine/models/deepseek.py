@@ -178,7 +178,7 @@ def route(
     logits: mx.array, bias: mx.array, k: int, groups: int, top_groups: int, renormalize: bool, scale: float
 ) -> tuple[mx.array, mx.array]:
     """(weights (N, k) float32, experts (N, k)) by DeepSeek-V3's rule (module docstring); equal scores
-    are taken lower index first."""
+    are ordered as in `moe.route`."""
     scores = mx.sigmoid(logits.astype(mx.float32))
     choice = scores + bias.astype(mx.float32)
     n, experts = choice.shape

@@ -10,8 +10,10 @@ so each expert's weights are read once per forward rather than once per token.
 
 Routing is each model's own rule, from transformers: a softmax over all experts in float32, the top-k
 by probability, renormalised to sum to one where the model says so (Mixtral always; Qwen3-MoE by its
-`norm_topk_prob`). Experts of equal probability are taken lower index first (a stable sort); where a
-tie straddles the k-th place the reference's own choice is its sort's, which is unspecified.
+`norm_topk_prob`). Equal probabilities are ordered by MLX's sort (lower index first on the CPU). A
+tie inside the top-k changes nothing; one that straddles the k-th place transformers settles by its
+sort's unspecified order (torch's CPU top-k does not take the lower index), so there the two agree
+only where the tied experts are identical, which is what the parity tests hold them to.
 """
 
 from __future__ import annotations
