@@ -45,7 +45,11 @@ FIGURES: dict[str, Callable[[Bench], dict[str, Any]]] = {
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
-    p.add_argument("--model", default="tiny", help="tiny | llama-1b | smollm2 | a model folder [tiny]")
+    p.add_argument(
+        "--model",
+        default="tiny",
+        help="a name in checkpoints.SHAPES or QUANTIZED | smollm2 | a model folder [tiny]",
+    )
     p.add_argument("--sizes", default="cpu", choices=sorted(SIZES), help="figure sizes [cpu]")
     p.add_argument("--only", default=",".join(FIGURES), help=f"comma-separated figures [{','.join(FIGURES)}]")
     p.add_argument("--out", default=str(Path(__file__).parent / "results"), help="folder for JSON and tables")

@@ -24,9 +24,57 @@ LLAMA_1B: dict[str, Any] = {
     "rms_norm_eps": 1e-5,
 }
 
-SHAPES = {"tiny": (TINY, "float32"), "llama-1b": (LLAMA_1B, "bfloat16")}
-# MLX-quantized (affine, group 64) from a random checkpoint of a shape above, by `loader.save_quantized`.
-QUANTIZED = {"llama-1b-4bit": ("llama-1b", 4), "llama-1b-8bit": ("llama-1b", 8), "tiny-4bit": ("tiny", 4)}
+# Qwen3-30B-A3B's shape: 48 layers of 128 experts (8 per token, 768 wide), every layer sparse; ~61 GB in
+# bfloat16, its experts stacked as mlx-community stores them (which mlx-lm reads as they are).
+QWEN3_MOE_30B: dict[str, Any] = {
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "model_type": "qwen3_moe",
+    "hidden_size": 2048,
+    "num_hidden_layers": 48,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 4,
+    "head_dim": 128,
+    "intermediate_size": 6144,
+    "moe_intermediate_size": 768,
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "norm_topk_prob": True,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+    "vocab_size": 151936,
+    "tie_word_embeddings": False,
+    "rope_theta": 1000000.0,
+    "max_position_embeddings": 40960,
+    "rms_norm_eps": 1e-6,
+}
+# The same layout at the tiny size, for a CPU run: 7 experts, 3 per token.
+TINY_MOE: dict[str, Any] = {
+    **TINY,
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "model_type": "qwen3_moe",
+    "num_experts": 7,
+    "num_experts_per_tok": 3,
+    "moe_intermediate_size": 64,
+    "norm_topk_prob": True,
+    "decoder_sparse_step": 1,  # mlx-lm's Qwen3-MoE needs these three written out
+    "mlp_only_layers": [],
+    "head_dim": 16,
+}
+
+SHAPES = {
+    "tiny": (TINY, "float32"),
+    "llama-1b": (LLAMA_1B, "bfloat16"),
+    "tiny-moe": (TINY_MOE, "float32"),
+    "qwen3-moe-30b": (QWEN3_MOE_30B, "bfloat16"),
+}
+# MLX-quantized (affine, group 64) from a random checkpoint of a shape above, by `loader.save_quantized`
+# (stacked experts quantized too, as mlx-community's 4-bit MoE folders are).
+QUANTIZED = {
+    "llama-1b-4bit": ("llama-1b", 4),
+    "llama-1b-8bit": ("llama-1b", 8),
+    "tiny-4bit": ("tiny", 4),
+    "qwen3-moe-30b-4bit": ("qwen3-moe-30b", 4),
+}
 
 
 def checkpoint(name: str, cache_dir: Path) -> Path:

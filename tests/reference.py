@@ -20,7 +20,14 @@ import transformers
 
 from mlxq.worker.modelfiles.tiny_model import build_tokenizer
 
-ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "MixtralForCausalLM",
+    "Qwen3MoeForCausalLM",
+)
 
 # Small enough for a slow CPU, big enough for GQA (4 query heads on 2 KV heads) and two layers.
 TINY: dict[str, Any] = {
@@ -87,12 +94,17 @@ def _rewrite_as_v4(path: Path) -> None:
     cfg = json.loads(path.read_text())
     rope = dict(cfg.pop("rope_parameters", None) or {})
     cfg["rope_theta"] = rope.pop("rope_theta", 10000.0)
+    partial = rope.pop("partial_rotary_factor", 1.0)
+    if partial != 1.0:
+        cfg["partial_rotary_factor"] = partial  # transformers 4 kept it beside the scaling
     cfg["rope_scaling"] = None if rope.get("rope_type", "default") == "default" else rope
     if "dtype" in cfg:
         cfg["torch_dtype"] = cfg.pop("dtype")
     derived = cfg["hidden_size"] // cfg["num_attention_heads"]
-    if cfg["model_type"] != "qwen3" and cfg.get("head_dim") == derived:
+    if cfg["model_type"] not in ("qwen3", "qwen3_moe") and cfg.get("head_dim") == derived:
         del cfg["head_dim"]  # older configs derive it; Qwen3 always writes it (its default is 128)
+    if cfg["model_type"] == "qwen3_moe" and "num_local_experts" in cfg:
+        cfg["num_experts"] = cfg.pop("num_local_experts")  # transformers 4's name for Qwen3-MoE
     cfg["transformers_version"] = "4.45.0"
     path.write_text(json.dumps(cfg, indent=2))
 

@@ -132,15 +132,17 @@ def test_unsupported_architecture(tiny: Path, tmp_path: Path) -> None:
     with pytest.raises(UnsupportedArchitecture, match="GPT2LMHeadModel") as e:
         load_model(folder)
     assert "LlamaForCausalLM" in str(e.value) and "Qwen3ForCausalLM" in str(e.value)
+    assert "MixtralForCausalLM" in str(e.value) and "Qwen3MoeForCausalLM" in str(e.value)
+    assert "Phi3ForCausalLM" in str(e.value) and "DeepseekV3ForCausalLM" in str(e.value)
     assert isinstance(e.value, WorkerError)
 
 
 def test_unsupported_rope_type(tiny: Path, tmp_path: Path) -> None:
-    folder = broken_copy(tiny, tmp_path / "yarn")
+    folder = broken_copy(tiny, tmp_path / "dynamic")
     config = json.loads((folder / "config.json").read_text())
-    config["rope_scaling"] = {"rope_type": "yarn", "factor": 4.0}
+    config["rope_scaling"] = {"rope_type": "dynamic", "factor": 4.0}
     (folder / "config.json").write_text(json.dumps(config))
-    with pytest.raises(UnsupportedArchitecture, match="rope_type 'yarn'"):
+    with pytest.raises(UnsupportedArchitecture, match=r"rope_type 'dynamic'.*longrope, yarn"):
         load_model(folder)
 
 

@@ -2,18 +2,22 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
 from reference import hf_greedy, hf_logits, load_hf_model, make_hf_checkpoint, prompt_ids, rel_err
+from safetensors.numpy import load_file, save_file
 
+from mlxq.worker.engine import Engine, EngineOptions
 from mlxq.worker.engine.cache.kv_cache import broadcast_batch, copy_cache
-from mlxq.worker.engine.errors import CheckpointError
+from mlxq.worker.engine.errors import CheckpointError, UnsupportedArchitecture
 from mlxq.worker.engine.models import build_model, supported_architectures
-from mlxq.worker.engine.models.llama import ModelArgs
+from mlxq.worker.engine.models.llama import Attention, ModelArgs
 from mlxq.worker.engine.models.loader import load_model
 from mlxq.worker.modelfiles.tiny_model import write_random_checkpoint
 
@@ -24,6 +28,53 @@ LLAMA3_ROPE = {
     "low_freq_factor": 1.0,
     "high_freq_factor": 4.0,
     "original_max_position_embeddings": 16,  # short, so the scaled band covers most frequencies
+}
+
+# LongRoPE with Phi-3's per-pair factors, on a context 8x the original one: within the original context
+# (to which the model's is capped) the short factors and the attention factor apply.
+PHI3_LONGROPE = {
+    "rope_type": "longrope",
+    "rope_theta": 10000.0,
+    "short_factor": [1.0 + 0.25 * i for i in range(8)],
+    "long_factor": [2.0 + i for i in range(8)],
+    "original_max_position_embeddings": 64,
+}
+
+QWEN3_YARN = {
+    "rope_type": "yarn",
+    "rope_theta": 10000.0,
+    "factor": 4.0,
+    "original_max_position_embeddings": 16,
+}
+# DeepSeek-V3 in small: latent attention (q through a low rank; keys 12 + 8 rotated features wide,
+# values 10), 6 routed experts in 3 groups (2 groups kept, 2 experts per token), 1 shared expert, the
+# first layer dense. transformers writes the RoPE width as head_dim.
+DEEPSEEK_V3 = {
+    "n_routed_experts": 6,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32,
+    "n_group": 3,
+    "topk_group": 2,
+    "first_k_dense_replace": 1,
+    "n_shared_experts": 1,
+    "routed_scaling_factor": 2.5,
+    "q_lora_rank": 24,
+    "kv_lora_rank": 16,
+    "qk_rope_head_dim": 8,
+    "qk_nope_head_dim": 12,
+    "v_head_dim": 10,
+    "head_dim": 8,
+    "num_key_value_heads": 4,
+}
+DEEPSEEK_YARN = {
+    "rope_type": "yarn",
+    "rope_theta": 10000.0,
+    "factor": 8.0,
+    "original_max_position_embeddings": 64,
+    "mscale": 1.0,
+    "mscale_all_dim": 1.0,
+    "beta_fast": 32,
+    "beta_slow": 1,
 }
 
 # name -> (architecture, config overrides, config.json style)
@@ -39,6 +90,96 @@ CASES: dict[str, tuple[str, dict[str, Any], str]] = {
     "qwen2-bias-tied": ("Qwen2ForCausalLM", {"tie_word_embeddings": True}, "v5"),
     "qwen3-qk-norm": ("Qwen3ForCausalLM", {"head_dim": 32}, "v5"),
     "qwen3-v4": ("Qwen3ForCausalLM", {"num_key_value_heads": 1}, "v4"),
+    "mixtral-5-experts": ("MixtralForCausalLM", {"num_local_experts": 5, "num_experts_per_tok": 2}, "v5"),
+    "mixtral-router-ties-v4": (
+        "MixtralForCausalLM",
+        {"num_local_experts": 5, "num_experts_per_tok": 3, "head_dim": 32},
+        "v4",
+    ),
+    "qwen3-moe-dense-layer-v4": (
+        "Qwen3MoeForCausalLM",
+        {
+            "num_experts": 7,
+            "num_experts_per_tok": 3,
+            "moe_intermediate_size": 48,
+            "norm_topk_prob": True,
+            "mlp_only_layers": [1],
+        },
+        "v4",
+    ),
+    "qwen3-moe-router-ties": (
+        "Qwen3MoeForCausalLM",
+        {"num_experts": 5, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "norm_topk_prob": False},
+        "v5",
+    ),
+    "phi3": ("Phi3ForCausalLM", {}, "v5"),
+    "phi3-partial-rotary": ("Phi3ForCausalLM", {"rope_parameters": {"partial_rotary_factor": 0.75}}, "v5"),
+    "phi3-partial-rotary-tied-v4": (
+        "Phi3ForCausalLM",
+        {
+            "rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.75},
+            "tie_word_embeddings": True,
+        },
+        "v4",
+    ),
+    "phi3-longrope": (
+        "Phi3ForCausalLM",
+        {"rope_parameters": PHI3_LONGROPE, "original_max_position_embeddings": 64},
+        "v5",
+    ),
+    "phi3-longrope-v4": (
+        "Phi3ForCausalLM",
+        {"rope_parameters": PHI3_LONGROPE, "original_max_position_embeddings": 64},
+        "v4",
+    ),
+    "qwen3-yarn": ("Qwen3ForCausalLM", {"rope_parameters": QWEN3_YARN}, "v5"),
+    "deepseek-v3": ("DeepseekV3ForCausalLM", DEEPSEEK_V3, "v5"),
+    "deepseek-v3-yarn-no-q-lora-v4": (
+        "DeepseekV3ForCausalLM",
+        {**DEEPSEEK_V3, "q_lora_rank": None, "v_head_dim": 24, "rope_parameters": DEEPSEEK_YARN},
+        "v4",
+    ),
+}
+
+
+def correction_bias(folder: Path) -> None:
+    """DeepSeek-V3's routers with a random `e_score_correction_bias` (transformers initialises it to 0)."""
+    path = folder / "model.safetensors"
+    w = load_file(path)
+    rng = np.random.default_rng(0)
+    for key in [k for k in w if k.endswith("e_score_correction_bias")]:
+        w[key] = (0.3 * rng.standard_normal(w[key].shape)).astype(np.float32)
+    save_file(w, path, metadata={"format": "pt"})
+
+
+def tie_routers(folder: Path) -> None:
+    """Rewrite a two-layer mixture of experts so its routers tie. Layer 0: experts 1 and 2 share a router
+    row v, the others' rows are -a·v with distinct a, so for every token the tied pair either leads (a
+    tie inside the top-k between different experts, weighted equally) or trails. Layer 1: experts 3 and 4
+    share a router row and all their weights, so a tie at the k-th place gives one output whichever wins
+    (which one wins is each sort's own choice: transformers' torch.topk does not say)."""
+    path = folder / "model.safetensors"
+    w = load_file(path)
+    for layer in (0, 1):
+        (gate,) = [k for k in w if k.startswith(f"model.layers.{layer}.") and k.endswith(".gate.weight")]
+        rows = w[gate].copy()
+        if layer == 0:
+            v = rows[1]
+            rows[:] = [-0.5 * v, v, v, -1.0 * v, -2.0 * v]
+        else:
+            rows[4] = rows[3]
+            prefix = gate[: -len("gate.weight")] + "experts."
+            for key in [k for k in w if k.startswith(prefix + "3.")]:
+                w[prefix + "4." + key[len(prefix + "3.") :]] = w[key]
+        w[gate] = rows
+    save_file(w, path, metadata={"format": "pt"})
+
+
+EDITS = {
+    "mixtral-router-ties-v4": tie_routers,
+    "qwen3-moe-router-ties": tie_routers,
+    "deepseek-v3": correction_bias,
+    "deepseek-v3-yarn-no-q-lora-v4": correction_bias,
 }
 
 
@@ -47,6 +188,8 @@ def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     """(checkpoint folder, our model as the engine runs it (projections fused), transformers' model)."""
     arch, overrides, style = CASES[request.param]
     folder = make_hf_checkpoint(tmp_path_factory.mktemp(request.param), arch, config_style=style, **overrides)
+    if request.param in EDITS:
+        EDITS[request.param](folder)
     model, _ = load_model(folder, dtype="float32")
     model.fuse()
     return folder, model, load_hf_model(folder)
@@ -57,7 +200,8 @@ def test_fused_projections_compute_what_the_checkpoint_layout_does(pair: tuple[P
     plain, _ = load_model(folder, dtype="float32")
     fused.fuse()  # a second time changes nothing
     attn = fused.layers[0].self_attn
-    assert attn.qkv_proj is not None and "q_proj" not in attn and "q_proj" in plain.layers[0].self_attn
+    if isinstance(attn, Attention):  # DeepSeek's latent attention has nothing to fuse
+        assert attn.qkv_proj is not None and "q_proj" not in attn and "q_proj" in plain.layers[0].self_attn
     ids = mx.array([prompt_ids(folder)], dtype=mx.int32)
     np.testing.assert_allclose(np.array(fused(ids)), np.array(plain(ids)), rtol=1e-5, atol=1e-5)
     last = ids.shape[1] - 3  # a prefill's last position only: q sliced after the fused matmul
@@ -234,3 +378,146 @@ def test_build_model_is_lazy_and_shaped() -> None:
     model = build_model(config)
     assert model.layers[0].self_attn.q_norm.weight.shape == (8,)
     assert model(mx.array([[1, 2, 3]], dtype=mx.int32)).shape == (1, 3, 50)
+
+
+def test_an_active_sliding_window_is_refused_at_load_naming_it(tmp_path: Path) -> None:
+    """Full attention in place of a window would change every position past it: never approximated."""
+    folder = make_hf_checkpoint(tmp_path, "MistralForCausalLM", sliding_window=8)
+    with pytest.raises(UnsupportedArchitecture, match=r"sliding_window '8' \(attention over only the last"):
+        load_model(folder)
+
+
+@pytest.mark.parametrize(
+    ("arch", "window", "use", "refused"),
+    [
+        ("MistralForCausalLM", 511, None, True),
+        ("MistralForCausalLM", 512, None, False),  # as long as the context: never slides
+        ("Qwen2ForCausalLM", 8, False, False),  # Qwen2's window is off unless use_sliding_window
+        ("Qwen2ForCausalLM", 8, True, True),
+    ],
+)
+def test_a_window_is_refused_exactly_when_it_would_slide(
+    arch: str, window: int, use: bool | None, refused: bool
+) -> None:
+    config = {
+        "architectures": [arch],
+        "hidden_size": 32,
+        "num_hidden_layers": 1,
+        "intermediate_size": 64,
+        "num_attention_heads": 2,
+        "vocab_size": 50,
+        "max_position_embeddings": 512,
+        "sliding_window": window,
+        **({} if use is None else {"use_sliding_window": use}),
+    }
+    if refused:
+        with pytest.raises(UnsupportedArchitecture, match=f"sliding_window '{window}'"):
+            build_model(config)
+    else:
+        assert len(build_model(config).layers) == 1
+
+
+def test_phi3_rope_reads_partial_rotary_and_longrope_and_caps_the_context(tmp_path: Path) -> None:
+    """What the Phi-3 cases above run on: 12 of 16 features rotated; LongRoPE's short factors and attention
+    factor (a context 8x the original: sqrt(1 + ln 8 / ln 64)), the context capped at the original one."""
+    partial = make_hf_checkpoint(
+        tmp_path / "p", "Phi3ForCausalLM", config_style="v4", rope_parameters={"partial_rotary_factor": 0.75}
+    )
+    assert load_model(partial)[0].layers[0].self_attn.rope.dims == 12
+    folder = make_hf_checkpoint(
+        tmp_path / "l", "Phi3ForCausalLM", rope_parameters=PHI3_LONGROPE, original_max_position_embeddings=64
+    )
+    model, config = load_model(folder)
+    rope = model.layers[0].self_attn.rope
+    assert config["max_position_embeddings"] == 512 and model.args.max_position_embeddings == 64
+    assert rope.magnitude == pytest.approx((1 + np.log(8) / np.log(64)) ** 0.5)
+    old = {
+        **config,
+        "rope_parameters": None,
+        "rope_scaling": {**PHI3_LONGROPE, "type": "su", "rope_type": None},
+    }
+    assert build_model(old).layers[0].self_attn.rope.magnitude == rope.magnitude
+    engine = Engine.load(str(folder), EngineOptions(prefix_cache_bytes=0))
+    assert engine.context_length == 64  # longer requests are refused (ContextTooLong), never approximated
+
+
+def test_phi3_quantized_folder_with_fused_projections(tmp_path: Path) -> None:
+    """mlx-community's Phi-3 folders keep qkv_proj and gate_up_proj fused and quantized: split by rows at
+    load, they compute what the same weights dequantized compute."""
+    src = make_hf_checkpoint(tmp_path / "src", "Phi3ForCausalLM")
+    weights = load_file(src / "model.safetensors")
+    quantized, dequantized = {}, {}
+    for key, value in weights.items():
+        if value.ndim == 2 and key.endswith(".weight") and "embed" not in key and "lm_head" not in key:
+            w, scales, biases = mx.quantize(mx.array(value), group_size=32, bits=4)
+            stem = key[: -len(".weight")]
+            quantized |= {
+                key: np.array(w),
+                f"{stem}.scales": np.array(scales),
+                f"{stem}.biases": np.array(biases),
+            }
+            dequantized[key] = np.array(mx.dequantize(w, scales, biases, group_size=32, bits=4))
+        else:
+            quantized[key] = dequantized[key] = value
+    assert "model.layers.0.self_attn.qkv_proj.scales" in quantized
+    config = json.loads((src / "config.json").read_text())
+    for name, tensors, extra in (
+        ("q", quantized, {"quantization": {"group_size": 32, "bits": 4}}),
+        ("d", dequantized, {}),
+    ):
+        (tmp_path / name).mkdir()
+        save_file(tensors, tmp_path / name / "model.safetensors", metadata={"format": "mlx"})
+        (tmp_path / name / "config.json").write_text(json.dumps({**config, **extra}))
+    model, _ = load_model(tmp_path / "q", dtype="float32")
+    plain, _ = load_model(tmp_path / "d", dtype="float32")
+    assert isinstance(model.layers[0].self_attn.k_proj, nn.QuantizedLinear)
+    ids = mx.array([prompt_ids(src)], dtype=mx.int32)
+    assert rel_err(np.array(model(ids)[0]), np.array(plain(ids)[0])) < 1e-4
+
+
+def test_deepseek_reads_mlx_lm_split_latent_projection(tmp_path: Path) -> None:
+    """mlx-community's DeepSeek-V3 folders (written by mlx-lm) hold kv_b_proj per head as `embed_q`
+    (heads, latent, nope) and `unembed_out` (heads, v_dim, latent), each quantized on its own: joined
+    back, the float parts compute what transformers computes, and the quantized ones what their
+    dequantized values compute."""
+    config = {**DEEPSEEK_V3, "q_lora_rank": 32, "kv_lora_rank": 32, "qk_nope_head_dim": 32, "v_head_dim": 16}
+    src = make_hf_checkpoint(tmp_path / "src", "DeepseekV3ForCausalLM", **config)
+    heads, nope = 4, 32
+    base = load_file(src / "model.safetensors")
+    split, quantized, joined = {}, {}, {}
+    for key, value in base.items():
+        if not key.endswith("kv_b_proj.weight"):
+            split[key] = quantized[key] = joined[key] = value
+            continue
+        stem = key[: -len("kv_b_proj.weight")]
+        per_head = value.reshape(heads, -1, value.shape[-1])
+        parts = {"embed_q": per_head[:, :nope].swapaxes(1, 2), "unembed_out": per_head[:, nope:]}
+        dequantized = {}
+        for name, part in parts.items():
+            split[f"{stem}{name}.weight"] = np.ascontiguousarray(part)
+            w, scales, biases = mx.quantize(mx.array(part), group_size=32, bits=4)
+            quantized |= {
+                f"{stem}{name}.{k}": np.array(v)
+                for k, v in (("weight", w), ("scales", scales), ("biases", biases))
+            }
+            dequantized[name] = np.array(mx.dequantize(w, scales, biases, group_size=32, bits=4))
+        both = np.concatenate([dequantized["embed_q"].swapaxes(1, 2), dequantized["unembed_out"]], axis=1)
+        joined[key] = both.reshape(-1, both.shape[-1])
+    hf_config = json.loads((src / "config.json").read_text())
+    for name, tensors, extra in (
+        ("split", split, {}),
+        ("quantized", quantized, {"quantization": {"group_size": 32, "bits": 4}}),
+        ("joined", joined, {}),
+    ):
+        (tmp_path / name).mkdir()
+        save_file(tensors, tmp_path / name / "model.safetensors", metadata={"format": "mlx"})
+        (tmp_path / name / "config.json").write_text(json.dumps({**hf_config, **extra}))
+    ids = prompt_ids(src)
+    batch = mx.array([ids], dtype=mx.int32)
+    ours = load_model(tmp_path / "split", dtype="float32")[0]
+    assert rel_err(np.array(ours(batch)[0]), hf_logits(load_hf_model(src), ids)) < 1e-4
+    from_quantized = np.array(load_model(tmp_path / "quantized", dtype="float32")[0](batch)[0])
+    assert (
+        rel_err(from_quantized, np.array(load_model(tmp_path / "joined", dtype="float32")[0](batch)[0]))
+        < 1e-5
+    )

@@ -116,7 +116,7 @@ class Engine:
         self.config = config
         self.name = name
         self.options = options
-        own = int(config.get("max_position_embeddings") or model.args.max_position_embeddings)
+        own = model.args.max_position_embeddings  # config.json's, or less where the model says (LongRoPE)
         self.context_length = min(own, options.max_context) if options.max_context else own
         self.prefix_cache = (
             PrefixCache(options.prefix_cache_bytes) if options.prefix_cache_bytes > 0 else None

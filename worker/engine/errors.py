@@ -18,9 +18,11 @@ class WorkerError(MlxqError):
 class UnsupportedArchitecture(WorkerError):
     """A checkpoint whose architecture (or a feature of it, e.g. a RoPE type) this worker cannot run."""
 
-    def __init__(self, name: str, supported: Iterable[str], what: str = "architecture") -> None:
+    def __init__(
+        self, name: str, supported: Iterable[str], what: str = "architecture", why: str = ""
+    ) -> None:
         choices = ", ".join(sorted(supported))
-        super().__init__(f"unsupported {what} {name!r}; supported: {choices}")
+        super().__init__(f"unsupported {what} {name!r}{f' ({why})' if why else ''}; supported: {choices}")
         self.name = name
         self.supported = sorted(supported)
 

@@ -1,10 +1,14 @@
-"""Import a llama-architecture GGUF file as a Hugging Face-layout model folder.
+"""Import a GGUF file (llama, qwen2, qwen3, qwen3moe or phi3 architecture) as a Hugging Face-layout folder.
 
 Writes `config.json`, `model.safetensors` (Hugging Face tensor names), `tokenizer.json`,
 `tokenizer_config.json` and `generation_config.json`. Weights become bfloat16, except that Q4_0/Q4_1
 weights can stay 4-bit as an MLX affine-quantized checkpoint (group size 32): both GGUF formats are
 exactly `w = scale * q + bias` with one float16 scale and bias per 32 weights, so nothing is lost.
 Tensors are converted one at a time and streamed to disk, so memory stays near one tensor's size.
+
+Names map to the architecture's Hugging Face (or, for stacked experts, mlx-community) names; only llama
+files have their Q/K rows reordered (llama.cpp's converter permutes them for llama alone). Phi-3's
+fused projections and Qwen3-MoE's stacked experts stay as they are: the models read them so.
 """
 
 from __future__ import annotations
@@ -36,6 +40,14 @@ SUPPORTED_TYPES = (
 )  # fmt: skip
 _Q4_TYPES = ("Q4_0", "Q4_1")
 
+# GGUF architecture -> (Hugging Face architecture, model_type)
+ARCHITECTURES = {
+    "llama": ("LlamaForCausalLM", "llama"),
+    "qwen2": ("Qwen2ForCausalLM", "qwen2"),
+    "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+    "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
+    "phi3": ("Phi3ForCausalLM", "phi3"),
+}
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm",
@@ -48,6 +60,21 @@ _LAYER_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+_QK_NORMS = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+_EXPERTS = {
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.switch_mlp.gate_proj",
+    "ffn_up_exps": "mlp.switch_mlp.up_proj",
+    "ffn_down_exps": "mlp.switch_mlp.down_proj",
+}
+# Each architecture's layer tensors: llama's, plus or instead of some.
+_ARCH_LAYER_NAMES = {
+    "llama": _LAYER_NAMES,
+    "qwen2": _LAYER_NAMES,
+    "qwen3": {**_LAYER_NAMES, **_QK_NORMS},
+    "qwen3moe": {**_LAYER_NAMES, **_QK_NORMS, **_EXPERTS},
+    "phi3": {**_LAYER_NAMES, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
+}
 
 
 class GGUFImportError(WorkerError, ValueError):
@@ -56,7 +83,7 @@ class GGUFImportError(WorkerError, ValueError):
 
 @dataclass(frozen=True)
 class LlamaHParams:
-    """The llama hyper-parameters of a GGUF file (`llama.*` metadata)."""
+    """The hyper-parameters of a GGUF file (`<arch>.*` metadata) of a Llama-family architecture."""
 
     n_layers: int
     hidden: int
@@ -68,6 +95,13 @@ class LlamaHParams:
     rope_theta: float
     context: int
     rope_scaling: dict[str, Any] | None
+    arch: str = "llama"
+    rope_dim: int | None = None  # rotated features per head, where fewer than head_dim (phi3)
+    experts: int = 0  # qwen3moe: experts, experts per token, an expert's width, renormalised weights
+    experts_used: int = 0
+    expert_ffn: int = 0
+    expert_weights_norm: bool = True
+    sliding_window: int | None = None
 
 
 @dataclass(frozen=True)
@@ -120,31 +154,44 @@ def import_gguf(gguf_path: str | Path, out_dir: str | Path, *, quantize: bool | 
 def read_hparams(reader: Any) -> LlamaHParams:
     """Read and check the model hyper-parameters of an open `gguf.GGUFReader`."""
     arch = metadata_value(reader, "general.architecture")
-    if arch != "llama":
-        raise GGUFImportError(f"architecture {arch!r} is not supported; supported: ['llama']")
+    if arch not in ARCHITECTURES:
+        raise GGUFImportError(f"architecture {arch!r} is not supported; supported: {sorted(ARCHITECTURES)}")
+
+    def value(key: str, default: Any = None) -> Any:
+        return metadata_value(reader, f"{arch}.{key}", default)
 
     def need(key: str) -> Any:
-        value = metadata_value(reader, f"llama.{key}")
-        if value is None:
-            raise GGUFImportError(f"GGUF metadata llama.{key} is missing")
-        return value
+        found = value(key)
+        if found is None:
+            raise GGUFImportError(f"GGUF metadata {arch}.{key} is missing")
+        return found
 
     hidden, n_heads = int(need("embedding_length")), int(need("attention.head_count"))
-    head_dim = int(metadata_value(reader, "llama.attention.key_length", hidden // n_heads))
-    rope_dim = int(metadata_value(reader, "llama.rope.dimension_count", head_dim))
-    if rope_dim != head_dim:
-        raise GGUFImportError(f"partial RoPE (llama.rope.dimension_count={rope_dim}, head dim {head_dim})")
+    head_dim = int(value("attention.key_length", hidden // n_heads))
+    rope_dim = int(value("rope.dimension_count", head_dim))
+    if rope_dim != head_dim and arch != "phi3":
+        raise GGUFImportError(f"partial RoPE ({arch}.rope.dimension_count={rope_dim}, head dim {head_dim})")
+    window = value("attention.sliding_window")
+    experts = int(value("expert_count", 0))
     return LlamaHParams(
         n_layers=int(need("block_count")),
         hidden=hidden,
-        ffn=int(need("feed_forward_length")),
+        ffn=int(value("feed_forward_length", 0)) if experts else int(need("feed_forward_length")),
         n_heads=n_heads,
-        n_kv_heads=int(metadata_value(reader, "llama.attention.head_count_kv", n_heads)),
+        n_kv_heads=int(value("attention.head_count_kv", n_heads)),
         head_dim=head_dim,
         rms_eps=_f32_to_float(need("attention.layer_norm_rms_epsilon")),
-        rope_theta=_f32_to_float(metadata_value(reader, "llama.rope.freq_base", 10000.0)),
-        context=int(metadata_value(reader, "llama.context_length", 2048)),
-        rope_scaling=_rope_scaling(reader),
+        rope_theta=_f32_to_float(value("rope.freq_base", 10000.0)),
+        context=int(value("context_length", 2048)),
+        rope_scaling=_rope_scaling(reader, arch),
+        arch=arch,
+        rope_dim=rope_dim if rope_dim != head_dim else None,
+        experts=experts,
+        experts_used=int(value("expert_used_count", 0)),
+        expert_ffn=int(value("expert_feed_forward_length", 0)),
+        # llama.cpp renormalises Qwen3-MoE's top-k weights unless a file says otherwise
+        expert_weights_norm=bool(value("expert_weights_norm", True)),
+        sliding_window=int(window) if window else None,
     )
 
 
@@ -153,21 +200,22 @@ def _f32_to_float(x: float) -> float:
     return float(str(np.float32(x)))
 
 
-def _rope_scaling(reader: Any) -> dict[str, Any] | None:
-    kind = metadata_value(reader, "llama.rope.scaling.type", "none")
+def _rope_scaling(reader: Any, arch: str = "llama") -> dict[str, Any] | None:
+    kind = metadata_value(reader, f"{arch}.rope.scaling.type", "none")
     if kind == "none":
         return None
     if kind == "linear":
-        return {"rope_type": "linear", "factor": float(metadata_value(reader, "llama.rope.scaling.factor"))}
+        return {"rope_type": "linear", "factor": float(metadata_value(reader, f"{arch}.rope.scaling.factor"))}
     raise GGUFImportError(f"RoPE scaling {kind!r} is not supported; supported: ['none', 'linear']")
 
 
 def _hf_config(
     hp: LlamaHParams, vocab: GGUFVocab, *, vocab_size: int, tied: bool, packed: bool
 ) -> dict[str, Any]:
+    architecture, model_type = ARCHITECTURES[hp.arch]
     config: dict[str, Any] = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        "architectures": [architecture],
+        "model_type": model_type,
         "hidden_size": hp.hidden,
         "intermediate_size": hp.ffn,
         "num_hidden_layers": hp.n_layers,
@@ -188,6 +236,17 @@ def _hf_config(
         "pad_token_id": vocab.pad_id,
         "torch_dtype": "bfloat16",
     }
+    if hp.experts:
+        config |= {
+            "num_experts": hp.experts,
+            "num_experts_per_tok": hp.experts_used,
+            "moe_intermediate_size": hp.expert_ffn,
+            "norm_topk_prob": hp.expert_weights_norm,
+        }
+    if hp.rope_dim is not None:
+        config["partial_rotary_factor"] = hp.rope_dim / hp.head_dim
+    if hp.sliding_window is not None:
+        config["sliding_window"] = hp.sliding_window  # the model refuses it where it would slide
     if packed:
         config["quantization"] = {"group_size": GROUP_SIZE, "bits": 4}
     return config
@@ -202,8 +261,8 @@ def _generation_config(vocab: GGUFVocab) -> dict[str, Any]:
     }
 
 
-def hf_tensor_name(gguf_name: str) -> str:
-    """The Hugging Face name of a llama GGUF tensor.
+def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str:
+    """The Hugging Face name of a GGUF tensor of architecture `arch`.
 
     `blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`; unknown names raise.
     """
@@ -211,10 +270,13 @@ def hf_tensor_name(gguf_name: str) -> str:
     parts = base.split(".")
     if len(parts) == 1 and parts[0] in _TOP_NAMES and suffix == "weight":
         return f"{_TOP_NAMES[parts[0]]}.weight"
-    in_layer = len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_NAMES
+    names = _ARCH_LAYER_NAMES[arch]
+    in_layer = len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in names
     if in_layer and (suffix == "weight" or (suffix == "bias" and parts[2].startswith("attn_"))):
-        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{suffix}"
-    raise GGUFImportError(f"tensor {gguf_name!r} has no llama equivalent (not supported)")
+        return f"model.layers.{parts[1]}.{names[parts[2]]}.{suffix}"
+    if base.startswith("rope_factors"):
+        raise GGUFImportError(f"tensor {gguf_name!r}: LongRoPE factors in a GGUF file are not imported")
+    raise GGUFImportError(f"tensor {gguf_name!r} has no {arch} equivalent (not supported)")
 
 
 def unpermute_qk(rows: np.ndarray, n_heads: int) -> np.ndarray:
@@ -227,7 +289,7 @@ def unpermute_qk(rows: np.ndarray, n_heads: int) -> np.ndarray:
 
 
 def _plan(tensors: list[Any], hp: LlamaHParams, quantize: bool | None) -> list[_Planned]:
-    named = [(t, hf_tensor_name(t.name)) for t in tensors]
+    named = [(t, hf_tensor_name(t.name, hp.arch)) for t in tensors]
     for t, _ in named:
         if t.tensor_type.name not in SUPPORTED_TYPES:
             kind, known = t.tensor_type.name, list(SUPPORTED_TYPES)
@@ -241,7 +303,8 @@ def _plan(tensors: list[Any], hp: LlamaHParams, quantize: bool | None) -> list[_
         found = f"{bad.name} is {bad.tensor_type.name}" if bad is not None else "no layer weights"
         raise GGUFImportError(f"quantize=True needs Q4_0/Q4_1 layer weights, but {found}")
     pack = all_q4 and quantize is not False
-    heads = {".q_proj.": hp.n_heads, ".k_proj.": hp.n_kv_heads}
+    # llama.cpp's converter reorders Q/K rows for llama only (the others use NeoX-style RoPE, as HF does)
+    heads = {".q_proj.": hp.n_heads, ".k_proj.": hp.n_kv_heads} if hp.arch == "llama" else {}
     plan = []
     for t, name in named:
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))

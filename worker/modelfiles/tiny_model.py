@@ -9,6 +9,7 @@ reads them is the real one. Only numpy, safetensors and tokenizers are used here
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -105,8 +106,12 @@ def _llama_shapes(cfg: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     head_dim = cfg.get("head_dim") or h // n_heads
     inter = cfg["intermediate_size"]
     vocab = cfg["vocab_size"]
-    bias = cfg.get("attention_bias", False) or cfg["architectures"][0] == "Qwen2ForCausalLM"
-    qk_norm = cfg["architectures"][0] == "Qwen3ForCausalLM"
+    arch = cfg["architectures"][0]
+    bias = cfg.get("attention_bias", False) or arch == "Qwen2ForCausalLM"
+    qk_norm = arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+    experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+    expert_width = (cfg.get("moe_intermediate_size") if arch != "MixtralForCausalLM" else None) or inter
+    ff = "block_sparse_moe" if arch == "MixtralForCausalLM" else "mlp"
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, h), "model.norm.weight": (h,)}
     if not cfg.get("tie_word_embeddings", False):
         shapes["lm_head.weight"] = (vocab, h)
@@ -125,6 +130,12 @@ def _llama_shapes(cfg: dict[str, Any]) -> dict[str, tuple[int, ...]]:
         if qk_norm:
             shapes[p + "self_attn.q_norm.weight"] = (head_dim,)
             shapes[p + "self_attn.k_norm.weight"] = (head_dim,)
+        if experts:  # every layer sparse, experts stacked as mlx-community stores them
+            shapes[p + f"{ff}.gate.weight"] = (experts, h)
+            shapes[p + f"{ff}.switch_mlp.gate_proj.weight"] = (experts, expert_width, h)
+            shapes[p + f"{ff}.switch_mlp.up_proj.weight"] = (experts, expert_width, h)
+            shapes[p + f"{ff}.switch_mlp.down_proj.weight"] = (experts, h, expert_width)
+            continue
         shapes[p + "mlp.gate_proj.weight"] = (inter, h)
         shapes[p + "mlp.up_proj.weight"] = (inter, h)
         shapes[p + "mlp.down_proj.weight"] = (h, inter)
@@ -141,11 +152,12 @@ def write_random_checkpoint(
 ) -> Path:
     """Write a random-weight Llama-family checkpoint (with a tiny trained tokenizer) to `out_dir`.
 
-    `config` overrides keys of `TINY_LLAMA_CONFIG`; `vocab_size` defaults to the tokenizer's size.
-    Norm weights are ones-plus-noise so activations stay in a sensible range.
+    `config` overrides keys of `TINY_LLAMA_CONFIG`; `vocab_size` defaults to the tokenizer's size. A
+    config with experts (`num_experts` or `num_local_experts`; Qwen3-MoE or Mixtral) gets every layer
+    sparse, its experts stacked. Norm weights are ones-plus-noise so activations stay in a sensible
+    range. Tensors are drawn and written one at a time (a benchmark's 30B-parameter MoE never sits in
+    memory whole); stacked experts, most of such a model, are drawn in float32, the rest as always.
     """
-    from safetensors.numpy import save_file
-
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     n_vocab = build_tokenizer(out)
@@ -155,22 +167,22 @@ def write_random_checkpoint(
         raise ValueError(f"vocab_size {cfg['vocab_size']} is smaller than the tokenizer's {n_vocab}")
     cfg["torch_dtype"] = dtype
     rng = np.random.default_rng(seed)
-    np_dtype = {"float32": np.float32, "float16": np.float16}.get(dtype)
-    tensors: dict[str, np.ndarray] = {}
-    for name, shape in _llama_shapes(cfg).items():
-        if name.endswith("norm.weight"):
-            w = 1.0 + 0.1 * rng.standard_normal(shape)
-        else:
-            w = std * rng.standard_normal(shape)
-        tensors[name] = w.astype(np.float32)
-    if np_dtype is None:  # bfloat16: safetensors.numpy has no bf16, go through mlx-free bit truncation
-        _save_bf16(out / "model.safetensors", tensors)
-    else:
-        save_file(
-            {k: v.astype(np_dtype) for k, v in tensors.items()},
-            str(out / "model.safetensors"),
-            metadata={"format": "pt"},
-        )
+    if dtype not in _SAFETENSORS_DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not one of {', '.join(_SAFETENSORS_DTYPES)}")
+    shapes = _llama_shapes(cfg)
+
+    def draw() -> Iterator[np.ndarray]:
+        for name, shape in shapes.items():
+            w: np.ndarray
+            if name.endswith("norm.weight"):
+                w = 1.0 + 0.1 * rng.standard_normal(shape)
+            elif ".switch_mlp." in name:
+                w = std * rng.standard_normal(shape, dtype=np.float32)
+            else:
+                w = std * rng.standard_normal(shape)
+            yield _encoded(w.astype(np.float32), dtype)
+
+    _write_safetensors(out / "model.safetensors", shapes, _SAFETENSORS_DTYPES[dtype], draw())
     eos = _token_id(out, "<|im_end|>")
     (out / "config.json").write_text(json.dumps({**cfg, "eos_token_id": eos}, indent=2))
     (out / "generation_config.json").write_text(
@@ -187,26 +199,35 @@ def _token_id(out: Path, token: str) -> int:
     raise KeyError(token)
 
 
-def _save_bf16(path: Path, tensors: dict[str, np.ndarray]) -> None:
-    """Write bfloat16 safetensors by hand (round-to-nearest-even on the float32 bits)."""
+_SAFETENSORS_DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}
+
+
+def _encoded(w: np.ndarray, dtype: str) -> np.ndarray:
+    """float32 `w` as stored: float32, float16, or bfloat16 bits (round to nearest even) as uint16."""
+    if dtype == "float32":
+        return w
+    if dtype == "float16":
+        return w.astype(np.float16)
+    bits = np.ascontiguousarray(w, dtype=np.float32).view(np.uint32)
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def _write_safetensors(
+    path: Path, shapes: dict[str, tuple[int, ...]], kind: str, blobs: Iterator[np.ndarray]
+) -> None:
+    """A safetensors file whose header (every tensor of `kind`, in order) is written first, then each
+    tensor as `blobs` yields it: memory holds one tensor at a time."""
+    size = {"F32": 4, "F16": 2, "BF16": 2}[kind]
     header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-    blobs = []
     offset = 0
-    for name, arr in tensors.items():
-        bits = np.ascontiguousarray(arr, dtype=np.float32).view(np.uint32)
-        rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
-        blob = rounded.tobytes()
-        header[name] = {
-            "dtype": "BF16",
-            "shape": list(arr.shape),
-            "data_offsets": [offset, offset + len(blob)],
-        }
-        blobs.append(blob)
-        offset += len(blob)
+    for name, shape in shapes.items():
+        n = size * int(np.prod(shape, dtype=np.int64))
+        header[name] = {"dtype": kind, "shape": list(shape), "data_offsets": [offset, offset + n]}
+        offset += n
     head = json.dumps(header).encode()
     head += b" " * (-len(head) % 8)
     with open(path, "wb") as f:
         f.write(len(head).to_bytes(8, "little"))
         f.write(head)
         for blob in blobs:
-            f.write(blob)
+            f.write(np.ascontiguousarray(blob).tobytes())

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mlxq.worker.engine.errors import UnsupportedArchitecture
-from mlxq.worker.engine.models import llama
+from mlxq.worker.engine.models import deepseek, llama, moe, phi3
 from mlxq.worker.engine.models.base import Model
 
 
@@ -56,9 +56,21 @@ def build_model(config: dict[str, Any]) -> Model:
 
 
 register("LlamaForCausalLM", llama.ModelArgs, llama.Model)
-# Mistral is Llama's layout; its sliding window is not implemented (full attention, see llama.Model).
+# Mistral is Llama's layout; a config whose sliding window would be active is refused (llama.ModelArgs).
 register("MistralForCausalLM", llama.ModelArgs, llama.Model)
 register("Qwen2ForCausalLM", llama.ModelArgs, llama.Model, qkv_bias=True)
 register("Qwen3ForCausalLM", llama.ModelArgs, llama.Model, qk_norm=True)
+# Mixtral always renormalises its top-k weights, and its experts are intermediate_size wide.
+register(
+    "MixtralForCausalLM",
+    moe.ModelArgs,
+    moe.Model,
+    norm_topk_prob=True,
+    moe_intermediate_size=None,
+    feed_forward_name="block_sparse_moe",
+)
+register("Qwen3MoeForCausalLM", moe.ModelArgs, moe.Model, qk_norm=True)
+register("Phi3ForCausalLM", phi3.ModelArgs, phi3.Model)
+register("DeepseekV3ForCausalLM", deepseek.ModelArgs, deepseek.Model)
 
 __all__ = ["Architecture", "build_model", "register", "supported_architectures"]

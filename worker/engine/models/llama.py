@@ -8,8 +8,7 @@ attribute names equal the Hugging Face checkpoint keys, so weights load without 
 from __future__ import annotations
 
 import inspect
-import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -24,8 +23,6 @@ from mlxq.worker.engine.models.base import LayerCache
 from mlxq.worker.engine.models.quantized_rows import FusedDenseRows, fuse_dense_rows
 from mlxq.worker.engine.models.rope import make_rope
 from mlxq.worker.engine.ragged_attention import RaggedRows, decode_attention
-
-log = logging.getLogger(__name__)
 
 Mask = mx.array | str | RaggedRows | None
 
@@ -49,6 +46,8 @@ class ModelArgs:
     attention_bias: bool = False
     mlp_bias: bool = False
     hidden_act: str = "silu"
+    partial_rotary_factor: float = 1.0  # the share of each head's features RoPE rotates (Phi-4-mini: 0.75)
+    original_max_position_embeddings: int | None = None  # LongRoPE's original context (Phi-3)
     sliding_window: int | None = None
     use_sliding_window: bool | None = None  # Qwen2/3 write it (False); Mistral's window is on when set
     qkv_bias: bool = False  # set by the registry for Qwen2, not read from config.json
@@ -59,8 +58,32 @@ class ModelArgs:
         self.num_key_value_heads = self.num_key_value_heads or self.num_attention_heads
         self.n_kv_heads = self.num_key_value_heads
         self.head_dim = self.head_dim or self.hidden_size // self.num_attention_heads
+        if self.rope_scaling is not None and self.rope_scaling.get("rope_type") in ("longrope", "yarn"):
+            # transformers takes the top-level value first; a LongRoPE context past it is refused
+            # (`rope.longrope`); YaRN's scaling is the same at every length
+            original = int(
+                self.original_max_position_embeddings
+                or self.rope_scaling.get("original_max_position_embeddings")
+                or self.max_position_embeddings
+            )
+            self.rope_scaling = {
+                **self.rope_scaling,
+                "original_max_position_embeddings": original,
+                "max_position_embeddings": self.max_position_embeddings,
+            }
+            if self.rope_scaling["rope_type"] == "longrope":
+                self.max_position_embeddings = min(self.max_position_embeddings, original)
         if self.hidden_act != "silu":
             raise UnsupportedArchitecture(self.hidden_act, ["silu"], what="hidden_act")
+        window = self.sliding_window if self.use_sliding_window is not False else None
+        if window and window < self.max_position_embeddings:
+            raise UnsupportedArchitecture(
+                str(window),
+                ["none", f"a window of at least max_position_embeddings ({self.max_position_embeddings})"],
+                what="sliding_window",
+                why="attention over only the last sliding_window positions is not implemented, and full "
+                "attention would change every position past the window",
+            )
 
     @classmethod
     def from_dict(cls, config: dict[str, Any]) -> ModelArgs:
@@ -72,21 +95,23 @@ class ModelArgs:
             raise CheckpointError(
                 f"config.json lacks {', '.join(missing)}, needed for {config.get('architectures')}"
             )
-        args["rope_theta"], args["rope_scaling"] = _rope_settings(config)
+        args["rope_theta"], args["rope_scaling"], args["partial_rotary_factor"] = _rope_settings(config)
         return cls(**args)
 
 
-def _rope_settings(config: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
-    """(theta, scaling dict with a `rope_type` key or None) from either config.json layout."""
+def _rope_settings(config: dict[str, Any]) -> tuple[float, dict[str, Any] | None, float]:
+    """(theta, scaling dict with a `rope_type` key or None, partial rotary factor) from either
+    config.json layout."""
     params = config.get("rope_parameters")  # transformers 5: one dict with theta and scaling together
     if not isinstance(params, dict):
         params = {**(config.get("rope_scaling") or {}), "rope_theta": config.get("rope_theta", 10000.0)}
     params = dict(params)
     theta = float(params.pop("rope_theta", config.get("rope_theta", 10000.0)))
+    partial = float(params.pop("partial_rotary_factor", None) or config.get("partial_rotary_factor") or 1.0)
     rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"  # "type": old v4
     if rope_type == "default":
-        return theta, None
-    return theta, {**params, "rope_type": rope_type}
+        return theta, None, partial
+    return theta, {**params, "rope_type": rope_type}, partial
 
 
 class Attention(nn.Module):
@@ -108,7 +133,8 @@ class Attention(nn.Module):
             self.q_norm = nn.RMSNorm(self.head_dim, eps=args.rms_norm_eps)
             self.k_norm = nn.RMSNorm(self.head_dim, eps=args.rms_norm_eps)
         self.qk_norm = args.qk_norm
-        self.rope = make_rope(self.head_dim, args.rope_theta, args.rope_scaling)
+        rotated = int(self.head_dim * args.partial_rotary_factor)
+        self.rope = make_rope(rotated, args.rope_theta, args.rope_scaling)
         self.qkv_proj: nn.Module | None = None  # set by `fuse`, in place of q_proj, k_proj and v_proj
 
     def fuse(self) -> None:
@@ -257,13 +283,25 @@ def _fuse_linears(module: nn.Module, names: list[str]) -> nn.Module | None:
     return fused
 
 
-class TransformerBlock(nn.Module):
-    """Pre-norm residual block: attention then MLP."""
+FeedForward = Callable[[int], tuple[str, nn.Module]]  # layer index -> (checkpoint name, module)
+AttentionFactory = Callable[[int], nn.Module]  # layer index -> an attention taking `Attention`'s call
 
-    def __init__(self, args: ModelArgs) -> None:
+
+class TransformerBlock(nn.Module):
+    """Pre-norm residual block: attention then a feed-forward, by default the dense SwiGLU `MLP` under
+    the checkpoint name `mlp`; a mixture of experts (`moe.py`) brings its own module and name."""
+
+    def __init__(
+        self,
+        args: ModelArgs,
+        feed_forward: tuple[str, nn.Module] | None = None,
+        attention: nn.Module | None = None,
+    ) -> None:
         super().__init__()  # type: ignore[no-untyped-call]  # mlx.nn.Module.__init__ is unannotated
-        self.self_attn = Attention(args)
-        self.mlp = MLP(args)
+        self.self_attn = attention if attention is not None else Attention(args)
+        name, module = feed_forward if feed_forward is not None else ("mlp", MLP(args))
+        setattr(self, name, module)
+        self.feed_forward_name = name  # a str: a plain attribute, not a parameter
         self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
 
@@ -276,9 +314,15 @@ class TransformerBlock(nn.Module):
         columns: int | None = None,
     ) -> mx.array:
         """The block's output for every position, or with `last` for that position only."""
-        attn = self.self_attn(self.input_layernorm(x), mask, cache, last, columns)
+        attn: mx.array = self.self_attn(self.input_layernorm(x), mask, cache, last, columns)
         h = (x if last is None else x[:, last : last + 1]) + attn
-        return h + self.mlp(self.post_attention_layernorm(h))
+        out: mx.array = self.feed_forward(self.post_attention_layernorm(h))
+        return h + out
+
+    @property
+    def feed_forward(self) -> nn.Module:
+        """The block's feed-forward module (dense `MLP` or a mixture of experts)."""
+        return self[self.feed_forward_name]  # type: ignore[no-any-return]  # nn.Module is an untyped dict
 
 
 def _mask_for_one_query(mask: Mask, last: int, n: int, cache: LayerCache | None) -> Mask:
@@ -318,10 +362,22 @@ class LlamaModel(nn.Module):
     reads whole steps of the cache, masked, so attention meets few key shapes (`kv_cache.key_columns`).
     """
 
-    def __init__(self, args: ModelArgs) -> None:
+    def __init__(
+        self,
+        args: ModelArgs,
+        feed_forward: FeedForward | None = None,
+        attention: AttentionFactory | None = None,
+    ) -> None:
         super().__init__()  # type: ignore[no-untyped-call]  # mlx.nn.Module.__init__ is unannotated
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.layers = [TransformerBlock(args) for _ in range(args.num_hidden_layers)]
+        self.layers = [
+            TransformerBlock(
+                args,
+                feed_forward(i) if feed_forward is not None else None,
+                attention(i) if attention is not None else None,
+            )
+            for i in range(args.num_hidden_layers)
+        ]
         self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.bucket_keys = False
 
@@ -352,17 +408,23 @@ class LlamaModel(nn.Module):
 
 
 class Model(nn.Module):
-    """A causal LM: `model(inputs, cache, mask) -> logits`, or `hidden` and `logits` separately."""
+    """A causal LM: `model(inputs, cache, mask) -> logits`, or `hidden` and `logits` separately.
 
-    def __init__(self, args: ModelArgs) -> None:
+    `feed_forward` (layer index -> (checkpoint name, module)) replaces the dense `MLP` of some or all
+    layers, `attention` the attention: how the mixture-of-experts architectures (`moe.py`) and
+    DeepSeek-V3's latent attention (`deepseek.py`) reuse everything else here."""
+
+    def __init__(
+        self,
+        args: ModelArgs,
+        feed_forward: FeedForward | None = None,
+        attention: AttentionFactory | None = None,
+    ) -> None:
         super().__init__()  # type: ignore[no-untyped-call]  # mlx.nn.Module.__init__ is unannotated
         self.args = args
-        self.model = LlamaModel(args)
+        self.model = LlamaModel(args, feed_forward, attention)
         if not args.tie_word_embeddings:
             self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
-        window = args.sliding_window if args.use_sliding_window is not False else None
-        if window and window < args.max_position_embeddings:
-            log.warning("sliding window ignored window=%d: attention is full-length", window)
 
     def __call__(
         self,
@@ -417,7 +479,7 @@ class Model(nn.Module):
         model's parameters no longer have the checkpoint's names)."""
         for layer in self.layers:
             layer.self_attn.fuse()
-            layer.mlp.fuse()
+            layer.feed_forward.fuse()
 
     def make_cache(self) -> list[KVCache]:
         """One empty `KVCache` per layer."""

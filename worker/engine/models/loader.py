@@ -22,6 +22,7 @@ from mlx.utils import tree_flatten
 from mlxq.worker.engine.errors import CheckpointError, ModelNotFound
 from mlxq.worker.engine.models import build_model
 from mlxq.worker.engine.models.base import Model
+from mlxq.worker.engine.models.moe import SwitchLinear
 
 DTYPES: dict[str, mx.Dtype] = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 
@@ -193,12 +194,14 @@ def save_quantized(
 ) -> Path:
     """Quantize `model` in place (affine) and write it as an MLX-quantized checkpoint that `load_model` reads.
 
-    Every Linear/Embedding whose input size divides by `group_size` is quantized. `copy_from` names a
-    folder whose tokenizer and generation config files are copied alongside.
+    Every Linear/Embedding, and every stack of experts' Linears (`moe.SwitchLinear`, written stacked as
+    mlx-community's folders hold them), whose input size divides by `group_size` is quantized.
+    `copy_from` names a folder whose tokenizer and generation config files are copied alongside.
     """
 
     def predicate(_path: str, module: nn.Module) -> bool:
-        return isinstance(module, (nn.Linear, nn.Embedding)) and module.weight.shape[-1] % group_size == 0
+        quantizable = (nn.Linear, nn.Embedding, SwitchLinear)
+        return isinstance(module, quantizable) and module.weight.shape[-1] % group_size == 0
 
     nn.quantize(model, group_size, bits, class_predicate=predicate)
     out = Path(out_dir)

@@ -1,0 +1,311 @@
+"""The new architectures through the engine: the mixtures of experts' routing and stacked (quantized)
+experts in mlx-community's layout; for Qwen3-MoE, Mixtral, DeepSeek-V3 and Phi-3 (LongRoPE, partial
+rotary) batched generation, the ragged decode step, scoring and the prefix cache.
+
+The models themselves are held against transformers in `test_models.py`; here float32 on the CPU, where
+a batched forward is exact per row, every request's tokens must equal the request's run alone.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+from reference import make_hf_checkpoint, prompt_ids, rel_err
+from safetensors.numpy import load_file, save_file
+
+from mlxq.jobs.schema import GenerateRequest, ScoreRequest
+from mlxq.worker.engine import Engine, EngineOptions
+from mlxq.worker.engine.errors import CheckpointError
+from mlxq.worker.engine.generate import DecodeBatch, prefill
+from mlxq.worker.engine.generation_batch import GenerationBatch, generate
+from mlxq.worker.engine.models import build_model, deepseek, llama, moe
+from mlxq.worker.engine.models.loader import load_model, save_quantized
+from mlxq.worker.engine.sampler import Sampler
+from mlxq.worker.modelfiles.tiny_model import write_random_checkpoint
+
+LONG = "The capital of France is Paris. " * 8
+QWEN3_MOE = {"num_experts": 5, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "norm_topk_prob": True}
+MIXTRAL = {"num_local_experts": 5, "num_experts_per_tok": 2}
+
+
+@pytest.fixture(scope="module")
+def moe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("qwen3moe")
+    return make_hf_checkpoint(folder, "Qwen3MoeForCausalLM", max_position_embeddings=1024, **QWEN3_MOE)
+
+
+def test_route_is_softmax_then_top_k_with_ties_lower_index_first() -> None:
+    logits = mx.array([[0.0, 2.0, 2.0, 1.0, 2.0], [3.0, 0.0, 1.0, 1.0, -1.0]])
+    weights, experts = moe.route(logits, 2, renormalize=False)
+    probs = np.array(mx.softmax(logits, axis=-1))
+    assert experts.tolist() == [[1, 2], [0, 2]]  # row 0: a three-way tie, lower indices first
+    np.testing.assert_allclose(np.array(weights), np.take_along_axis(probs, np.array(experts), -1), rtol=1e-6)
+    renormed, _ = moe.route(logits, 2, renormalize=True)
+    np.testing.assert_allclose(np.array(renormed).sum(-1), [1.0, 1.0], rtol=1e-6)
+    assert weights.dtype == mx.float32 and renormed[0, 0].item() == renormed[0, 1].item() == 0.5
+
+
+@pytest.mark.parametrize("rows", [3, 40])
+def test_gathered_experts_equal_each_expert_applied_on_its_own(rows: int) -> None:
+    """Few rows gather per (token, expert); many (>= SORT_FROM pairs) are sorted by expert first."""
+    mx.random.seed(1)
+    block = moe.SwitchGLU(16, 24, 7)
+    mx.eval(block.parameters())
+    x = mx.random.normal((rows, 16))
+    experts = mx.random.randint(0, 7, (rows, 3))
+    got = block(x, experts)
+    for i in range(rows):
+        for j in range(3):
+            e = experts[i, j].item()
+            g, u = x[i] @ block.gate_proj.weight[e].T, x[i] @ block.up_proj.weight[e].T
+            want = (nn.silu(g) * u) @ block.down_proj.weight[e].T
+            np.testing.assert_allclose(np.array(got[i, j]), np.array(want), rtol=1e-5, atol=1e-5)
+    block.fuse()  # gate and up in one gathered matmul
+    assert block.gate_up_proj is not None and "gate_proj" not in block
+    np.testing.assert_allclose(np.array(block(x, experts)), np.array(got), rtol=1e-5, atol=1e-5)
+
+
+def _dequantized_copy(model: Any, config: dict[str, Any]) -> Any:
+    """The same network with every quantized weight (stacked experts too) dequantized to a float one."""
+    plain = build_model(config)
+    weights = {}
+    for path, module in model.named_modules():
+        if isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding, moe.QuantizedSwitchLinear)):
+            weights[f"{path}.weight"] = mx.dequantize(
+                module.weight, module.scales, module.biases, module.group_size, module.bits
+            )
+        elif isinstance(module, nn.RMSNorm):
+            weights[f"{path}.weight"] = module.weight
+    plain.load_weights(list(weights.items()), strict=True)
+    return plain
+
+
+@pytest.mark.parametrize(
+    ("arch", "overrides", "block"),
+    [("Qwen3MoeForCausalLM", QWEN3_MOE, "mlp"), ("MixtralForCausalLM", MIXTRAL, "block_sparse_moe")],
+)
+def test_quantized_folder_keeps_stacked_experts_quantized(
+    tmp_path: Path, arch: str, overrides: dict[str, Any], block: str
+) -> None:
+    src = make_hf_checkpoint(tmp_path / "src", arch, **overrides)
+    original, config = load_model(src)
+    out = save_quantized(original, config, tmp_path / "q", bits=4, group_size=32, copy_from=src)
+    stored = load_file(out / "model.safetensors")
+    prefix = f"model.layers.0.{block}.switch_mlp"  # mlx-community's names and shapes
+    assert stored[f"{prefix}.gate_proj.weight"].dtype == np.uint32
+    width = original.layers[0].feed_forward.switch_mlp.width
+    assert stored[f"{prefix}.gate_proj.scales"].shape == (5, width, 64 // 32)
+    assert stored[f"{prefix}.down_proj.weight"].shape == (5, 64, width * 4 // 32)
+    assert f"model.layers.0.{block}.gate.scales" in stored
+
+    model, qconfig = load_model(out)
+    switch = model.layers[1].feed_forward.switch_mlp
+    assert isinstance(switch.up_proj, moe.QuantizedSwitchLinear) and switch.up_proj.weight.dtype == mx.uint32
+    ids = mx.array([prompt_ids(src) * 3], dtype=mx.int32)  # enough (token, expert) pairs to sort
+    for few in (ids, ids[:, :5]):
+        got = np.array(model(few)[0])
+        assert rel_err(got, np.array(_dequantized_copy(model, qconfig)(few)[0])) < 1e-4
+    before = np.array(model(ids)[0])
+    model.fuse()  # quantized gate and up stacked side by side
+    assert isinstance(switch.gate_up_proj, moe.QuantizedSwitchLinear)
+    assert rel_err(np.array(model(ids)[0]), before) < 1e-5
+
+
+def test_a_missing_expert_is_a_checkpoint_error(tmp_path: Path) -> None:
+    folder = make_hf_checkpoint(tmp_path, "Qwen3MoeForCausalLM", **QWEN3_MOE)
+    weights = load_file(folder / "model.safetensors")
+    del weights["model.layers.1.mlp.experts.3.up_proj.weight"]
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"model.layers.1.mlp: .*up_proj.weight of 4 experts.*says 5"):
+        load_model(folder)
+
+
+def test_experts_per_token_beyond_the_experts_is_a_checkpoint_error(moe_dir: Path) -> None:
+    config = {**json.loads((moe_dir / "config.json").read_text()), "num_experts_per_tok": 6}
+    with pytest.raises(CheckpointError, match="num_experts_per_tok 6"):
+        build_model(config)
+
+
+def _no_eos(engine: Engine) -> dict[int, float]:
+    return {i: -100.0 for i in engine.tokenizer.eos_ids}
+
+
+# Checkpoints run through the engine's batches: the mixtures of experts (DeepSeek-V3's with its latent
+# attention), and Phi-3 with LongRoPE (its
+# attention factor scales q and k after RoPE, in the batched decode's fused rotation too) and a partial
+# rotary factor.
+BATCHED = {
+    "qwen3-moe": ("Qwen3MoeForCausalLM", QWEN3_MOE),
+    "mixtral": ("MixtralForCausalLM", MIXTRAL),
+    "deepseek-v3": (  # latent attention: values narrower than keys, padded in the caches
+        "DeepseekV3ForCausalLM",
+        {
+            "n_routed_experts": 6,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "n_group": 3,
+            "topk_group": 2,
+            "first_k_dense_replace": 1,
+            "n_shared_experts": 1,
+            "q_lora_rank": 24,
+            "kv_lora_rank": 16,
+            "qk_rope_head_dim": 8,
+            "qk_nope_head_dim": 12,
+            "v_head_dim": 10,
+            "head_dim": 8,
+            "num_key_value_heads": 4,
+        },
+    ),
+    "phi3-longrope-partial": (
+        "Phi3ForCausalLM",
+        {
+            "rope_parameters": {
+                "rope_type": "longrope",
+                "partial_rotary_factor": 0.75,
+                "short_factor": [1.0 + 0.5 * i for i in range(6)],
+                "long_factor": [4.0] * 6,
+            },
+            "original_max_position_embeddings": 128,
+        },
+    ),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(BATCHED))
+def batched_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    arch, overrides = BATCHED[request.param]
+    folder = tmp_path_factory.mktemp(request.param)
+    return make_hf_checkpoint(folder, arch, max_position_embeddings=1024, **overrides)
+
+
+@pytest.mark.parametrize("pad_shapes", [False, True])
+def test_batched_generation_equals_each_request_alone(batched_dir: Path, pad_shapes: bool) -> None:
+    engine = Engine.load(str(batched_dir), EngineOptions(prefill_chunk=16, prefix_cache_bytes=0))
+    requests = [
+        GenerateRequest.model_validate(
+            {
+                "prompt": LONG[: 20 + 37 * i] + f"#{i}",
+                "max_tokens": 6 + 5 * i,
+                "temperature": 0,
+                "logit_bias": _no_eos(engine),
+            }
+        )
+        for i in range(5)
+    ]
+    alone = [generate(engine, r, lambda _t, _i: None) for r in requests]
+    assert len({tuple(a.token_ids) for a in alone}) == len(requests)
+    batched = Engine.load(
+        str(batched_dir), EngineOptions(prefill_chunk=16, prefix_cache_bytes=0, pad_shapes=pad_shapes)
+    )
+    batch = GenerationBatch(batched, max_sequences=4)
+    done: dict[int, Any] = {}
+    todo = list(enumerate(requests))
+    while todo or len(batch):
+        if todo and batch.free_slots > 0:
+            i, request = todo.pop(0)
+            batch.admit(str(i), request, lambda _t, _i: None, lambda: False)
+        for finished in batch.step():
+            done[int(finished.key)] = finished
+    for i, want in enumerate(alone):
+        got = done[i].result
+        assert got is not None, done[i].error
+        assert got.token_ids == want.token_ids, f"request {i}"
+
+
+def test_scores_equal_a_full_forward_and_a_warm_prefix_changes_nothing(batched_dir: Path) -> None:
+    engine = Engine.load(str(batched_dir), EngineOptions(prefill_chunk=32))
+    rows = [
+        {"prompt": LONG + "The capital of France is", "candidates": [" the", " a"]},
+        {"prompt": LONG + "The capital of Italy is", "candidates": [" is"]},
+        {"prompt": "Queues hold jobs", "candidates": [" a", " the"]},
+    ]
+    request = ScoreRequest.model_validate({"rows": rows})
+    cold = engine.score(request)
+    for row, got in zip(rows, cold.rows, strict=True):
+        ids = engine.tokenizer.encode(str(row["prompt"]))
+        logits = engine.model(mx.array([ids]))[0, -1]
+        cand = [engine.tokenizer.encode(str(row["prompt"]) + c)[-1] for c in row["candidates"]]  # type: ignore[attr-defined]
+        assert got.logits == pytest.approx(logits[mx.array(cand)].tolist(), rel=1e-4, abs=1e-5)
+    assert cold.rows[1].cached_tokens > 50  # the shared prefix computed once
+    warm = engine.score(request)
+    assert warm.cached_tokens > cold.cached_tokens
+    for a, b in zip(cold.rows, warm.rows, strict=True):
+        assert a.logits == pytest.approx(b.logits, rel=1e-5, abs=1e-6)
+
+
+def test_prefix_cache_reuse_gives_the_same_tokens(batched_dir: Path) -> None:
+    engine = Engine.load(str(batched_dir), EngineOptions(prefill_chunk=32))
+    request = GenerateRequest.model_validate(
+        {"prompt": LONG, "max_tokens": 12, "temperature": 0, "logit_bias": _no_eos(engine)}
+    )
+    cold = generate(engine, request, lambda _t, _i: None)
+    warm = generate(engine, request, lambda _t, _i: None)
+    assert (
+        cold.usage.cached_tokens == 0 and warm.usage.cached_tokens == len(engine.tokenizer.encode(LONG)) - 1
+    )
+    assert warm.token_ids == cold.token_ids
+
+
+@pytest.mark.parametrize(
+    ("arch", "config"),
+    [
+        ("Qwen3MoeForCausalLM", {"num_experts": 5, "moe_intermediate_size": 32}),
+        ("MixtralForCausalLM", {"num_local_experts": 5}),  # an expert as wide as intermediate_size (128)
+    ],
+)
+def test_random_checkpoints_write_experts_stacked_and_load_as_they_are(
+    tmp_path: Path, arch: str, config: dict[str, Any]
+) -> None:
+    """What benchmarks run on: experts written stacked (mlx-community's layout), read without stacking."""
+    folder = write_random_checkpoint(
+        tmp_path, {"architectures": [arch], "num_experts_per_tok": 2, **config}, dtype="bfloat16"
+    )
+    raw = (folder / "model.safetensors").read_bytes()
+    header = json.loads(raw[8 : 8 + int.from_bytes(raw[:8], "little")])
+    block = "block_sparse_moe" if arch == "MixtralForCausalLM" else "mlp"
+    width = config.get("moe_intermediate_size", 128)
+    assert header[f"model.layers.1.{block}.switch_mlp.down_proj.weight"]["shape"] == [5, 64, width]
+    model, _ = load_model(folder, dtype="float32")
+    assert isinstance(model.layers[1].feed_forward, moe.SparseMoeBlock)
+    assert np.isfinite(np.array(model(mx.array([[1, 2, 3, 4]], dtype=mx.int32)))).all()
+
+
+def test_the_ragged_decode_path_decodes_what_the_mask_path_decodes(
+    batched_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The decode step of left-padded rows that GPUs take (`ragged_kernel`: each row's first column in
+    place of a mask; here `decode_attention` computes it with MLX) gives the mask path's tokens, for the
+    latent attention's padded values and LongRoPE's scaled rotation too."""
+    engine = Engine.load(str(batched_dir), EngineOptions(prefix_cache_bytes=0))
+    model = engine.model
+    calls: list[int] = []
+    for module in (llama, deepseek):
+        original = module.decode_attention
+
+        def counted(*a: Any, _original: Any = original, **k: Any) -> mx.array:
+            calls.append(1)
+            return _original(*a, **k)
+
+        monkeypatch.setattr(module, "decode_attention", counted)
+    ids = engine.tokenizer.encode(LONG)
+    prompts = [ids[:n] for n in (7, 30, 55)]
+
+    def start(kernel: bool) -> DecodeBatch:
+        batch = DecodeBatch(model, ragged_kernel=kernel)
+        caches = [model.make_cache() for _ in prompts]
+        logits = [prefill(model, p, c, chunk=16) for p, c in zip(prompts, caches, strict=True)]
+        batch.add(
+            caches, mx.concatenate(logits), [Sampler(model.args.vocab_size, temperature=0) for _ in prompts]
+        )
+        return batch
+
+    masked, ragged = start(False), start(True)
+    steps = [(masked.step(), ragged.step()) for _ in range(6)]
+    assert all(a == b for a, b in steps), steps
+    assert len(calls) == 6 * len(model.layers)

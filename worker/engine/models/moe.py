@@ -1,0 +1,278 @@
+"""Mixtures of experts on the Llama family's attention: Mixtral and Qwen3-MoE.
+
+A sparse layer's feed-forward is a router (`gate`, one logit per expert) and every expert's SwiGLU
+stacked into three (experts, outputs, inputs) weights (`switch_mlp`, mlx-community's layout, where
+quantized folders keep the stacked weights quantized). Hugging Face checkpoints store one Linear per
+expert; `Model.sanitize` stacks them once at load. A forward computes each token's chosen experts with
+gathered matmuls (`mx.gather_mm`, `mx.gather_qmm`): one launch per projection whatever the number of
+experts, never a loop over them. With many (token, expert) pairs, the pairs are first sorted by expert,
+so each expert's weights are read once per forward rather than once per token.
+
+Routing is each model's own rule, from transformers: a softmax over all experts in float32, the top-k
+by probability, renormalised to sum to one where the model says so (Mixtral always; Qwen3-MoE by its
+`norm_topk_prob`). Equal probabilities are ordered by MLX's sort (lower index first on the CPU). A
+tie inside the top-k changes nothing; one that straddles the k-th place transformers settles by its
+sort's unspecified order (torch's CPU top-k does not take the lower index), so there the two agree
+only where the tied experts are identical, which is what the parity tests hold them to.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from mlxq.worker.engine.errors import CheckpointError
+from mlxq.worker.engine.models import llama
+
+# From how many (token, expert) pairs a forward sorts them by expert before its gathered matmuls: below,
+# a decode step of a few rows, sorting would cost more launches than it saves reads.
+SORT_FROM = 64
+
+# mx.quantize's own group size and bits per mode, for a `to_quantized` called without them.
+_QUANT_DEFAULTS = {"affine": (64, 4), "mxfp4": (32, 4), "nvfp4": (16, 4), "mxfp8": (32, 8)}
+
+
+@dataclass
+class ModelArgs(llama.ModelArgs):
+    """The Llama family's fields plus the experts'; the registry sets `feed_forward_name` and, for
+    Mixtral, `norm_topk_prob` (Mixtral always renormalises; transformers' Qwen3-MoE default is off)."""
+
+    num_local_experts: int = 0  # Mixtral; transformers 5 writes Qwen3-MoE's under this name too
+    num_experts: int = 0  # Qwen3-MoE as transformers 4 wrote it
+    num_experts_per_tok: int = 2
+    moe_intermediate_size: int | None = None  # an expert's width (Qwen3-MoE); else intermediate_size
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: list[int] = field(default_factory=list)
+    feed_forward_name: str = "mlp"  # the checkpoint's name of a layer's feed-forward
+    n_experts: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.n_experts = self.num_experts or self.num_local_experts
+        if self.n_experts < 1:
+            raise CheckpointError(
+                "config.json of a mixture of experts sets neither num_experts nor num_local_experts"
+            )
+        if not 1 <= self.num_experts_per_tok <= self.n_experts:
+            raise CheckpointError(
+                f"num_experts_per_tok {self.num_experts_per_tok} is not between 1 and the "
+                f"{self.n_experts} experts"
+            )
+
+    @classmethod
+    def from_dict(cls, config: dict[str, Any]) -> ModelArgs:
+        args = super().from_dict(config)
+        assert isinstance(args, ModelArgs)
+        return args
+
+    def sparse(self, layer: int) -> bool:
+        """Whether `layer` is a mixture of experts (Qwen3-MoE may keep some layers dense)."""
+        return layer not in self.mlp_only_layers and (layer + 1) % self.decoder_sparse_step == 0
+
+
+class SwitchLinear(nn.Module):
+    """Every expert's bias-free Linear stacked: `weight` (experts, outputs, inputs). Called with the
+    expert of each input row, it multiplies each row by its own expert's weight in one gathered matmul."""
+
+    def __init__(self, inputs: int, outputs: int, experts: int) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]  # mlx.nn.Module.__init__ is unannotated
+        bound = inputs**-0.5
+        self.weight = mx.random.uniform(-bound, bound, (experts, outputs, inputs))
+
+    def __call__(self, x: mx.array, experts: mx.array, sorted_experts: bool = False) -> mx.array:
+        """x (..., 1, inputs) with `experts` broadcasting against its leading axes -> (..., 1, outputs)."""
+        return mx.gather_mm(
+            x, self.weight.swapaxes(-1, -2), rhs_indices=experts, sorted_indices=sorted_experts
+        )
+
+    def to_quantized(
+        self, group_size: int | None = None, bits: int | None = None, mode: str = "affine", **_: Any
+    ) -> QuantizedSwitchLinear:
+        """This layer quantized (what `nn.quantize` calls; mlx-community's stacked quantized experts)."""
+        return QuantizedSwitchLinear(self.weight, group_size, bits, mode)
+
+
+class QuantizedSwitchLinear(nn.Module):
+    """`SwitchLinear` with its stacked weight quantized as `mx.quantize` does each expert's (per output row,
+    in groups along the inputs), multiplied by `mx.gather_qmm` without dequantizing."""
+
+    def __init__(
+        self, weight: mx.array, group_size: int | None, bits: int | None, mode: str = "affine"
+    ) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]  # mlx.nn.Module.__init__ is unannotated
+        if group_size is None or bits is None:
+            default_group, default_bits = _QUANT_DEFAULTS.get(mode, (64, 4))
+            group_size, bits = group_size or default_group, bits or default_bits
+        self.group_size, self.bits, self.mode = group_size, bits, mode
+        self.weight, self.scales, *biases = mx.quantize(weight, group_size, bits, mode=mode)
+        if biases:
+            self.biases = biases[0]
+        self.freeze()
+
+    def __call__(self, x: mx.array, experts: mx.array, sorted_experts: bool = False) -> mx.array:
+        return mx.gather_qmm(
+            x,
+            self.weight,
+            self.scales,
+            self.get("biases"),
+            rhs_indices=experts,
+            transpose=True,
+            group_size=self.group_size,
+            bits=self.bits,
+            mode=self.mode,
+            sorted_indices=sorted_experts,
+        )
+
+
+def _side_by_side(parts: list[nn.Module]) -> nn.Module | None:
+    """Stacked projections of one input as one, their outputs concatenated (gate and up: one gathered
+    matmul where two would launch); None if they are not all plain, or all quantized alike."""
+    if all(type(p) is SwitchLinear for p in parts):
+        fused = SwitchLinear(1, 1, 1)
+        fused.weight = mx.concatenate([p.weight for p in parts], axis=1)
+        return fused
+    if not all(type(p) is QuantizedSwitchLinear for p in parts):
+        return None
+    if len({(p.group_size, p.bits, p.mode, "biases" in p) for p in parts}) != 1:
+        return None
+    first = parts[0]
+    quantized = QuantizedSwitchLinear.__new__(QuantizedSwitchLinear)
+    nn.Module.__init__(quantized)
+    quantized.group_size, quantized.bits, quantized.mode = first.group_size, first.bits, first.mode
+    for name in ("weight", "scales", "biases"):
+        if name in first:
+            setattr(quantized, name, mx.concatenate([p[name] for p in parts], axis=1))
+    quantized.freeze()
+    return quantized
+
+
+@partial(mx.compile, shapeless=True)
+def _swiglu(gate: mx.array, up: mx.array) -> mx.array:
+    return nn.silu(gate) * up  # type: ignore[no-any-return]  # mlx.nn.silu is unannotated
+
+
+class SwitchGLU(nn.Module):
+    """The experts' SwiGLUs stacked (mlx-community's `switch_mlp`): gate, up and down projections."""
+
+    def __init__(self, hidden: int, width: int, experts: int) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]  # mlx.nn.Module.__init__ is unannotated
+        self.gate_proj = SwitchLinear(hidden, width, experts)
+        self.up_proj = SwitchLinear(hidden, width, experts)
+        self.down_proj = SwitchLinear(width, hidden, experts)
+        self.width = width
+        self.gate_up_proj: nn.Module | None = None  # set by `fuse`, in place of gate_proj and up_proj
+
+    def fuse(self) -> None:
+        if self.gate_up_proj is None and (fused := _side_by_side([self.gate_proj, self.up_proj])) is not None:
+            mx.eval(fused.parameters())
+            self.gate_up_proj = fused
+            del self.gate_proj, self.up_proj
+
+    def __call__(self, x: mx.array, experts: mx.array) -> mx.array:
+        """Each row of x (N, hidden) through each of its k experts (N, k): (N, k, hidden)."""
+        n, k = experts.shape
+        if n * k < SORT_FROM:
+            return self._expert_rows(x[:, None, None, :], experts, False).squeeze(-2)
+        flat = experts.flatten()
+        order = mx.argsort(flat)  # pairs grouped by expert: each expert's weights read once
+        rows = self._expert_rows(x[order // k][:, None, :], flat[order], True)
+        return rows.squeeze(-2)[mx.argsort(order)].reshape(n, k, -1)
+
+    def _expert_rows(self, x: mx.array, experts: mx.array, sorted_experts: bool) -> mx.array:
+        if self.gate_up_proj is not None:
+            both = self.gate_up_proj(x, experts, sorted_experts)
+            gate, up = both[..., : self.width], both[..., self.width :]
+        else:
+            gate, up = self.gate_proj(x, experts, sorted_experts), self.up_proj(x, experts, sorted_experts)
+        return self.down_proj(_swiglu(gate, up), experts, sorted_experts)
+
+
+def route(logits: mx.array, k: int, renormalize: bool) -> tuple[mx.array, mx.array]:
+    """(weights (N, k) float32, experts (N, k)) from router logits (N, experts): softmax in float32, the
+    k most probable (equal ones lower index first), optionally renormalised to sum to one."""
+    probs = mx.softmax(logits.astype(mx.float32), axis=-1)
+    experts = mx.argsort(-probs, axis=-1)[:, :k]
+    weights = mx.take_along_axis(probs, experts, axis=-1)
+    if renormalize:
+        weights = weights / weights.sum(axis=-1, keepdims=True)
+    return weights, experts
+
+
+class SparseMoeBlock(nn.Module):
+    """A router and the stacked experts: each token's output is its top-k experts' outputs, weighted."""
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]  # mlx.nn.Module.__init__ is unannotated
+        width = args.moe_intermediate_size or args.intermediate_size
+        self.gate = nn.Linear(args.hidden_size, args.n_experts, bias=False)
+        self.switch_mlp = SwitchGLU(args.hidden_size, width, args.n_experts)
+        self.top_k = args.num_experts_per_tok
+        self.renormalize = args.norm_topk_prob
+
+    def fuse(self) -> None:
+        self.switch_mlp.fuse()
+
+    def __call__(self, x: mx.array) -> mx.array:
+        flat = x.reshape(-1, x.shape[-1])
+        weights, experts = route(self.gate(flat), self.top_k, self.renormalize)
+        out = self.switch_mlp(flat, experts)
+        return (out * weights[..., None].astype(out.dtype)).sum(axis=1).reshape(x.shape)
+
+
+def _feed_forward(args: ModelArgs, layer: int) -> tuple[str, nn.Module]:
+    if args.sparse(layer):
+        return args.feed_forward_name, SparseMoeBlock(args)
+    return args.feed_forward_name, llama.MLP(args)
+
+
+# One expert's projection as transformers and the original checkpoints name it, and its stacked name.
+_EXPERT_KEY = re.compile(
+    r"^(.*)\.experts\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.(weight|scales|biases)$"
+)
+_STACKED_NAMES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+
+
+class Model(llama.Model):
+    """A Llama-family model whose (sparse) layers' feed-forward is a `SparseMoeBlock`."""
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__(args, partial(_feed_forward, args))
+        self.n_experts = args.n_experts
+
+    def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
+        """The Llama family's, with per-expert weights stacked into `switch_mlp` (once, at load): one
+        Linear per expert (`experts.<i>.w1` or `.gate_proj`), or transformers 5's fused in-memory layout
+        (`experts.gate_up_proj`, `experts.down_proj`). mlx-community's stacked weights pass unchanged."""
+        weights = super().sanitize(weights)
+        groups: dict[tuple[str, str, str], dict[int, mx.array]] = defaultdict(dict)
+        out: dict[str, mx.array] = {}
+        for key, value in weights.items():
+            if m := _EXPERT_KEY.match(key):
+                prefix, index, proj, kind = m.groups()
+                groups[(prefix, _STACKED_NAMES.get(proj, proj), kind)][int(index)] = value
+            elif key.endswith(".experts.gate_up_proj"):
+                prefix = key[: -len(".experts.gate_up_proj")]
+                gate, up = mx.split(value, 2, axis=1)
+                out[f"{prefix}.switch_mlp.gate_proj.weight"] = gate
+                out[f"{prefix}.switch_mlp.up_proj.weight"] = up
+            elif key.endswith(".experts.down_proj"):
+                out[f"{key[: -len('.experts.down_proj')]}.switch_mlp.down_proj.weight"] = value
+            else:
+                out[key] = value
+        for (prefix, proj, kind), by_index in groups.items():
+            if sorted(by_index) != list(range(self.n_experts)):
+                missing = sorted(set(range(self.n_experts)) - set(by_index))
+                raise CheckpointError(
+                    f"{prefix}: the checkpoint has {proj}.{kind} of {len(by_index)} experts where "
+                    f"config.json says {self.n_experts} (missing or out of range: "
+                    f"{missing[:8] or sorted(by_index)[-1:]})"
+                )
+            out[f"{prefix}.switch_mlp.{proj}.{kind}"] = mx.stack([by_index[i] for i in range(self.n_experts)])
+        return out
