@@ -1,0 +1,299 @@
+"""The gateway's ASGI app (Starlette): OpenAI's routes, each a short function over the parts.
+
+Routes: `POST /v1/chat/completions`, `POST /v1/completions`, `GET /v1/models`, `GET /v1/streams/{id}`
+(resume a stream: `Last-Event-ID`), `GET /health` (the process answers), `GET /ready` (Redis answers).
+Every `/v1/` route needs an API key (`Authorization: Bearer sk-mlxq-...`); no key, no job.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import redis
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from mlxq.jobs import keys as job_keys
+from mlxq.jobs.schema import GenerateResult
+
+from ..aio import AsyncClient
+from ..errors import JobFailed, JobNotFound, RedisFull
+from ..settings import ProducerSettings
+from . import api_keys, limits, relay, shapes, translate
+from .api_keys import ApiKey
+from .catalog import Catalog
+from .errors import ApiError, bad_request
+from .settings import GatewaySettings
+
+log = logging.getLogger(__name__)
+
+CONTEXT_PREFIX = "mlxq:gw:stream:"
+_CLIENT_ERRORS = ("InvalidRequest", "ContextTooLong", "InvalidCandidate")
+
+
+def context_key(job_id: str) -> str:
+    """The hash a streamed job's chunks are built from (`shapes.Context`), for whichever instance."""
+    return CONTEXT_PREFIX + job_id
+
+
+class Gateway:
+    """The state one gateway process holds: its Redis client and a short-lived cache of live models.
+    Everything else is read from Redis per request, so instances are interchangeable."""
+
+    def __init__(self, settings: GatewaySettings, producer: ProducerSettings) -> None:
+        self.settings = settings
+        self.producer = producer
+        self._client: AsyncClient | None = None
+        self._catalog: Catalog | None = None
+
+    @property
+    def client(self) -> AsyncClient:
+        if self._client is None:
+            self._client = AsyncClient(settings=self.producer)
+        return self._client
+
+    @property
+    def catalog(self) -> Catalog:
+        if self._catalog is None:
+            self._catalog = Catalog(self.client.connection, self.settings.models_cache_s)
+        return self._catalog
+
+    async def aclose(self) -> None:
+        if self._client is not None:
+            await self._client.aclose()
+
+    # --- request parts ---------------------------------------------------------------------------
+
+    async def authorize(self, request: Request) -> ApiKey:
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not token.strip():
+            raise ApiError(
+                401,
+                "no API key: send `Authorization: Bearer <key>` (create one with `mlxq api-key create NAME`)",
+                code="invalid_api_key",
+            )
+        key = await api_keys.lookup(self.client.connection, token.strip())
+        if key is None:
+            raise ApiError(401, "this API key is not valid (unknown or revoked)", code="invalid_api_key")
+        return key
+
+    async def body(self, request: Request) -> dict[str, Any]:
+        limit = self.settings.max_body_bytes
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise _too_large(limit)
+        data = bytearray()
+        async for part in request.stream():
+            data.extend(part)
+            if len(data) > limit:
+                raise _too_large(limit)
+        try:
+            body = json.loads(data)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise bad_request(f"the body is not JSON: {e}") from None
+        if not isinstance(body, dict):
+            raise bad_request("the body must be a JSON object")
+        return body
+
+    async def route(self, key: ApiKey, model: str) -> str:
+        """The queue a request for `model` goes to, among those the key may use."""
+        served = await self.catalog.models()
+        if model not in served:
+            known = ", ".join(sorted(served)) or "none (no live worker)"
+            raise ApiError(
+                404,
+                f"the model {model!r} is not served by any live worker; known models: {known}",
+                param="model",
+                code="model_not_found",
+            )
+        if not key.allows_model(model):
+            raise ApiError(
+                403,
+                f"API key {key.name!r} may not use model {model!r}",
+                param="model",
+                type="permission_error",
+                code="model_not_allowed",
+            )
+        queues = [q for q in served[model].queues if key.allows_queue(q)]
+        if not queues:
+            raise ApiError(
+                403,
+                f"API key {key.name!r} may not use the queues that serve {model!r} "
+                f"({', '.join(served[model].queues)})",
+                param="model",
+                type="permission_error",
+            )
+        lengths = []
+        for q in queues:  # the shortest backlog among the queues that serve it
+            lengths.append(await self.client.connection.llen(job_keys.rq_queue_key(q)))
+        return queues[lengths.index(min(lengths))]
+
+    async def submit(self, key: ApiKey, t: translate.Translated) -> shapes.Context:
+        queue = await self.route(key, t.model)
+        job_id = self.client.tenant.job_id()
+        limit = key.max_jobs or self.settings.max_jobs_per_key
+        busy = await limits.claim(self.client.connection, key.digest, job_id, limit)
+        if busy is not None:
+            raise ApiError(
+                429,
+                f"API key {key.name!r} has {busy} jobs in flight, its limit is {limit}: wait for one to end",
+                type="rate_limit_error",
+                code="too_many_jobs",
+            )
+        ctx = shapes.Context(t.kind, job_id, t.model, int(time.time()), t.include_usage, key.digest)
+        conn = self.client.connection
+        try:
+            await conn.hset(context_key(job_id), mapping=ctx.fields())  # type: ignore[arg-type]
+            await conn.expire(context_key(job_id), self.settings.stream_ttl_s)
+            await self.client.submit_generate(
+                t.request, job_id=job_id, queue=queue, meta={"api_key": key.name}
+            )
+        except RedisFull as e:
+            await limits.release(conn, key.digest, job_id)
+            raise ApiError(503, str(e), type="server_error", code="redis_full") from None
+        except BaseException:
+            await limits.release(conn, key.digest, job_id)
+            raise
+        return ctx
+
+    async def context(self, key: ApiKey, completion: str) -> shapes.Context:
+        found = shapes.job_id_of(completion)
+        raw = await self.client.connection.hgetall(context_key(found[1])) if found else None
+        if not raw:
+            raise ApiError(
+                404,
+                f"no resumable stream {completion!r} (unknown, or older than {self.settings.stream_ttl_s} s)",
+                code="stream_not_found",
+            )
+        assert found is not None
+        ctx = shapes.Context.from_fields(found[1], {_str(k): _str(v) for k, v in raw.items()})
+        if ctx.owner != key.digest:
+            raise ApiError(
+                404, f"no resumable stream {completion!r} for this API key", code="stream_not_found"
+            )
+        return ctx
+
+    # --- routes ------------------------------------------------------------------------------------
+
+    async def generate(self, request: Request, kind: translate.Kind) -> Response:
+        key = await self.authorize(request)
+        body = await self.body(request)
+        t = translate.chat(body) if kind == "chat" else translate.completion(body)
+        ctx = await self.submit(key, t)
+        if t.stream:
+            return _sse(relay.events(self.client, ctx, None), ctx)
+        try:
+            result = await self.client.job(ctx.job_id).result(timeout=self.settings.job_timeout_s)
+        except JobFailed as e:
+            client_error = any(name in e.details for name in _CLIENT_ERRORS)
+            raise ApiError(
+                400 if client_error else 500,
+                str(e),
+                type="invalid_request_error" if client_error else "server_error",
+                code="job_failed",
+            ) from None
+        except TimeoutError as e:
+            raise ApiError(
+                504, f"{e} (the job goes on: its id is {ctx.job_id})", type="server_error", code="timeout"
+            ) from None
+        if not isinstance(result, GenerateResult):
+            raise ApiError(500, f"job {ctx.job_id} returned no generation result", type="server_error")
+        return JSONResponse(ctx.whole(result), headers={"x-mlxq-job-id": ctx.job_id})
+
+    async def resume(self, request: Request) -> Response:
+        key = await self.authorize(request)
+        ctx = await self.context(key, request.path_params["completion_id"])
+        return _sse(relay.events(self.client, ctx, request.headers.get("last-event-id") or None), ctx)
+
+    async def models(self, request: Request) -> Response:
+        key = await self.authorize(request)
+        served = await self.catalog.models()
+        data = [
+            {"id": m, "object": "model", "created": s.created, "owned_by": "mlxq"}
+            for m, s in served.items()
+            if key.allows_model(m) and any(key.allows_queue(q) for q in s.queues)
+        ]
+        return JSONResponse({"object": "list", "data": data})
+
+    async def health(self, request: Request) -> Response:
+        return JSONResponse({"status": "ok"})
+
+    async def ready(self, request: Request) -> Response:
+        try:
+            await self.client.connection.ping()
+            served = await self.catalog.models()
+        except (redis.ConnectionError, redis.TimeoutError, OSError) as e:
+            return JSONResponse({"status": "unavailable", "redis": str(e)}, status_code=503)
+        return JSONResponse({"status": "ready", "models": sorted(served)})
+
+
+def _str(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def _too_large(limit: int) -> ApiError:
+    return ApiError(
+        413, f"the request body is over this gateway's limit of {limit} bytes", code="request_too_large"
+    )
+
+
+def _sse(frames: AsyncIterator[str], ctx: shapes.Context) -> StreamingResponse:
+    headers = {
+        "cache-control": "no-cache",
+        "x-accel-buffering": "no",
+        "x-mlxq-job-id": ctx.job_id,
+        "x-mlxq-resume": f"/v1/streams/{ctx.id}",
+    }
+    return StreamingResponse(frames, media_type="text/event-stream", headers=headers)
+
+
+def _guarded(handler: Any) -> Any:
+    async def endpoint(request: Request) -> Response:
+        try:
+            return await handler(request)  # type: ignore[no-any-return]
+        except ApiError as e:
+            return e.response()
+        except JobNotFound as e:
+            return ApiError(404, str(e), code="job_not_found").response()
+        except (redis.ConnectionError, redis.TimeoutError) as e:
+            log.warning("redis unreachable error=%s", e)
+            return ApiError(503, f"the queue's Redis is unreachable: {e}", type="server_error").response()
+
+    return endpoint
+
+
+def create_app(
+    settings: GatewaySettings | None = None, producer: ProducerSettings | None = None
+) -> Starlette:
+    gateway = Gateway(settings or GatewaySettings(), producer or ProducerSettings())
+
+    async def chat(request: Request) -> Response:
+        return await gateway.generate(request, "chat")
+
+    async def completions(request: Request) -> Response:
+        return await gateway.generate(request, "completion")
+
+    @asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        yield
+        await gateway.aclose()
+
+    routes = [
+        Route("/v1/chat/completions", _guarded(chat), methods=["POST"]),
+        Route("/v1/completions", _guarded(completions), methods=["POST"]),
+        Route("/v1/models", _guarded(gateway.models), methods=["GET"]),
+        Route("/v1/streams/{completion_id}", _guarded(gateway.resume), methods=["GET"]),
+        Route("/health", gateway.health, methods=["GET"]),
+        Route("/ready", gateway.ready, methods=["GET"]),
+    ]
+    app = Starlette(routes=routes, lifespan=lifespan)
+    app.state.gateway = gateway
+    return app

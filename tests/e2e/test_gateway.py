@@ -1,0 +1,420 @@
+"""The OpenAI-compatible gateway (`mlxq serve`), driven as its users drive it: the real `openai` SDK
+(sync, async, streaming) and raw HTTP for SSE resumption, against a private Redis, a real worker on the
+tiny model, and real gateway processes. What a request returns is checked against the same job run
+through mlxq's own client, never against written-down text.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import redis
+from gateway_process import GatewayProcess
+from redis_server import PrivateRedis
+from worker_process import WorkerProcess
+
+from mlxq.producer import Client
+from mlxq.producer.gateway import api_keys
+
+QUEUE = "gw"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrivateRedis]:
+    """The module's own redis-server: its worker and gateways outlive single tests."""
+    s = PrivateRedis(tmp_path_factory.mktemp("redis"))
+    s.start()
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def worker(
+    model_dir: Path, server: PrivateRedis, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[WorkerProcess]:
+    w = WorkerProcess(
+        model_dir,
+        server.url,
+        tmp_path_factory.mktemp("w") / "worker.log",
+        "--queue",
+        QUEUE,
+        "--name",
+        "gw-worker",
+    )
+    w.wait_ready()
+    conn = redis.Redis.from_url(server.url)
+    deadline = time.monotonic() + 30
+    while not conn.hget("mlxq:worker:gw-worker", "model"):  # its advertisement, which the gateway reads
+        assert time.monotonic() < deadline, w.log()
+        time.sleep(0.05)
+    yield w
+    w.stop()
+
+
+@pytest.fixture(scope="module")
+def gateway(
+    server: PrivateRedis, worker: WorkerProcess, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[GatewayProcess]:
+    g = GatewayProcess(server.url, tmp_path_factory.mktemp("g") / "gateway.log", "--max-body-bytes", "65536")
+    g.wait_ready()
+    yield g
+    g.stop()
+
+
+@pytest.fixture(scope="module")
+def model(model_dir: Path) -> str:
+    return model_dir.name  # a worker advertises a model folder by its name
+
+
+@pytest.fixture
+def conn(server: PrivateRedis) -> Iterator[redis.Redis]:
+    c = redis.Redis.from_url(server.url)
+    yield c
+    c.close()
+
+
+@pytest.fixture
+def key(conn: redis.Redis, request: pytest.FixtureRequest) -> Iterator[str]:
+    name = request.node.name[:60].replace("[", "-").replace("]", "")
+    token, _ = api_keys.create(conn, name)
+    yield token
+    api_keys.revoke(conn, name)
+
+
+@pytest.fixture
+def sdk(gateway: GatewayProcess, key: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{gateway.url}/v1", api_key=key, max_retries=0)
+
+
+@pytest.fixture
+def mlxq_client(server: PrivateRedis) -> Iterator[Client]:
+    with Client(server.url, queue=QUEUE) as c:
+        yield c
+
+
+def _greedy(no_eos: dict[int, float], max_tokens: int = 12) -> dict[str, Any]:
+    return {"temperature": 0.0, "max_tokens": max_tokens, "logit_bias": no_eos}
+
+
+def _openai_bias(no_eos: dict[int, float]) -> dict[str, float]:
+    return {str(k): v for k, v in no_eos.items()}
+
+
+MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}]
+
+
+# --- models and routing --------------------------------------------------------------------------
+
+
+def test_models_lists_what_live_workers_serve_and_an_unknown_model_is_a_404(
+    sdk: openai.OpenAI, model: str
+) -> None:
+    assert [m.id for m in sdk.models.list().data] == [model]
+    with pytest.raises(openai.NotFoundError) as e:
+        sdk.chat.completions.create(model="no-such-model", messages=MESSAGES)
+    assert "no-such-model" in str(e.value) and model in str(e.value)
+
+
+# --- chat and completions: sync, async, streaming --------------------------------------------------
+
+
+def test_chat_returns_what_the_same_job_returns_through_mlxq(
+    sdk: openai.OpenAI, mlxq_client: Client, model: str, no_eos: dict[int, float]
+) -> None:
+    direct = mlxq_client.submit_generate(messages=MESSAGES, **_greedy(no_eos)).result(timeout=60)
+    answer = sdk.chat.completions.create(
+        model=model, messages=MESSAGES, temperature=0.0, max_tokens=12, logit_bias=_openai_bias(no_eos)
+    )
+    assert answer.id.startswith("chatcmpl-") and answer.model == model
+    assert answer.choices[0].message.role == "assistant"
+    assert answer.choices[0].message.content == direct.text
+    assert answer.choices[0].finish_reason == "length" == direct.finish_reason
+    assert answer.usage is not None
+    assert (answer.usage.prompt_tokens, answer.usage.completion_tokens) == (direct.usage.prompt_tokens, 12)
+    assert answer.usage.total_tokens == answer.usage.prompt_tokens + 12
+
+
+def test_completion_with_stop_and_seed(
+    sdk: openai.OpenAI, mlxq_client: Client, model: str, no_eos: dict[int, float]
+) -> None:
+    prompt = "Once upon a time"
+    sampled = dict(temperature=1.0, seed=7, max_tokens=16, logit_bias=no_eos)
+    direct = mlxq_client.submit_generate(prompt, **sampled).result(timeout=60)
+    again = sdk.completions.create(
+        model=model, prompt=prompt, temperature=1.0, seed=7, max_tokens=16, logit_bias=_openai_bias(no_eos)
+    )
+    assert again.object == "text_completion" and again.choices[0].text == direct.text  # the seed decides
+    stop = direct.text[len(direct.text) // 2 :][:3]
+    assert stop.strip(), direct.text
+    cut = sdk.completions.create(
+        model=model,
+        prompt=prompt,
+        temperature=1.0,
+        seed=7,
+        max_tokens=16,
+        logit_bias=_openai_bias(no_eos),
+        stop=[stop],
+    )
+    assert cut.choices[0].finish_reason == "stop"
+    assert cut.choices[0].text == direct.text[: direct.text.index(stop)]
+
+
+def test_async_streaming_chat_with_usage_matches_the_whole_answer(
+    gateway: GatewayProcess, key: str, model: str, no_eos: dict[int, float]
+) -> None:
+    async def run() -> tuple[str, list[Any], str]:
+        client = openai.AsyncOpenAI(base_url=f"{gateway.url}/v1", api_key=key, max_retries=0)
+        args: dict[str, Any] = dict(
+            model=model, messages=MESSAGES, temperature=0.0, max_tokens=20, logit_bias=_openai_bias(no_eos)
+        )
+        whole = await client.chat.completions.create(**args)
+        stream = await client.chat.completions.create(
+            **args, stream=True, stream_options={"include_usage": True}
+        )
+        chunks = [chunk async for chunk in stream]
+        await client.close()
+        return whole.choices[0].message.content or "", chunks, whole.id
+
+    text, chunks, _ = asyncio.run(run())
+    assert chunks[0].choices[0].delta.role == "assistant"
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == text
+    finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finish == ["length"]
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    assert chunks[-1].usage.completion_tokens == 20
+    assert len({c.id for c in chunks}) == 1
+
+
+def test_sync_streaming_completion(sdk: openai.OpenAI, model: str, no_eos: dict[int, float]) -> None:
+    args: dict[str, Any] = dict(
+        model=model, prompt="Hello", temperature=0.0, max_tokens=10, logit_bias=_openai_bias(no_eos)
+    )
+    whole = sdk.completions.create(**args)
+    pieces = [c.choices[0].text for c in sdk.completions.create(**args, stream=True)]
+    assert "".join(pieces) == whole.choices[0].text
+
+
+# --- what mlxq does not do is a 400 that says so -----------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kind", "extra", "param"),
+    [
+        ("chat", {"n": 2}, "n"),
+        ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ("chat", {"logprobs": True}, "logprobs"),
+        ("chat", {"response_format": {"type": "json_object"}}, "response_format"),
+        ("completion", {"echo": True}, "echo"),
+        ("completion", {"logprobs": 2}, "logprobs"),
+        ("completion", {"n": 3}, "n"),
+        ("chat", {"extra_body": {"max_tokenz": 3}}, "max_tokenz"),
+    ],
+)
+def test_unsupported_parameters_are_a_400_naming_them_and_enqueue_nothing(
+    sdk: openai.OpenAI, model: str, conn: redis.Redis, kind: str, extra: dict[str, Any], param: str
+) -> None:
+    before = conn.llen(f"rq:queue:{QUEUE}"), len(conn.keys("rq:job:*"))
+    with pytest.raises(openai.BadRequestError) as e:
+        if kind == "chat":
+            sdk.chat.completions.create(model=model, messages=MESSAGES, **extra)
+        else:
+            sdk.completions.create(model=model, prompt="hi", **extra)
+    assert e.value.status_code == 400
+    assert e.value.body["param"] == param and param in e.value.body["message"]  # type: ignore[index]
+    if param in ("echo", "logprobs") and kind == "completion":
+        assert "issue 28" in e.value.body["message"]  # type: ignore[index]
+    assert (conn.llen(f"rq:queue:{QUEUE}"), len(conn.keys("rq:job:*"))) == before
+
+
+def test_a_bad_value_is_a_400_with_the_contracts_message(sdk: openai.OpenAI, model: str) -> None:
+    with pytest.raises(openai.BadRequestError) as e:
+        sdk.chat.completions.create(model=model, messages=MESSAGES, temperature=-1)
+    assert "temperature" in str(e.value)
+
+
+# --- auth and limits -----------------------------------------------------------------------------------
+
+
+def test_no_key_or_a_revoked_key_gets_no_job(gateway: GatewayProcess, conn: redis.Redis, model: str) -> None:
+    jobs_before = len(conn.keys("rq:job:*"))
+    r = httpx.post(f"{gateway.url}/v1/chat/completions", json={"model": model, "messages": MESSAGES})
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    token, _ = api_keys.create(conn, "short-lived")
+    assert api_keys.revoke(conn, "short-lived")
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{gateway.url}/v1", api_key=token, max_retries=0).models.list()
+    assert len(conn.keys("rq:job:*")) == jobs_before
+    assert all(
+        not k.startswith(b"sk-") and b"sk-mlxq" not in conn.dump(k) for k in conn.keys("mlxq:gw:key:*")
+    )
+
+
+def test_a_key_limited_to_other_models_or_queues_is_refused(
+    gateway: GatewayProcess, conn: redis.Redis, model: str
+) -> None:
+    for name, limits in (
+        ("other-model", {"models": ["another"]}),
+        ("other-queue", {"queues": ["elsewhere"]}),
+    ):
+        token, _ = api_keys.create(conn, name, **limits)
+        sdk = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key=token, max_retries=0)
+        assert sdk.models.list().data == []
+        with pytest.raises(openai.PermissionDeniedError):
+            sdk.chat.completions.create(model=model, messages=MESSAGES)
+        api_keys.revoke(conn, name)
+
+
+def test_a_body_over_the_limit_is_a_413(gateway: GatewayProcess, key: str, model: str) -> None:
+    big = {"model": model, "messages": [{"role": "user", "content": "x" * 70_000}]}
+    r = httpx.post(f"{gateway.url}/v1/chat/completions", json=big, headers={"authorization": f"Bearer {key}"})
+    assert r.status_code == 413 and "65536" in r.json()["error"]["message"]
+
+
+def test_jobs_in_flight_over_the_keys_limit_are_a_429_until_one_ends(
+    gateway: GatewayProcess, conn: redis.Redis, model: str, no_eos: dict[int, float]
+) -> None:
+    token, _ = api_keys.create(conn, "one-at-a-time", max_jobs=1)
+    sdk = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key=token, max_retries=0)
+    long = sdk.chat.completions.create(
+        model=model, messages=MESSAGES, max_tokens=400, logit_bias=_openai_bias(no_eos), stream=True
+    )
+    first = next(iter(long))  # the job runs
+    with pytest.raises(openai.RateLimitError):
+        sdk.chat.completions.create(model=model, messages=MESSAGES, max_tokens=2)
+    assert first.id.startswith("chatcmpl-")
+    rest = list(long)  # the first job ends ...
+    assert rest[-1].choices[0].finish_reason == "length"
+    done = sdk.chat.completions.create(
+        model=model, messages=MESSAGES, max_tokens=2
+    )  # ... so this one may run
+    assert done.usage is not None and done.usage.completion_tokens <= 2
+    api_keys.revoke(conn, "one-at-a-time")
+
+
+def test_health_and_readiness(gateway: GatewayProcess, model: str) -> None:
+    assert httpx.get(f"{gateway.url}/health").json() == {"status": "ok"}
+    ready = httpx.get(f"{gateway.url}/ready")
+    assert ready.status_code == 200 and ready.json()["models"] == [model]
+
+
+# --- resumable streams -------------------------------------------------------------------------------
+
+
+def _events(response: httpx.Response) -> Iterator[tuple[str | None, str]]:
+    """(id, data) of each SSE event, read from raw lines (the framing is what is under test)."""
+    event_id, data = None, []
+    for line in response.iter_lines():
+        if line == "":
+            if data:
+                yield event_id, "\n".join(data)
+            event_id, data = None, []
+        elif line.startswith("id: "):
+            event_id = line[4:]
+        elif line.startswith("data: "):
+            data.append(line[6:])
+
+
+def _text_of(events: list[tuple[str | None, str]]) -> str:
+    out = []
+    for _, data in events:
+        if data != "[DONE]":
+            choices = json.loads(data)["choices"]
+            out.extend(c["delta"].get("content") or "" for c in choices)
+    return "".join(out)
+
+
+def _start_stream(
+    gateway: GatewayProcess, key: str, model: str, no_eos: dict[int, float], max_tokens: int
+) -> tuple[httpx.Client, httpx.Response]:
+    http = httpx.Client(timeout=30.0)
+    body = {
+        "model": model,
+        "messages": MESSAGES,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "stream": True,
+        "logit_bias": _openai_bias(no_eos),
+    }
+    request = http.build_request(
+        "POST", f"{gateway.url}/v1/chat/completions", json=body, headers={"authorization": f"Bearer {key}"}
+    )
+    return http, http.send(request, stream=True)
+
+
+def _resume(url: str, key: str, completion_id: str, last_id: str) -> list[tuple[str | None, str]]:
+    headers = {"authorization": f"Bearer {key}", "last-event-id": last_id}
+    with httpx.stream("GET", f"{url}/v1/streams/{completion_id}", headers=headers, timeout=60.0) as r:
+        assert r.status_code == 200, r.read()
+        return list(_events(r))
+
+
+def test_last_event_id_resumes_with_nothing_lost_or_repeated(
+    gateway: GatewayProcess, key: str, model: str, mlxq_client: Client, no_eos: dict[int, float]
+) -> None:
+    http, response = _start_stream(gateway, key, model, no_eos, 60)
+    head = []
+    for event in _events(response):
+        head.append(event)
+        if len(head) == 5:
+            break
+    response.close()
+    http.close()
+    job_id = response.headers["x-mlxq-job-id"]
+    completion_id = json.loads(head[0][1])["id"]
+    assert head[-1][0] is not None
+    tail = _resume(gateway.url, key, completion_id, head[-1][0])
+    ids = [i for i, _ in head + tail if i is not None]
+    assert len(ids) == len(set(ids)) and ids == sorted(ids, key=lambda i: tuple(map(int, i.split("-"))))
+    assert tail[-1][1] == "[DONE]"
+    assert _text_of(head + tail) == mlxq_client.job(job_id).result(timeout=60).text
+    # a client that lost only the ending resumes at the finish chunk's id and gets just [DONE]
+    finish_id = [i for i, d in tail if i is not None][-1]
+    assert _resume(gateway.url, key, completion_id, finish_id) == [(None, "[DONE]")]
+
+
+def test_a_gateway_killed_mid_stream_is_resumed_through_another(
+    server: PrivateRedis,
+    worker: WorkerProcess,
+    key: str,
+    model: str,
+    mlxq_client: Client,
+    no_eos: dict[int, float],
+    tmp_path: Path,
+) -> None:
+    first = GatewayProcess(server.url, tmp_path / "first.log")
+    second = GatewayProcess(server.url, tmp_path / "second.log")
+    try:
+        first.wait_ready()
+        second.wait_ready()
+        http, response = _start_stream(first, key, model, no_eos, 200)
+        head: list[tuple[str | None, str]] = []
+        events = _events(response)
+        for event in events:
+            head.append(event)
+            if len(head) == 3:
+                first.kill()  # mid-response: the connection drops with the process
+                break
+        with pytest.raises(httpx.HTTPError):
+            for event in events:  # whatever was in flight, then the cut
+                head.append(event)
+        http.close()
+        last_id = [i for i, _ in head if i is not None][-1]
+        completion_id = json.loads(head[0][1])["id"]
+        tail = _resume(second.url, key, completion_id, last_id)
+        ids = [i for i, _ in head + tail if i is not None]
+        assert len(ids) == len(set(ids))
+        assert tail[-1][1] == "[DONE]"
+        result = mlxq_client.job(completion_id.removeprefix("chatcmpl-")).result(timeout=60)
+        assert _text_of(head + tail) == result.text and result.usage.completion_tokens == 200
+    finally:
+        first.stop()
+        second.stop()
