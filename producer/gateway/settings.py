@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -31,3 +33,21 @@ class GatewaySettings(BaseSettings):
     models_cache_s: float = Field(
         default=1.0, ge=0.0, description="how long the list of live workers' models is reused"
     )
+    data_dir: Path = Field(
+        default=Path("mlxq-gateway-data"),
+        description="where uploaded files and batch outputs are kept; instances that share batches must "
+        "share this folder (a network file system), as they share Redis",
+    )
+    max_file_bytes: int = Field(
+        default=200 * 1024 * 1024, ge=1024, description="largest upload (OpenAI's: 200 MB)"
+    )
+    max_batch_lines: int = Field(
+        default=50_000, ge=1, description="most requests in one batch (OpenAI's limit)"
+    )
+    batch_lease_s: float = Field(
+        default=30.0,
+        gt=0.0,
+        description="a batch whose runner has not renewed its lease this long is "
+        "taken up by another instance (after a crash or restart)",
+    )
+    batch_in_flight: int = Field(default=64, ge=1, description="jobs one batch keeps outstanding at once")

@@ -63,7 +63,14 @@ def worker(
 def gateway(
     server: PrivateRedis, worker: WorkerProcess, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[GatewayProcess]:
-    g = GatewayProcess(server.url, tmp_path_factory.mktemp("g") / "gateway.log", "--max-body-bytes", "65536")
+    folder = tmp_path_factory.mktemp("g")
+    g = GatewayProcess(
+        server.url,
+        folder / "gateway.log",
+        "--max-body-bytes",
+        "65536",
+        MLXQ_GATEWAY_DATA_DIR=str(folder / "data"),
+    )
     g.wait_ready()
     yield g
     g.stop()
@@ -390,8 +397,8 @@ def test_a_gateway_killed_mid_stream_is_resumed_through_another(
     no_eos: dict[int, float],
     tmp_path: Path,
 ) -> None:
-    first = GatewayProcess(server.url, tmp_path / "first.log")
-    second = GatewayProcess(server.url, tmp_path / "second.log")
+    first = GatewayProcess(server.url, tmp_path / "first.log", MLXQ_GATEWAY_DATA_DIR=str(tmp_path))
+    second = GatewayProcess(server.url, tmp_path / "second.log", MLXQ_GATEWAY_DATA_DIR=str(tmp_path))
     try:
         first.wait_ready()
         second.wait_ready()
@@ -418,3 +425,142 @@ def test_a_gateway_killed_mid_stream_is_resumed_through_another(
     finally:
         first.stop()
         second.stop()
+
+
+# --- the Batch API -------------------------------------------------------------------------------------
+
+
+def _batch_lines(model: str, no_eos: dict[int, float], n: int, max_tokens: int) -> list[dict[str, Any]]:
+    return [
+        {
+            "custom_id": f"req-{i}",
+            "method": "POST",
+            "url": "/v1/chat/completions",
+            "body": {
+                "model": model,
+                "messages": [{"role": "user", "content": f"Count to {i}."}],
+                "max_tokens": max_tokens,
+                "temperature": 0.0,
+                "logit_bias": _openai_bias(no_eos),
+            },
+        }
+        for i in range(n)
+    ]
+
+
+def _upload_batch(sdk: openai.OpenAI, lines: list[dict[str, Any]]) -> Any:
+    content = "".join(json.dumps(line) + "\n" for line in lines).encode()
+    uploaded = sdk.files.create(file=("in.jsonl", content), purpose="batch")
+    assert uploaded.bytes == len(content)
+    return sdk.batches.create(
+        input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
+
+
+def _wait_batch(sdk: openai.OpenAI, batch_id: str, statuses: tuple[str, ...], timeout: float = 120.0) -> Any:
+    deadline = time.monotonic() + timeout
+    while (batch := sdk.batches.retrieve(batch_id)).status not in statuses:
+        assert time.monotonic() < deadline, batch
+        time.sleep(0.1)
+    return batch
+
+
+def _wait_batch_progress(sdk: openai.OpenAI, batch_id: str, completed: int) -> None:
+    deadline = time.monotonic() + 120
+    while (batch := sdk.batches.retrieve(batch_id)).request_counts.completed < completed:  # type: ignore[union-attr]
+        assert time.monotonic() < deadline, batch
+        time.sleep(0.05)
+
+
+def _lines_of(sdk: openai.OpenAI, file_id: str | None) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in sdk.files.content(file_id).text.splitlines()] if file_id else []
+
+
+def _expected(mlxq_client: Client, lines: list[dict[str, Any]], no_eos: dict[int, float]) -> dict[str, str]:
+    """Each request's text, run as a plain mlxq job."""
+    handles = {
+        line["custom_id"]: mlxq_client.submit_generate(
+            messages=line["body"]["messages"], **_greedy(no_eos, line["body"]["max_tokens"])
+        )
+        for line in lines
+    }
+    return {cid: h.result(timeout=120).text for cid, h in handles.items()}
+
+
+def test_a_batch_runs_into_openai_output_and_error_files(
+    sdk: openai.OpenAI, model: str, mlxq_client: Client, no_eos: dict[int, float]
+) -> None:
+    lines = _batch_lines(model, no_eos, 4, 8)
+    refused = {**lines[0], "custom_id": "two-choices", "body": {**lines[0]["body"], "n": 2}}
+    batch = _upload_batch(sdk, [*lines, refused])
+    assert batch.status == "in_progress" and batch.request_counts.total == 5
+    batch = _wait_batch(sdk, batch.id, ("completed",))
+    assert (batch.request_counts.completed, batch.request_counts.failed) == (4, 1)
+    out = _lines_of(sdk, batch.output_file_id)
+    expected = _expected(mlxq_client, lines, no_eos)
+    assert {
+        o["custom_id"]: o["response"]["body"]["choices"][0]["message"]["content"] for o in out
+    } == expected
+    assert all(o["response"]["status_code"] == 200 and o["error"] is None for o in out)
+    assert all(o["response"]["body"]["usage"]["completion_tokens"] == 8 for o in out)
+    (error,) = _lines_of(sdk, batch.error_file_id)
+    assert error["custom_id"] == "two-choices" and error["response"]["status_code"] == 400
+    assert error["response"]["body"]["error"]["param"] == "n"
+
+
+def test_a_malformed_batch_file_is_a_400_naming_the_line(
+    sdk: openai.OpenAI, model: str, no_eos: dict[int, float]
+) -> None:
+    lines = _batch_lines(model, no_eos, 2, 4)
+    with pytest.raises(openai.BadRequestError) as e:
+        _upload_batch(sdk, [lines[0], {**lines[1], "custom_id": lines[0]["custom_id"]}])
+    assert "line 2" in str(e.value) and "appears twice" in str(e.value)
+
+
+def test_a_cancelled_batch_stops_and_keeps_what_finished(
+    sdk: openai.OpenAI, model: str, no_eos: dict[int, float], conn: redis.Redis
+) -> None:
+    batch = _upload_batch(sdk, _batch_lines(model, no_eos, 30, 200))
+    _wait_batch_progress(sdk, batch.id, 1)
+    assert sdk.batches.cancel(batch.id).status == "cancelling"
+    batch = _wait_batch(sdk, batch.id, ("cancelled",))
+    assert 1 <= batch.request_counts.completed < 30
+    assert len(_lines_of(sdk, batch.output_file_id)) == batch.request_counts.completed
+    deadline = time.monotonic() + 30
+    while conn.llen(f"rq:queue:{QUEUE}"):  # its outstanding jobs were cancelled, not left queued
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+
+
+def test_a_batch_survives_its_gateway_being_killed(
+    server: PrivateRedis,
+    worker: WorkerProcess,
+    key: str,
+    model: str,
+    mlxq_client: Client,
+    no_eos: dict[int, float],
+    tmp_path: Path,
+) -> None:
+    env = {"MLXQ_GATEWAY_DATA_DIR": str(tmp_path / "shared"), "MLXQ_GATEWAY_BATCH_LEASE_S": "1"}
+    first = GatewayProcess(server.url, tmp_path / "first.log", **env)
+    second: GatewayProcess | None = None
+    try:
+        first.wait_ready()
+        sdk = openai.OpenAI(base_url=f"{first.url}/v1", api_key=key, max_retries=0)
+        lines = _batch_lines(model, no_eos, 12, 24)
+        batch = _upload_batch(sdk, lines)
+        _wait_batch_progress(sdk, batch.id, 2)
+        first.kill()
+        second = GatewayProcess(server.url, tmp_path / "second.log", **env)
+        second.wait_ready()
+        sdk = openai.OpenAI(base_url=f"{second.url}/v1", api_key=key, max_retries=0)
+        done = _wait_batch(sdk, batch.id, ("completed",))
+        assert (done.request_counts.completed, done.request_counts.failed) == (12, 0)
+        out = _lines_of(sdk, done.output_file_id)
+        assert sorted(o["custom_id"] for o in out) == sorted(line["custom_id"] for line in lines)  # each once
+        texts = {o["custom_id"]: o["response"]["body"]["choices"][0]["message"]["content"] for o in out}
+        assert texts == _expected(mlxq_client, lines, no_eos)
+    finally:
+        first.stop()
+        if second is not None:
+            second.stop()
