@@ -4,7 +4,7 @@ A key is 32 random bytes (`sk-mlxq-...`), so a plain hash is enough: there is no
 leaked Redis dump gives no usable key. Each key's hash `mlxq:gw:key:<sha256>` holds its name, the models
 and queues it is limited to (empty: any) and its own concurrent-job limit; `mlxq:gw:keys` maps names to
 hashes, so a key is revoked by name. Every gateway instance reads the same records: revoking a key stops
-it on all of them at once.
+it on all of them within `key_cache_s` (one second by default; `KeyCache`).
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import hashlib
 import json
 import secrets
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -124,3 +125,25 @@ async def lookup(conn: redis.asyncio.Redis, token: str) -> ApiKey | None:
     key_digest = digest(token)
     raw = await conn.hgetall(KEY_RECORD_PREFIX + key_digest)
     return ApiKey.from_fields(key_digest, raw) if raw else None
+
+
+class KeyCache:
+    """`lookup`, remembered for `ttl_s` seconds per token (a revoked key stops within that time on every
+    instance); a busy client then costs no Redis read per request. At most `size` tokens are kept."""
+
+    def __init__(self, ttl_s: float, size: int = 4096) -> None:
+        self.ttl_s = ttl_s
+        self.size = size
+        self._seen: OrderedDict[str, tuple[float, ApiKey | None]] = OrderedDict()
+
+    async def lookup(self, conn: redis.asyncio.Redis, token: str) -> ApiKey | None:
+        now = time.monotonic()
+        hit = self._seen.get(token)
+        if hit is not None and now - hit[0] < self.ttl_s:
+            return hit[1]
+        key = await lookup(conn, token)
+        self._seen[token] = (now, key)
+        self._seen.move_to_end(token)
+        while len(self._seen) > self.size:
+            self._seen.popitem(last=False)
+        return key

@@ -57,6 +57,7 @@ class Gateway:
         self.producer = producer
         self._client: AsyncClient | None = None
         self._catalog: Catalog | None = None
+        self.keys = api_keys.KeyCache(settings.key_cache_s)
 
     @property
     def client(self) -> AsyncClient:
@@ -85,7 +86,7 @@ class Gateway:
                 "no API key: send `Authorization: Bearer <key>` (create one with `mlxq api-key create NAME`)",
                 code="invalid_api_key",
             )
-        key = await api_keys.lookup(self.client.connection, token.strip())
+        key = await self.keys.lookup(self.client.connection, token.strip())
         if key is None:
             raise ApiError(401, "this API key is not valid (unknown or revoked)", code="invalid_api_key")
         return key
@@ -136,9 +137,12 @@ class Gateway:
                 param="model",
                 type="permission_error",
             )
-        lengths = []
-        for q in queues:  # the shortest backlog among the queues that serve it
-            lengths.append(await self.client.connection.llen(job_keys.rq_queue_key(q)))
+        if len(queues) == 1:
+            return queues[0]
+        async with self.client.connection.pipeline(transaction=False) as pipe:
+            for q in queues:  # the shortest backlog among the queues that serve it
+                pipe.llen(job_keys.rq_queue_key(q))
+            lengths = await pipe.execute()
         return queues[lengths.index(min(lengths))]
 
     async def submit(self, key: ApiKey, t: translate.Translated) -> shapes.Context:
@@ -156,8 +160,10 @@ class Gateway:
         ctx = shapes.Context(t.kind, job_id, t.model, int(time.time()), t.include_usage, key.digest)
         conn = self.client.connection
         try:
-            await conn.hset(context_key(job_id), mapping=ctx.fields())  # type: ignore[arg-type]
-            await conn.expire(context_key(job_id), self.settings.stream_ttl_s)
+            async with conn.pipeline(transaction=True) as pipe:
+                pipe.hset(context_key(job_id), mapping=ctx.fields())  # type: ignore[arg-type]
+                pipe.expire(context_key(job_id), self.settings.stream_ttl_s)
+                await pipe.execute()
             await self.client.submit_generate(
                 t.request, job_id=job_id, queue=queue, meta={"api_key": key.name}
             )

@@ -1,8 +1,9 @@
 """Each API key's jobs in flight, counted in Redis so that every gateway instance sees the same count.
 
-`mlxq:gw:inflight:<key digest>` is a sorted set of the key's job ids (scored by submit time). Before a
-submit, the ids whose job has ended (or expired) are taken out, by asking RQ each job's status; then the
-new id is added and the set counted in one transaction, and taken back out if that is over the limit.
+`mlxq:gw:inflight:<key digest>` is a sorted set of the key's job ids (scored by submit time). A submit
+adds its id and counts the set in one transaction; over the limit, the ids whose job has ended (or
+expired) are taken out, by asking RQ each job's status, and if the count is still over, the new id is
+taken back out and the request refused.
 Nothing depends on a gateway seeing a job end: a client that hangs up, or a gateway that dies, leaves
 ids that the next submit clears.
 """
@@ -21,6 +22,9 @@ from ..job_state import ENDED
 
 INFLIGHT_PREFIX = "mlxq:gw:inflight:"
 
+KEY_TTL_S = 7 * 86_400
+"""A key that submits nothing for this long has its set dropped (all its jobs have long ended)."""
+
 ENQUEUE_GRACE_S = 30.0
 """An id claimed this recently with no job hash yet is being enqueued, not gone."""
 
@@ -29,7 +33,7 @@ def inflight_key(key_digest: str) -> str:
     return INFLIGHT_PREFIX + key_digest
 
 
-async def _clear_ended(conn: redis.asyncio.Redis, key: str) -> None:
+async def _clear_ended(conn: redis.asyncio.Redis, key: str, keep: str) -> None:
     members: list[Any] = list(await conn.zrange(key, 0, -1, withscores=True))
     if not members:
         return
@@ -42,24 +46,36 @@ async def _clear_ended(conn: redis.asyncio.Redis, key: str) -> None:
     ended = [
         i
         for i, s in zip(ids, statuses, strict=True)
-        if rq_wire.decode_status(s) in ENDED and not (s is None and i in young)
+        if i != keep and rq_wire.decode_status(s) in ENDED and not (s is None and i in young)
     ]
     if ended:
         await conn.zrem(key, *ended)
 
 
 async def claim(conn: redis.asyncio.Redis, key_digest: str, job_id: str, limit: int) -> int | None:
-    """Count `job_id` against the key; None if that stays within `limit`, else how many are in flight."""
+    """Count `job_id` against the key; None if that stays within `limit`, else how many are in flight.
+
+    One round trip while the key is under its limit; only at the limit are the ended jobs looked for
+    (so a key's cost per submit does not grow with its jobs in flight)."""
     key = inflight_key(key_digest)
-    await _clear_ended(conn, key)
+    count = await _add(conn, key, job_id)
+    if count <= limit:
+        return None
+    await _clear_ended(conn, key, keep=job_id)
+    count = int(await conn.zcard(key))
+    if count > limit:
+        await conn.zrem(key, job_id)
+        return count - 1
+    return None
+
+
+async def _add(conn: redis.asyncio.Redis, key: str, job_id: str) -> int:
     async with conn.pipeline(transaction=True) as pipe:
         pipe.zadd(key, {job_id: time.time()})
         pipe.zcard(key)
-        _, count = await pipe.execute()
-    if count > limit:
-        await conn.zrem(key, job_id)
-        return int(count) - 1
-    return None
+        pipe.expire(key, KEY_TTL_S)
+        _, count, _ = await pipe.execute()
+    return int(count)
 
 
 async def release(conn: redis.asyncio.Redis, key_digest: str, job_id: str) -> None:

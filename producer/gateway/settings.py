@@ -30,6 +30,11 @@ class GatewaySettings(BaseSettings):
     stream_ttl_s: int = Field(
         default=86_400, ge=60, description="how long a stream stays resumable through the gateway"
     )
+    key_cache_s: float = Field(
+        default=1.0,
+        ge=0.0,
+        description="how long an API key's record is reused (a revoked key works this much longer)",
+    )
     models_cache_s: float = Field(
         default=1.0, ge=0.0, description="how long the list of live workers' models is reused"
     )
