@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,6 +28,7 @@ from mlxq.producer import Client
 from mlxq.producer.gateway import api_keys
 
 QUEUE = "gw"
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -564,3 +568,36 @@ def test_a_batch_survives_its_gateway_being_killed(
         first.stop()
         if second is not None:
             second.stop()
+
+
+# --- the key CLI -----------------------------------------------------------------------------------------
+
+
+def test_api_key_cli_creates_lists_and_revokes(
+    gateway: GatewayProcess, server: PrivateRedis, model: str
+) -> None:
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        argv = [sys.executable, "-m", "mlxq.producer.cli", "--redis-url", server.url, "api-key", *args]
+        return subprocess.run(
+            argv,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=ROOT,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+        )
+
+    made = cli("create", "from-cli", "--model", model, "--max-jobs", "3")
+    assert made.returncode == 0, made.stderr
+    token = made.stdout.strip()
+    assert token.startswith("sk-mlxq-") and "shown only now" in made.stderr
+    assert cli("create", "from-cli").returncode == 2  # names are unique
+    (listed,) = [json.loads(line) for line in cli("list").stdout.splitlines() if '"from-cli"' in line]
+    assert listed["models"] == [model] and listed["max_jobs"] == 3 and token not in json.dumps(listed)
+    sdk = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key=token, max_retries=0)
+    assert [m.id for m in sdk.models.list().data] == [model]
+    assert cli("revoke", "from-cli").returncode == 0
+    assert cli("revoke", "from-cli").returncode == 1
+    time.sleep(1.1)  # the gateway reuses a key's record for up to key_cache_s (1 s)
+    with pytest.raises(openai.AuthenticationError):
+        sdk.models.list()
