@@ -2,12 +2,13 @@
 
 Every instance looks at `mlxq:gw:batches:active` every poll. A batch nobody runs (just created, or its
 runner's instance died or restarted and stopped renewing its lease `mlxq:gw:batch-lease:<id>`) is taken
-by the first instance whose `SET NX` wins. The runner works the batch as a bulk run in a thread
-(`AsyncClient.generate_dataset`: bounded jobs in flight, output in input order), renewing the lease
-and watching for a cancel. A bulk run resumes from its output files, so a batch taken over after a crash
-goes on from the rows already written, each row's result kept once; the jobs the dead runner left
-outstanding still run in the workers, and their rows are submitted again. At the end the runner writes
-OpenAI's output and error files and marks the batch completed (or cancelled).
+by the first instance whose `SET NX` wins, among those that see its folder (the data folder is shared).
+The runner works the batch as a bulk run in a thread (`AsyncClient.generate_dataset`: bounded jobs in
+flight, output in input order), renewing the lease and watching for a cancel. A bulk run resumes from
+its output files, so a batch taken over after a crash goes on from the rows already written, each row's
+result kept once; the jobs the dead runner left outstanding still run in the workers, and their rows
+are submitted again. At the end the runner writes OpenAI's output and error files and marks the batch
+completed (or cancelled).
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ class BatchRunner:
         self.lease_ms = int(settings.batch_lease_s * 1000)
         self.tick_s = min(0.5, settings.batch_lease_s / 3)
         self._running: dict[str, asyncio.Task[None]] = {}
+        self._warned: set[str] = set()
 
     async def run_forever(self) -> None:
         while True:
@@ -67,9 +69,22 @@ class BatchRunner:
         for batch_id in await self.records.active():
             if batch_id in self._running:
                 continue
+            if not (batches.folder(self.settings.data_dir, batch_id) / "rows.jsonl").exists():
+                self._unseen(batch_id)  # another data folder's batch: left to instances that share it
+                continue
             if await self.conn.set(lease_key(batch_id), self.instance, nx=True, px=self.lease_ms):
                 log.info("batch taken batch=%s instance=%s", batch_id, self.instance)
                 self._running[batch_id] = asyncio.create_task(self._run(batch_id))
+
+    def _unseen(self, batch_id: str) -> None:
+        if batch_id not in self._warned:
+            self._warned.add(batch_id)
+            log.warning(
+                "batch %s is not in this gateway's data folder %s: instances that share batches must share "
+                "that folder",
+                batch_id,
+                self.settings.data_dir,
+            )
 
     async def _run(self, batch_id: str) -> None:
         try:
