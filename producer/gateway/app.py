@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -41,6 +42,7 @@ log = logging.getLogger(__name__)
 
 CONTEXT_PREFIX = "mlxq:gw:stream:"
 _CLIENT_ERRORS = ("InvalidRequest", "ContextTooLong", "InvalidCandidate")
+_STREAM_ID = re.compile(r"\d{1,20}-\d{1,20}")
 
 
 def context_key(job_id: str) -> str:
@@ -210,10 +212,15 @@ class Gateway:
                 str(e),
                 type="invalid_request_error" if client_error else "server_error",
                 code="job_failed",
+                retry=False,  # the job ran and failed: the SDK's automatic retry would run it again
             ) from None
         except TimeoutError as e:
             raise ApiError(
-                504, f"{e} (the job goes on: its id is {ctx.job_id})", type="server_error", code="timeout"
+                504,
+                f"{e} (the job goes on: its id is {ctx.job_id})",
+                type="server_error",
+                code="timeout",
+                retry=False,
             ) from None
         if not isinstance(result, GenerateResult):
             raise ApiError(500, f"job {ctx.job_id} returned no generation result", type="server_error")
@@ -222,7 +229,10 @@ class Gateway:
     async def resume(self, request: Request) -> Response:
         key = await self.authorize(request)
         ctx = await self.context(key, request.path_params["completion_id"])
-        return _sse(relay.events(self.client, ctx, request.headers.get("last-event-id") or None), ctx)
+        last = request.headers.get("last-event-id") or None
+        if last is not None and not _STREAM_ID.fullmatch(last):
+            raise bad_request(f"Last-Event-ID {last!r} is not an id this stream sent (<ms>-<seq>)")
+        return _sse(relay.events(self.client, ctx, last), ctx)
 
     async def models(self, request: Request) -> Response:
         key = await self.authorize(request)

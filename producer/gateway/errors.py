@@ -22,6 +22,7 @@ class ApiError(Exception):
         type: str = "invalid_request_error",
         param: str | None = None,
         code: str | None = None,
+        retry: bool | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -29,12 +30,15 @@ class ApiError(Exception):
         self.type = type
         self.param = param
         self.code = code
+        self.retry = retry
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
+        """The JSON answer; `x-should-retry` (which OpenAI's SDKs obey) when `retry` says yes or no."""
+        headers = {} if self.retry is None else {"x-should-retry": "true" if self.retry else "false"}
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> ApiError:

@@ -601,3 +601,29 @@ def test_api_key_cli_creates_lists_and_revokes(
     time.sleep(1.1)  # the gateway reuses a key's record for up to key_cache_s (1 s)
     with pytest.raises(openai.AuthenticationError):
         sdk.models.list()
+
+
+def test_a_job_that_fails_in_the_worker_is_a_400_the_sdk_does_not_retry(
+    gateway: GatewayProcess, key: str, model: str, conn: redis.Redis
+) -> None:
+    sdk = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key=key, max_retries=2)
+    jobs_before = len(conn.keys("rq:job:*"))
+    with pytest.raises(openai.BadRequestError) as e:
+        sdk.completions.create(model=model, prompt="hello " * 5000, max_tokens=2)  # over the context length
+    assert "context length" in str(e.value)
+    assert e.value.response.headers["x-should-retry"] == "false"
+    assert len(conn.keys("rq:job:*")) == jobs_before + 1  # run once, not again by the SDK's retries
+
+
+def test_a_last_event_id_the_stream_never_sent_is_a_400(
+    gateway: GatewayProcess, key: str, model: str, no_eos: dict[int, float]
+) -> None:
+    http, response = _start_stream(gateway, key, model, no_eos, 4)
+    completion_id = json.loads(next(_events(response))[1])["id"]
+    response.close()
+    http.close()
+    headers = {"authorization": f"Bearer {key}", "last-event-id": "not-an-id"}
+    r = httpx.get(f"{gateway.url}/v1/streams/{completion_id}", headers=headers)
+    assert r.status_code == 400 and "Last-Event-ID" in r.json()["error"]["message"]
+    r = httpx.get(f"{gateway.url}/v1/streams/chatcmpl-nosuchjob", headers=headers)
+    assert r.status_code == 404
