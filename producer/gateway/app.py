@@ -2,7 +2,8 @@
 
 Routes: `POST /v1/chat/completions`, `POST /v1/completions`, `GET /v1/models`, `GET /v1/streams/{id}`
 (resume a stream: `Last-Event-ID`), OpenAI's Batch API (`/v1/files`, `/v1/batches`: `batches`,
-`batch_runner`), `GET /health` (the process answers), `GET /ready` (Redis answers). The lifespan runs
+`batch_runner`), `GET /health` (the process answers), `GET /ready` (Redis answers), `GET /metrics`
+(Prometheus, with the `metrics` extra). The lifespan runs
 the batch runner: every instance takes up open batches nobody runs.
 Every `/v1/` route needs an API key (`Authorization: Bearer sk-mlxq-...`); no key, no job.
 """
@@ -31,11 +32,13 @@ from ..aio import AsyncClient
 from ..errors import JobFailed, JobNotFound, RedisFull
 from ..settings import ProducerSettings
 from . import api_keys, batches, limits, relay, shapes, translate
+from . import metrics as gateway_metrics
 from .api_keys import ApiKey
 from .batch_runner import BatchRunner
 from .catalog import Catalog
 from .errors import ApiError, bad_request
 from .files import FileStore
+from .metrics import NOT_INSTALLED, GatewayMetrics
 from .settings import GatewaySettings
 
 log = logging.getLogger(__name__)
@@ -60,6 +63,7 @@ class Gateway:
         self._client: AsyncClient | None = None
         self._catalog: Catalog | None = None
         self.keys = api_keys.KeyCache(settings.key_cache_s)
+        self.metrics = gateway_metrics.create()
 
     @property
     def client(self) -> AsyncClient:
@@ -175,6 +179,8 @@ class Gateway:
         except BaseException:
             await limits.release(conn, key.digest, job_id)
             raise
+        if self.metrics is not None:
+            self.metrics.submitted(t.model, t.kind)
         return ctx
 
     async def context(self, key: ApiKey, completion: str) -> shapes.Context:
@@ -389,7 +395,7 @@ def _sse(frames: AsyncIterator[str], ctx: shapes.Context) -> StreamingResponse:
     return StreamingResponse(frames, media_type="text/event-stream", headers=headers)
 
 
-def _guarded(handler: Any) -> Any:
+def _answer(handler: Any) -> Any:
     async def endpoint(request: Request) -> Response:
         try:
             return await handler(request)  # type: ignore[no-any-return]
@@ -404,10 +410,26 @@ def _guarded(handler: Any) -> Any:
     return endpoint
 
 
+def _measured(name: str, handler: Any, metrics: GatewayMetrics | None) -> Any:
+    """`handler` with errors answered in OpenAI's shape, counted in the metrics as route `name`."""
+    endpoint = _answer(handler)
+    if metrics is None:
+        return endpoint
+
+    async def measured(request: Request) -> Response:
+        t0 = time.perf_counter()
+        response: Response = await endpoint(request)
+        metrics.observe(name, response.status_code, time.perf_counter() - t0)
+        return response
+
+    return measured
+
+
 def create_app(
     settings: GatewaySettings | None = None, producer: ProducerSettings | None = None
 ) -> Starlette:
     gateway = Gateway(settings or GatewaySettings(), producer or ProducerSettings())
+    metrics = gateway.metrics
 
     async def chat(request: Request) -> Response:
         return await gateway.generate(request, "chat")
@@ -424,19 +446,29 @@ def create_app(
         await runner.aclose()
         await gateway.aclose()
 
+    async def metrics_page(request: Request) -> Response:
+        if metrics is None:
+            return JSONResponse(NOT_INSTALLED, status_code=404)
+        body, content_type = metrics.render()
+        return Response(body, media_type=content_type)
+
+    def route(path: str, name: str, handler: Any, method: str) -> Route:
+        return Route(path, _measured(name, handler, metrics), methods=[method])
+
     routes = [
-        Route("/v1/chat/completions", _guarded(chat), methods=["POST"]),
-        Route("/v1/completions", _guarded(completions), methods=["POST"]),
-        Route("/v1/models", _guarded(gateway.models), methods=["GET"]),
-        Route("/v1/streams/{completion_id}", _guarded(gateway.resume), methods=["GET"]),
-        Route("/v1/files", _guarded(gateway.upload), methods=["POST"]),
-        Route("/v1/files/{file_id}", _guarded(gateway.file_info), methods=["GET"]),
-        Route("/v1/files/{file_id}/content", _guarded(gateway.file_content), methods=["GET"]),
-        Route("/v1/batches", _guarded(gateway.create_batch), methods=["POST"]),
-        Route("/v1/batches/{batch_id}", _guarded(gateway.get_batch), methods=["GET"]),
-        Route("/v1/batches/{batch_id}/cancel", _guarded(gateway.cancel_batch), methods=["POST"]),
+        route("/v1/chat/completions", "chat", chat, "POST"),
+        route("/v1/completions", "completions", completions, "POST"),
+        route("/v1/models", "models", gateway.models, "GET"),
+        route("/v1/streams/{completion_id}", "resume", gateway.resume, "GET"),
+        route("/v1/files", "upload", gateway.upload, "POST"),
+        route("/v1/files/{file_id}", "file", gateway.file_info, "GET"),
+        route("/v1/files/{file_id}/content", "file_content", gateway.file_content, "GET"),
+        route("/v1/batches", "create_batch", gateway.create_batch, "POST"),
+        route("/v1/batches/{batch_id}", "batch", gateway.get_batch, "GET"),
+        route("/v1/batches/{batch_id}/cancel", "cancel_batch", gateway.cancel_batch, "POST"),
         Route("/health", gateway.health, methods=["GET"]),
         Route("/ready", gateway.ready, methods=["GET"]),
+        Route("/metrics", metrics_page, methods=["GET"]),
     ]
     app = Starlette(routes=routes, lifespan=lifespan)
     app.state.gateway = gateway

@@ -627,3 +627,22 @@ def test_a_last_event_id_the_stream_never_sent_is_a_400(
     assert r.status_code == 400 and "Last-Event-ID" in r.json()["error"]["message"]
     r = httpx.get(f"{gateway.url}/v1/streams/chatcmpl-nosuchjob", headers=headers)
     assert r.status_code == 404
+
+
+def test_metrics_count_requests_and_jobs(sdk: openai.OpenAI, gateway: GatewayProcess, model: str) -> None:
+    pytest.importorskip("prometheus_client")  # the `metrics` extra
+
+    def value(text: str, name: str) -> float:
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
+
+    before = httpx.get(f"{gateway.url}/metrics").text
+    sdk.chat.completions.create(model=model, messages=MESSAGES, max_tokens=2)
+    with pytest.raises(openai.NotFoundError):
+        sdk.chat.completions.create(model="nope", messages=MESSAGES)
+    after = httpx.get(f"{gateway.url}/metrics").text
+    ok = 'mlxq_gateway_requests_total{route="chat",status="200"}'
+    missing = 'mlxq_gateway_requests_total{route="chat",status="404"}'
+    jobs = f'mlxq_gateway_jobs_submitted_total{{kind="chat",model="{model}"}}'
+    assert value(after, ok) == value(before, ok) + 1
+    assert value(after, missing) == value(before, missing) + 1
+    assert value(after, jobs) == value(before, jobs) + 1
