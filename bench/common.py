@@ -44,6 +44,7 @@ class Sizes:
     batch_jobs: tuple[int, ...] = (1, 8, 64)  # concurrent generation jobs, one run per size
     batch_tokens: int = 128
     batch_reps: int = 3
+    structured_jobs: tuple[int, ...] = (1, 64)  # constrained generation jobs at once (`fig_structured`)
     timeout_s: float = 600.0
 
 
@@ -98,6 +99,7 @@ SIZES = {
         batch_jobs=(1, 4),
         batch_tokens=8,
         batch_reps=1,
+        structured_jobs=(1, 4),
         timeout_s=120.0,
     ),
 }

@@ -136,6 +136,14 @@ BATCH: list[Column] = [
     MEM,
 ]
 
+STRUCTURED: list[Column] = [
+    PATH,
+    ("decode tok/s", _get("decode_tok_s", digits=0)),
+    ("vs unconstrained", _get("vs_unconstrained", digits=2)),
+    ("all reps' decode tok/s", lambda _k, r: ", ".join(f"{x:,.0f}" for x in r["all_decode_tok_s"] if x)),
+    ("tok/s (with prefill)", _get("tok_s", digits=0)),
+]
+
 
 def _batch_phases(r: dict[str, Any]) -> str:
     p = r.get("phases") or {}
@@ -219,6 +227,13 @@ def render(result: dict[str, Any]) -> str:
             f"{bg['max_tokens']} new tokens each, greedy, median of {bg['reps']})"
         )
         out.append(_columns(BATCH, bg["rows"]))
+    if (st := figs.get("structured")) and "rows" in st:
+        out.append(
+            f"\n### 7. Structured output (N jobs at once in the engine's GenerationBatch, "
+            f"{st['prompt_tokens']}-token prompts, {st['max_tokens']} new tokens each, greedy, "
+            f"median of {st['reps']})"
+        )
+        out.append(_columns(STRUCTURED, st["rows"]))
     if (ab := figs.get("decode_ab")) and "rows" in ab:
         out.append(
             f"\n### Decode A/B: decode rate, {ab['reps']} repetitions in rotating order "
@@ -282,6 +297,17 @@ def targets(figs: dict[str, Any]) -> list[dict[str, str]]:
     if (c := figs.get("warm_cache")) and "rows" in c:
         for k, r in c["rows"].items():
             add("second TTFT < 10% of first", k, r["ttft_ratio"], r["ttft_ratio"] < 0.10, "{:.1%}")
+    if (st := figs.get("structured")) and "rows" in st:
+        for k, r in st["rows"].items():
+            if r["jobs"] == 64 and not k.endswith("unconstrained"):
+                v = r["vs_unconstrained"]
+                add(
+                    "constrained decode ≥ 90% of unconstrained",
+                    k,
+                    v,
+                    None if v is None else v >= 0.90,
+                    "{:.1%}",
+                )
     if (bg := figs.get("batch")) and "rows" in bg and bg["max_tokens"] == 128:
         for k, r in bg["rows"].items():
             if r["jobs"] == 64 and k.endswith(QUEUE_BATCH):

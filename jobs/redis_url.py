@@ -8,9 +8,10 @@ Sentinel: `redis+sentinel://[user:password@]host1:26379,host2:26379/<service_nam
 26379 when left out); the service name is the one in their `sentinel monitor` line; the user and
 password are the Redis servers' (sentinels usually need none: `?sentinel_username=...&
 sentinel_password=...` where they do). The client asks the sentinels for the current primary when it
-connects, and a connection that meets a demoted primary (READONLY) or a lost one is dropped and made
-again to the new primary (redis-py's `Sentinel.master_for`): a failover is ridden out by the callers'
-ordinary retries of connection errors.
+connects (`_Sentinel`: the promoted replica as soon as the sentinels have seen it take over), and a
+connection that meets a demoted primary (READONLY) or a lost one is dropped and made again to the new
+primary (redis-py's `Sentinel.master_for`): a failover is ridden out by the callers' ordinary retries
+of connection errors.
 
 Producers (`producer.connection`) and workers (`worker.service`) both build their clients here, each with
 its own connection options, so a URL means the same thing on both sides; nothing here imports mlx.
@@ -142,12 +143,61 @@ def _host_port(text: str, url: str) -> tuple[str, int]:
     return host, int(port) if port else SENTINEL_PORT
 
 
+def _address(reply: Any) -> tuple[str, int] | None:
+    """The (host, port) of a `SENTINEL GET-MASTER-ADDR-BY-NAME` reply, or None (the service unknown)."""
+    if not reply:
+        return None
+    host, port = reply[0], reply[1]
+    return (host.decode() if isinstance(host, bytes) else str(host)), int(port)
+
+
+class _Sentinel(redis.sentinel.Sentinel):
+    """redis-py's `Sentinel`, finding the primary with `SENTINEL GET-MASTER-ADDR-BY-NAME`. redis-py reads
+    `SENTINEL MASTERS`, which names the old primary until the whole failover has ended (every replica
+    re-pointed: seconds); the address asked for here is the promoted replica's as soon as the sentinels
+    have seen it take over. Until clients move, the old primary (in a `SENTINEL FAILOVER` it stays up)
+    takes writes that are lost when it is demoted; `jobs.replication` refuses to count them, and this
+    lets the writes done again reach the new primary without waiting out the failover."""
+
+    def discover_master(self, service_name: str) -> tuple[str, int]:
+        errors = []
+        for i, sentinel in enumerate(self.sentinels):
+            try:
+                address = _address(sentinel.sentinel_get_master_addr_by_name(service_name))
+            except (redis.ConnectionError, redis.TimeoutError) as e:
+                errors.append(f"{sentinel} - {e!r}")
+                continue
+            if address is not None:
+                self.sentinels[0], self.sentinels[i] = sentinel, self.sentinels[0]
+                return address
+        said = f" : {', '.join(errors)}" if errors else ""
+        raise redis.sentinel.MasterNotFoundError(f"No master found for {service_name!r}{said}")
+
+
+class _AsyncSentinel(redis.asyncio.sentinel.Sentinel):
+    """`_Sentinel` on asyncio."""
+
+    async def discover_master(self, service_name: str) -> tuple[str, int]:
+        errors = []
+        for i, sentinel in enumerate(self.sentinels):
+            try:
+                address = _address(await sentinel.sentinel_get_master_addr_by_name(service_name))
+            except (redis.ConnectionError, redis.TimeoutError) as e:
+                errors.append(f"{sentinel} - {e!r}")
+                continue
+            if address is not None:
+                self.sentinels[0], self.sentinels[i] = sentinel, self.sentinels[0]
+                return address
+        said = f" : {', '.join(errors)}" if errors else ""
+        raise redis.asyncio.sentinel.MasterNotFoundError(f"No master found for {service_name!r}{said}")
+
+
 def sync_client(url: str, **options: Any) -> redis.Redis:
     """A sync client (bytes replies) for a plain or Sentinel URL; `options` go to its connections."""
     if not is_sentinel(url):
         return redis.Redis.from_url(url, **options)
     target = parse_sentinel(url)
-    sentinel = redis.sentinel.Sentinel(  # type: ignore[no-untyped-call]
+    sentinel = _Sentinel(  # type: ignore[no-untyped-call]
         list(target.sentinels),
         sentinel_kwargs=target.sentinel_options(float(options.get("socket_connect_timeout") or 5.0)),
     )
@@ -162,7 +212,7 @@ def async_client(url: str, **options: Any) -> redis.asyncio.Redis:
     if not is_sentinel(url):
         return redis.asyncio.Redis.from_url(url, **options)
     target = parse_sentinel(url)
-    sentinel = redis.asyncio.sentinel.Sentinel(  # type: ignore[no-untyped-call]
+    sentinel = _AsyncSentinel(  # type: ignore[no-untyped-call]
         list(target.sentinels),
         sentinel_kwargs=target.sentinel_options(float(options.get("socket_connect_timeout") or 5.0)),
     )

@@ -9,15 +9,17 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
+    SerializerFunctionWrapHandler,
     ValidationInfo,
     field_validator,
+    model_serializer,
     model_validator,
 )
 
@@ -103,6 +105,59 @@ class SamplingParams(_Strict):
         return _finite(info.field_name or "value", v)
 
 
+# --- Structured output ---------------------------------------------------------------------------
+# `response_format` in OpenAI's shape (`text`, `json_object`, `json_schema`), plus two mlxq types of the
+# same shape: `regex` and `grammar` (Lark, as llguidance reads it). One field, so a request carries at
+# most one constraint.
+
+
+class TextFormat(_Strict):
+    type: Literal["text"]
+
+
+class JsonObjectFormat(_Strict):
+    """Any JSON object."""
+
+    type: Literal["json_object"]
+
+
+class JsonSchemaSpec(_Strict):
+    """OpenAI's `json_schema` object: the schema under `schema` (a JSON Schema document)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_by_name=True, serialize_by_alias=True)
+    name: Text = Field(default="response", min_length=1, max_length=64)
+    description: Text | None = None
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None
+
+
+class JsonSchemaFormat(_Strict):
+    """JSON that validates against `json_schema.schema`."""
+
+    type: Literal["json_schema"]
+    json_schema: JsonSchemaSpec
+
+
+class RegexFormat(_Strict):
+    """Text that matches `regex` whole."""
+
+    type: Literal["regex"]
+    regex: Text = Field(min_length=1)
+
+
+class GrammarFormat(_Strict):
+    """Text of the Lark grammar `grammar` (its `start` rule), in llguidance's dialect of Lark."""
+
+    type: Literal["grammar"]
+    grammar: Text = Field(min_length=1)
+
+
+ResponseFormat = Annotated[
+    TextFormat | JsonObjectFormat | JsonSchemaFormat | RegexFormat | GrammarFormat,
+    Field(discriminator="type"),
+]
+
+
 class GenerateRequest(SamplingParams):
     """A generation job: exactly one of `prompt` (raw text) or `messages` (rendered by the chat template).
 
@@ -110,6 +165,7 @@ class GenerateRequest(SamplingParams):
     ordinary text, never as that control token, unless `allow_special_tokens` says the producer wrote
     the control tokens on purpose (a prompt formatted by hand). `add_special_tokens`: the BOS/EOS the
     tokenizer adds around a prompt. Chat `messages` are always encoded as text inside the template.
+    `response_format` constrains the output to JSON (a schema), a regex or a grammar (see above).
     """
 
     prompt: Text | None = None
@@ -118,6 +174,7 @@ class GenerateRequest(SamplingParams):
     stop: list[Text] = Field(default_factory=list, max_length=MAX_STOP_STRINGS)
     add_special_tokens: bool = True
     allow_special_tokens: bool = False
+    response_format: ResponseFormat | None = None
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -170,38 +227,146 @@ class GenerateResult(_Strict):
     model: str = ""
 
 
+MAX_TOP_LOGPROBS = 20
+
+
 class ScoreRow(_Strict):
+    """One row of a score job: a `prompt` and exactly one kind of question about it.
+
+    - `candidates`: the logit and log-probability of each candidate as the prompt's next token (each
+      candidate must add exactly one ordinary token; the ollama runner's semantics).
+    - `continuations`: lm-evaluation-harness' `loglikelihood`: per continuation the sum of its tokens'
+      log-probabilities after the prompt, each token's, and whether every token is the argmax. Tokenized
+      as lm-eval's Hugging Face backend does: whitespace ending the prompt moves to the continuation,
+      prompt+continuation is encoded whole and split at the (moved) prompt's own token count.
+    - `rolling`: lm-eval's `loglikelihood_rolling` (perplexity): the whole prompt scored in disjoint
+      windows of `window` tokens (default: the request's `max_tokens`, else the model's context), the
+      first token conditioned on the BOS token (the EOS token where the tokenizer has no BOS).
+    - `prompt_logprobs`: each prompt token's log-probability (the first has none), with the
+      `top_logprobs` most likely alternatives per position and the log-probabilities of `token_ids` at
+      every position where asked.
+    """
+
     prompt: Text
-    candidates: list[Text] = Field(min_length=1)
+    candidates: list[Text] | None = Field(default=None, min_length=1)
+    continuations: list[Text] | None = Field(default=None, min_length=1)
+    rolling: bool = False
+    window: Annotated[int, Field(ge=2, le=1_000_000)] | None = None
+    prompt_logprobs: bool = False
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] = 0
+    token_ids: list[Annotated[int, Field(ge=0)]] = Field(default_factory=list, max_length=256)
 
     @field_validator("candidates")
     @classmethod
-    def _no_duplicates(cls, v: list[str]) -> list[str]:
+    def _no_duplicates(cls, v: list[str] | None) -> list[str] | None:
         seen: set[str] = set()
-        for c in v:
+        for c in v or []:
             if c in seen:
                 raise ValueError(f"candidate {c!r} appears twice")
             seen.add(c)
         return v
 
+    @model_validator(mode="after")
+    def _one_kind(self) -> ScoreRow:
+        kinds = [
+            k
+            for k, on in (
+                ("candidates", self.candidates is not None),
+                ("continuations", self.continuations is not None),
+                ("rolling", self.rolling),
+                ("prompt_logprobs", self.prompt_logprobs),
+            )
+            if on
+        ]
+        if len(kinds) != 1:
+            raise ValueError(
+                "a row asks exactly one of `candidates`, `continuations`, `rolling` or `prompt_logprobs`"
+                + (f"; this one asks {', '.join(kinds)}" if kinds else "")
+            )
+        if self.window is not None and not self.rolling:
+            raise ValueError("`window` belongs to a `rolling` row")
+        if (self.top_logprobs or self.token_ids) and not self.prompt_logprobs:
+            raise ValueError("`top_logprobs` and `token_ids` belong to a `prompt_logprobs` row")
+        return self
+
+    @property
+    def kind(self) -> str:
+        if self.candidates is not None:
+            return "candidates"
+        if self.continuations is not None:
+            return "continuations"
+        return "rolling" if self.rolling else "prompt_logprobs"
+
 
 class ScoreRequest(_Strict):
-    """A scoring job: for each row, the logit of each candidate as the prompt's next token.
+    """A scoring job: rows of questions about prompts (see `ScoreRow`).
 
     Rows' prompts and candidates are untrusted text, as a generation job's `prompt` is (see
     `GenerateRequest`): special-token text is encoded as text unless `allow_special_tokens`.
+    `max_tokens` bounds what each row sends through the model, as the ollama runner does: a prompt (with
+    its longest continuation) must have 1..max_tokens tokens and is never truncated; None: the model's
+    context. A rolling row is cut into windows instead (at most `max_tokens` each).
     """
 
+    model_config = ConfigDict(extra="forbid", frozen=True, protected_namespaces=())
     rows: list[ScoreRow] = Field(min_length=1)
     add_special_tokens: bool = True
     allow_special_tokens: bool = False
+    max_tokens: Annotated[int, Field(ge=1, le=1_000_000)] | None = None
+
+
+class ContinuationScore(_Strict):
+    logprob: float  # the sum of `token_logprobs`
+    is_greedy: bool  # every token is the argmax after what precedes it
+    token_logprobs: list[float]
+    tokens: list[int]
+
+
+class RollingScore(_Strict):
+    logprob: float  # the whole text's, each token scored once
+    tokens: int  # tokens scored (the text's own)
+    windows: int
+
+
+class TopLogprob(_Strict):
+    id: int
+    logprob: float
+
+
+class PromptLogprobs(_Strict):
+    """Per prompt token from the second: its id, its log-probability, the `top_logprobs` alternatives
+    (most likely first) and the log-probabilities of the row's `token_ids`, in their order."""
+
+    tokens: list[int]
+    token_logprobs: list[float]
+    top_logprobs: list[list[TopLogprob]] = Field(default_factory=list)
+    chosen_logprobs: list[list[float]] = Field(default_factory=list)
 
 
 class ScoredRow(_Strict):
-    logits: list[float]
-    logprobs: list[float]
+    """A row's answer: `logits`/`logprobs` for candidates, else the field named after its kind."""
+
+    logits: list[float] = Field(default_factory=list)
+    logprobs: list[float] = Field(default_factory=list)
+    continuations: list[ContinuationScore] | None = None
+    rolling: RollingScore | None = None
+    prompt_logprobs: PromptLogprobs | None = None
     input_tokens: int
     cached_tokens: int
+
+    @model_serializer(mode="wrap")
+    def _only_what_was_asked(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        """A candidates row serializes as it always has (logits, logprobs, token counts); another kind's
+        row has its own field instead of empty candidate lists."""
+        data: dict[str, Any] = handler(self)
+        kinds = ("continuations", "rolling", "prompt_logprobs")
+        for k in kinds:
+            if data.get(k) is None:
+                data.pop(k, None)
+        if any(k in data for k in kinds):
+            data.pop("logits", None)
+            data.pop("logprobs", None)
+        return data
 
 
 class ScoreResult(_Strict):

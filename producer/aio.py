@@ -21,7 +21,7 @@ from rq import Retry
 from rq.results import Result
 
 from mlxq.jobs import keys
-from mlxq.jobs.replication import NotReplicated, aconfirm_replicated, unreplicated_warning
+from mlxq.jobs.replication import AsyncReplicas, NotReplicated, Replicas, unreplicated_warning
 from mlxq.jobs.schema import (
     ChatMessage,
     DoneEvent,
@@ -198,10 +198,15 @@ class AsyncClient:
         self.queue = self.tenant.queue(queue or self.settings.queue)
         self.connection: redis.asyncio.Redis = connect_async(self.redis_url, self.settings)
         self.retry = RetryPolicy.from_settings(self.settings)
-        self._replica_acks = replica_acks(self.connection, self.settings)
+        self._replicas = AsyncReplicas(
+            self.connection,
+            replica_acks(self.connection, self.settings),
+            self.settings.replica_ack_timeout_ms,
+        )
         self.evictions = EvictionCheck()  # the Redis's memory policy, looked at before the first submit
         self.queue_check = QueueCheck()  # whether a worker serves each queue submitted to
         self._sync: redis.Redis | None = None
+        self._sync_replicas: Replicas | None = None  # what a bulk run's enqueues wait for, on `_sync`
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -279,6 +284,7 @@ class AsyncClient:
         retry_errors: bool = True,
         add_special_tokens: bool = True,
         allow_special_tokens: bool = False,
+        max_tokens: int | None = None,
         progress: TextIO | None = None,
         stop: threading.Event | None = None,
     ) -> BulkSummary:
@@ -301,6 +307,7 @@ class AsyncClient:
                 options,
                 add_special_tokens=add_special_tokens,
                 allow_special_tokens=allow_special_tokens,
+                max_tokens=max_tokens,
                 progress=progress,
                 stop=stop,
             )
@@ -342,8 +349,17 @@ class AsyncClient:
     def _bulk_target(self) -> bulk.BulkTarget:
         """This client as a bulk run sees it, on its sync connection (a run is sync, in a thread)."""
         self.evictions.run(self._sync_connection())
+        if self._sync_replicas is None:
+            self._sync_replicas = Replicas(
+                self._sync_connection(), self._replicas.floor, self.settings.replica_ack_timeout_ms
+            )
         return bulk.BulkTarget(
-            self._sync_connection(), self.retry, self.queue, self.settings.job_options(), self.tenant
+            self._sync_connection(),
+            self.retry,
+            self.queue,
+            self.settings.job_options(),
+            self.tenant,
+            replicas=self._sync_replicas,
         )
 
     async def enqueue(
@@ -371,15 +387,10 @@ class AsyncClient:
         return job.id
 
     async def _enqueue_durably(self, job: rq_wire.WireJob) -> None:
-        """Enqueue once, then wait for the replicas `replica_acks` asks for (each try does both)."""
+        """Enqueue once, then wait for the replicas (`jobs.replication.AsyncReplicas`; each try does
+        both)."""
         await self._enqueue_once(job)
-        try:
-            await aconfirm_replicated(
-                self.connection, self._replica_acks, self.settings.replica_ack_timeout_ms
-            )
-        except NotReplicated:  # pooled connections may still reach a primary being demoted: ask again
-            await self.connection.connection_pool.disconnect(inuse_connections=False)
-            raise
+        await self._replicas.confirm()
 
     async def _enqueue_once(self, job: rq_wire.WireJob) -> None:
         async with self.connection.pipeline() as pipe:

@@ -120,11 +120,17 @@ def score_dataset(
     *,
     add_special_tokens: bool = True,
     allow_special_tokens: bool = False,
+    max_tokens: int | None = None,
     progress: TextIO | None = None,
     stop: threading.Event | None = None,
 ) -> BulkSummary:
-    """Score rows `{custom_id, prompt, candidates}` (`run_dataset` with a `ScoreKind`)."""
-    kind = ScoreKind(add_special_tokens=add_special_tokens, allow_special_tokens=allow_special_tokens)
+    """Score rows `{custom_id, prompt, candidates | continuations | rolling | prompt_logprobs}`
+    (`run_dataset` with a `ScoreKind`)."""
+    kind = ScoreKind(
+        add_special_tokens=add_special_tokens,
+        allow_special_tokens=allow_special_tokens,
+        max_tokens=max_tokens,
+    )
     return run_dataset(target, kind, source, out_path, errors_path, options, progress=progress, stop=stop)
 
 

@@ -82,11 +82,16 @@ class BulkKind(Protocol):
     def tokens(self, result: Any) -> RowTokens: ...
 
 
+_SCORE_ROW_KEYS = tuple(ScoreRow.model_fields)
+
+
 @dataclass(frozen=True)
 class ScoreKind:
-    """Rows `{custom_id, prompt, candidates}`, several to a `jobs.score` job."""
+    """Rows `{custom_id, prompt, candidates | continuations | rolling | prompt_logprobs, ...}` (any
+    `ScoreRow`), several to a `jobs.score` job."""
 
     add_special_tokens: bool = True
+    max_tokens: int | None = None  # see `ScoreRequest`
     allow_special_tokens: bool = False  # special-token text in rows is a control token (see `ScoreRequest`)
     name: str = "score"
     func: str = keys.SCORE_FUNC
@@ -99,13 +104,14 @@ class ScoreKind:
                 "an OpenAI Batch API request line (custom_id, method, url, body): score-file takes "
                 '{"custom_id", "prompt", "candidates"} lines; generate-file takes Batch lines'
             )
-        return ScoreRow.model_validate({k: obj[k] for k in ("prompt", "candidates") if k in obj})
+        return ScoreRow.model_validate({k: obj[k] for k in _SCORE_ROW_KEYS if k in obj})
 
     def request(self, rows: Sequence[Any]) -> ScoreRequest:
         return ScoreRequest(
             rows=list(rows),
             add_special_tokens=self.add_special_tokens,
             allow_special_tokens=self.allow_special_tokens,
+            max_tokens=self.max_tokens,
         )
 
     def results(self, raw: bytes) -> Sequence[ScoredRow]:

@@ -22,6 +22,7 @@ from pydantic import ValidationError
 from redis.client import Pipeline
 
 from mlxq.jobs import keys
+from mlxq.jobs.replication import NotReplicated, Replicas, unreplicated_warning
 from mlxq.jobs.schema import ErrorEvent, StreamEvent
 
 from . import cancellation, job_state, payload, rq_wire
@@ -66,6 +67,7 @@ class BulkTarget:
     queue: str  # the client's queue, unless `BulkOptions.queue` names another
     job_options: rq_wire.JobOptions  # the settings' RQ options for every job of the run
     tenant: Tenant = SHARED  # the client's key space: job ids and queue names
+    replicas: Replicas | None = None  # the replicas each enqueue waits for (`jobs.replication`)
 
 
 @dataclass(eq=False)
@@ -180,10 +182,13 @@ class BulkRun:
         log.debug("bulk enqueued jobs=%d outstanding=%d", len(batch), len(self.outstanding))
 
     def _enqueue(self, wires: list[rq_wire.WireJob]) -> None:
-        """One MULTI/EXEC for all; a retry after a lost reply first checks whether it landed."""
+        """One MULTI/EXEC for all (retried patiently: a run outlives a Redis restart), then the
+        replicas' confirmation under the client's own retries, as a single submit waits for it. Every
+        retry first checks whether the jobs are there. Should the confirmation's retries end short, the
+        jobs stand with a warning, as a single submit's do."""
         tries = 0
 
-        def once() -> None:
+        def write() -> None:
             nonlocal tries
             tries += 1
             if tries > 1 and self.conn.exists(*(w.key for w in wires)):
@@ -193,7 +198,22 @@ class BulkRun:
                 rq_wire.queue_commands(pipe, wire)
             pipe.execute()
 
-        self.call(once)
+        self.call(write)
+        replicas = self.target.replicas
+        if replicas is None:
+            return
+
+        def confirm() -> None:
+            write()  # after a shortfall the jobs may be on a primary going away: written where missing
+            replicas.confirm()
+
+        try:
+            replicas.confirm()
+        except NotReplicated:
+            try:
+                self.target.retry.call(confirm)
+            except NotReplicated as e:
+                log.warning("%s", unreplicated_warning(f"{wires[0].id} (and {len(wires) - 1} more)", e))
 
     # --- collecting ------------------------------------------------------------------------------
 

@@ -17,6 +17,7 @@ import signal
 import sys
 import threading
 from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
 from typing import Any, TextIO
 
 import redis
@@ -34,7 +35,7 @@ from .job_state import CancelOutcome
 from .settings import ProducerSettings
 from .tail import START_ID, StreamItem
 
-WORKER_COMMANDS = ("worker", "import-gguf")
+WORKER_COMMANDS = ("worker", "import-gguf", "eval")
 NEEDS_MLX = (
     "mlxq: the worker needs MLX: in the mlxq repository (or with its wheel), pip install '.[cpu]' on Linux, "
     "'.[worker]' on macOS (README: Install)"
@@ -92,6 +93,11 @@ def build_parser() -> argparse.ArgumentParser:
     score.add_argument("input", help='JSONL: {"custom_id": ..., "prompt": ..., "candidates": [...]} per line')
     score.add_argument("--rows-per-job", type=int, default=16, help="rows per score job (1..64) [16]")
     score.add_argument(
+        "--max-tokens",
+        type=int,
+        help="each row's tokens through the model must be 1..N (never truncated) [the model's context]",
+    )
+    score.add_argument(
         "--allow-special-tokens",
         action="store_true",
         help="encode special-token text in the rows as control tokens (default: as plain text)",
@@ -118,6 +124,12 @@ def build_parser() -> argparse.ArgumentParser:
     # Listed for --help only: main() hands these to worker.cli before parsing.
     sub.add_parser("worker", help="run a worker (needs MLX; see `mlxq worker --help`)", add_help=False)
     sub.add_parser("import-gguf", help="convert a GGUF file to a model folder (needs MLX)", add_help=False)
+    sub.add_parser(
+        "eval",
+        help="run lm-evaluation-harness with `--model mlxq` through the queue (the `eval` extra); "
+        "every lm-eval flag is passed through",
+        add_help=False,
+    )
     return parser
 
 
@@ -135,6 +147,64 @@ def _sampling_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="encode special-token text in a raw prompt as control tokens (default: as plain text)",
     )
+    shape = p.add_mutually_exclusive_group()  # a request carries one constraint (`response_format`)
+    shape.add_argument(
+        "--json-schema",
+        dest="response_format",
+        type=_json_schema_file,
+        metavar="FILE",
+        help="constrain the output to JSON valid under this JSON Schema file (or an OpenAI "
+        "response_format object of type json_schema)",
+    )
+    shape.add_argument(
+        "--json-object",
+        dest="response_format",
+        action="store_const",
+        const={"type": "json_object"},
+        help="constrain the output to a JSON object",
+    )
+    shape.add_argument(
+        "--regex",
+        dest="response_format",
+        type=lambda r: {"type": "regex", "regex": r},
+        metavar="REGEX",
+        help="constrain the output to text matching REGEX whole",
+    )
+    shape.add_argument(
+        "--grammar",
+        dest="response_format",
+        type=_grammar_file,
+        metavar="FILE",
+        help="constrain the output to this Lark grammar (llguidance's dialect; rule `start`)",
+    )
+
+
+def _read_text(path: str) -> str:
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise argparse.ArgumentTypeError(f"cannot read {path}: {e}") from e
+
+
+def _json_schema_file(path: str) -> dict[str, Any]:
+    """A `response_format` from a JSON Schema file (wrapped, named after the file) or from a file
+    holding a whole `{"type": "json_schema", "json_schema": {...}}` object."""
+    try:
+        value = json.loads(_read_text(path))
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"{path} is not JSON: {e}") from e
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"{path} holds no JSON Schema object")
+    if value.get("type") == "json_schema":
+        return value
+    return {
+        "type": "json_schema",
+        "json_schema": {"name": Path(path).stem[:64] or "response", "schema": value},
+    }
+
+
+def _grammar_file(path: str) -> dict[str, Any]:
+    return {"type": "grammar", "grammar": _read_text(path)}
 
 
 def _bulk_arguments(p: argparse.ArgumentParser) -> None:
@@ -212,6 +282,7 @@ def _sampling_params(args: argparse.Namespace) -> dict[str, Any]:
         "seed": args.seed,
         "stop": args.stop,
         "allow_special_tokens": args.allow_special_tokens,
+        "response_format": args.response_format,
     }
     return {k: v for k, v in given.items() if v is not None}
 
@@ -307,6 +378,7 @@ def cmd_score_file(client: Client, args: argparse.Namespace) -> int:
             args.output,
             rows_per_job=args.rows_per_job,
             allow_special_tokens=args.allow_special_tokens,
+            max_tokens=args.max_tokens,
             **common,
         ),
     )
@@ -417,8 +489,29 @@ def _split_worker_command(argv: list[str]) -> tuple[list[str], str | None] | Non
     return None
 
 
+def run_eval_command(argv: list[str], redis_url: str | None) -> int:
+    """Hand `mlxq eval ...` to lm-eval's command line with the `mlxq` model registered
+    (`producer.lm_eval_model`); the global --redis-url is the model's default Redis."""
+    if redis_url is not None:
+        os.environ["MLXQ_REDIS_URL"] = redis_url
+    try:
+        module = importlib.import_module("mlxq.producer.lm_eval_model")
+    except ModuleNotFoundError as e:
+        if (e.name or "").split(".")[0] != "lm_eval":
+            raise
+        print(
+            "mlxq: `mlxq eval` needs lm-evaluation-harness: pip install lm-eval==0.4.13 (or, in the mlxq "
+            "repository, pip install '.[eval]')",
+            file=sys.stderr,
+        )
+        return 2
+    return int(module.run_eval(argv[1:]))
+
+
 def run_worker_command(argv: list[str], redis_url: str | None) -> int:
     """Hand `mlxq worker ...`/`mlxq import-gguf ...` to `worker.cli`, imported only now (it needs MLX)."""
+    if argv[0] == "eval":
+        return run_eval_command(argv, redis_url)
     if redis_url is not None and argv[0] == "worker" and "--redis-url" not in argv:
         argv = [*argv, "--redis-url", redis_url]
     try:

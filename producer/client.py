@@ -19,7 +19,7 @@ from rq import Retry
 from rq.results import Result
 
 from mlxq.jobs import keys
-from mlxq.jobs.replication import NotReplicated, confirm_replicated, unreplicated_warning
+from mlxq.jobs.replication import NotReplicated, Replicas, unreplicated_warning
 from mlxq.jobs.schema import (
     ChatMessage,
     DoneEvent,
@@ -201,7 +201,11 @@ class Client:
         self.queue = self.tenant.queue(queue or self.settings.queue)
         self.connection = connection or connect(redis_url or self.settings.redis_url, self.settings)
         self.retry = RetryPolicy.from_settings(self.settings)
-        self._replica_acks = replica_acks(self.connection, self.settings)
+        self._replicas = Replicas(
+            self.connection,
+            replica_acks(self.connection, self.settings),
+            self.settings.replica_ack_timeout_ms,
+        )
         self.evictions = EvictionCheck()  # the Redis's memory policy, looked at before the first submit
         self.queue_check = QueueCheck()  # whether a worker serves each queue submitted to
 
@@ -255,7 +259,8 @@ class Client:
         meta: dict[str, Any] | None = None,
         **params: Any,
     ) -> JobHandle[ScoreResult]:
-        """Validate and enqueue a scoring job of `rows` (`{prompt, candidates}`); options as for generate."""
+        """Validate and enqueue a scoring job of `rows` (`{prompt, candidates}`, or `continuations`,
+        `rolling`, `prompt_logprobs`: see `ScoreRow`); options as for generate."""
         request = payload.score_request(rows, params)
         options = self.settings.job_options(job_timeout, result_ttl, failure_ttl, retry, at_front, meta)
         job_id = self.enqueue(keys.SCORE_FUNC, payload.wire_payload(request), options, queue, job_id)
@@ -277,12 +282,15 @@ class Client:
         retry_errors: bool = True,
         add_special_tokens: bool = True,
         allow_special_tokens: bool = False,
+        max_tokens: int | None = None,
         progress: TextIO | None = None,
         stop: threading.Event | None = None,
     ) -> BulkSummary:
-        """Score a dataset: a JSONL file's path, or rows `{custom_id, prompt, candidates}`.
+        """Score a dataset: a JSONL file's path, or rows `{custom_id, prompt, candidates}` (or, in place
+        of candidates, `continuations`, `rolling` or `prompt_logprobs`: see `ScoreRow`).
 
-        Writes `{custom_id, logits, logprobs, input_tokens, cached_tokens}` per row to `out_path` in input
+        Writes `{custom_id, logits, logprobs, input_tokens, cached_tokens}` per candidates row (the
+        kind's own field in place of logits and logprobs for the others) to `out_path` in input
         order; failed and malformed rows go to `errors_path` (default `<out>.errors.jsonl`) with the reason.
         Rerunning with the same `out_path` skips rows already there (and, unless `retry_errors`, rows in
         the errors file). Rows travel `rows_per_job` to a job, at most `in_flight` jobs at once. Setting
@@ -300,6 +308,7 @@ class Client:
             options,
             add_special_tokens=add_special_tokens,
             allow_special_tokens=allow_special_tokens,
+            max_tokens=max_tokens,
             progress=progress,
             stop=stop,
         )
@@ -342,7 +351,12 @@ class Client:
         """This client as a bulk run sees it: its connection, retry policy, queue and job options."""
         self.evictions.run(self.connection)
         return bulk.BulkTarget(
-            self.connection, self.retry, self.queue, self.settings.job_options(), self.tenant
+            self.connection,
+            self.retry,
+            self.queue,
+            self.settings.job_options(),
+            self.tenant,
+            replicas=self._replicas,
         )
 
     def enqueue(
@@ -370,13 +384,9 @@ class Client:
         return job.id
 
     def _enqueue_durably(self, job: rq_wire.WireJob) -> None:
-        """Enqueue once, then wait for the replicas `replica_acks` asks for (each try does both)."""
+        """Enqueue once, then wait for the replicas (`jobs.replication.Replicas`; each try does both)."""
         self._enqueue_once(job)
-        try:
-            confirm_replicated(self.connection, self._replica_acks, self.settings.replica_ack_timeout_ms)
-        except NotReplicated:  # pooled connections may still reach a primary being demoted: ask again
-            self.connection.connection_pool.disconnect(inuse_connections=False)
-            raise
+        self._replicas.confirm()
 
     def _enqueue_once(self, job: rq_wire.WireJob) -> None:
         with self.connection.pipeline() as pipe:

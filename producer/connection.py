@@ -97,8 +97,9 @@ class RetryPolicy:
 
 
 def replica_acks(conn: redis.Redis | redis.asyncio.Redis, settings: ProducerSettings) -> int:
-    """Replicas that must hold a job before a submit returns: the setting, else
-    `jobs.replication.default_replica_acks` (1 through Sentinel, else 0)."""
+    """The least number of replicas that must hold a job before a submit returns: the setting, else
+    `jobs.replication.default_replica_acks` (1 through Sentinel, else 0). Through Sentinel a submit
+    waits for every replica in sync, never fewer (`jobs.replication.Replicas`)."""
     return settings.replica_acks if settings.replica_acks is not None else default_replica_acks(conn)
 
 

@@ -4,8 +4,8 @@ RQ hands a worker one job at a time. To batch, we look at the next ids waiting i
 `pick` callback choose among the well-formed mlxq jobs there (score jobs up to a row budget, generation
 jobs up to free batch slots), and move each chosen id from the queue to RQ's intermediate list in one
 Lua call (exactly where RQ's own dequeue puts a job it pops). A job another worker took meanwhile is
-simply not there to move; a job we moved but never started (we were killed) is found by RQ's
-intermediate-queue cleanup a minute later and put back in its queue (`MlxqWorker._requeue_stuck`).
+simply not there to move; a job we moved but never started (we were killed) is found by a worker's
+maintenance and put back at the head of its queue (`Maintenance.requeue_stuck`).
 So nothing is run twice and nothing is lost. The caller then starts each
 claimed job through RQ (`prepare_execution`, `prepare_job_execution(remove_from_intermediate_queue=True)`).
 """

@@ -13,10 +13,13 @@ A queue's maintenance, under its lease:
 2. abandoned jobs whose result and `done` event were written (their worker died between that write and
    RQ's end of the job) are ended `finished` with that result (`RqBatches.end_abandoned`): the job is
    done, so RQ must neither fail it as abandoned nor run it again;
-3. RQ's own cleanup: registries (the other abandoned `started` jobs are retried, their streams saying
+3. jobs taken but never started (their worker died between the take, a BLMOVE or a claim, and RQ's
+   start) go back to the head of their queue once a pass has seen them there `STUCK_AFTER_S` ago
+   (`requeue_stuck`); RQ's own rule waits a minute from its first sighting, a minute and more after
+   the take, where the rest of a dead worker's jobs are recovered within a minute;
+4. RQ's own cleanup: registries (the other abandoned `started` jobs are retried, their streams saying
    `restart` when they run again, or failed with `AbandonedJobError`, their streams ending with an
-   `error` event as a failed job's do), dead workers, and the intermediate list (jobs taken but never
-   started).
+   `error` event as a failed job's do), dead workers, and the intermediate list (what is left there).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
 from typing import Any
 from uuid import uuid4
 
@@ -54,6 +58,9 @@ if redis.call('mget', KEYS[1])[1] == ARGV[1] then return redis.call('del', KEYS[
 return 0
 """
 _CLOCK_SLACK_MS = 1000
+# A live worker starts what it takes within its write retries (seconds); a pass that finds a job still
+# taken and not started this long after an earlier pass saw it so finds a dead worker's.
+STUCK_AFTER_S = 30.0
 
 
 class Lease:
@@ -149,10 +156,42 @@ class Maintenance:
         """One queue's maintenance, steps 1-3 of the module docstring (the caller holds its lease)."""
         self.dead_letters.sweep(queue)
         self.end_finished_abandoned(queue)
+        self.requeue_stuck(queue)
         self.worker.log.info("Worker %s: cleaning registries for queue: %s", self.worker.name, queue.name)
         clean_registries(queue, [self._ending_streams_of_failed(), *exc_handlers])
         worker_registration.clean_worker_registry(queue)
         queue.intermediate_queue.cleanup(self.worker, queue)
+
+    def requeue_stuck(self, queue: Queue) -> list[str]:
+        """Put back at the head of `queue` its jobs taken but never started that an earlier pass saw in
+        the intermediate list `STUCK_AFTER_S` ago or more (RQ's first-seen mark; RQ's cleanup sets it
+        for those seen the first time); which ones. Each goes in one MULTI: off the intermediate list,
+        onto the queue, its mark gone. A job whose status is not `queued` stays for RQ's cleanup."""
+        intermediate = queue.intermediate_queue
+        taken = [_text(i) for i in self.conn.lrange(intermediate.key, 0, -1)]
+        if not taken:
+            return []
+        started = queue.started_job_registry
+        with self.conn.pipeline(transaction=False) as pipe:
+            for job_id in taken:
+                pipe.get(intermediate.get_first_seen_key(job_id))
+                pipe.hget(keys.rq_job_key(job_id), "status")
+            replies = pipe.execute()
+        requeued = []
+        cutoff = time.time() - STUCK_AFTER_S
+        for job_id, seen, status in zip(taken, replies[::2], replies[1::2], strict=True):
+            if seen is None or float(seen) > cutoff or _text(status or b"") != JobStatus.QUEUED.value:
+                continue
+            if job_id not in started:
+                requeued.append(job_id)
+        for job_id in reversed(requeued):  # each to the head: the last first, so they keep their order
+            with self.conn.pipeline() as pipe:
+                pipe.lrem(intermediate.key, 1, job_id)
+                queue.push_job_id(job_id, pipeline=pipe, at_front=True)
+                pipe.delete(intermediate.get_first_seen_key(job_id))
+                pipe.execute()
+            log.warning("requeued a job taken but never started job=%s queue=%s", job_id, queue.name)
+        return requeued
 
     def end_finished_abandoned(self, queue: Queue) -> int:
         """End `finished` the abandoned jobs of `queue` (their execution expired in RQ's started

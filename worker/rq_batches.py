@@ -11,6 +11,12 @@ batch does the same bookkeeping for all of them in one transaction. What is copi
   without dependents or repeats (result, status `finished`, registries, TTLs, execution record, the
   worker's counters), for every job in one MULTI/EXEC, with the dependents sets WATCHed as RQ does.
   A job with repeats left, and every job when that transaction fails for good, ends through RQ itself;
+- `cancel_running`: what RQ's `Job.cancel` writes (status `canceled`, the canceled registry) for a job
+  its producer cancelled while it ran, with the worker's end of the execution (`cleanup_execution`).
+  RQ's cancel is made for waiting jobs; a running mlxq job stops at its next step and writes its
+  partial result (finish reason `cancelled`) first, then ends here, so RQ, `mlxq status` and
+  rq-dashboard count it as canceled, not finished. `succeed`, `succeed_many` and `end_abandoned` send
+  such a job here;
 - `end_abandoned`: what `Worker._finalize_success` writes, through RQ's own `handle_job_success`, for a
   job whose worker died after writing its result and `done` but before RQ's end of it (found by
   another worker's maintenance, `maintenance.py`): RQ would fail it as abandoned, or run it again.
@@ -35,7 +41,8 @@ from rq import Queue, SimpleWorker
 from rq.executions import Execution
 from rq.job import Job, JobStatus
 from rq.rate_limit import release_slot
-from rq.utils import now
+from rq.registry import CanceledJobRegistry
+from rq.utils import now, utcformat
 from rq.worker import WorkerStatus
 
 from mlxq.worker.stream_writer import StreamOptions, retrying
@@ -53,6 +60,12 @@ class Run:
 
 
 Ended = tuple[Run, Any]  # a run that returned, with its return value
+
+
+def was_cancelled(value: Any) -> bool:
+    """Whether a job's return value is a generation its producer cancelled while it ran (the wire's
+    `finish_reason`)."""
+    return isinstance(value, dict) and value.get("finish_reason") == "cancelled"
 
 
 class RqBatches:
@@ -118,14 +131,46 @@ class RqBatches:
         return Run(job, queue, self.worker.prepare_execution(job))
 
     def succeed(self, run: Run, value: Any) -> None:
-        """RQ's end of one successful job (`_finalize_success`), retried while Redis restarts."""
+        """RQ's end of one successful job (`_finalize_success`), retried while Redis restarts; a job
+        cancelled while it ran ends `canceled` (`cancel_running`)."""
+        if was_cancelled(value):
+            self.cancel_running(run)
+            return
         retrying(self.options)(self.worker._finalize_success, run.job, run.queue, run.execution, value)
+
+    def cancel_running(self, run: Run) -> None:
+        """End a job its producer cancelled while it ran as RQ's `Job.cancel` ends a waiting one (status
+        `canceled`, the queue's canceled registry), with the end of its execution (`cleanup_execution`:
+        off the started registry, the execution record gone), in one MULTI. Its partial result stays in
+        mlxq's result key; RQ keeps no result for a canceled job."""
+        job, execution = run.job, run.execution
+
+        def write() -> None:
+            at = now()
+            with self.worker.connection.pipeline() as pipe:
+                job.ended_at = at
+                job.set_status(JobStatus.CANCELED, pipeline=pipe)
+                pipe.hset(job.key, "ended_at", utcformat(at))
+                self.worker.cleanup_execution(job, pipeline=pipe, execution=execution)
+                registry = CanceledJobRegistry(
+                    job.origin, self.worker.connection, job_class=type(job), serializer=job.serializer
+                )
+                registry.add(job, pipeline=pipe)
+                pipe.execute()
+
+        retrying(self.options)(write)
+        release_slot(job)  # as RQ frees a rate limit's slot when a job ends
+        self.worker.log.info("Worker %s: %s: Job canceled (%s)", self.worker.name, job.origin, job.id)
 
     def end_abandoned(self, job: Job, queue: Queue, execution: Execution, value: Any) -> None:
         """End `finished`, with `value` as its result, a `started` job whose worker died after writing its
         result: RQ's `_finalize_success` without the callbacks (the allowlist refuses jobs that name one),
         by RQ's `handle_job_success` (registries, dependents, repeats, the dead execution's record). The
-        job counts among this worker's successful jobs, as RQ counts a job where it ends."""
+        job counts among this worker's successful jobs, as RQ counts a job where it ends. A job that was
+        cancelled while it ran ends `canceled` (`cancel_running`)."""
+        if was_cancelled(value):
+            self.cancel_running(Run(job, queue, execution))
+            return
         at = now()
         job.ended_at = at
         job.started_at = job.started_at or at
@@ -150,7 +195,10 @@ class RqBatches:
     def succeed_many(self, ended: list[Ended]) -> None:
         """End many successful jobs: those without repeats in one transaction (`_end_together`), the
         others (and all of them if that transaction fails for good) one by one through RQ; a job whose
-        end fails is failed with the reason."""
+        end fails is failed with the reason. Jobs cancelled while they ran end `canceled`."""
+        for run, _ in (item for item in ended if was_cancelled(item[1])):
+            self.cancel_running(run)
+        ended = [item for item in ended if not was_cancelled(item[1])]
         alone = [item for item in ended if item[0].job.repeats_left]
         together = [item for item in ended if not item[0].job.repeats_left]
         if together:

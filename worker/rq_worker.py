@@ -110,10 +110,12 @@ class MlxqWorker(SimpleWorker):
         """Fail the taken jobs this worker must not run (`forbidden_reason`: claims already leave such
         jobs queued, this is the same check a dequeued job gets), drop those of another queue, start the
         others together."""
-        allowed = []
+        allowed: list[Job] = []
         for job in jobs:
             if job.origin != queue.name:
                 self.dead_letters.misplaced(job.id, queue, job.origin)
+                continue
+            if self._taken_again(job, queue, twice=any(j.id == job.id for j in allowed)):
                 continue
             problem = forbidden_reason(job)
             if problem is None:
@@ -267,6 +269,9 @@ class MlxqWorker(SimpleWorker):
     def execute_job(self, job: Job, queue: Queue) -> None:
         """Hand the job RQ dequeued to the component that runs its kind (it may claim more queued jobs
         to run beside it); a job this worker must not run is failed with the reason."""
+        if self._taken_again(job, queue):
+            self.set_state("idle")
+            return
         problem = forbidden_reason(job)
         runner = self.runners.get(job.func_name or "") if problem is None else None
         if problem is None and runner is None:
@@ -321,6 +326,20 @@ class MlxqWorker(SimpleWorker):
         name = type(error).__name__
         log.warning("job failed job=%s queue=%s error=%s: %s", job.id, job.origin, name, error)
         call_exception_handlers(self._exc_handlers, job, *exc_info)
+
+    def _taken_again(self, job: Job, queue: Queue, twice: bool = False) -> bool:
+        """Whether a job just taken from the queue has started or ended already (any RQ status but
+        `queued`), or was taken `twice` in one claim: its id was in the queue a second time, as when a
+        Sentinel failover leaves the new primary with a queue from before a take while the job's start
+        was written again there. It is not run twice: (one copy of) its id leaves the intermediate list
+        the take put it on, its records stay."""
+        status = job.get_status(refresh=False)
+        if not twice and (status is None or status == JobStatus.QUEUED):
+            return False
+        retrying(self.stream_options)(self.connection.lrem, queue.intermediate_queue_key, 1, job.id)
+        state = "in the same take" if twice else f"while {status.value if status else 'unknown'}"
+        log.warning("job taken again %s, not run twice job=%s queue=%s", state, job.id, queue.name)
+        return True
 
     def _requeue_stuck(self, job: Job, queue: Queue) -> None:
         """Put back at the head of its queue a job RQ's maintenance found in the intermediate list a

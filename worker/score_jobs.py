@@ -21,7 +21,7 @@ from rq.timeouts import JobTimeoutException
 from mlxq.jobs import MAX_NESTING_DEPTH, parse_score
 from mlxq.jobs.errors import InvalidRequest
 from mlxq.jobs.schema import ScoreRequest, ScoreResult
-from mlxq.worker.engine.scoring import RowTokens
+from mlxq.worker.engine.engine import PreparedRow
 from mlxq.worker.job_deadline import JobDeadline
 from mlxq.worker.job_host import JobHost
 from mlxq.worker.job_results import JobResults
@@ -32,7 +32,7 @@ from mlxq.worker.stream_writer import REDIS_TRANSIENT
 
 log = logging.getLogger(__name__)
 
-Prepared = list[RowTokens]  # one job's rows: prompt tokens and candidate token ids
+Prepared = list[PreparedRow]  # one job's rows: tokens of candidates, continuations, windows, prompts
 
 
 class ScoringEngine(Protocol):
@@ -40,10 +40,10 @@ class ScoringEngine(Protocol):
 
     def score_tokens_many(
         self, requests: Sequence[ScoreRequest]
-    ) -> list[list[RowTokens] | InvalidRequest]: ...
+    ) -> list[list[PreparedRow] | InvalidRequest]: ...
 
     def score_many(
-        self, jobs: list[list[RowTokens]], interrupt: Callable[[], None] | None = None
+        self, jobs: list[list[PreparedRow]], interrupt: Callable[[], None] | None = None
     ) -> list[ScoreResult]: ...
 
 

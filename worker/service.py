@@ -17,7 +17,7 @@ import redis
 from rq.worker import DequeueStrategy
 
 from mlxq.jobs import keys, redis_url
-from mlxq.jobs.replication import default_replica_acks
+from mlxq.jobs.replication import Replicas, default_replica_acks
 from mlxq.worker.bounded_job import BoundedJob
 from mlxq.worker.engine import Engine, EngineOptions
 from mlxq.worker.engine.device import limit_buffer_cache
@@ -29,7 +29,7 @@ from mlxq.worker.rq_worker import MlxqWorker
 from mlxq.worker.score_claim import ClaimBudget, ScoreClaimer
 from mlxq.worker.score_jobs import ScoreJobs
 from mlxq.worker.settings import WorkerSettings
-from mlxq.worker.stream_writer import Replication, StreamOptions, retrying
+from mlxq.worker.stream_writer import StreamOptions, retrying
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +102,7 @@ class WorkerService:
             retry_attempts=settings.redis_retry_attempts,
             retry_max_wait_s=settings.redis_retry_max_wait_s,
             full_wait_s=settings.redis_full_wait_s,
-            replication=Replication(
+            replication=Replicas(
                 conn,
                 settings.replica_acks if settings.replica_acks is not None else default_replica_acks(conn),
             ),

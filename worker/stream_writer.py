@@ -24,7 +24,7 @@ import redis
 from tenacity import RetryCallState, Retrying, retry_if_exception, wait_exponential
 
 from mlxq.jobs import keys
-from mlxq.jobs.replication import NotReplicated, confirm_replicated
+from mlxq.jobs.replication import NotReplicated, Replicas
 from mlxq.jobs.schema import DoneEvent, ErrorEvent, GenerateResult, RestartEvent, ScoreResult, TokenEvent
 from mlxq.jobs.transient import WORKER_TRANSIENT_ERRORS, is_out_of_memory, is_worker_transient
 from mlxq.worker.redis_full import FullRedis
@@ -50,19 +50,7 @@ class StreamOptions:
     retry_max_wait_s: float = 5.0
     full_wait_s: float | None = None  # how long a write waits for a full Redis; None: until it frees
     full: FullRedis = field(default_factory=FullRedis, compare=False, repr=False)  # shared by the process
-    replication: Replication | None = field(default=None, compare=False, repr=False)
-
-
-@dataclass(frozen=True)
-class Replication:
-    """Writes wait until `wanted` replicas hold them (`jobs.replication`): on `conn`, any connection."""
-
-    conn: redis.Redis
-    wanted: int
-    timeout_ms: int = 1000
-
-    def confirm(self) -> None:
-        confirm_replicated(self.conn, self.wanted, self.timeout_ms)
+    replication: Replicas | None = field(default=None, compare=False, repr=False)  # writes wait for them
 
 
 class retrying:  # lower case: used as a function, `retrying(options)(fn, *args)`
@@ -82,16 +70,14 @@ class retrying:  # lower case: used as a function, `retrying(options)(fn, *args)
 
     def __call__(self, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
         replication = self.options.replication
-        if replication is None or replication.wanted <= 0:
+        if replication is None or replication.floor <= 0:
             result = self._retrying(fn, *args, **kwargs)
         else:
             result = self._replicated(replication, fn, *args, **kwargs)
         self.options.full.accepted()
         return result
 
-    def _replicated(
-        self, replication: Replication, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs
-    ) -> T:
+    def _replicated(self, replication: Replicas, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
         """`fn`, then WAIT for the replicas; a shortfall writes again (as after a lost reply), so after a
         failover the writes reach the new primary. Should no replica confirm within the tries, the
         worker goes on (the writes are on the primary): a replica outage must not fail jobs."""

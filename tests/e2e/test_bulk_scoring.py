@@ -152,9 +152,64 @@ def test_a_bad_row_fails_alone_and_malformed_lines_are_reported_with_line_number
     assert "InvalidCandidate: candidate ' Paris' does not add exactly one token" in reasons[2]
     assert "row 0" not in reasons[2]
     assert reasons[3] == "duplicate custom_id 'r0' (first on line 1)"
-    assert "candidates: Field required" in reasons[4] and reasons[5] == "expected a JSON object, got list"
+    assert (
+        "a row asks exactly one of `candidates`" in reasons[4]
+        and reasons[5] == "expected a JSON object, got list"
+    )
     # The bad row's job (16 rows) failed and was sent again one row per job; the other job passed.
     assert (summary.succeeded, summary.failed, summary.jobs) == (29, 6, 2 + 16)
+
+
+def test_the_cli_scores_every_row_kind_as_the_engine_does_and_max_tokens_fails_a_long_row(
+    model_dir: Path, worker: WorkerProcess, redis_url: str, tmp_path: Path
+) -> None:
+    from mlxq.worker.engine import Engine
+
+    kinds: list[dict[str, Any]] = [
+        {"prompt": BASE + "Which is", "candidates": [" the", " a"]},
+        {"prompt": BASE + "The capital of Italy is", "continuations": [" Rome", " Paris, of course"]},
+        {"prompt": BASE * 3, "rolling": True, "window": 16},
+        {"prompt": BASE, "prompt_logprobs": True, "top_logprobs": 2, "token_ids": [3, 4]},
+    ]
+    lines = [{"custom_id": f"k{i}", **row} for i, row in enumerate(kinds)]
+    lines.append({"custom_id": "long", "prompt": BASE * 4, "continuations": [" x"]})
+    src, out = write_jsonl(tmp_path / "in.jsonl", lines), tmp_path / "out.jsonl"
+    cli = [sys.executable, "-m", "mlxq.producer.cli", "--redis-url", redis_url, "score-file", str(src)]
+    proc = subprocess.run(
+        [*cli, "-o", str(out), "--errors", str(tmp_path / "err.jsonl"), "--rows-per-job", "1",
+         "--max-tokens", "60"],
+        capture_output=True, text=True, timeout=60, cwd=ROOT, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 1, proc.stderr  # the long row failed
+    engine = Engine.load(str(model_dir))
+    want = engine.score(ScoreRequest.model_validate({"rows": kinds, "max_tokens": 60})).rows
+    got = read_jsonl(out)
+    assert [r["custom_id"] for r in got] == [f"k{i}" for i in range(len(kinds))]
+    assert set(got[0]) == {"custom_id", "logits", "logprobs", "input_tokens", "cached_tokens"}  # as ever
+    for record, row in zip(got, want, strict=True):
+        expected = row.model_dump(mode="json")
+        record = {k: v for k, v in record.items() if k != "custom_id"}
+        assert set(record) == set(expected)
+        assert json.dumps(strip_cache(record)) == json.dumps(strip_cache(expected)) or _close(
+            record, expected
+        )
+    (error,) = read_jsonl(tmp_path / "err.jsonl")
+    n = len(engine.tokenizer.encode(BASE * 4 + " x")) - 1
+    assert (
+        error["custom_id"] == "long"
+        and f"{n} tokens through the model, more than max_tokens=60" in error["error"]
+    )
+
+
+def _close(a: Any, b: Any) -> bool:
+    """Equal up to float rounding (1e-4), key by key."""
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(k == "cached_tokens" or _close(a[k], b[k]) for k in a)
+    if isinstance(a, list):
+        return len(a) == len(b) and all(_close(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, float) or isinstance(b, float):
+        return abs(a - b) <= 1e-4
+    return bool(a == b)
 
 
 def test_an_interrupted_run_leaves_a_clean_prefix_and_a_rerun_completes_it_in_order(

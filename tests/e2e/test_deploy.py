@@ -498,15 +498,16 @@ def test_producer_worker_and_ops_users_can_do_all_they_need_and_no_more(
         if HAVE_PROMETHEUS:  # the metrics endpoint reads RQ's counters and queue lengths as `worker`
             metrics_port = int(admin.hget("mlxq:worker:acl-a", "metrics_port") or 0)
 
-            # RQ's counters follow the result keys by a few milliseconds (worker/finalizer.py)
+            # RQ's counters follow the result keys by a few milliseconds (worker/finalizer.py); the job
+            # cancelled while it ran ends canceled, not among the successful ones
             def counted() -> bool:
                 m = _scrape(metrics_port)
                 return (
-                    m[("mlxq_worker_jobs_succeeded_total", "")] >= 8
+                    m[("mlxq_worker_jobs_succeeded_total", "")] >= 7
                     and m[("mlxq_worker_jobs_failed_total", "")] >= 2
                 )
 
-            _eventually(counted, what="RQ counting 8 finished and 2 failed jobs")
+            _eventually(counted, what="RQ counting 7 finished and 2 failed jobs")
             assert _scrape(metrics_port)[("mlxq_queue_jobs", "acl")] == 0
 
         # Every other way RQ dequeues: several queues blocking (BLPOP), burst on one (LMOVE), on two

@@ -127,6 +127,14 @@ def test_cancel_a_queued_job_and_a_running_one(
     assert 0 < result.usage.completion_tokens < 1900
     time.sleep(0.5)  # the worker is idle now and would have taken the queued job
     assert queued.status() == "canceled"
+    # The running one ends in RQ's canceled registry too (its partial result stays readable above).
+    deadline = time.monotonic() + 10
+    while running.status() != "canceled" and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert running.status() == "canceled"
+    canceled = Queue(client.queue, connection=client.connection).canceled_job_registry
+    assert set(canceled.get_job_ids()) == {queued.id, running.id}
+    assert running.result(timeout=1).finish_reason == "cancelled"
     assert not client.connection.exists(keys.stream_key(queued.id))
 
 

@@ -161,3 +161,32 @@ def test_a_done_left_by_an_earlier_job_of_the_same_id_does_not_end_a_new_run(red
     MlxqWorker([q], connection=redis_conn, stream_options=StreamOptions(), name="other").clean_registries()
     assert run.job.get_status(refresh=True) == "failed"
     assert "AbandonedJobError" in (run.job.latest_result().exc_string or "")  # type: ignore[union-attr]
+
+
+def test_a_job_taken_but_never_started_is_requeued_half_a_minute_after_a_pass_saw_it(
+    redis_conn: redis.Redis,
+) -> None:
+    """A worker died between taking jobs (BLMOVE, claims) and starting them: a pass notes them (RQ's
+    first-seen mark), and a pass `STUCK_AFTER_S` later puts them back at the head of their queue, in
+    their order, queued, never failed. A job a live worker has started, or one just taken, stays."""
+    q = Queue("stuck", connection=redis_conn, serializer=JSONSerializer)
+    w = MlxqWorker([q], connection=redis_conn, stream_options=StreamOptions())
+    w.register_birth()
+    first, second, running, fresh, behind = (q.enqueue_call(keys.SCORE_FUNC, args=(ROW,)) for _ in range(5))
+    for _ in range(3):  # first, second, running taken by a worker that then started only `running`
+        redis_conn.lmove(q.key, q.intermediate_queue_key, "LEFT", "RIGHT")
+    (started,) = w.start([Job.fetch(running.id, connection=redis_conn, serializer=JSONSerializer)], q)
+
+    w.maintenance.clean(q, [])  # the first pass notes them
+    assert redis_conn.lrange(q.intermediate_queue_key, 0, -1) == [first.id.encode(), second.id.encode()]
+    for job in (first, second):
+        redis_conn.set(q.intermediate_queue.get_first_seen_key(job.id), time.time() - 31)
+    redis_conn.lmove(q.key, q.intermediate_queue_key, "LEFT", "RIGHT")  # `fresh`: taken a moment ago
+    w.maintenance.clean(q, [])
+
+    assert q.job_ids == [first.id, second.id, behind.id]
+    assert redis_conn.lrange(q.intermediate_queue_key, 0, -1) == [fresh.id.encode()]
+    for job in (first, second):
+        assert job.get_status(refresh=True) == "queued"
+        assert not redis_conn.exists(q.intermediate_queue.get_first_seen_key(job.id))
+    assert started.job.get_status(refresh=True) == "started" and q.failed_job_registry.count == 0

@@ -10,6 +10,7 @@ import pytest
 import redis
 from rq import Queue, Repeat
 from rq.job import Job
+from rq.registry import CanceledJobRegistry
 from rq.results import Result
 from rq.serializers import JSONSerializer
 
@@ -191,3 +192,57 @@ def test_an_abandoned_job_that_finished_is_ended_by_another_worker_as_rq_ends_on
     execution = abandoned.execution
     assert not redis_conn.sismember(execution.worker_executions_key, execution.composite_key)
     assert q.started_job_registry.count == 0
+
+
+def _cancelled_state(job: Job) -> dict[str, Any]:
+    """What RQ keeps of a canceled job, without its times and ids."""
+    conn = job.connection
+    return {
+        "status": job.get_status(refresh=True),
+        "fields": {k.decode() for k in conn.hgetall(job.key)} - {"ended_at"},
+        "persists": conn.ttl(job.key) == -1,
+        "results": Result.all(job, serializer=JSONSerializer),
+        "canceled registry": job.id in _canceled_registry(job).get_job_ids(),
+        "started registry": job.id in job.started_job_registry,
+        "finished registry": job.id in job.finished_job_registry,
+        "executions": len(job.get_executions()),
+    }
+
+
+def _canceled_registry(job: Job) -> CanceledJobRegistry:
+    return CanceledJobRegistry(job.origin, connection=job.connection, serializer=JSONSerializer)
+
+
+CANCELLED = {"text": "Par", "finish_reason": "cancelled"}
+
+
+def test_a_job_cancelled_while_it_ran_ends_as_rqs_cancel_ends_a_job(redis_conn: redis.Redis) -> None:
+    """A running job its producer cancelled ends `canceled` with the records RQ's `Job.cancel` writes,
+    plus the end of its execution: alone, among jobs ended together, and when another worker ends it
+    after its own worker died. The others in the batch finish as before."""
+    q = Queue("cancels", connection=redis_conn, serializer=JSONSerializer)
+    w = MlxqWorker([q], connection=redis_conn, stream_options=StreamOptions())
+    w.register_birth()
+    (reference_run, _), (alone, _), (in_batch, _), (finishing, value) = _started(w, q, 4)
+    reference_run.job.cancel()  # RQ's own cancel, then the worker's end of the execution
+    with redis_conn.pipeline() as pipe:
+        w.cleanup_execution(reference_run.job, pipeline=pipe, execution=reference_run.execution)
+        pipe.execute()
+    reference = _cancelled_state(reference_run.job)
+    assert reference["status"] == "canceled" and reference["canceled registry"]
+    assert not reference["started registry"] and reference["executions"] == 0
+
+    w.batches.succeed(alone, CANCELLED)
+    w.batches.succeed_many([(in_batch, CANCELLED), (finishing, value)])
+    for run in (alone, in_batch):
+        assert _cancelled_state(run.job) == reference
+        assert redis_conn.hget(run.job.key, "ended_at")
+    assert finishing.job.get_status(refresh=True) == "finished"
+    assert q.started_job_registry.count == 0 and q.canceled_job_registry.count == 3
+
+    dead = MlxqWorker([q], connection=redis_conn, stream_options=StreamOptions(), name="dead")
+    dead.register_birth()
+    ((abandoned, _),) = _started(dead, q, 1)
+    job = Job.fetch(abandoned.job.id, connection=redis_conn, serializer=JSONSerializer)
+    w.batches.end_abandoned(job, q, abandoned.execution, CANCELLED)
+    assert _cancelled_state(job) == reference

@@ -14,6 +14,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 from redis_server import CuttableProxy
 from rq import Queue
+from rq.job import Job
 from rq.serializers import JSONSerializer
 
 from mlxq.jobs import keys
@@ -181,3 +182,48 @@ def test_a_payload_that_inflates_past_the_limit_is_put_aside_uninflated(redis_co
     claimer_view = JobClaimer(redis_conn, JSONSerializer)  # a claim's look never inflates it either
     redis_conn.rpush(q.key, "bomb")
     assert claimer_view.claim(q, lambda _queued: True, limit=4) == []
+
+
+def test_a_job_taken_again_after_it_started_or_ended_is_not_run_twice(
+    redis_conn: redis.Redis, caplog: pytest.LogCaptureFixture
+) -> None:
+    """After a Sentinel failover the new primary can hold a queue from before a take while the job's
+    start (or end) was written there again: the same id is waiting a second time. Taken again, by a
+    claim or by RQ's own dequeue, it is not run: its records stay, its id leaves the intermediate list."""
+    q = Queue("again", connection=redis_conn, serializer=JSONSerializer)
+    w = MlxqWorker([q], connection=redis_conn, stream_options=StreamOptions())
+    w.register_birth()
+    running, ended = (
+        q.enqueue_call(keys.SCORE_FUNC, args=({"rows": [{"prompt": "a", "candidates": ["b"]}]},))
+        for _ in range(2)
+    )
+    for _ in range(2):
+        redis_conn.lmove(q.key, q.intermediate_queue_key, "LEFT", "RIGHT")
+    _, ended_run = w.batches.start([running, ended], q)
+    w.batches.succeed(ended_run, {"rows": []})
+
+    redis_conn.rpush(q.key, running.id, ended.id)  # the replayed queue
+    for _ in range(2):  # a claim takes both again
+        redis_conn.lmove(q.key, q.intermediate_queue_key, "LEFT", "RIGHT")
+    taken = [Job.fetch(j.id, connection=redis_conn, serializer=JSONSerializer) for j in (running, ended)]
+    with caplog.at_level("WARNING", logger="mlxq.worker.rq_worker"):
+        assert w.start(taken, q) == []
+    assert len(running.get_executions()) == 1 and running.get_status(refresh=True) == "started"
+    assert ended.get_status(refresh=True) == "finished"
+    assert redis_conn.llen(q.intermediate_queue_key) == 0
+    said = [r.getMessage() for r in caplog.records if "taken again" in r.getMessage()]
+    assert len(said) == 2 and "while started" in said[0] and "while finished" in said[1]
+
+    twice = q.enqueue_call(keys.SCORE_FUNC, args=({"rows": [{"prompt": "c", "candidates": ["d"]}]},))
+    redis_conn.rpush(q.key, twice.id)  # waiting twice, and taken twice in one claim
+    for _ in range(2):
+        redis_conn.lmove(q.key, q.intermediate_queue_key, "LEFT", "RIGHT")
+    copies = [Job.fetch(twice.id, connection=redis_conn, serializer=JSONSerializer) for _ in range(2)]
+    assert [run.job.id for run in w.start(copies, q)] == [twice.id]
+    assert len(twice.get_executions()) == 1 and redis_conn.llen(q.intermediate_queue_key) == 0
+
+    redis_conn.rpush(q.key, ended.id)  # and RQ's own dequeue, by a worker that runs no score jobs (a
+    other = MlxqWorker([q], connection=redis_conn, stream_options=StreamOptions())  # job it ran would fail)
+    other.work(burst=True)
+    assert ended.get_status(refresh=True) == "finished" and q.failed_job_registry.count == 0
+    assert redis_conn.llen(q.key) == 0 and redis_conn.llen(q.intermediate_queue_key) == 0

@@ -19,21 +19,27 @@ from typing import Any, Protocol
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlxq.jobs.errors import ContextTooLong, InvalidCandidate, InvalidRequest
+from mlxq.jobs.errors import ContextTooLong, InvalidRequest
 from mlxq.jobs.schema import (
     MAX_STOP_STRINGS,
+    ContinuationScore,
     FinishReason,
     GenerateRequest,
     GenerateResult,
+    PromptLogprobs,
+    RollingScore,
     ScoredRow,
     ScoreRequest,
     ScoreResult,
     Timings,
+    TopLogprob,
     Usage,
 )
 from mlxq.worker.engine.cache.kv_cache import KVCache
 from mlxq.worker.engine.cache.prefix_cache import PrefixCache
+from mlxq.worker.engine.constraint import ConstraintCompiler
 from mlxq.worker.engine.device import memory_figures
+from mlxq.worker.engine.eval_tokens import continuation_seqs, rolling_seqs
 from mlxq.worker.engine.generate import (
     idle_prefill_by_default,
     overlap_by_default,
@@ -57,8 +63,21 @@ from mlxq.worker.engine.scoring import (
 from mlxq.worker.engine.text.detokenizer import IncrementalDetokenizer
 from mlxq.worker.engine.text.stop_strings import StopStringMatcher
 from mlxq.worker.engine.text.tokenizer import Tokenizer
+from mlxq.worker.engine.token_scoring import TokenScorer, TokenScores, TokenSeq
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SeqRow:
+    """A prepared score row of a kind scored token by token (`TokenScorer`): continuations (a
+    sequence each), rolling windows, or one prompt."""
+
+    kind: str  # "continuations" | "rolling" | "prompt_logprobs"
+    seqs: list[TokenSeq]
+
+
+PreparedRow = RowTokens | SeqRow
 
 
 class TokenSink(Protocol):
@@ -120,6 +139,8 @@ class Engine:
         overlap = options.decode_overlap
         self.decode_overlap = overlap_by_default() if overlap is None else overlap
         self._launcher: Launcher | None = Launcher() if self.decode_overlap else None
+        # Structured output (`response_format`): the grammar library's tokenizer, built at first use.
+        self.constraints = ConstraintCompiler(tokenizer.backend, model.args.vocab_size, tokenizer.eos_ids)
 
     @classmethod
     def load(cls, model: str, options: EngineOptions | None = None) -> Engine:
@@ -249,15 +270,15 @@ class Engine:
 
     # --- scoring --------------------------------------------------------------------------------
 
-    def score_tokens(self, request: ScoreRequest) -> list[RowTokens]:
-        """Per row: prompt tokens and candidate token ids, validated (prompts are never truncated)."""
+    def score_tokens(self, request: ScoreRequest) -> list[PreparedRow]:
+        """Per row: its tokens, validated (prompts are never truncated; rolling texts are windowed)."""
         prepared = self.score_tokens_many([request])[0]
         if isinstance(prepared, Exception):
             raise prepared
         return prepared
 
-    def score_tokens_many(self, requests: Sequence[ScoreRequest]) -> list[list[RowTokens] | InvalidRequest]:
-        """`score_tokens` of several jobs, their rows tokenized together (one batch call to the
+    def score_tokens_many(self, requests: Sequence[ScoreRequest]) -> list[list[PreparedRow] | InvalidRequest]:
+        """`score_tokens` of several jobs, their candidate rows tokenized together (one batch call to the
         tokenizer for all of their short texts); a bad job gets its error in its place, alone."""
         limits = [self._limits_error(request) for request in requests]
         rows = [
@@ -265,21 +286,71 @@ class Engine:
             for request, error in zip(requests, limits, strict=True)
             if error is None
             for i, r in enumerate(request.rows)
+            if r.candidates is not None
         ]
         tokens = iter(candidate_token_ids(self.tokenizer, rows))
-        return [
-            error if error is not None else self._job_rows([next(tokens) for _ in request.rows])
-            for request, error in zip(requests, limits, strict=True)
-        ]
+        out: list[list[PreparedRow] | InvalidRequest] = []
+        for request, error in zip(requests, limits, strict=True):
+            if error is not None:
+                out.append(error)
+                continue
+            mine: list[PreparedRow | InvalidRequest] = []
+            for i, r in enumerate(request.rows):
+                if r.candidates is not None:
+                    mine.append(next(tokens))
+                    continue
+                try:
+                    mine.append(self._seq_row(request, i))
+                except InvalidRequest as e:
+                    mine.append(e)
+            out.append(self._job_rows(mine, request.max_tokens))
+        return out
 
-    def _job_rows(self, rows: list[RowTokens | InvalidCandidate]) -> list[RowTokens] | InvalidRequest:
-        """A job's tokenized rows, or the error of its first bad row."""
-        good = []
-        for row in rows:
+    def _seq_row(self, request: ScoreRequest, index: int) -> SeqRow:
+        """Row `index` of `request` (not a candidates row) as token sequences to score."""
+        row = request.rows[index]
+        split = not request.allow_special_tokens
+        if row.continuations is not None:
+            seqs = continuation_seqs(
+                self.tokenizer, index, row.prompt, row.continuations, request.add_special_tokens, split
+            )
+            return SeqRow("continuations", seqs)
+        tokens = self.tokenizer.encode(
+            row.prompt, add_special_tokens=request.add_special_tokens, split_special=split
+        )
+        if row.rolling:  # an empty text has no windows: 0 over 0 tokens, as lm-eval has it
+            window = min(row.window or request.max_tokens or self.context_length, self.context_length)
+            return SeqRow("rolling", rolling_seqs(self.tokenizer, tokens, window))
+        vocab = self.model.args.vocab_size
+        for t in row.token_ids:
+            if t >= vocab:
+                raise InvalidRequest(f"row {index}: token id {t} is not in the vocabulary (0..{vocab - 1})")
+        if not tokens:
+            raise InvalidRequest(f"row {index}: the prompt is empty (it encodes to no tokens)")
+        if len(tokens) < 2:
+            return SeqRow("prompt_logprobs", [])  # one token: nothing before it, no logprob
+        return SeqRow("prompt_logprobs", [TokenSeq(tokens, 1, row.top_logprobs, tuple(row.token_ids))])
+
+    def _job_rows(
+        self, rows: list[PreparedRow | InvalidRequest], max_tokens: int | None
+    ) -> list[PreparedRow] | InvalidRequest:
+        """A job's tokenized rows, or the error of its first bad row. Each row's input to the model (a
+        prompt; a prompt with a continuation; a rolling window) must have 1..`max_tokens` tokens (the
+        model's context when None, and never more)."""
+        good: list[PreparedRow] = []
+        for i, row in enumerate(rows):
             if isinstance(row, InvalidRequest):
                 return row
-            if len(row[0]) >= self.context_length:
-                return ContextTooLong(len(row[0]), self.context_length)
+            n = len(row[0]) if isinstance(row, tuple) else max((len(s.inputs) for s in row.seqs), default=0)
+            if max_tokens is not None and n > max_tokens:
+                what = "the prompt is" if isinstance(row, tuple) else "its longest sequence puts"
+                return InvalidRequest(
+                    f"row {i}: {what} {n} tokens through the model, more than max_tokens={max_tokens} "
+                    "(a score prompt is never truncated)"
+                )
+            limit = self.context_length - 1 if isinstance(row, tuple) else self.context_length
+            if n > limit:
+                return ContextTooLong(n, self.context_length)
             good.append(row)
         return good
 
@@ -291,15 +362,22 @@ class Engine:
                 f"the score job has {len(request.rows)} rows; this worker takes at most "
                 f"{self.options.max_score_rows} per job (MLXQ_MAX_SCORE_ROWS): split it into several jobs"
             )
+        if request.max_tokens is not None and request.max_tokens > self.context_length:
+            return InvalidRequest(
+                f"max_tokens={request.max_tokens} is more than the model's context "
+                f"of {self.context_length} tokens"
+            )
         for i, row in enumerate(request.rows):
-            if len(row.prompt) > self.max_prompt_chars:
+            chars = self.max_prompt_chars * (8 if row.rolling else 1)
+            if len(row.prompt) > chars:
                 return InvalidRequest(
                     f"row {i}'s prompt has {len(row.prompt)} characters; this worker takes at most "
-                    f"{self.max_prompt_chars} (MLXQ_MAX_PROMPT_CHARS)"
+                    f"{chars} (MLXQ_MAX_PROMPT_CHARS{', x8 for a rolling row' if row.rolling else ''})"
                 )
-            if len(row.candidates) > self.options.max_score_candidates:
+            many = len(row.candidates or row.continuations or [])
+            if many > self.options.max_score_candidates:
                 return InvalidRequest(
-                    f"row {i} has {len(row.candidates)} candidates; this worker takes at most "
+                    f"row {i} has {many} {row.kind}; this worker takes at most "
                     f"{self.options.max_score_candidates} (MLXQ_MAX_SCORE_CANDIDATES)"
                 )
         return None
@@ -309,12 +387,13 @@ class Engine:
         return self.score_many([self.score_tokens(request)])[0]
 
     def score_many(
-        self, jobs: list[list[RowTokens]], interrupt: Callable[[], None] | None = None
+        self, jobs: list[list[PreparedRow]], interrupt: Callable[[], None] | None = None
     ) -> list[ScoreResult]:
         """Score the prepared rows (`score_tokens`) of several jobs together; one result per job.
 
-        All rows go into one prefix tree, so a prefix shared across jobs is computed once. A row's
-        `cached_tokens` counts prompt tokens it did not compute itself (shared, or from the cache).
+        All candidate rows go into one prefix tree, and all token-by-token rows into another, so a
+        prefix shared across jobs is computed once (and across the two through the prefix cache). A
+        row's `cached_tokens` counts input tokens it did not compute itself (shared, or from the cache).
         Out of memory: caches are emptied and the rows scored once more, their suffix batches holding a
         quarter of the prefix copies (`score_kv_bytes`). `interrupt` is called before every forward
         (`PrefixScorer.last_logits`): what it raises ends the scoring (a job's timeout).
@@ -331,37 +410,57 @@ class Engine:
         )
 
     def _score_many(
-        self, jobs: list[list[RowTokens]], kv_bytes: int, interrupt: Callable[[], None] | None
+        self, jobs: list[list[PreparedRow]], kv_bytes: int, interrupt: Callable[[], None] | None
     ) -> list[ScoreResult]:
         flat = [row for rows in jobs for row in rows]
-        stats = ScoreStats()
-        scorer = PrefixScorer(
-            self.model,
-            prefix_cache=self.prefix_cache,
-            prefill_chunk=self.options.prefill_chunk,
-            max_batch_rows=64,
-            max_batch_kv_bytes=kv_bytes,
-            kv_bytes_per_token=self.kv_bytes_per_token,
-            pad_shapes=self.pad_shapes,
-            interrupt=interrupt,
-        )
-        logits = scorer.last_logits([p for p, _ in flat], stats)
-        scores = candidate_scores(logits, [cands for _, cands in flat])
-        scored = []
-        for (prompt, _), (raw, logprobs), computed in zip(flat, scores, stats.computed_per_row, strict=True):
-            scored.append(
-                ScoredRow(
+        scored: list[ScoredRow | None] = [None] * len(flat)
+        cands = [(i, row) for i, row in enumerate(flat) if isinstance(row, tuple)]
+        if cands:
+            stats = ScoreStats()
+            scorer = PrefixScorer(
+                self.model,
+                prefix_cache=self.prefix_cache,
+                prefill_chunk=self.options.prefill_chunk,
+                max_batch_rows=64,
+                max_batch_kv_bytes=kv_bytes,
+                kv_bytes_per_token=self.kv_bytes_per_token,
+                pad_shapes=self.pad_shapes,
+                interrupt=interrupt,
+            )
+            logits = scorer.last_logits([p for _, (p, _) in cands], stats)
+            scores = candidate_scores(logits, [c for _, (_, c) in cands])
+            for (i, (prompt, _)), (raw, logprobs), computed in zip(
+                cands, scores, stats.computed_per_row, strict=True
+            ):
+                scored[i] = ScoredRow(
                     logits=raw,
                     logprobs=logprobs,
                     input_tokens=len(prompt),
                     cached_tokens=len(prompt) - computed,
                 )
+        seq_rows = [(i, row) for i, row in enumerate(flat) if isinstance(row, SeqRow)]
+        if seq_rows:
+            seqs = [s for _, row in seq_rows for s in row.seqs]
+            token_scorer = TokenScorer(
+                self.model,
+                prefix_cache=self.prefix_cache,
+                prefill_chunk=self.options.prefill_chunk,
+                max_batch_rows=64,
+                max_batch_kv_bytes=kv_bytes,
+                kv_bytes_per_token=self.kv_bytes_per_token,
+                interrupt=interrupt,
             )
-        results, start = [], 0
-        for rows in jobs:
-            mine = scored[start : start + len(rows)]
-            start += len(rows)
-            results.append(
+            results, per_seq = token_scorer.score(seqs)
+            at = 0
+            for i, row in seq_rows:
+                n = len(row.seqs)
+                scored[i] = _seq_result(row, results[at : at + n], per_seq[at : at + n])
+                at += n
+        out, start = [], 0
+        for job in jobs:
+            mine = [r for r in scored[start : start + len(job)] if r is not None]
+            start += len(job)
+            out.append(
                 ScoreResult(
                     rows=mine,
                     input_tokens=sum(r.input_tokens for r in mine),
@@ -369,7 +468,7 @@ class Engine:
                     model=self.name,
                 )
             )
-        return results
+        return out
 
     # --- generation -----------------------------------------------------------------------------
 
@@ -423,8 +522,11 @@ class Engine:
         self.check_sizes(request)
         prompt = self.prompt_tokens(request)
         max_tokens = min(request.max_tokens, self.context_length - len(prompt))
+        constraint = self.constraints.compile(request.response_format)  # its error before any token
         try:
-            sampler = Sampler.from_request(request, vocab_size=self.model.args.vocab_size, prompt=prompt)
+            sampler = Sampler.from_request(
+                request, vocab_size=self.model.args.vocab_size, prompt=prompt, constraint=constraint
+            )
         except ValueError as e:
             raise InvalidRequest(str(e)) from e
         return prompt, max_tokens, sampler
@@ -542,3 +644,42 @@ class TextRun:
                 reason = "stop"
         self._emit(tail)
         return reason
+
+
+def _seq_result(row: SeqRow, results: list[TokenScores], computed: list[int]) -> ScoredRow:
+    """A token-by-token row's answer from its sequences' scores."""
+    inputs = sum(len(s.inputs) for s in row.seqs)
+    cached = inputs - sum(computed)
+    if row.kind == "continuations":
+        conts = [
+            ContinuationScore(
+                logprob=sum(r.logprobs),
+                is_greedy=all(r.greedy),
+                token_logprobs=r.logprobs,
+                tokens=s.tokens[s.first :],
+            )
+            for s, r in zip(row.seqs, results, strict=True)
+        ]
+        return ScoredRow(continuations=conts, input_tokens=inputs, cached_tokens=cached)
+    if row.kind == "rolling":
+        total = sum(sum(r.logprobs) for r in results)
+        n = sum(len(r.logprobs) for r in results)
+        return ScoredRow(
+            rolling=RollingScore(logprob=total, tokens=n, windows=len(results)),
+            input_tokens=inputs,
+            cached_tokens=cached,
+        )
+    seq = row.seqs[0] if row.seqs else None
+    r = results[0] if results else TokenScores()
+    return ScoredRow(
+        prompt_logprobs=PromptLogprobs(
+            tokens=seq.tokens[1:] if seq else [],
+            token_logprobs=r.logprobs,
+            top_logprobs=[[TopLogprob(id=t, logprob=lp) for t, lp in top] for top in r.top]
+            if seq and seq.top_k
+            else [],
+            chosen_logprobs=r.chosen if seq and seq.chosen else [],
+        ),
+        input_tokens=inputs,
+        cached_tokens=cached,
+    )

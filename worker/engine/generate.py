@@ -306,13 +306,30 @@ class DecodeBatch:
         if fresh:
             self.quiet()  # then nothing is in flight: `pending` itself may be read
             # `tolist` of a 1-D int32 array gives ints (MLX's stub allows any nesting of any scalar)
-            result = handle([int(t) for t in cast("list[int]", pending.tolist())])
+            tokens = [int(t) for t in cast("list[int]", pending.tolist())]
+            self._take(tokens)
+            result = handle(tokens)
             if meanwhile is not None:
                 meanwhile()
             if ends_all is not None and ends_all(result):
                 self._pending = None  # nothing more to feed: every row leaves
                 return result
             self._launch(self._next_step(pending))
+        elif self.rows is not None and self.rows.constrained:
+            # A constrained row's next draw waits for its mask, which waits for its token of this
+            # step: the forward is launched first; while it runs the tokens are read back, taken by
+            # the grammars and handled, and the masks computed as the draw is built; then the draw
+            # is launched (a batch without constraints draws in the forward's graph instead).
+            read = self._readable(pending)
+            logits = self._forward(pending)
+            self._launch_logits(logits)
+            if meanwhile is not None:
+                meanwhile()
+            tokens = read()
+            self._take(tokens)
+            result = handle(tokens)
+            self._pending = self.rows.sample(logits)
+            self._launch(self._pending)
         else:
             read = self._readable(pending)
             self._launch(self._next_step(pending))  # a launcher waits for `pending`'s launch first
@@ -336,6 +353,19 @@ class DecodeBatch:
         self._pending_copy = self.launcher.launch_tokens(tokens)
         self._copy_rows = list(range(tokens.shape[0]))
 
+    def _launch_logits(self, logits: mx.array) -> None:
+        """Start computing a step's forward whose draw waits for the rows' masks."""
+        if self.launcher is None:
+            mx.async_eval(logits)
+        else:
+            self.launcher.launch(logits)
+
+    def _take(self, tokens: list[int]) -> None:
+        """Constrained rows take this step's tokens (before they are handled: a row whose grammar is
+        complete or broken ends with them)."""
+        if self.rows is not None and self.rows.constrained:
+            self.rows.take(tokens)
+
     def _readable(self, pending: mx.array) -> Callable[[], list[int]]:
         """How to read the live rows' `pending` tokens once the next step is launched."""
         copy, rows = self._pending_copy, self._copy_rows
@@ -351,6 +381,13 @@ class DecodeBatch:
     def _next_step(self, pending: mx.array) -> mx.array:
         """Build the step that feeds `pending` (one token per live row); returns the tokens it samples,
         which become the pending ones (not evaluated yet)."""
+        logits = self._forward(pending)
+        assert self.rows is not None
+        self._pending = self.rows.sample(logits)
+        return self._pending
+
+    def _forward(self, pending: mx.array) -> mx.array:
+        """The (live rows, vocab) logits of the forward that feeds `pending` (not evaluated yet)."""
         mask = self._step_mask()
         fed = pending
         if self._slot_index is not None:  # live rows scattered among idle ones
@@ -359,10 +396,7 @@ class DecodeBatch:
         elif self._idle:
             fed = mx.concatenate([fed, mx.zeros((self._idle,), dtype=fed.dtype)])
         logits = self.model(fed[:, None], cache=self.cache, mask=mask)[:, -1, :]
-        logits = logits[: len(self)] if self._slot_index is None else logits[self._slot_index]
-        assert self.rows is not None
-        self._pending = self.rows.sample(logits)
-        return self._pending
+        return logits[: len(self)] if self._slot_index is None else logits[self._slot_index]
 
     def _stepped(self) -> None:
         self._steps += 1

@@ -476,7 +476,12 @@ class GenerationBatch:
         for i, (seq, token) in enumerate(zip(self.decoding, tokens, strict=True)):
             seq.clock.token()
             try:
+                constraint = seq.sampler.constraint
+                if constraint is not None and constraint.error is not None:
+                    raise constraint.error  # its token broke its grammar (see `SamplerRows.take`)
                 reason = self.engine.finish_reason_after(seq.run, token, seq.cancelled)
+                if reason is None and constraint is not None and constraint.stopped:
+                    reason = "stop"  # its grammar is complete and allows no end-of-text token
                 if reason is None and len(seq.run.ids) >= seq.max_tokens:
                     reason = "length"
             except Exception as e:  # this row's sink or cancel check failed: it alone ends

@@ -6,10 +6,16 @@ logit bias, repetition penalty, presence/frequency penalties, then greedy `argma
 temperature, top-k, top-p, min-p and a draw from the remaining distribution. Draws go through the
 row-wise filters (`draw_rows`), alone (one row) or batched, so a seeded request gets the same tokens
 either way; a batch of 64 sampled rows costs one small graph per step, not 64.
+
+A sampler may carry a `Constraint` (structured output, `constraint.py`): its row's logits outside the
+tokens the grammar allows are masked with -inf after the penalties, before greedy or a draw. The
+masks are computed on the host as the draw is built (`SamplerRows.sample`), once every constrained
+row took its token of the step before (`SamplerRows.take`); rows without a constraint are untouched.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from collections.abc import Mapping, Sequence
@@ -17,6 +23,9 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import mlx.core as mx
+import numpy as np
+
+from mlxq.worker.engine.constraint import Constraint, fill_masks
 
 _NEG_INF = float("-inf")
 
@@ -198,6 +207,7 @@ class Sampler:
         presence_penalty: float = 0.0,
         frequency_penalty: float = 0.0,
         prompt: Sequence[int] = (),
+        constraint: Constraint | None = None,
     ) -> None:
         _validate(vocab_size, temperature, top_p, top_k, min_p)
         _check_repetition_penalty(repetition_penalty)
@@ -218,9 +228,16 @@ class Sampler:
         self._observed = 0  # generated tokens counted so far
         self.row = _RowParams.of(self, vocab_size)
         self._row_arrays: _RowArrays | None = None  # built at the first draw
+        self.constraint = constraint  # structured output: the tokens its grammar allows
 
     @classmethod
-    def from_request(cls, request: SamplingOptions, vocab_size: int, prompt: Sequence[int] = ()) -> Sampler:
+    def from_request(
+        cls,
+        request: SamplingOptions,
+        vocab_size: int,
+        prompt: Sequence[int] = (),
+        constraint: Constraint | None = None,
+    ) -> Sampler:
         """A sampler for a generation request (any object with the sampling fields)."""
         return cls(
             vocab_size,
@@ -234,6 +251,7 @@ class Sampler:
             presence_penalty=request.presence_penalty,
             frequency_penalty=request.frequency_penalty,
             prompt=prompt,
+            constraint=constraint,
         )
 
     @property
@@ -256,7 +274,10 @@ class Sampler:
 
         `history` (the generated ids so far) is an alternative to calling `observe`: only the ids not
         yet observed are counted, so passing the growing list each step stays O(1) per token.
+        A constrained sampler draws through `SamplerRows`, which advances its constraint.
         """
+        if self.constraint is not None:
+            raise ValueError("a constrained sampler draws in a SamplerRows (it advances the constraint)")
         if history is not None and len(history) > self._observed:
             for token in history[self._observed :]:
                 self.observe(token)
@@ -350,6 +371,18 @@ class _RowArrays:
         self.log_min_p = _column([r.log_min_p for r in rows], mx.float32) if use_min_p else None
 
 
+def _words(vocab_size: int) -> int:
+    return (vocab_size + 31) // 32
+
+
+@functools.cache
+def _bit_columns(width: int) -> tuple[mx.array, mx.array]:
+    """Each token's int32 word in a bitmask row and its bit in that word (made once per width, from
+    host data: no op of any thread's stream is kept)."""
+    column = np.arange(width, dtype=np.uint32)
+    return mx.array(column >> 5), mx.array(column & 31)
+
+
 def _column(values: Sequence[float], dtype: mx.Dtype) -> mx.array:
     return mx.array(list(values), dtype=dtype)[:, None]
 
@@ -405,6 +438,36 @@ class SamplerRows:
         self._arrays = None if all(greedy) else _RowArrays([s.row for s in samplers])
         mixed = self._any_greedy and self._arrays is not None
         self._greedy_mask = mx.array(greedy) if mixed else None
+        self._constrained = [i for i, s in enumerate(samplers) if s.constraint is not None]
+
+    @property
+    def constrained(self) -> bool:
+        """Whether any row has a constraint: its next draw waits for its mask, which waits for its
+        token of the step before (`take`)."""
+        return bool(self._constrained)
+
+    def take(self, tokens: Sequence[int]) -> None:
+        """Each constrained row takes its token (one per row, in row order): its grammar moves on, and
+        its next draw's mask is computed then (`sample`, on the host). A row whose token breaks its
+        grammar keeps the error in its constraint (`Constraint.error`); the others go on."""
+        for i in self._constrained:
+            c = self.samplers[i].constraint
+            assert c is not None
+            c.take(tokens[i])
+
+    def _masked(self, x: mx.array) -> mx.array:
+        """`x` with the constrained rows' disallowed tokens at -inf, their masks computed now (a free
+        row's mask allows everything: one `where` for the batch, no scatter of rows)."""
+        constraints = [self.samplers[i].constraint for i in self._constrained]
+        words = _words(self.vocab_size)
+        masks = fill_masks([c for c in constraints if c is not None], words)
+        if len(self._constrained) < x.shape[0]:
+            every = np.full((x.shape[0], words), -1, dtype=np.int32)
+            every[self._constrained] = masks
+            masks = every
+        word, bit = _bit_columns(x.shape[-1])
+        allowed = (mx.array(masks.view(np.uint32))[:, word] >> bit) & 1  # (B, width): 1 where allowed
+        return mx.where(allowed.astype(mx.bool_), x, _NEG_INF)
 
     def select(self, rows: Sequence[int]) -> None:
         """Keep only `rows`, in that order."""
@@ -434,6 +497,8 @@ class SamplerRows:
             own = [self.samplers[i].process_logits(logits[i : i + 1]) for i in self._penalized]
             x = x.astype(mx.float32)  # exact; a penalized row's logits are float32 alone too
             x[index] = mx.concatenate(own)
+        if self._constrained:
+            x = self._masked(x)
         greedy = mx.argmax(x, axis=-1) if self._any_greedy else None
         if self._arrays is None:
             assert greedy is not None

@@ -1,0 +1,311 @@
+"""Structured output on the engine (no Redis): `response_format` constrains generation batches.
+
+A tiny random-weight model with a real (trained) tokenizer: its text is noise, so whatever parses
+does so because of the constraint alone. Every answer that ends on its own validates against its
+schema (the `jsonschema` library), matches its regex or its grammar; a constrained row in a batch
+gets exactly what it gets alone (greedy, float32), beside free rows that get what they get alone.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+
+from mlxq.jobs.errors import InvalidRequest
+from mlxq.jobs.schema import GenerateRequest, GenerateResult
+from mlxq.worker.engine import Engine, EngineOptions
+from mlxq.worker.engine.generation_batch import Finished, GenerationBatch, generate
+from mlxq.worker.modelfiles.tiny_model import write_random_checkpoint
+
+pytest.importorskip("llguidance")
+
+# Nested objects, enums, arrays with bounds, numbers (bounded and free), a pattern.
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 130},
+        "score": {"type": "number", "minimum": -1, "maximum": 1},
+        "weight": {"type": "number"},
+        "label": {"enum": ["pos", "neg", "neutral"]},
+        "tags": {
+            "type": "array",
+            "items": {"type": "string", "maxLength": 6},
+            "minItems": 1,
+            "maxItems": 3,
+        },
+        "address": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 10},
+                "zip": {"type": "string", "pattern": "^[0-9]{5}$"},
+            },
+            "required": ["city", "zip"],
+            "additionalProperties": False,
+        },
+    },
+    "required": ["name", "age", "score", "label", "tags", "address"],
+    "additionalProperties": False,
+}
+SCORES = {
+    "type": "array",
+    "items": {"type": "integer", "minimum": 1, "maximum": 5},
+    "minItems": 2,
+    "maxItems": 4,
+}
+DATE = r"20[0-9]{2}-(0[1-9]|1[0-2])-[0-3][0-9]"
+# Sums of small numbers, in llguidance's Lark.
+SUMS = 'start: num ("+" num)*\nnum: /[1-9][0-9]?/\n'
+
+
+def json_schema(schema: dict[str, Any], name: str = "answer") -> dict[str, Any]:
+    return {"type": "json_schema", "json_schema": {"name": name, "schema": schema}}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_random_checkpoint(tmp_path_factory.mktemp("tiny"), {"max_position_embeddings": 1024})
+
+
+_made: list[Engine] = []
+
+
+def _engine(model_dir: Path, **options: Any) -> Engine:
+    engine = Engine.load(str(model_dir), EngineOptions(prefill_chunk=64, dtype="float32", **options))
+    _made.append(engine)
+    return engine
+
+
+@pytest.fixture(autouse=True)
+def _close_engines() -> Iterator[None]:
+    yield
+    while _made:
+        _made.pop().close()
+
+
+@pytest.fixture
+def engine(model_dir: Path) -> Engine:
+    return _engine(model_dir, prefix_cache_bytes=0)
+
+
+def _request(**fields: Any) -> GenerateRequest:
+    return GenerateRequest.model_validate({"max_tokens": 300, **fields})
+
+
+def _alone(engine: Engine, request: GenerateRequest) -> GenerateResult:
+    return generate(engine, request, lambda _text, _ids: None)
+
+
+def _batch(engine: Engine, requests: list[GenerateRequest], join_every: int = 0) -> list[Finished]:
+    """Every request in one batch: all admitted at once, or one every `join_every` steps (joining
+    rows that decode); the outcomes in request order."""
+    batch = GenerationBatch(engine, max_sequences=len(requests))
+    waiting = list(enumerate(requests))
+    done: dict[str, Finished] = {}
+    try:
+        while waiting or len(batch):
+            if waiting and (not join_every or batch.steps % join_every == 0):
+                for i, request in waiting if not join_every else waiting[:1]:
+                    batch.admit(str(i), request, lambda _text, _ids: None, lambda: False)
+                waiting = [] if not join_every else waiting[1:]
+            for finished in batch.step():
+                done[finished.key] = finished
+            batch.settle()
+    finally:
+        batch.close()
+    return [done[str(i)] for i in range(len(requests))]
+
+
+def _result(finished: Finished) -> GenerateResult:
+    assert finished.error is None, finished.error
+    assert finished.result is not None
+    return finished.result
+
+
+def _sampling(i: int) -> dict[str, Any]:
+    """Greedy and sampled rows, some with top-k/top-p/min-p and penalties, each seeded."""
+    fields: dict[str, Any] = {"seed": 7 + i, "temperature": [0.0, 0.7, 1.0, 1.5][i % 4]}
+    if i % 5 == 3:
+        fields.update(top_k=40, top_p=0.9, min_p=0.02, frequency_penalty=0.5, repetition_penalty=1.1)
+    return fields
+
+
+def test_every_answer_of_a_batch_validates_against_its_schema(engine: Engine) -> None:
+    schemas = [PERSON, SCORES]
+    requests = [
+        _request(
+            prompt=f"Row {i}: answer in JSON.",
+            response_format=json_schema(schemas[i % 2]),
+            **_sampling(i),
+        )
+        for i in range(24)
+    ]
+    for i, finished in enumerate(_batch(engine, requests)):
+        result = _result(finished)
+        assert result.finish_reason == "stop", result.text
+        jsonschema.validate(json.loads(result.text), schemas[i % 2])
+
+
+def test_regex_and_grammar_answers_match(engine: Engine) -> None:
+    requests = [
+        _request(prompt=f"Date {i}:", response_format={"type": "regex", "regex": DATE}, **_sampling(i))
+        for i in range(6)
+    ] + [
+        _request(prompt=f"Sum {i}:", response_format={"type": "grammar", "grammar": SUMS}, **_sampling(i))
+        for i in range(6)
+    ]
+    results = [_result(f) for f in _batch(engine, requests)]
+    for result in results[:6]:
+        assert result.finish_reason == "stop" and re.fullmatch(DATE, result.text), result.text
+    for result in results[6:]:
+        assert result.finish_reason in ("stop", "length"), result.text
+        text = result.text if result.finish_reason == "stop" else result.text.rstrip("+")
+        assert re.fullmatch(r"[1-9][0-9]?(\+[1-9][0-9]?)*", text), result.text
+
+
+def test_json_object_gives_a_json_object(engine: Engine) -> None:
+    result = _alone(
+        engine, _request(prompt="{", response_format={"type": "json_object"}, temperature=1.0, seed=3)
+    )
+    if result.finish_reason == "stop":  # an object may go on past the budget; one that ended parses
+        assert isinstance(json.loads(result.text), dict)
+    else:
+        assert result.text.startswith("{")
+
+
+@pytest.mark.parametrize(("pad_shapes", "overlap", "join_every"), [(False, False, 0), (True, True, 3)])
+def test_a_mixed_batch_gives_each_row_what_it_gets_alone(
+    engine: Engine, model_dir: Path, pad_shapes: bool, overlap: bool, join_every: int
+) -> None:
+    """All rows at once; and joining one by one into padded buffers, with the steps launched on the
+    launcher's thread (as on a GPU)."""
+    no_eos = {i: -100.0 for i in engine.tokenizer.eos_ids}
+    constrained = [
+        # Greedy on noise repeats a digit of a free number until the budget: a penalty ends it.
+        _request(
+            prompt="Person:", response_format=json_schema(PERSON), temperature=0.0, frequency_penalty=1.0
+        ),
+        _request(prompt="A date:", response_format={"type": "regex", "regex": DATE}, temperature=0.0),
+        _request(prompt="Scores, seeded:", response_format=json_schema(SCORES), temperature=1.0, seed=11),
+    ]
+    free = [
+        _request(prompt="Free text one", max_tokens=40, temperature=0.0, logit_bias=no_eos),
+        _request(prompt="Free text two, sampled", max_tokens=25, temperature=1.0, seed=5, logit_bias=no_eos),
+    ]
+    mixed = [free[0], constrained[0], constrained[1], free[1], constrained[2]]
+    batched = _engine(model_dir, prefix_cache_bytes=0, pad_shapes=pad_shapes, decode_overlap=overlap)
+    together = [_result(f) for f in _batch(batched, mixed, join_every)]
+    for request, got in zip(mixed, together, strict=True):
+        alone = _alone(engine, request)
+        assert (got.text, got.token_ids, got.finish_reason) == (
+            alone.text,
+            alone.token_ids,
+            alone.finish_reason,
+        )
+    # The free rows are not constrained by their batch-mates: they run to their budgets.
+    assert [len(together[i].token_ids) for i in (0, 3)] == [40, 25]
+    assert [together[i].finish_reason for i in (1, 2, 4)] == ["stop"] * 3, [
+        together[i].text for i in (1, 2, 4)
+    ]
+    jsonschema.validate(json.loads(together[1].text), PERSON)
+    assert re.fullmatch(DATE, together[2].text)
+    jsonschema.validate(json.loads(together[4].text), SCORES)
+
+
+def test_a_constraint_that_cannot_be_compiled_fails_before_any_token(engine: Engine) -> None:
+    bad = {
+        "json_schema": json_schema({"type": "strin"}),
+        "regex": {"type": "regex", "regex": "[0-9"},
+        "grammar": {"type": "grammar", "grammar": "start: missing_rule\n"},
+    }
+    for what, response_format in bad.items():
+        texts: list[str] = []
+        request = _request(prompt="x", response_format=response_format)
+        with pytest.raises(InvalidRequest, match=f"response_format: the {what}.* cannot be compiled"):
+            generate(engine, request, lambda text, _ids, texts=texts: texts.append(text))
+        assert texts == []
+    with pytest.raises(InvalidRequest, match="strin"):
+        _alone(engine, _request(prompt="x", response_format=bad["json_schema"]))
+
+
+def test_max_tokens_cutting_a_constrained_answer_says_length(engine: Engine) -> None:
+    result = _alone(engine, _request(prompt="Person:", max_tokens=8, response_format=json_schema(PERSON)))
+    assert result.finish_reason == "length" and len(result.token_ids) == 8
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(result.text)
+
+
+def test_a_stop_string_ends_a_constrained_answer(engine: Engine) -> None:
+    request = _request(prompt="Person:", temperature=0.0, response_format=json_schema(PERSON))
+    whole = _alone(engine, request).text
+    stop = '"age":'
+    assert stop in whole
+    cut = _alone(engine, request.model_copy(update={"stop": [stop]}))
+    assert (cut.finish_reason, cut.text) == ("stop", whole[: whole.index(stop)])
+
+
+def test_a_cached_prompt_gives_the_same_constrained_answer(model_dir: Path) -> None:
+    engine = _engine(model_dir, prefix_cache_bytes=64 << 20)
+    prompt = "A long shared system prompt that the prefix cache keeps. " * 6 + "Person:"
+    request = _request(prompt=prompt, temperature=1.0, seed=2, response_format=json_schema(PERSON))
+    first, second = _alone(engine, request), _alone(engine, request)
+    assert second.usage.cached_tokens > 0 and first.usage.cached_tokens == 0
+    assert (second.text, second.token_ids) == (first.text, first.token_ids)
+    jsonschema.validate(json.loads(second.text), PERSON)
+
+
+def test_the_wire_carries_one_response_format() -> None:
+    request = _request(prompt="x", response_format=json_schema(PERSON, "person"))
+    wire = request.model_dump(mode="json", exclude_defaults=True)
+    assert wire["response_format"] == {
+        "type": "json_schema",
+        "json_schema": {"name": "person", "schema": PERSON},
+    }
+    assert GenerateRequest.model_validate(wire) == request
+    for bad in ({"type": "xml"}, {"type": "regex"}, {"type": "json_schema", "json_schema": {"name": "n"}}):
+        with pytest.raises(ValueError, match="response_format"):
+            _request(prompt="x", response_format=bad)
+
+
+def test_the_mask_keeps_exactly_the_allowed_tokens_of_a_vocabulary_wider_than_the_tokenizer(
+    tmp_path: Path,
+) -> None:
+    """A model whose embedding has more rows than its tokenizer has tokens (400 > 384, not a multiple
+    of 32): the padding ids are never allowed, and a constrained row's greedy token is the best one
+    its grammar allows, whatever its logits say elsewhere; its free batch-mate is untouched."""
+    import mlx.core as mx
+
+    from mlxq.jobs.schema import RegexFormat
+    from mlxq.worker.engine.sampler import Sampler, SamplerRows
+
+    engine = _engine(write_random_checkpoint(tmp_path, {"vocab_size": 400}), prefix_cache_bytes=0)
+    assert engine.tokenizer.vocab_size < 400 == engine.model.args.vocab_size
+    digits = {
+        i for text, i in engine.tokenizer.backend.get_vocab().items() if text.isascii() and text.isdigit()
+    }
+    constraint = engine.constraints.compile(RegexFormat(type="regex", regex="[0-9]+"))
+    samplers = [Sampler(400, temperature=0.0, constraint=constraint), Sampler(400, temperature=0.0)]
+    logits = mx.random.normal((2, 400), key=mx.random.key(0))
+    logits[:, 399] = 100.0  # a padding id, the best logit of both rows
+    best_digit = max(digits, key=lambda t: logits[0, t].item())
+    tokens = SamplerRows(samplers, 400).sample(logits).tolist()
+    assert tokens == [best_digit, 399]
+    with pytest.raises(ValueError, match="SamplerRows"):
+        samplers[0](logits[:1])
+    result = _alone(
+        engine,
+        _request(
+            prompt="n:",
+            temperature=1.0,
+            seed=1,
+            max_tokens=12,
+            response_format={"type": "regex", "regex": "[0-9]{1,8}"},
+        ),
+    )
+    assert re.fullmatch("[0-9]{1,8}", result.text) and max(result.token_ids) < engine.tokenizer.vocab_size
