@@ -24,8 +24,8 @@ _EXTENSIONS = ("top_k", "min_p", "repetition_penalty")  # vLLM-style extras (`ex
 _METADATA = ("user", "metadata", "service_tier")
 
 _ECHO_LOGPROBS = (
-    "prompt and completion logprobs come with mlxq's evaluation scoring (issue 28), which this gateway "
-    "does not reach yet"
+    "prompt and completion logprobs (`echo` with `logprobs`) are not wired into the gateway yet; they are "
+    "to come from mlxq's evaluation scoring (issue 28: score jobs with `prompt_logprobs`)"
 )
 _UNSUPPORTED_CHAT = {
     "tools": "mlxq's workers do not do tool calling",
@@ -33,7 +33,6 @@ _UNSUPPORTED_CHAT = {
     "functions": "mlxq's workers do not do function calling",
     "function_call": "mlxq's workers do not do function calling",
     "parallel_tool_calls": "mlxq's workers do not do tool calling",
-    "response_format": "mlxq's workers do not constrain output to a format",
     "top_logprobs": "mlxq's workers do not return token logprobs for generated text",
     "audio": "mlxq serves text models",
     "modalities": "mlxq serves text models",
@@ -130,6 +129,8 @@ def _common(body: dict[str, Any], known: set[str], refused: dict[str, str]) -> d
         params["logit_bias"] = bias
     if body.get("stop") is not None:
         params["stop"] = body["stop"]
+    if body.get("response_format") is not None:  # OpenAI's json_object/json_schema, mlxq's regex/grammar
+        params["response_format"] = body["response_format"]
     return params
 
 
@@ -142,6 +143,7 @@ def _validated(params: dict[str, Any], prompt: str | None, messages: list[Any] |
 
 _BASE = {
     "model",
+    "response_format",
     "stream",
     "stream_options",
     "n",

@@ -214,6 +214,36 @@ def test_sync_streaming_completion(sdk: openai.OpenAI, model: str, no_eos: dict[
     assert "".join(pieces) == whole.choices[0].text
 
 
+def test_response_format_constrains_the_answer(
+    sdk: openai.OpenAI, model: str, no_eos: dict[int, float]
+) -> None:
+    pytest.importorskip("llguidance")  # the worker's `structured` extra
+    answer = sdk.chat.completions.create(
+        model=model,
+        messages=MESSAGES,
+        max_tokens=8,
+        response_format={"type": "regex", "regex": "(yes|no)"},  # type: ignore[typeddict-item]
+    )
+    assert answer.choices[0].message.content in ("yes", "no") and answer.choices[0].finish_reason == "stop"
+    schema = {
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"}},
+        "required": ["ok"],
+        "additionalProperties": False,
+    }
+    answer = sdk.chat.completions.create(
+        model=model,
+        messages=MESSAGES,
+        max_tokens=32,
+        temperature=0.0,
+        response_format={"type": "json_schema", "json_schema": {"name": "verdict", "schema": schema}},
+    )
+    assert json.loads(answer.choices[0].message.content or "") in ({"ok": True}, {"ok": False})
+    with pytest.raises(openai.BadRequestError) as e:
+        sdk.chat.completions.create(model=model, messages=MESSAGES, response_format={"type": "xml"})  # type: ignore[typeddict-item]
+    assert "response_format" in str(e.value)
+
+
 # --- what mlxq does not do is a 400 that says so -----------------------------------------------------
 
 
@@ -223,7 +253,6 @@ def test_sync_streaming_completion(sdk: openai.OpenAI, model: str, no_eos: dict[
         ("chat", {"n": 2}, "n"),
         ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
         ("chat", {"logprobs": True}, "logprobs"),
-        ("chat", {"response_format": {"type": "json_object"}}, "response_format"),
         ("completion", {"echo": True}, "echo"),
         ("completion", {"logprobs": 2}, "logprobs"),
         ("completion", {"n": 3}, "n"),
