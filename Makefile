@@ -21,7 +21,7 @@ $(VENV)/.installed-demo: pyproject.toml
 
 # Everything else the tests need: dev tools, the reference implementation (torch, transformers), metrics.
 $(VENV)/.installed: $(VENV)/.installed-demo
-	$(PY) -m pip install -q -e ".[$(MLX_EXTRA),dev,ref,metrics,structured,eval]"
+	$(PY) -m pip install -q -e ".[$(MLX_EXTRA),dev,ref,metrics,structured,eval,gateway]"
 	touch $@
 
 demo: $(VENV)/.installed-demo

@@ -30,6 +30,7 @@ from .bulk_files import BulkSummary
 from .client import Client, JobHandle
 from .connection import redact_url
 from .errors import JobFailed, JobNotFound
+from .gateway import cli as gateway_cli
 from .job_state import CancelOutcome
 from .settings import ProducerSettings
 from .tail import START_ID, StreamItem
@@ -117,6 +118,8 @@ def build_parser() -> argparse.ArgumentParser:
     acl = sub.add_parser("tenant-acl", help="print the users.acl line of a tenant's producer user")
     acl.add_argument("name", help="the tenant: 1-32 lowercase letters and digits")
     acl.add_argument("--user", help="the ACL user name [the tenant's name]")
+
+    gateway_cli.add_parsers(sub, after)
 
     # Listed for --help only: main() hands these to worker.cli before parsing.
     sub.add_parser("worker", help="run a worker (needs MLX; see `mlxq worker --help`)", add_help=False)
@@ -532,6 +535,8 @@ def main(argv: list[str] | None = None) -> int:
         return _tenant_acl(args)
     given = {"redis_url": args.redis_url, "tenant": args.tenant}
     settings = ProducerSettings(**{k: v for k, v in given.items() if v})
+    if args.command in ("serve", "api-key"):  # the gateway's, on connections of its own
+        return (gateway_cli.serve if args.command == "serve" else gateway_cli.api_key)(settings, args)
     try:
         with Client(settings=settings) as client:
             return COMMANDS[args.command](client, args)

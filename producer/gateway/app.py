@@ -1,0 +1,477 @@
+"""The gateway's ASGI app (Starlette): OpenAI's routes, each a short function over the parts.
+
+Routes: `POST /v1/chat/completions`, `POST /v1/completions`, `GET /v1/models`, `GET /v1/streams/{id}`
+(resume a stream: `Last-Event-ID`), OpenAI's Batch API (`/v1/files`, `/v1/batches`: `batches`,
+`batch_runner`), `GET /health` (the process answers), `GET /ready` (Redis answers), `GET /metrics`
+(Prometheus, with the `metrics` extra). The lifespan runs
+the batch runner: every instance takes up open batches nobody runs.
+Every `/v1/` route needs an API key (`Authorization: Bearer sk-mlxq-...`); no key, no job.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import redis
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from mlxq.jobs import keys as job_keys
+from mlxq.jobs.schema import GenerateResult
+
+from ..aio import AsyncClient
+from ..errors import JobFailed, JobNotFound, RedisFull
+from ..settings import ProducerSettings
+from . import api_keys, batches, limits, relay, shapes, translate
+from . import metrics as gateway_metrics
+from .api_keys import ApiKey
+from .batch_runner import BatchRunner
+from .catalog import Catalog
+from .errors import ApiError, bad_request
+from .files import FileStore
+from .metrics import NOT_INSTALLED, GatewayMetrics
+from .settings import GatewaySettings
+
+log = logging.getLogger(__name__)
+
+CONTEXT_PREFIX = "mlxq:gw:stream:"
+_CLIENT_ERRORS = ("InvalidRequest", "ContextTooLong", "InvalidCandidate")
+_STREAM_ID = re.compile(r"\d{1,20}-\d{1,20}")
+
+
+def context_key(job_id: str) -> str:
+    """The hash a streamed job's chunks are built from (`shapes.Context`), for whichever instance."""
+    return CONTEXT_PREFIX + job_id
+
+
+class Gateway:
+    """The state one gateway process holds: its Redis client and a short-lived cache of live models.
+    Everything else is read from Redis per request, so instances are interchangeable."""
+
+    def __init__(self, settings: GatewaySettings, producer: ProducerSettings) -> None:
+        self.settings = settings
+        self.producer = producer
+        self._client: AsyncClient | None = None
+        self._catalog: Catalog | None = None
+        self.keys = api_keys.KeyCache(settings.key_cache_s)
+        self.metrics = gateway_metrics.create()
+
+    @property
+    def client(self) -> AsyncClient:
+        if self._client is None:
+            self._client = AsyncClient(settings=self.producer)
+        return self._client
+
+    @property
+    def catalog(self) -> Catalog:
+        if self._catalog is None:
+            self._catalog = Catalog(self.client.connection, self.settings.models_cache_s)
+        return self._catalog
+
+    async def aclose(self) -> None:
+        if self._client is not None:
+            await self._client.aclose()
+
+    # --- request parts ---------------------------------------------------------------------------
+
+    async def authorize(self, request: Request) -> ApiKey:
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not token.strip():
+            raise ApiError(
+                401,
+                "no API key: send `Authorization: Bearer <key>` (create one with `mlxq api-key create NAME`)",
+                code="invalid_api_key",
+            )
+        key = await self.keys.lookup(self.client.connection, token.strip())
+        if key is None:
+            raise ApiError(401, "this API key is not valid (unknown or revoked)", code="invalid_api_key")
+        return key
+
+    async def body(self, request: Request) -> dict[str, Any]:
+        limit = self.settings.max_body_bytes
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise _too_large(limit)
+        data = bytearray()
+        async for part in request.stream():
+            data.extend(part)
+            if len(data) > limit:
+                raise _too_large(limit)
+        try:
+            body = json.loads(data)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise bad_request(f"the body is not JSON: {e}") from None
+        if not isinstance(body, dict):
+            raise bad_request("the body must be a JSON object")
+        return body
+
+    async def route(self, key: ApiKey, model: str) -> str:
+        """The queue a request for `model` goes to, among those the key may use."""
+        served = await self.catalog.models()
+        if model not in served:
+            known = ", ".join(sorted(served)) or "none (no live worker)"
+            raise ApiError(
+                404,
+                f"the model {model!r} is not served by any live worker; known models: {known}",
+                param="model",
+                code="model_not_found",
+            )
+        if not key.allows_model(model):
+            raise ApiError(
+                403,
+                f"API key {key.name!r} may not use model {model!r}",
+                param="model",
+                type="permission_error",
+                code="model_not_allowed",
+            )
+        queues = [q for q in served[model].queues if key.allows_queue(q)]
+        if not queues:
+            raise ApiError(
+                403,
+                f"API key {key.name!r} may not use the queues that serve {model!r} "
+                f"({', '.join(served[model].queues)})",
+                param="model",
+                type="permission_error",
+            )
+        if len(queues) == 1:
+            return queues[0]
+        async with self.client.connection.pipeline(transaction=False) as pipe:
+            for q in queues:  # the shortest backlog among the queues that serve it
+                pipe.llen(job_keys.rq_queue_key(q))
+            lengths = await pipe.execute()
+        return queues[lengths.index(min(lengths))]
+
+    async def submit(self, key: ApiKey, t: translate.Translated) -> shapes.Context:
+        queue = await self.route(key, t.model)
+        job_id = self.client.tenant.job_id()
+        limit = key.max_jobs or self.settings.max_jobs_per_key
+        ctx = shapes.Context(t.kind, job_id, t.model, int(time.time()), t.include_usage, key.digest)
+        conn = self.client.connection
+
+        def write_context(pipe: Any) -> None:  # in the claim's transaction: one round trip for both
+            pipe.hset(context_key(job_id), mapping=ctx.fields())
+            pipe.expire(context_key(job_id), self.settings.stream_ttl_s)
+
+        busy = await limits.claim(conn, key.digest, job_id, limit, also=write_context)
+        if busy is not None:
+            await conn.delete(context_key(job_id))
+            raise ApiError(
+                429,
+                f"API key {key.name!r} has {busy} jobs in flight, its limit is {limit}: wait for one to end",
+                type="rate_limit_error",
+                code="too_many_jobs",
+            )
+        try:
+            await self.client.submit_generate(
+                t.request, job_id=job_id, queue=queue, meta={"api_key": key.name}
+            )
+        except RedisFull as e:
+            await limits.release(conn, key.digest, job_id)
+            raise ApiError(503, str(e), type="server_error", code="redis_full") from None
+        except BaseException:
+            await limits.release(conn, key.digest, job_id)
+            raise
+        if self.metrics is not None:
+            self.metrics.submitted(t.model, t.kind)
+        return ctx
+
+    async def context(self, key: ApiKey, completion: str) -> shapes.Context:
+        found = shapes.job_id_of(completion)
+        raw = await self.client.connection.hgetall(context_key(found[1])) if found else None
+        if not raw:
+            raise ApiError(
+                404,
+                f"no resumable stream {completion!r} (unknown, or older than {self.settings.stream_ttl_s} s)",
+                code="stream_not_found",
+            )
+        assert found is not None
+        ctx = shapes.Context.from_fields(found[1], {_str(k): _str(v) for k, v in raw.items()})
+        if ctx.owner != key.digest:
+            raise ApiError(
+                404, f"no resumable stream {completion!r} for this API key", code="stream_not_found"
+            )
+        return ctx
+
+    # --- routes ------------------------------------------------------------------------------------
+
+    async def generate(self, request: Request, kind: translate.Kind) -> Response:
+        key = await self.authorize(request)
+        body = await self.body(request)
+        t = translate.chat(body) if kind == "chat" else translate.completion(body)
+        ctx = await self.submit(key, t)
+        if t.stream:
+            return _sse(relay.events(self.client, ctx, None), ctx)
+        try:
+            result = await self.client.job(ctx.job_id).result(timeout=self.settings.job_timeout_s)
+        except JobFailed as e:
+            client_error = any(name in e.details for name in _CLIENT_ERRORS)
+            raise ApiError(
+                400 if client_error else 500,
+                str(e),
+                type="invalid_request_error" if client_error else "server_error",
+                code="job_failed",
+                retry=False,  # the job ran and failed: the SDK's automatic retry would run it again
+            ) from None
+        except TimeoutError as e:
+            raise ApiError(
+                504,
+                f"{e} (the job goes on: its id is {ctx.job_id})",
+                type="server_error",
+                code="timeout",
+                retry=False,
+            ) from None
+        if not isinstance(result, GenerateResult):
+            raise ApiError(500, f"job {ctx.job_id} returned no generation result", type="server_error")
+        return JSONResponse(ctx.whole(result), headers={"x-mlxq-job-id": ctx.job_id})
+
+    async def resume(self, request: Request) -> Response:
+        key = await self.authorize(request)
+        ctx = await self.context(key, request.path_params["completion_id"])
+        last = request.headers.get("last-event-id") or None
+        if last is not None and not _STREAM_ID.fullmatch(last):
+            raise bad_request(f"Last-Event-ID {last!r} is not an id this stream sent (<ms>-<seq>)")
+        return _sse(relay.events(self.client, ctx, last), ctx)
+
+    async def models(self, request: Request) -> Response:
+        key = await self.authorize(request)
+        served = await self.catalog.models()
+        data = [
+            {"id": m, "object": "model", "created": s.created, "owned_by": "mlxq"}
+            for m, s in served.items()
+            if key.allows_model(m) and any(key.allows_queue(q) for q in s.queues)
+        ]
+        return JSONResponse({"object": "list", "data": data})
+
+    # --- files and batches ----------------------------------------------------------------------------
+
+    @property
+    def files(self) -> FileStore:
+        return FileStore(self.client.connection, self.settings.data_dir)
+
+    async def upload(self, request: Request) -> Response:
+        key = await self.authorize(request)
+        declared = request.headers.get("content-length")
+        if declared is None or not declared.isdigit():
+            raise ApiError(411, "an upload needs a Content-Length header", code="length_required")
+        if int(declared) > self.settings.max_file_bytes:
+            raise ApiError(
+                413,
+                f"the file is over this gateway's limit of {self.settings.max_file_bytes} bytes",
+                code="file_too_large",
+            )
+        async with request.form(max_files=1, max_fields=4) as form:
+            upload, purpose = form.get("file"), form.get("purpose")
+            if purpose != "batch":
+                raise bad_request('`purpose` must be "batch" (the only use of files here)', "purpose")
+            if upload is None or isinstance(upload, str):
+                raise bad_request("`file` must be an uploaded file", "file")
+            content = await upload.read()
+            name = upload.filename or "upload.jsonl"
+        stored = await self.files.add(content, name, "batch", key.digest)
+        return JSONResponse(stored.openai())
+
+    async def _file(self, key: ApiKey, file_id: str) -> tuple[FileStore, Any]:
+        store = self.files
+        stored = await store.get(file_id) if file_id.startswith("file-") else None
+        if stored is None or stored.owner != key.digest:
+            raise ApiError(404, f"no file {file_id!r}", param="file_id", code="file_not_found")
+        return store, stored
+
+    async def file_info(self, request: Request) -> Response:
+        key = await self.authorize(request)
+        _, stored = await self._file(key, request.path_params["file_id"])
+        return JSONResponse(stored.openai())
+
+    async def file_content(self, request: Request) -> Response:
+        key = await self.authorize(request)
+        store, stored = await self._file(key, request.path_params["file_id"])
+        return Response(store.path(stored.id).read_bytes(), media_type="application/jsonl")
+
+    async def create_batch(self, request: Request) -> Response:
+        key = await self.authorize(request)
+        body = await self.body(request)
+        endpoint = body.get("endpoint")
+        if endpoint not in batches.ENDPOINTS:
+            raise bad_request(f"`endpoint` must be one of {', '.join(batches.ENDPOINTS)}", "endpoint")
+        if body.get("completion_window", "24h") != "24h":
+            raise bad_request('`completion_window` must be "24h"', "completion_window")
+        store, stored = await self._file(key, str(body.get("input_file_id", "")))
+        if stored.purpose != "batch":
+            raise bad_request(f"file {stored.id} is not a batch input", "input_file_id")
+        checked = batches.check(store.path(stored.id).read_bytes(), endpoint, self.settings.max_batch_lines)
+        queue = await self.route(key, checked.model)
+        batch_id = batches.new_id()
+        d = batches.folder(self.settings.data_dir, batch_id)
+        d.mkdir(parents=True)
+        (d / "rows.jsonl").write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in checked.rows))
+        (d / "refused.jsonl").write_text(
+            "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in checked.refused)
+        )
+        now = int(time.time())
+        fields = {
+            "id": batch_id,
+            "endpoint": endpoint,
+            "input_file_id": stored.id,
+            "completion_window": "24h",
+            "status": "in_progress",
+            "created_at": str(now),
+            "in_progress_at": str(now),
+            "expires_at": str(now + 86_400),
+            "owner": key.digest,
+            "queue": queue,
+            "model": checked.model,
+            "total": str(checked.total),
+            "metadata": json.dumps(body.get("metadata")),
+        }
+        await batches.BatchRecords(self.client.connection).create(fields)
+        return JSONResponse(batches.openai_batch(fields))
+
+    async def _batch(self, key: ApiKey, batch_id: str) -> dict[str, str]:
+        fields = await batches.BatchRecords(self.client.connection).get(batch_id)
+        if fields is None or fields.get("owner") != key.digest:
+            raise ApiError(404, f"no batch {batch_id!r}", param="batch_id", code="batch_not_found")
+        return fields
+
+    async def get_batch(self, request: Request) -> Response:
+        key = await self.authorize(request)
+        fields = await self._batch(key, request.path_params["batch_id"])
+        counts = None
+        if fields["status"] in batches.OPEN:
+            d = batches.folder(self.settings.data_dir, fields["id"])
+            failed = batches.count_lines(d / "errors.jsonl") + batches.count_lines(d / "refused.jsonl")
+            counts = {
+                "total": int(fields["total"]),
+                "completed": batches.count_lines(d / "out.jsonl"),
+                "failed": failed,
+            }
+        return JSONResponse(batches.openai_batch(fields, counts))
+
+    async def cancel_batch(self, request: Request) -> Response:
+        key = await self.authorize(request)
+        fields = await self._batch(key, request.path_params["batch_id"])
+        if fields["status"] in ("validating", "in_progress"):
+            update = {"status": "cancelling", "cancelling_at": str(int(time.time()))}
+            await batches.BatchRecords(self.client.connection).update(fields["id"], **update)
+            fields.update(update)
+        return JSONResponse(batches.openai_batch(fields))
+
+    async def health(self, request: Request) -> Response:
+        return JSONResponse({"status": "ok"})
+
+    async def ready(self, request: Request) -> Response:
+        try:
+            await self.client.connection.ping()
+            served = await self.catalog.models()
+        except (redis.ConnectionError, redis.TimeoutError, OSError) as e:
+            return JSONResponse({"status": "unavailable", "redis": str(e)}, status_code=503)
+        return JSONResponse({"status": "ready", "models": sorted(served)})
+
+
+def _str(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def _too_large(limit: int) -> ApiError:
+    return ApiError(
+        413, f"the request body is over this gateway's limit of {limit} bytes", code="request_too_large"
+    )
+
+
+def _sse(frames: AsyncIterator[str], ctx: shapes.Context) -> StreamingResponse:
+    headers = {
+        "cache-control": "no-cache",
+        "x-accel-buffering": "no",
+        "x-mlxq-job-id": ctx.job_id,
+        "x-mlxq-resume": f"/v1/streams/{ctx.id}",
+    }
+    return StreamingResponse(frames, media_type="text/event-stream", headers=headers)
+
+
+def _answer(handler: Any) -> Any:
+    async def endpoint(request: Request) -> Response:
+        try:
+            return await handler(request)  # type: ignore[no-any-return]
+        except ApiError as e:
+            return e.response()
+        except JobNotFound as e:
+            return ApiError(404, str(e), code="job_not_found").response()
+        except (redis.ConnectionError, redis.TimeoutError) as e:
+            log.warning("redis unreachable error=%s", e)
+            return ApiError(503, f"the queue's Redis is unreachable: {e}", type="server_error").response()
+
+    return endpoint
+
+
+def _measured(name: str, handler: Any, metrics: GatewayMetrics | None) -> Any:
+    """`handler` with errors answered in OpenAI's shape, counted in the metrics as route `name`."""
+    endpoint = _answer(handler)
+    if metrics is None:
+        return endpoint
+
+    async def measured(request: Request) -> Response:
+        t0 = time.perf_counter()
+        response: Response = await endpoint(request)
+        metrics.observe(name, response.status_code, time.perf_counter() - t0)
+        return response
+
+    return measured
+
+
+def create_app(
+    settings: GatewaySettings | None = None, producer: ProducerSettings | None = None
+) -> Starlette:
+    gateway = Gateway(settings or GatewaySettings(), producer or ProducerSettings())
+    metrics = gateway.metrics
+
+    async def chat(request: Request) -> Response:
+        return await gateway.generate(request, "chat")
+
+    async def completions(request: Request) -> Response:
+        return await gateway.generate(request, "completion")
+
+    @asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        runner = BatchRunner(gateway.client, gateway.files, gateway.settings)
+        looking = asyncio.create_task(runner.run_forever())
+        yield
+        looking.cancel()
+        await runner.aclose()
+        await gateway.aclose()
+
+    async def metrics_page(request: Request) -> Response:
+        if metrics is None:
+            return JSONResponse(NOT_INSTALLED, status_code=404)
+        body, content_type = metrics.render()
+        return Response(body, media_type=content_type)
+
+    def route(path: str, name: str, handler: Any, method: str) -> Route:
+        return Route(path, _measured(name, handler, metrics), methods=[method])
+
+    routes = [
+        route("/v1/chat/completions", "chat", chat, "POST"),
+        route("/v1/completions", "completions", completions, "POST"),
+        route("/v1/models", "models", gateway.models, "GET"),
+        route("/v1/streams/{completion_id}", "resume", gateway.resume, "GET"),
+        route("/v1/files", "upload", gateway.upload, "POST"),
+        route("/v1/files/{file_id}", "file", gateway.file_info, "GET"),
+        route("/v1/files/{file_id}/content", "file_content", gateway.file_content, "GET"),
+        route("/v1/batches", "create_batch", gateway.create_batch, "POST"),
+        route("/v1/batches/{batch_id}", "batch", gateway.get_batch, "GET"),
+        route("/v1/batches/{batch_id}/cancel", "cancel_batch", gateway.cancel_batch, "POST"),
+        Route("/health", gateway.health, methods=["GET"]),
+        Route("/ready", gateway.ready, methods=["GET"]),
+        Route("/metrics", metrics_page, methods=["GET"]),
+    ]
+    app = Starlette(routes=routes, lifespan=lifespan)
+    app.state.gateway = gateway
+    return app

@@ -1,0 +1,128 @@
+"""OpenAI's response objects, built from an mlxq job's result and stream events.
+
+The completion's id is the job's id with OpenAI's prefix (`chatcmpl-<job>`, `cmpl-<job>`), so any
+gateway instance can find the job again from what the client holds. mlxq's finish reasons `stop` and
+`length` are OpenAI's; a job cancelled by its producer ends with `cancelled`, which OpenAI's SDKs pass
+through as the string it is.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from mlxq.jobs.schema import DoneEvent, GenerateResult
+
+from .translate import Kind
+
+PREFIXES: dict[Kind, str] = {"chat": "chatcmpl-", "completion": "cmpl-"}
+
+
+def completion_id(kind: Kind, job_id: str) -> str:
+    return PREFIXES[kind] + job_id
+
+
+def job_id_of(completion: str) -> tuple[Kind, str] | None:
+    """(kind, job id) of a completion id this gateway made, else None."""
+    for kind, prefix in PREFIXES.items():
+        if completion.startswith(prefix) and len(completion) > len(prefix):
+            return kind, completion[len(prefix) :]
+    return None
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
+
+
+@dataclass(frozen=True)
+class Context:
+    """What a job's chunks say besides its events; kept in Redis beside the job so another gateway
+    instance can resume the stream. `owner`: the digest of the API key that made the job."""
+
+    kind: Kind
+    job_id: str
+    model: str
+    created: int
+    include_usage: bool
+    owner: str
+
+    @property
+    def id(self) -> str:
+        return completion_id(self.kind, self.job_id)
+
+    def fields(self) -> dict[str, str]:
+        return {
+            "kind": self.kind,
+            "model": self.model,
+            "created": str(self.created),
+            "include_usage": "1" if self.include_usage else "",
+            "owner": self.owner,
+        }
+
+    @classmethod
+    def from_fields(cls, job_id: str, raw: dict[str, str]) -> Context:
+        kind = raw["kind"]
+        if kind not in PREFIXES:
+            raise ValueError(f"not a completion kind: {kind!r}")
+        return cls(
+            kind,
+            job_id,
+            raw["model"],
+            int(raw["created"]),
+            bool(raw.get("include_usage")),
+            raw.get("owner", ""),
+        )
+
+    def _head(self, obj: str) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "object": obj,
+            "created": self.created,
+            "model": self.model,
+            "system_fingerprint": None,
+        }
+
+    def chunk(self, text: str | None, finish_reason: str | None, role: bool) -> dict[str, Any]:
+        """One streamed chunk: a piece of text, or the end (`finish_reason`)."""
+        if self.kind == "chat":
+            delta: dict[str, Any] = {"role": "assistant"} if role else {}
+            if text is not None:
+                delta["content"] = text
+            choice: dict[str, Any] = {
+                "index": 0,
+                "delta": delta,
+                "logprobs": None,
+                "finish_reason": finish_reason,
+            }
+            return {**self._head("chat.completion.chunk"), "choices": [choice]}
+        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+        return {**self._head("text_completion"), "choices": [choice]}
+
+    def usage_chunk(self, done: DoneEvent) -> dict[str, Any]:
+        """The last chunk when `stream_options.include_usage`: no choices, the usage."""
+        obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
+        return {
+            **self._head(obj),
+            "choices": [],
+            "usage": usage(done.prompt_tokens, done.completion_tokens, done.cached_tokens),
+        }
+
+    def whole(self, result: GenerateResult) -> dict[str, Any]:
+        """The non-streamed answer."""
+        u = usage(result.usage.prompt_tokens, result.usage.completion_tokens, result.usage.cached_tokens)
+        if self.kind == "chat":
+            message = {"role": "assistant", "content": result.text, "refusal": None}
+            choice: dict[str, Any] = {
+                "index": 0,
+                "message": message,
+                "logprobs": None,
+                "finish_reason": result.finish_reason,
+            }
+            return {**self._head("chat.completion"), "choices": [choice], "usage": u}
+        choice = {"index": 0, "text": result.text, "logprobs": None, "finish_reason": result.finish_reason}
+        return {**self._head("text_completion"), "choices": [choice], "usage": u}
