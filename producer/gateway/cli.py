@@ -9,7 +9,9 @@ import sys
 from ..settings import ProducerSettings
 from . import api_keys
 
-NEEDS_GATEWAY = "mlxq: the gateway needs its extra: pip install 'mlxq[gateway]' (starlette, uvicorn)"
+NEEDS_GATEWAY = (
+    "mlxq: the gateway needs its extra (starlette, uvicorn): pip install '.[gateway]' in the mlxq repository"
+)
 
 
 def add_parsers(sub: argparse._SubParsersAction, after: argparse.ArgumentParser) -> None:  # type: ignore[type-arg]

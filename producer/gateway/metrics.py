@@ -56,7 +56,7 @@ def create() -> GatewayMetrics | None:
 
 NOT_INSTALLED: dict[str, Any] = {
     "error": {
-        "message": "metrics need prometheus-client: pip install 'mlxq[metrics]'",
+        "message": "metrics need prometheus-client: pip install prometheus-client",
         "type": "not_found",
         "param": None,
         "code": None,
