@@ -64,15 +64,21 @@ def run_dataset(
     resume = load_resume(out, errors, options.retry_errors)
     bar = ProgressLine(progress, reader.total)
     rows = (resume.mark(slot) for slot in reader)
-    with open(out, "a", encoding="utf-8") as out_file:
-        output = OrderedOutput(out_file, errors, kind)
-        run = BulkRun(target, kind, options, rows, output, bar, stop or threading.Event())
-        try:
-            completed = run.run()
-        finally:
-            rows.close()
-            output.close()
-            bar.close(output.counts)
+    fresh = not out.exists()
+    try:
+        with open(out, "a", encoding="utf-8") as out_file:
+            output = OrderedOutput(out_file, errors, kind)
+            run = BulkRun(target, kind, options, rows, output, bar, stop or threading.Event())
+            try:
+                completed = run.run()
+            finally:
+                rows.close()
+                output.close()
+                bar.close(output.counts)
+    except BaseException:
+        if fresh and out.exists() and out.stat().st_size == 0:
+            out.unlink()  # a run that failed before its first row (Redis unreachable) leaves no empty file
+        raise
     if completed and resume.done and output.counts.succeeded:
         restore_order(out, reader.first_line)
     c = output.counts

@@ -12,6 +12,7 @@ import sys
 import threading
 import types
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -312,3 +313,22 @@ def test_score_file_says_what_an_openai_batch_line_is(
     errors = [json.loads(x) for x in (tmp_path / "out.errors.jsonl").read_text().splitlines()]
     assert "an OpenAI Batch API request line" in errors[0]["error"], errors
     assert "generate-file takes Batch lines" in errors[0]["error"]
+
+
+def test_score_file_with_redis_unreachable_says_so_and_leaves_no_empty_output(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The run's retries say what they wait for, then one line says Redis is unreachable; the output
+    file the run would have written is not left behind empty (an earlier run's output would stay)."""
+    monkeypatch.setenv("MLXQ_REDIS_RETRY_ATTEMPTS", "1")
+    monkeypatch.setenv("MLXQ_REDIS_RETRY_INITIAL_WAIT_S", "0.001")
+    src = tmp_path / "in.jsonl"
+    src.write_text('{"custom_id": "a", "prompt": "x", "candidates": ["y"]}\n')
+    out = tmp_path / "out.jsonl"
+    assert main(["--redis-url", "redis://127.0.0.1:1/0", "score-file", str(src), "-o", str(out)]) == 2
+    assert "cannot reach Redis at redis://127.0.0.1:1/0" in capsys.readouterr().err
+    assert "redis unreachable; trying again" in caplog.text
+    assert not out.exists()
