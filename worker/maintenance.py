@@ -156,17 +156,19 @@ class Maintenance:
         """One queue's maintenance, steps 1-3 of the module docstring (the caller holds its lease)."""
         self.dead_letters.sweep(queue)
         self.end_finished_abandoned(queue)
-        self.requeue_stuck(queue)
+        left = self.requeue_stuck(queue)
         self.worker.log.info("Worker %s: cleaning registries for queue: %s", self.worker.name, queue.name)
         clean_registries(queue, [self._ending_streams_of_failed(), *exc_handlers])
         worker_registration.clean_worker_registry(queue)
-        queue.intermediate_queue.cleanup(self.worker, queue)
+        if left:  # RQ's cleanup reads the list again; an empty one has nothing for it
+            queue.intermediate_queue.cleanup(self.worker, queue)
 
     def requeue_stuck(self, queue: Queue) -> list[str]:
         """Put back at the head of `queue` its jobs taken but never started that an earlier pass saw in
         the intermediate list `STUCK_AFTER_S` ago or more (RQ's first-seen mark; RQ's cleanup sets it
-        for those seen the first time); which ones. Each goes in one MULTI: off the intermediate list,
-        onto the queue, its mark gone. A job whose status is not `queued` stays for RQ's cleanup."""
+        for those seen the first time); the ids left in the list. Each goes in one MULTI: off the
+        intermediate list, onto the queue, its mark gone. A job whose status is not `queued` stays for
+        RQ's cleanup."""
         intermediate = queue.intermediate_queue
         taken = [_text(i) for i in self.conn.lrange(intermediate.key, 0, -1)]
         if not taken:
@@ -191,7 +193,7 @@ class Maintenance:
                 pipe.delete(intermediate.get_first_seen_key(job_id))
                 pipe.execute()
             log.warning("requeued a job taken but never started job=%s queue=%s", job_id, queue.name)
-        return requeued
+        return [job_id for job_id in taken if job_id not in requeued]
 
     def end_finished_abandoned(self, queue: Queue) -> int:
         """End `finished` the abandoned jobs of `queue` (their execution expired in RQ's started
