@@ -34,9 +34,11 @@ _MOVE = """
 local moved = {}
 for i, id in ipairs(ARGV) do
   if redis.call('LREM', KEYS[1], 1, id) == 1 then
-    redis.call('RPUSH', KEYS[2], id)
     moved[#moved + 1] = id
   end
+end
+if #moved > 0 then
+  redis.call('RPUSH', KEYS[2], unpack(moved))
 end
 return moved
 """
