@@ -98,7 +98,7 @@ class JobClaimer:
         ids = [_text(i) for i in self.conn.lrange(queue.key, 0, self.scan - 1)]
         if not ids:
             return []
-        self._read(ids, queue.name)
+        fresh = self._read(ids, queue.name)
         chosen: list[str] = []
         for job_id in ids:
             queued = self._seen[job_id]
@@ -110,35 +110,52 @@ class JobClaimer:
         if not chosen:
             return []
         moved = [_text(m) for m in self._move(keys=[queue.key, queue.intermediate_queue_key], args=chosen)]
-        return self._fetch(moved, queue)
+        return self._fetch(moved, queue, fresh)
 
-    def _read(self, ids: list[str], queue: str) -> None:
-        """Make `_seen` hold exactly `ids`, reading and parsing only the ones not seen before. An id
-        whose key is no hash (WRONGTYPE) is not claimed: RQ's dequeue meets it and puts it aside."""
+    def _read(self, ids: list[str], queue: str) -> dict[str, dict[bytes, bytes]]:
+        """Make `_seen` hold exactly `ids`, reading and parsing only the ones not seen before; the
+        hashes read now, by id. An id whose key is no hash (WRONGTYPE) is not claimed: RQ's dequeue
+        meets it and puts it aside."""
         if queue != self._seen_in:
             self._seen, self._seen_in = {}, queue
         new = [job_id for job_id in ids if job_id not in self._seen]
+        fresh: dict[str, dict[bytes, bytes]] = {}
         if new:
             pipe = self.conn.pipeline(transaction=False)
             for job_id in new:
-                pipe.hmget(keys.rq_job_key(job_id), ["data", "origin"])
+                pipe.hgetall(keys.rq_job_key(job_id))
             for job_id, fields in zip(new, pipe.execute(raise_on_error=False), strict=True):
                 if isinstance(fields, REDIS_TRANSIENT):
                     raise fields
-                if isinstance(fields, list):
-                    data, origin = fields
-                    self._seen[job_id] = parse_queued(job_id, data, origin, queue)
+                if isinstance(fields, dict):
+                    self._seen[job_id] = parse_queued(
+                        job_id, fields.get(b"data"), fields.get(b"origin"), queue
+                    )
+                    if fields:
+                        fresh[job_id] = fields
                 else:  # WRONGTYPE: not a hash
                     self._seen[job_id] = None
         self._seen = {job_id: self._seen[job_id] for job_id in ids}
+        return fresh
 
-    def _fetch(self, ids: list[str], queue: Queue) -> list[Job]:
-        """The claimed jobs, read in one round trip (one by one if that fails); one RQ cannot read is
-        put aside (`DeadLetters`)."""
-        try:
-            found = BoundedJob.fetch_many(ids, connection=self.conn, serializer=self.serializer)
-        except Exception:  # a job RQ cannot restore: find it alone below
-            found = [None] * len(ids)
+    def _fetch(self, ids: list[str], queue: Queue, fresh: dict[str, dict[bytes, bytes]]) -> list[Job]:
+        """The claimed jobs: those whose hash was read by this claim, just before their move, restored
+        from it (as RQ's fetch would read it: a queued job's hash is not written meanwhile but by a
+        cancel, which takes it off the queue first); the others read in one round trip (one by one if
+        that fails). One RQ cannot read is put aside (`DeadLetters`)."""
+        found: list[Job | None] = [None] * len(ids)
+        for i, job_id in enumerate(ids):
+            if job_id in fresh:
+                found[i] = _restored(job_id, fresh[job_id], self.conn, self.serializer)
+        stale = [job_id for job_id in ids if job_id not in fresh]
+        if stale:
+            try:
+                fetched = iter(BoundedJob.fetch_many(stale, connection=self.conn, serializer=self.serializer))
+                found = [
+                    job if job_id in fresh else next(fetched) for job_id, job in zip(ids, found, strict=True)
+                ]
+            except Exception:  # a job RQ cannot restore: find it alone below
+                pass
         jobs = []
         for job_id, job in zip(ids, found, strict=True):
             try:
@@ -157,3 +174,14 @@ class JobClaimer:
 
 def _text(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
+
+
+def _restored(job_id: str, fields: dict[bytes, bytes], conn: redis.Redis, serializer: Any) -> Job | None:
+    """The job of a hash read from Redis, as RQ's `fetch` restores it; None if it cannot be (then it
+    is fetched alone, which says why)."""
+    job = BoundedJob(job_id, connection=conn, serializer=serializer)
+    try:
+        job.restore(fields)
+    except Exception:
+        return None
+    return job
