@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -29,6 +30,8 @@ from mlxq.worker.dead_letters import DeadLetters
 from mlxq.worker.stream_writer import REDIS_TRANSIENT
 
 log = logging.getLogger(__name__)
+
+HASH_FRESH_S = 1.0  # how old a queued job's hash, read to choose it, may be to start it from
 
 _MOVE = """
 local moved = {}
@@ -90,6 +93,9 @@ class JobClaimer:
         # (a generation batch claims every few steps; each look read and parsed 128 jobs).
         self._seen: dict[str, QueuedJob | None] = {}
         self._seen_in = ""  # the queue `_seen` was read from (a job is parsed against its queue)
+        # The whole hashes `_seen` was parsed from, with when they were read (monotonic): a job claimed
+        # within `HASH_FRESH_S` of its read is restored from it, not read again.
+        self._hashes: dict[str, tuple[dict[bytes, bytes], float]] = {}
 
     def claim(self, queue: Queue, pick: Callable[[QueuedJob], bool], limit: int) -> list[Job]:
         """Up to `limit` jobs, in queue order, for which `pick` says yes (it may keep a budget)."""
@@ -98,7 +104,7 @@ class JobClaimer:
         ids = [_text(i) for i in self.conn.lrange(queue.key, 0, self.scan - 1)]
         if not ids:
             return []
-        fresh = self._read(ids, queue.name)
+        self._read(ids, queue.name)
         chosen: list[str] = []
         for job_id in ids:
             queued = self._seen[job_id]
@@ -110,20 +116,20 @@ class JobClaimer:
         if not chosen:
             return []
         moved = [_text(m) for m in self._move(keys=[queue.key, queue.intermediate_queue_key], args=chosen)]
-        return self._fetch(moved, queue, fresh)
+        return self._fetch(moved, queue)
 
-    def _read(self, ids: list[str], queue: str) -> dict[str, dict[bytes, bytes]]:
-        """Make `_seen` hold exactly `ids`, reading and parsing only the ones not seen before; the
-        hashes read now, by id. An id whose key is no hash (WRONGTYPE) is not claimed: RQ's dequeue
-        meets it and puts it aside."""
+    def _read(self, ids: list[str], queue: str) -> None:
+        """Make `_seen` (and `_hashes`) hold exactly `ids`, reading and parsing only the ones not seen
+        before. An id whose key is no hash (WRONGTYPE) is not claimed: RQ's dequeue meets it and puts
+        it aside."""
         if queue != self._seen_in:
-            self._seen, self._seen_in = {}, queue
+            self._seen, self._hashes, self._seen_in = {}, {}, queue
         new = [job_id for job_id in ids if job_id not in self._seen]
-        fresh: dict[str, dict[bytes, bytes]] = {}
         if new:
             pipe = self.conn.pipeline(transaction=False)
             for job_id in new:
                 pipe.hgetall(keys.rq_job_key(job_id))
+            at = time.monotonic()
             for job_id, fields in zip(new, pipe.execute(raise_on_error=False), strict=True):
                 if isinstance(fields, REDIS_TRANSIENT):
                     raise fields
@@ -132,28 +138,38 @@ class JobClaimer:
                         job_id, fields.get(b"data"), fields.get(b"origin"), queue
                     )
                     if fields:
-                        fresh[job_id] = fields
+                        self._hashes[job_id] = (fields, at)
                 else:  # WRONGTYPE: not a hash
                     self._seen[job_id] = None
         self._seen = {job_id: self._seen[job_id] for job_id in ids}
-        return fresh
+        self._hashes = {job_id: self._hashes[job_id] for job_id in ids if job_id in self._hashes}
 
-    def _fetch(self, ids: list[str], queue: Queue, fresh: dict[str, dict[bytes, bytes]]) -> list[Job]:
-        """The claimed jobs: those whose hash was read by this claim, just before their move, restored
-        from it (as RQ's fetch would read it: a queued job's hash is not written meanwhile but by a
-        cancel, which takes it off the queue first); the others read in one round trip (one by one if
-        that fails). One RQ cannot read is put aside (`DeadLetters`)."""
+    def _fetch(self, ids: list[str], queue: Queue) -> list[Job]:
+        """The claimed jobs: those whose hash was read less than `HASH_FRESH_S` ago restored from it,
+        the others read in one round trip (one by one if that fails). One RQ cannot read is put aside
+        (`DeadLetters`).
+
+        Restoring a hash read just before the move gives the job RQ's fetch after it would: nothing
+        writes a queued job's hash but a cancel (RQ's `Job.cancel` takes the id off the queue first,
+        so the move does not take it) or a producer's own `save_meta` on a job it just enqueued; the
+        age bound keeps such a write from being missed for longer than a job waits to be started."""
+        now = time.monotonic()
         found: list[Job | None] = [None] * len(ids)
         for i, job_id in enumerate(ids):
-            if job_id in fresh:
-                found[i] = _restored(job_id, fresh[job_id], self.conn, self.serializer)
-        stale = [job_id for job_id in ids if job_id not in fresh]
+            held = self._hashes.pop(job_id, None)
+            if held is not None and now - held[1] < HASH_FRESH_S:
+                found[i] = _restored(job_id, held[0], self.conn, self.serializer)
+        stale = [job_id for job_id, job in zip(ids, found, strict=True) if job is None]
         if stale:
             try:
-                fetched = iter(BoundedJob.fetch_many(stale, connection=self.conn, serializer=self.serializer))
-                found = [
-                    job if job_id in fresh else next(fetched) for job_id, job in zip(ids, found, strict=True)
-                ]
+                fetched = dict(
+                    zip(
+                        stale,
+                        BoundedJob.fetch_many(stale, connection=self.conn, serializer=self.serializer),
+                        strict=True,
+                    )
+                )
+                found = [job if job is not None else fetched[i] for i, job in zip(ids, found, strict=True)]
             except Exception:  # a job RQ cannot restore: find it alone below
                 pass
         jobs = []

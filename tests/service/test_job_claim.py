@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import pytest
 import redis
 from rq import Queue
 from rq.job import Job
 from rq.serializers import JSONSerializer
 
 from mlxq.jobs import keys
+from mlxq.worker import job_claim
 from mlxq.worker.dead_letters import DeadLetters
 from mlxq.worker.job_claim import JobClaimer, QueuedJob
 from mlxq.worker.stream_writer import StreamOptions
@@ -51,9 +53,26 @@ def test_each_queued_job_is_read_once_however_often_the_queue_is_looked_at(redis
     before = _hgets(redis_conn)
     claimed = [claimer.claim(queue, lambda q: True, limit=2) for _ in range(5)]
     assert [j.id for batch in claimed for j in batch] == [j.id for j in jobs[:10]]
-    # The first window, then the 2 new ids per look; and the 2 ids each later look claims, read by an
-    # earlier look, read again as RQ's dequeue reads a job it takes.
-    assert _hgets(redis_conn) - before == 16 + 4 * 2 + 4 * 2
+    # The first window, then the 2 new ids per look; a claimed job starts from the hash its look read.
+    assert _hgets(redis_conn) - before == 16 + 4 * 2
+
+
+def test_a_job_whose_hash_was_read_long_before_its_claim_is_read_again(
+    redis_conn: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A queued job's hash may be written after a look read it (a producer's `save_meta`): one read
+    longer ago than `HASH_FRESH_S` is fetched again, with what was written meanwhile."""
+    monkeypatch.setattr(job_claim, "HASH_FRESH_S", 0.0)
+    queue = Queue("claims", connection=redis_conn, serializer=JSONSerializer)
+    jobs = [queue.enqueue_call(keys.GENERATE_FUNC, args=({"prompt": f"p{i}"},)) for i in range(4)]
+    claimer = JobClaimer(redis_conn, JSONSerializer, scan=4)
+    assert [j.id for j in claimer.claim(queue, lambda q: True, limit=1)] == [jobs[0].id]
+    jobs[1].meta["note"] = "written after the look"
+    jobs[1].save_meta()
+    before = _hgets(redis_conn)
+    claimed = claimer.claim(queue, lambda q: True, limit=1)
+    assert _hgets(redis_conn) - before == 1
+    assert claimed[0].id == jobs[1].id and claimed[0].meta == {"note": "written after the look"}
 
 
 def test_jobs_claimed_in_the_look_that_first_read_them_are_read_once(redis_conn: redis.Redis) -> None:
