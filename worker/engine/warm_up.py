@@ -24,7 +24,7 @@ from mlxq.worker.engine.generation_batch import GenerationBatch
 
 log = logging.getLogger(__name__)
 
-_WORD = "warm "  # one token a repeat in the usual BPE vocabularies; lengths need not be exact
+_WORD = "warm "  # made-up prompts are repeats of it
 
 
 @dataclass(frozen=True)
@@ -57,9 +57,10 @@ def warm_up(engine: Engine, shapes: WarmUpShapes) -> float:
     engine.prefix_cache = PrefixCache(own_cache.budget_bytes) if own_cache is not None else None
     try:
         longest = max(1, min(engine.options.prefill_chunk, engine.context_length - shapes.decode_tokens - 8))
-        _generate(engine, [_WORD * longest], shapes.decode_tokens)
+        _generate(engine, [_prompt(engine, longest)], shapes.decode_tokens)
+        short = _prompt(engine, min(8, longest))
         for n in batch_sizes(shapes.max_sequences, engine.pad_shapes):
-            _generate(engine, [f"{i} " + _WORD * min(8, longest) for i in range(n)], shapes.decode_tokens)
+            _generate(engine, [short] * n, shapes.decode_tokens)
         rows = _score_rows(engine, shapes)
         for _ in range(2):  # cold, then its prefix from the (stand-in) cache
             engine.score_many([rows])
@@ -84,6 +85,17 @@ def _generate(engine: Engine, prompts: list[str], max_tokens: int) -> None:
         batch.settle()
     finally:
         batch.close()
+
+
+def _prompt(engine: Engine, tokens: int) -> str:
+    """Text of at most `tokens` tokens (special tokens included), as close to it as repeats of a word get."""
+    words = tokens
+    while words > 1:
+        n = len(engine.tokenizer.encode(_WORD * words))
+        if n <= tokens:
+            break
+        words = max(1, min(words - 1, words * tokens // n))
+    return _WORD * words
 
 
 def _score_rows(engine: Engine, shapes: WarmUpShapes) -> list[PreparedRow]:
