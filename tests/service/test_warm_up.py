@@ -16,7 +16,7 @@ from mlxq.worker.engine.warm_up import WarmUpShapes, batch_sizes, warm_up
 from mlxq.worker.service import WorkerService
 from mlxq.worker.settings import WorkerSettings
 
-REDIS_DB = 13
+REDIS_DB = 14
 
 ROWS = {
     "rows": [
