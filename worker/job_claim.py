@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import logging
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -31,7 +30,7 @@ from mlxq.worker.stream_writer import REDIS_TRANSIENT
 
 log = logging.getLogger(__name__)
 
-HASH_FRESH_S = 1.0  # how old a queued job's hash, read to choose it, may be to start it from
+_MIN_PART = 16  # ids a look reads at least at a time (a few more than the choice needs: fewer trips)
 
 _MOVE = """
 local moved = {}
@@ -93,72 +92,69 @@ class JobClaimer:
         # (a generation batch claims every few steps; each look read and parsed 128 jobs).
         self._seen: dict[str, QueuedJob | None] = {}
         self._seen_in = ""  # the queue `_seen` was read from (a job is parsed against its queue)
-        # The whole hashes `_seen` was parsed from, with when they were read (monotonic): a job claimed
-        # within `HASH_FRESH_S` of its read is restored from it, not read again.
-        self._hashes: dict[str, tuple[dict[bytes, bytes], float]] = {}
 
     def claim(self, queue: Queue, pick: Callable[[QueuedJob], bool], limit: int) -> list[Job]:
-        """Up to `limit` jobs, in queue order, for which `pick` says yes (it may keep a budget)."""
+        """Up to `limit` jobs, in queue order, for which `pick` says yes (it may keep a budget).
+
+        The queue's head is read as far as the choice needs, a part at a time (mostly one round trip):
+        a job chosen from the part read by this look starts from the hash read, not read again."""
         if limit <= 0:
             return []
         ids = [_text(i) for i in self.conn.lrange(queue.key, 0, self.scan - 1)]
         if not ids:
             return []
-        self._read(ids, queue.name)
+        if queue.name != self._seen_in:
+            self._seen, self._seen_in = {}, queue.name
+        self._seen = {job_id: self._seen[job_id] for job_id in ids if job_id in self._seen}
         chosen: list[str] = []
-        for job_id in ids:
-            queued = self._seen[job_id]
-            if queued is None or not pick(queued):
-                continue
-            chosen.append(job_id)
-            if len(chosen) >= limit:
-                break
+        fresh: dict[str, dict[bytes, bytes]] = {}
+        at = 0
+        while at < len(ids) and len(chosen) < limit:
+            part = ids[at : at + max(limit - len(chosen), _MIN_PART)]
+            at += len(part)
+            fresh.update(self._read(part, queue.name))
+            for job_id in part:
+                queued = self._seen[job_id]
+                if queued is not None and len(chosen) < limit and pick(queued):
+                    chosen.append(job_id)
         if not chosen:
             return []
         moved = [_text(m) for m in self._move(keys=[queue.key, queue.intermediate_queue_key], args=chosen)]
-        return self._fetch(moved, queue)
+        return self._fetch(moved, queue, fresh)
 
-    def _read(self, ids: list[str], queue: str) -> None:
-        """Make `_seen` (and `_hashes`) hold exactly `ids`, reading and parsing only the ones not seen
-        before. An id whose key is no hash (WRONGTYPE) is not claimed: RQ's dequeue meets it and puts
-        it aside."""
-        if queue != self._seen_in:
-            self._seen, self._hashes, self._seen_in = {}, {}, queue
+    def _read(self, ids: list[str], queue: str) -> dict[str, dict[bytes, bytes]]:
+        """Read and parse into `_seen` the ids of `ids` not seen before; the hashes read, by id. An id
+        whose key is no hash (WRONGTYPE) is not claimed: RQ's dequeue meets it and puts it aside."""
         new = [job_id for job_id in ids if job_id not in self._seen]
-        if new:
-            pipe = self.conn.pipeline(transaction=False)
-            for job_id in new:
-                pipe.hgetall(keys.rq_job_key(job_id))
-            at = time.monotonic()
-            for job_id, fields in zip(new, pipe.execute(raise_on_error=False), strict=True):
-                if isinstance(fields, REDIS_TRANSIENT):
-                    raise fields
-                if isinstance(fields, dict):
-                    self._seen[job_id] = parse_queued(
-                        job_id, fields.get(b"data"), fields.get(b"origin"), queue
-                    )
-                    if fields:
-                        self._hashes[job_id] = (fields, at)
-                else:  # WRONGTYPE: not a hash
-                    self._seen[job_id] = None
-        self._seen = {job_id: self._seen[job_id] for job_id in ids}
-        self._hashes = {job_id: self._hashes[job_id] for job_id in ids if job_id in self._hashes}
+        fresh: dict[str, dict[bytes, bytes]] = {}
+        if not new:
+            return fresh
+        pipe = self.conn.pipeline(transaction=False)
+        for job_id in new:
+            pipe.hgetall(keys.rq_job_key(job_id))
+        for job_id, fields in zip(new, pipe.execute(raise_on_error=False), strict=True):
+            if isinstance(fields, REDIS_TRANSIENT):
+                raise fields
+            if isinstance(fields, dict):
+                self._seen[job_id] = parse_queued(job_id, fields.get(b"data"), fields.get(b"origin"), queue)
+                if fields:
+                    fresh[job_id] = fields
+            else:  # WRONGTYPE: not a hash
+                self._seen[job_id] = None
+        return fresh
 
-    def _fetch(self, ids: list[str], queue: Queue) -> list[Job]:
-        """The claimed jobs: those whose hash was read less than `HASH_FRESH_S` ago restored from it,
-        the others read in one round trip (one by one if that fails). One RQ cannot read is put aside
-        (`DeadLetters`).
+    def _fetch(self, ids: list[str], queue: Queue, fresh: dict[str, dict[bytes, bytes]]) -> list[Job]:
+        """The claimed jobs: those whose hash this look read restored from it, the others (read by an
+        earlier look: the job may have run and come back since, its hash rewritten) read in one round
+        trip (one by one if that fails). One RQ cannot read is put aside (`DeadLetters`).
 
-        Restoring a hash read just before the move gives the job RQ's fetch after it would: nothing
-        writes a queued job's hash but a cancel (RQ's `Job.cancel` takes the id off the queue first,
-        so the move does not take it) or a producer's own `save_meta` on a job it just enqueued; the
-        age bound keeps such a write from being missed for longer than a job waits to be started."""
-        now = time.monotonic()
+        A hash read just before the move gives the job RQ's fetch after it would: a queued job's hash
+        is written by a cancel (RQ's `Job.cancel` takes the id off the queue first, so the move does
+        not take it) or when the job is queued again, which takes longer than a look."""
         found: list[Job | None] = [None] * len(ids)
         for i, job_id in enumerate(ids):
-            held = self._hashes.pop(job_id, None)
-            if held is not None and now - held[1] < HASH_FRESH_S:
-                found[i] = _restored(job_id, held[0], self.conn, self.serializer)
+            if job_id in fresh:
+                found[i] = _restored(job_id, fresh[job_id], self.conn, self.serializer)
         stale = [job_id for job_id, job in zip(ids, found, strict=True) if job is None]
         if stale:
             try:
