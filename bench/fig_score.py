@@ -298,6 +298,8 @@ def queue_overhead(b: Bench) -> dict[str, Any]:
         # Steady state: the first job's tokenizing to the last job's end (start-up and teardown left out).
         first = min(r["start"] for r in records if r.get("fn") == "score_tokens_many")
         wall = max(r["start"] + r["s"] for r in records if r.get("fn") == "finish_streams") - first
+        # The jobs' own calls: a worker's warm-up (before its first job) scores too.
+        records = [r for r in records if "fn" not in r or r["start"] >= first]
         sums = {
             fn: sum(r["s"] for r in records if r.get("fn") == fn)
             for fn in ("score_many", "score_tokens_many", "finish_streams")

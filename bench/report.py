@@ -108,6 +108,30 @@ SCORING: list[Column] = [
     ("cached/prompt tokens", _cached),
     MEM,
 ]
+
+
+def _commands_by_name(table: dict[str, Any]) -> str:
+    """Redis commands per job by name for each pass (INFO commandstats; commands inside Lua scripts
+    and transactions count one each), those at 0.05 a job or more."""
+    passes = [(k, r) for k, r in table.items() if r.get("redis_commands") and r.get("jobs")]
+    if not passes:
+        return ""
+    names: dict[str, float] = {}
+    for _, r in passes:
+        for name, calls in r["redis_commands"].items():
+            names[name] = max(names.get(name, 0.0), calls / r["jobs"])
+    shown = [n for n, per_job in sorted(names.items(), key=lambda kv: -kv[1]) if per_job >= 0.05]
+    lines = [
+        "\nRedis commands per job, by command:\n",
+        "| command | " + " | ".join(k for k, _ in passes) + " |",
+        "| --- |" + " ---: |" * len(passes),
+    ]
+    for name in shown:
+        cells = [f"{r['redis_commands'].get(name, 0) / r['jobs']:.2f}" for _, r in passes]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 QUEUE: list[Column] = [
     ("pass", lambda k, _r: k),
     ("jobs", _get("jobs")),
@@ -221,6 +245,7 @@ def render(result: dict[str, Any]) -> str:
             "one burst worker)"
         )
         out.append(_columns(QUEUE, q["table"]))
+        out.append(_commands_by_name(q["table"]))
     if (bg := figs.get("batch")) and "rows" in bg:
         out.append(
             f"\n### 6. Batched generation (N jobs at once, {bg['prompt_tokens']}-token prompts, "

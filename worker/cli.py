@@ -38,6 +38,13 @@ def _worker_parser(sub: Any) -> None:
     p.add_argument(
         "--max-batch-sequences", type=int, help="generation jobs decoded together (1: one at a time)"
     )
+    p.add_argument(
+        "--no-warm-up",
+        dest="warm_up",
+        action="store_const",
+        const=False,
+        help="take jobs at once, without warming the model's common shapes up first [MLXQ_WARM_UP: true]",
+    )
     p.add_argument("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     p.add_argument("--max-jobs", type=int, help="exit after this many jobs")
 
@@ -63,6 +70,7 @@ def settings_from_args(args: argparse.Namespace) -> WorkerSettings:
             "prefill_chunk": args.prefill_chunk,
             "log_level": args.log_level,
             "max_batch_sequences": args.max_batch_sequences,
+            "warm_up": getattr(args, "warm_up", None),
         }.items()
         if v is not None
     }

@@ -30,13 +30,17 @@ from mlxq.worker.stream_writer import REDIS_TRANSIENT
 
 log = logging.getLogger(__name__)
 
+_MIN_PART = 16  # ids a look reads at least at a time (a few more than the choice needs: fewer trips)
+
 _MOVE = """
 local moved = {}
 for i, id in ipairs(ARGV) do
   if redis.call('LREM', KEYS[1], 1, id) == 1 then
-    redis.call('RPUSH', KEYS[2], id)
     moved[#moved + 1] = id
   end
+end
+if #moved > 0 then
+  redis.call('RPUSH', KEYS[2], unpack(moved))
 end
 return moved
 """
@@ -90,53 +94,80 @@ class JobClaimer:
         self._seen_in = ""  # the queue `_seen` was read from (a job is parsed against its queue)
 
     def claim(self, queue: Queue, pick: Callable[[QueuedJob], bool], limit: int) -> list[Job]:
-        """Up to `limit` jobs, in queue order, for which `pick` says yes (it may keep a budget)."""
+        """Up to `limit` jobs, in queue order, for which `pick` says yes (it may keep a budget).
+
+        The queue's head is read as far as the choice needs, a part at a time (mostly one round trip):
+        a job chosen from the part read by this look starts from the hash read, not read again."""
         if limit <= 0:
             return []
         ids = [_text(i) for i in self.conn.lrange(queue.key, 0, self.scan - 1)]
         if not ids:
             return []
-        self._read(ids, queue.name)
+        if queue.name != self._seen_in:
+            self._seen, self._seen_in = {}, queue.name
+        self._seen = {job_id: self._seen[job_id] for job_id in ids if job_id in self._seen}
         chosen: list[str] = []
-        for job_id in ids:
-            queued = self._seen[job_id]
-            if queued is None or not pick(queued):
-                continue
-            chosen.append(job_id)
-            if len(chosen) >= limit:
-                break
+        fresh: dict[str, dict[bytes, bytes]] = {}
+        at = 0
+        while at < len(ids) and len(chosen) < limit:
+            part = ids[at : at + max(limit - len(chosen), _MIN_PART)]
+            at += len(part)
+            fresh.update(self._read(part, queue.name))
+            for job_id in part:
+                queued = self._seen[job_id]
+                if queued is not None and len(chosen) < limit and pick(queued):
+                    chosen.append(job_id)
         if not chosen:
             return []
         moved = [_text(m) for m in self._move(keys=[queue.key, queue.intermediate_queue_key], args=chosen)]
-        return self._fetch(moved, queue)
+        return self._fetch(moved, queue, fresh)
 
-    def _read(self, ids: list[str], queue: str) -> None:
-        """Make `_seen` hold exactly `ids`, reading and parsing only the ones not seen before. An id
+    def _read(self, ids: list[str], queue: str) -> dict[str, dict[bytes, bytes]]:
+        """Read and parse into `_seen` the ids of `ids` not seen before; the hashes read, by id. An id
         whose key is no hash (WRONGTYPE) is not claimed: RQ's dequeue meets it and puts it aside."""
-        if queue != self._seen_in:
-            self._seen, self._seen_in = {}, queue
         new = [job_id for job_id in ids if job_id not in self._seen]
-        if new:
-            pipe = self.conn.pipeline(transaction=False)
-            for job_id in new:
-                pipe.hmget(keys.rq_job_key(job_id), ["data", "origin"])
-            for job_id, fields in zip(new, pipe.execute(raise_on_error=False), strict=True):
-                if isinstance(fields, REDIS_TRANSIENT):
-                    raise fields
-                if isinstance(fields, list):
-                    data, origin = fields
-                    self._seen[job_id] = parse_queued(job_id, data, origin, queue)
-                else:  # WRONGTYPE: not a hash
-                    self._seen[job_id] = None
-        self._seen = {job_id: self._seen[job_id] for job_id in ids}
+        fresh: dict[str, dict[bytes, bytes]] = {}
+        if not new:
+            return fresh
+        pipe = self.conn.pipeline(transaction=False)
+        for job_id in new:
+            pipe.hgetall(keys.rq_job_key(job_id))
+        for job_id, fields in zip(new, pipe.execute(raise_on_error=False), strict=True):
+            if isinstance(fields, REDIS_TRANSIENT):
+                raise fields
+            if isinstance(fields, dict):
+                self._seen[job_id] = parse_queued(job_id, fields.get(b"data"), fields.get(b"origin"), queue)
+                if fields:
+                    fresh[job_id] = fields
+            else:  # WRONGTYPE: not a hash
+                self._seen[job_id] = None
+        return fresh
 
-    def _fetch(self, ids: list[str], queue: Queue) -> list[Job]:
-        """The claimed jobs, read in one round trip (one by one if that fails); one RQ cannot read is
-        put aside (`DeadLetters`)."""
-        try:
-            found = BoundedJob.fetch_many(ids, connection=self.conn, serializer=self.serializer)
-        except Exception:  # a job RQ cannot restore: find it alone below
-            found = [None] * len(ids)
+    def _fetch(self, ids: list[str], queue: Queue, fresh: dict[str, dict[bytes, bytes]]) -> list[Job]:
+        """The claimed jobs: those whose hash this look read restored from it, the others (read by an
+        earlier look: the job may have run and come back since, its hash rewritten) read in one round
+        trip (one by one if that fails). One RQ cannot read is put aside (`DeadLetters`).
+
+        A hash read just before the move gives the job RQ's fetch after it would: a queued job's hash
+        is written by a cancel (RQ's `Job.cancel` takes the id off the queue first, so the move does
+        not take it) or when the job is queued again, which takes longer than a look."""
+        found: list[Job | None] = [None] * len(ids)
+        for i, job_id in enumerate(ids):
+            if job_id in fresh:
+                found[i] = _restored(job_id, fresh[job_id], self.conn, self.serializer)
+        stale = [job_id for job_id, job in zip(ids, found, strict=True) if job is None]
+        if stale:
+            try:
+                fetched = dict(
+                    zip(
+                        stale,
+                        BoundedJob.fetch_many(stale, connection=self.conn, serializer=self.serializer),
+                        strict=True,
+                    )
+                )
+                found = [job if job is not None else fetched[i] for i, job in zip(ids, found, strict=True)]
+            except Exception:  # a job RQ cannot restore: find it alone below
+                pass
         jobs = []
         for job_id, job in zip(ids, found, strict=True):
             try:
@@ -155,3 +186,14 @@ class JobClaimer:
 
 def _text(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
+
+
+def _restored(job_id: str, fields: dict[bytes, bytes], conn: redis.Redis, serializer: Any) -> Job | None:
+    """The job of a hash read from Redis, as RQ's `fetch` restores it; None if it cannot be (then it
+    is fetched alone, which says why)."""
+    job = BoundedJob(job_id, connection=conn, serializer=serializer)
+    try:
+        job.restore(fields)
+    except Exception:
+        return None
+    return job

@@ -6,10 +6,14 @@ batch does the same bookkeeping for all of them in one transaction. What is copi
 - `start`: what `Worker.prepare_execution` (an `Execution` record in the started registry, the worker's
   heartbeat) and `Worker.prepare_job_execution(remove_from_intermediate_queue=True)` (the job's
   heartbeat, status `started` and worker name, its hash persisted, the id off the queue's intermediate
-  list, the worker busy) write, for every job in one MULTI/EXEC;
+  list, the worker busy) write, for every job in one MULTI/EXEC, without RQ's repeated writes: the
+  job's heartbeat goes in the HSET that starts it, the worker's index of executions gets one SADD and
+  one EXPIRE for the batch;
 - `succeed_many`: what `Worker._finalize_success` and `Worker.handle_job_success` write for a job
   without dependents or repeats (result, status `finished`, registries, TTLs, execution record, the
-  worker's counters), for every job in one MULTI/EXEC, with the dependents sets WATCHed as RQ does.
+  worker's counters), for every job in one MULTI/EXEC, with the dependents sets WATCHed as RQ does;
+  one HSET a job where RQ sends three, and no EXPIRE of a dependents or dependencies set that does not
+  exist.
   A job with repeats left, and every job when that transaction fails for good, ends through RQ itself;
 - `cancel_running`: what RQ's `Job.cancel` writes (status `canceled`, the canceled registry) for a job
   its producer cancelled while it ran, with the worker's end of the execution (`cleanup_execution`).
@@ -35,13 +39,15 @@ import sys
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
+from uuid import uuid4
 
 import redis
 from rq import Queue, SimpleWorker
-from rq.executions import Execution
+from rq.executions import Execution, ExecutionRegistry
 from rq.job import Job, JobStatus
 from rq.rate_limit import release_slot
 from rq.registry import CanceledJobRegistry
+from rq.results import Result
 from rq.utils import now, utcformat
 from rq.worker import WorkerStatus
 
@@ -95,15 +101,20 @@ class RqBatches:
 
         def start() -> list[Execution]:
             executions = []
+            worker_ttl = 0
             with w.connection.pipeline() as pipe:
                 for job in jobs:
                     job.timeout = self.timeout_of(job)
                     ttl = w.get_heartbeat_ttl(job)
-                    executions.append(Execution.create(job, ttl, pipeline=pipe, worker_name=w.name))
-                    job.heartbeat(now(), ttl, pipeline=pipe)
-                    job.prepare_for_execution(w.name, pipeline=pipe)
+                    executions.append(_create_execution(job, ttl, w.name, pipe))
+                    worker_ttl = max(worker_ttl, ttl)
+                    job.prepare_for_execution(w.name, pipeline=pipe)  # `last_heartbeat` too: RQ's `heartbeat`
                     pipe.persist(job.key)
                     pipe.lrem(intermediate[job.origin], 1, job.id)
+                # The worker's index of its executions: one SADD and one EXPIRE for the batch where
+                # RQ's `Execution.create` sends both per job (the longest TTL: RQ's last one may be shorter).
+                pipe.sadd(executions[0].worker_executions_key, *(e.composite_key for e in executions))
+                pipe.expire(executions[0].worker_executions_key, worker_ttl + 60)
                 w.set_state(WorkerStatus.BUSY, pipeline=pipe)
                 w.heartbeat(w.get_heartbeat_ttl(jobs[0]), pipeline=pipe)
                 pipe.execute()
@@ -254,18 +265,45 @@ class RqBatches:
         but the worker's counters (`_end_together` adds them for all its jobs at once)."""
         job, execution = run.job, run.execution
         job.ended_at = at
-        job.heartbeat(at, job.success_callback_timeout, pipeline=pipe)
+        job.last_heartbeat = at  # RQ's `job.heartbeat(...)`, written with the rest of the hash below
         job._result = value
         job._status = JobStatus.FINISHED
         result_ttl = job.get_result_ttl(self.worker.default_result_ttl)
-        if result_ttl != 0:
-            job._handle_success(
-                result_ttl,
-                pipeline=pipe,
+        if result_ttl != 0:  # RQ's `_handle_success`: its three HSETs (heartbeat, status, save) as one
+            fields = job.to_dict(include_meta=False, include_result=False)
+            pipe.hset(job.key, mapping={**fields, "status": JobStatus.FINISHED})
+            Result.create(
+                job,
+                Result.Type.SUCCESSFUL,
+                return_value=value,
+                ttl=result_ttl,
                 worker_name=self.worker.name,
+                pipeline=pipe,
                 execution_id=execution.id,
                 execution_started_at=execution.created_at,
                 execution_ended_at=at,
             )
-        job.cleanup(result_ttl, pipeline=pipe, remove_from_queue=False)
+            job.finished_job_registry.add(job, result_ttl, pipe)
+        else:
+            pipe.hset(job.key, "last_heartbeat", utcformat(at))
+        if result_ttl is not None and result_ttl > 0:
+            # RQ's `job.cleanup(ttl)`, but without EXPIRE of keys that do not exist (a no-op): the
+            # dependents set (`_end_together` found it absent, under WATCH) and the dependencies set of
+            # a job that depends on nothing.
+            pipe.expire(job.key, result_ttl)
+            if job._dependency_ids:
+                pipe.expire(job.dependencies_key, result_ttl)
+        else:
+            job.cleanup(result_ttl, pipeline=pipe, remove_from_queue=False)
         self.worker.cleanup_execution(job, pipeline=pipe, execution=execution)
+
+
+def _create_execution(job: Job, ttl: int, worker_name: str, pipe: Any) -> Execution:
+    """RQ's `Execution.create` but the worker's index of executions (`RqBatches.start` writes it once
+    for the batch): the execution's hash, the job's registry of executions, the started registry."""
+    execution = Execution(id=uuid4().hex, job_id=job.id, connection=job.connection, worker_name=worker_name)
+    execution._job = job
+    execution.save(ttl=ttl, pipeline=pipe)
+    ExecutionRegistry(job_id=job.id, connection=pipe).add(execution=execution, ttl=ttl, pipeline=pipe)
+    job.started_job_registry.add_execution(execution, pipeline=pipe, ttl=ttl, xx=False)
+    return execution

@@ -21,6 +21,7 @@ from mlxq.jobs.replication import Replicas, default_replica_acks
 from mlxq.worker.bounded_job import BoundedJob
 from mlxq.worker.engine import Engine, EngineOptions
 from mlxq.worker.engine.device import limit_buffer_cache
+from mlxq.worker.engine.warm_up import WarmUpShapes, batch_sizes, warm_up
 from mlxq.worker.generation_jobs import BatchOptions, GenerationJobs
 from mlxq.worker.job_claim import JobClaimer
 from mlxq.worker.job_results import JobResults
@@ -156,6 +157,7 @@ class WorkerService:
     def work(self, *, burst: bool = False, max_jobs: int | None = None) -> int:
         """Serve jobs until stopped; returns a process exit code: 0 when stopped or done, 1 when RQ's
         loop quit on an error (so a service manager restarts the worker)."""
+        self.warm_up()
         retrying(self.worker.stream_options)(_reclaim_name, self.conn, self.worker)
         metrics = self._start_metrics()
         self.worker.evictions.check(force=True)  # warned of at once, and in the first stats
@@ -176,6 +178,27 @@ class WorkerService:
             log.error("worker quit on an error error=%r", self.worker.fatal_error)
             return 1
         return 0
+
+    def warm_up(self) -> None:
+        """Run the engine's common shapes once before the first job (`warm_up.py`), unless the settings
+        turn it off. A warm-up that fails is logged and the worker goes on: its jobs only start colder."""
+        if not self.settings.warm_up:
+            return
+        shapes = WarmUpShapes(
+            max_sequences=self.settings.max_batch_sequences,
+            score_rows=min(64, max(1, self.settings.score_batch_rows)),
+        )
+        try:
+            seconds = warm_up(self.engine, shapes)
+        except Exception:
+            log.exception("warm-up failed; taking jobs without it")
+            return
+        log.info(
+            "warm-up done seconds=%.2f batch_sizes=%s score_rows=%d",
+            seconds,
+            ",".join(map(str, batch_sizes(shapes.max_sequences, self.engine.pad_shapes))),
+            shapes.score_rows,
+        )
 
     def _start_metrics(self) -> MetricsServer | None:
         if self.settings.metrics_port is None:

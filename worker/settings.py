@@ -60,6 +60,12 @@ class WorkerSettings(BaseSettings):
         description="free rows a generation batch at least half full waits for (16 steps at most) before "
         "claiming more generation jobs, so they prefill together; 1: claim as soon as a row is free",
     )
+    warm_up: bool = Field(
+        default=True,
+        description="before the first job, run a prefill chunk, a decode step of each batch size and a "
+        "score batch on made-up prompts, so that the first jobs do not pay for building kernels; off: start "
+        "at once",
+    )
     decode_overlap: bool | None = Field(
         default=None,
         description="launch decode steps on a second thread while the tokens before are handled, streams "

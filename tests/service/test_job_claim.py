@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import redis
 from rq import Queue
+from rq.job import Job
 from rq.serializers import JSONSerializer
 
 from mlxq.jobs import keys
@@ -15,7 +16,9 @@ REDIS_DB = 9
 
 
 def _hgets(conn: redis.Redis) -> int:
-    return int(conn.info("commandstats").get("cmdstat_hmget", {"calls": 0})["calls"])
+    """Reads of hashes so far (the claim's look at queued jobs, RQ's fetch of claimed ones)."""
+    stats = conn.info("commandstats")
+    return sum(int(stats.get(f"cmdstat_{c}", {"calls": 0})["calls"]) for c in ("hmget", "hgetall"))
 
 
 def test_chosen_jobs_move_in_queue_order_and_the_rest_stay(redis_conn: redis.Redis) -> None:
@@ -48,7 +51,39 @@ def test_each_queued_job_is_read_once_however_often_the_queue_is_looked_at(redis
     before = _hgets(redis_conn)
     claimed = [claimer.claim(queue, lambda q: True, limit=2) for _ in range(5)]
     assert [j.id for batch in claimed for j in batch] == [j.id for j in jobs[:10]]
-    assert _hgets(redis_conn) - before == 16 + 4 * 2  # the first window, then the 2 new ids per look
+    # The first part read (16 ids at least), then the 2 new ids per look; and the 2 ids each later
+    # look claims, read by an earlier look, read again as RQ's dequeue reads a job it takes.
+    assert _hgets(redis_conn) - before == 16 + 4 * 2 + 4 * 2
+
+
+def test_a_job_whose_hash_an_earlier_look_read_is_read_again(redis_conn: redis.Redis) -> None:
+    """A queued job's hash may be written after a look read it (a producer's `save_meta`, the job run
+    and queued again): one read by an earlier look is fetched again, with what was written meanwhile."""
+    queue = Queue("claims", connection=redis_conn, serializer=JSONSerializer)
+    jobs = [queue.enqueue_call(keys.GENERATE_FUNC, args=({"prompt": f"p{i}"},)) for i in range(4)]
+    claimer = JobClaimer(redis_conn, JSONSerializer, scan=4)
+    assert [j.id for j in claimer.claim(queue, lambda q: True, limit=1)] == [jobs[0].id]  # read all 4
+    jobs[1].meta["note"] = "written after the look"
+    jobs[1].save_meta()
+    before = _hgets(redis_conn)
+    claimed = claimer.claim(queue, lambda q: True, limit=1)
+    assert _hgets(redis_conn) - before == 1
+    assert claimed[0].id == jobs[1].id and claimed[0].meta == {"note": "written after the look"}
+
+
+def test_jobs_claimed_in_the_look_that_first_read_them_are_read_once(redis_conn: redis.Redis) -> None:
+    """A score batch claims jobs it has not seen: the look reads as far as it needs, each job's hash
+    once, and the job is restored from it whole."""
+    queue = Queue("claims", connection=redis_conn, serializer=JSONSerializer)
+    jobs = [queue.enqueue_call(keys.SCORE_FUNC, args=({"rows": [{"prompt": f"p{i}"}]},)) for i in range(40)]
+    claimer = JobClaimer(redis_conn, JSONSerializer, scan=64)
+    before = _hgets(redis_conn)
+    claimed = claimer.claim(queue, lambda q: True, limit=30)
+    assert _hgets(redis_conn) - before == 30
+    assert [j.id for j in claimed] == [j.id for j in jobs[:30]]
+    for job in claimed:  # as RQ's own fetch reads it
+        fetched = Job.fetch(job.id, connection=redis_conn, serializer=JSONSerializer)
+        assert job.to_dict() == fetched.to_dict() and job.args == fetched.args and job.meta == fetched.meta
 
 
 def test_a_job_of_another_queue_is_never_claimed_from_this_one(redis_conn: redis.Redis) -> None:
