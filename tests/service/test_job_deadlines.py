@@ -74,7 +74,12 @@ def serve(model_dir: Path, redis_url: str, engine: Engine) -> Iterator[Any]:
     """Run an in-process worker until its queue is empty (RQ's signal handlers put back afterwards)."""
     saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     settings = WorkerSettings(  # type: ignore[call-arg]
-        model=str(model_dir), redis_url=redis_url, queues=["default"], prefill_chunk=CHUNK, _env_file=None
+        model=str(model_dir),
+        redis_url=redis_url,
+        queues=["default"],
+        prefill_chunk=CHUNK,
+        warm_up=False,  # the clock counts the model's forwards: the warm-up's are no job's
+        _env_file=None,
     )
 
     def run() -> None:
