@@ -93,3 +93,14 @@ def test_the_wheel_holds_only_the_mlxq_package(tmp_path: Path) -> None:
     assert "mlxq/worker/engine/models/llama.py" in names  # sub-packages come along
     entry_points = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
     assert "mlxq = mlxq.producer.cli:main" in zipfile.ZipFile(wheel).read(entry_points).decode()
+
+
+def test_mlxq_re_exports_exactly_the_producers_api() -> None:
+    """`mlxq.__all__` repeats `mlxq.producer.__all__` (so that `import mlxq` stays light): they agree,
+    and every name resolves to the producer's own object."""
+    import mlxq
+    import mlxq.producer
+
+    assert sorted(mlxq.__all__) == sorted(mlxq.producer.__all__)
+    for name in mlxq.__all__:
+        assert getattr(mlxq, name) is getattr(mlxq.producer, name)
