@@ -43,7 +43,7 @@ def _worker_parser(sub: Any) -> None:
         dest="warm_up",
         action="store_const",
         const=False,
-        help="take jobs at once, without warming the model's common shapes up first [MLXQ_WARM_UP: true]",
+        help="take jobs at once, without warming the model's common shapes up first [MLXQ_WARM_UP: on a GPU]",
     )
     p.add_argument("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     p.add_argument("--max-jobs", type=int, help="exit after this many jobs")

@@ -182,7 +182,7 @@ class WorkerService:
     def warm_up(self) -> None:
         """Run the engine's common shapes once before the first job (`warm_up.py`), unless the settings
         turn it off. A warm-up that fails is logged and the worker goes on: its jobs only start colder."""
-        if not self.settings.warm_up:
+        if not (self.engine.on_gpu if self.settings.warm_up is None else self.settings.warm_up):
             return
         shapes = WarmUpShapes(
             max_sequences=self.settings.max_batch_sequences,

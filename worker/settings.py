@@ -60,11 +60,12 @@ class WorkerSettings(BaseSettings):
         description="free rows a generation batch at least half full waits for (16 steps at most) before "
         "claiming more generation jobs, so they prefill together; 1: claim as soon as a row is free",
     )
-    warm_up: bool = Field(
-        default=True,
+    warm_up: bool | None = Field(
+        default=None,
         description="before the first job, run a prefill chunk, a decode step of each batch size and a "
         "score batch on made-up prompts, so that the first jobs do not pay for building kernels; off: start "
-        "at once",
+        "at once; unset: on a GPU (Metal, CUDA), off on the CPU build (no kernels to build there, and the "
+        "warm-up's forwards would cost what a job's do)",
     )
     decode_overlap: bool | None = Field(
         default=None,

@@ -44,7 +44,7 @@ def _messages(caplog: pytest.LogCaptureFixture) -> list[str]:
 def test_a_worker_warms_up_before_its_first_job_and_logs_how_long_it_took(
     redis_url: str, model_dir: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    service = WorkerService.start(_settings(redis_url, model_dir))
+    service = WorkerService.start(_settings(redis_url, model_dir, warm_up=True))
     with Client(redis_url) as client:
         score = client.submit_score(ROWS["rows"])
         generate = client.submit_generate("hello there", max_tokens=2)
@@ -58,6 +58,19 @@ def test_a_worker_warms_up_before_its_first_job_and_logs_how_long_it_took(
     assert warm[0] < min(jobs)
     assert float(lines[warm[0]].split("seconds=")[1].split()[0]) > 0
     assert "batch_sizes=1,2,4" in lines[warm[0]] or "batch_sizes=1,4" in lines[warm[0]]
+
+
+def test_by_default_a_worker_warms_up_on_a_gpu_only(
+    redis_url: str, model_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Unset, the setting follows the device: MLX's CPU build builds no kernels, and a warm-up there
+    costs what the jobs' own forwards would (a real model's worker took over a minute to start)."""
+    service = WorkerService.start(_settings(redis_url, model_dir))
+    assert service.settings.warm_up is None
+    with caplog.at_level(logging.INFO):
+        service.warm_up()
+    warmed = any(m.startswith("warm-up done") for m in _messages(caplog))
+    assert warmed == service.engine.on_gpu
 
 
 def test_a_worker_told_not_to_warm_up_takes_its_first_job_at_once(

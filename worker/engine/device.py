@@ -11,6 +11,11 @@ def on_cuda() -> bool:
     return mx.default_device().type == mx.DeviceType.gpu and cuda is not None and cuda.is_available()
 
 
+def on_gpu() -> bool:
+    """Whether the default device is a GPU (Metal or CUDA): kernels there are built on first use."""
+    return bool(mx.default_device().type == mx.DeviceType.gpu)
+
+
 def buffer_cache_limit(setting: int | None) -> int:
     """Bytes of freed buffers MLX keeps for reuse (`MLXQ_MLX_CACHE_LIMIT_BYTES`; None: the default).
 

@@ -38,7 +38,7 @@ from mlxq.jobs.schema import (
 from mlxq.worker.engine.cache.kv_cache import KVCache
 from mlxq.worker.engine.cache.prefix_cache import PrefixCache
 from mlxq.worker.engine.constraint import ConstraintCompiler
-from mlxq.worker.engine.device import memory_figures
+from mlxq.worker.engine.device import memory_figures, on_gpu
 from mlxq.worker.engine.eval_tokens import continuation_seqs, rolling_seqs
 from mlxq.worker.engine.generate import (
     idle_prefill_by_default,
@@ -122,6 +122,7 @@ class Engine:
             PrefixCache(options.prefix_cache_bytes) if options.prefix_cache_bytes > 0 else None
         )
         self.pad_shapes = pad_shapes_by_default() if options.pad_shapes is None else options.pad_shapes
+        self.on_gpu = on_gpu()  # kernels are built on first use there: the worker warms up (`warm_up.py`)
         model.bucket_keys = self.pad_shapes  # attention over a cached prefix: few key shapes too
         # Prompt tokens a generation batch's step may prefill while no request decodes (`GenerationBatch`).
         self.idle_prefill_tokens = (
