@@ -111,12 +111,14 @@ class MlxqWorker(SimpleWorker):
         jobs queued, this is the same check a dequeued job gets), drop those of another queue, start the
         others together."""
         allowed: list[Job] = []
+        seen: set[str] = set()
         for job in jobs:
             if job.origin != queue.name:
                 self.dead_letters.misplaced(job.id, queue, job.origin)
                 continue
-            if self._taken_again(job, queue, twice=any(j.id == job.id for j in allowed)):
+            if self._taken_again(job, queue, twice=job.id in seen):
                 continue
+            seen.add(job.id)
             problem = forbidden_reason(job)
             if problem is None:
                 allowed.append(job)
