@@ -197,11 +197,11 @@ def sync_client(url: str, **options: Any) -> redis.Redis:
     if not is_sentinel(url):
         return redis.Redis.from_url(url, **options)
     target = parse_sentinel(url)
-    sentinel = _Sentinel(  # type: ignore[no-untyped-call]
+    sentinel = _Sentinel(  # type: ignore[no-untyped-call,unused-ignore]  # typed from redis-py 8.2
         list(target.sentinels),
         sentinel_kwargs=target.sentinel_options(float(options.get("socket_connect_timeout") or 5.0)),
     )
-    client: redis.Redis = sentinel.master_for(  # type: ignore[no-untyped-call]
+    client: redis.Redis = sentinel.master_for(  # type: ignore[no-untyped-call,unused-ignore]  # typed from redis-py 8.2
         target.service_name, redis_class=redis.Redis, **target.server_options(), **options
     )
     return client
@@ -212,7 +212,7 @@ def async_client(url: str, **options: Any) -> redis.asyncio.Redis:
     if not is_sentinel(url):
         return redis.asyncio.Redis.from_url(url, **options)
     target = parse_sentinel(url)
-    sentinel = _AsyncSentinel(  # type: ignore[no-untyped-call]
+    sentinel = _AsyncSentinel(  # type: ignore[no-untyped-call,unused-ignore]  # typed from redis-py 8.2
         list(target.sentinels),
         sentinel_kwargs=target.sentinel_options(float(options.get("socket_connect_timeout") or 5.0)),
     )

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -31,6 +32,7 @@ from mlxq.jobs.schema import (
     Usage,
 )
 from mlxq.producer import Client
+from mlxq.worker.rq_worker import MlxqWorker
 
 # --- Redis -----------------------------------------------------------------------------------------
 
@@ -95,6 +97,13 @@ def suffix_batches(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 # --- RQ ---------------------------------------------------------------------------------------------
 
 
+class _PlainWorker(SimpleWorker):
+    """RQ's SimpleWorker, whose exit does not wait out its command thread (`MlxqWorker.unsubscribe`:
+    with redis-py 8.2 a burst worker could take a minute to return)."""
+
+    unsubscribe = MlxqWorker.unsubscribe
+
+
 @pytest.fixture
 def run_rq_worker(redis_conn: redis.Redis) -> Callable[..., None]:
     """Run a plain `rq.SimpleWorker` (JSON serializer) in this process until the queues are empty.
@@ -109,7 +118,7 @@ def run_rq_worker(redis_conn: redis.Redis) -> Callable[..., None]:
         ]
         saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
         try:
-            SimpleWorker(queues, connection=redis_conn, serializer=JSONSerializer).work(burst=True)
+            _PlainWorker(queues, connection=redis_conn, serializer=JSONSerializer).work(burst=True)
         finally:
             for sig, handler in saved.items():
                 signal.signal(sig, handler)
@@ -208,6 +217,18 @@ def worker_side(redis_conn: redis.Redis) -> WorkerSide:
 
 
 # --- Real worker processes -------------------------------------------------------------------------
+
+
+@pytest.fixture(autouse=True)
+def _no_stray_workers() -> Iterator[None]:
+    """Whatever worker processes a test started and left running (it failed before stopping them)
+    are killed when it ends; those of module-scoped fixtures (running before it began) are left."""
+    module = sys.modules.get("worker_process")
+    before = set(module.WorkerProcess.RUNNING) if module else set()
+    yield
+    module = sys.modules.get("worker_process")
+    if module:
+        module.WorkerProcess.stop_all(keep=before)
 
 
 @pytest.fixture

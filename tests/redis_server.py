@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import socket
 import subprocess
 import threading
@@ -16,23 +17,34 @@ import redis
 
 def free_port() -> int:
     """A loopback port nobody listens on: from `MLXQ_TEST_PORTS` (`first-last`) where it is set (a
-    machine shared by several test runs gives each its own range), else one the system picks."""
+    machine shared by several test runs gives each its own range), else one below the kernel's range
+    for outgoing connections. A port from that range (what binding to port 0 gives) can be taken by
+    any client's outgoing connection while its server is down, and a restarted server then fails to
+    bind it: seen as a Redis that "did not start" after a restart, once in a full run."""
     span = os.environ.get("MLXQ_TEST_PORTS")
     if span:
         first, last = (int(p) for p in span.split("-"))
-        for port in range(first, last + 1):
-            with socket.socket() as s:
-                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as redis-server binds
-                try:
-                    s.bind(("127.0.0.1", port))
-                    s.listen()
-                except OSError:
-                    continue
-            return port
-        raise RuntimeError(f"no free port in MLXQ_TEST_PORTS={span}")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    else:
+        first, last = 20000, _ephemeral_first() - 1
+    ports = list(range(first, last + 1))
+    random.shuffle(ports)  # two test runs on one machine rarely try the same ports in the same order
+    for port in ports:
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as redis-server binds
+            try:
+                s.bind(("127.0.0.1", port))
+                s.listen()
+            except OSError:
+                continue
+        return port
+    raise RuntimeError(f"no free port in {first}-{last}")
+
+
+def _ephemeral_first() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):  # not Linux: IANA's dynamic range starts here
+        return 49152
 
 
 class PrivateRedis:
@@ -40,6 +52,7 @@ class PrivateRedis:
     `extra` options are appended (`--maxmemory 4mb`, `--replicaof 127.0.0.1 6379`, ...)."""
 
     def __init__(self, folder: Path, *extra: str) -> None:
+        self.folder = folder
         self.port = free_port()
         self.url = f"redis://127.0.0.1:{self.port}/0"
         self.cmd = [
@@ -60,15 +73,27 @@ class PrivateRedis:
         ]
         self.proc: subprocess.Popen[bytes] | None = None
 
-    def start(self) -> None:
-        self.proc = subprocess.Popen(self.cmd, stdout=subprocess.DEVNULL)
-        conn = redis.Redis.from_url(self.url)
-        for _ in range(200):
-            with contextlib.suppress(redis.ConnectionError):
-                conn.ping()
-                return
-            time.sleep(0.05)
-        raise RuntimeError("private redis-server did not start")
+    def start(self, timeout_s: float = 30.0) -> None:
+        """Start the server and wait until it answers (it may first load its append-only file). A
+        server that exits instead (its port taken, a bad option) is reported with what it said."""
+        log = self.folder / f"redis-{self.port}.log"
+        with log.open("ab") as out:  # the child keeps its own copy of the descriptor
+            self.proc = subprocess.Popen(self.cmd, stdout=out, stderr=subprocess.STDOUT)
+        conn = redis.Redis.from_url(self.url, socket_timeout=5)
+        try:
+            deadline = time.monotonic() + timeout_s
+            while time.monotonic() < deadline:
+                if self.proc.poll() is not None:
+                    tail = log.read_text(errors="replace")[-2000:]
+                    code = self.proc.returncode
+                    raise RuntimeError(f"redis-server on port {self.port} exited ({code}):\n{tail}")
+                with contextlib.suppress(redis.ConnectionError, redis.TimeoutError):
+                    conn.ping()
+                    return
+                time.sleep(0.05)
+            raise RuntimeError(f"redis-server on port {self.port} did not answer within {timeout_s} s")
+        finally:
+            conn.close()
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:

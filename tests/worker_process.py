@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import ClassVar
 
 from mlxq.jobs.redis_url import sync_client
 
@@ -15,7 +16,12 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 class WorkerProcess:
-    """`python -m producer.cli worker ...` in its own process, its log kept in a file."""
+    """`python -m mlxq.producer.cli worker ...` in its own process, its log kept in a file. Every one
+    started is in `RUNNING` until it has exited; conftest stops those left when a test ends (a test
+    failing half-way must not leave a worker taking a later test's jobs, nor an open log file and a
+    live child whose warnings land on whichever later test collects them)."""
+
+    RUNNING: ClassVar[set[WorkerProcess]] = set()
 
     def __init__(self, model_dir: Path, redis_url: str, log_path: Path, *args: str, **env: str) -> None:
         self.log_path = log_path
@@ -34,6 +40,7 @@ class WorkerProcess:
         self._log = open(log_path, "w")  # noqa: SIM115 - closed in wait()
         self.proc = subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=self._log, stderr=subprocess.STDOUT)
         self.redis_url = redis_url
+        WorkerProcess.RUNNING.add(self)
 
     def wait_ready(self, timeout: float = 60.0) -> None:
         """Until the worker registered itself with RQ (model loaded, listening)."""
@@ -61,8 +68,14 @@ class WorkerProcess:
         finally:
             if self.proc.poll() is not None:
                 self._log.close()
+                WorkerProcess.RUNNING.discard(self)
 
     def stop(self) -> None:
         if self.proc.poll() is None:
             self.proc.kill()
         self.wait()
+
+    @classmethod
+    def stop_all(cls, keep: set[WorkerProcess] | frozenset[WorkerProcess] = frozenset()) -> None:
+        for w in list(cls.RUNNING - keep):
+            w.stop()

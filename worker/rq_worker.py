@@ -43,12 +43,10 @@ log = logging.getLogger(__name__)
 
 _BEAT_AGAIN_S = 1.0  # a heartbeat repeating the last one's TTL sooner than this is skipped (`heartbeat`)
 _STUCK = "Job was stuck in intermediate queue."  # what RQ's IntermediateQueue.cleanup fails jobs with
-_STATS_EVERY_S = 1.0
+_STATS_EVERY_S = 1.0  # how often a running generation batch republishes the worker's stats
+_PUBSUB_STOP_S = 1.0  # the longest wait for the command channel's thread at exit (`unsubscribe`)
 _FULL_WAIT_MAX_S = 5.0  # the longest pause between dequeues while Redis refuses them (full, read-only)
-_NOT_THE_JOBS: tuple[type[Exception], ...] = (
-    StopRequested,
-    *REDIS_TRANSIENT,
-)  # how often a running generation batch republishes the worker's stats
+_NOT_THE_JOBS: tuple[type[Exception], ...] = (StopRequested, *REDIS_TRANSIENT)
 
 
 class JobRunner(Protocol):
@@ -175,6 +173,27 @@ class MlxqWorker(SimpleWorker):
         rather than exiting; then the memory policy is read and an evicting one warned of."""
         retrying(self.stream_options)(super().register_birth)
         self.evictions.check(force=True)
+
+    def unsubscribe(self) -> None:
+        """RQ's end of the worker's command channel (the pubsub that carries `send_stop_job_command`
+        and friends), with the wait for its thread bounded.
+
+        RQ unsubscribes and then stops the listening thread. redis-py 8.2's `stop()` joins that thread
+        with no limit, and a thread that has already seen the unsubscribe waits for a new subscription
+        for RQ's `sleep_time` (60 s): a worker that was done held its exit for a minute. The thread is a
+        daemon reading nothing of ours once unsubscribed, so it is given a second, like RQ's own join.
+        """
+        thread = self.pubsub_thread
+        if thread is None:
+            return
+        log.info("unsubscribing from channel %s", self.pubsub_channel_name)
+        self.pubsub.unsubscribe()
+        try:
+            thread.stop(timeout=_PUBSUB_STOP_S)
+        except TypeError:  # redis-py before 8.2: stop() only clears the flag, it does not wait
+            thread.stop()
+        thread.join(timeout=_PUBSUB_STOP_S)
+        self.pubsub.close()
 
     def _between_jobs(self, step: Callable[..., Any], *args: Any) -> bool:
         """A step of RQ's loop between jobs (the worker's state, its heartbeat, the suspension check,

@@ -227,3 +227,22 @@ def test_a_job_taken_again_after_it_started_or_ended_is_not_run_twice(
     other.work(burst=True)
     assert ended.get_status(refresh=True) == "finished" and q.failed_job_registry.count == 0
     assert redis_conn.llen(q.key) == 0 and redis_conn.llen(q.intermediate_queue_key) == 0
+
+
+def test_the_command_channel_lets_a_done_worker_exit_at_once(redis_conn: redis.Redis) -> None:
+    """RQ stops the worker's pubsub thread after unsubscribing; with redis-py 8.2 that stop waits for
+    the thread, and a thread that had already seen the unsubscribe sat out RQ's 60 s wait for a new
+    subscription: burst workers that were done took a minute to exit. Here the thread is put in that
+    state first, and the worker's unsubscribe still returns within its one-second bounds."""
+    w = MlxqWorker(["exit"], connection=redis_conn, stream_options=StreamOptions())
+    w.subscribe()
+    assert w.pubsub_thread is not None
+    w.pubsub.unsubscribe()  # the thread reads the reply and then waits for a subscription
+    deadline = time.monotonic() + 10
+    while w.pubsub.subscribed and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not w.pubsub.subscribed
+    time.sleep(0.2)  # into get_message's wait for a subscription
+    started = time.monotonic()
+    w.unsubscribe()
+    assert time.monotonic() - started < 10  # was sleep_time, 60 s
