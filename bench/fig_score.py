@@ -318,6 +318,7 @@ def queue_overhead(b: Bench) -> dict[str, Any]:
             "ms_per_job_outside_mlx": 1000 * (wall - sums["score_many"]) / n,
             "load_s": ready["load_s"],
             "redis_commands_per_job": sum(calls.values()) / n,
+            "score_phase_ms_per_batch": _phase_ms(exit_.get("stats", {})),
             "redis_commands": dict(sorted(calls.items(), key=lambda kv: -kv[1])),
             **worker_memory(records),
         }
@@ -325,3 +326,13 @@ def queue_overhead(b: Bench) -> dict[str, Any]:
             profiles[label] = w.profile_path.read_text()
         cleanup(b.conn, job_ids, w.queue_name)
     return {"prompt_tokens": s.queue_prompt, "candidates": 2, "table": table, "cprofile": profiles}
+
+
+def _phase_ms(stats: dict[str, str]) -> dict[str, float]:
+    """The worker's own timing of its score batches (`worker/score_phases.py`): ms a batch per phase."""
+    from mlxq.jobs.keys import SCORE_PHASES
+
+    batches = int(stats.get("score_batches", 0))
+    if not batches:
+        return {}
+    return {phase: 1000 * float(stats.get(f"score_{phase}_s", 0.0)) / batches for phase in SCORE_PHASES}

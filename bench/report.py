@@ -132,6 +132,22 @@ def _commands_by_name(table: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _phases_by_pass(table: dict[str, Any]) -> str:
+    """The worker's own timing of a score batch's phases (its stats hash), ms a batch, for each pass."""
+    key = "score_phase_ms_per_batch"
+    passes = [(k, r[key]) for k, r in table.items() if r.get(key)]
+    if not passes:
+        return ""
+    phases = list(passes[0][1])
+    lines = [
+        "\nA score batch's phases as the worker times them (ms a batch):\n",
+        "| phase | " + " | ".join(k for k, _ in passes) + " |",
+        "| --- |" + " ---: |" * len(passes),
+    ]
+    lines += [f"| {p} | " + " | ".join(f"{ms[p]:.2f}" for _, ms in passes) + " |" for p in phases]
+    return "\n".join(lines)
+
+
 QUEUE: list[Column] = [
     ("pass", lambda k, _r: k),
     ("jobs", _get("jobs")),
@@ -246,6 +262,7 @@ def render(result: dict[str, Any]) -> str:
         )
         out.append(_columns(QUEUE, q["table"]))
         out.append(_commands_by_name(q["table"]))
+        out.append(_phases_by_pass(q["table"]))
     if (bg := figs.get("batch")) and "rows" in bg:
         out.append(
             f"\n### 6. Batched generation (N jobs at once, {bg['prompt_tokens']}-token prompts, "

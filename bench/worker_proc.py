@@ -148,7 +148,8 @@ def main(argv: list[str] | None = None) -> int:
                 stats = pstats.Stats(profiler, stream=f)
                 stats.sort_stats("tottime").print_stats(25)
                 stats.sort_stats("cumulative").print_stats(r"(rq|worker|jobs|redis)/.*\.py", 45)
-        recorder.write({"event": "exit", "start": time.time()})
+        # The worker's last stats snapshot: its own per-phase times of score batches, among others.
+        recorder.write({"event": "exit", "start": time.time(), "stats": dict(service.stats.latest)})
 
 
 if __name__ == "__main__":

@@ -29,6 +29,10 @@ def worker_stats_key(worker_name: str) -> str:
     return f"{PREFIX}:worker:{worker_name}"
 
 
+# The phases of a score batch, in order; the worker stats hash holds `score_<phase>_s` for each.
+SCORE_PHASES = ("claim", "start", "tokenize", "score", "write", "end")
+
+
 def rq_queue_key(queue: str) -> str:
     """RQ's list of queued job ids for `queue` (RQ's own naming)."""
     return f"rq:queue:{queue}"

@@ -57,6 +57,10 @@ class WorkerHealth:
     memory_cache_bytes: int | None = None
     active_sequences: int | None = None
     max_batch_sequences: int | None = None
+    score_batches: int | None = None
+    score_jobs: int | None = None
+    score_rows: int | None = None
+    score_phase_s: dict[str, float] = field(default_factory=dict)  # seconds in each phase, all batches
 
     @property
     def cache_hit_rate(self) -> float | None:
@@ -87,6 +91,14 @@ class WorkerHealth:
             memory_cache_bytes=num("memory_cache_bytes"),
             active_sequences=num("active_sequences"),
             max_batch_sequences=num("max_batch_sequences"),
+            score_batches=num("score_batches"),
+            score_jobs=num("score_jobs"),
+            score_rows=num("score_rows"),
+            score_phase_s={
+                phase: seconds
+                for phase in keys.SCORE_PHASES
+                if (seconds := _float(stats.get(f"score_{phase}_s"))) is not None
+            },
         )
 
 
@@ -276,6 +288,14 @@ def _health_lines(h: WorkerHealth) -> list[str]:
         )
     elif h.model is not None:
         lines.append("prefix cache: off")
+    if h.score_batches:
+        per_batch = "  ".join(
+            f"{phase} {1000 * seconds / h.score_batches:.2f}" for phase, seconds in h.score_phase_s.items()
+        )
+        lines.append(
+            f"score batches: {h.score_batches} ({h.score_jobs or 0} jobs, {h.score_rows or 0} rows)  "
+            f"ms a batch: {per_batch}"
+        )
     if h.memory_active_bytes is not None:
         lines.append(
             f"memory: active {human_bytes(h.memory_active_bytes)}, "

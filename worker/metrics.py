@@ -52,6 +52,13 @@ _KNOWN: dict[str, tuple[str, str, str]] = {
     "updated_at": ("mlxq_worker_stats_updated_time_seconds", "gauge", "when these numbers were taken"),
     "redis_full": ("mlxq_redis_full", "gauge", "1 while Redis refuses this worker's writes (OOM)"),
     "redis_oom_refusals": ("mlxq_redis_oom_refusals", "counter", "OOM replies this worker met"),
+    "score_batches": ("mlxq_score_batches", "counter", "score batches run"),
+    "score_jobs": ("mlxq_score_jobs", "counter", "score jobs finished in batches"),
+    "score_rows": ("mlxq_score_rows", "counter", "rows of the score jobs finished in batches"),
+    **{
+        f"score_{phase}_s": (f"mlxq_score_{phase}_seconds", "counter", f"time score batches spent in {phase}")
+        for phase in keys.SCORE_PHASES
+    },
 }
 _INFO_FIELDS = ("device", "queues", "model_path", "version", "mlx_version")
 

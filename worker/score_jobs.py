@@ -28,6 +28,7 @@ from mlxq.worker.job_results import JobResults
 from mlxq.worker.job_watch import JobWatch
 from mlxq.worker.rq_batches import Run
 from mlxq.worker.score_claim import ClaimBudget, ScoreClaimer
+from mlxq.worker.score_phases import ScorePhases
 from mlxq.worker.stream_writer import REDIS_TRANSIENT
 
 log = logging.getLogger(__name__)
@@ -63,6 +64,7 @@ class ScoreJobs:
         self.results = results
         self.claimer = claimer
         self.max_depth = max_depth  # a request's nesting, checked before it is validated
+        self.phases = ScorePhases()  # where batches spend their time, for the worker's stats
 
     @property
     def budget(self) -> ClaimBudget | None:
@@ -74,16 +76,19 @@ class ScoreJobs:
         claimed: list[Job] = []
         if self.claimer is not None:
             try:
-                claimed = self.claimer.claim(queue, rows_taken=_rows_of(first))
+                with self.phases.timed("claim"):
+                    claimed = self.claimer.claim(queue, rows_taken=_rows_of(first))
             except REDIS_TRANSIENT as e:  # Redis restarting: score `first` alone; the rest stay queued
                 log.warning("score batch could not claim jobs error=%s", e)
-        runs = self.host.start([first, *claimed], queue)
+        with self.phases.timed("start"):
+            runs = self.host.start([first, *claimed], queue)
         with self.host.watching(runs):
             self.score(runs)
 
     def score_between_steps(self, jobs: list[Job], queue: Queue, watch: JobWatch) -> None:
         """Score jobs a generation batch claimed, watched by that batch's watch while they run."""
-        runs = self.host.start(jobs, queue)
+        with self.phases.timed("start"):
+            runs = self.host.start(jobs, queue)
         watch.add(runs)
         try:
             self.score(runs)
@@ -97,7 +102,9 @@ class ScoreJobs:
         batches = self.host.batches
         deadlines = {run.job.id: JobDeadline.of(run.job) for run in runs}
         ready: list[tuple[Run, Prepared]] = []
-        for run, rows in zip(runs, self._prepare(runs), strict=True):
+        with self.phases.timed("tokenize"):
+            prepared = self._prepare(runs)
+        for run, rows in zip(runs, prepared, strict=True):
             if not isinstance(rows, Exception) and deadlines[run.job.id].passed():
                 rows = deadlines[run.job.id].exceeded()
             if isinstance(rows, Exception):  # a bad job fails alone; its batch-mates go on
@@ -106,25 +113,29 @@ class ScoreJobs:
                 ready.append((run, rows))
         if not ready:
             return
-        results, timed_out = self._score_together(ready, deadlines)
-        scored: list[tuple[Run, ScoreResult]] = []
-        for i, (run, rows) in enumerate(ready):
-            if i in timed_out:
-                continue
-            try:
-                result = results.get(i)
-                if result is None:  # the batch failed: this job alone, still within its deadline
-                    result = self.engine.score_many([rows], deadlines[run.job.id].check)[0]
-                scored.append((run, result))
-            except Exception:
-                batches.fail(run, sys.exc_info())
+        with self.phases.timed("score"):
+            results, timed_out = self._score_together(ready, deadlines)
+            scored: list[tuple[Run, ScoreResult]] = []
+            for i, (run, rows) in enumerate(ready):
+                if i in timed_out:
+                    continue
+                try:
+                    result = results.get(i)
+                    if result is None:  # the batch failed: this job alone, still within its deadline
+                        result = self.engine.score_many([rows], deadlines[run.job.id].check)[0]
+                    scored.append((run, result))
+                except Exception:
+                    batches.fail(run, sys.exc_info())
         try:  # every job's result and `done` in one go; a failed write fails them all (RQ may retry)
-            self.results.finish_scores([(run.job, result) for run, result in scored])
+            with self.phases.timed("write"):
+                self.results.finish_scores([(run.job, result) for run, result in scored])
         except Exception:
             for run, _ in scored:
                 batches.fail(run, sys.exc_info())
             return
-        batches.succeed_many([(run, result.model_dump(mode="json")) for run, result in scored])
+        with self.phases.timed("end"):
+            batches.succeed_many([(run, result.model_dump(mode="json")) for run, result in scored])
+        self.phases.batch_done(len(scored), sum(_rows_of(run.job) for run, _ in scored))
 
     def _score_together(
         self, ready: list[tuple[Run, Prepared]], deadlines: dict[str, JobDeadline]

@@ -147,7 +147,7 @@ class WorkerService:
         stats = StatsPublisher(
             conn,
             worker.name,
-            lambda: _stats_fields(worker, engine, results, options.max_sequences),
+            lambda: _stats_fields(worker, engine, results, scores, options.max_sequences),
             model_path=settings.model,
             ttl_s=worker.worker_ttl + 60,  # as RQ's heartbeat gives the worker's own key
         )
@@ -236,7 +236,7 @@ def _pid_alive(pid: int) -> bool:
 
 
 def _stats_fields(
-    worker: MlxqWorker, engine: Engine, results: JobResults, max_sequences: int
+    worker: MlxqWorker, engine: Engine, results: JobResults, scores: ScoreJobs, max_sequences: int
 ) -> dict[str, Any]:
     """The worker's live numbers for `mlxq status` and Prometheus (published by `StatsPublisher`)."""
     return {
@@ -248,5 +248,6 @@ def _stats_fields(
         "tokens_per_s": f"{results.last_tokens_per_s or 0.0:.1f}",
         **worker.full.fields(),
         **worker.evictions.fields(),
+        **scores.phases.fields(),
         **engine.status(),
     }

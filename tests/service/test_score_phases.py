@@ -1,0 +1,71 @@
+"""Where score batches spend their time: each phase timed (`worker/score_phases.py`), published in the
+worker's stats hash and shown by `mlxq status`; checked with a real worker in this process."""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+
+import pytest
+
+from mlxq.jobs.keys import SCORE_PHASES
+from mlxq.producer import Client, JobFailed
+from mlxq.producer.status_report import WorkerHealth, _health_lines
+from mlxq.worker.engine import Engine, EngineOptions
+from mlxq.worker.score_phases import ScorePhases
+from mlxq.worker.service import WorkerService
+from mlxq.worker.settings import WorkerSettings
+
+PROMPT = "The capital of France is Paris. The capital of Spain is"
+
+
+def test_each_phase_adds_its_time_also_when_it_raises() -> None:
+    now = [0.0]
+    phases = ScorePhases(clock=lambda: now[0])
+    assert phases.fields() == {}  # nothing published before the first batch
+    with phases.timed("tokenize"):
+        now[0] += 0.25
+    with pytest.raises(RuntimeError), phases.timed("write"):
+        now[0] += 0.5
+        raise RuntimeError("redis went away")
+    with phases.timed("tokenize"):
+        now[0] += 0.25
+    phases.batch_done(jobs=3, rows=7)
+    fields = phases.fields()
+    assert fields["score_tokenize_s"] == "0.500000" and fields["score_write_s"] == "0.500000"
+    assert fields["score_claim_s"] == "0.000000"
+    assert (fields["score_batches"], fields["score_jobs"], fields["score_rows"]) == ("1", "3", "7")
+    with pytest.raises(ValueError, match="unknown score phase 'forward'"), phases.timed("forward"):
+        pass
+
+
+def test_a_workers_score_batches_are_timed_in_its_stats_and_status(
+    model_dir: Path, redis_url: str, client: Client
+) -> None:
+    good = [client.submit_score([{"prompt": PROMPT, "candidates": [" the", " a"]}] * n) for n in (1, 2, 3)]
+    bad = client.submit_score([{"prompt": "x", "candidates": [" Paris"]}])  # not one token: fails alone
+    settings = WorkerSettings(  # type: ignore[call-arg]
+        model=str(model_dir), redis_url=redis_url, queues=["default"], warm_up=False, _env_file=None
+    )
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        service = WorkerService.start(settings, engine=Engine.load(str(model_dir), EngineOptions()))
+        assert service.work(burst=True) == 0
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+    assert [len(job.result(timeout=5).rows) for job in good] == [1, 2, 3]
+    with pytest.raises(JobFailed):
+        bad.result(timeout=5)
+
+    stats = service.stats.latest  # the last snapshot the worker published
+    assert stats["score_batches"] == "1"  # all four claimed together
+    assert (stats["score_jobs"], stats["score_rows"]) == ("3", "6")  # the failed job is not counted
+    seconds = {phase: float(stats[f"score_{phase}_s"]) for phase in SCORE_PHASES}
+    assert all(seconds[p] > 0 for p in ("claim", "start", "tokenize", "score", "write", "end")), seconds
+
+    health = WorkerHealth.from_stats(stats)
+    assert health.score_phase_s == pytest.approx(seconds)
+    line = next(line for line in _health_lines(health) if line.startswith("score batches"))
+    assert line.startswith("score batches: 1 (3 jobs, 6 rows)  ms a batch: claim ")
+    assert all(f" {phase} " in f" {line} " for phase in SCORE_PHASES)
