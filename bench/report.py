@@ -286,6 +286,12 @@ def render(result: dict[str, Any]) -> str:
             "\nAll repetitions (tok/s): "
             + "; ".join(f"{k}: {', '.join(f'{x:.0f}' for x in r['all'] if x)}" for k, r in ab["rows"].items())
         )
+    if (fj := figs.get("first_job")) and "rows" in fj:
+        out.append(
+            f"\n### A fresh worker's first jobs against its warm ones ({fj['prompt_tokens']}-token prompts, "
+            f"{fj['max_tokens']} new tokens; warm: median of {_repeats(fj)} repeats; enqueue to `done`)"
+        )
+        out.append(_columns(FIRST_JOB, fj["rows"]))
     for name, fig in figs.items():
         if "error" in fig:
             out.append(f"\n**{name}: FAILED** `{fig['error']}`")
@@ -350,6 +356,11 @@ def targets(figs: dict[str, Any]) -> list[dict[str, str]]:
                     None if v is None else v >= 0.90,
                     "{:.1%}",
                 )
+    if (fj := figs.get("first_job")) and "rows" in fj and "warm-up on" in fj["rows"]:
+        r = fj["rows"]["warm-up on"]
+        for kind in ("gen", "score"):
+            v = r[f"first_{kind}_vs_warm"]
+            add("first job within 1.5x of a warm one", f"warm-up on, {kind} job", v, v <= 1.5, "{:.2f}x")
     if (bg := figs.get("batch")) and "rows" in bg and bg["max_tokens"] == 128:
         for k, r in bg["rows"].items():
             if r["jobs"] == 64 and k.endswith(QUEUE_BATCH):
@@ -360,6 +371,26 @@ def targets(figs: dict[str, Any]) -> list[dict[str, str]]:
 
 
 QUEUE_BATCH = "mlxq via Redis (batching worker)"
+
+
+def _repeats(fig: dict[str, Any]) -> int:
+    return int(next(iter(fig["rows"].values()))["repeats"])
+
+
+FIRST_JOB: list[Column] = [
+    PATH,
+    ("start → listening s", _get("start_to_listening_s", digits=2)),
+    ("1st gen job ms", _get("first_gen_job_s", 1000)),
+    ("warm gen job ms", _get("warm_gen_job_s", 1000)),
+    ("1st/warm (gen)", _get("first_gen_vs_warm", digits=2)),
+    ("1st TTFT ms", _get("first_ttft_s", 1000)),
+    ("warm TTFT ms", _get("warm_ttft_s", 1000)),
+    ("1st decode tok/s", _get("first_decode_tok_s")),
+    ("warm decode tok/s", _get("warm_decode_tok_s")),
+    ("1st score job ms", _get("first_score_job_s", 1000)),
+    ("warm score job ms", _get("warm_score_job_s", 1000)),
+    ("1st/warm (score)", _get("first_score_vs_warm", digits=2)),
+]
 
 
 def _git_commit() -> str:
