@@ -189,13 +189,14 @@ class WorkerService:
             score_rows=min(64, max(1, self.settings.score_batch_rows)),
         )
         try:
-            seconds = warm_up(self.engine, shapes)
+            parts = warm_up(self.engine, shapes)
         except Exception:
             log.exception("warm-up failed; taking jobs without it")
             return
         log.info(
-            "warm-up done seconds=%.2f batch_sizes=%s score_rows=%d",
-            seconds,
+            "warm-up done seconds=%.2f %s batch_sizes=%s score_rows=%d",
+            sum(parts.values()),
+            " ".join(f"{part}_s={s:.2f}" for part, s in parts.items()),
             ",".join(map(str, batch_sizes(shapes.max_sequences, self.engine.pad_shapes))),
             shapes.score_rows,
         )

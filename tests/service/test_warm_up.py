@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
@@ -12,7 +13,7 @@ import redis
 from mlxq.jobs.schema import ScoreRequest
 from mlxq.producer import Client
 from mlxq.worker.engine import Engine, EngineOptions
-from mlxq.worker.engine.warm_up import WarmUpShapes, batch_sizes, warm_up
+from mlxq.worker.engine.warm_up import WarmUpShapes, batch_sizes, prefill_widths, warm_up
 from mlxq.worker.service import WorkerService
 from mlxq.worker.settings import WorkerSettings
 
@@ -108,7 +109,8 @@ def test_warm_up_leaves_the_prefix_cache_as_it_was_and_results_unchanged(model_d
     warmed = Engine.load(str(model_dir), EngineOptions(prefill_chunk=64, dtype="float32"))
     assert warmed.prefix_cache is not None and cold.prefix_cache is not None
     stats_before = warmed.prefix_cache.stats.as_dict()
-    assert warm_up(warmed, WarmUpShapes(max_sequences=4, score_rows=8)) > 0
+    parts = warm_up(warmed, WarmUpShapes(max_sequences=4, score_rows=8))
+    assert set(parts) == {"prefill", "decode", "batches", "score"} and all(s > 0 for s in parts.values())
     assert warmed.prefix_cache.stats.as_dict() == stats_before
     request = ScoreRequest.model_validate(ROWS)
     for _ in range(2):  # cold, then from the prefix cache
@@ -124,3 +126,32 @@ def test_the_batch_sizes_warmed_are_those_a_generation_batch_pads_to() -> None:
     assert batch_sizes(8, padded=True) == [1, 2, 4, 8]
     assert batch_sizes(6, padded=True) == [1, 2, 4, 6]
     assert batch_sizes(8, padded=False) == [1, 8]
+
+
+def test_every_prefill_width_a_chunk_pads_to_is_warmed() -> None:
+    assert prefill_widths(2048, padded=True) == [16, 32, 64, 128, 192, 256, 384, 512, 1024, 1536, 2048]
+    assert prefill_widths(100, padded=True) == [16, 32, 64, 100]  # a chunk of 100: never padded past it
+    assert prefill_widths(2048, padded=False) == [8, 2048]
+
+
+def test_with_padded_shapes_the_warm_up_runs_each_width_and_decodes_past_the_first_cache_steps(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each warm-up prompt is its own (none a cached prefix of another, which would skip its prefill),
+    so every padded width reaches the model; and one sequence decodes past two cache steps."""
+    from mlxq.worker.engine.models import llama
+
+    engine = Engine.load(str(model_dir), EngineOptions(prefill_chunk=64, dtype="float32", pad_shapes=True))
+    seen: list[tuple[int, int]] = []  # (rows, width) of every forward
+    forward = llama.LlamaModel.__call__
+
+    def recorded(self: llama.LlamaModel, inputs: Any, *args: Any, **kwargs: Any) -> Any:
+        seen.append((inputs.shape[0], inputs.shape[1]))
+        return forward(self, inputs, *args, **kwargs)
+
+    monkeypatch.setattr(llama.LlamaModel, "__call__", recorded)
+    shapes = WarmUpShapes(max_sequences=2, score_rows=4, decode_positions=40)
+    warm_up(engine, shapes)
+    widths = {w for rows, w in seen if rows == 1 and w > 1}
+    assert set(prefill_widths(64, padded=True)) <= widths, sorted(widths)
+    assert sum(1 for rows, w in seen if (rows, w) == (1, 1)) >= 40  # the lone sequence's decode steps

@@ -2,9 +2,14 @@
 
 The first forward of a new input shape builds its kernels (on a GPU many times the forward itself), so
 without this a worker's first jobs pay for every shape they meet. `warm_up` runs, on made-up prompts:
-one prefill chunk of `prefill_chunk` tokens, a decode step of each batch size a generation batch pads
-to (up to `max_sequences`), and a score batch of rows sharing a prefix, scored twice (the second time
-its prefix comes from a prefix cache, as a warm job's does).
+- a prefill of each width a prompt chunk is padded to (`generate.padded_width`, up to `prefill_chunk`;
+  without padding, a short prompt and a whole chunk), each prompt its own so none is a cached prefix of
+  another;
+- one sequence decoding past the KV cache's first steps (with padding: attention reads whole cache steps,
+  each a shape of its own, `cache.kv_cache.key_columns`);
+- a few decode steps of each batch size a generation batch pads to (up to `max_sequences`);
+- a score batch of rows sharing a prefix, scored twice (the second time its prefix comes from a prefix
+  cache, as a warm job's does), and a lone score row of a chunk-sized prompt with several candidates.
 
 It leaves nothing behind that changes a result: the engine's prefix cache is set aside while it runs (a
 private cache of the same budget stands in, then is dropped), sampling is greedy, and nothing here
@@ -15,11 +20,15 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from mlxq.jobs.schema import GenerateRequest
+from mlxq.worker.engine.cache.kv_cache import KVCache
 from mlxq.worker.engine.cache.prefix_cache import PrefixCache
 from mlxq.worker.engine.engine import Engine, PreparedRow
+from mlxq.worker.engine.generate import padded_width
 from mlxq.worker.engine.generation_batch import GenerationBatch
 
 log = logging.getLogger(__name__)
@@ -36,6 +45,8 @@ class WarmUpShapes:
     decode_tokens: int = 3  # decode steps per batch size
     score_prefix: int = 64  # tokens the score rows share
     score_own: int = 8  # tokens each score row has of its own
+    decode_positions: int = 2 * KVCache.step + 16  # a lone sequence decodes past this many positions
+    lone_row_candidates: int = 8  # candidates of the lone score row
 
 
 def batch_sizes(max_sequences: int, padded: bool) -> list[int]:
@@ -50,23 +61,54 @@ def batch_sizes(max_sequences: int, padded: bool) -> list[int]:
     return sorted(sizes)
 
 
-def warm_up(engine: Engine, shapes: WarmUpShapes) -> float:
-    """Run the warm-up shapes on `engine`; seconds it took. The engine's prefix cache is untouched."""
-    t0 = time.perf_counter()
+def prefill_widths(chunk: int, padded: bool) -> list[int]:
+    """The prompt widths to prefill once: with padding every width a chunk of up to `chunk` tokens is
+    padded to (`padded_width`), else a short prompt and a whole chunk."""
+    if not padded:
+        return sorted({min(8, chunk), chunk})
+    widths, n = set(), 1
+    while n <= chunk:
+        width = padded_width(n)
+        widths.add(min(width, chunk))
+        n = width + 1
+    return sorted(widths)
+
+
+def warm_up(engine: Engine, shapes: WarmUpShapes) -> dict[str, float]:
+    """Run the warm-up shapes on `engine`; the seconds each part took (`prefill`, `decode`, `batches`,
+    `score`). The engine's prefix cache is untouched."""
+    seconds: dict[str, float] = {}
     own_cache = engine.prefix_cache
     engine.prefix_cache = PrefixCache(own_cache.budget_bytes) if own_cache is not None else None
     try:
-        longest = max(1, min(engine.options.prefill_chunk, engine.context_length - shapes.decode_tokens - 8))
-        _generate(engine, [_prompt(engine, longest)], shapes.decode_tokens)
-        short = _prompt(engine, min(8, longest))
-        for n in batch_sizes(shapes.max_sequences, engine.pad_shapes):
-            _generate(engine, [short] * n, shapes.decode_tokens)
-        rows = _score_rows(engine, shapes)
-        for _ in range(2):  # cold, then its prefix from the (stand-in) cache
-            engine.score_many([rows])
+        room = shapes.decode_tokens + 8
+        chunk = max(1, min(engine.options.prefill_chunk, engine.context_length - room))
+        salt = iter(range(1_000_000))
+        with _timed(seconds, "prefill"):
+            for width in prefill_widths(chunk, engine.pad_shapes):
+                _generate(engine, [_prompt(engine, width, next(salt))], 1)
+        with _timed(seconds, "decode"):
+            steps = shapes.decode_positions if engine.pad_shapes else shapes.decode_tokens
+            steps = max(1, min(steps, engine.context_length - 16))
+            _generate(engine, [_prompt(engine, 8, next(salt))], steps)
+        with _timed(seconds, "batches"):
+            for n in batch_sizes(shapes.max_sequences, engine.pad_shapes):
+                _generate(engine, [_prompt(engine, 8, next(salt)) for _ in range(n)], shapes.decode_tokens)
+        with _timed(seconds, "score"):
+            rows = _score_rows(engine, shapes)
+            for _ in range(2):  # cold, then its prefix from the (stand-in) cache
+                engine.score_many([rows])
+            engine.score_many([[_lone_row(engine, chunk, shapes.lone_row_candidates, next(salt))]])
     finally:
         engine.prefix_cache = own_cache
-    return time.perf_counter() - t0
+    return seconds
+
+
+@contextmanager
+def _timed(seconds: dict[str, float], part: str) -> Iterator[None]:
+    started = time.perf_counter()
+    yield
+    seconds[part] = time.perf_counter() - started
 
 
 def _generate(engine: Engine, prompts: list[str], max_tokens: int) -> None:
@@ -87,15 +129,25 @@ def _generate(engine: Engine, prompts: list[str], max_tokens: int) -> None:
         batch.close()
 
 
-def _prompt(engine: Engine, tokens: int) -> str:
-    """Text of at most `tokens` tokens (special tokens included), as close to it as repeats of a word get."""
+def _prompt(engine: Engine, tokens: int, salt: int) -> str:
+    """Text of at most `tokens` tokens (special tokens included), as close to it as repeats of a word
+    get, opened by `salt` so that no two warm-up prompts share a prefix (a cached one would skip the
+    prefill whose shape is to be warmed)."""
+    opening = f"{salt} "
     words = tokens
     while words > 1:
-        n = len(engine.tokenizer.encode(_WORD * words))
+        n = len(engine.tokenizer.encode(opening + _WORD * words))
         if n <= tokens:
             break
         words = max(1, min(words - 1, words * tokens // n))
-    return _WORD * words
+    return opening + _WORD * words
+
+
+def _lone_row(engine: Engine, tokens: int, candidates: int, salt: int) -> PreparedRow:
+    """One score row of about `tokens` tokens with `candidates` one-token candidates."""
+    vocab = engine.model.args.vocab_size
+    prompt = engine.tokenizer.encode(_prompt(engine, max(1, tokens - 1), salt))
+    return (prompt, [(salt + i) % vocab for i in range(candidates)])
 
 
 def _score_rows(engine: Engine, shapes: WarmUpShapes) -> list[PreparedRow]:
