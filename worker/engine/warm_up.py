@@ -9,7 +9,7 @@ without this a worker's first jobs pay for every shape they meet. `warm_up` runs
   each a shape of its own, `cache.kv_cache.key_columns`);
 - a few decode steps of each batch size a generation batch pads to (up to `max_sequences`);
 - a score batch of rows sharing a prefix, scored twice (the second time its prefix comes from a prefix
-  cache, as a warm job's does), and a lone score row of a chunk-sized prompt with several candidates.
+  cache, as a warm job's does), and a lone score row with several candidates at each prefill width.
 
 It leaves nothing behind that changes a result: the engine's prefix cache is set aside while it runs (a
 private cache of the same budget stands in, then is dropped), sampling is greedy, and nothing here
@@ -84,8 +84,9 @@ def warm_up(engine: Engine, shapes: WarmUpShapes) -> dict[str, float]:
         room = shapes.decode_tokens + 8
         chunk = max(1, min(engine.options.prefill_chunk, engine.context_length - room))
         salt = iter(range(1_000_000))
+        widths = prefill_widths(chunk, engine.pad_shapes)
         with _timed(seconds, "prefill"):
-            for width in prefill_widths(chunk, engine.pad_shapes):
+            for width in widths:
                 _generate(engine, [_prompt(engine, width, next(salt))], 1)
         with _timed(seconds, "decode"):
             steps = shapes.decode_positions if engine.pad_shapes else shapes.decode_tokens
@@ -98,7 +99,8 @@ def warm_up(engine: Engine, shapes: WarmUpShapes) -> dict[str, float]:
             rows = _score_rows(engine, shapes)
             for _ in range(2):  # cold, then its prefix from the (stand-in) cache
                 engine.score_many([rows])
-            engine.score_many([[_lone_row(engine, chunk, shapes.lone_row_candidates, next(salt))]])
+            for width in widths:  # a lone row's forward goes through the scorer's own masks and gathers
+                engine.score_many([[_lone_row(engine, width, shapes.lone_row_candidates, next(salt))]])
     finally:
         engine.prefix_cache = own_cache
     return seconds
