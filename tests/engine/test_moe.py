@@ -143,7 +143,7 @@ def _no_eos(engine: Engine) -> dict[int, float]:
 BATCHED = {
     "qwen3-moe": ("Qwen3MoeForCausalLM", QWEN3_MOE),
     "mixtral": ("MixtralForCausalLM", MIXTRAL),
-    "deepseek-v3": (  # latent attention: values narrower than keys, padded in the caches
+    "deepseek-v3": (  # latent attention: the caches hold the latent and the RoPE key, unequal widths
         "DeepseekV3ForCausalLM",
         {
             "n_routed_experts": 6,
@@ -281,18 +281,18 @@ def test_the_ragged_decode_path_decodes_what_the_mask_path_decodes(
 ) -> None:
     """The decode step of left-padded rows that GPUs take (`ragged_kernel`: each row's first column in
     place of a mask; here `decode_attention` computes it with MLX) gives the mask path's tokens, for the
-    latent attention's padded values and LongRoPE's scaled rotation too."""
+    latent attention's cache (the latent and the RoPE key) and LongRoPE's scaled rotation too."""
     engine = Engine.load(str(batched_dir), EngineOptions(prefix_cache_bytes=0))
     model = engine.model
     calls: list[int] = []
-    for module in (llama, deepseek):
-        original = module.decode_attention
+    for module, name in ((llama, "decode_attention"), (deepseek, "ragged_mask")):
+        original = getattr(module, name)
 
         def counted(*a: Any, _original: Any = original, **k: Any) -> mx.array:
             calls.append(1)
             return _original(*a, **k)
 
-        monkeypatch.setattr(module, "decode_attention", counted)
+        monkeypatch.setattr(module, name, counted)
     ids = engine.tokenizer.encode(LONG)
     prompts = [ids[:n] for n in (7, 30, 55)]
 

@@ -476,10 +476,8 @@ class Engine:
     @property
     def kv_bytes_per_token(self) -> int:
         """Bytes of keys and values one token adds to a sequence's cache (all layers)."""
-        args = self.model.args
-        assert args.head_dim is not None  # derived by the architecture when config.json has none
         itemsize = self.model.model.norm.weight.dtype.size  # floating weights are in the compute dtype
-        return 2 * len(self.model.layers) * args.n_kv_heads * args.head_dim * itemsize
+        return len(self.model.layers) * self.model.args.cache_features * itemsize
 
     @property
     def max_prompt_chars(self) -> int:

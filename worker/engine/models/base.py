@@ -46,6 +46,13 @@ class ModelConfig(Protocol):
     def n_kv_heads(self) -> int: ...
 
     @property
+    def cache_features(self) -> int:
+        """Features one token adds to one layer's cache, keys and values together (what the engine
+        budgets cache memory by: an architecture caching something other than full keys and values,
+        as MLA's latent, says so here)."""
+        ...
+
+    @property
     def head_dim(self) -> int | None:
         """None only before the architecture derives it (`hidden_size // num_attention_heads`)."""
         ...

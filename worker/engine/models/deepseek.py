@@ -3,10 +3,18 @@
 Attention (MLA): q through a low-rank pair (`q_a_proj`, normed, `q_b_proj`) or one `q_proj`; keys and
 values from one compressed latent per token (`kv_a_proj_with_mqa`: the latent and a RoPE key shared by
 every head; `kv_b_proj` expands the normed latent into each head's un-rotated key and its value). RoPE
-(interleaved pairs, YaRN where configured) touches only the `qk_rope_head_dim` features. The caches
-hold each head's expanded key and value, the value zero-padded to the key's width, so every cache,
-batch and kernel of the engine serves it unchanged: exact, at the memory of full keys and values. The
-absorbed form (the latent cached, `kv_b_proj` folded into q and the output for decode) is not done.
+(interleaved pairs, YaRN where configured) touches only the `qk_rope_head_dim` features.
+
+The caches hold what MLA compresses, never the expansion: per token and layer the normed latent (in a
+cache's "keys") and the rotated RoPE key (its "values"), one head: kv_lora_rank + qk_rope_head_dim
+features, where expanded keys and values take heads x (qk_head_dim + v_head_dim). Every cache, batch and
+prefix-cache path of the engine stores them as it stores any keys and values (it never assumes the two
+equally wide). Attention splits each score into its latent part and its RoPE part: the RoPE part (the
+queries' rotated features against the shared rotated keys) is computed apart and handed to MLX's
+attention as its additive mask, the layer's own mask folded in. The latent part is computed either
+absorbed (`W_UK`, `kv_b_proj`'s key rows, folded into each query: keys and values are the latent itself,
+one head; `W_UV`, its value rows, applied to the output) or, for a chunk of many queries where that is
+cheaper (`absorbed_is_cheaper`), by expanding the latent of every key through `kv_b_proj`.
 
 Experts: sigmoid router scores; experts chosen by score plus `e_score_correction_bias`, only within the
 `topk_group` groups whose two best biased scores sum highest; weighted by their unbiased scores
@@ -31,14 +39,14 @@ from mlxq.worker.engine.errors import CheckpointError
 from mlxq.worker.engine.models import llama, moe
 from mlxq.worker.engine.models.base import LayerCache
 from mlxq.worker.engine.models.rope import make_rope, yarn_mscale
-from mlxq.worker.engine.ragged_attention import RaggedRows, decode_attention
+from mlxq.worker.engine.ragged_attention import RaggedRows
 
 
 @dataclass
 class ModelArgs(llama.ModelArgs):
-    """The Llama family's fields plus MLA's and the experts'. `head_dim` and `n_kv_heads` become what
-    the caches hold per layer (every head; the wider of key and value); config.json's `head_dim`
-    (transformers writes the RoPE width there) is not read."""
+    """The Llama family's fields plus MLA's and the experts'. `n_kv_heads` (1) and `head_dim`
+    (kv_lora_rank) describe the cache's keys, the latent; config.json's `head_dim` (transformers writes
+    the RoPE width there) is not read."""
 
     q_lora_rank: int | None = None
     kv_lora_rank: int = 512
@@ -62,8 +70,8 @@ class ModelArgs(llama.ModelArgs):
         self.head_dim = None  # transformers writes qk_rope_head_dim here; the caches' width is set below
         super().__post_init__()
         self.qk_head_dim = self.qk_nope_head_dim + self.qk_rope_head_dim
-        self.head_dim = max(self.qk_head_dim, self.v_head_dim)
-        self.num_key_value_heads = self.n_kv_heads = self.num_attention_heads
+        self.head_dim = self.kv_lora_rank
+        self.n_kv_heads = 1
         if self.n_routed_experts and self.n_routed_experts % self.n_group:
             raise CheckpointError(f"n_routed_experts {self.n_routed_experts} is not a multiple of n_group")
         if self.n_routed_experts and not 1 <= self.num_experts_per_tok <= self.n_routed_experts:
@@ -74,6 +82,11 @@ class ModelArgs(llama.ModelArgs):
         args = super().from_dict({k: v for k, v in config.items() if k != "head_dim"})
         assert isinstance(args, ModelArgs)
         return args
+
+    @property
+    def cache_features(self) -> int:
+        """Features one token adds to one layer's cache: the latent and the shared RoPE key."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
 
     def softmax_scale(self) -> float:
         """qk_head_dim^-0.5, times YaRN's mscale_all_dim correction squared where configured."""
@@ -86,13 +99,14 @@ class ModelArgs(llama.ModelArgs):
 
 
 class LatentAttention(nn.Module):
-    """MLA with expanded keys and values (module docstring); `llama.Attention`'s call and cache use."""
+    """MLA over a latent cache (module docstring): a layer's cache holds, per token, the normed latent as
+    its "keys" (B, 1, T, kv_lora_rank) and the rotated RoPE key as its "values" (B, 1, T, rope)."""
 
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()  # type: ignore[no-untyped-call]  # mlx.nn.Module.__init__ is unannotated
         h, heads = args.hidden_size, args.num_attention_heads
         self.n_heads, self.nope, self.rope_dim = heads, args.qk_nope_head_dim, args.qk_rope_head_dim
-        self.v_dim, self.width, self.latent = args.v_head_dim, args.head_dim or 0, args.kv_lora_rank
+        self.v_dim, self.latent = args.v_head_dim, args.kv_lora_rank
         self.q_lora = args.q_lora_rank is not None
         if args.q_lora_rank is not None:
             self.q_a_proj = nn.Linear(h, args.q_lora_rank, bias=args.attention_bias)
@@ -110,13 +124,31 @@ class LatentAttention(nn.Module):
         self.rope = make_rope(
             self.rope_dim, args.rope_theta, args.rope_scaling, traditional=args.rope_interleave
         )
+        self._absorbed: tuple[mx.array, mx.array] | None = None  # set by `fuse`: not a parameter
 
     def fuse(self) -> None:
-        """Nothing to fuse: the projections feed one another."""
+        """Split `kv_b_proj` per head once the weights are in (dequantized, where quantized), so that
+        absorbed attention does not split (or dequantize) it at every forward."""
+        if self._absorbed is None:
+            w_uk, w_uv = self._split_kv_b()
+            self._absorbed = (mx.contiguous(w_uk), mx.contiguous(w_uv))
+            mx.eval(self._absorbed)
 
-    def _pad(self, x: mx.array) -> mx.array:
-        extra = self.width - x.shape[-1]
-        return x if extra == 0 else mx.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, extra)])
+    def _split_kv_b(self) -> tuple[mx.array, mx.array]:
+        """(W_UK (heads, nope, latent), W_UV transposed (heads, latent, v_dim)): `kv_b_proj` per head."""
+        if self._absorbed is not None:
+            return self._absorbed
+        proj = self.kv_b_proj
+        if isinstance(proj, nn.QuantizedLinear):
+            mode = getattr(proj, "mode", "affine")
+            w = mx.dequantize(
+                proj.weight, proj.scales, proj.get("biases"), proj.group_size, proj.bits, mode=mode
+            )
+            w = w.astype(proj.scales.dtype)
+        else:
+            w = proj.weight
+        w = w.reshape(self.n_heads, self.nope + self.v_dim, self.latent)
+        return w[:, : self.nope], w[:, self.nope :].swapaxes(-1, -2)
 
     def __call__(
         self,
@@ -133,36 +165,74 @@ class LatentAttention(nn.Module):
         q = q.reshape(b, nq, self.n_heads, -1).transpose(0, 2, 1, 3)
         q_nope, q_pe = q[..., : self.nope], q[..., self.nope :]
         compressed = self.kv_a_proj_with_mqa(x)
-        latent, k_pe = compressed[..., : self.latent], compressed[..., self.latent :]
-        kv = self.kv_b_proj(self.kv_a_layernorm(latent)).reshape(b, n, self.n_heads, -1).transpose(0, 2, 1, 3)
-        k_nope, v = kv[..., : self.nope], self._pad(kv[..., self.nope :])
-        k_pe = k_pe.reshape(b, 1, n, self.rope_dim)
-
-        def keys(k_rotated: mx.array) -> mx.array:
-            shared = mx.broadcast_to(k_rotated, (b, self.n_heads, n, self.rope_dim))
-            return self._pad(mx.concatenate([k_nope, shared], axis=-1))
-
+        latent = self.kv_a_layernorm(compressed[..., : self.latent]).reshape(b, 1, n, self.latent)
+        k_pe = compressed[..., self.latent :].reshape(b, 1, n, self.rope_dim)
+        visible: llama.Mask = mask
         if isinstance(mask, RaggedRows):  # a decode step of left-padded rows: see ragged_attention.py
             assert isinstance(cache, BatchKVCache) and last is None
             q_pe, k_pe = self.rope(q_pe, offset=mask.positions), self.rope(k_pe, offset=mask.positions)
-            cache.write(keys(k_pe), v)
+            cache.write(latent, k_pe)
             assert cache.keys is not None and cache.values is not None
-            queries = self._pad(mx.concatenate([q_nope, q_pe], axis=-1))
-            out = decode_attention(queries, cache.keys, cache.values, mask, self.scale)
+            latent, k_pe = cache.keys[..., : mask.end, :], cache.values[..., : mask.end, :]
+            visible = ragged_mask(mask)
         else:
             offset = cache.offset if cache is not None else 0
             q_pe = self.rope(q_pe, offset=offset if last is None else offset + last)
             k_pe = self.rope(k_pe, offset=offset)
-            k, values = keys(k_pe), v
             if cache is not None and columns is None:
-                k, values = cache.update_and_fetch(k, values)
+                latent, k_pe = cache.update_and_fetch(latent, k_pe)
             elif cache is not None:
                 assert isinstance(cache, KVCache)
-                k, values = cache.update_and_fetch(k, values, columns)
-            queries = self._pad(mx.concatenate([q_nope, q_pe], axis=-1))
-            out = mx.fast.scaled_dot_product_attention(queries, k, values, scale=self.scale, mask=mask)
-        out = out[..., : self.v_dim].transpose(0, 2, 1, 3).reshape(b, nq, -1)
-        return self.o_proj(out)
+                latent, k_pe = cache.update_and_fetch(latent, k_pe, columns)
+        # The RoPE part of every score, with the mask folded in: attention adds it to the latent part's.
+        rotary = _masked_scores((q_pe * self.scale) @ k_pe.swapaxes(-1, -2), visible)
+        keys = latent.shape[2]
+        if absorbed_is_cheaper(nq, self.latent, self.nope, self.v_dim):
+            w_uk, w_uv = self._split_kv_b()
+            queries = q_nope @ w_uk  # (B, H, nq, latent): the key projection folded into the queries
+            out = mx.fast.scaled_dot_product_attention(queries, latent, latent, scale=self.scale, mask=rotary)
+            out = out @ w_uv  # the value projection applied after attention, to the latent it averaged
+        else:
+            kv = self.kv_b_proj(latent).reshape(b, keys, self.n_heads, -1).transpose(0, 2, 1, 3)
+            k_nope, values = kv[..., : self.nope], kv[..., self.nope :]
+            out = mx.fast.scaled_dot_product_attention(q_nope, k_nope, values, scale=self.scale, mask=rotary)
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(b, nq, -1))
+
+
+def absorbed_is_cheaper(queries: int, latent: int, nope: int, v_dim: int) -> bool:
+    """Whether attending in the latent space takes fewer multiply-adds per head than expanding every
+    key's latent through `kv_b_proj` first, for a forward of `queries` queries over many keys. Per key,
+    absorbed attention scores and sums over the latent's width for each query (2 x latent each);
+    expanded attention projects the key once (latent x (nope + v_dim)), then scores and sums over the
+    head's narrower key and value (nope + v_dim each query). The queries' own projections into and out
+    of the latent do not grow with the keys and are left out, so the choice depends on the forward's
+    shape only, never on how many keys a cache holds: a sequence computes the same way alone, batched
+    or over a bucketed cache. A decode step (one query) always absorbs; a long prompt's chunk expands."""
+    return queries * 2 * latent <= latent * (nope + v_dim) + queries * (nope + v_dim)
+
+
+def ragged_mask(rows: RaggedRows) -> mx.array:
+    """Boolean (B, 1, 1, end) mask of a decode step of left-padded rows: each row's columns from its
+    first one. Latent attention reads the cache's latent through MLX's attention, its RoPE scores as
+    the mask, so the ragged kernel (full per-head keys and values) has no part in it."""
+    return (mx.arange(rows.end)[None, :] >= rows.starts[:, None])[:, None, None, :]
+
+
+def _masked_scores(scores: mx.array, mask: llama.Mask) -> mx.array:
+    """(B, H, L, T) scores with the layer's mask applied: hidden columns -inf (boolean or "causal"
+    masks: the last query aligned with the last key, as MLX's attention aligns it) or added (additive
+    masks), as an additive mask for MLX's attention."""
+    if mask is None:
+        return scores
+    if isinstance(mask, str):
+        if mask != "causal":
+            raise ValueError(f"mask {mask!r} is not 'causal'")
+        n, total = scores.shape[-2], scores.shape[-1]
+        mask = mx.arange(total)[None, :] <= mx.arange(total - n, total)[:, None]
+    assert isinstance(mask, mx.array)
+    if mask.dtype == mx.bool_:
+        return mx.where(mask, scores, mx.array(-mx.inf, scores.dtype))
+    return scores + mask.astype(scores.dtype)
 
 
 class Router(nn.Module):
@@ -258,7 +328,8 @@ class Model(moe.Model):
     def _join_kv_b(self, weights: dict[str, mx.array], prefix: str) -> None:
         """mlx-lm stores `kv_b_proj` per head as `embed_q` (heads, latent, nope: the key part, transposed)
         and `unembed_out` (heads, v_dim, latent), each quantized on its own in quantized folders; this
-        model computes with the expanded projection, so the parts are dequantized and joined back."""
+        model reads the projection whole (expanded attention) as well as per head (absorbed), so the
+        parts are dequantized and joined back."""
         args = self.args
         assert isinstance(args, ModelArgs)
         key = self._dense(weights, f"{prefix}.embed_q").swapaxes(-1, -2)

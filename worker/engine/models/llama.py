@@ -85,6 +85,12 @@ class ModelArgs:
                 "attention would change every position past the window",
             )
 
+    @property
+    def cache_features(self) -> int:
+        """Features one token adds to one layer's cache: its keys and values, every KV head."""
+        assert self.head_dim is not None  # derived in __post_init__
+        return 2 * self.n_kv_heads * self.head_dim
+
     @classmethod
     def from_dict(cls, config: dict[str, Any]) -> ModelArgs:
         """Keep known keys; read RoPE as transformers 4 (`rope_theta`, `rope_scaling`) or 5 wrote it."""

@@ -4,6 +4,8 @@ A checkpoint folder holds `config.json` and `model.safetensors` (or shards liste
 `model.safetensors.index.json`). An MLX-quantized one (as mlx-lm writes it) also has
 `quantization: {group_size, bits}` in its config and `<layer>.scales` / `<layer>.biases` next to packed
 uint32 weights; those layers load as `nn.QuantizedLinear` / `nn.QuantizedEmbedding`, never dequantized.
+An FP8 one (transformers' `quantization_config` with `quant_method: fp8`) is dequantized at load
+(`fp8.py`).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from mlx.utils import tree_flatten
 from mlxq.worker.engine.errors import CheckpointError, ModelNotFound
 from mlxq.worker.engine.models import build_model
 from mlxq.worker.engine.models.base import Model
+from mlxq.worker.engine.models.fp8 import Fp8Layout
 from mlxq.worker.engine.models.moe import SwitchLinear
 
 DTYPES: dict[str, mx.Dtype] = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
@@ -136,9 +139,13 @@ def load_model(path: str | Path, dtype: str | None = None) -> tuple[Model, dict[
     folder = Path(path)
     config = load_config(folder)
     target = parse_dtype(dtype) if dtype is not None else default_dtype(config)
+    fp8 = Fp8Layout.from_config(config)  # refused before any weight is read where it cannot be honoured
     model = build_model(config)  # random init stays lazy: never computed, replaced below
     assert isinstance(model, nn.Module)  # every architecture is one (`models/base.py`): loaded as one
-    weights = model.sanitize(load_weights(folder))
+    weights = load_weights(folder)
+    if fp8 is not None:
+        weights = fp8.dequantize(weights, target)
+    weights = model.sanitize(weights)
     quantization = config.get("quantization")
     if quantization:
         _quantize_like(model, weights, quantization)
