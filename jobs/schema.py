@@ -244,10 +244,16 @@ class ScoreRow(_Strict):
       first token conditioned on the BOS token (the EOS token where the tokenizer has no BOS).
     - `prompt_logprobs`: each prompt token's log-probability (the first has none), with the
       `top_logprobs` most likely alternatives per position and the log-probabilities of `token_ids` at
-      every position where asked.
+      every position where asked. Such a row may give its prompt as token ids (`prompt_ids`, taken as
+      they are: no special tokens added) instead of text; `token_texts` asks for each token's text and
+      offset (OpenAI's `echo` with `logprobs`); `next_token` also asks for the `top_logprobs` (at least
+      one) alternatives of the token after the prompt, which is what a greedy one-token completion takes.
     """
 
-    prompt: Text
+    prompt: Text = ""  # "" where `prompt_ids` gives it, or an empty context (lm-eval's)
+    prompt_ids: list[Annotated[int, Field(ge=0)]] | None = Field(default=None, min_length=1)
+    token_texts: bool = False
+    next_token: bool = False
     candidates: list[Text] | None = Field(default=None, min_length=1)
     continuations: list[Text] | None = Field(default=None, min_length=1)
     rolling: bool = False
@@ -285,8 +291,14 @@ class ScoreRow(_Strict):
             )
         if self.window is not None and not self.rolling:
             raise ValueError("`window` belongs to a `rolling` row")
-        if (self.top_logprobs or self.token_ids) and not self.prompt_logprobs:
-            raise ValueError("`top_logprobs` and `token_ids` belong to a `prompt_logprobs` row")
+        extras = self.top_logprobs or self.token_ids or self.token_texts or self.next_token
+        if (extras or self.prompt_ids is not None) and not self.prompt_logprobs:
+            raise ValueError(
+                "`top_logprobs`, `token_ids`, `token_texts`, `next_token` and `prompt_ids` belong to a "
+                "`prompt_logprobs` row"
+            )
+        if self.prompt_ids is not None and self.prompt:
+            raise ValueError("give the prompt as `prompt` (text) or as `prompt_ids`, not both")
         return self
 
     @property
@@ -328,19 +340,48 @@ class RollingScore(_Strict):
     windows: int
 
 
+def _without_none(data: dict[str, Any], names: tuple[str, ...]) -> dict[str, Any]:
+    """`data` less the fields among `names` that are None: fields a reader must have asked for, so an
+    older reader (which forbids unknown fields) never sees them."""
+    for name in names:
+        if data.get(name) is None:
+            data.pop(name, None)
+    return data
+
+
 class TopLogprob(_Strict):
+    """An alternative token; its `text` only where the row asked `token_texts`."""
+
     id: int
     logprob: float
+    text: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _text_if_asked(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return _without_none(handler(self), ("text",))
 
 
 class PromptLogprobs(_Strict):
     """Per prompt token from the second: its id, its log-probability, the `top_logprobs` alternatives
-    (most likely first) and the log-probabilities of the row's `token_ids`, in their order."""
+    (most likely first) and the log-probabilities of the row's `token_ids`, in their order.
+
+    Where the row asked `token_texts`: `texts` and `offsets` of every prompt token, the first included
+    (the texts' concatenation is the decoded prompt; a token that ends inside a character has the text
+    "" and the next one carries the character). Where it asked `next_token`: `next_top`, the likeliest
+    tokens after the prompt (most likely first)."""
 
     tokens: list[int]
     token_logprobs: list[float]
     top_logprobs: list[list[TopLogprob]] = Field(default_factory=list)
     chosen_logprobs: list[list[float]] = Field(default_factory=list)
+    first_token: int | None = None
+    texts: list[str] | None = None
+    offsets: list[int] | None = None
+    next_top: list[TopLogprob] | None = None
+
+    @model_serializer(mode="wrap")
+    def _extras_if_asked(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return _without_none(handler(self), ("first_token", "texts", "offsets", "next_top"))
 
 
 class ScoredRow(_Strict):
