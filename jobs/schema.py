@@ -368,7 +368,8 @@ class PromptLogprobs(_Strict):
     Where the row asked `token_texts`: `texts` and `offsets` of every prompt token, the first included
     (the texts' concatenation is the decoded prompt; a token that ends inside a character has the text
     "" and the next one carries the character). Where it asked `next_token`: `next_top`, the likeliest
-    tokens after the prompt (most likely first)."""
+    tokens after the prompt (most likely first), and `next_ends`: whether the likeliest is an end of
+    sequence (a greedy generation would stop there, with no text)."""
 
     tokens: list[int]
     token_logprobs: list[float]
@@ -378,10 +379,11 @@ class PromptLogprobs(_Strict):
     texts: list[str] | None = None
     offsets: list[int] | None = None
     next_top: list[TopLogprob] | None = None
+    next_ends: bool | None = None
 
     @model_serializer(mode="wrap")
     def _extras_if_asked(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        return _without_none(handler(self), ("first_token", "texts", "offsets", "next_top"))
+        return _without_none(handler(self), ("first_token", "texts", "offsets", "next_top", "next_ends"))
 
 
 class ScoredRow(_Strict):

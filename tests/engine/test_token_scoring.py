@@ -303,6 +303,7 @@ def test_prompt_ids_token_texts_and_the_next_token(checkpoint: Path, hf: tuple[A
     with torch.no_grad():
         last = torch.log_softmax(model(torch.tensor([ids])).logits[0, -1].float(), -1).numpy()
     assert ids_row.next_top is not None and len(ids_row.next_top) == 2
+    assert ids_row.next_ends == (ids_row.next_top[0].id in engine.tokenizer.eos_ids)
     assert [t.id for t in ids_row.next_top] == [int(t) for t in np.argsort(-last)[:2]]
     assert [t.logprob for t in ids_row.next_top] == pytest.approx(
         [last[t.id] for t in ids_row.next_top], abs=1e-4

@@ -698,6 +698,7 @@ def _prompt_logprobs(
             texts=texts,
             offsets=offsets,
             next_top=tops(r.top[n], max(ask.top_k, 1)) if ask.next_token else None,
+            next_ends=r.top[n][0][0] in tokenizer.eos_ids if ask.next_token else None,
         ),
         input_tokens=inputs,
         cached_tokens=inputs - sum(computed),
