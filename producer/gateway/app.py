@@ -15,7 +15,7 @@ import json
 import logging
 import re
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -26,12 +26,12 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from mlxq.jobs import keys as job_keys
-from mlxq.jobs.schema import GenerateResult
+from mlxq.jobs.schema import GenerateResult, ScoreResult
 
 from ..aio import AsyncClient
 from ..errors import JobFailed, JobNotFound, RedisFull
 from ..settings import ProducerSettings
-from . import api_keys, batches, limits, relay, shapes, translate
+from . import api_keys, batches, echo, limits, relay, shapes, translate
 from . import metrics as gateway_metrics
 from .api_keys import ApiKey
 from .batch_runner import BatchRunner
@@ -154,36 +154,88 @@ class Gateway:
     async def submit(self, key: ApiKey, t: translate.Translated) -> shapes.Context:
         queue = await self.route(key, t.model)
         job_id = self.client.tenant.job_id()
-        limit = key.max_jobs or self.settings.max_jobs_per_key
         ctx = shapes.Context(t.kind, job_id, t.model, int(time.time()), t.include_usage, key.digest)
-        conn = self.client.connection
 
         def write_context(pipe: Any) -> None:  # in the claim's transaction: one round trip for both
             pipe.hset(context_key(job_id), mapping=ctx.fields())
             pipe.expire(context_key(job_id), self.settings.stream_ttl_s)
 
-        busy = await limits.claim(conn, key.digest, job_id, limit, also=write_context)
+        await self._claim(key, job_id, write_context, context_key(job_id))
+        await self._enqueued(
+            key,
+            job_id,
+            self.client.submit_generate(t.request, job_id=job_id, queue=queue, meta={"api_key": key.name}),
+        )
+        if self.metrics is not None:
+            self.metrics.submitted(t.model, t.kind)
+        return ctx
+
+    async def _claim(self, key: ApiKey, job_id: str, also: Any = None, undo: str | None = None) -> None:
+        """Count `job_id` against the key's jobs in flight, or answer 429 (deleting `undo`)."""
+        limit = key.max_jobs or self.settings.max_jobs_per_key
+        conn = self.client.connection
+        busy = await limits.claim(conn, key.digest, job_id, limit, also=also)
         if busy is not None:
-            await conn.delete(context_key(job_id))
+            if undo is not None:
+                await conn.delete(undo)
             raise ApiError(
                 429,
                 f"API key {key.name!r} has {busy} jobs in flight, its limit is {limit}: wait for one to end",
                 type="rate_limit_error",
                 code="too_many_jobs",
             )
+
+    async def _enqueued(self, key: ApiKey, job_id: str, enqueue: Awaitable[Any]) -> None:
+        """Await a claimed job's enqueue; if it fails, the claim is given back."""
         try:
-            await self.client.submit_generate(
-                t.request, job_id=job_id, queue=queue, meta={"api_key": key.name}
-            )
+            await enqueue
         except RedisFull as e:
-            await limits.release(conn, key.digest, job_id)
+            await limits.release(self.client.connection, key.digest, job_id)
             raise ApiError(503, str(e), type="server_error", code="redis_full") from None
         except BaseException:
-            await limits.release(conn, key.digest, job_id)
+            await limits.release(self.client.connection, key.digest, job_id)
             raise
+
+    async def _result(self, job_id: str) -> GenerateResult | ScoreResult:
+        """A job's result, its failure as OpenAI's error (400 for the request's fault, else 500)."""
+        try:
+            return await self.client.job(job_id).result(timeout=self.settings.job_timeout_s)
+        except JobFailed as e:
+            client_error = any(name in e.details for name in _CLIENT_ERRORS)
+            raise ApiError(
+                400 if client_error else 500,
+                str(e),
+                type="invalid_request_error" if client_error else "server_error",
+                code="job_failed",
+                retry=False,  # the job ran and failed: the SDK's automatic retry would run it again
+            ) from None
+        except TimeoutError as e:
+            raise ApiError(
+                504,
+                f"{e} (the job goes on: its id is {job_id})",
+                type="server_error",
+                code="timeout",
+                retry=False,
+            ) from None
+
+    async def scored_completion(self, key: ApiKey, body: dict[str, Any]) -> Response:
+        """`POST /v1/completions` with `echo`/`logprobs`: one score job, a choice per prompt (`echo`)."""
+        ask = echo.parse(body, translate.model_of(body))
+        queue = await self.route(key, ask.model)
+        job_id = self.client.tenant.job_id()
+        created = int(time.time())
+        await self._claim(key, job_id)
+        meta = {"api_key": key.name}
+        await self._enqueued(
+            key, job_id, self.client.submit_score(ask.request, job_id=job_id, queue=queue, meta=meta)
+        )
         if self.metrics is not None:
-            self.metrics.submitted(t.model, t.kind)
-        return ctx
+            self.metrics.submitted(ask.model, "completion")
+        result = await self._result(job_id)
+        if not isinstance(result, ScoreResult):
+            raise ApiError(500, f"job {job_id} returned no score result", type="server_error")
+        answer = echo.answer(ask, shapes.completion_id("completion", job_id), created, result)
+        return JSONResponse(answer, headers={"x-mlxq-job-id": job_id})
 
     async def context(self, key: ApiKey, completion: str) -> shapes.Context:
         found = shapes.job_id_of(completion)
@@ -207,29 +259,13 @@ class Gateway:
     async def generate(self, request: Request, kind: translate.Kind) -> Response:
         key = await self.authorize(request)
         body = await self.body(request)
+        if kind == "completion" and echo.wanted(body):
+            return await self.scored_completion(key, body)
         t = translate.chat(body) if kind == "chat" else translate.completion(body)
         ctx = await self.submit(key, t)
         if t.stream:
             return _sse(relay.events(self.client, ctx, None), ctx)
-        try:
-            result = await self.client.job(ctx.job_id).result(timeout=self.settings.job_timeout_s)
-        except JobFailed as e:
-            client_error = any(name in e.details for name in _CLIENT_ERRORS)
-            raise ApiError(
-                400 if client_error else 500,
-                str(e),
-                type="invalid_request_error" if client_error else "server_error",
-                code="job_failed",
-                retry=False,  # the job ran and failed: the SDK's automatic retry would run it again
-            ) from None
-        except TimeoutError as e:
-            raise ApiError(
-                504,
-                f"{e} (the job goes on: its id is {ctx.job_id})",
-                type="server_error",
-                code="timeout",
-                retry=False,
-            ) from None
+        result = await self._result(ctx.job_id)
         if not isinstance(result, GenerateResult):
             raise ApiError(500, f"job {ctx.job_id} returned no generation result", type="server_error")
         return JSONResponse(ctx.whole(result), headers={"x-mlxq-job-id": ctx.job_id})

@@ -2,8 +2,9 @@
 
 Every parameter is either carried to the job, answered for by the gateway (`stream`, `model`, `n=1`),
 accepted as metadata with no effect on the text (`user`, `metadata`, `store=false`), or refused with a
-400 that names it. Nothing is dropped silently: a client that asks for tools or logprobs learns at once
-that mlxq does not give them, rather than getting text that ignored the ask.
+400 that names it. Nothing is dropped silently: a client that asks for tools or a chat's logprobs learns
+at once that mlxq does not give them, rather than getting text that ignored the ask. A completion's
+`echo`/`logprobs` are answered by a score job instead (`echo`).
 """
 
 from __future__ import annotations
@@ -23,10 +24,6 @@ _SAMPLING = ("temperature", "top_p", "seed", "presence_penalty", "frequency_pena
 _EXTENSIONS = ("top_k", "min_p", "repetition_penalty")  # vLLM-style extras (`extra_body` in the SDK)
 _METADATA = ("user", "metadata", "service_tier")
 
-_ECHO_LOGPROBS = (
-    "prompt and completion logprobs (`echo` with `logprobs`) are not wired into the gateway yet; they are "
-    "to come from mlxq's evaluation scoring (issue 28: score jobs with `prompt_logprobs`)"
-)
 _UNSUPPORTED_CHAT = {
     "tools": "mlxq's workers do not do tool calling",
     "tool_choice": "mlxq's workers do not do tool calling",
@@ -42,8 +39,6 @@ _UNSUPPORTED_CHAT = {
 }
 _UNSUPPORTED_COMPLETION = {
     "suffix": "mlxq's workers do not fill in the middle",
-    "echo": _ECHO_LOGPROBS,
-    "logprobs": _ECHO_LOGPROBS,
 }
 
 
@@ -58,7 +53,7 @@ class Translated:
     include_usage: bool
 
 
-def _model(body: dict[str, Any]) -> str:
+def model_of(body: dict[str, Any]) -> str:
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise bad_request(
@@ -159,7 +154,7 @@ _BASE = {
 
 def chat(body: dict[str, Any]) -> Translated:
     """A `POST /v1/chat/completions` body."""
-    model = _model(body)
+    model = model_of(body)
     _n(body)
     stream, include_usage = _stream(body)
     if body.get("store"):
@@ -202,12 +197,13 @@ def _message(message: Any, i: int) -> dict[str, Any]:
 
 def completion(body: dict[str, Any]) -> Translated:
     """A `POST /v1/completions` body."""
-    model = _model(body)
+    model = model_of(body)
     _n(body)
     if body.get("best_of") not in (None, 1):
         raise unsupported("best_of", "a request yields one completion")
     stream, include_usage = _stream(body)
-    params = _common(body, _BASE | {"prompt", "best_of"}, _UNSUPPORTED_COMPLETION)
+    # `echo` and `logprobs` when asked are answered by a score job (`echo`), never reach here
+    params = _common(body, _BASE | {"prompt", "best_of", "echo", "logprobs"}, _UNSUPPORTED_COMPLETION)
     params["max_tokens"] = body.get("max_tokens", 16)  # OpenAI's default for completions
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
