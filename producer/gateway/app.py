@@ -152,20 +152,35 @@ class Gateway:
         return queues[lengths.index(min(lengths))]
 
     async def submit(self, key: ApiKey, t: translate.Translated) -> shapes.Context:
+        """Enqueue a job per choice; the key's limit counts each. The answer's context (for any instance
+        that resumes its stream) is written in choice 0's claim."""
         queue = await self.route(key, t.model)
-        job_id = self.client.tenant.job_id()
-        ctx = shapes.Context(t.kind, job_id, t.model, int(time.time()), t.include_usage, key.digest)
+        jobs = [self.client.tenant.job_id() for _ in range(t.n)]
+        ctx = shapes.Context(
+            t.kind, jobs[0], t.model, int(time.time()), t.include_usage, key.digest, siblings=tuple(jobs[1:])
+        )
 
         def write_context(pipe: Any) -> None:  # in the claim's transaction: one round trip for both
-            pipe.hset(context_key(job_id), mapping=ctx.fields())
-            pipe.expire(context_key(job_id), self.settings.stream_ttl_s)
+            pipe.hset(context_key(ctx.job_id), mapping=ctx.fields())
+            pipe.expire(context_key(ctx.job_id), self.settings.stream_ttl_s)
 
-        await self._claim(key, job_id, write_context, context_key(job_id))
-        await self._enqueued(
-            key,
-            job_id,
-            self.client.submit_generate(t.request, job_id=job_id, queue=queue, meta={"api_key": key.name}),
-        )
+        for i, job_id in enumerate(jobs):
+            try:
+                await self._claim(key, job_id, write_context if i == 0 else None, context_key(ctx.job_id))
+            except ApiError:
+                for claimed in jobs[:i]:
+                    await limits.release(self.client.connection, key.digest, claimed)
+                raise
+        meta = {"api_key": key.name}
+        for i, (job_id, request) in enumerate(zip(jobs, translate.choice_requests(t), strict=True)):
+            try:
+                await self._enqueued(
+                    key, job_id, self.client.submit_generate(request, job_id=job_id, queue=queue, meta=meta)
+                )
+            except BaseException:
+                for unsent in jobs[i + 1 :]:
+                    await limits.release(self.client.connection, key.digest, unsent)
+                raise
         if self.metrics is not None:
             self.metrics.submitted(t.model, t.kind)
         return ctx
@@ -265,17 +280,22 @@ class Gateway:
         ctx = await self.submit(key, t)
         if t.stream:
             return _sse(relay.events(self.client, ctx, None), ctx)
-        result = await self._result(ctx.job_id)
-        if not isinstance(result, GenerateResult):
+        results = await asyncio.gather(*(self._result(job_id) for job_id in ctx.jobs))
+        generated = [r for r in results if isinstance(r, GenerateResult)]
+        if len(generated) != len(results):
             raise ApiError(500, f"job {ctx.job_id} returned no generation result", type="server_error")
-        return JSONResponse(ctx.whole(result), headers={"x-mlxq-job-id": ctx.job_id})
+        return JSONResponse(ctx.whole(generated), headers={"x-mlxq-job-id": ",".join(ctx.jobs)})
 
     async def resume(self, request: Request) -> Response:
         key = await self.authorize(request)
         ctx = await self.context(key, request.path_params["completion_id"])
         last = request.headers.get("last-event-id") or None
-        if last is not None and not _STREAM_ID.fullmatch(last):
-            raise bad_request(f"Last-Event-ID {last!r} is not an id this stream sent (<ms>-<seq>)")
+        if last is not None and not (
+            len(last.split(",")) == len(ctx.jobs) and all(_STREAM_ID.fullmatch(p) for p in last.split(","))
+        ):
+            raise bad_request(
+                f"Last-Event-ID {last!r} is not an id this stream sent (<ms>-<seq>, one per choice)"
+            )
         return _sse(relay.events(self.client, ctx, last), ctx)
 
     async def models(self, request: Request) -> Response:

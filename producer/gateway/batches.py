@@ -25,7 +25,8 @@ import redis.asyncio
 from mlxq.jobs.schema import GenerateResult
 
 from .. import payload
-from .errors import ApiError, bad_request
+from . import echo
+from .errors import ApiError, bad_request, unsupported
 from .shapes import Context
 from .translate import Kind, Translated, chat, completion
 
@@ -116,9 +117,13 @@ def check(content: bytes, endpoint: str, max_lines: int) -> Checked:
         if len(seen) > max_lines:
             raise bad_request(f"the input file has more than {max_lines} requests", "input_file_id")
         try:
+            if kind == "completion" and echo.wanted(body):
+                raise unsupported("echo" if body.get("echo") else "logprobs", "not in a batch request")
             t: Translated = chat(body) if kind == "chat" else completion(body)
             if t.stream:
                 raise bad_request("`stream` is not allowed in a batch request", "stream")
+            if t.n > 1:
+                raise unsupported("n", "a batch request yields one choice: give each its own line")
         except ApiError as e:
             refused.append(error_line(custom_id, e.status, e.body()["error"]))
             continue
@@ -142,7 +147,7 @@ def output_line(kind: Kind, model: str, owner: str, record: dict[str, Any]) -> d
     custom_id = record.pop("custom_id")
     request_id = uuid.uuid4().hex
     ctx = Context(kind, request_id, model, int(time.time()), False, owner)
-    body = ctx.whole(GenerateResult.model_validate(record))
+    body = ctx.whole([GenerateResult.model_validate(record)])
     return {
         "id": f"batch_req_{request_id}",
         "custom_id": custom_id,

@@ -1,6 +1,7 @@
 """OpenAI request bodies -> mlxq generation requests, and what the answer should look like.
 
-Every parameter is either carried to the job, answered for by the gateway (`stream`, `model`, `n=1`),
+Every parameter is either carried to the job, answered for by the gateway (`stream`, `model`, `n`: a job
+per choice),
 accepted as metadata with no effect on the text (`user`, `metadata`, `store=false`), or refused with a
 400 that names it. Nothing is dropped silently: a client that asks for tools or a chat's logprobs learns
 at once that mlxq does not give them, rather than getting text that ignored the ask. A completion's
@@ -51,6 +52,7 @@ class Translated:
     request: GenerateRequest
     stream: bool
     include_usage: bool
+    n: int = 1
 
 
 def model_of(body: dict[str, Any]) -> str:
@@ -62,14 +64,27 @@ def model_of(body: dict[str, Any]) -> str:
     return model
 
 
-def _n(body: dict[str, Any]) -> None:
+MAX_CHOICES = 16
+
+
+def _n(body: dict[str, Any]) -> int:
+    """How many choices: one job each (an mlxq job generates one sequence)."""
     n = body.get("n")
-    if n is not None and n != 1:
-        raise unsupported(
-            "n",
-            "a request yields one choice (an mlxq job generates one sequence); send n "
-            "requests, each with its own `seed`, for several",
-        )
+    if n is None:
+        return 1
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_CHOICES:
+        raise bad_request(f"`n` must be an integer from 1 to {MAX_CHOICES}", "n")
+    return n
+
+
+def choice_requests(t: Translated) -> list[GenerateRequest]:
+    """The job of each choice: the request's own for the first, the seed counted up for the next
+    (so a seeded request gives the same choices again; an unseeded one, independent ones)."""
+    seed = t.request.seed
+    return [
+        t.request if seed is None or i == 0 else t.request.model_copy(update={"seed": seed + i})
+        for i in range(t.n)
+    ]
 
 
 def _stream(body: dict[str, Any]) -> tuple[bool, bool]:
@@ -155,7 +170,7 @@ _BASE = {
 def chat(body: dict[str, Any]) -> Translated:
     """A `POST /v1/chat/completions` body."""
     model = model_of(body)
-    _n(body)
+    n = _n(body)
     stream, include_usage = _stream(body)
     if body.get("store"):
         raise unsupported("store", "the gateway keeps no completions for later retrieval")
@@ -174,6 +189,7 @@ def chat(body: dict[str, Any]) -> Translated:
         _validated(params, None, [_message(m, i) for i, m in enumerate(messages)]),
         stream,
         include_usage,
+        n,
     )
 
 
@@ -198,7 +214,7 @@ def _message(message: Any, i: int) -> dict[str, Any]:
 def completion(body: dict[str, Any]) -> Translated:
     """A `POST /v1/completions` body."""
     model = model_of(body)
-    _n(body)
+    n = _n(body)
     if body.get("best_of") not in (None, 1):
         raise unsupported("best_of", "a request yields one completion")
     stream, include_usage = _stream(body)
@@ -216,4 +232,4 @@ def completion(body: dict[str, Any]) -> Translated:
         )
     if not isinstance(prompt, str):
         raise bad_request("`prompt` must be a string", "prompt")
-    return Translated("completion", model, _validated(params, prompt, None), stream, include_usage)
+    return Translated("completion", model, _validated(params, prompt, None), stream, include_usage, n)

@@ -250,13 +250,13 @@ def test_response_format_constrains_the_answer(
 @pytest.mark.parametrize(
     ("kind", "extra", "param"),
     [
-        ("chat", {"n": 2}, "n"),
+        ("chat", {"n": 17}, "n"),
         ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
         ("chat", {"logprobs": True}, "logprobs"),
         ("completion", {"echo": True}, "max_tokens"),  # echo: the prompt, or one greedy token after it
         ("completion", {"logprobs": 2, "max_tokens": 1, "temperature": 0.7}, "temperature"),
         ("completion", {"echo": True, "max_tokens": 0, "stream": True}, "stream"),
-        ("completion", {"n": 3}, "n"),
+        ("completion", {"echo": True, "max_tokens": 0, "n": 2}, "n"),
         ("chat", {"extra_body": {"max_tokenz": 3}}, "max_tokenz"),
     ],
 )

@@ -61,7 +61,8 @@ def test_completion_defaults_and_prompt_forms() -> None:
     [
         ({**CHAT, "stream_options": {"include_usage": True}}, "stream_options"),
         ({**CHAT, "logit_bias": {"x": 1}}, "logit_bias"),
-        ({**CHAT, "n": 2}, "n"),
+        ({**CHAT, "n": 0}, "n"),
+        ({**CHAT, "n": translate.MAX_CHOICES + 1}, "n"),
         ({**CHAT, "mystery": 1}, "mystery"),
         ({"messages": CHAT["messages"]}, "model"),
         ({**CHAT, "messages": []}, "messages"),
@@ -77,3 +78,11 @@ def test_refusals_name_the_parameter(body: dict[str, Any], param: str) -> None:
 def test_stream_with_usage() -> None:
     t = translate.chat({**CHAT, "stream": True, "stream_options": {"include_usage": True}})
     assert t.stream and t.include_usage
+
+
+def test_n_choices_count_the_seed_up_or_leave_it_unset() -> None:
+    seeded = translate.chat({**CHAT, "n": 3, "seed": 7})
+    assert seeded.n == 3 and [r.seed for r in translate.choice_requests(seeded)] == [7, 8, 9]
+    assert translate.choice_requests(seeded)[0] == seeded.request
+    unseeded = translate.completion({"model": "m", "prompt": "hi", "n": 2})
+    assert [r.seed for r in translate.choice_requests(unseeded)] == [None, None]
