@@ -361,6 +361,7 @@ class Gateway:
             raise bad_request(f"`endpoint` must be one of {', '.join(batches.ENDPOINTS)}", "endpoint")
         if body.get("completion_window", "24h") != "24h":
             raise bad_request('`completion_window` must be "24h"', "completion_window")
+        metadata = batches.check_metadata(body.get("metadata"))
         store, stored = await self._file(key, str(body.get("input_file_id", "")))
         if stored.purpose != "batch":
             raise bad_request(f"file {stored.id} is not a batch input", "input_file_id")
@@ -387,7 +388,7 @@ class Gateway:
             "queue": queue,
             "model": checked.model,
             "total": str(checked.total),
-            "metadata": json.dumps(body.get("metadata")),
+            "metadata": json.dumps(metadata),
         }
         await batches.BatchRecords(self.client.connection).create(fields)
         return JSONResponse(batches.openai_batch(fields))
@@ -401,6 +402,36 @@ class Gateway:
     async def get_batch(self, request: Request) -> Response:
         key = await self.authorize(request)
         fields = await self._batch(key, request.path_params["batch_id"])
+        return JSONResponse(self._batch_object(fields))
+
+    async def list_batches(self, request: Request) -> Response:
+        """OpenAI's cursor pages: `limit` (1..100, default 20) batches, newest first, after `after`."""
+        key = await self.authorize(request)
+        raw_limit = request.query_params.get("limit", "20")
+        if not raw_limit.isdigit() or not 1 <= int(raw_limit) <= 100:
+            raise bad_request("`limit` must be an integer from 1 to 100", "limit")
+        after = request.query_params.get("after") or None
+        try:
+            records, more = await batches.BatchRecords(self.client.connection).page(
+                key.digest, int(raw_limit), after
+            )
+        except KeyError:
+            raise ApiError(
+                404, f"no batch {after!r} to list after", param="after", code="batch_not_found"
+            ) from None
+        data = [self._batch_object(fields) for fields in records]
+        return JSONResponse(
+            {
+                "object": "list",
+                "data": data,
+                "first_id": data[0]["id"] if data else None,
+                "last_id": data[-1]["id"] if data else None,
+                "has_more": more,
+            }
+        )
+
+    def _batch_object(self, fields: dict[str, str]) -> dict[str, Any]:
+        """A batch record as OpenAI's object, its counts read from its files while it runs."""
         counts = None
         if fields["status"] in batches.OPEN:
             d = batches.folder(self.settings.data_dir, fields["id"])
@@ -410,7 +441,7 @@ class Gateway:
                 "completed": batches.count_lines(d / "out.jsonl"),
                 "failed": failed,
             }
-        return JSONResponse(batches.openai_batch(fields, counts))
+        return batches.openai_batch(fields, counts)
 
     async def cancel_batch(self, request: Request) -> Response:
         key = await self.authorize(request)
@@ -522,6 +553,7 @@ def create_app(
         route("/v1/files/{file_id}", "file", gateway.file_info, "GET"),
         route("/v1/files/{file_id}/content", "file_content", gateway.file_content, "GET"),
         route("/v1/batches", "create_batch", gateway.create_batch, "POST"),
+        route("/v1/batches", "list_batches", gateway.list_batches, "GET"),
         route("/v1/batches/{batch_id}", "batch", gateway.get_batch, "GET"),
         route("/v1/batches/{batch_id}/cancel", "cancel_batch", gateway.cancel_batch, "POST"),
         Route("/health", gateway.health, methods=["GET"]),
