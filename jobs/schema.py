@@ -245,13 +245,15 @@ class ScoreRow(_Strict):
     - `prompt_logprobs`: each prompt token's log-probability (the first has none), with the
       `top_logprobs` most likely alternatives per position and the log-probabilities of `token_ids` at
       every position where asked. Such a row may give its prompt as token ids (`prompt_ids`, taken as
-      they are: no special tokens added) instead of text; `token_texts` asks for each token's text and
+      they are: no special tokens added) instead of text, and `completion_ids` after it (a generation's
+      tokens, scored after its prompt); `token_texts` asks for each token's text and
       offset (OpenAI's `echo` with `logprobs`); `next_token` also asks for the `top_logprobs` (at least
       one) alternatives of the token after the prompt, which is what a greedy one-token completion takes.
     """
 
     prompt: Text = ""  # "" where `prompt_ids` gives it, or an empty context (lm-eval's)
     prompt_ids: list[Annotated[int, Field(ge=0)]] | None = Field(default=None, min_length=1)
+    completion_ids: list[Annotated[int, Field(ge=0)]] = Field(default_factory=list, max_length=1_000_000)
     token_texts: bool = False
     next_token: bool = False
     candidates: list[Text] | None = Field(default=None, min_length=1)
@@ -291,11 +293,13 @@ class ScoreRow(_Strict):
             )
         if self.window is not None and not self.rolling:
             raise ValueError("`window` belongs to a `rolling` row")
-        extras = self.top_logprobs or self.token_ids or self.token_texts or self.next_token
+        extras = (
+            self.top_logprobs or self.token_ids or self.token_texts or self.next_token or self.completion_ids
+        )
         if (extras or self.prompt_ids is not None) and not self.prompt_logprobs:
             raise ValueError(
-                "`top_logprobs`, `token_ids`, `token_texts`, `next_token` and `prompt_ids` belong to a "
-                "`prompt_logprobs` row"
+                "`top_logprobs`, `token_ids`, `token_texts`, `next_token`, `prompt_ids` and `completion_ids` "
+                "belong to a `prompt_logprobs` row"
             )
         if self.prompt_ids is not None and self.prompt:
             raise ValueError("give the prompt as `prompt` (text) or as `prompt_ids`, not both")

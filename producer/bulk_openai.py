@@ -164,6 +164,11 @@ class OpenAIScoreKind:
             ask = echo.parse(body, translate.model_of(body))
         except ApiError as e:
             raise _refused(e) from None
+        if ask.generate is not None:
+            raise BadRow(
+                "score-file scores prompts (`max_tokens` 0, or 1 at `temperature` 0); a completion to "
+                "generate with its logprobs is for the gateway (`mlxq serve`)"
+            )
         if len(ask.request.rows) != 1:
             raise BadRow("a batch line scores one prompt: give each prompt its own line")
         return BatchLine("completion", ask.model, ask.request.rows[0], ask)

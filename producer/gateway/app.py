@@ -26,7 +26,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from mlxq.jobs import keys as job_keys
-from mlxq.jobs.schema import GenerateResult, ScoreResult
+from mlxq.jobs.schema import GenerateResult, ScoreRequest, ScoreResult
 
 from ..aio import AsyncClient
 from ..errors import JobFailed, JobNotFound, RedisFull
@@ -234,23 +234,34 @@ class Gateway:
             ) from None
 
     async def scored_completion(self, key: ApiKey, body: dict[str, Any]) -> Response:
-        """`POST /v1/completions` with `echo`/`logprobs`: one score job, a choice per prompt (`echo`)."""
+        """`POST /v1/completions` with `echo`/`logprobs`: one score job (a choice per prompt), or a
+        generation job and then the score job of its tokens (`echo`)."""
         ask = echo.parse(body, translate.model_of(body))
-        queue = await self.route(key, ask.model)
+        if ask.generate is None:
+            job_id, result = await self._scored(key, ask.model, ask.request)
+            answer = echo.answer(ask, shapes.completion_id("completion", job_id), int(time.time()), result)
+            return JSONResponse(answer, headers={"x-mlxq-job-id": job_id})
+        ctx = await self.submit(key, ask.generate)
+        generated = await self._result(ctx.job_id)
+        if not isinstance(generated, GenerateResult):
+            raise ApiError(500, f"job {ctx.job_id} returned no generation result", type="server_error")
+        score_id, result = await self._scored(key, ask.model, echo.after(ask, generated))
+        answer = echo.answer_generated(ask, ctx.id, ctx.created, generated, result)
+        return JSONResponse(answer, headers={"x-mlxq-job-id": f"{ctx.job_id},{score_id}"})
+
+    async def _scored(self, key: ApiKey, model: str, request: ScoreRequest) -> tuple[str, ScoreResult]:
+        """A score job run to its end, counted against the key's jobs in flight."""
+        queue = await self.route(key, model)
         job_id = self.client.tenant.job_id()
-        created = int(time.time())
         await self._claim(key, job_id)
-        meta = {"api_key": key.name}
-        await self._enqueued(
-            key, job_id, self.client.submit_score(ask.request, job_id=job_id, queue=queue, meta=meta)
-        )
+        submitting = self.client.submit_score(request, job_id=job_id, queue=queue, meta={"api_key": key.name})
+        await self._enqueued(key, job_id, submitting)
         if self.metrics is not None:
-            self.metrics.submitted(ask.model, "completion")
+            self.metrics.submitted(model, "completion")
         result = await self._result(job_id)
         if not isinstance(result, ScoreResult):
             raise ApiError(500, f"job {job_id} returned no score result", type="server_error")
-        answer = echo.answer(ask, shapes.completion_id("completion", job_id), created, result)
-        return JSONResponse(answer, headers={"x-mlxq-job-id": job_id})
+        return job_id, result
 
     async def context(self, key: ApiKey, completion: str) -> shapes.Context:
         found = shapes.job_id_of(completion)

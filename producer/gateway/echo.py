@@ -1,12 +1,14 @@
-"""`POST /v1/completions` with `echo` or `logprobs`: answered by one score job, not a generation.
+"""`POST /v1/completions` with `echo` or `logprobs`: answered with a score job.
 
 This is how evaluation harnesses score text through OpenAI's API (lm-eval's `local-completions`:
 `echo: true, logprobs: 1, max_tokens: 0 or 1`, prompts as token ids): each prompt becomes a
 `prompt_logprobs` score row that asks for its tokens' texts and offsets, so the answer carries OpenAI's
 `logprobs` object (`tokens`, `token_logprobs` with None for the first token, `top_logprobs`,
-`text_offset`). A completion of one token with `temperature: 0` is the prompt's likeliest next token,
-which the same row gives (`next_token`): nothing is generated apart from the scoring. The logprobs of
-longer or sampled completions are not computed by mlxq's workers, so they are refused with a 400.
+`text_offset`). A completion of one token at `temperature: 0` (no penalties, bias or stop) is the
+prompt's likeliest next token, which the same row gives (`next_token`): one job, nothing generated.
+Any other completion is generated first (an ordinary generation job, every sampling setting honoured),
+then its prompt and generated tokens are scored together (`after`): the logprobs are the model's own
+distribution at each token, before temperature, penalties or bias, as vLLM reports them by default.
 """
 
 from __future__ import annotations
@@ -16,9 +18,16 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from mlxq.jobs.schema import MAX_TOP_LOGPROBS, PromptLogprobs, ScoreRequest, ScoreResult, TopLogprob
+from mlxq.jobs.schema import (
+    MAX_TOP_LOGPROBS,
+    GenerateResult,
+    PromptLogprobs,
+    ScoreRequest,
+    ScoreResult,
+    TopLogprob,
+)
 
-from . import shapes
+from . import shapes, translate
 from .errors import bad_request, unsupported
 
 _KNOWN = {
@@ -35,9 +44,9 @@ _NEUTRAL = {  # sampling values that change nothing about a greedy token
     "suffix": (None,),
     "stream_options": (None,),
 }
-_ONE_TOKEN = (
-    "with `echo` or `logprobs`, mlxq completes at most one token, greedily (`temperature: 0`), as "
-    "evaluation harnesses ask; the logprobs of longer or sampled completions are not computed by its workers"
+_GENERATED = (
+    "a generated completion's logprobs are taken for one text prompt (token-id prompts and lists of "
+    "prompts are scored only: `max_tokens` 0, or 1 at `temperature` 0)"
 )
 
 
@@ -48,13 +57,15 @@ def wanted(body: dict[str, Any]) -> bool:
 
 @dataclass(frozen=True)
 class EchoAsk:
-    """A completions request as a score job, and how to answer it."""
+    """A completions request as a score job, and how to answer it. With `generate`, the completion is
+    generated first (that job), then its prompt and generated tokens are scored (`after`)."""
 
     model: str
     request: ScoreRequest
     echo: bool
     logprobs: int | None
-    next_token: bool  # max_tokens 1: the prompt's likeliest next token is the completion
+    next_token: bool  # max_tokens 1 at temperature 0: the prompt's likeliest next token is the completion
+    generate: translate.Translated | None = None
 
 
 def parse(body: dict[str, Any], model: str) -> EchoAsk:
@@ -75,31 +86,46 @@ def parse(body: dict[str, Any], model: str) -> EchoAsk:
     for name in ("n", "best_of"):
         if body.get(name) not in (None, 1):
             raise unsupported(name, "with `echo` or `logprobs` a prompt has one choice")
-    for name, neutral in _NEUTRAL.items():
-        if name in body and body[name] not in neutral:
-            raise unsupported(name, _ONE_TOKEN)
     max_tokens = body.get("max_tokens", 16)
+    plain = all(name not in body or body[name] in neutral for name, neutral in _NEUTRAL.items())
+    if max_tokens == 1 and body.get("temperature") == 0 and plain:
+        return _scored(model, body, echo, logprobs, next_token=True)
     if max_tokens == 0:
         if not echo:
             raise bad_request("`max_tokens: 0` asks for nothing without `echo: true`", "max_tokens")
-    elif max_tokens != 1 or body.get("temperature") != 0:
-        raise unsupported("max_tokens" if max_tokens != 1 else "temperature", _ONE_TOKEN)
-    top = logprobs or 0
-    rows = [
-        {
-            **p,
-            "prompt_logprobs": True,
-            "top_logprobs": top,
-            "token_texts": True,
-            "next_token": max_tokens == 1,
-        }
-        for p in _prompts(body.get("prompt"))
-    ]
+        return _scored(model, body, echo, logprobs, next_token=False)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if not isinstance(prompt, str):
+        raise unsupported("prompt", _GENERATED)
+    t = translate.completion({k: v for k, v in body.items() if k not in ("echo", "logprobs")})
+    return EchoAsk(model, _score_request([{"prompt": prompt}], logprobs, False), echo, logprobs, False, t)
+
+
+def _scored(model: str, body: dict[str, Any], echo: bool, logprobs: int | None, next_token: bool) -> EchoAsk:
+    return EchoAsk(
+        model, _score_request(_prompts(body.get("prompt")), logprobs, next_token), echo, logprobs, next_token
+    )
+
+
+def _score_request(prompts: list[dict[str, Any]], logprobs: int | None, next_token: bool) -> ScoreRequest:
+    asks = {
+        "prompt_logprobs": True,
+        "top_logprobs": logprobs or 0,
+        "token_texts": True,
+        "next_token": next_token,
+    }
     try:
-        request = ScoreRequest.model_validate({"rows": rows})
+        return ScoreRequest.model_validate({"rows": [{**p, **asks} for p in prompts]})
     except ValidationError as e:
         raise bad_request(f"the request cannot be scored: {e.errors()[0]['msg']}", "prompt") from None
-    return EchoAsk(model, request, echo, logprobs, max_tokens == 1)
+
+
+def after(ask: EchoAsk, generated: GenerateResult) -> ScoreRequest:
+    """The score job of a generated completion: its prompt, then the tokens the generation took."""
+    (row,) = ask.request.rows
+    return ScoreRequest(rows=[row.model_copy(update={"completion_ids": generated.token_ids})])
 
 
 def _prompts(prompt: Any) -> list[dict[str, Any]]:
@@ -125,16 +151,42 @@ def _prompts(prompt: Any) -> list[dict[str, Any]]:
 
 
 def answer(ask: EchoAsk, completion_id: str, created: int, result: ScoreResult) -> dict[str, Any]:
-    """OpenAI's `text_completion` object: a choice per prompt, in order."""
+    """OpenAI's `text_completion` object of a scored request: a choice per prompt, in order."""
     choices, prompt_tokens, completion_tokens = [], 0, 0
     for i, row in enumerate(result.rows):
-        pl = row.prompt_logprobs
-        if pl is None or pl.texts is None or pl.offsets is None:
-            raise ValueError(f"row {i} of the score result has no token texts")
-        choice, generated = _choice(ask, i, pl, pl.texts, pl.offsets)
+        pl = _texts_of(row.prompt_logprobs, i)
+        choice, generated = _choice(ask, i, pl)
         choices.append(choice)
-        prompt_tokens += len(pl.texts)
+        prompt_tokens += len(pl.texts or [])
         completion_tokens += generated
+    usage = shapes.usage(prompt_tokens, completion_tokens, result.cached_tokens)
+    return _completion(ask, completion_id, created, choices, usage)
+
+
+def answer_generated(
+    ask: EchoAsk, completion_id: str, created: int, generated: GenerateResult, result: ScoreResult
+) -> dict[str, Any]:
+    """OpenAI's `text_completion` object of a generated completion, with the logprobs of its tokens
+    (and its prompt's, with `echo`) under the model's own distribution (before any sampling settings)."""
+    pl = _texts_of(result.rows[0].prompt_logprobs, 0)
+    texts = pl.texts or []
+    n_prompt = len(texts) - len(generated.token_ids)
+    text = ("".join(texts[:n_prompt]) if ask.echo else "") + generated.text
+    logprobs = _logprobs(pl, ask.logprobs, 0 if ask.echo else n_prompt) if ask.logprobs is not None else None
+    choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": generated.finish_reason}
+    u = generated.usage
+    return _completion(
+        ask,
+        completion_id,
+        created,
+        [choice],
+        shapes.usage(*(u.prompt_tokens, u.completion_tokens, u.cached_tokens)),
+    )
+
+
+def _completion(
+    ask: EchoAsk, completion_id: str, created: int, choices: list[dict[str, Any]], usage: dict[str, Any]
+) -> dict[str, Any]:
     return {
         "id": completion_id,
         "object": "text_completion",
@@ -142,49 +194,58 @@ def answer(ask: EchoAsk, completion_id: str, created: int, result: ScoreResult) 
         "model": ask.model,
         "system_fingerprint": None,
         "choices": choices,
-        "usage": shapes.usage(prompt_tokens, completion_tokens, result.cached_tokens),
+        "usage": usage,
     }
 
 
-def _choice(
-    ask: EchoAsk, index: int, pl: PromptLogprobs, texts: list[str], offsets: list[int]
-) -> tuple[dict[str, Any], int]:
-    prompt_text = "".join(texts)
-    tokens: list[str] = []
+def _texts_of(pl: PromptLogprobs | None, row: int) -> PromptLogprobs:
+    if pl is None or pl.texts is None or pl.offsets is None:
+        raise ValueError(f"row {row} of the score result has no token texts")
+    return pl
+
+
+def _logprobs(pl: PromptLogprobs, k: int | None, start: int) -> dict[str, Any]:
+    """OpenAI's `logprobs` object over the scored tokens from position `start` (the first token of the
+    sequence has no logprob: nothing precedes it)."""
+    texts, offsets = pl.texts or [], pl.offsets or []
+    alternatives = pl.top_logprobs or [[] for _ in pl.token_logprobs]
     token_logprobs: list[float | None] = []
     tops: list[dict[str, float] | None] = []
-    text_offset: list[int] = []
-    k = ask.logprobs or 0
-    if ask.echo:
-        tokens += texts
-        token_logprobs += [None, *pl.token_logprobs]
-        tops.append(None)
-        for token, lp, alternatives in zip(
-            texts[1:], pl.token_logprobs, pl.top_logprobs or [[]] * len(pl.token_logprobs), strict=True
-        ):
-            tops.append(_top(alternatives, k, token, lp))
-        text_offset += offsets
+    for p in range(start, len(texts)):
+        if p == 0:
+            token_logprobs.append(None)
+            tops.append(None)
+            continue
+        lp = pl.token_logprobs[p - 1]
+        token_logprobs.append(lp)
+        tops.append(_top(alternatives[p - 1], k or 0, texts[p], lp))
+    return {
+        "tokens": texts[start:],
+        "token_logprobs": token_logprobs,
+        "top_logprobs": tops,
+        "text_offset": offsets[start:],
+    }
+
+
+def _choice(ask: EchoAsk, index: int, pl: PromptLogprobs) -> tuple[dict[str, Any], int]:
+    """A scored prompt's choice: the prompt (with `echo`), then its greedy next token where asked."""
+    texts = pl.texts or []
+    prompt_text = "".join(texts)
+    lp = _logprobs(pl, ask.logprobs, 0 if ask.echo else len(texts))
     text, finish, generated = prompt_text if ask.echo else "", "length", 0
     if ask.next_token and pl.next_top:
         chosen = pl.next_top[0]
         piece = chosen.text or ""
-        tokens.append(piece)
-        token_logprobs.append(chosen.logprob)
-        tops.append(_top(pl.next_top, k, piece, chosen.logprob))
-        text_offset.append(len(prompt_text))
+        lp["tokens"].append(piece)
+        lp["token_logprobs"].append(chosen.logprob)
+        lp["top_logprobs"].append(_top(pl.next_top, ask.logprobs or 0, piece, chosen.logprob))
+        lp["text_offset"].append(len(prompt_text))
         generated = 1
         if pl.next_ends:  # a greedy generation stops here: the end token shows in logprobs, not in text
             finish = "stop"
         else:
             text += piece
-    logprobs = None
-    if ask.logprobs is not None:
-        logprobs = {
-            "tokens": tokens,
-            "token_logprobs": token_logprobs,
-            "top_logprobs": tops,
-            "text_offset": text_offset,
-        }
+    logprobs = lp if ask.logprobs is not None else None
     return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}, generated
 
 

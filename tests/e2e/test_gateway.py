@@ -253,8 +253,7 @@ def test_response_format_constrains_the_answer(
         ("chat", {"n": 17}, "n"),
         ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
         ("chat", {"logprobs": True}, "logprobs"),
-        ("completion", {"echo": True}, "max_tokens"),  # echo: the prompt, or one greedy token after it
-        ("completion", {"logprobs": 2, "max_tokens": 1, "temperature": 0.7}, "temperature"),
+        ("completion", {"logprobs": 99}, "logprobs"),
         ("completion", {"echo": True, "max_tokens": 0, "stream": True}, "stream"),
         ("completion", {"echo": True, "max_tokens": 0, "n": 2}, "n"),
         ("chat", {"extra_body": {"max_tokenz": 3}}, "max_tokenz"),

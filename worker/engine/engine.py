@@ -341,8 +341,10 @@ class Engine:
         if row.rolling:  # an empty text has no windows: 0 over 0 tokens, as lm-eval has it
             window = min(row.window or request.max_tokens or self.context_length, self.context_length)
             return SeqRow("rolling", rolling_seqs(self.tokenizer, tokens, window))
+        tokens = [*tokens, *row.completion_ids]
         vocab = self.model.args.vocab_size
-        for what, ids in (("token id", row.token_ids), ("prompt token id", row.prompt_ids or [])):
+        checked = (("token id", row.token_ids), ("prompt token id", row.prompt_ids or []))
+        for what, ids in (*checked, ("completion token id", row.completion_ids)):
             for t in ids:
                 if t >= vocab:
                     raise InvalidRequest(f"row {index}: {what} {t} is not in the vocabulary (0..{vocab - 1})")
