@@ -1,8 +1,8 @@
 """The gateway's ASGI app (Starlette): OpenAI's routes, each a short function over the parts.
 
 Routes: `POST /v1/chat/completions`, `POST /v1/completions`, `GET /v1/models`, `GET /v1/streams/{id}`
-(resume a stream: `Last-Event-ID`), OpenAI's Batch API (`/v1/files`, `/v1/batches`: `batches`,
-`batch_runner`), `GET /health` (the process answers), `GET /ready` (Redis answers), `GET /metrics`
+(resume a stream: `Last-Event-ID`), OpenAI's Batch API (`/v1/files`, `/v1/batches`: `batch_routes`,
+`batches`, `batch_runner`), `GET /health` (the process answers), `GET /ready` (Redis answers), `GET /metrics`
 (Prometheus, with the `metrics` extra). The lifespan runs
 the batch runner: every instance takes up open batches nobody runs.
 Every `/v1/` route needs an API key (`Authorization: Bearer sk-mlxq-...`); no key, no job.
@@ -31,9 +31,10 @@ from mlxq.jobs.schema import GenerateResult, ScoreRequest, ScoreResult
 from ..aio import AsyncClient
 from ..errors import JobFailed, JobNotFound, RedisFull
 from ..settings import ProducerSettings
-from . import api_keys, batches, echo, limits, relay, shapes, translate
+from . import api_keys, echo, limits, relay, shapes, translate
 from . import metrics as gateway_metrics
 from .api_keys import ApiKey
+from .batch_routes import BatchRoutes
 from .batch_runner import BatchRunner
 from .catalog import Catalog
 from .errors import ApiError, bad_request
@@ -319,149 +320,9 @@ class Gateway:
         ]
         return JSONResponse({"object": "list", "data": data})
 
-    # --- files and batches ----------------------------------------------------------------------------
-
     @property
     def files(self) -> FileStore:
         return FileStore(self.client.connection, self.settings.data_dir)
-
-    async def upload(self, request: Request) -> Response:
-        key = await self.authorize(request)
-        declared = request.headers.get("content-length")
-        if declared is None or not declared.isdigit():
-            raise ApiError(411, "an upload needs a Content-Length header", code="length_required")
-        if int(declared) > self.settings.max_file_bytes:
-            raise ApiError(
-                413,
-                f"the file is over this gateway's limit of {self.settings.max_file_bytes} bytes",
-                code="file_too_large",
-            )
-        async with request.form(max_files=1, max_fields=4) as form:
-            upload, purpose = form.get("file"), form.get("purpose")
-            if purpose != "batch":
-                raise bad_request('`purpose` must be "batch" (the only use of files here)', "purpose")
-            if upload is None or isinstance(upload, str):
-                raise bad_request("`file` must be an uploaded file", "file")
-            content = await upload.read()
-            name = upload.filename or "upload.jsonl"
-        stored = await self.files.add(content, name, "batch", key.digest)
-        return JSONResponse(stored.openai())
-
-    async def _file(self, key: ApiKey, file_id: str) -> tuple[FileStore, Any]:
-        store = self.files
-        stored = await store.get(file_id) if file_id.startswith("file-") else None
-        if stored is None or stored.owner != key.digest:
-            raise ApiError(404, f"no file {file_id!r}", param="file_id", code="file_not_found")
-        return store, stored
-
-    async def file_info(self, request: Request) -> Response:
-        key = await self.authorize(request)
-        _, stored = await self._file(key, request.path_params["file_id"])
-        return JSONResponse(stored.openai())
-
-    async def file_content(self, request: Request) -> Response:
-        key = await self.authorize(request)
-        store, stored = await self._file(key, request.path_params["file_id"])
-        return Response(store.path(stored.id).read_bytes(), media_type="application/jsonl")
-
-    async def create_batch(self, request: Request) -> Response:
-        key = await self.authorize(request)
-        body = await self.body(request)
-        endpoint = body.get("endpoint")
-        if endpoint not in batches.ENDPOINTS:
-            raise bad_request(f"`endpoint` must be one of {', '.join(batches.ENDPOINTS)}", "endpoint")
-        if body.get("completion_window", "24h") != "24h":
-            raise bad_request('`completion_window` must be "24h"', "completion_window")
-        metadata = batches.check_metadata(body.get("metadata"))
-        store, stored = await self._file(key, str(body.get("input_file_id", "")))
-        if stored.purpose != "batch":
-            raise bad_request(f"file {stored.id} is not a batch input", "input_file_id")
-        checked = batches.check(store.path(stored.id).read_bytes(), endpoint, self.settings.max_batch_lines)
-        queue = await self.route(key, checked.model)
-        batch_id = batches.new_id()
-        d = batches.folder(self.settings.data_dir, batch_id)
-        d.mkdir(parents=True)
-        (d / "rows.jsonl").write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in checked.rows))
-        (d / "refused.jsonl").write_text(
-            "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in checked.refused)
-        )
-        now = int(time.time())
-        fields = {
-            "id": batch_id,
-            "endpoint": endpoint,
-            "input_file_id": stored.id,
-            "completion_window": "24h",
-            "status": "in_progress",
-            "created_at": str(now),
-            "in_progress_at": str(now),
-            "expires_at": str(now + 86_400),
-            "owner": key.digest,
-            "queue": queue,
-            "model": checked.model,
-            "total": str(checked.total),
-            "metadata": json.dumps(metadata),
-        }
-        await batches.BatchRecords(self.client.connection).create(fields)
-        return JSONResponse(batches.openai_batch(fields))
-
-    async def _batch(self, key: ApiKey, batch_id: str) -> dict[str, str]:
-        fields = await batches.BatchRecords(self.client.connection).get(batch_id)
-        if fields is None or fields.get("owner") != key.digest:
-            raise ApiError(404, f"no batch {batch_id!r}", param="batch_id", code="batch_not_found")
-        return fields
-
-    async def get_batch(self, request: Request) -> Response:
-        key = await self.authorize(request)
-        fields = await self._batch(key, request.path_params["batch_id"])
-        return JSONResponse(self._batch_object(fields))
-
-    async def list_batches(self, request: Request) -> Response:
-        """OpenAI's cursor pages: `limit` (1..100, default 20) batches, newest first, after `after`."""
-        key = await self.authorize(request)
-        raw_limit = request.query_params.get("limit", "20")
-        if not raw_limit.isdigit() or not 1 <= int(raw_limit) <= 100:
-            raise bad_request("`limit` must be an integer from 1 to 100", "limit")
-        after = request.query_params.get("after") or None
-        try:
-            records, more = await batches.BatchRecords(self.client.connection).page(
-                key.digest, int(raw_limit), after
-            )
-        except KeyError:
-            raise ApiError(
-                404, f"no batch {after!r} to list after", param="after", code="batch_not_found"
-            ) from None
-        data = [self._batch_object(fields) for fields in records]
-        return JSONResponse(
-            {
-                "object": "list",
-                "data": data,
-                "first_id": data[0]["id"] if data else None,
-                "last_id": data[-1]["id"] if data else None,
-                "has_more": more,
-            }
-        )
-
-    def _batch_object(self, fields: dict[str, str]) -> dict[str, Any]:
-        """A batch record as OpenAI's object, its counts read from its files while it runs."""
-        counts = None
-        if fields["status"] in batches.OPEN:
-            d = batches.folder(self.settings.data_dir, fields["id"])
-            failed = batches.count_lines(d / "errors.jsonl") + batches.count_lines(d / "refused.jsonl")
-            counts = {
-                "total": int(fields["total"]),
-                "completed": batches.count_lines(d / "out.jsonl"),
-                "failed": failed,
-            }
-        return batches.openai_batch(fields, counts)
-
-    async def cancel_batch(self, request: Request) -> Response:
-        key = await self.authorize(request)
-        fields = await self._batch(key, request.path_params["batch_id"])
-        if fields["status"] in ("validating", "in_progress"):
-            update = {"status": "cancelling", "cancelling_at": str(int(time.time()))}
-            await batches.BatchRecords(self.client.connection).update(fields["id"], **update)
-            fields.update(update)
-        return JSONResponse(batches.openai_batch(fields))
 
     async def health(self, request: Request) -> Response:
         return JSONResponse({"status": "ok"})
@@ -529,6 +390,7 @@ def create_app(
     settings: GatewaySettings | None = None, producer: ProducerSettings | None = None
 ) -> Starlette:
     gateway = Gateway(settings or GatewaySettings(), producer or ProducerSettings())
+    batch_routes = BatchRoutes(gateway)
     metrics = gateway.metrics
 
     async def chat(request: Request) -> Response:
@@ -560,13 +422,13 @@ def create_app(
         route("/v1/completions", "completions", completions, "POST"),
         route("/v1/models", "models", gateway.models, "GET"),
         route("/v1/streams/{completion_id}", "resume", gateway.resume, "GET"),
-        route("/v1/files", "upload", gateway.upload, "POST"),
-        route("/v1/files/{file_id}", "file", gateway.file_info, "GET"),
-        route("/v1/files/{file_id}/content", "file_content", gateway.file_content, "GET"),
-        route("/v1/batches", "create_batch", gateway.create_batch, "POST"),
-        route("/v1/batches", "list_batches", gateway.list_batches, "GET"),
-        route("/v1/batches/{batch_id}", "batch", gateway.get_batch, "GET"),
-        route("/v1/batches/{batch_id}/cancel", "cancel_batch", gateway.cancel_batch, "POST"),
+        route("/v1/files", "upload", batch_routes.upload, "POST"),
+        route("/v1/files/{file_id}", "file", batch_routes.file_info, "GET"),
+        route("/v1/files/{file_id}/content", "file_content", batch_routes.file_content, "GET"),
+        route("/v1/batches", "create_batch", batch_routes.create_batch, "POST"),
+        route("/v1/batches", "list_batches", batch_routes.list_batches, "GET"),
+        route("/v1/batches/{batch_id}", "batch", batch_routes.get_batch, "GET"),
+        route("/v1/batches/{batch_id}/cancel", "cancel_batch", batch_routes.cancel_batch, "POST"),
         Route("/health", gateway.health, methods=["GET"]),
         Route("/ready", gateway.ready, methods=["GET"]),
         Route("/metrics", metrics_page, methods=["GET"]),
