@@ -159,7 +159,8 @@ ResponseFormat = Annotated[
 
 
 class GenerateRequest(SamplingParams):
-    """A generation job: exactly one of `prompt` (raw text) or `messages` (rendered by the chat template).
+    """A generation job: exactly one of `prompt` (raw text), `messages` (rendered by the chat template)
+    or `prompt_ids` (the prompt as token ids, taken as they are: OpenAI's token-id prompts).
 
     A `prompt` is untrusted text: the text of a special token in it (`<|im_start|>`) is encoded as
     ordinary text, never as that control token, unless `allow_special_tokens` says the producer wrote
@@ -170,6 +171,7 @@ class GenerateRequest(SamplingParams):
 
     prompt: Text | None = None
     messages: list[ChatMessage] | None = None
+    prompt_ids: list[Annotated[int, Field(ge=0)]] | None = Field(default=None, min_length=1)
     max_tokens: Annotated[int, Field(ge=1, le=1_000_000)] = 256
     stop: list[Text] = Field(default_factory=list, max_length=MAX_STOP_STRINGS)
     add_special_tokens: bool = True
@@ -190,8 +192,11 @@ class GenerateRequest(SamplingParams):
 
     @model_validator(mode="after")
     def _one_input(self) -> GenerateRequest:
-        if (self.prompt is None) == (self.messages is None):
-            raise ValueError("give exactly one of `prompt` or `messages`")
+        given = [x is not None for x in (self.prompt, self.messages, self.prompt_ids)]
+        if sum(given) != 1:
+            raise ValueError(
+                "give exactly one of `prompt` or `messages` (or `prompt_ids`, the prompt as token ids)"
+            )
         if self.messages is not None and not self.messages:
             raise ValueError("`messages` must hold at least one message")
         return self

@@ -118,8 +118,10 @@ class OpenAIGenerateKind:
             t = translate.chat(body) if kind == "chat" else translate.completion(body)
         except ApiError as e:
             raise _refused(e) from None
-        if t.stream or t.n > 1:
-            raise BadRow("`stream` and `n` > 1 are not for a batch line: give each choice its own line")
+        if t.stream or t.n > 1 or t.more:
+            raise BadRow(
+                "`stream`, `n` > 1 and lists of prompts are not for a batch line: give each its own line"
+            )
         own = payload.wire_payload(t.request)
         request = GenerateRequest.model_validate({**self.inner.defaults, **own})
         return BatchLine(kind, t.model, request)

@@ -156,9 +156,17 @@ class Gateway:
         """Enqueue a job per choice; the key's limit counts each. The answer's context (for any instance
         that resumes its stream) is written in choice 0's claim."""
         queue = await self.route(key, t.model)
-        jobs = [self.client.tenant.job_id() for _ in range(t.n)]
+        requests = translate.choice_requests(t)
+        jobs = [self.client.tenant.job_id() for _ in requests]
         ctx = shapes.Context(
-            t.kind, jobs[0], t.model, int(time.time()), t.include_usage, key.digest, siblings=tuple(jobs[1:])
+            t.kind,
+            jobs[0],
+            t.model,
+            int(time.time()),
+            t.include_usage,
+            key.digest,
+            siblings=tuple(jobs[1:]),
+            per_prompt=t.n,
         )
 
         def write_context(pipe: Any) -> None:  # in the claim's transaction: one round trip for both
@@ -173,7 +181,7 @@ class Gateway:
                     await limits.release(self.client.connection, key.digest, claimed)
                 raise
         meta = {"api_key": key.name}
-        for i, (job_id, request) in enumerate(zip(jobs, translate.choice_requests(t), strict=True)):
+        for i, (job_id, request) in enumerate(zip(jobs, requests, strict=True)):
             try:
                 await self._enqueued(
                     key, job_id, self.client.submit_generate(request, job_id=job_id, queue=queue, meta=meta)

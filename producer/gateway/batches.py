@@ -130,6 +130,8 @@ def check(content: bytes, endpoint: str, max_lines: int) -> Checked:
                 raise bad_request("`stream` is not allowed in a batch request", "stream")
             if t.n > 1:
                 raise unsupported("n", "a batch request yields one choice: give each its own line")
+            if t.more:
+                raise unsupported("prompt", "a batch request takes one prompt: give each its own line")
         except ApiError as e:
             refused.append(error_line(custom_id, e.status, e.body()["error"]))
             continue

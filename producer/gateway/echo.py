@@ -45,8 +45,8 @@ _NEUTRAL = {  # sampling values that change nothing about a greedy token
     "stream_options": (None,),
 }
 _GENERATED = (
-    "a generated completion's logprobs are taken for one text prompt (token-id prompts and lists of "
-    "prompts are scored only: `max_tokens` 0, or 1 at `temperature` 0)"
+    "a generated completion's logprobs are taken for one prompt a request (a list of prompts is scored "
+    "only: `max_tokens` 0, or 1 at `temperature` 0)"
 )
 
 
@@ -94,13 +94,11 @@ def parse(body: dict[str, Any], model: str) -> EchoAsk:
         if not echo:
             raise bad_request("`max_tokens: 0` asks for nothing without `echo: true`", "max_tokens")
         return _scored(model, body, echo, logprobs, next_token=False)
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-        prompt = prompt[0]
-    if not isinstance(prompt, str):
+    prompts = _prompts(body.get("prompt"))
+    if len(prompts) != 1:
         raise unsupported("prompt", _GENERATED)
     t = translate.completion({k: v for k, v in body.items() if k not in ("echo", "logprobs")})
-    return EchoAsk(model, _score_request([{"prompt": prompt}], logprobs, False), echo, logprobs, False, t)
+    return EchoAsk(model, _score_request(prompts, logprobs, False), echo, logprobs, False, t)
 
 
 def _scored(model: str, body: dict[str, Any], echo: bool, logprobs: int | None, next_token: bool) -> EchoAsk:

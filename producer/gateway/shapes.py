@@ -54,6 +54,7 @@ class Context:
     index: int = 0  # the choice this job gives (`n` > 1: one job per choice)
     siblings: tuple[str, ...] = ()  # the jobs of choices 1.. (kept with choice 0's, whose id is the answer's)
     answer_job: str | None = None  # a later choice's context: choice 0's job, which names the answer
+    per_prompt: int = 1  # choices per prompt (`n`): the jobs are prompt by prompt, n each
 
     @property
     def id(self) -> str:
@@ -76,6 +77,7 @@ class Context:
             "include_usage": "1" if self.include_usage else "",
             "owner": self.owner,
             "siblings": ",".join(self.siblings),
+            "n": str(self.per_prompt),
         }
 
     @classmethod
@@ -91,6 +93,7 @@ class Context:
             bool(raw.get("include_usage")),
             raw.get("owner", ""),
             siblings=tuple(j for j in raw.get("siblings", "").split(",") if j),
+            per_prompt=int(raw.get("n") or 1),
         )
 
     def _head(self, obj: str) -> dict[str, Any]:
@@ -122,7 +125,7 @@ class Context:
         """The last chunk when `stream_options.include_usage`: no choices, the usage of them all."""
         obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
         counts = [(d.prompt_tokens, d.completion_tokens, d.cached_tokens) for d in dones]
-        return {**self._head(obj), "choices": [], "usage": _summed(counts)}
+        return {**self._head(obj), "choices": [], "usage": _summed(counts, self.per_prompt)}
 
     def whole(self, results: Sequence[GenerateResult]) -> dict[str, Any]:
         """The non-streamed answer: a choice per result, in order."""
@@ -136,11 +139,11 @@ class Context:
                 choice["text"] = result.text
             choices.append({**choice, "logprobs": None, "finish_reason": result.finish_reason})
         obj = "chat.completion" if self.kind == "chat" else "text_completion"
-        return {**self._head(obj), "choices": choices, "usage": _summed(counts)}
+        return {**self._head(obj), "choices": choices, "usage": _summed(counts, self.per_prompt)}
 
 
-def _summed(counts: Sequence[tuple[int, int, int]]) -> dict[str, Any]:
-    """The usage of several choices of one prompt, counted as OpenAI does: the prompt once, every
-    choice's completion tokens."""
-    prompt, cached = (counts[0][0], counts[0][2]) if counts else (0, 0)
-    return usage(prompt, sum(c[1] for c in counts), cached)
+def _summed(counts: Sequence[tuple[int, int, int]], per_prompt: int) -> dict[str, Any]:
+    """The usage of several choices, counted as OpenAI does: each prompt once (its first choice's
+    count; a prompt's choices are `per_prompt` jobs in a row), every choice's completion tokens."""
+    firsts = counts[::per_prompt]
+    return usage(sum(c[0] for c in firsts), sum(c[1] for c in counts), sum(c[2] for c in firsts))

@@ -53,6 +53,12 @@ class Translated:
     stream: bool
     include_usage: bool
     n: int = 1
+    more: tuple[GenerateRequest, ...] = ()  # the requests of a batch's other prompts (completions)
+
+    @property
+    def requests(self) -> tuple[GenerateRequest, ...]:
+        """One request per prompt (a completions request may send a batch of prompts)."""
+        return (self.request, *self.more)
 
 
 def model_of(body: dict[str, Any]) -> str:
@@ -78,13 +84,21 @@ def _n(body: dict[str, Any]) -> int:
 
 
 def choice_requests(t: Translated) -> list[GenerateRequest]:
-    """The job of each choice: the request's own for the first, the seed counted up for the next
-    (so a seeded request gives the same choices again; an unseeded one, independent ones)."""
-    seed = t.request.seed
-    return [
-        t.request if seed is None or i == 0 else t.request.model_copy(update={"seed": seed + i})
-        for i in range(t.n)
-    ]
+    """The job of each choice, prompt by prompt (OpenAI's order: prompt i's choices are `i*n ..`): the
+    request's own for a prompt's first, the seed counted up for the next (so a seeded request gives the
+    same choices again; an unseeded one, independent ones)."""
+    out = []
+    for request in t.requests:
+        seed = request.seed
+        out += [
+            request if seed is None or i == 0 else request.model_copy(update={"seed": seed + i})
+            for i in range(t.n)
+        ]
+    return out
+
+
+MAX_JOBS = 64
+"""The most jobs one request makes (prompts times `n`)."""
 
 
 def _stream(body: dict[str, Any]) -> tuple[bool, bool]:
@@ -221,15 +235,36 @@ def completion(body: dict[str, Any]) -> Translated:
     # `echo` and `logprobs` when asked are answered by a score job (`echo`), never reach here
     params = _common(body, _BASE | {"prompt", "best_of", "echo", "logprobs"}, _UNSUPPORTED_COMPLETION)
     params["max_tokens"] = body.get("max_tokens", 16)  # OpenAI's default for completions
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-        prompt = prompt[0]
-    if isinstance(prompt, list):
-        raise unsupported(
+    prompts = _completion_prompts(body.get("prompt"))
+    if len(prompts) * n > MAX_JOBS:
+        raise bad_request(
+            f"{len(prompts)} prompts times n={n} is {len(prompts) * n} jobs; a request makes at most "
+            f"{MAX_JOBS}",
             "prompt",
-            "a request takes one prompt as text (not a batch of prompts, not token "
-            "ids); send one request per prompt, or use the Batch API",
         )
-    if not isinstance(prompt, str):
-        raise bad_request("`prompt` must be a string", "prompt")
-    return Translated("completion", model, _validated(params, prompt, None), stream, include_usage, n)
+    requests = [
+        _validated({**params, "prompt_ids": p}, None, None)
+        if isinstance(p, list)
+        else _validated(params, p, None)
+        for p in prompts
+    ]
+    return Translated("completion", model, requests[0], stream, include_usage, n, tuple(requests[1:]))
+
+
+def _completion_prompts(prompt: Any) -> list[str | list[int]]:
+    """OpenAI's forms of a completion's `prompt`: text, token ids, or a batch of either."""
+    if isinstance(prompt, str) or _token_ids(prompt):
+        return [prompt]
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str) or _token_ids(p) for p in prompt):
+        return list(prompt)
+    raise bad_request(
+        "`prompt` must be a string, a list of token ids, or a non-empty list of either", "prompt"
+    )
+
+
+def _token_ids(value: Any) -> bool:
+    return (
+        isinstance(value, list)
+        and bool(value)
+        and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+    )

@@ -142,3 +142,34 @@ def test_a_keys_job_limit_counts_every_choice(
         assert len(got.choices) == 2
     finally:
         api_keys.revoke(conn, "two-at-a-time")
+
+
+def test_a_batch_of_prompts_gives_each_its_n_choices_in_openais_order(
+    sdk: openai.OpenAI, model: str, mlxq_client: Client, no_eos: dict[int, float]
+) -> None:
+    second = "A second prompt"
+    ids = mlxq_client.submit_score([{"prompt": second, "prompt_logprobs": True, "token_texts": True}])
+    pl = ids.result(timeout=60).rows[0].prompt_logprobs
+    assert pl is not None and pl.first_token is not None
+    token_prompt = [pl.first_token, *pl.tokens]  # the same prompt as token ids
+    bias = {str(k): v for k, v in no_eos.items()}
+    got = sdk.completions.create(
+        model=model,
+        prompt=[PROMPT, token_prompt],
+        n=2,
+        seed=3,
+        temperature=1.0,
+        max_tokens=4,
+        logit_bias=bias,
+    )
+    want = _expected(mlxq_client, 3, 2, no_eos, 4)
+    for i in range(2):
+        alone = mlxq_client.submit_generate(
+            second, max_tokens=4, temperature=1.0, seed=3 + i, logit_bias=no_eos
+        ).result(timeout=60)
+        want.append(alone)
+    assert [c.index for c in got.choices] == [0, 1, 2, 3]
+    assert [c.text for c in got.choices] == [w.text for w in want]
+    assert got.usage is not None
+    assert got.usage.prompt_tokens == want[0].usage.prompt_tokens + want[2].usage.prompt_tokens
+    assert got.usage.completion_tokens == 16

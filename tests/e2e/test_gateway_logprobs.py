@@ -140,6 +140,21 @@ def test_lm_evals_local_completions_scores_as_mlxq_does(
         assert row.continuations is not None
         assert logprob == pytest.approx(row.continuations[0].logprob, abs=1e-4)
         assert greedy == row.continuations[0].is_greedy
+    # generate_until: lm-eval sends the context as token ids; the text is a greedy generation's.
+    until = {"until": ["\n\n"], "max_gen_toks": 6, "do_sample": False}
+    contexts = ["Question: what runs the jobs? Answer:", "Once upon a time"]
+    generations = lm.generate_until(
+        [
+            Instance(request_type="generate_until", doc={}, arguments=(c, until), idx=i)
+            for i, c in enumerate(contexts)
+        ],
+        disable_tqdm=True,
+    )
+    for context, text in zip(contexts, generations, strict=True):
+        alone = mlxq_client.submit_generate(
+            context, max_tokens=6, temperature=0.0, stop=["\n\n"], add_special_tokens=False
+        ).result(timeout=60)
+        assert text == alone.text
 
 
 def test_a_generated_completions_logprobs_are_the_models_own(

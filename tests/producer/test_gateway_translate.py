@@ -51,9 +51,21 @@ def test_completion_defaults_and_prompt_forms() -> None:
     assert (
         translate.completion({"model": "m", "prompt": ["one"]}).request.max_tokens == 16
     )  # OpenAI's default
+    two = translate.completion({"model": "m", "prompt": ["one", [5, 6]], "n": 2, "seed": 1})
+    assert [(r.prompt, r.prompt_ids, r.seed) for r in translate.choice_requests(two)] == [
+        ("one", None, 1),
+        ("one", None, 2),
+        (None, [5, 6], 1),
+        (None, [5, 6], 2),
+    ]  # OpenAI's order: a prompt's n choices together
     with pytest.raises(ApiError) as e:
-        translate.completion({"model": "m", "prompt": ["one", "two"]})
+        translate.completion({"model": "m", "prompt": ["x"] * 33, "n": 2})
     assert e.value.status == 400 and e.value.param == "prompt"
+    for ids in ([5, 6, 7], [[5, 6, 7]]):  # OpenAI's token-id prompt, alone or as a batch of one
+        assert translate.completion({"model": "m", "prompt": ids}).request.prompt_ids == [5, 6, 7]
+    with pytest.raises(ApiError) as e:
+        translate.completion({"model": "m", "prompt": [5, -1]})
+    assert e.value.status == 400
 
 
 @pytest.mark.parametrize(

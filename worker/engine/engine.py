@@ -230,9 +230,14 @@ class Engine:
 
     def prompt_tokens(self, request: GenerateRequest) -> list[int]:
         """Token ids for a request: raw `prompt` encoded (special-token text as text unless the request
-        allows special tokens), or `messages` rendered by the chat template (`chat_tokens`)."""
+        allows special tokens), `messages` rendered by the chat template (`chat_tokens`), or `prompt_ids`."""
         if request.messages is not None:
             ids = self.chat_tokens([m.model_dump() for m in request.messages])
+        elif request.prompt_ids is not None:
+            ids = list(request.prompt_ids)
+            vocab = self.model.args.vocab_size
+            if max(ids) >= vocab:
+                raise InvalidRequest(f"prompt token id {max(ids)} is not in the vocabulary (0..{vocab - 1})")
         else:
             assert request.prompt is not None
             ids = self.tokenizer.encode(
