@@ -250,7 +250,8 @@ class ScoreRow(_Strict):
     - `prompt_logprobs`: each prompt token's log-probability (the first has none), with the
       `top_logprobs` most likely alternatives per position and the log-probabilities of `token_ids` at
       every position where asked. Such a row may give its prompt as token ids (`prompt_ids`, taken as
-      they are: no special tokens added) instead of text, and `completion_ids` after it (a generation's
+      they are: no special tokens added) or as chat `messages` (rendered as a generation renders them)
+      instead of text, and `completion_ids` after it (a generation's
       tokens, scored after its prompt); `token_texts` asks for each token's text and
       offset (OpenAI's `echo` with `logprobs`); `next_token` also asks for the `top_logprobs` (at least
       one) alternatives of the token after the prompt, which is what a greedy one-token completion takes.
@@ -258,6 +259,7 @@ class ScoreRow(_Strict):
 
     prompt: Text = ""  # "" where `prompt_ids` gives it, or an empty context (lm-eval's)
     prompt_ids: list[Annotated[int, Field(ge=0)]] | None = Field(default=None, min_length=1)
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
     completion_ids: list[Annotated[int, Field(ge=0)]] = Field(default_factory=list, max_length=1_000_000)
     token_texts: bool = False
     next_token: bool = False
@@ -301,13 +303,14 @@ class ScoreRow(_Strict):
         extras = (
             self.top_logprobs or self.token_ids or self.token_texts or self.next_token or self.completion_ids
         )
-        if (extras or self.prompt_ids is not None) and not self.prompt_logprobs:
+        other_prompt = self.prompt_ids is not None or self.messages is not None
+        if (extras or other_prompt) and not self.prompt_logprobs:
             raise ValueError(
-                "`top_logprobs`, `token_ids`, `token_texts`, `next_token`, `prompt_ids` and `completion_ids` "
-                "belong to a `prompt_logprobs` row"
+                "`top_logprobs`, `token_ids`, `token_texts`, `next_token`, `prompt_ids`, `messages` and "
+                "`completion_ids` belong to a `prompt_logprobs` row"
             )
-        if self.prompt_ids is not None and self.prompt:
-            raise ValueError("give the prompt as `prompt` (text) or as `prompt_ids`, not both")
+        if sum((bool(self.prompt), self.prompt_ids is not None, self.messages is not None)) > 1:
+            raise ValueError("give the prompt once: as `prompt` (text), `prompt_ids` or `messages`")
         return self
 
     @property

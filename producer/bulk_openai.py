@@ -118,6 +118,8 @@ class OpenAIGenerateKind:
             t = translate.chat(body) if kind == "chat" else translate.completion(body)
         except ApiError as e:
             raise _refused(e) from None
+        if t.logprobs is not None:
+            raise BadRow("a chat's `logprobs` are for the gateway (`mlxq serve`), not for a batch line")
         if t.stream or t.n > 1 or t.more:
             raise BadRow(
                 "`stream`, `n` > 1 and lists of prompts are not for a batch line: give each its own line"

@@ -31,7 +31,7 @@ from mlxq.jobs.schema import GenerateResult, ScoreRequest, ScoreResult
 from ..aio import AsyncClient
 from ..errors import JobFailed, JobNotFound, RedisFull
 from ..settings import ProducerSettings
-from . import api_keys, echo, limits, relay, shapes, translate
+from . import api_keys, chat_logprobs, echo, limits, relay, shapes, translate
 from . import metrics as gateway_metrics
 from .api_keys import ApiKey
 from .batch_routes import BatchRoutes
@@ -304,7 +304,11 @@ class Gateway:
         generated = [r for r in results if isinstance(r, GenerateResult)]
         if len(generated) != len(results):
             raise ApiError(500, f"job {ctx.job_id} returned no generation result", type="server_error")
-        return JSONResponse(ctx.whole(generated), headers={"x-mlxq-job-id": ",".join(ctx.jobs)})
+        answer = ctx.whole(generated)
+        if t.logprobs is not None:  # a chat's logprobs: its tokens scored after its messages
+            _, scored = await self._scored(key, t.model, chat_logprobs.score_request(t, generated[0]))
+            answer["choices"][0]["logprobs"] = chat_logprobs.content(generated[0], scored)
+        return JSONResponse(answer, headers={"x-mlxq-job-id": ",".join(ctx.jobs)})
 
     async def resume(self, request: Request) -> Response:
         key = await self.authorize(request)

@@ -132,6 +132,8 @@ def check(content: bytes, endpoint: str, max_lines: int) -> Checked:
                 raise unsupported("n", "a batch request yields one choice: give each its own line")
             if t.more:
                 raise unsupported("prompt", "a batch request takes one prompt: give each its own line")
+            if t.logprobs is not None:
+                raise unsupported("logprobs", "not in a batch request")
         except ApiError as e:
             refused.append(error_line(custom_id, e.status, e.body()["error"]))
             continue

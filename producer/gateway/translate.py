@@ -3,9 +3,10 @@
 Every parameter is either carried to the job, answered for by the gateway (`stream`, `model`, `n`: a job
 per choice),
 accepted as metadata with no effect on the text (`user`, `metadata`, `store=false`), or refused with a
-400 that names it. Nothing is dropped silently: a client that asks for tools or a chat's logprobs learns
-at once that mlxq does not give them, rather than getting text that ignored the ask. A completion's
-`echo`/`logprobs` are answered by a score job instead (`echo`).
+400 that names it. Nothing is dropped silently: a client that asks for tools learns at once that mlxq
+does not give them, rather than getting text that ignored the ask. A completion's `echo`/`logprobs` are
+answered by a score job instead (`echo`), and a chat's `logprobs` by one after its generation
+(`chat_logprobs`).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from mlxq.jobs.errors import InvalidRequest
-from mlxq.jobs.schema import GenerateRequest
+from mlxq.jobs.schema import MAX_TOP_LOGPROBS, GenerateRequest
 
 from .. import payload
 from .errors import bad_request, unsupported
@@ -31,7 +32,6 @@ _UNSUPPORTED_CHAT = {
     "functions": "mlxq's workers do not do function calling",
     "function_call": "mlxq's workers do not do function calling",
     "parallel_tool_calls": "mlxq's workers do not do tool calling",
-    "top_logprobs": "mlxq's workers do not return token logprobs for generated text",
     "audio": "mlxq serves text models",
     "modalities": "mlxq serves text models",
     "prediction": "mlxq's workers take no predicted output",
@@ -54,6 +54,7 @@ class Translated:
     include_usage: bool
     n: int = 1
     more: tuple[GenerateRequest, ...] = ()  # the requests of a batch's other prompts (completions)
+    logprobs: int | None = None  # a chat's `logprobs: true`: this many alternatives per token
 
     @property
     def requests(self) -> tuple[GenerateRequest, ...]:
@@ -188,9 +189,9 @@ def chat(body: dict[str, Any]) -> Translated:
     stream, include_usage = _stream(body)
     if body.get("store"):
         raise unsupported("store", "the gateway keeps no completions for later retrieval")
-    params = _common(body, _BASE | {"messages", "max_completion_tokens", "logprobs"}, _UNSUPPORTED_CHAT)
-    if body.get("logprobs"):
-        raise unsupported("logprobs", "mlxq's workers do not return token logprobs for generated text")
+    known = _BASE | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}
+    params = _common(body, known, _UNSUPPORTED_CHAT)
+    logprobs = _chat_logprobs(body, stream, n)
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     if max_tokens is not None:
         params["max_tokens"] = max_tokens
@@ -204,7 +205,29 @@ def chat(body: dict[str, Any]) -> Translated:
         stream,
         include_usage,
         n,
+        logprobs=logprobs,
     )
+
+
+def _chat_logprobs(body: dict[str, Any], stream: bool, n: int) -> int | None:
+    """How many alternatives a chat's `logprobs` asks per token (None: no logprobs). They come from a
+    score job after the generation (`chat_logprobs`), so not streamed, and for one choice."""
+    logprobs, top = body.get("logprobs"), body.get("top_logprobs")
+    if logprobs not in (None, True, False):
+        raise bad_request("`logprobs` must be true or false", "logprobs")
+    if top is not None and (
+        isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= MAX_TOP_LOGPROBS
+    ):
+        raise bad_request(f"`top_logprobs` must be an integer from 0 to {MAX_TOP_LOGPROBS}", "top_logprobs")
+    if not logprobs:
+        if top:
+            raise bad_request("`top_logprobs` needs `logprobs: true`", "top_logprobs")
+        return None
+    if stream:
+        raise unsupported("logprobs", "a chat's logprobs come with the whole answer, not streamed")
+    if n > 1:
+        raise unsupported("logprobs", "a chat's logprobs are given for one choice (n: 1)")
+    return top or 0
 
 
 def _message(message: Any, i: int) -> dict[str, Any]:

@@ -192,3 +192,46 @@ def test_a_generated_completions_logprobs_are_the_models_own(
     plain = sdk.completions.create(model=model, prompt=PROMPT, logprobs=0, logit_bias=bias, **settings)
     assert plain.choices[0].text == generated.text and plain.choices[0].logprobs is not None
     assert plain.choices[0].logprobs.token_logprobs == pytest.approx(want[len(prompt_ids) - 1 :], abs=1e-4)
+
+
+def test_a_chats_logprobs_are_the_models_own(
+    sdk: openai.OpenAI, model: str, model_dir: Any, mlxq_client: Client, no_eos: dict[int, float]
+) -> None:
+    """`logprobs: true, top_logprobs: 3` on a chat: per generated token its text, bytes, logprob and
+    alternatives, the logprobs the reference model (transformers, float32) gives after the rendered chat."""
+    import torch
+    from reference import hf_logits, load_hf_model
+
+    from mlxq.worker.engine.text.tokenizer import Tokenizer
+
+    messages = [{"role": "user", "content": "Name a colour."}]
+    settings = {"max_tokens": 5, "temperature": 0.8, "seed": 2}
+    bias = {str(k): v for k, v in no_eos.items()}
+    got = sdk.chat.completions.create(
+        model=model,
+        messages=messages,
+        logprobs=True,
+        top_logprobs=3,
+        logit_bias=bias,
+        **settings,  # type: ignore[arg-type]
+    )
+    generated = mlxq_client.submit_generate(messages=messages, logit_bias=no_eos, **settings).result(
+        timeout=60
+    )
+    (choice,) = got.choices
+    assert choice.message.content == generated.text and choice.logprobs is not None
+    content = choice.logprobs.content or []
+    assert len(content) == len(generated.token_ids) == 5
+    assert "".join(c.token for c in content) == generated.text
+    assert all(bytes(c.bytes or []) == c.token.encode() and len(c.top_logprobs) == 3 for c in content)
+    tokenizer = Tokenizer.from_dir(model_dir)
+    chat = tokenizer.encode(
+        tokenizer.apply_chat_template(messages, add_generation_prompt=True), add_special_tokens=False
+    )
+    ids = chat + generated.token_ids
+    reference = torch.log_softmax(torch.tensor(hf_logits(load_hf_model(model_dir), ids)), -1).numpy()
+    want = [float(reference[len(chat) - 1 + j, t]) for j, t in enumerate(generated.token_ids)]
+    assert [c.logprob for c in content] == pytest.approx(want, abs=1e-4)
+    for j, c in enumerate(content):
+        best = sorted(reference[len(chat) - 1 + j], reverse=True)[:3]
+        assert [a.logprob for a in c.top_logprobs] == pytest.approx([float(b) for b in best], abs=1e-4)

@@ -322,7 +322,7 @@ def test_prompt_ids_are_checked_and_belong_to_prompt_logprobs_rows(checkpoint: P
         engine.score_tokens(
             ScoreRequest.model_validate({"rows": [{"prompt_ids": [1, vocab], "prompt_logprobs": True}]})
         )
-    with pytest.raises(ValueError, match="not both"):
+    with pytest.raises(ValueError, match="give the prompt once"):
         ScoreRequest.model_validate(
             {"rows": [{"prompt": "a", "prompt_ids": [1, 2], "prompt_logprobs": True}]}
         )

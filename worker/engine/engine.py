@@ -339,6 +339,8 @@ class Engine:
             return SeqRow("continuations", seqs)
         if row.prompt_ids is not None:
             tokens = list(row.prompt_ids)
+        elif row.messages is not None:
+            tokens = self.chat_tokens([m.model_dump() for m in row.messages])
         else:
             tokens = self.tokenizer.encode(
                 row.prompt, add_special_tokens=request.add_special_tokens, split_special=split
