@@ -435,6 +435,8 @@ def create_app(
         route("/v1/models", "models", gateway.models, "GET"),
         route("/v1/streams/{completion_id}", "resume", gateway.resume, "GET"),
         route("/v1/files", "upload", batch_routes.upload, "POST"),
+        route("/v1/files", "files", batch_routes.list_files, "GET"),
+        route("/v1/files/{file_id}", "delete_file", batch_routes.delete_file, "DELETE"),
         route("/v1/files/{file_id}", "file", batch_routes.file_info, "GET"),
         route("/v1/files/{file_id}/content", "file_content", batch_routes.file_content, "GET"),
         route("/v1/batches", "create_batch", batch_routes.create_batch, "POST"),

@@ -66,6 +66,41 @@ class BatchRoutes:
         store, stored = await self._file(key, request.path_params["file_id"])
         return Response(store.path(stored.id).read_bytes(), media_type="application/jsonl")
 
+    async def delete_file(self, request: Request) -> Response:
+        key = await self.gateway.authorize(request)
+        store, stored = await self._file(key, request.path_params["file_id"])
+        await store.delete(stored)
+        return JSONResponse({"id": stored.id, "object": "file", "deleted": True})
+
+    async def list_files(self, request: Request) -> Response:
+        """OpenAI's file list: `purpose`, `limit` (1..10000, default 10000), `order` (`desc`, the
+        default, or `asc` by creation), `after` (a file id: the page after it)."""
+        key = await self.gateway.authorize(request)
+        q = request.query_params
+        limit = _int_param(q.get("limit", "10000"), "limit", 10_000)
+        order = q.get("order", "desc")
+        if order not in ("asc", "desc"):
+            raise bad_request('`order` must be "asc" or "desc"', "order")
+        after = q.get("after") or None
+        try:
+            files, more = await self.gateway.files.page(
+                key.digest, limit, after, order == "desc", q.get("purpose")
+            )
+        except KeyError:
+            raise ApiError(
+                404, f"no file {after!r} to list after", param="after", code="file_not_found"
+            ) from None
+        data = [f.openai() for f in files]
+        return JSONResponse(
+            {
+                "object": "list",
+                "data": data,
+                "first_id": data[0]["id"] if data else None,
+                "last_id": data[-1]["id"] if data else None,
+                "has_more": more,
+            }
+        )
+
     async def create_batch(self, request: Request) -> Response:
         key = await self.gateway.authorize(request)
         body = await self.gateway.body(request)
@@ -122,13 +157,11 @@ class BatchRoutes:
     async def list_batches(self, request: Request) -> Response:
         """OpenAI's cursor pages: `limit` (1..100, default 20) batches, newest first, after `after`."""
         key = await self.gateway.authorize(request)
-        raw_limit = request.query_params.get("limit", "20")
-        if not raw_limit.isdigit() or not 1 <= int(raw_limit) <= 100:
-            raise bad_request("`limit` must be an integer from 1 to 100", "limit")
+        limit = _int_param(request.query_params.get("limit", "20"), "limit", 100)
         after = request.query_params.get("after") or None
         try:
             records, more = await batches.BatchRecords(self.gateway.client.connection).page(
-                key.digest, int(raw_limit), after
+                key.digest, limit, after
             )
         except KeyError:
             raise ApiError(
@@ -166,3 +199,9 @@ class BatchRoutes:
             await batches.BatchRecords(self.gateway.client.connection).update(fields["id"], **update)
             fields.update(update)
         return JSONResponse(batches.openai_batch(fields))
+
+
+def _int_param(raw: str, name: str, most: int) -> int:
+    if not raw.isdigit() or not 1 <= int(raw) <= most:
+        raise bad_request(f"`{name}` must be an integer from 1 to {most}", name)
+    return int(raw)

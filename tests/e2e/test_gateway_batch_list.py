@@ -70,3 +70,28 @@ def test_metadata_beyond_openais_limits_is_a_400(sdk: openai.OpenAI, model: str)
                 metadata=metadata,
             )
         assert e.value.body["param"] == "metadata"  # type: ignore[index]
+
+
+def test_a_keys_files_are_listed_and_deleted(
+    sdk: openai.OpenAI, gateway: GatewayProcess, conn: redis.Redis
+) -> None:
+    token, _ = api_keys.create(conn, "file-owner")
+    try:
+        other = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key=token, max_retries=0)
+        theirs = other.files.create(file=("x.jsonl", b"{}\n"), purpose="batch").id
+        mine = [sdk.files.create(file=(f"f{i}.jsonl", b"{}\n"), purpose="batch").id for i in range(3)]
+        assert [f.id for f in sdk.files.list()] == mine[::-1]  # newest first, none of another key's
+        page = sdk.files.list(limit=2, order="asc")
+        assert [f.id for f in page.data] == mine[:2] and page.has_more
+        assert [f.id for f in sdk.files.list(order="asc", after=mine[0])] == mine[1:]
+        assert [f.id for f in sdk.files.list(purpose="batch_output")] == []
+        deleted = sdk.files.delete(mine[1])
+        assert deleted.id == mine[1] and deleted.deleted
+        assert [f.id for f in sdk.files.list(order="asc")] == [mine[0], mine[2]]
+        with pytest.raises(openai.NotFoundError):
+            sdk.files.content(mine[1])
+        with pytest.raises(openai.NotFoundError):
+            sdk.files.delete(theirs)  # another key's file is not found, nor deleted
+        assert [f.id for f in other.files.list()] == [theirs]
+    finally:
+        api_keys.revoke(conn, "file-owner")
