@@ -159,7 +159,8 @@ ResponseFormat = Annotated[
 
 
 class GenerateRequest(SamplingParams):
-    """A generation job: exactly one of `prompt` (raw text) or `messages` (rendered by the chat template).
+    """A generation job: exactly one of `prompt` (raw text), `messages` (rendered by the chat template)
+    or `prompt_ids` (the prompt as token ids, taken as they are: OpenAI's token-id prompts).
 
     A `prompt` is untrusted text: the text of a special token in it (`<|im_start|>`) is encoded as
     ordinary text, never as that control token, unless `allow_special_tokens` says the producer wrote
@@ -170,6 +171,7 @@ class GenerateRequest(SamplingParams):
 
     prompt: Text | None = None
     messages: list[ChatMessage] | None = None
+    prompt_ids: list[Annotated[int, Field(ge=0)]] | None = Field(default=None, min_length=1)
     max_tokens: Annotated[int, Field(ge=1, le=1_000_000)] = 256
     stop: list[Text] = Field(default_factory=list, max_length=MAX_STOP_STRINGS)
     add_special_tokens: bool = True
@@ -190,8 +192,11 @@ class GenerateRequest(SamplingParams):
 
     @model_validator(mode="after")
     def _one_input(self) -> GenerateRequest:
-        if (self.prompt is None) == (self.messages is None):
-            raise ValueError("give exactly one of `prompt` or `messages`")
+        given = [x is not None for x in (self.prompt, self.messages, self.prompt_ids)]
+        if sum(given) != 1:
+            raise ValueError(
+                "give exactly one of `prompt` or `messages` (or `prompt_ids`, the prompt as token ids)"
+            )
         if self.messages is not None and not self.messages:
             raise ValueError("`messages` must hold at least one message")
         return self
@@ -244,10 +249,20 @@ class ScoreRow(_Strict):
       first token conditioned on the BOS token (the EOS token where the tokenizer has no BOS).
     - `prompt_logprobs`: each prompt token's log-probability (the first has none), with the
       `top_logprobs` most likely alternatives per position and the log-probabilities of `token_ids` at
-      every position where asked.
+      every position where asked. Such a row may give its prompt as token ids (`prompt_ids`, taken as
+      they are: no special tokens added) or as chat `messages` (rendered as a generation renders them)
+      instead of text, and `completion_ids` after it (a generation's
+      tokens, scored after its prompt); `token_texts` asks for each token's text and
+      offset (OpenAI's `echo` with `logprobs`); `next_token` also asks for the `top_logprobs` (at least
+      one) alternatives of the token after the prompt, which is what a greedy one-token completion takes.
     """
 
-    prompt: Text
+    prompt: Text = ""  # "" where `prompt_ids` gives it, or an empty context (lm-eval's)
+    prompt_ids: list[Annotated[int, Field(ge=0)]] | None = Field(default=None, min_length=1)
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    completion_ids: list[Annotated[int, Field(ge=0)]] = Field(default_factory=list, max_length=1_000_000)
+    token_texts: bool = False
+    next_token: bool = False
     candidates: list[Text] | None = Field(default=None, min_length=1)
     continuations: list[Text] | None = Field(default=None, min_length=1)
     rolling: bool = False
@@ -285,8 +300,17 @@ class ScoreRow(_Strict):
             )
         if self.window is not None and not self.rolling:
             raise ValueError("`window` belongs to a `rolling` row")
-        if (self.top_logprobs or self.token_ids) and not self.prompt_logprobs:
-            raise ValueError("`top_logprobs` and `token_ids` belong to a `prompt_logprobs` row")
+        extras = (
+            self.top_logprobs or self.token_ids or self.token_texts or self.next_token or self.completion_ids
+        )
+        other_prompt = self.prompt_ids is not None or self.messages is not None
+        if (extras or other_prompt) and not self.prompt_logprobs:
+            raise ValueError(
+                "`top_logprobs`, `token_ids`, `token_texts`, `next_token`, `prompt_ids`, `messages` and "
+                "`completion_ids` belong to a `prompt_logprobs` row"
+            )
+        if sum((bool(self.prompt), self.prompt_ids is not None, self.messages is not None)) > 1:
+            raise ValueError("give the prompt once: as `prompt` (text), `prompt_ids` or `messages`")
         return self
 
     @property
@@ -328,19 +352,50 @@ class RollingScore(_Strict):
     windows: int
 
 
+def _without_none(data: dict[str, Any], names: tuple[str, ...]) -> dict[str, Any]:
+    """`data` less the fields among `names` that are None: fields a reader must have asked for, so an
+    older reader (which forbids unknown fields) never sees them."""
+    for name in names:
+        if data.get(name) is None:
+            data.pop(name, None)
+    return data
+
+
 class TopLogprob(_Strict):
+    """An alternative token; its `text` only where the row asked `token_texts`."""
+
     id: int
     logprob: float
+    text: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _text_if_asked(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return _without_none(handler(self), ("text",))
 
 
 class PromptLogprobs(_Strict):
     """Per prompt token from the second: its id, its log-probability, the `top_logprobs` alternatives
-    (most likely first) and the log-probabilities of the row's `token_ids`, in their order."""
+    (most likely first) and the log-probabilities of the row's `token_ids`, in their order.
+
+    Where the row asked `token_texts`: `texts` and `offsets` of every prompt token, the first included
+    (the texts' concatenation is the decoded prompt; a token that ends inside a character has the text
+    "" and the next one carries the character). Where it asked `next_token`: `next_top`, the likeliest
+    tokens after the prompt (most likely first), and `next_ends`: whether the likeliest is an end of
+    sequence (a greedy generation would stop there, with no text)."""
 
     tokens: list[int]
     token_logprobs: list[float]
     top_logprobs: list[list[TopLogprob]] = Field(default_factory=list)
     chosen_logprobs: list[list[float]] = Field(default_factory=list)
+    first_token: int | None = None
+    texts: list[str] | None = None
+    offsets: list[int] | None = None
+    next_top: list[TopLogprob] | None = None
+    next_ends: bool | None = None
+
+    @model_serializer(mode="wrap")
+    def _extras_if_asked(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return _without_none(handler(self), ("first_token", "texts", "offsets", "next_top", "next_ends"))
 
 
 class ScoredRow(_Strict):

@@ -129,15 +129,28 @@ def score_dataset(
     max_tokens: int | None = None,
     progress: TextIO | None = None,
     stop: threading.Event | None = None,
+    batch_format: str = "auto",
 ) -> BulkSummary:
     """Score rows `{custom_id, prompt, candidates | continuations | rolling | prompt_logprobs}`
-    (`run_dataset` with a `ScoreKind`)."""
-    kind = ScoreKind(
+    (`run_dataset` with a `ScoreKind`), or OpenAI Batch API lines of completions with `echo`/`logprobs`
+    (`batch_format`: `auto` tells them from the file's first line, see `bulk_openai`)."""
+    score = ScoreKind(
         add_special_tokens=add_special_tokens,
         allow_special_tokens=allow_special_tokens,
         max_tokens=max_tokens,
     )
+    kind: BulkKind = score
+    if _openai(source, batch_format):
+        from .bulk_openai import OpenAIScoreKind
+
+        kind = OpenAIScoreKind(score)
     return run_dataset(target, kind, source, out_path, errors_path, options, progress=progress, stop=stop)
+
+
+def _openai(source: BulkSource, batch_format: str) -> bool:
+    from .bulk_openai import detect
+
+    return detect(source, batch_format) == "openai"
 
 
 def generate_dataset(
@@ -150,10 +163,17 @@ def generate_dataset(
     defaults: Mapping[str, Any] | None = None,
     progress: TextIO | None = None,
     stop: threading.Event | None = None,
+    batch_format: str = "auto",
 ) -> BulkSummary:
     """Generate for rows `{custom_id, prompt | messages, ...options}`, one job each (`run_dataset` with
-    a `GenerateKind`; `defaults` are options for rows that do not set them)."""
-    kind = GenerateKind(defaults=dict(defaults or {}))
+    a `GenerateKind`; `defaults` are options for rows that do not set them), or for OpenAI Batch API
+    lines, answered in OpenAI's batch output format (`batch_format`, as for `score_dataset`)."""
+    generate = GenerateKind(defaults=dict(defaults or {}))
+    kind: BulkKind = generate
+    if _openai(source, batch_format):
+        from .bulk_openai import OpenAIGenerateKind
+
+        kind = OpenAIGenerateKind(generate)
     options = replace(options or BulkOptions(), rows_per_job=1)
     return run_dataset(target, kind, source, out_path, errors_path, options, progress=progress, stop=stop)
 

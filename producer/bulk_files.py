@@ -156,8 +156,10 @@ class Resume:
         """Mark `slot` skipped if an earlier run decided it already."""
         if slot.row is not None:
             decided = slot.custom_id in self.done or slot.custom_id in self.failed_ids
-        else:
-            decided = slot.line in self.failed_lines
+        else:  # a line that is no row: by its number, or its custom_id where the errors file has no numbers
+            decided = slot.line in self.failed_lines or (
+                slot.custom_id is not None and slot.custom_id in self.failed_ids
+            )
         if decided:
             slot.state = RowState.SKIPPED
         return slot
@@ -306,7 +308,7 @@ class OrderedOutput:
         if slot.state is RowState.SKIPPED:
             c.skipped += 1
         elif slot.state is RowState.DONE and slot.result is not None:
-            record = {"custom_id": slot.custom_id, **self.kind.record(slot.result)}
+            record = {"custom_id": slot.custom_id, **self.kind.record(slot.result, slot.row)}
             self.out.write(json.dumps(record, ensure_ascii=False) + "\n")
             tokens = self.kind.tokens(slot.result)
             c.succeeded += 1
@@ -316,7 +318,7 @@ class OrderedOutput:
         else:
             if self._errors is None:
                 self._errors = open(self.errors_path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
-            record = {"custom_id": slot.custom_id, "line": slot.line, "error": slot.error}
+            record = self.kind.error_record(slot.custom_id, slot.line, slot.error, slot.row is not None)
             self._errors.write(json.dumps(record, ensure_ascii=False) + "\n")
             c.failed += 1
 

@@ -75,11 +75,20 @@ class BulkKind(Protocol):
         `RowNotDone` if the job ended without doing its rows."""
         ...
 
-    def record(self, result: Any) -> dict[str, Any]:
-        """An output line's fields (besides `custom_id`)."""
+    def record(self, result: Any, row: Any) -> dict[str, Any]:
+        """An output line's fields (besides `custom_id`), from the row's result (and the row)."""
+        ...
+
+    def error_record(self, custom_id: str | None, line: int, error: str, ran: bool) -> dict[str, Any]:
+        """An errors-file line: the input `line` that failed, and why; `ran`: its job failed (else the
+        line was no row of this kind)."""
         ...
 
     def tokens(self, result: Any) -> RowTokens: ...
+
+
+def mlxq_error_record(custom_id: str | None, line: int, error: str) -> dict[str, Any]:
+    return {"custom_id": custom_id, "line": line, "error": error}
 
 
 _SCORE_ROW_KEYS = tuple(ScoreRow.model_fields)
@@ -101,8 +110,9 @@ class ScoreKind:
     def row(self, obj: Mapping[str, Any]) -> ScoreRow:
         if isinstance(obj.get("body"), Mapping) and "prompt" not in obj:
             raise BadRow(
-                "an OpenAI Batch API request line (custom_id, method, url, body): score-file takes "
-                '{"custom_id", "prompt", "candidates"} lines; generate-file takes Batch lines'
+                "an OpenAI Batch API request line (custom_id, method, url, body) among mlxq score rows "
+                '({"custom_id", "prompt", "candidates"}): score-file takes Batch lines of completions with '
+                "echo/logprobs in a file of them (--format openai); generate-file takes the others"
             )
         return ScoreRow.model_validate({k: obj[k] for k in _SCORE_ROW_KEYS if k in obj})
 
@@ -117,8 +127,11 @@ class ScoreKind:
     def results(self, raw: bytes) -> Sequence[ScoredRow]:
         return payload.score_result(raw).rows
 
-    def record(self, result: ScoredRow) -> dict[str, Any]:
+    def record(self, result: ScoredRow, row: Any) -> dict[str, Any]:
         return result.model_dump(mode="json")
+
+    def error_record(self, custom_id: str | None, line: int, error: str, ran: bool) -> dict[str, Any]:
+        return mlxq_error_record(custom_id, line, error)
 
     def tokens(self, result: ScoredRow) -> RowTokens:
         return RowTokens(result.input_tokens, result.cached_tokens)
@@ -170,8 +183,11 @@ class GenerateKind:
             raise RowNotDone(f"the job was cancelled after {n} generated token{'s' * (n != 1)}")
         return [result]
 
-    def record(self, result: GenerateResult) -> dict[str, Any]:
+    def record(self, result: GenerateResult, row: Any) -> dict[str, Any]:
         return result.model_dump(mode="json")
+
+    def error_record(self, custom_id: str | None, line: int, error: str, ran: bool) -> dict[str, Any]:
+        return mlxq_error_record(custom_id, line, error)
 
     def tokens(self, result: GenerateResult) -> RowTokens:
         u = result.usage

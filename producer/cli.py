@@ -90,7 +90,11 @@ def build_parser() -> argparse.ArgumentParser:
     score = sub.add_parser(
         "score-file", parents=[after], help="score a JSONL file of rows in bulk (resumable)"
     )
-    score.add_argument("input", help='JSONL: {"custom_id": ..., "prompt": ..., "candidates": [...]} per line')
+    score.add_argument(
+        "input",
+        help='JSONL: {"custom_id": ..., "prompt": ..., "candidates": [...]} per line; or OpenAI Batch API '
+        "lines of POST /v1/completions with echo/logprobs",
+    )
     score.add_argument("--rows-per-job", type=int, default=16, help="rows per score job (1..64) [16]")
     score.add_argument(
         "--max-tokens",
@@ -216,6 +220,13 @@ def _bulk_arguments(p: argparse.ArgumentParser) -> None:
         "--no-retry-errors", action="store_true", help="on a rerun, skip lines already in the errors file"
     )
     p.add_argument("--progress", action="store_true", help="draw progress even when not on a terminal")
+    p.add_argument(
+        "--format",
+        choices=("auto", "mlxq", "openai"),
+        default="auto",
+        help="mlxq rows, or OpenAI Batch API lines in and OpenAI batch output lines out "
+        "[auto: from the input's first line]",
+    )
 
 
 # --- rendering -------------------------------------------------------------------------------------
@@ -379,6 +390,7 @@ def cmd_score_file(client: Client, args: argparse.Namespace) -> int:
             rows_per_job=args.rows_per_job,
             allow_special_tokens=args.allow_special_tokens,
             max_tokens=args.max_tokens,
+            batch_format=args.format,
             **common,
         ),
     )
@@ -388,7 +400,10 @@ def cmd_generate_file(client: Client, args: argparse.Namespace) -> int:
     """Exit codes as `score-file`'s."""
     defaults = _sampling_params(args)
     return _bulk_run(
-        args, lambda common: client.generate_dataset(args.input, args.output, **common, **defaults)
+        args,
+        lambda common: client.generate_dataset(
+            args.input, args.output, batch_format=args.format, **common, **defaults
+        ),
     )
 
 

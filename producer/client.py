@@ -285,6 +285,7 @@ class Client:
         max_tokens: int | None = None,
         progress: TextIO | None = None,
         stop: threading.Event | None = None,
+        batch_format: str = "auto",
     ) -> BulkSummary:
         """Score a dataset: a JSONL file's path, or rows `{custom_id, prompt, candidates}` (or, in place
         of candidates, `continuations`, `rolling` or `prompt_logprobs`: see `ScoreRow`).
@@ -295,7 +296,9 @@ class Client:
         Rerunning with the same `out_path` skips rows already there (and, unless `retry_errors`, rows in
         the errors file). Rows travel `rows_per_job` to a job, at most `in_flight` jobs at once. Setting
         `stop` ends the run early (outstanding jobs cancelled). With `allow_special_tokens` the rows'
-        special-token text is encoded as control tokens (else as text). See `docs/bulk.md`.
+        special-token text is encoded as control tokens (else as text). `batch_format` `openai` (or
+        `auto` and a file of OpenAI Batch API lines): completions with `echo`/`logprobs` in, OpenAI's
+        batch output lines out (`bulk_openai`). See `docs/bulk.md`.
         """
         options = bulk.BulkOptions(
             rows_per_job=rows_per_job, in_flight=in_flight, queue=queue, retry_errors=retry_errors
@@ -311,6 +314,7 @@ class Client:
             max_tokens=max_tokens,
             progress=progress,
             stop=stop,
+            batch_format=batch_format,
         )
 
     def generate_dataset(
@@ -324,6 +328,7 @@ class Client:
         retry_errors: bool = True,
         progress: TextIO | None = None,
         stop: threading.Event | None = None,
+        batch_format: str = "auto",
         **defaults: Any,
     ) -> BulkSummary:
         """Generate for a dataset: a JSONL file's path, or rows `{custom_id, prompt | messages, ...}`
@@ -345,6 +350,7 @@ class Client:
             defaults=defaults,
             progress=progress,
             stop=stop,
+            batch_format=batch_format,
         )
 
     def _bulk_target(self) -> bulk.BulkTarget:

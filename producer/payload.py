@@ -52,7 +52,12 @@ def score_request(
 
 def wire_payload(request: GenerateRequest | ScoreRequest) -> dict[str, Any]:
     """The job's one argument: the request as JSON, defaults left out (the worker fills them in)."""
-    return request.model_dump(mode="json", exclude_defaults=True)
+    data = request.model_dump(mode="json", exclude_defaults=True)
+    if isinstance(request, ScoreRequest):
+        for row in data["rows"]:
+            if "prompt_ids" not in row:  # an empty prompt still spelled out: older workers require the field
+                row.setdefault("prompt", "")
+    return data
 
 
 def _plain(item: Any) -> Any:

@@ -1,8 +1,8 @@
 """The gateway's ASGI app (Starlette): OpenAI's routes, each a short function over the parts.
 
 Routes: `POST /v1/chat/completions`, `POST /v1/completions`, `GET /v1/models`, `GET /v1/streams/{id}`
-(resume a stream: `Last-Event-ID`), OpenAI's Batch API (`/v1/files`, `/v1/batches`: `batches`,
-`batch_runner`), `GET /health` (the process answers), `GET /ready` (Redis answers), `GET /metrics`
+(resume a stream: `Last-Event-ID`), OpenAI's Batch API (`/v1/files`, `/v1/batches`: `batch_routes`,
+`batches`, `batch_runner`), `GET /health` (the process answers), `GET /ready` (Redis answers), `GET /metrics`
 (Prometheus, with the `metrics` extra). The lifespan runs
 the batch runner: every instance takes up open batches nobody runs.
 Every `/v1/` route needs an API key (`Authorization: Bearer sk-mlxq-...`); no key, no job.
@@ -15,7 +15,7 @@ import json
 import logging
 import re
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -26,14 +26,15 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from mlxq.jobs import keys as job_keys
-from mlxq.jobs.schema import GenerateResult
+from mlxq.jobs.schema import GenerateResult, ScoreRequest, ScoreResult
 
 from ..aio import AsyncClient
 from ..errors import JobFailed, JobNotFound, RedisFull
 from ..settings import ProducerSettings
-from . import api_keys, batches, limits, relay, shapes, translate
+from . import api_keys, chat_logprobs, echo, limits, relay, shapes, translate
 from . import metrics as gateway_metrics
 from .api_keys import ApiKey
+from .batch_routes import BatchRoutes
 from .batch_runner import BatchRunner
 from .catalog import Catalog
 from .errors import ApiError, bad_request
@@ -152,38 +153,124 @@ class Gateway:
         return queues[lengths.index(min(lengths))]
 
     async def submit(self, key: ApiKey, t: translate.Translated) -> shapes.Context:
+        """Enqueue a job per choice; the key's limit counts each. The answer's context (for any instance
+        that resumes its stream) is written in choice 0's claim."""
         queue = await self.route(key, t.model)
-        job_id = self.client.tenant.job_id()
-        limit = key.max_jobs or self.settings.max_jobs_per_key
-        ctx = shapes.Context(t.kind, job_id, t.model, int(time.time()), t.include_usage, key.digest)
-        conn = self.client.connection
+        requests = translate.choice_requests(t)
+        jobs = [self.client.tenant.job_id() for _ in requests]
+        ctx = shapes.Context(
+            t.kind,
+            jobs[0],
+            t.model,
+            int(time.time()),
+            t.include_usage,
+            key.digest,
+            siblings=tuple(jobs[1:]),
+            per_prompt=t.n,
+        )
 
         def write_context(pipe: Any) -> None:  # in the claim's transaction: one round trip for both
-            pipe.hset(context_key(job_id), mapping=ctx.fields())
-            pipe.expire(context_key(job_id), self.settings.stream_ttl_s)
+            pipe.hset(context_key(ctx.job_id), mapping=ctx.fields())
+            pipe.expire(context_key(ctx.job_id), self.settings.stream_ttl_s)
 
-        busy = await limits.claim(conn, key.digest, job_id, limit, also=write_context)
+        for i, job_id in enumerate(jobs):
+            try:
+                await self._claim(key, job_id, write_context if i == 0 else None, context_key(ctx.job_id))
+            except ApiError:
+                for claimed in jobs[:i]:
+                    await limits.release(self.client.connection, key.digest, claimed)
+                raise
+        meta = {"api_key": key.name}
+        for i, (job_id, request) in enumerate(zip(jobs, requests, strict=True)):
+            try:
+                await self._enqueued(
+                    key, job_id, self.client.submit_generate(request, job_id=job_id, queue=queue, meta=meta)
+                )
+            except BaseException:
+                for unsent in jobs[i + 1 :]:
+                    await limits.release(self.client.connection, key.digest, unsent)
+                raise
+        if self.metrics is not None:
+            self.metrics.submitted(t.model, t.kind)
+        return ctx
+
+    async def _claim(self, key: ApiKey, job_id: str, also: Any = None, undo: str | None = None) -> None:
+        """Count `job_id` against the key's jobs in flight, or answer 429 (deleting `undo`)."""
+        limit = key.max_jobs or self.settings.max_jobs_per_key
+        conn = self.client.connection
+        busy = await limits.claim(conn, key.digest, job_id, limit, also=also)
         if busy is not None:
-            await conn.delete(context_key(job_id))
+            if undo is not None:
+                await conn.delete(undo)
             raise ApiError(
                 429,
                 f"API key {key.name!r} has {busy} jobs in flight, its limit is {limit}: wait for one to end",
                 type="rate_limit_error",
                 code="too_many_jobs",
             )
+
+    async def _enqueued(self, key: ApiKey, job_id: str, enqueue: Awaitable[Any]) -> None:
+        """Await a claimed job's enqueue; if it fails, the claim is given back."""
         try:
-            await self.client.submit_generate(
-                t.request, job_id=job_id, queue=queue, meta={"api_key": key.name}
-            )
+            await enqueue
         except RedisFull as e:
-            await limits.release(conn, key.digest, job_id)
+            await limits.release(self.client.connection, key.digest, job_id)
             raise ApiError(503, str(e), type="server_error", code="redis_full") from None
         except BaseException:
-            await limits.release(conn, key.digest, job_id)
+            await limits.release(self.client.connection, key.digest, job_id)
             raise
+
+    async def _result(self, job_id: str) -> GenerateResult | ScoreResult:
+        """A job's result, its failure as OpenAI's error (400 for the request's fault, else 500)."""
+        try:
+            return await self.client.job(job_id).result(timeout=self.settings.job_timeout_s)
+        except JobFailed as e:
+            client_error = any(name in e.details for name in _CLIENT_ERRORS)
+            raise ApiError(
+                400 if client_error else 500,
+                str(e),
+                type="invalid_request_error" if client_error else "server_error",
+                code="job_failed",
+                retry=False,  # the job ran and failed: the SDK's automatic retry would run it again
+            ) from None
+        except TimeoutError as e:
+            raise ApiError(
+                504,
+                f"{e} (the job goes on: its id is {job_id})",
+                type="server_error",
+                code="timeout",
+                retry=False,
+            ) from None
+
+    async def scored_completion(self, key: ApiKey, body: dict[str, Any]) -> Response:
+        """`POST /v1/completions` with `echo`/`logprobs`: one score job (a choice per prompt), or a
+        generation job and then the score job of its tokens (`echo`)."""
+        ask = echo.parse(body, translate.model_of(body))
+        if ask.generate is None:
+            job_id, result = await self._scored(key, ask.model, ask.request)
+            answer = echo.answer(ask, shapes.completion_id("completion", job_id), int(time.time()), result)
+            return JSONResponse(answer, headers={"x-mlxq-job-id": job_id})
+        ctx = await self.submit(key, ask.generate)
+        generated = await self._result(ctx.job_id)
+        if not isinstance(generated, GenerateResult):
+            raise ApiError(500, f"job {ctx.job_id} returned no generation result", type="server_error")
+        score_id, result = await self._scored(key, ask.model, echo.after(ask, generated))
+        answer = echo.answer_generated(ask, ctx.id, ctx.created, generated, result)
+        return JSONResponse(answer, headers={"x-mlxq-job-id": f"{ctx.job_id},{score_id}"})
+
+    async def _scored(self, key: ApiKey, model: str, request: ScoreRequest) -> tuple[str, ScoreResult]:
+        """A score job run to its end, counted against the key's jobs in flight."""
+        queue = await self.route(key, model)
+        job_id = self.client.tenant.job_id()
+        await self._claim(key, job_id)
+        submitting = self.client.submit_score(request, job_id=job_id, queue=queue, meta={"api_key": key.name})
+        await self._enqueued(key, job_id, submitting)
         if self.metrics is not None:
-            self.metrics.submitted(t.model, t.kind)
-        return ctx
+            self.metrics.submitted(model, "completion")
+        result = await self._result(job_id)
+        if not isinstance(result, ScoreResult):
+            raise ApiError(500, f"job {job_id} returned no score result", type="server_error")
+        return job_id, result
 
     async def context(self, key: ApiKey, completion: str) -> shapes.Context:
         found = shapes.job_id_of(completion)
@@ -207,39 +294,32 @@ class Gateway:
     async def generate(self, request: Request, kind: translate.Kind) -> Response:
         key = await self.authorize(request)
         body = await self.body(request)
+        if kind == "completion" and echo.wanted(body):
+            return await self.scored_completion(key, body)
         t = translate.chat(body) if kind == "chat" else translate.completion(body)
         ctx = await self.submit(key, t)
         if t.stream:
             return _sse(relay.events(self.client, ctx, None), ctx)
-        try:
-            result = await self.client.job(ctx.job_id).result(timeout=self.settings.job_timeout_s)
-        except JobFailed as e:
-            client_error = any(name in e.details for name in _CLIENT_ERRORS)
-            raise ApiError(
-                400 if client_error else 500,
-                str(e),
-                type="invalid_request_error" if client_error else "server_error",
-                code="job_failed",
-                retry=False,  # the job ran and failed: the SDK's automatic retry would run it again
-            ) from None
-        except TimeoutError as e:
-            raise ApiError(
-                504,
-                f"{e} (the job goes on: its id is {ctx.job_id})",
-                type="server_error",
-                code="timeout",
-                retry=False,
-            ) from None
-        if not isinstance(result, GenerateResult):
+        results = await asyncio.gather(*(self._result(job_id) for job_id in ctx.jobs))
+        generated = [r for r in results if isinstance(r, GenerateResult)]
+        if len(generated) != len(results):
             raise ApiError(500, f"job {ctx.job_id} returned no generation result", type="server_error")
-        return JSONResponse(ctx.whole(result), headers={"x-mlxq-job-id": ctx.job_id})
+        answer = ctx.whole(generated)
+        if t.logprobs is not None:  # a chat's logprobs: its tokens scored after its messages
+            _, scored = await self._scored(key, t.model, chat_logprobs.score_request(t, generated[0]))
+            answer["choices"][0]["logprobs"] = chat_logprobs.content(generated[0], scored)
+        return JSONResponse(answer, headers={"x-mlxq-job-id": ",".join(ctx.jobs)})
 
     async def resume(self, request: Request) -> Response:
         key = await self.authorize(request)
         ctx = await self.context(key, request.path_params["completion_id"])
         last = request.headers.get("last-event-id") or None
-        if last is not None and not _STREAM_ID.fullmatch(last):
-            raise bad_request(f"Last-Event-ID {last!r} is not an id this stream sent (<ms>-<seq>)")
+        if last is not None and not (
+            len(last.split(",")) == len(ctx.jobs) and all(_STREAM_ID.fullmatch(p) for p in last.split(","))
+        ):
+            raise bad_request(
+                f"Last-Event-ID {last!r} is not an id this stream sent (<ms>-<seq>, one per choice)"
+            )
         return _sse(relay.events(self.client, ctx, last), ctx)
 
     async def models(self, request: Request) -> Response:
@@ -252,118 +332,9 @@ class Gateway:
         ]
         return JSONResponse({"object": "list", "data": data})
 
-    # --- files and batches ----------------------------------------------------------------------------
-
     @property
     def files(self) -> FileStore:
         return FileStore(self.client.connection, self.settings.data_dir)
-
-    async def upload(self, request: Request) -> Response:
-        key = await self.authorize(request)
-        declared = request.headers.get("content-length")
-        if declared is None or not declared.isdigit():
-            raise ApiError(411, "an upload needs a Content-Length header", code="length_required")
-        if int(declared) > self.settings.max_file_bytes:
-            raise ApiError(
-                413,
-                f"the file is over this gateway's limit of {self.settings.max_file_bytes} bytes",
-                code="file_too_large",
-            )
-        async with request.form(max_files=1, max_fields=4) as form:
-            upload, purpose = form.get("file"), form.get("purpose")
-            if purpose != "batch":
-                raise bad_request('`purpose` must be "batch" (the only use of files here)', "purpose")
-            if upload is None or isinstance(upload, str):
-                raise bad_request("`file` must be an uploaded file", "file")
-            content = await upload.read()
-            name = upload.filename or "upload.jsonl"
-        stored = await self.files.add(content, name, "batch", key.digest)
-        return JSONResponse(stored.openai())
-
-    async def _file(self, key: ApiKey, file_id: str) -> tuple[FileStore, Any]:
-        store = self.files
-        stored = await store.get(file_id) if file_id.startswith("file-") else None
-        if stored is None or stored.owner != key.digest:
-            raise ApiError(404, f"no file {file_id!r}", param="file_id", code="file_not_found")
-        return store, stored
-
-    async def file_info(self, request: Request) -> Response:
-        key = await self.authorize(request)
-        _, stored = await self._file(key, request.path_params["file_id"])
-        return JSONResponse(stored.openai())
-
-    async def file_content(self, request: Request) -> Response:
-        key = await self.authorize(request)
-        store, stored = await self._file(key, request.path_params["file_id"])
-        return Response(store.path(stored.id).read_bytes(), media_type="application/jsonl")
-
-    async def create_batch(self, request: Request) -> Response:
-        key = await self.authorize(request)
-        body = await self.body(request)
-        endpoint = body.get("endpoint")
-        if endpoint not in batches.ENDPOINTS:
-            raise bad_request(f"`endpoint` must be one of {', '.join(batches.ENDPOINTS)}", "endpoint")
-        if body.get("completion_window", "24h") != "24h":
-            raise bad_request('`completion_window` must be "24h"', "completion_window")
-        store, stored = await self._file(key, str(body.get("input_file_id", "")))
-        if stored.purpose != "batch":
-            raise bad_request(f"file {stored.id} is not a batch input", "input_file_id")
-        checked = batches.check(store.path(stored.id).read_bytes(), endpoint, self.settings.max_batch_lines)
-        queue = await self.route(key, checked.model)
-        batch_id = batches.new_id()
-        d = batches.folder(self.settings.data_dir, batch_id)
-        d.mkdir(parents=True)
-        (d / "rows.jsonl").write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in checked.rows))
-        (d / "refused.jsonl").write_text(
-            "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in checked.refused)
-        )
-        now = int(time.time())
-        fields = {
-            "id": batch_id,
-            "endpoint": endpoint,
-            "input_file_id": stored.id,
-            "completion_window": "24h",
-            "status": "in_progress",
-            "created_at": str(now),
-            "in_progress_at": str(now),
-            "expires_at": str(now + 86_400),
-            "owner": key.digest,
-            "queue": queue,
-            "model": checked.model,
-            "total": str(checked.total),
-            "metadata": json.dumps(body.get("metadata")),
-        }
-        await batches.BatchRecords(self.client.connection).create(fields)
-        return JSONResponse(batches.openai_batch(fields))
-
-    async def _batch(self, key: ApiKey, batch_id: str) -> dict[str, str]:
-        fields = await batches.BatchRecords(self.client.connection).get(batch_id)
-        if fields is None or fields.get("owner") != key.digest:
-            raise ApiError(404, f"no batch {batch_id!r}", param="batch_id", code="batch_not_found")
-        return fields
-
-    async def get_batch(self, request: Request) -> Response:
-        key = await self.authorize(request)
-        fields = await self._batch(key, request.path_params["batch_id"])
-        counts = None
-        if fields["status"] in batches.OPEN:
-            d = batches.folder(self.settings.data_dir, fields["id"])
-            failed = batches.count_lines(d / "errors.jsonl") + batches.count_lines(d / "refused.jsonl")
-            counts = {
-                "total": int(fields["total"]),
-                "completed": batches.count_lines(d / "out.jsonl"),
-                "failed": failed,
-            }
-        return JSONResponse(batches.openai_batch(fields, counts))
-
-    async def cancel_batch(self, request: Request) -> Response:
-        key = await self.authorize(request)
-        fields = await self._batch(key, request.path_params["batch_id"])
-        if fields["status"] in ("validating", "in_progress"):
-            update = {"status": "cancelling", "cancelling_at": str(int(time.time()))}
-            await batches.BatchRecords(self.client.connection).update(fields["id"], **update)
-            fields.update(update)
-        return JSONResponse(batches.openai_batch(fields))
 
     async def health(self, request: Request) -> Response:
         return JSONResponse({"status": "ok"})
@@ -431,6 +402,7 @@ def create_app(
     settings: GatewaySettings | None = None, producer: ProducerSettings | None = None
 ) -> Starlette:
     gateway = Gateway(settings or GatewaySettings(), producer or ProducerSettings())
+    batch_routes = BatchRoutes(gateway)
     metrics = gateway.metrics
 
     async def chat(request: Request) -> Response:
@@ -462,12 +434,15 @@ def create_app(
         route("/v1/completions", "completions", completions, "POST"),
         route("/v1/models", "models", gateway.models, "GET"),
         route("/v1/streams/{completion_id}", "resume", gateway.resume, "GET"),
-        route("/v1/files", "upload", gateway.upload, "POST"),
-        route("/v1/files/{file_id}", "file", gateway.file_info, "GET"),
-        route("/v1/files/{file_id}/content", "file_content", gateway.file_content, "GET"),
-        route("/v1/batches", "create_batch", gateway.create_batch, "POST"),
-        route("/v1/batches/{batch_id}", "batch", gateway.get_batch, "GET"),
-        route("/v1/batches/{batch_id}/cancel", "cancel_batch", gateway.cancel_batch, "POST"),
+        route("/v1/files", "upload", batch_routes.upload, "POST"),
+        route("/v1/files", "files", batch_routes.list_files, "GET"),
+        route("/v1/files/{file_id}", "delete_file", batch_routes.delete_file, "DELETE"),
+        route("/v1/files/{file_id}", "file", batch_routes.file_info, "GET"),
+        route("/v1/files/{file_id}/content", "file_content", batch_routes.file_content, "GET"),
+        route("/v1/batches", "create_batch", batch_routes.create_batch, "POST"),
+        route("/v1/batches", "list_batches", batch_routes.list_batches, "GET"),
+        route("/v1/batches/{batch_id}", "batch", batch_routes.get_batch, "GET"),
+        route("/v1/batches/{batch_id}/cancel", "cancel_batch", batch_routes.cancel_batch, "POST"),
         Route("/health", gateway.health, methods=["GET"]),
         Route("/ready", gateway.ready, methods=["GET"]),
         Route("/metrics", metrics_page, methods=["GET"]),

@@ -7,7 +7,8 @@ run (`n: 2`, tools) becomes a line of the error file, never a silently different
 to `<data_dir>/batches/<id>/rows.jsonl`, which a bulk run (`producer.bulk`) works through, writing
 `out.jsonl` and `errors.jsonl` beside it; a bulk run resumes from those files, which is how a batch
 survives its gateway: see `batch_runner`. The record `mlxq:gw:batch:<id>` holds OpenAI's batch object
-fields, the queue, the owner; `mlxq:gw:batches:active` the ids still to finish.
+fields, the queue, the owner; `mlxq:gw:batches:active` the ids still to finish; `mlxq:gw:batches:owner:<key
+digest>` each key's batches by creation time (`GET /v1/batches`, newest first).
 """
 
 from __future__ import annotations
@@ -25,12 +26,14 @@ import redis.asyncio
 from mlxq.jobs.schema import GenerateResult
 
 from .. import payload
-from .errors import ApiError, bad_request
+from . import echo
+from .errors import ApiError, bad_request, unsupported
 from .shapes import Context
 from .translate import Kind, Translated, chat, completion
 
 BATCH_PREFIX = "mlxq:gw:batch:"
 ACTIVE_KEY = "mlxq:gw:batches:active"
+OWNER_PREFIX = "mlxq:gw:batches:owner:"  # a key's batches, scored by creation time (for the list)
 ENDPOINTS: dict[str, Kind] = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
 OPEN = ("validating", "in_progress", "finalizing", "cancelling")
 TIMES = (
@@ -48,6 +51,10 @@ TIMES = (
 
 def record_key(batch_id: str) -> str:
     return BATCH_PREFIX + batch_id
+
+
+def owner_key(key_digest: str) -> str:
+    return OWNER_PREFIX + key_digest
 
 
 def folder(data_dir: Path, batch_id: str) -> Path:
@@ -116,9 +123,17 @@ def check(content: bytes, endpoint: str, max_lines: int) -> Checked:
         if len(seen) > max_lines:
             raise bad_request(f"the input file has more than {max_lines} requests", "input_file_id")
         try:
+            if kind == "completion" and echo.wanted(body):
+                raise unsupported("echo" if body.get("echo") else "logprobs", "not in a batch request")
             t: Translated = chat(body) if kind == "chat" else completion(body)
             if t.stream:
                 raise bad_request("`stream` is not allowed in a batch request", "stream")
+            if t.n > 1:
+                raise unsupported("n", "a batch request yields one choice: give each its own line")
+            if t.more:
+                raise unsupported("prompt", "a batch request takes one prompt: give each its own line")
+            if t.logprobs is not None:
+                raise unsupported("logprobs", "not in a batch request")
         except ApiError as e:
             refused.append(error_line(custom_id, e.status, e.body()["error"]))
             continue
@@ -142,7 +157,7 @@ def output_line(kind: Kind, model: str, owner: str, record: dict[str, Any]) -> d
     custom_id = record.pop("custom_id")
     request_id = uuid.uuid4().hex
     ctx = Context(kind, request_id, model, int(time.time()), False, owner)
-    body = ctx.whole(GenerateResult.model_validate(record))
+    body = ctx.whole([GenerateResult.model_validate(record)])
     return {
         "id": f"batch_req_{request_id}",
         "custom_id": custom_id,
@@ -165,6 +180,28 @@ def failed_line(record: dict[str, Any]) -> dict[str, Any]:
     )
 
 
+MAX_METADATA = 16
+
+
+def check_metadata(value: Any) -> dict[str, str] | None:
+    """OpenAI's `metadata`: at most 16 pairs of strings, keys up to 64 characters, values up to 512."""
+    if value is None:
+        return None
+    if (
+        not isinstance(value, dict)
+        or len(value) > MAX_METADATA
+        or not all(
+            isinstance(k, str) and isinstance(v, str) and len(k) <= 64 and len(v) <= 512
+            for k, v in value.items()
+        )
+    ):
+        raise bad_request(
+            f"`metadata` must map at most {MAX_METADATA} keys (up to 64 characters) to strings (up to 512)",
+            "metadata",
+        )
+    return value
+
+
 def new_id() -> str:
     return f"batch_{uuid.uuid4().hex}"
 
@@ -179,7 +216,23 @@ class BatchRecords:
         async with self.conn.pipeline(transaction=True) as pipe:
             pipe.hset(record_key(fields["id"]), mapping=fields)  # type: ignore[arg-type]
             pipe.sadd(ACTIVE_KEY, fields["id"])
+            pipe.zadd(owner_key(fields["owner"]), {fields["id"]: time.time()})
             await pipe.execute()
+
+    async def page(self, owner: str, limit: int, after: str | None) -> tuple[list[dict[str, str]], bool]:
+        """An owner's batches, newest first, from the one after `after` (None: the newest): at most
+        `limit` records, and whether more follow."""
+        index = owner_key(owner)
+        start = 0
+        if after is not None:
+            rank: Any = await self.conn.zrevrank(index, after)
+            if rank is None:
+                raise KeyError(after)
+            start = int(rank) + 1
+        members: list[Any] = list(await self.conn.zrevrange(index, start, start + limit))
+        ids = [str(i.decode() if isinstance(i, bytes) else i) for i in members]
+        records = [await self.get(i) for i in ids[:limit]]
+        return [r for r in records if r is not None], len(ids) > limit
 
     async def get(self, batch_id: str) -> dict[str, str] | None:
         raw = await self.conn.hgetall(record_key(batch_id))
@@ -212,6 +265,7 @@ def openai_batch(fields: dict[str, str], counts: dict[str, int] | None = None) -
         "id": fields["id"],
         "object": "batch",
         "endpoint": fields["endpoint"],
+        "model": fields.get("model") or None,
         "errors": errors,
         "input_file_id": fields["input_file_id"],
         "completion_window": fields["completion_window"],

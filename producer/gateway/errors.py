@@ -6,9 +6,10 @@ OpenAI's SDKs turn the status into their exception classes (400 BadRequestError,
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from starlette.responses import JSONResponse
+if TYPE_CHECKING:  # the request shapes (`translate`, `echo`) serve bulk files too, without the gateway extra
+    from starlette.responses import JSONResponse
 
 
 class ApiError(Exception):
@@ -37,6 +38,8 @@ class ApiError(Exception):
 
     def response(self) -> JSONResponse:
         """The JSON answer; `x-should-retry` (which OpenAI's SDKs obey) when `retry` says yes or no."""
+        from starlette.responses import JSONResponse
+
         headers = {} if self.retry is None else {"x-should-retry": "true" if self.retry else "false"}
         return JSONResponse(self.body(), status_code=self.status, headers=headers)
 

@@ -10,13 +10,16 @@ A chunk is sent only for a token event with text (a token that ends inside a mul
 none yet; its text comes with the next). A job that fails ends the stream with OpenAI's error object
 as data, which OpenAI's SDKs raise as an `APIError`. A `restart` entry (the job was retried after its
 worker died) cannot be told to an OpenAI client, which never takes text back: after text was sent, the
-stream ends with an error saying so; before, it is passed over.
+stream ends with an error saying so; before, it is passed over. With `n` > 1 each choice is a job of its
+own and their chunks are interleaved, each marked with its choice's `index` (`_merged`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 import redis.asyncio
@@ -33,17 +36,32 @@ from .shapes import Context
 DONE = "[DONE]"
 
 
-def _data(body: dict[str, Any], event_id: str | None = None) -> str:
-    return frame(json.dumps(body, ensure_ascii=False), event_id=event_id)
+def _json(body: dict[str, Any]) -> str:
+    return json.dumps(body, ensure_ascii=False)
+
+
+def _data(body: dict[str, Any]) -> str:
+    return frame(_json(body))
 
 
 def _error(message: str, type: str = "job_failed") -> str:
-    return _data({"error": {"message": message, "type": type, "param": None, "code": None}})
+    return _json({"error": {"message": message, "type": type, "param": None, "code": None}})
 
 
-def _ending(ctx: Context, done: DoneEvent) -> list[str]:
-    out = [_data(ctx.usage_chunk(done))] if ctx.include_usage else []
+def _ending(ctx: Context, dones: list[DoneEvent]) -> list[str]:
+    out = [_data(ctx.usage_chunk(dones))] if ctx.include_usage else []
     return [*out, frame(DONE)]
+
+
+@dataclass(frozen=True)
+class _Piece:
+    """One step of a job's answer: a chunk or error (`data`, JSON) with its stream entry id, and the
+    job's `done` event with its finish chunk (or alone, where a resumed stream had sent that chunk)."""
+
+    entry_id: str | None
+    data: str | None
+    done: DoneEvent | None = None
+    error: bool = False
 
 
 async def _entry(conn: redis.asyncio.Redis, job_id: str, entry_id: str) -> Any:
@@ -53,13 +71,68 @@ async def _entry(conn: redis.asyncio.Redis, job_id: str, entry_id: str) -> Any:
 
 
 async def events(client: AsyncClient, ctx: Context, last_event_id: str | None) -> AsyncIterator[str]:
-    """The SSE frames of `ctx`'s job after `last_event_id` (from the start if None)."""
-    from_id = last_event_id or START_ID
+    """The SSE frames of `ctx`'s job after `last_event_id` (from the start if None); with several
+    choices, their jobs' chunks interleaved (`_merged`)."""
+    if ctx.siblings:
+        async for text in _merged(client, ctx, last_event_id):
+            yield text
+        return
+    async for piece in _pieces(client, ctx, last_event_id or START_ID):
+        if piece.data is not None:
+            yield frame(piece.data, event_id=piece.entry_id)
+        if piece.done is not None:
+            for text in _ending(ctx, [piece.done]):
+                yield text
+
+
+async def _merged(client: AsyncClient, ctx: Context, last_event_id: str | None) -> AsyncIterator[str]:
+    """Several choices' jobs as one stream, each chunk as it comes, marked by its choice's `index`.
+    An event's id is every job's stream position (`<id0>,<id1>,...`), so a client that reconnects with
+    it resumes each job where it was; the usage chunk and `[DONE]` come once, after every job's end."""
+    n = len(ctx.jobs)
+    positions = last_event_id.split(",") if last_event_id else [START_ID] * n
+    if len(positions) != n:
+        raise ValueError(f"Last-Event-ID {last_event_id!r} holds {len(positions)} positions for {n} choices")
+    queue: asyncio.Queue[tuple[int, _Piece | None]] = asyncio.Queue()
+
+    async def pump(i: int) -> None:
+        try:
+            async for piece in _pieces(client, ctx.choice(i), positions[i]):
+                await queue.put((i, piece))
+        finally:
+            await queue.put((i, None))
+
+    tasks = [asyncio.create_task(pump(i)) for i in range(n)]
+    dones: dict[int, DoneEvent] = {}
+    try:
+        running = n
+        while running:
+            i, piece = await queue.get()
+            if piece is None:
+                running -= 1
+                continue
+            if piece.entry_id is not None:
+                positions[i] = piece.entry_id
+            if piece.data is not None:
+                yield frame(piece.data, event_id=None if piece.error else ",".join(positions))
+            if piece.error:
+                return
+            if piece.done is not None:
+                dones[i] = piece.done
+        if len(dones) == n:
+            for text in _ending(ctx, [dones[i] for i in range(n)]):
+                yield text
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+async def _pieces(client: AsyncClient, ctx: Context, from_id: str) -> AsyncIterator[_Piece]:
+    """One job's chunks after `from_id`."""
     if from_id != START_ID:
         at = await _entry(client.connection, ctx.job_id, from_id)
         if at is not None and isinstance(at.event, DoneEvent):  # only the ending was lost
-            for text in _ending(ctx, at.event):
-                yield text
+            yield _Piece(None, None, at.event)
             return
     role_pending = ctx.kind == "chat" and from_id == START_ID
     sent_text = from_id != START_ID
@@ -69,26 +142,22 @@ async def events(client: AsyncClient, ctx: Context, last_event_id: str | None) -
             if isinstance(event, TokenEvent):
                 if not event.text:
                     continue
-                yield _data(ctx.chunk(event.text, None, role_pending), item.stream_id)
+                yield _Piece(item.stream_id, _json(ctx.chunk(event.text, None, role_pending)))
                 role_pending, sent_text = False, True
             elif isinstance(event, RestartEvent):
                 if sent_text:
-                    yield _error(
+                    message = (
                         f"job {ctx.job_id} was restarted (attempt {event.attempt}) after its worker "
-                        "stopped; the text sent so far is void: send the request again",
-                        "job_restarted",
+                        "stopped; the text sent so far is void: send the request again"
                     )
+                    yield _Piece(None, _error(message, "job_restarted"), error=True)
                     return
             elif isinstance(event, DoneEvent):
-                yield _data(
-                    ctx.chunk(None if ctx.kind == "chat" else "", event.finish_reason, role_pending),
-                    item.stream_id,
-                )
-                for text in _ending(ctx, event):
-                    yield text
+                finish = ctx.chunk(None if ctx.kind == "chat" else "", event.finish_reason, role_pending)
+                yield _Piece(item.stream_id, _json(finish), event)
                 return
             elif isinstance(event, ErrorEvent):
-                yield _error(f"job {ctx.job_id} failed: {event.message}")
+                yield _Piece(None, _error(f"job {ctx.job_id} failed: {event.message}"), error=True)
                 return
     except (JobFailed, JobNotFound) as e:
-        yield _error(str(e))
+        yield _Piece(None, _error(str(e)), error=True)

@@ -8,7 +8,8 @@ through as the string it is.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 from mlxq.jobs.schema import DoneEvent, GenerateResult
@@ -50,10 +51,23 @@ class Context:
     created: int
     include_usage: bool
     owner: str
+    index: int = 0  # the choice this job gives (`n` > 1: one job per choice)
+    siblings: tuple[str, ...] = ()  # the jobs of choices 1.. (kept with choice 0's, whose id is the answer's)
+    answer_job: str | None = None  # a later choice's context: choice 0's job, which names the answer
+    per_prompt: int = 1  # choices per prompt (`n`): the jobs are prompt by prompt, n each
 
     @property
     def id(self) -> str:
-        return completion_id(self.kind, self.job_id)
+        return completion_id(self.kind, self.answer_job or self.job_id)
+
+    @property
+    def jobs(self) -> tuple[str, ...]:
+        """Every choice's job, in the choices' order."""
+        return (self.job_id, *self.siblings)
+
+    def choice(self, index: int) -> Context:
+        """The context of choice `index`'s job: the answer's id, the job's own stream."""
+        return replace(self, job_id=self.jobs[index], index=index, siblings=(), answer_job=self.job_id)
 
     def fields(self) -> dict[str, str]:
         return {
@@ -62,6 +76,8 @@ class Context:
             "created": str(self.created),
             "include_usage": "1" if self.include_usage else "",
             "owner": self.owner,
+            "siblings": ",".join(self.siblings),
+            "n": str(self.per_prompt),
         }
 
     @classmethod
@@ -76,6 +92,8 @@ class Context:
             int(raw["created"]),
             bool(raw.get("include_usage")),
             raw.get("owner", ""),
+            siblings=tuple(j for j in raw.get("siblings", "").split(",") if j),
+            per_prompt=int(raw.get("n") or 1),
         )
 
     def _head(self, obj: str) -> dict[str, Any]:
@@ -94,35 +112,38 @@ class Context:
             if text is not None:
                 delta["content"] = text
             choice: dict[str, Any] = {
-                "index": 0,
+                "index": self.index,
                 "delta": delta,
                 "logprobs": None,
                 "finish_reason": finish_reason,
             }
             return {**self._head("chat.completion.chunk"), "choices": [choice]}
-        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": self.index, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
         return {**self._head("text_completion"), "choices": [choice]}
 
-    def usage_chunk(self, done: DoneEvent) -> dict[str, Any]:
-        """The last chunk when `stream_options.include_usage`: no choices, the usage."""
+    def usage_chunk(self, dones: Sequence[DoneEvent]) -> dict[str, Any]:
+        """The last chunk when `stream_options.include_usage`: no choices, the usage of them all."""
         obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
-        return {
-            **self._head(obj),
-            "choices": [],
-            "usage": usage(done.prompt_tokens, done.completion_tokens, done.cached_tokens),
-        }
+        counts = [(d.prompt_tokens, d.completion_tokens, d.cached_tokens) for d in dones]
+        return {**self._head(obj), "choices": [], "usage": _summed(counts, self.per_prompt)}
 
-    def whole(self, result: GenerateResult) -> dict[str, Any]:
-        """The non-streamed answer."""
-        u = usage(result.usage.prompt_tokens, result.usage.completion_tokens, result.usage.cached_tokens)
-        if self.kind == "chat":
-            message = {"role": "assistant", "content": result.text, "refusal": None}
-            choice: dict[str, Any] = {
-                "index": 0,
-                "message": message,
-                "logprobs": None,
-                "finish_reason": result.finish_reason,
-            }
-            return {**self._head("chat.completion"), "choices": [choice], "usage": u}
-        choice = {"index": 0, "text": result.text, "logprobs": None, "finish_reason": result.finish_reason}
-        return {**self._head("text_completion"), "choices": [choice], "usage": u}
+    def whole(self, results: Sequence[GenerateResult]) -> dict[str, Any]:
+        """The non-streamed answer: a choice per result, in order."""
+        counts = [(r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.cached_tokens) for r in results]
+        choices: list[dict[str, Any]] = []
+        for index, result in enumerate(results):
+            choice: dict[str, Any] = {"index": index}
+            if self.kind == "chat":
+                choice["message"] = {"role": "assistant", "content": result.text, "refusal": None}
+            else:
+                choice["text"] = result.text
+            choices.append({**choice, "logprobs": None, "finish_reason": result.finish_reason})
+        obj = "chat.completion" if self.kind == "chat" else "text_completion"
+        return {**self._head(obj), "choices": choices, "usage": _summed(counts, self.per_prompt)}
+
+
+def _summed(counts: Sequence[tuple[int, int, int]], per_prompt: int) -> dict[str, Any]:
+    """The usage of several choices, counted as OpenAI does: each prompt once (its first choice's
+    count; a prompt's choices are `per_prompt` jobs in a row), every choice's completion tokens."""
+    firsts = counts[::per_prompt]
+    return usage(sum(c[0] for c in firsts), sum(c[1] for c in counts), sum(c[2] for c in firsts))

@@ -1,9 +1,12 @@
 """OpenAI request bodies -> mlxq generation requests, and what the answer should look like.
 
-Every parameter is either carried to the job, answered for by the gateway (`stream`, `model`, `n=1`),
+Every parameter is either carried to the job, answered for by the gateway (`stream`, `model`, `n`: a job
+per choice),
 accepted as metadata with no effect on the text (`user`, `metadata`, `store=false`), or refused with a
-400 that names it. Nothing is dropped silently: a client that asks for tools or logprobs learns at once
-that mlxq does not give them, rather than getting text that ignored the ask.
+400 that names it. Nothing is dropped silently: a client that asks for tools learns at once that mlxq
+does not give them, rather than getting text that ignored the ask. A completion's `echo`/`logprobs` are
+answered by a score job instead (`echo`), and a chat's `logprobs` by one after its generation
+(`chat_logprobs`).
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from mlxq.jobs.errors import InvalidRequest
-from mlxq.jobs.schema import GenerateRequest
+from mlxq.jobs.schema import MAX_TOP_LOGPROBS, GenerateRequest
 
 from .. import payload
 from .errors import bad_request, unsupported
@@ -23,17 +26,12 @@ _SAMPLING = ("temperature", "top_p", "seed", "presence_penalty", "frequency_pena
 _EXTENSIONS = ("top_k", "min_p", "repetition_penalty")  # vLLM-style extras (`extra_body` in the SDK)
 _METADATA = ("user", "metadata", "service_tier")
 
-_ECHO_LOGPROBS = (
-    "prompt and completion logprobs (`echo` with `logprobs`) are not wired into the gateway yet; they are "
-    "to come from mlxq's evaluation scoring (issue 28: score jobs with `prompt_logprobs`)"
-)
 _UNSUPPORTED_CHAT = {
     "tools": "mlxq's workers do not do tool calling",
     "tool_choice": "mlxq's workers do not do tool calling",
     "functions": "mlxq's workers do not do function calling",
     "function_call": "mlxq's workers do not do function calling",
     "parallel_tool_calls": "mlxq's workers do not do tool calling",
-    "top_logprobs": "mlxq's workers do not return token logprobs for generated text",
     "audio": "mlxq serves text models",
     "modalities": "mlxq serves text models",
     "prediction": "mlxq's workers take no predicted output",
@@ -42,8 +40,6 @@ _UNSUPPORTED_CHAT = {
 }
 _UNSUPPORTED_COMPLETION = {
     "suffix": "mlxq's workers do not fill in the middle",
-    "echo": _ECHO_LOGPROBS,
-    "logprobs": _ECHO_LOGPROBS,
 }
 
 
@@ -56,9 +52,17 @@ class Translated:
     request: GenerateRequest
     stream: bool
     include_usage: bool
+    n: int = 1
+    more: tuple[GenerateRequest, ...] = ()  # the requests of a batch's other prompts (completions)
+    logprobs: int | None = None  # a chat's `logprobs: true`: this many alternatives per token
+
+    @property
+    def requests(self) -> tuple[GenerateRequest, ...]:
+        """One request per prompt (a completions request may send a batch of prompts)."""
+        return (self.request, *self.more)
 
 
-def _model(body: dict[str, Any]) -> str:
+def model_of(body: dict[str, Any]) -> str:
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise bad_request(
@@ -67,14 +71,35 @@ def _model(body: dict[str, Any]) -> str:
     return model
 
 
-def _n(body: dict[str, Any]) -> None:
+MAX_CHOICES = 16
+
+
+def _n(body: dict[str, Any]) -> int:
+    """How many choices: one job each (an mlxq job generates one sequence)."""
     n = body.get("n")
-    if n is not None and n != 1:
-        raise unsupported(
-            "n",
-            "a request yields one choice (an mlxq job generates one sequence); send n "
-            "requests, each with its own `seed`, for several",
-        )
+    if n is None:
+        return 1
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_CHOICES:
+        raise bad_request(f"`n` must be an integer from 1 to {MAX_CHOICES}", "n")
+    return n
+
+
+def choice_requests(t: Translated) -> list[GenerateRequest]:
+    """The job of each choice, prompt by prompt (OpenAI's order: prompt i's choices are `i*n ..`): the
+    request's own for a prompt's first, the seed counted up for the next (so a seeded request gives the
+    same choices again; an unseeded one, independent ones)."""
+    out = []
+    for request in t.requests:
+        seed = request.seed
+        out += [
+            request if seed is None or i == 0 else request.model_copy(update={"seed": seed + i})
+            for i in range(t.n)
+        ]
+    return out
+
+
+MAX_JOBS = 64
+"""The most jobs one request makes (prompts times `n`)."""
 
 
 def _stream(body: dict[str, Any]) -> tuple[bool, bool]:
@@ -159,14 +184,14 @@ _BASE = {
 
 def chat(body: dict[str, Any]) -> Translated:
     """A `POST /v1/chat/completions` body."""
-    model = _model(body)
-    _n(body)
+    model = model_of(body)
+    n = _n(body)
     stream, include_usage = _stream(body)
     if body.get("store"):
         raise unsupported("store", "the gateway keeps no completions for later retrieval")
-    params = _common(body, _BASE | {"messages", "max_completion_tokens", "logprobs"}, _UNSUPPORTED_CHAT)
-    if body.get("logprobs"):
-        raise unsupported("logprobs", "mlxq's workers do not return token logprobs for generated text")
+    known = _BASE | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}
+    params = _common(body, known, _UNSUPPORTED_CHAT)
+    logprobs = _chat_logprobs(body, stream, n)
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     if max_tokens is not None:
         params["max_tokens"] = max_tokens
@@ -179,7 +204,30 @@ def chat(body: dict[str, Any]) -> Translated:
         _validated(params, None, [_message(m, i) for i, m in enumerate(messages)]),
         stream,
         include_usage,
+        n,
+        logprobs=logprobs,
     )
+
+
+def _chat_logprobs(body: dict[str, Any], stream: bool, n: int) -> int | None:
+    """How many alternatives a chat's `logprobs` asks per token (None: no logprobs). They come from a
+    score job after the generation (`chat_logprobs`), so not streamed, and for one choice."""
+    logprobs, top = body.get("logprobs"), body.get("top_logprobs")
+    if logprobs not in (None, True, False):
+        raise bad_request("`logprobs` must be true or false", "logprobs")
+    if top is not None and (
+        isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= MAX_TOP_LOGPROBS
+    ):
+        raise bad_request(f"`top_logprobs` must be an integer from 0 to {MAX_TOP_LOGPROBS}", "top_logprobs")
+    if not logprobs:
+        if top:
+            raise bad_request("`top_logprobs` needs `logprobs: true`", "top_logprobs")
+        return None
+    if stream:
+        raise unsupported("logprobs", "a chat's logprobs come with the whole answer, not streamed")
+    if n > 1:
+        raise unsupported("logprobs", "a chat's logprobs are given for one choice (n: 1)")
+    return top or 0
 
 
 def _message(message: Any, i: int) -> dict[str, Any]:
@@ -202,22 +250,44 @@ def _message(message: Any, i: int) -> dict[str, Any]:
 
 def completion(body: dict[str, Any]) -> Translated:
     """A `POST /v1/completions` body."""
-    model = _model(body)
-    _n(body)
+    model = model_of(body)
+    n = _n(body)
     if body.get("best_of") not in (None, 1):
         raise unsupported("best_of", "a request yields one completion")
     stream, include_usage = _stream(body)
-    params = _common(body, _BASE | {"prompt", "best_of"}, _UNSUPPORTED_COMPLETION)
+    # `echo` and `logprobs` when asked are answered by a score job (`echo`), never reach here
+    params = _common(body, _BASE | {"prompt", "best_of", "echo", "logprobs"}, _UNSUPPORTED_COMPLETION)
     params["max_tokens"] = body.get("max_tokens", 16)  # OpenAI's default for completions
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-        prompt = prompt[0]
-    if isinstance(prompt, list):
-        raise unsupported(
+    prompts = _completion_prompts(body.get("prompt"))
+    if len(prompts) * n > MAX_JOBS:
+        raise bad_request(
+            f"{len(prompts)} prompts times n={n} is {len(prompts) * n} jobs; a request makes at most "
+            f"{MAX_JOBS}",
             "prompt",
-            "a request takes one prompt as text (not a batch of prompts, not token "
-            "ids); send one request per prompt, or use the Batch API",
         )
-    if not isinstance(prompt, str):
-        raise bad_request("`prompt` must be a string", "prompt")
-    return Translated("completion", model, _validated(params, prompt, None), stream, include_usage)
+    requests = [
+        _validated({**params, "prompt_ids": p}, None, None)
+        if isinstance(p, list)
+        else _validated(params, p, None)
+        for p in prompts
+    ]
+    return Translated("completion", model, requests[0], stream, include_usage, n, tuple(requests[1:]))
+
+
+def _completion_prompts(prompt: Any) -> list[str | list[int]]:
+    """OpenAI's forms of a completion's `prompt`: text, token ids, or a batch of either."""
+    if isinstance(prompt, str) or _token_ids(prompt):
+        return [prompt]
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str) or _token_ids(p) for p in prompt):
+        return list(prompt)
+    raise bad_request(
+        "`prompt` must be a string, a list of token ids, or a non-empty list of either", "prompt"
+    )
+
+
+def _token_ids(value: Any) -> bool:
+    return (
+        isinstance(value, list)
+        and bool(value)
+        and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+    )

@@ -365,3 +365,16 @@ def test_an_interrupt_is_called_before_every_scoring_forward_and_stops_it(
         engine.score_many([prepared], interrupt)
     assert len(forwards) == 2
     assert engine.score_many([prepared]) == want  # the engine is unharmed
+
+
+def test_a_prompt_given_as_token_ids_generates_as_its_text(engine: Engine) -> None:
+    ids = engine.tokenizer.encode(LONG)
+    opts = {"max_tokens": 12, "temperature": 0, "logit_bias": _no_eos(engine)}
+    _, as_text = _run(engine, prompt=LONG, **opts)
+    _, as_ids = _run(engine, prompt_ids=ids, **opts)
+    assert as_ids.token_ids == as_text.token_ids and as_ids.usage.prompt_tokens == len(ids)
+    vocab = engine.model.args.vocab_size
+    with pytest.raises(InvalidRequest, match=f"prompt token id {vocab} is not in the vocabulary"):
+        _run(engine, prompt_ids=[1, vocab])
+    with pytest.raises(ValueError, match="exactly one of"):
+        GenerateRequest(prompt="x", prompt_ids=[1])

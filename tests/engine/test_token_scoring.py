@@ -268,3 +268,71 @@ def test_a_few_shot_prefix_is_shared_across_jobs_and_reused_from_the_prefix_cach
     assert alone.cached_tokens < again.cached_tokens
     for a, b in zip(again.rows[0].continuations or [], alone.rows[0].continuations or [], strict=True):
         assert a.token_logprobs == pytest.approx(b.token_logprobs, abs=1e-5)
+
+
+def test_prompt_ids_token_texts_and_the_next_token(checkpoint: Path, hf: tuple[Any, Any]) -> None:
+    """OpenAI's `echo` with `logprobs` asks this of a row: a prompt given as token ids (scored as they
+    are), each token's text and offset, and the likeliest tokens after the prompt."""
+    model, tok = hf
+    engine = Engine.load(str(checkpoint))
+    prompt = "Queues hold jobs, é and 🙂 too."
+    ids = tok.encode(prompt)
+    lp = _logprobs(model, ids)
+    as_text = {"prompt": prompt, "prompt_logprobs": True, "top_logprobs": 2}
+    as_ids = {
+        "prompt_ids": ids,
+        "prompt_logprobs": True,
+        "top_logprobs": 2,
+        "token_texts": True,
+        "next_token": True,
+    }
+    request = ScoreRequest.model_validate({"rows": [as_text, as_ids], "add_special_tokens": True})
+    text_row, ids_row = (r.prompt_logprobs for r in engine.score(request).rows)
+    assert text_row is not None and ids_row is not None
+    assert ids_row.tokens == text_row.tokens == ids[1:]
+    assert ids_row.token_logprobs == pytest.approx(text_row.token_logprobs, abs=1e-5)
+    assert ids_row.token_logprobs == pytest.approx([lp[i, t] for i, t in enumerate(ids[1:])], abs=1e-4)
+    assert ids_row.first_token == ids[0] and text_row.first_token is None and text_row.texts is None
+    assert ids_row.texts is not None and ids_row.offsets is not None
+    assert "".join(ids_row.texts) == tok.decode(ids) and len(ids_row.texts) == len(ids)
+    assert ids_row.offsets == [len("".join(ids_row.texts[:i])) for i in range(len(ids))]
+    for top in ids_row.top_logprobs:
+        assert all(t.text == tok.decode([t.id]) for t in top)
+    assert all(t.text is None for top in text_row.top_logprobs for t in top)
+    # The next token: the prompt's last position's alternatives, which the reference's full forward gives.
+    with torch.no_grad():
+        last = torch.log_softmax(model(torch.tensor([ids])).logits[0, -1].float(), -1).numpy()
+    assert ids_row.next_top is not None and len(ids_row.next_top) == 2
+    assert ids_row.next_ends == (ids_row.next_top[0].id in engine.tokenizer.eos_ids)
+    assert [t.id for t in ids_row.next_top] == [int(t) for t in np.argsort(-last)[:2]]
+    assert [t.logprob for t in ids_row.next_top] == pytest.approx(
+        [last[t.id] for t in ids_row.next_top], abs=1e-4
+    )
+    assert len(ids_row.top_logprobs) == len(ids) - 1  # the placeholder after the prompt is not a prompt token
+    # What an older reader never asked for never reaches it: no new keys in a plain row's JSON.
+    plain = engine.score(ScoreRequest.model_validate({"rows": [as_text]})).rows[0].model_dump(mode="json")
+    assert set(plain["prompt_logprobs"]) == {"tokens", "token_logprobs", "top_logprobs", "chosen_logprobs"}
+    assert set(plain["prompt_logprobs"]["top_logprobs"][0][0]) == {"id", "logprob"}
+
+
+def test_prompt_ids_are_checked_and_belong_to_prompt_logprobs_rows(checkpoint: Path) -> None:
+    engine = Engine.load(str(checkpoint))
+    vocab = engine.model.args.vocab_size
+    with pytest.raises(InvalidRequest, match=f"row 0: prompt token id {vocab} is not in the vocabulary"):
+        engine.score_tokens(
+            ScoreRequest.model_validate({"rows": [{"prompt_ids": [1, vocab], "prompt_logprobs": True}]})
+        )
+    with pytest.raises(ValueError, match="give the prompt once"):
+        ScoreRequest.model_validate(
+            {"rows": [{"prompt": "a", "prompt_ids": [1, 2], "prompt_logprobs": True}]}
+        )
+    with pytest.raises(ValueError, match="belong to a `prompt_logprobs` row"):
+        ScoreRequest.model_validate({"rows": [{"prompt_ids": [1, 2], "continuations": ["b"]}]})
+    one = engine.score(
+        ScoreRequest.model_validate(
+            {"rows": [{"prompt_ids": [5], "prompt_logprobs": True, "next_token": True}]}
+        )
+    )
+    got = one.rows[0].prompt_logprobs
+    assert got is not None and got.tokens == [] and got.next_top is not None and len(got.next_top) == 1
+    assert one.rows[0].input_tokens == 1

@@ -311,8 +311,15 @@ def test_score_file_says_what_an_openai_batch_line_is(
     out = tmp_path / "out.jsonl"
     assert main(["--redis-url", redis_url, "score-file", str(source), "-o", str(out)]) == 1
     errors = [json.loads(x) for x in (tmp_path / "out.errors.jsonl").read_text().splitlines()]
+    message = errors[0]["response"]["body"]["error"]["message"]  # a Batch file: OpenAI's error lines
+    assert "score-file runs POST /v1/completions lines" in message and "generate-file" in message
+    (tmp_path / "out.errors.jsonl").unlink()
+    assert (
+        main(["--redis-url", redis_url, "score-file", str(source), "-o", str(out), "--format", "mlxq"]) == 1
+    )
+    errors = [json.loads(x) for x in (tmp_path / "out.errors.jsonl").read_text().splitlines()]
     assert "an OpenAI Batch API request line" in errors[0]["error"], errors
-    assert "generate-file takes Batch lines" in errors[0]["error"]
+    assert "generate-file takes the others" in errors[0]["error"]
 
 
 def test_score_file_with_redis_unreachable_says_so_and_leaves_no_empty_output(

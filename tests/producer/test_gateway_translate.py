@@ -51,9 +51,21 @@ def test_completion_defaults_and_prompt_forms() -> None:
     assert (
         translate.completion({"model": "m", "prompt": ["one"]}).request.max_tokens == 16
     )  # OpenAI's default
+    two = translate.completion({"model": "m", "prompt": ["one", [5, 6]], "n": 2, "seed": 1})
+    assert [(r.prompt, r.prompt_ids, r.seed) for r in translate.choice_requests(two)] == [
+        ("one", None, 1),
+        ("one", None, 2),
+        (None, [5, 6], 1),
+        (None, [5, 6], 2),
+    ]  # OpenAI's order: a prompt's n choices together
     with pytest.raises(ApiError) as e:
-        translate.completion({"model": "m", "prompt": ["one", "two"]})
+        translate.completion({"model": "m", "prompt": ["x"] * 33, "n": 2})
     assert e.value.status == 400 and e.value.param == "prompt"
+    for ids in ([5, 6, 7], [[5, 6, 7]]):  # OpenAI's token-id prompt, alone or as a batch of one
+        assert translate.completion({"model": "m", "prompt": ids}).request.prompt_ids == [5, 6, 7]
+    with pytest.raises(ApiError) as e:
+        translate.completion({"model": "m", "prompt": [5, -1]})
+    assert e.value.status == 400
 
 
 @pytest.mark.parametrize(
@@ -61,7 +73,8 @@ def test_completion_defaults_and_prompt_forms() -> None:
     [
         ({**CHAT, "stream_options": {"include_usage": True}}, "stream_options"),
         ({**CHAT, "logit_bias": {"x": 1}}, "logit_bias"),
-        ({**CHAT, "n": 2}, "n"),
+        ({**CHAT, "n": 0}, "n"),
+        ({**CHAT, "n": translate.MAX_CHOICES + 1}, "n"),
         ({**CHAT, "mystery": 1}, "mystery"),
         ({"messages": CHAT["messages"]}, "model"),
         ({**CHAT, "messages": []}, "messages"),
@@ -77,3 +90,11 @@ def test_refusals_name_the_parameter(body: dict[str, Any], param: str) -> None:
 def test_stream_with_usage() -> None:
     t = translate.chat({**CHAT, "stream": True, "stream_options": {"include_usage": True}})
     assert t.stream and t.include_usage
+
+
+def test_n_choices_count_the_seed_up_or_leave_it_unset() -> None:
+    seeded = translate.chat({**CHAT, "n": 3, "seed": 7})
+    assert seeded.n == 3 and [r.seed for r in translate.choice_requests(seeded)] == [7, 8, 9]
+    assert translate.choice_requests(seeded)[0] == seeded.request
+    unseeded = translate.completion({"model": "m", "prompt": "hi", "n": 2})
+    assert [r.seed for r in translate.choice_requests(unseeded)] == [None, None]

@@ -62,6 +62,8 @@ from mlxq.worker.engine.scoring import (
 )
 from mlxq.worker.engine.text.detokenizer import IncrementalDetokenizer
 from mlxq.worker.engine.text.stop_strings import StopStringMatcher
+from mlxq.worker.engine.text.token_texts import piece as token_piece
+from mlxq.worker.engine.text.token_texts import token_texts
 from mlxq.worker.engine.text.tokenizer import Tokenizer
 from mlxq.worker.engine.token_scoring import TokenScorer, TokenScores, TokenSeq
 
@@ -75,6 +77,20 @@ class SeqRow:
 
     kind: str  # "continuations" | "rolling" | "prompt_logprobs"
     seqs: list[TokenSeq]
+    prompt: PromptAsk | None = None  # a prompt_logprobs row's prompt and extras
+
+
+@dataclass(frozen=True)
+class PromptAsk:
+    """A prompt_logprobs row's tokens and what it asks besides their log-probabilities: `top_k`
+    alternatives, token texts, and the token after the prompt (its sequence then ends in a placeholder
+    token whose position gives that next token's alternatives)."""
+
+    tokens: list[int]
+    top_k: int
+    chosen: bool
+    texts: bool
+    next_token: bool
 
 
 PreparedRow = RowTokens | SeqRow
@@ -214,9 +230,14 @@ class Engine:
 
     def prompt_tokens(self, request: GenerateRequest) -> list[int]:
         """Token ids for a request: raw `prompt` encoded (special-token text as text unless the request
-        allows special tokens), or `messages` rendered by the chat template (`chat_tokens`)."""
+        allows special tokens), `messages` rendered by the chat template (`chat_tokens`), or `prompt_ids`."""
         if request.messages is not None:
             ids = self.chat_tokens([m.model_dump() for m in request.messages])
+        elif request.prompt_ids is not None:
+            ids = list(request.prompt_ids)
+            vocab = self.model.args.vocab_size
+            if max(ids) >= vocab:
+                raise InvalidRequest(f"prompt token id {max(ids)} is not in the vocabulary (0..{vocab - 1})")
         else:
             assert request.prompt is not None
             ids = self.tokenizer.encode(
@@ -316,21 +337,33 @@ class Engine:
                 self.tokenizer, index, row.prompt, row.continuations, request.add_special_tokens, split
             )
             return SeqRow("continuations", seqs)
-        tokens = self.tokenizer.encode(
-            row.prompt, add_special_tokens=request.add_special_tokens, split_special=split
-        )
+        if row.prompt_ids is not None:
+            tokens = list(row.prompt_ids)
+        elif row.messages is not None:
+            tokens = self.chat_tokens([m.model_dump() for m in row.messages])
+        else:
+            tokens = self.tokenizer.encode(
+                row.prompt, add_special_tokens=request.add_special_tokens, split_special=split
+            )
         if row.rolling:  # an empty text has no windows: 0 over 0 tokens, as lm-eval has it
             window = min(row.window or request.max_tokens or self.context_length, self.context_length)
             return SeqRow("rolling", rolling_seqs(self.tokenizer, tokens, window))
+        tokens = [*tokens, *row.completion_ids]
         vocab = self.model.args.vocab_size
-        for t in row.token_ids:
-            if t >= vocab:
-                raise InvalidRequest(f"row {index}: token id {t} is not in the vocabulary (0..{vocab - 1})")
+        checked = (("token id", row.token_ids), ("prompt token id", row.prompt_ids or []))
+        for what, ids in (*checked, ("completion token id", row.completion_ids)):
+            for t in ids:
+                if t >= vocab:
+                    raise InvalidRequest(f"row {index}: {what} {t} is not in the vocabulary (0..{vocab - 1})")
         if not tokens:
             raise InvalidRequest(f"row {index}: the prompt is empty (it encodes to no tokens)")
+        ask = PromptAsk(tokens, row.top_logprobs, bool(row.token_ids), row.token_texts, row.next_token)
+        if row.next_token:  # a placeholder after the prompt: its position's alternatives are the next token's
+            seq = TokenSeq([*tokens, 0], 1, max(row.top_logprobs, 1), tuple(row.token_ids))
+            return SeqRow("prompt_logprobs", [seq], ask)
         if len(tokens) < 2:
-            return SeqRow("prompt_logprobs", [])  # one token: nothing before it, no logprob
-        return SeqRow("prompt_logprobs", [TokenSeq(tokens, 1, row.top_logprobs, tuple(row.token_ids))])
+            return SeqRow("prompt_logprobs", [], ask)  # one token: nothing before it, no logprob
+        return SeqRow("prompt_logprobs", [TokenSeq(tokens, 1, row.top_logprobs, tuple(row.token_ids))], ask)
 
     def _job_rows(
         self, rows: list[PreparedRow | InvalidRequest], max_tokens: int | None
@@ -455,7 +488,11 @@ class Engine:
             at = 0
             for i, row in seq_rows:
                 n = len(row.seqs)
-                scored[i] = _seq_result(row, results[at : at + n], per_seq[at : at + n])
+                row_scores, row_computed = results[at : at + n], per_seq[at : at + n]
+                if row.prompt is not None:
+                    scored[i] = _prompt_logprobs(row.prompt, row_scores, row_computed, self.tokenizer)
+                else:
+                    scored[i] = _seq_result(row, row_scores, row_computed)
                 at += n
         out, start = [], 0
         for job in jobs:
@@ -645,6 +682,36 @@ class TextRun:
         return reason
 
 
+def _prompt_logprobs(
+    ask: PromptAsk, results: list[TokenScores], computed: list[int], tokenizer: Tokenizer
+) -> ScoredRow:
+    """A prompt_logprobs row's answer, with the texts and the next token where it asked for them."""
+    piece = (lambda t: token_piece(tokenizer, t)) if ask.texts else None
+    texts, offsets = token_texts(tokenizer, ask.tokens) if ask.texts else (None, None)
+    r = results[0] if results else TokenScores()
+    n = len(ask.tokens) - 1  # scored prompt tokens; a `next_token` row's last scored slot is the placeholder
+
+    def tops(top: list[tuple[int, float]], k: int) -> list[TopLogprob]:
+        return [TopLogprob(id=t, logprob=lp, text=piece(t) if piece else None) for t, lp in top[:k]]
+
+    inputs = len(ask.tokens) - 1 + (1 if ask.next_token else 0)
+    return ScoredRow(
+        prompt_logprobs=PromptLogprobs(
+            tokens=ask.tokens[1:],
+            token_logprobs=r.logprobs[:n],
+            top_logprobs=[tops(top, ask.top_k) for top in r.top[:n]] if ask.top_k else [],
+            chosen_logprobs=r.chosen[:n] if ask.chosen else [],
+            first_token=ask.tokens[0] if ask.texts or ask.next_token else None,
+            texts=texts,
+            offsets=offsets,
+            next_top=tops(r.top[n], max(ask.top_k, 1)) if ask.next_token else None,
+            next_ends=r.top[n][0][0] in tokenizer.eos_ids if ask.next_token else None,
+        ),
+        input_tokens=inputs,
+        cached_tokens=inputs - sum(computed),
+    )
+
+
 def _seq_result(row: SeqRow, results: list[TokenScores], computed: list[int]) -> ScoredRow:
     """A token-by-token row's answer from its sequences' scores."""
     inputs = sum(len(s.inputs) for s in row.seqs)
@@ -668,17 +735,4 @@ def _seq_result(row: SeqRow, results: list[TokenScores], computed: list[int]) ->
             input_tokens=inputs,
             cached_tokens=cached,
         )
-    seq = row.seqs[0] if row.seqs else None
-    r = results[0] if results else TokenScores()
-    return ScoredRow(
-        prompt_logprobs=PromptLogprobs(
-            tokens=seq.tokens[1:] if seq else [],
-            token_logprobs=r.logprobs,
-            top_logprobs=[[TopLogprob(id=t, logprob=lp) for t, lp in top] for top in r.top]
-            if seq and seq.top_k
-            else [],
-            chosen_logprobs=r.chosen if seq and seq.chosen else [],
-        ),
-        input_tokens=inputs,
-        cached_tokens=cached,
-    )
+    raise ValueError(f"not a row scored token by token: {row.kind!r}")

@@ -1,0 +1,237 @@
+"""`POST /v1/completions` with `echo` and `logprobs` through the gateway: driven by the real `openai`
+package and by lm-eval's own `local-completions` model, against a real worker on the tiny model. What
+comes back is checked against the same scores asked of mlxq directly (score jobs), and the one greedy
+token against a generation job.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import openai
+import pytest
+import test_gateway
+from gateway_process import GatewayProcess
+
+from mlxq.producer import Client
+
+# The gateway module's Redis, worker and gateway fixtures (module-scoped: this module starts its own).
+server, worker, gateway = test_gateway.server, test_gateway.worker, test_gateway.gateway
+model, conn, key, sdk, mlxq_client = (
+    test_gateway.model,
+    test_gateway.conn,
+    test_gateway.key,
+    test_gateway.sdk,
+    test_gateway.mlxq_client,
+)
+
+PROMPT = "Queues hold jobs, and workers take them one after another."
+
+
+def _prompt_scores(mlxq_client: Client, row: dict[str, Any]) -> Any:
+    result = mlxq_client.submit_score([{**row, "prompt_logprobs": True, "token_texts": True}]).result(
+        timeout=60
+    )
+    return result.rows[0].prompt_logprobs
+
+
+def test_echo_with_logprobs_gives_the_prompts_scores_in_openais_shape(
+    sdk: openai.OpenAI, model: str, mlxq_client: Client
+) -> None:
+    got = sdk.completions.create(model=model, prompt=PROMPT, echo=True, logprobs=2, max_tokens=0)
+    want = _prompt_scores(mlxq_client, {"prompt": PROMPT, "top_logprobs": 2})
+    (choice,) = got.choices
+    lp = choice.logprobs
+    assert lp is not None and lp.tokens == want.texts and choice.text == "".join(want.texts)
+    assert lp.token_logprobs is not None and lp.token_logprobs[0] is None
+    assert lp.token_logprobs[1:] == pytest.approx(want.token_logprobs, abs=1e-6)
+    assert lp.text_offset == want.offsets
+    assert lp.top_logprobs is not None and lp.top_logprobs[0] is None
+    for top, alternatives, token, logprob in zip(
+        lp.top_logprobs[1:], want.top_logprobs, want.texts[1:], want.token_logprobs, strict=True
+    ):
+        expected = {a.text: a.logprob for a in alternatives}
+        expected.setdefault(token, logprob)  # OpenAI's: the top alternatives and the token itself
+        assert top == pytest.approx(expected, abs=1e-6)
+    assert choice.finish_reason == "length"
+    assert (
+        got.usage is not None
+        and got.usage.prompt_tokens == len(want.texts)
+        and got.usage.completion_tokens == 0
+    )
+
+
+def test_a_batch_of_token_id_prompts_and_one_greedy_token(
+    sdk: openai.OpenAI, model: str, mlxq_client: Client
+) -> None:
+    """lm-eval's ask: prompts as token ids, `max_tokens: 1` at temperature 0: a choice per prompt, whose
+    last token is what a greedy generation of one token gives."""
+    texts = [PROMPT, "A short one."]
+    ids = [_prompt_scores(mlxq_client, {"prompt": t}) for t in texts]
+    prompts = [[p.first_token, *p.tokens] for p in ids]
+    got = sdk.completions.create(
+        model=model, prompt=prompts, echo=True, logprobs=1, max_tokens=1, temperature=0, seed=3
+    )
+    assert [c.index for c in got.choices] == [0, 1]
+    for choice, tokens, text in zip(got.choices, prompts, texts, strict=True):
+        assert choice.logprobs is not None and choice.logprobs.token_logprobs is not None
+        assert len(choice.logprobs.tokens or []) == len(tokens) + 1  # the prompt's, then the completion's
+        want = _prompt_scores(mlxq_client, {"prompt_ids": tokens, "next_token": True})
+        assert choice.logprobs.token_logprobs[1:-1] == pytest.approx(want.token_logprobs, abs=1e-6)
+        # The completion token is what a one-token greedy generation of the same prompt gives.
+        generated = mlxq_client.submit_generate(text, max_tokens=1, temperature=0.0).result(timeout=60)
+        if want.next_ends:
+            assert generated.finish_reason == choice.finish_reason == "stop"
+            assert choice.text == "".join(want.texts)
+        else:
+            assert generated.token_ids == [want.next_top[0].id]
+            assert choice.text == "".join(want.texts) + generated.text
+            assert choice.finish_reason == "length"
+        assert choice.logprobs.token_logprobs[-1] == pytest.approx(want.next_top[0].logprob, abs=1e-6)
+    assert got.usage is not None and got.usage.completion_tokens == 2
+    assert got.usage.prompt_tokens == sum(len(p) for p in prompts)
+
+
+def test_bad_prompts_and_logprobs_are_a_400(sdk: openai.OpenAI, model: str) -> None:
+    for prompt, logprobs, param in (([], 1, "prompt"), ([[1, -2]], 1, "prompt"), ("x", 99, "logprobs")):
+        with pytest.raises(openai.BadRequestError) as e:
+            sdk.completions.create(model=model, prompt=prompt, echo=True, logprobs=logprobs, max_tokens=0)
+        assert e.value.body["param"] == param  # type: ignore[index]
+    with pytest.raises(openai.BadRequestError, match="vocabulary"):
+        sdk.completions.create(model=model, prompt=[10**7], echo=True, logprobs=1, max_tokens=0)
+
+
+def test_lm_evals_local_completions_scores_as_mlxq_does(
+    gateway: GatewayProcess,
+    key: str,
+    model: str,
+    model_dir: Any,
+    mlxq_client: Client,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """lm-eval's own `local-completions` model (its HF tokenizer, token-id prompts, two per request)
+    against the gateway: its loglikelihoods equal a score job's continuations within 1e-4."""
+    pytest.importorskip("lm_eval")
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.openai_completions import LocalCompletionsAPI
+
+    monkeypatch.setenv("OPENAI_API_KEY", key)
+    lm = LocalCompletionsAPI(
+        base_url=f"{gateway.url}/v1/completions",
+        model=model,
+        tokenizer=str(model_dir),
+        tokenizer_backend="huggingface",
+        batch_size=2,
+        max_retries=1,
+    )
+    pairs = [
+        ("Question: what do queues hold? Answer:", " jobs"),
+        ("Question: what do queues hold? Answer:", " cats and dogs"),
+        ("Workers keep a model loaded", " and score rows all day long."),
+    ]
+    requests = [
+        Instance(request_type="loglikelihood", doc={}, arguments=pair, idx=i) for i, pair in enumerate(pairs)
+    ]
+    got = lm.loglikelihood(requests, disable_tqdm=True)
+    rows = [{"prompt": c, "continuations": [t]} for c, t in pairs]
+    want = mlxq_client.submit_score(rows, add_special_tokens=False).result(timeout=60)
+    assert len(got) == len(pairs)
+    for (logprob, greedy), row in zip(got, want.rows, strict=True):
+        assert row.continuations is not None
+        assert logprob == pytest.approx(row.continuations[0].logprob, abs=1e-4)
+        assert greedy == row.continuations[0].is_greedy
+    # generate_until: lm-eval sends the context as token ids; the text is a greedy generation's.
+    until = {"until": ["\n\n"], "max_gen_toks": 6, "do_sample": False}
+    contexts = ["Question: what runs the jobs? Answer:", "Once upon a time"]
+    generations = lm.generate_until(
+        [
+            Instance(request_type="generate_until", doc={}, arguments=(c, until), idx=i)
+            for i, c in enumerate(contexts)
+        ],
+        disable_tqdm=True,
+    )
+    for context, text in zip(contexts, generations, strict=True):
+        alone = mlxq_client.submit_generate(
+            context, max_tokens=6, temperature=0.0, stop=["\n\n"], add_special_tokens=False
+        ).result(timeout=60)
+        assert text == alone.text
+
+
+def test_a_generated_completions_logprobs_are_the_models_own(
+    sdk: openai.OpenAI, model: str, model_dir: Any, mlxq_client: Client, no_eos: dict[int, float]
+) -> None:
+    """A sampled completion of several tokens: generated by its own job (every setting honoured), then
+    its prompt and tokens scored; each logprob is the reference model's (transformers, float32)."""
+    import numpy as np
+    import torch
+    from reference import hf_logits, load_hf_model
+
+    from mlxq.worker.engine.text.tokenizer import Tokenizer
+
+    settings = {"max_tokens": 6, "temperature": 1.0, "seed": 5}
+    bias = {str(k): v for k, v in no_eos.items()}
+    got = sdk.completions.create(
+        model=model, prompt=PROMPT, echo=True, logprobs=2, logit_bias=bias, **settings
+    )
+    generated = mlxq_client.submit_generate(PROMPT, logit_bias=no_eos, **settings).result(timeout=60)
+    (choice,) = got.choices
+    prompt_ids = Tokenizer.from_dir(model_dir).encode(PROMPT)
+    ids = prompt_ids + generated.token_ids
+    lp = choice.logprobs
+    assert lp is not None and lp.tokens is not None and lp.token_logprobs is not None
+    assert len(lp.tokens) == len(ids) and choice.text.endswith(generated.text)
+    assert "".join(lp.tokens[len(prompt_ids) :]) == generated.text
+    reference = torch.log_softmax(torch.tensor(hf_logits(load_hf_model(model_dir), ids)), -1).numpy()
+    want = [float(reference[i, t]) for i, t in enumerate(ids[1:])]
+    assert lp.token_logprobs[0] is None and lp.token_logprobs[1:] == pytest.approx(want, abs=1e-4)
+    assert lp.top_logprobs is not None and lp.top_logprobs[-1] is not None
+    assert max(lp.top_logprobs[-1].values()) == pytest.approx(float(np.max(reference[-2])), abs=1e-4)
+    assert choice.finish_reason == generated.finish_reason == "length"
+    assert got.usage is not None and got.usage.completion_tokens == 6
+    # Without echo: the generated tokens only, their offsets still counted from the prompt's start.
+    plain = sdk.completions.create(model=model, prompt=PROMPT, logprobs=0, logit_bias=bias, **settings)
+    assert plain.choices[0].text == generated.text and plain.choices[0].logprobs is not None
+    assert plain.choices[0].logprobs.token_logprobs == pytest.approx(want[len(prompt_ids) - 1 :], abs=1e-4)
+
+
+def test_a_chats_logprobs_are_the_models_own(
+    sdk: openai.OpenAI, model: str, model_dir: Any, mlxq_client: Client, no_eos: dict[int, float]
+) -> None:
+    """`logprobs: true, top_logprobs: 3` on a chat: per generated token its text, bytes, logprob and
+    alternatives, the logprobs the reference model (transformers, float32) gives after the rendered chat."""
+    import torch
+    from reference import hf_logits, load_hf_model
+
+    from mlxq.worker.engine.text.tokenizer import Tokenizer
+
+    messages = [{"role": "user", "content": "Name a colour."}]
+    settings = {"max_tokens": 5, "temperature": 0.8, "seed": 2}
+    bias = {str(k): v for k, v in no_eos.items()}
+    got = sdk.chat.completions.create(
+        model=model,
+        messages=messages,
+        logprobs=True,
+        top_logprobs=3,
+        logit_bias=bias,
+        **settings,  # type: ignore[arg-type]
+    )
+    generated = mlxq_client.submit_generate(messages=messages, logit_bias=no_eos, **settings).result(
+        timeout=60
+    )
+    (choice,) = got.choices
+    assert choice.message.content == generated.text and choice.logprobs is not None
+    content = choice.logprobs.content or []
+    assert len(content) == len(generated.token_ids) == 5
+    assert "".join(c.token for c in content) == generated.text
+    assert all(bytes(c.bytes or []) == c.token.encode() and len(c.top_logprobs) == 3 for c in content)
+    tokenizer = Tokenizer.from_dir(model_dir)
+    chat = tokenizer.encode(
+        tokenizer.apply_chat_template(messages, add_generation_prompt=True), add_special_tokens=False
+    )
+    ids = chat + generated.token_ids
+    reference = torch.log_softmax(torch.tensor(hf_logits(load_hf_model(model_dir), ids)), -1).numpy()
+    want = [float(reference[len(chat) - 1 + j, t]) for j, t in enumerate(generated.token_ids)]
+    assert [c.logprob for c in content] == pytest.approx(want, abs=1e-4)
+    for j, c in enumerate(content):
+        best = sorted(reference[len(chat) - 1 + j], reverse=True)[:3]
+        assert [a.logprob for a in c.top_logprobs] == pytest.approx([float(b) for b in best], abs=1e-4)
