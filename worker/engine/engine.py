@@ -12,7 +12,7 @@ import re
 import secrets
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -60,6 +60,8 @@ from mlxq.worker.engine.scoring import (
     candidate_token_ids,
     score_kv_by_default,
 )
+from mlxq.worker.engine.speculation.policy import DraftPolicy, RowSpeculation
+from mlxq.worker.engine.speculation.prompt_lookup import PromptLookup
 from mlxq.worker.engine.text.detokenizer import IncrementalDetokenizer
 from mlxq.worker.engine.text.stop_strings import StopStringMatcher
 from mlxq.worker.engine.text.tokenizer import Tokenizer
@@ -86,6 +88,10 @@ class TokenSink(Protocol):
     def __call__(self, text: str, ids: list[int]) -> None: ...
 
 
+# Drafters a worker may decode with (`EngineOptions.speculation`); draft models, MTP and DFlash go here.
+SPECULATION_KINDS = ("off", "prompt_lookup")
+
+
 @dataclass(frozen=True)
 class EngineOptions:
     dtype: str | None = None  # None: float32 on CPU, the checkpoint's dtype on a GPU
@@ -103,6 +109,8 @@ class EngineOptions:
     max_stop_chars: int = 4096  # characters of a request's stop strings together
     max_stops: int = MAX_STOP_STRINGS  # stop strings of a request (the wire allows at most 16)
     max_messages: int = 256  # messages of one chat
+    speculation: str = "off"  # "off" or "prompt_lookup" (`speculation/`)
+    draft_policy: DraftPolicy = field(default_factory=DraftPolicy)
 
 
 class Engine:
@@ -116,6 +124,10 @@ class Engine:
         self.config = config
         self.name = name
         self.options = options
+        if options.speculation not in SPECULATION_KINDS:
+            raise ValueError(
+                f"unknown speculation kind {options.speculation!r}: expected one of {list(SPECULATION_KINDS)}"
+            )
         own = model.args.max_position_embeddings  # config.json's, or less where the model says (LongRoPE)
         self.context_length = min(own, options.max_context) if options.max_context else own
         self.prefix_cache = (
@@ -531,6 +543,21 @@ class Engine:
         except ValueError as e:
             raise InvalidRequest(str(e)) from e
         return prompt, max_tokens, sampler
+
+    def speculation_for(self, request: GenerateRequest, sampler: Sampler) -> RowSpeculation | None:
+        """A request's drafter and its depth cap, or None where it decodes plainly: speculation off on
+        this worker or for the job (`max_draft_tokens` 0), or a sampler whose draws depend on the tokens
+        before them (penalties) or on a grammar moving token by token: speculative sampling could not
+        keep such a row's distribution exact, so it takes plain steps (`SamplerRows.can_verify`)."""
+        kind = self.options.speculation
+        cap = self.options.draft_policy.max_depth
+        if request.max_draft_tokens is not None:
+            cap = min(cap, request.max_draft_tokens)
+        if kind == "off" or cap <= 0 or sampler.penalized or sampler.constraint is not None:
+            return None
+        if kind == "prompt_lookup":
+            return RowSpeculation(PromptLookup(), self.options.draft_policy, cap)
+        raise ValueError(f"unknown speculation kind {kind!r}: expected one of {list(SPECULATION_KINDS)}")
 
     def finish_reason_after(
         self, run: TextRun, token: int, cancelled: Callable[[], bool]
