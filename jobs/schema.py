@@ -408,6 +408,8 @@ class DoneEvent(_Strict):
     ttft_s: float | None = None
     decode_tokens_per_s: float | None = None
     total_s: float = 0.0
+    draft_tokens: int = 0  # speculative decoding: tokens drafted, and those of them kept (`Usage`)
+    accepted_tokens: int = 0
 
     def fields(self) -> dict[str, str]:
         return {k: ("" if v is None else str(v)) for k, v in self.model_dump().items()}
