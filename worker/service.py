@@ -74,6 +74,7 @@ def load_engine(settings: WorkerSettings) -> Engine:
             max_stops=settings.max_stops,
             max_messages=settings.max_messages,
             speculation=settings.speculation,
+            draft_model=settings.draft_model,
             draft_policy=DraftPolicy(
                 max_depth=settings.draft_max_tokens,
                 max_batch=settings.draft_max_batch,

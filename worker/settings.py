@@ -104,10 +104,14 @@ class WorkerSettings(BaseSettings):
     )
     max_messages: int = Field(default=256, ge=1, description="messages of one chat")
 
-    speculation: Literal["off", "prompt_lookup"] = Field(
+    speculation: Literal["off", "prompt_lookup", "draft_model"] = Field(
         default="off",
         description="speculative decoding: draft tokens that one forward verifies (output unchanged); "
-        "prompt_lookup copies them from earlier in the request's own text",
+        "prompt_lookup copies them from earlier in the request's own text, draft_model has a small model "
+        "with the target's tokenizer guess them",
+    )
+    draft_model: str | None = Field(
+        default=None, description="the draft model's folder; unset: a draft/ folder beside the model's files"
     )
     draft_max_tokens: int = Field(default=4, ge=0, le=64, description="most draft tokens a row takes a step")
     draft_max_batch: int = Field(

@@ -60,6 +60,7 @@ from mlxq.worker.engine.scoring import (
     candidate_token_ids,
     score_kv_by_default,
 )
+from mlxq.worker.engine.speculation.draft_model import DraftMismatch, DraftModel, draft_folder
 from mlxq.worker.engine.speculation.policy import DraftPolicy, RowSpeculation
 from mlxq.worker.engine.speculation.prompt_lookup import PromptLookup
 from mlxq.worker.engine.text.detokenizer import IncrementalDetokenizer
@@ -89,7 +90,7 @@ class TokenSink(Protocol):
 
 
 # Drafters a worker may decode with (`EngineOptions.speculation`); draft models, MTP and DFlash go here.
-SPECULATION_KINDS = ("off", "prompt_lookup")
+SPECULATION_KINDS = ("off", "prompt_lookup", "draft_model")
 
 
 @dataclass(frozen=True)
@@ -109,7 +110,8 @@ class EngineOptions:
     max_stop_chars: int = 4096  # characters of a request's stop strings together
     max_stops: int = MAX_STOP_STRINGS  # stop strings of a request (the wire allows at most 16)
     max_messages: int = 256  # messages of one chat
-    speculation: str = "off"  # "off" or "prompt_lookup" (`speculation/`)
+    speculation: str = "off"  # one of SPECULATION_KINDS (`speculation/`)
+    draft_model: str | None = None  # the draft's folder; None: a `draft/` folder beside the model's files
     draft_policy: DraftPolicy = field(default_factory=DraftPolicy)
 
 
@@ -154,6 +156,7 @@ class Engine:
         self._launcher: Launcher | None = Launcher() if self.decode_overlap else None
         # Structured output (`response_format`): the grammar library's tokenizer, built at first use.
         self.constraints = ConstraintCompiler(tokenizer.backend, model.args.vocab_size, tokenizer.eos_ids)
+        self.draft: DraftModel | None = None  # speculation "draft_model": loaded by `load_draft`
 
     @classmethod
     def load(cls, model: str, options: EngineOptions | None = None) -> Engine:
@@ -172,6 +175,8 @@ class Engine:
         net.fuse()  # fewer matmuls per layer (see `models.llama._fuse_linears`)
         tokenizer = Tokenizer.from_dir(path)
         engine = cls(net, tokenizer, config, Path(model).name if Path(model).exists() else model, options)
+        if options.speculation == "draft_model":
+            engine.load_draft(path)
         log.info(
             "model loaded path=%s arch=%s device=%s seconds=%.2f pad_shapes=%s decode_overlap=%s "
             "idle_prefill_tokens=%d score_kv_bytes=%d",
@@ -544,6 +549,19 @@ class Engine:
             raise InvalidRequest(str(e)) from e
         return prompt, max_tokens, sampler
 
+    def load_draft(self, target: Path) -> None:
+        """Load the draft model speculation "draft_model" drafts with: the folder the options name, else
+        the `draft/` folder beside the target's files (`target`); a clear error when there is none or it
+        does not fit the target."""
+        folder = draft_folder(target, self.options.draft_model)
+        if folder is None:
+            raise DraftMismatch(
+                f"speculation draft_model needs a draft model: a draft/ folder in {target} or a folder "
+                "named by MLXQ_DRAFT_MODEL"
+            )
+        self.draft = DraftModel.load(folder, self.tokenizer, self.options.dtype, self.options.prefill_chunk)
+        log.info("draft model loaded path=%s", folder)
+
     def speculation_for(self, request: GenerateRequest, sampler: Sampler) -> RowSpeculation | None:
         """A request's drafter and its depth cap, or None where it decodes plainly: speculation off on
         this worker or for the job (`max_draft_tokens` 0), or a sampler whose draws depend on the tokens
@@ -557,6 +575,10 @@ class Engine:
             return None
         if kind == "prompt_lookup":
             return RowSpeculation(PromptLookup(), self.options.draft_policy, cap)
+        if kind == "draft_model":
+            if self.draft is None:
+                raise ValueError("speculation draft_model: the engine has no draft model (`load_draft`)")
+            return RowSpeculation(self.draft.drafter(), self.options.draft_policy, cap)
         raise ValueError(f"unknown speculation kind {kind!r}: expected one of {list(SPECULATION_KINDS)}")
 
     def finish_reason_after(
