@@ -194,26 +194,40 @@ def test_greedy_speculation_gives_plain_decodings_tokens_and_stream_in_a_batch(
     assert drafted > 0 and accepted > 0  # lookup proposed, and the target kept some
 
 
-def test_a_batch_with_a_penalized_row_and_jobs_turned_off_decode_plainly_and_the_same(
+def test_rows_that_draft_nothing_decode_exactly_as_plain_steps_beside_rows_that_draft(
     plain: Engine, spec: Engine
 ) -> None:
+    """A job that turned drafting off and rows with penalties (never drafting: their penalties would
+    depend on the drafts) take their tokens from the verify steps' first positions: greedy or seeded,
+    the very tokens of plain decoding, whatever their batch-mates draft."""
     no_eos = _no_eos(plain)
+    drafting = GenerateRequest(prompt=PROMPT * 2, max_tokens=30, temperature=0, logit_bias=no_eos)
     requests = [
-        GenerateRequest(prompt=PROMPT * 2, max_tokens=30, temperature=0, logit_bias=no_eos),
-        GenerateRequest(
-            prompt=PROMPT * 2, max_tokens=30, temperature=0, logit_bias=no_eos, max_draft_tokens=0
-        ),
+        drafting,
+        drafting.model_copy(update={"max_draft_tokens": 0}),
         GenerateRequest(
             prompt=PROMPT, max_tokens=20, temperature=0, logit_bias=no_eos, repetition_penalty=1.3
         ),
+        GenerateRequest(
+            prompt=PROMPT, max_tokens=20, temperature=1.1, seed=4, logit_bias=no_eos, max_draft_tokens=0
+        ),
+        GenerateRequest(
+            prompt=PROMPT * 2,
+            max_tokens=25,
+            temperature=0.9,
+            seed=9,
+            top_k=30,
+            frequency_penalty=0.5,
+            logit_bias=no_eos,
+        ),
     ]
-    expected, _ = _run(plain, requests, max_sequences=3)
-    got, _ = _run(spec, requests, max_sequences=3)
-    for i in range(3):
-        assert _same_but_speed(_result(expected[i]), _result(got[i]))
-    assert _result(got[1]).usage.draft_tokens == 0 and _result(got[2]).usage.draft_tokens == 0
-    sampler = Sampler(10, repetition_penalty=1.2)
-    assert spec.speculation_for(requests[2], sampler) is None  # penalties: no exact speculative sampling
+    expected, _ = _run(plain, requests, max_sequences=5)
+    got, _ = _run(spec, requests, max_sequences=5)
+    for i in range(len(requests)):
+        assert _same_but_speed(_result(expected[i]), _result(got[i])), i
+    assert _result(got[0]).usage.accepted_tokens > 0  # the batch did take verify steps
+    assert all(_result(got[i]).usage.draft_tokens == 0 for i in range(1, 5))
+    assert spec.speculation_for(requests[2], Sampler(10, repetition_penalty=1.3)) is None
 
 
 def _chi_square(counts: np.ndarray, probs: np.ndarray) -> float:

@@ -507,10 +507,9 @@ class SamplerRows:
 
     @property
     def can_verify(self) -> bool:
-        """Whether every row draws from its logits the same way at any position, as `verify` needs: no
-        penalties (they depend on the tokens before each position) and no grammar (it moves token by
-        token). A batch holding such a row takes plain steps."""
-        return not self._penalized and not self._constrained
+        """Whether the rows can take a verify step (`verify`): none has a grammar (it moves token by
+        token, its mask waits for the token before). A batch holding such a row takes plain steps."""
+        return not self._constrained
 
     def verify(self, logits: mx.array, drafts: mx.array, depth: mx.array) -> tuple[mx.array, mx.array]:
         """Speculative sampling over a verify step's (B, W, vocab) logits: row i fed its pending token and
@@ -523,24 +522,37 @@ class SamplerRows:
         draw from p without x, renormalised (the residual max(0, p - q) of speculative sampling when q
         is a point mass); after all are kept the next token is a draw from p at the following position.
         So every token follows the distribution plain steps give. A greedy row keeps drafts equal to
-        its argmax and continues with the argmax. Needs `can_verify`."""
+        its argmax and continues with the argmax.
+
+        A row that drafts nothing (depth 0) draws exactly as `sample` would from its first position's
+        logits (the same key), so a seeded request's tokens do not depend on whether its batch-mates
+        draft. A row with penalties must draft nothing (its later positions' penalties would depend on
+        the drafts): its first position is processed as in `sample`. Needs `can_verify`."""
         if not self.can_verify:
-            raise ValueError("rows with penalties or a grammar cannot verify drafts")
+            raise ValueError("rows with a grammar cannot verify drafts")
         b, width, vocab = logits.shape
         x = logits if self._bias is None else logits.astype(mx.float32) + self._bias[:, None, :]
+        if self._penalized:  # their first position as `sample` processes it (they draft nothing)
+            first = x[:, 0, :].astype(mx.float32)
+            own = [self.samplers[i].process_logits(logits[i : i + 1, 0, :]) for i in self._penalized]
+            first[mx.array(self._penalized, dtype=mx.int32)] = mx.concatenate(own)
+            x = mx.concatenate([first[:, None, :], x[:, 1:, :].astype(mx.float32)], axis=1)
         live = mx.arange(width - 1, dtype=mx.int32)[None, :] < depth[:, None]
         target = mx.argmax(x, axis=-1) if self._any_greedy else None  # (B, W)
         greedy_ok = None if target is None else (target[:, :-1] == drafts) & live
         if self._arrays is None:
             assert target is not None and greedy_ok is not None
             kept = _leading(greedy_ok)
-            return kept, mx.take_along_axis(target, kept[:, None], axis=1)[:, 0]
+            following = mx.take_along_axis(target, kept[:, None], axis=1)[:, 0]
+            self._observe_penalized(following)
+            return kept, following
         assert self._keys is not None
         filtered = filter_rows(x.reshape(b * width, vocab), self._arrays, width).reshape(b, width, vocab)
         pairs = _split_keys(self._keys)
         self._keys = pairs[:, 0]
-        draws = _split_keys(pairs[:, 1])  # one key for the acceptance tests, one for the next token
-        uniform = mx.vmap(lambda key: mx.random.uniform(shape=(width - 1,), key=key))(draws[:, 0])
+        # the next token drawn with the key `sample` would use; the acceptance tests with one split off it
+        tests = _split_keys(pairs[:, 1])[:, 0]
+        uniform = mx.vmap(lambda key: mx.random.uniform(shape=(width - 1,), key=key))(tests)
         probs = mx.softmax(filtered[:, :-1, :], axis=-1)
         ok = (uniform < mx.take_along_axis(probs, drafts[..., None], axis=-1)[..., 0]) & live
         if greedy_ok is not None and self._greedy_mask is not None:
@@ -549,11 +561,17 @@ class SamplerRows:
         at = mx.take_along_axis(filtered, kept[:, None, None], axis=1)[:, 0, :]  # (B, vocab)
         rejected = mx.take_along_axis(drafts, mx.minimum(kept, width - 2)[:, None], axis=1)
         drop = (mx.arange(vocab, dtype=mx.int32)[None, :] == rejected) & (kept < depth)[:, None]
-        following = _categorical(draws[:, 1], mx.where(drop, _NEG_INF, at))
+        following = _categorical(pairs[:, 1], mx.where(drop, _NEG_INF, at))
         if target is not None and self._greedy_mask is not None:
             greedy_next = mx.take_along_axis(target, kept[:, None], axis=1)[:, 0]
             following = mx.where(self._greedy_mask, greedy_next, following)
+        self._observe_penalized(following)
         return kept, following
+
+    def _observe_penalized(self, tokens: mx.array) -> None:
+        """Rows with penalties count their token (lazily), as after `sample`."""
+        for i in self._penalized:
+            self.samplers[i].observe(tokens[i : i + 1])
 
     def sample(self, logits: mx.array) -> mx.array:
         """One token per row of (B, vocab) logits, shape (B,); lazy. Every sampler observes its token."""
