@@ -139,7 +139,7 @@ def _cache_rows(lengths: list[int], heads: int = 2, dim: int = 4) -> list[KVCach
     return rows
 
 
-def test_trim_rows_keeps_each_rows_columns_and_membership_changes_keep_its_holes() -> None:
+def test_trim_rows_keeps_each_rows_columns_and_a_copy_of_the_buffers_squeezes_the_holes_out() -> None:
     cache = BatchKVCache()
     cache.add(_cache_rows([3, 5]))
     new = mx.broadcast_to(mx.array([[7.0, 8.0, 9.0]])[:, None, :, None], (2, 2, 3, 4))
@@ -157,11 +157,14 @@ def test_trim_rows_keeps_each_rows_columns_and_membership_changes_keep_its_holes
     cache.add(_cache_rows([9]))  # a longer newcomer: the others padded further, holes kept in place
     assert cache.lengths == [4, 7, 9] and cache.holes == [1, 0, 0]
     assert cache.row(0).state[0][0, 0, :, 0].tolist() == row0
-    cache.keep([2, 0])
-    assert cache.lengths == [9, 4] and cache.row(1).state[0][0, 0, :, 0].tolist() == row0
-    assert cache.put([0], _cache_rows([2])) and cache.holes == [0, 1]
-    cache.keep([0])
-    assert cache.holes == [0] and not cache.has_holes  # the holes left with their row
+    assert cache.put([2], _cache_rows([1, 1, 3])[2:]) and cache.holes == [1, 0, 0]  # a newcomer has none
+    cache.keep([2, 0], padding=[1])  # the buffers copied: the holes squeezed out on the way
+    assert cache.lengths == [3, 4, 0] and cache.holes == [0, 0, 0] and not cache.has_holes
+    assert cache.row(1).state[0][0, 0, :, 0].tolist() == row0
+    assert cache.row(1).state[1][0, 0, :, 0].tolist() == [0.5, 1.5, 2.5, 7.0]  # values move with keys
+    assert cache.row(0).state[0][0, 0, :, 0].tolist() == [200.0, 201.0, 202.0]
+    assert cache.offset.tolist() == [3, 4, 0]  # type: ignore[union-attr]
+    assert cache.capacity > cache.end  # room for the next step's write
 
 
 def _greedy_requests(engine: Engine) -> list[GenerateRequest]:
@@ -307,3 +310,25 @@ def test_sampled_generation_with_speculation_follows_plain_decodings_distributio
         stat = float(((table - expected) ** 2 / expected).sum())
         # chi-square of independence, (columns - 1) degrees of freedom: 16.3 is the 0.1% point of 3
         assert stat < 16.3, (position, table)
+
+
+def test_holes_of_a_steps_worth_are_squeezed_out_and_decoding_goes_on_the_same(
+    plain: Engine, spec: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rows keeping different numbers of drafts leave holes; once a row's reach a step (4 columns
+    here) the buffers are copied without them, and every row decodes on as before."""
+    squeezed = []
+    original = BatchKVCache._squeezed
+
+    def spy(self: BatchKVCache, index: mx.array, live: int) -> tuple[mx.array, mx.array, list[int]]:
+        squeezed.append(live)
+        return original(self, index, live)
+
+    monkeypatch.setattr(BatchKVCache, "step", 4)
+    monkeypatch.setattr(BatchKVCache, "_squeezed", spy)
+    requests = _greedy_requests(plain)
+    expected, _ = _run(plain, requests, max_sequences=5)
+    got, _ = _run(spec, requests, max_sequences=5)
+    for i in range(len(requests)):
+        assert _same_but_speed(_result(expected[i]), _result(got[i])), i
+    assert squeezed

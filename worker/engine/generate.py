@@ -381,6 +381,8 @@ class DecodeBatch:
             columns[slot] = 1 + k
         for layer in self.cache:
             layer.trim_rows(width, columns)
+        if max(self.cache[0].holes) >= BatchKVCache.step:  # a step's worth wasted: one copy squeezes it
+            self._compact(self._idle_rows())
         self._pending, self._pending_copy, self._fresh = following, None, True
         self._stepped()
         return handle([[t, *d[:k]] for t, d, k in zip(tokens, drafts, kept, strict=True)])

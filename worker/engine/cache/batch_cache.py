@@ -33,6 +33,7 @@ from __future__ import annotations
 from typing import cast
 
 import mlx.core as mx
+import numpy as np
 
 from mlxq.worker.engine.cache.kv_cache import KVCache, key_columns
 
@@ -273,18 +274,47 @@ class BatchKVCache:
             return
         assert self.keys is not None and self.values is not None
         index = mx.array([*rows, *padding], dtype=mx.int32)
-        starts = [self.starts[i] for i in rows]
-        trim = min(starts) // self.step * self.step
-        self.keys = self.keys[index, :, trim:, :]
-        self.values = self.values[index, :, trim:, :]
+        if any(self.holes[i] for i in rows):  # copied anyway: the rows' holes squeezed out on the way
+            self.keys, self.values, starts = self._squeezed(index, len(rows))
+            end = self.end
+            padding_starts = starts[len(rows) :]
+            starts = starts[: len(rows)]
+            trim = min(starts) // self.step * self.step
+            self.keys, self.values = self.keys[:, :, trim:, :], self.values[:, :, trim:, :]
+        else:
+            padding_starts = [self.end] * len(padding)
+            starts = [self.starts[i] for i in rows]
+            trim = min(starts) // self.step * self.step
+            self.keys = self.keys[index, :, trim:, :]
+            self.values = self.values[index, :, trim:, :]
         end = self.end - trim
-        holes = [*(self.holes[i] for i in rows), *([0] * len(padding))]
-        hidden = None
-        if self._hidden is not None and any(holes):
-            hidden = self._hidden[index, trim:]
-            if padding:  # a padding row's columns are its own again
-                hidden[len(rows) :] = mx.zeros((len(padding), hidden.shape[1]), dtype=mx.bool_)
-        self._set([*(s - trim for s in starts), *([end] * len(padding))], end, holes, hidden)
+        self._set([*(s - trim for s in starts), *(s - trim for s in padding_starts)], end)
+
+    def _squeezed(self, index: mx.array, live: int) -> tuple[mx.array, mx.array, list[int]]:
+        """Buffers holding the rows `index` (the first `live` of them rows, the rest padding) with every
+        row's own columns right-aligned at `end`, its holes gone (one gather), spare room to a whole
+        step after `end`; and each row's first column."""
+        assert self.keys is not None and self.values is not None and self._hidden is not None
+        picked = cast("list[int]", index.tolist())
+        hidden = np.zeros((len(picked), self.end), dtype=bool)
+        width = min(self._hidden.shape[1], self.end)
+        hidden[:, :width] = np.array(self._hidden[index, :width])
+        columns = np.zeros((len(picked), self.end), dtype=np.int32)  # padding reads column 0: masked
+        starts = []
+        for n, row in enumerate(picked):
+            first_own = self.starts[row] if n < live else self.end  # a padding row owns nothing
+            own = np.arange(first_own, self.end, dtype=np.int32)[~hidden[n, first_own:]]
+            first = self.end - len(own)
+            columns[n, first:] = own
+            starts.append(first)
+        gather = mx.array(columns)[:, None, :, None]
+        spare = key_columns(self.end + 1) - self.end
+        out = []
+        for buffer in (self.keys, self.values):
+            rows = buffer[index, :, : self.end, :]
+            picked_columns = mx.take_along_axis(rows, mx.broadcast_to(gather, rows.shape), axis=2)
+            out.append(_pad_columns(picked_columns, 0, spare))
+        return out[0], out[1], starts
 
     def _set(
         self, starts: list[int], end: int, holes: list[int] | None = None, hidden: mx.array | None = None
