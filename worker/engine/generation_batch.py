@@ -488,9 +488,9 @@ class GenerationBatch:
 
     def _speculating(self) -> bool:
         """Whether this step verifies drafts: some row drafts (its policy's depth, set here for
-        `_drafts`) and every row's sampler can verify. Rows without a drafter never cost a check."""
+        `_drafts`) and every row's sampler can verify. A worker without speculation checks nothing."""
         rows = self.decode.rows
-        if rows is None or not rows.can_verify:
+        if self.engine.options.speculation == "off" or rows is None or not rows.can_verify:
             return False
         n, any_depth = len(self.decoding), False
         for seq in self.decoding:
