@@ -332,3 +332,21 @@ def test_holes_of_a_steps_worth_are_squeezed_out_and_decoding_goes_on_the_same(
     for i in range(len(requests)):
         assert _same_but_speed(_result(expected[i]), _result(got[i])), i
     assert squeezed
+
+
+def test_a_batch_holding_a_constrained_row_takes_plain_steps_and_gives_plain_results(
+    plain: Engine, spec: Engine
+) -> None:
+    """A grammar moves token by token (its mask waits for the token before): while such a row decodes,
+    the batch takes plain steps, and drafting resumes once it left."""
+    no_eos = _no_eos(plain)
+    regex = {"type": "regex", "regex": "[a-z]{4}"}
+    requests = [
+        GenerateRequest(prompt=PROMPT * 2, max_tokens=40, temperature=0, logit_bias=no_eos),
+        GenerateRequest(prompt=PROMPT, max_tokens=20, temperature=0, response_format=regex),
+    ]
+    expected, _ = _run(plain, requests, max_sequences=2)
+    got, _ = _run(spec, requests, max_sequences=2)
+    for i in range(len(requests)):
+        assert _same_but_speed(_result(expected[i]), _result(got[i])), i
+    assert _result(got[1]).usage.draft_tokens == 0
