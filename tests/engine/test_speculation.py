@@ -22,6 +22,7 @@ from mlxq.jobs.schema import GenerateRequest, GenerateResult
 from mlxq.worker.engine import Engine, EngineOptions
 from mlxq.worker.engine.cache.batch_cache import BatchKVCache
 from mlxq.worker.engine.cache.kv_cache import KVCache
+from mlxq.worker.engine.generate import DecodeBatch
 from mlxq.worker.engine.generation_batch import Finished, GenerationBatch, generate
 from mlxq.worker.engine.sampler import Sampler, SamplerRows
 from mlxq.worker.engine.speculation.policy import DraftPolicy, RowSpeculation
@@ -350,3 +351,39 @@ def test_a_batch_holding_a_constrained_row_takes_plain_steps_and_gives_plain_res
     for i in range(len(requests)):
         assert _same_but_speed(_result(expected[i]), _result(got[i])), i
     assert _result(got[1]).usage.draft_tokens == 0
+
+
+def test_the_policy_turns_verify_steps_off_for_large_batches_and_rows_that_find_nothing(
+    model_dir: Path, plain: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Above `max_batch` decoding rows nobody drafts; a row whose lookup keeps finding nothing drops to
+    plain steps (one in flight) and retries now and then. Output as plain decoding's either way."""
+    verify_steps: list[int] = []
+    original = DecodeBatch.verify_with
+
+    def counted(self: DecodeBatch, *args: Any, **kwargs: Any) -> Any:
+        verify_steps.append(len(self))
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(DecodeBatch, "verify_with", counted)
+    no_eos = _no_eos(plain)
+    pair = [
+        GenerateRequest(prompt=PROMPT * 2, max_tokens=30, temperature=0, logit_bias=no_eos),
+        GenerateRequest(prompt=PROMPT * 3, max_tokens=30, temperature=0, logit_bias=no_eos),
+    ]
+    small = _engine(model_dir, speculation="prompt_lookup", draft_policy=DraftPolicy(max_batch=1))
+    expected, _ = _run(plain, pair, max_sequences=2)
+    got, _ = _run(small, pair, max_sequences=2)
+    assert [_result(got[i]).token_ids for i in range(2)] == [_result(expected[i]).token_ids for i in range(2)]
+    assert verify_steps and max(verify_steps) == 1  # only once one row was left alone
+    # a prompt of distinct tokens (nothing to look up) and a model that never repeats: few tries, then off
+    verify_steps.clear()
+    distinct = plain.tokenizer.decode(list(range(40, 90)))
+    bias = {t: -100.0 for t in plain.tokenizer.encode(distinct)} | no_eos
+    alone = GenerateRequest(prompt=distinct, max_tokens=60, temperature=0, logit_bias=bias)
+    policy = DraftPolicy(min_acceptance=0.3, smoothing=0.5, retry_every=16)
+    result = _result(
+        _run(_engine(model_dir, speculation="prompt_lookup", draft_policy=policy), [alone], 1)[0][0]
+    )
+    assert result.token_ids == _result(_run(plain, [alone], 1)[0][0]).token_ids
+    assert 0 < len(verify_steps) < 10  # of ~60 steps
