@@ -387,3 +387,17 @@ def test_the_policy_turns_verify_steps_off_for_large_batches_and_rows_that_find_
     )
     assert result.token_ids == _result(_run(plain, [alone], 1)[0][0]).token_ids
     assert 0 < len(verify_steps) < 10  # of ~60 steps
+
+
+def test_verify_steps_padded_to_few_shapes_decode_the_same(model_dir: Path, plain: Engine) -> None:
+    """With `pad_shapes` (a GPU's default) a verify step's width is a power of two and its rows a
+    padded batch: the columns past the drafts are never kept, the tokens are plain decoding's."""
+    padded = _engine(
+        model_dir, speculation="prompt_lookup", draft_policy=DraftPolicy(min_acceptance=0.0), pad_shapes=True
+    )
+    requests = _greedy_requests(plain)
+    expected, _ = _run(plain, requests, max_sequences=3)
+    got, _ = _run(padded, requests, max_sequences=3)
+    for i in range(len(requests)):
+        assert _same_but_speed(_result(expected[i]), _result(got[i])), i
+    assert sum(_result(f).usage.accepted_tokens for f in got.values()) > 0

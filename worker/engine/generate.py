@@ -364,6 +364,8 @@ class DecodeBatch:
         tokens = [int(t) for t in cast("list[int]", self._pending.tolist())]
         drafts = drafts_for(tokens)
         width = 1 + max(len(d) for d in drafts)
+        if self.pad_shapes and width > 1:  # a GPU meets few widths (the columns past the drafts: never kept)
+            width = padded_size(width, smallest=1)
         fed = [[t, *d, *([0] * (width - 1 - len(d)))] for t, d in zip(tokens, drafts, strict=True)]
         logits = self._forward(mx.array(fed, dtype=mx.int32), self.cache[0].mask(width))
         if width == 1:
