@@ -24,7 +24,16 @@ from mlx.utils import tree_flatten
 
 from mlxq.worker.engine import Engine
 
-from . import fig_batch, fig_decode_ab, fig_first_job, fig_generate, fig_score, fig_structured, report
+from . import (
+    fig_batch,
+    fig_decode_ab,
+    fig_first_job,
+    fig_generate,
+    fig_score,
+    fig_speculation,
+    fig_structured,
+    report,
+)
 from .baseline import MlxLm
 from .checkpoints import checkpoint
 from .common import SIZES, Bench
@@ -41,6 +50,7 @@ FIGURES: dict[str, Callable[[Bench], dict[str, Any]]] = {
     "decode_ab": fig_decode_ab.decode_ab,
     "structured": fig_structured.structured,
     "first_job": fig_first_job.first_job,
+    "speculation": fig_speculation.speculation,
 }
 
 

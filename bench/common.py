@@ -45,6 +45,8 @@ class Sizes:
     batch_tokens: int = 128
     batch_reps: int = 3
     structured_jobs: tuple[int, ...] = (1, 64)  # constrained generation jobs at once (`fig_structured`)
+    speculation_jobs: tuple[int, ...] = (1, 8, 64)  # generation jobs at once (`fig_speculation`)
+    speculation_tokens: int = 128
     timeout_s: float = 600.0
 
 
@@ -62,6 +64,8 @@ SIZES = {
         profile_jobs=1000,
         batch_jobs=(1, 8),
         batch_tokens=64,
+        speculation_jobs=(1, 4),
+        speculation_tokens=64,
     ),
     "cpu-real": Sizes(
         "cpu-real",
@@ -80,6 +84,8 @@ SIZES = {
         batch_jobs=(1, 4),
         batch_tokens=16,
         batch_reps=1,
+        speculation_jobs=(1, 4),
+        speculation_tokens=64,
     ),
     "smoke": Sizes(
         "smoke",
@@ -100,6 +106,8 @@ SIZES = {
         batch_tokens=8,
         batch_reps=1,
         structured_jobs=(1, 4),
+        speculation_jobs=(1, 2),
+        speculation_tokens=8,
         timeout_s=120.0,
     ),
 }

@@ -184,6 +184,16 @@ STRUCTURED: list[Column] = [
     ("tok/s (with prefill)", _get("tok_s", digits=0)),
 ]
 
+SPECULATION: list[Column] = [
+    PATH,
+    ("tok/s (with prefill)", _get("tok_s", digits=1)),
+    ("vs plain", _get("vs_plain", digits=2)),
+    ("drafted", _get("drafted", digits=0)),
+    ("kept", _get("kept", digits=0)),
+    ("acceptance", lambda _k, r: "-" if r.get("acceptance") is None else f"{r['acceptance']:.0%}"),
+    ("tokens as plain", lambda _k, r: "yes" if r.get("same_tokens") else "NO"),
+]
+
 
 def _batch_phases(r: dict[str, Any]) -> str:
     p = r.get("phases") or {}
@@ -276,6 +286,12 @@ def render(result: dict[str, Any]) -> str:
             f"median of {st['reps']})"
         )
         out.append(_columns(STRUCTURED, st["rows"]))
+    if (sp := figs.get("speculation")) and "rows" in sp:
+        out.append(
+            f"\n### 8. Speculative decoding (N jobs at once in the engine's GenerationBatch, greedy, "
+            f"{sp['max_tokens']} new tokens each, median of {sp['reps']}; acceptance: drafted tokens kept)"
+        )
+        out.append(_columns(SPECULATION, sp["rows"]))
     if (ab := figs.get("decode_ab")) and "rows" in ab:
         out.append(
             f"\n### Decode A/B: decode rate, {ab['reps']} repetitions in rotating order "

@@ -177,6 +177,9 @@ class GenerateRequest(SamplingParams):
     add_special_tokens: bool = True
     allow_special_tokens: bool = False
     response_format: ResponseFormat | None = None
+    # Speculative decoding: at most this many draft tokens per step for this job (0: off); None: as the
+    # worker's policy decides. Never changes what is generated, only how fast.
+    max_draft_tokens: Annotated[int, Field(ge=0, le=64)] | None = None
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -203,9 +206,14 @@ class GenerateRequest(SamplingParams):
 
 
 class Usage(_Strict):
+    """Token counts; `draft_tokens`: tokens drafted for speculative decoding, `accepted_tokens`: those of
+    them the model kept (each kept one is a completion token that cost no step of its own)."""
+
     prompt_tokens: int
     completion_tokens: int = 0
     cached_tokens: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
 
 
 class Timings(_Strict):
@@ -455,6 +463,8 @@ class DoneEvent(_Strict):
     ttft_s: float | None = None
     decode_tokens_per_s: float | None = None
     total_s: float = 0.0
+    draft_tokens: int = 0  # speculative decoding: tokens drafted, and those of them kept (`Usage`)
+    accepted_tokens: int = 0
 
     def fields(self) -> dict[str, str]:
         return {k: ("" if v is None else str(v)) for k, v in self.model_dump().items()}

@@ -146,6 +146,11 @@ def _sampling_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int)
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
     p.add_argument(
+        "--max-draft-tokens",
+        type=int,
+        help="speculative decoding: at most this many draft tokens a step (0: off) [the worker's policy]",
+    )
+    p.add_argument(
         "--allow-special-tokens",
         action="store_true",
         default=None,
@@ -237,9 +242,10 @@ def format_stats(result: GenerateResult) -> str:
     u, t = result.usage, result.timings
     ttft = f"{t.ttft_s:.3f}s" if t.ttft_s is not None else "-"
     speed = f"{t.decode_tokens_per_s:.1f}" if t.decode_tokens_per_s is not None else "-"
+    drafted = f" draft_tokens={u.draft_tokens} accepted_tokens={u.accepted_tokens}" if u.draft_tokens else ""
     return (
         f"finish={result.finish_reason} prompt_tokens={u.prompt_tokens} "
-        f"completion_tokens={u.completion_tokens} cached_tokens={u.cached_tokens} "
+        f"completion_tokens={u.completion_tokens} cached_tokens={u.cached_tokens}{drafted} "
         f"ttft={ttft} tokens/s={speed} total={t.total_s:.3f}s"
     )
 
@@ -292,6 +298,7 @@ def _sampling_params(args: argparse.Namespace) -> dict[str, Any]:
         "min_p": args.min_p,
         "seed": args.seed,
         "stop": args.stop,
+        "max_draft_tokens": args.max_draft_tokens,
         "allow_special_tokens": args.allow_special_tokens,
         "response_format": args.response_format,
     }

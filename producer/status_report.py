@@ -61,6 +61,15 @@ class WorkerHealth:
     score_jobs: int | None = None
     score_rows: int | None = None
     score_phase_s: dict[str, float] = field(default_factory=dict)  # seconds in each phase, all batches
+    draft_tokens: int | None = None
+    accepted_tokens: int | None = None
+
+    @property
+    def acceptance(self) -> float | None:
+        """Share of the tokens drafted for speculative decoding that the model kept."""
+        if not self.draft_tokens or self.accepted_tokens is None:
+            return None
+        return self.accepted_tokens / self.draft_tokens
 
     @property
     def cache_hit_rate(self) -> float | None:
@@ -99,6 +108,8 @@ class WorkerHealth:
                 for phase in keys.SCORE_PHASES
                 if (seconds := _float(stats.get(f"score_{phase}_s"))) is not None
             },
+            draft_tokens=num("draft_tokens"),
+            accepted_tokens=num("accepted_tokens"),
         )
 
 
@@ -153,6 +164,7 @@ class StatusReport:
             out["redis"]["warning"] = self.redis.warning()
         for entry, worker in zip(out["workers"], self.workers, strict=True):
             entry["health"]["cache_hit_rate"] = worker.health.cache_hit_rate
+            entry["health"]["acceptance"] = worker.health.acceptance
         return out
 
 
@@ -278,6 +290,9 @@ def _health_lines(h: WorkerHealth) -> list[str]:
     if h.active_sequences is not None:
         limit = f" of {h.max_batch_sequences}" if h.max_batch_sequences is not None else ""
         lines.append(f"generation batch: {h.active_sequences}{limit} sequences active")
+    if h.acceptance is not None:
+        kept = f"{h.accepted_tokens}/{h.draft_tokens} drafted tokens kept"
+        lines.append(f"speculation: acceptance {h.acceptance:.0%} ({kept})")
     if h.cache_lookups is not None:
         rate = h.cache_hit_rate
         share = f"{rate:.0%}" if rate is not None else "-"

@@ -37,6 +37,8 @@ class JobResults:
         self.cache_fields = cache_fields  # the prefix cache's figures for the per-job log line
         self.jobs_done = 0
         self.last_tokens_per_s: float | None = None
+        self.draft_tokens = 0  # speculative decoding, over every generation job: tokens drafted...
+        self.accepted_tokens = 0  # ...and those of them kept
         self._queued_s: dict[str, float] = {}  # job id -> seconds from enqueue to its stream opening
 
     def open_streams(self, jobs: list[Job], deferred: bool = True) -> list[StreamWriter]:
@@ -95,6 +97,8 @@ class JobResults:
             ttft_s=t.ttft_s,
             decode_tokens_per_s=t.decode_tokens_per_s,
             total_s=t.total_s,
+            draft_tokens=result.usage.draft_tokens,
+            accepted_tokens=result.usage.accepted_tokens,
         )
         return result, done
 
@@ -102,6 +106,8 @@ class JobResults:
         t = result.timings
         self.jobs_done += 1
         self.last_tokens_per_s = t.decode_tokens_per_s
+        self.draft_tokens += result.usage.draft_tokens
+        self.accepted_tokens += result.usage.accepted_tokens
         log.info(
             "generate done job=%s finish=%s prompt_tokens=%d cached_tokens=%d completion_tokens=%d "
             "queued_s=%.3f ttft_s=%.3f tokens_per_s=%.1f%s",

@@ -37,6 +37,8 @@ _KNOWN: dict[str, tuple[str, str, str]] = {
         "gauge",
         "decode speed of the last generation job",
     ),
+    "draft_tokens": ("mlxq_worker_draft_tokens", "counter", "tokens drafted for speculative decoding"),
+    "accepted_tokens": ("mlxq_worker_accepted_tokens", "counter", "drafted tokens the model kept"),
     "memory_bytes": ("mlxq_worker_memory_active_bytes", "gauge", "MLX memory in use"),
     "peak_memory_bytes": ("mlxq_worker_memory_peak_bytes", "gauge", "MLX peak memory since start"),
     "memory_cache_bytes": ("mlxq_worker_memory_cache_bytes", "gauge", "MLX buffer cache held for reuse"),

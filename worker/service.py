@@ -21,6 +21,7 @@ from mlxq.jobs.replication import Replicas, default_replica_acks
 from mlxq.worker.bounded_job import BoundedJob
 from mlxq.worker.engine import Engine, EngineOptions
 from mlxq.worker.engine.device import limit_buffer_cache
+from mlxq.worker.engine.speculation.policy import DraftPolicy
 from mlxq.worker.engine.warm_up import WarmUpShapes, batch_sizes, warm_up
 from mlxq.worker.generation_jobs import BatchOptions, GenerationJobs
 from mlxq.worker.job_claim import JobClaimer
@@ -72,6 +73,13 @@ def load_engine(settings: WorkerSettings) -> Engine:
             max_stop_chars=settings.max_stop_chars,
             max_stops=settings.max_stops,
             max_messages=settings.max_messages,
+            speculation=settings.speculation,
+            draft_model=settings.draft_model,
+            draft_policy=DraftPolicy(
+                max_depth=settings.draft_max_tokens,
+                max_batch=settings.draft_max_batch,
+                min_acceptance=settings.draft_min_acceptance,
+            ),
         ),
     )
 
@@ -247,6 +255,8 @@ def _stats_fields(
         "active_sequences": worker.active_sequences,
         "max_batch_sequences": max_sequences,
         "tokens_per_s": f"{results.last_tokens_per_s or 0.0:.1f}",
+        "draft_tokens": results.draft_tokens,
+        "accepted_tokens": results.accepted_tokens,
         **worker.full.fields(),
         **worker.evictions.fields(),
         **scores.phases.fields(),

@@ -103,6 +103,23 @@ class WorkerSettings(BaseSettings):
         default=MAX_STOP_STRINGS, ge=0, le=MAX_STOP_STRINGS, description="stop strings of a request (0: none)"
     )
     max_messages: int = Field(default=256, ge=1, description="messages of one chat")
+
+    speculation: Literal["off", "prompt_lookup", "draft_model"] = Field(
+        default="off",
+        description="speculative decoding: draft tokens that one forward verifies (output unchanged); "
+        "prompt_lookup copies them from earlier in the request's own text, draft_model has a small model "
+        "with the target's tokenizer guess them",
+    )
+    draft_model: str | None = Field(
+        default=None, description="the draft model's folder; unset: a draft/ folder beside the model's files"
+    )
+    draft_max_tokens: int = Field(default=4, ge=0, le=64, description="most draft tokens a row takes a step")
+    draft_max_batch: int = Field(
+        default=8, ge=0, description="no drafting in steps with more decoding rows than this (compute-bound)"
+    )
+    draft_min_acceptance: float = Field(
+        default=0.3, ge=0.0, le=1.0, description="a row whose drafts are kept less often stops drafting"
+    )
     max_nesting_depth: int = Field(
         default=MAX_NESTING_DEPTH,
         ge=3,

@@ -23,7 +23,8 @@ from .errors import bad_request, unsupported
 Kind = Literal["chat", "completion"]
 
 _SAMPLING = ("temperature", "top_p", "seed", "presence_penalty", "frequency_penalty")
-_EXTENSIONS = ("top_k", "min_p", "repetition_penalty")  # vLLM-style extras (`extra_body` in the SDK)
+# vLLM-style extras (`extra_body` in the SDK), and mlxq's cap on speculative decoding's draft tokens
+_EXTENSIONS = ("top_k", "min_p", "repetition_penalty", "max_draft_tokens")
 _METADATA = ("user", "metadata", "service_tier")
 
 _UNSUPPORTED_CHAT = {

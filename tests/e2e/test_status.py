@@ -82,6 +82,8 @@ def test_report_parses_worker_health_and_flags_queues_nobody_serves(
             "memory_bytes": str(1536 << 20),
             "peak_memory_bytes": str(2 << 30),
             "memory_cache_bytes": "0",
+            "draft_tokens": "40",
+            "accepted_tokens": "30",
         },
     )
     try:
@@ -108,6 +110,8 @@ def test_report_parses_worker_health_and_flags_queues_nobody_serves(
     assert "jobs_done: 12  tokens/s: 84.5" in text
     assert "hit rate 75% (6/8 lookups, 900 tokens reused)  bytes: 3.0 MiB of 1.0 GiB" in text
     assert "memory: active 1.5 GiB, peak 2.0 GiB" in text
+    assert "speculation: acceptance 75% (30/40 drafted tokens kept)" in text
+    assert text.count("speculation:") == 1  # mac-2 drafted nothing
     assert "warning: queue qwen3-0.6b has 2 jobs and no worker" in text
     assert "llama-3.2-1b has" not in text
     assert (
@@ -120,6 +124,7 @@ def test_report_parses_worker_health_and_flags_queues_nobody_serves(
     assert as_json["unserved"] == [{"name": "qwen3-0.6b", "queued": 2}]
     assert as_json["mixed"][0]["models"]["Llama-3.2-1B-Instruct-bf16"] == ["mac-2"]
     assert as_json["workers"][0]["health"]["cache_hit_rate"] == 0.75
+    assert as_json["workers"][0]["health"]["acceptance"] == 0.75
     assert as_json["workers"][0]["stats"]["device"] == "Device(gpu, 0)"
 
 

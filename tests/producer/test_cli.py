@@ -63,7 +63,9 @@ def test_generate_streams_the_text_then_prints_stats(
 ) -> None:  # fmt: skip
     def play(job_id: str) -> None:
         worker_side.tokens(job_id, "Hel", "lo")
-        worker_side.done(job_id, generate_result("Hello"))
+        result = generate_result("Hello")
+        drafted = result.usage.model_copy(update={"draft_tokens": 4, "accepted_tokens": 1})
+        worker_side.done(job_id, result.model_copy(update={"usage": drafted}))
 
     serve_one(play)
     argv = [
@@ -77,15 +79,18 @@ def test_generate_streams_the_text_then_prints_stats(
         "0",
         "--stop",
         "\n",
+        "--max-draft-tokens",
+        "2",
     ]
     assert main(argv) == 0
     out, err = capsys.readouterr()
     assert out == "Hello\n"
     for part in ("finish=stop", "prompt_tokens=7", "completion_tokens=3", "cached_tokens=4", "ttft=0.050s"):
         assert part in err
+    assert "draft_tokens=4 accepted_tokens=1" in err
     assert "tokens/s=42.5" in err and "job " in err
     assert only_job(redis_conn).args == [
-        {"prompt": "Hi", "max_tokens": 5, "temperature": 0.0, "stop": ["\n"]}
+        {"prompt": "Hi", "max_tokens": 5, "temperature": 0.0, "stop": ["\n"], "max_draft_tokens": 2}
     ]
 
 

@@ -24,16 +24,18 @@ def test_chat_carries_sampling_stop_seed_and_logit_bias() -> None:
             "max_completion_tokens": 9,
             "max_tokens": 99,
             "top_k": 4,
+            "max_draft_tokens": 0,
         }
     )
     r = t.request
-    assert (r.temperature, r.seed, r.stop, r.logit_bias, r.max_tokens, r.top_k) == (
+    assert (r.temperature, r.seed, r.stop, r.logit_bias, r.max_tokens, r.top_k, r.max_draft_tokens) == (
         0.5,
         3,
         ["\n"],
         {7: -100.0},
         9,
         4,
+        0,
     )
     assert t.kind == "chat" and not t.stream
 

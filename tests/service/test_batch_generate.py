@@ -208,3 +208,47 @@ def test_a_running_batch_looks_at_an_empty_queue_at_most_every_empty_wait(
         looks[wait] = lranges() - before
     assert looks["0"] >= 400 // 2 // 2, looks  # every other step (MLXQ_BATCH_ADMIT_EVERY=2), about
     assert looks["60"] <= 3, looks  # the first look found the queue empty: none for the next 60 s
+
+
+@pytest.mark.parametrize("overlap", ["false", "true"])
+def test_a_speculating_worker_gives_plain_results_and_reports_drafted_tokens(
+    model_dir: Path, redis_url: str, client: Client, engine: Engine, spawn_worker: Any, overlap: str
+) -> None:
+    """Prompt lookup on a worker (`MLXQ_SPECULATION`), with and without launches on a second thread:
+    greedy jobs give the tokens, text and stream of plain decoding, a job may turn it off, and the
+    result and the `done` event count the drafted and kept tokens."""
+    requests: list[dict[str, Any]] = [
+        {
+            "prompt": PROMPT * (1 + i % 3) + str(i),
+            "max_tokens": 10 + 7 * i,
+            "logit_bias": NO_EOS,
+            "temperature": 0,
+        }
+        for i in range(5)
+    ]
+    requests.append({**requests[-1], "max_draft_tokens": 0})
+    jobs = [client.submit_generate(**fields) for fields in requests]
+    speculation = {"MLXQ_SPECULATION": "prompt_lookup", "MLXQ_DRAFT_MIN_ACCEPTANCE": "0"}
+    worker = spawn_worker(
+        model_dir, redis_url, "--burst", **BATCH, **speculation, MLXQ_DECODE_OVERLAP=overlap
+    )
+    assert worker.wait(120) == 0, worker.log()
+    kept = 0
+    for job, fields in zip(jobs, requests, strict=True):
+        result = job.result(timeout=5)
+        want = _alone(engine, fields)
+        assert (result.token_ids, result.text, result.finish_reason) == (
+            want.token_ids,
+            want.text,
+            want.finish_reason,
+        )
+        _check_stream(job, result)
+        done = [i.event for i in job.stream(timeout=5)][-1]
+        assert isinstance(done, DoneEvent)
+        assert (done.draft_tokens, done.accepted_tokens) == (
+            result.usage.draft_tokens,
+            result.usage.accepted_tokens,
+        )
+        kept += result.usage.accepted_tokens
+    assert kept > 0
+    assert jobs[-1].result(timeout=1).usage.draft_tokens == 0

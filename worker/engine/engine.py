@@ -12,7 +12,7 @@ import re
 import secrets
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -60,6 +60,9 @@ from mlxq.worker.engine.scoring import (
     candidate_token_ids,
     score_kv_by_default,
 )
+from mlxq.worker.engine.speculation.draft_model import DraftMismatch, DraftModel, draft_folder
+from mlxq.worker.engine.speculation.policy import DraftPolicy, RowSpeculation
+from mlxq.worker.engine.speculation.prompt_lookup import PromptLookup
 from mlxq.worker.engine.text.detokenizer import IncrementalDetokenizer
 from mlxq.worker.engine.text.stop_strings import StopStringMatcher
 from mlxq.worker.engine.text.token_texts import piece as token_piece
@@ -102,6 +105,10 @@ class TokenSink(Protocol):
     def __call__(self, text: str, ids: list[int]) -> None: ...
 
 
+# Drafters a worker may decode with (`EngineOptions.speculation`); draft models, MTP and DFlash go here.
+SPECULATION_KINDS = ("off", "prompt_lookup", "draft_model")
+
+
 @dataclass(frozen=True)
 class EngineOptions:
     dtype: str | None = None  # None: float32 on CPU, the checkpoint's dtype on a GPU
@@ -119,6 +126,9 @@ class EngineOptions:
     max_stop_chars: int = 4096  # characters of a request's stop strings together
     max_stops: int = MAX_STOP_STRINGS  # stop strings of a request (the wire allows at most 16)
     max_messages: int = 256  # messages of one chat
+    speculation: str = "off"  # one of SPECULATION_KINDS (`speculation/`)
+    draft_model: str | None = None  # the draft's folder; None: a `draft/` folder beside the model's files
+    draft_policy: DraftPolicy = field(default_factory=DraftPolicy)
 
 
 class Engine:
@@ -132,6 +142,10 @@ class Engine:
         self.config = config
         self.name = name
         self.options = options
+        if options.speculation not in SPECULATION_KINDS:
+            raise ValueError(
+                f"unknown speculation kind {options.speculation!r}: expected one of {list(SPECULATION_KINDS)}"
+            )
         own = model.args.max_position_embeddings  # config.json's, or less where the model says (LongRoPE)
         self.context_length = min(own, options.max_context) if options.max_context else own
         self.prefix_cache = (
@@ -158,6 +172,7 @@ class Engine:
         self._launcher: Launcher | None = Launcher() if self.decode_overlap else None
         # Structured output (`response_format`): the grammar library's tokenizer, built at first use.
         self.constraints = ConstraintCompiler(tokenizer.backend, model.args.vocab_size, tokenizer.eos_ids)
+        self.draft: DraftModel | None = None  # speculation "draft_model": loaded by `load_draft`
 
     @classmethod
     def load(cls, model: str, options: EngineOptions | None = None) -> Engine:
@@ -176,6 +191,8 @@ class Engine:
         net.fuse()  # fewer matmuls per layer (see `models.llama._fuse_linears`)
         tokenizer = Tokenizer.from_dir(path)
         engine = cls(net, tokenizer, config, Path(model).name if Path(model).exists() else model, options)
+        if options.speculation == "draft_model":
+            engine.load_draft(path)
         log.info(
             "model loaded path=%s arch=%s device=%s seconds=%.2f pad_shapes=%s decode_overlap=%s "
             "idle_prefill_tokens=%d score_kv_bytes=%d",
@@ -566,6 +583,38 @@ class Engine:
         except ValueError as e:
             raise InvalidRequest(str(e)) from e
         return prompt, max_tokens, sampler
+
+    def load_draft(self, target: Path) -> None:
+        """Load the draft model speculation "draft_model" drafts with: the folder the options name, else
+        the `draft/` folder beside the target's files (`target`); a clear error when there is none or it
+        does not fit the target."""
+        folder = draft_folder(target, self.options.draft_model)
+        if folder is None:
+            raise DraftMismatch(
+                f"speculation draft_model needs a draft model: a draft/ folder in {target} or a folder "
+                "named by MLXQ_DRAFT_MODEL"
+            )
+        self.draft = DraftModel.load(folder, self.tokenizer, self.options.dtype, self.options.prefill_chunk)
+        log.info("draft model loaded path=%s", folder)
+
+    def speculation_for(self, request: GenerateRequest, sampler: Sampler) -> RowSpeculation | None:
+        """A request's drafter and its depth cap, or None where it decodes plainly: speculation off on
+        this worker or for the job (`max_draft_tokens` 0), or a sampler whose draws depend on the tokens
+        before them (penalties) or on a grammar moving token by token: speculative sampling could not
+        keep such a row's distribution exact, so it takes plain steps (`SamplerRows.can_verify`)."""
+        kind = self.options.speculation
+        cap = self.options.draft_policy.max_depth
+        if request.max_draft_tokens is not None:
+            cap = min(cap, request.max_draft_tokens)
+        if kind == "off" or cap <= 0 or sampler.penalized or sampler.constraint is not None:
+            return None
+        if kind == "prompt_lookup":
+            return RowSpeculation(PromptLookup(), self.options.draft_policy, cap)
+        if kind == "draft_model":
+            if self.draft is None:
+                raise ValueError("speculation draft_model: the engine has no draft model (`load_draft`)")
+            return RowSpeculation(self.draft.drafter(), self.options.draft_policy, cap)
+        raise ValueError(f"unknown speculation kind {kind!r}: expected one of {list(SPECULATION_KINDS)}")
 
     def finish_reason_after(
         self, run: TextRun, token: int, cancelled: Callable[[], bool]

@@ -339,6 +339,56 @@ class DecodeBatch:
         self._stepped()
         return result
 
+    def verify_with(
+        self,
+        drafts_for: Callable[[list[int]], list[list[int]]],
+        handle: Callable[[list[list[int]]], T],
+        meanwhile: Callable[[], None] | None = None,
+    ) -> T:
+        """A verify step of speculative decoding: the pending tokens are read back, `drafts_for(tokens)`
+        gives each row's draft tokens (any number, [] for a plain step), and one forward feeds every row
+        its pending token and drafts (rows padded to the longest with columns they do not keep). Each
+        row keeps the drafts the target agrees with (`SamplerRows.verify`), its cache trimmed to them
+        (`BatchKVCache.trim_rows`), and the token after them is its next pending one. `handle` gets each
+        row's tokens of the step, in row order: its pending token, then the drafts it kept; returns what
+        `handle` returns. `meanwhile` runs while the forward computes.
+
+        Unlike a plain step nothing stays in flight: the drafts of the next step depend on what this
+        one kept. So the next step (plain or verify) starts from tokens already read back."""
+        if self._pending is None or self.rows is None:
+            raise ValueError("an empty batch has no step to take")
+        if not self.rows.can_verify:
+            raise ValueError("rows with penalties or a grammar take plain steps")
+        self.quiet()
+        self._fresh = False
+        tokens = [int(t) for t in cast("list[int]", self._pending.tolist())]
+        drafts = drafts_for(tokens)
+        width = 1 + max(len(d) for d in drafts)
+        if self.pad_shapes and width > 1:  # a GPU meets few widths (the columns past the drafts: never kept)
+            width = padded_size(width, smallest=1)
+        fed = [[t, *d, *([0] * (width - 1 - len(d)))] for t, d in zip(tokens, drafts, strict=True)]
+        logits = self._forward(mx.array(fed, dtype=mx.int32), self.cache[0].mask(width))
+        if width == 1:
+            kept_drafts, following = mx.zeros((len(tokens),), dtype=mx.int32), self.rows.sample(logits[:, 0])
+        else:
+            depth = mx.array([len(d) for d in drafts], dtype=mx.int32)
+            ids = mx.array([row[1:] for row in fed], dtype=mx.int32)
+            kept_drafts, following = self.rows.verify(logits, ids, depth)
+        mx.async_eval(kept_drafts, following)
+        if meanwhile is not None:
+            meanwhile()
+        kept = [int(k) for k in cast("list[int]", kept_drafts.tolist())]
+        columns = [width] * self.cache[0].batch  # idle rows keep all: nobody reads them
+        for slot, k in zip(self.slots, kept, strict=True):
+            columns[slot] = 1 + k
+        for layer in self.cache:
+            layer.trim_rows(width, columns)
+        if max(self.cache[0].holes) >= BatchKVCache.step:  # a step's worth wasted: one copy squeezes it
+            self._compact(self._idle_rows())
+        self._pending, self._pending_copy, self._fresh = following, None, True
+        self._stepped()
+        return handle([[t, *d[:k]] for t, d, k in zip(tokens, drafts, kept, strict=True)])
+
     def quiet(self) -> None:
         """Wait until no step is being launched (with a launcher: before evaluating anything else)."""
         if self.launcher is not None:
@@ -386,16 +436,25 @@ class DecodeBatch:
         self._pending = self.rows.sample(logits)
         return self._pending
 
-    def _forward(self, pending: mx.array) -> mx.array:
-        """The (live rows, vocab) logits of the forward that feeds `pending` (not evaluated yet)."""
-        mask = self._step_mask()
-        fed = pending
+    def _forward(
+        self, pending: mx.array, mask: mx.array | ragged_attention.RaggedRows | None = None
+    ) -> mx.array:
+        """The logits of the forward that feeds `pending` (not evaluated yet): (live rows, vocab) for one
+        token per row (B,) with the step's own mask; (live rows, W, vocab) for W tokens per row (B, W)
+        with `mask` (`BatchKVCache.mask(W)`)."""
+        one = pending.ndim == 1
+        fed = pending[:, None] if one else pending
+        if one:
+            mask = self._step_mask()
         if self._slot_index is not None:  # live rows scattered among idle ones
-            fed = mx.zeros((self.cache[0].batch,), dtype=fed.dtype)
-            fed[self._slot_index] = pending
+            scattered = mx.zeros((self.cache[0].batch, fed.shape[1]), dtype=fed.dtype)
+            scattered[self._slot_index] = fed
+            fed = scattered
         elif self._idle:
-            fed = mx.concatenate([fed, mx.zeros((self._idle,), dtype=fed.dtype)])
-        logits = self.model(fed[:, None], cache=self.cache, mask=mask)[:, -1, :]
+            fed = mx.concatenate([fed, mx.zeros((self._idle, fed.shape[1]), dtype=fed.dtype)])
+        logits = self.model(fed, cache=self.cache, mask=mask)
+        if one:
+            logits = logits[:, -1, :]
         return logits[: len(self)] if self._slot_index is None else logits[self._slot_index]
 
     def _stepped(self) -> None:
@@ -409,7 +468,7 @@ class DecodeBatch:
         a mask, or with the ragged kernel each row's first column (the buffers made long enough first,
         so the forward's writes keep them in place)."""
         first = self.cache[0]
-        if not self.ragged_kernel or not any(first.starts):
+        if not self.ragged_kernel or first.has_holes or not any(first.starts):
             return first.mask()
         for layer in self.cache:
             layer.reserve(1)

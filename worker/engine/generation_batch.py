@@ -51,6 +51,7 @@ from mlxq.worker.engine.generate import (
 )
 from mlxq.worker.engine.memory_guard import is_out_of_memory, with_memory_retry
 from mlxq.worker.engine.sampler import Sampler
+from mlxq.worker.engine.speculation.policy import RowSpeculation
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +83,14 @@ class _Sequence:
     cache: list[KVCache] | None = None
     n_cached: int = 0
     prefill: ChunkedPrefill | None = None
+    speculation: RowSpeculation | None = None  # its drafter, where it decodes speculatively
+    depth: int = 0  # tokens it may draft at this step
+    proposed: int = 0  # tokens its drafter proposed at this step
+
+    @property
+    def budget(self) -> int:
+        """Tokens it may still generate after its pending one."""
+        return self.max_tokens - len(self.run.ids) - 1
 
     @property
     def longest(self) -> int:
@@ -150,7 +159,10 @@ class GenerationBatch:
         cancelled()
         run = TextRun(self.engine.tokenizer, request.stop, sink)
         cancelled()
-        self.waiting.append(_Sequence(key, prompt, max_tokens, sampler, run, cancelled))
+        speculation = self.engine.speculation_for(request, sampler)
+        self.waiting.append(
+            _Sequence(key, prompt, max_tokens, sampler, run, cancelled, speculation=speculation)
+        )
 
     def step(self, background: Callable[[], None] | None = None) -> list[Finished]:
         """One unit of work: about one prefill chunk of tokens (several short prompts, or one chunk of a
@@ -431,9 +443,14 @@ class GenerationBatch:
 
     def _decode_step(self, finished: list[Finished], background: Callable[[], None] | None) -> None:
         try:
-            leaving = self.decode.step_with(
-                self._take_tokens, ends_all=lambda out: len(out) == len(self.decoding), meanwhile=background
-            )
+            if self._speculating():
+                leaving = self.decode.verify_with(self._drafts, self._take_runs, meanwhile=background)
+            else:
+                leaving = self.decode.step_with(
+                    self._take_tokens,
+                    ends_all=lambda out: len(out) == len(self.decoding),
+                    meanwhile=background,
+                )
         except Exception as e:  # the shared forward failed: no row can go on
             self._decode_failed(e, finished)
             return
@@ -469,33 +486,79 @@ class GenerationBatch:
             "or use a worker with more memory"
         )
 
+    def _speculating(self) -> bool:
+        """Whether this step verifies drafts: some row drafts (its policy's depth, set here for
+        `_drafts`) and every row's sampler can verify. A worker without speculation checks nothing."""
+        rows = self.decode.rows
+        if self.engine.options.speculation == "off" or rows is None or not rows.can_verify:
+            return False
+        n, any_depth = len(self.decoding), False
+        for seq in self.decoding:
+            spec = seq.speculation
+            seq.depth = spec.depth(n, seq.budget) if spec is not None and spec.wants(n, seq.budget) else 0
+            any_depth = any_depth or seq.depth > 0
+        return any_depth
+
+    def _drafts(self, tokens: list[int]) -> list[list[int]]:
+        """Each row's draft tokens after its pending token (`tokens`, one per row, in row order)."""
+        drafts: list[list[int]] = []
+        for seq, token in zip(self.decoding, tokens, strict=True):
+            if seq.depth <= 0 or seq.speculation is None:
+                drafts.append([])
+                continue
+            proposed = seq.speculation.drafter.propose([*seq.prompt, *seq.run.ids, token], seq.depth)
+            drafts.append(proposed[: seq.depth])
+            seq.proposed = len(drafts[-1])
+        return drafts
+
+    def _take_runs(self, runs: list[list[int]]) -> list[tuple[int, FinishReason | BaseException]]:
+        """After a verify step: each row takes its tokens (its pending one, then the drafts kept), in
+        order, as from that many plain steps, up to the one it ends with; returns the rows that end."""
+        leaving: list[tuple[int, FinishReason | BaseException]] = []
+        for i, (seq, run) in enumerate(zip(self.decoding, runs, strict=True)):
+            if seq.depth > 0 and seq.speculation is not None:
+                seq.speculation.observe(seq.proposed, len(run) - 1)
+            for token in run:
+                outcome = self._take_one(seq, token)
+                if outcome is not None:
+                    leaving.append((i, outcome))
+                    break
+        return leaving
+
     def _take_tokens(self, tokens: list[int]) -> list[tuple[int, FinishReason | BaseException]]:
         """Each decoding request takes its token (one per row, in row order); returns the rows that end
         now, with their finish reason or their own error. Touches no MLX array (see `step`)."""
         leaving: list[tuple[int, FinishReason | BaseException]] = []
         for i, (seq, token) in enumerate(zip(self.decoding, tokens, strict=True)):
-            seq.clock.token()
-            try:
-                constraint = seq.sampler.constraint
-                if constraint is not None and constraint.error is not None:
-                    raise constraint.error  # its token broke its grammar (see `SamplerRows.take`)
-                reason = self.engine.finish_reason_after(seq.run, token, seq.cancelled)
-                if reason is None and constraint is not None and constraint.stopped:
-                    reason = "stop"  # its grammar is complete and allows no end-of-text token
-                if reason is None and len(seq.run.ids) >= seq.max_tokens:
-                    reason = "length"
-            except Exception as e:  # this row's sink or cancel check failed: it alone ends
-                leaving.append((i, e))
-                continue
-            if reason is not None:
-                leaving.append((i, reason))
+            outcome = self._take_one(seq, token)
+            if outcome is not None:
+                leaving.append((i, outcome))
         return leaving
+
+    def _take_one(self, seq: _Sequence, token: int) -> FinishReason | BaseException | None:
+        """A request takes one token; its finish reason or its own error if it ends now, else None."""
+        seq.clock.token()
+        try:
+            constraint = seq.sampler.constraint
+            if constraint is not None and constraint.error is not None:
+                raise constraint.error  # its token broke its grammar (see `SamplerRows.take`)
+            reason = self.engine.finish_reason_after(seq.run, token, seq.cancelled)
+            if reason is None and constraint is not None and constraint.stopped:
+                reason = "stop"  # its grammar is complete and allows no end-of-text token
+            if reason is None and len(seq.run.ids) >= seq.max_tokens:
+                reason = "length"
+        except Exception as e:  # this row's sink or cancel check failed: it alone ends
+            return e
+        return reason
 
     def _finish(self, seq: _Sequence, reason: FinishReason, cache: list[KVCache] | None) -> Finished:
         """The request's result; its cache waits for `settle`, so the caller writes the result first."""
         try:
             reason = seq.run.finish(reason)
             result = self.engine.generate_result(seq.run, reason, seq.prompt, seq.n_cached, seq.clock)
+            if seq.speculation is not None:
+                drafted = {"draft_tokens": seq.speculation.drafted, "accepted_tokens": seq.speculation.kept}
+                result = result.model_copy(update={"usage": result.usage.model_copy(update=drafted)})
         except Exception as e:
             return Finished(seq.key, error=e)
         if cache is not None and self.engine.prefix_cache is not None:  # the cache holds these tokens

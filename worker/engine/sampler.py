@@ -395,19 +395,37 @@ def _categorical(keys: mx.array, logits: mx.array) -> mx.array:
     return mx.vmap(lambda key, row: mx.random.categorical(row, key=key))(keys, logits)
 
 
+def _leading(ok: mx.array) -> mx.array:
+    """(B,) count of each row's leading True values of (B, n) `ok`."""
+    if ok.shape[1] == 0:
+        return mx.zeros((ok.shape[0],), dtype=mx.int32)
+    return mx.cumprod(ok.astype(mx.int32), axis=1).sum(axis=1).astype(mx.int32)
+
+
 def draw_rows(logits: mx.array, rows: _RowArrays, keys: mx.array) -> tuple[mx.array, mx.array]:
     """One draw per row of (B, vocab) logits with its own settings (temperature, top-k, top-p, min-p, in
     that order) and PRNG key: the (B,) tokens and the (B, 2) keys of the next draw. Row i's token depends
     on its own logits, settings and key only, so a sampler draws the same alone (B = 1)."""
-    x = logits * rows.inv_temperature
-    if rows.top_k is not None:
-        x = top_k_rows(x, rows.top_k, rows.top_k_max)
-    if rows.top_p is not None:
-        x = top_p_rows(x, rows.top_p)
-    if rows.log_min_p is not None:
-        x = min_p_rows(x, rows.log_min_p)
     pairs = _split_keys(keys)
-    return _categorical(pairs[:, 1], x), pairs[:, 0]
+    return _categorical(pairs[:, 1], filter_rows(logits, rows)), pairs[:, 0]
+
+
+def filter_rows(logits: mx.array, rows: _RowArrays, repeat: int = 1) -> mx.array:
+    """(B * repeat, vocab) logits scaled and filtered by each row's settings (temperature, top-k, top-p,
+    min-p): the logits a row draws from. With `repeat`, rows come in runs of `repeat` (a verify step's
+    positions of one row), each run with its row's settings."""
+
+    def column(a: mx.array) -> mx.array:
+        return a if repeat == 1 else mx.repeat(a, repeat, axis=0)
+
+    x = logits * column(rows.inv_temperature)
+    if rows.top_k is not None:
+        x = top_k_rows(x, column(rows.top_k), rows.top_k_max)
+    if rows.top_p is not None:
+        x = top_p_rows(x, column(rows.top_p))
+    if rows.log_min_p is not None:
+        x = min_p_rows(x, column(rows.log_min_p))
+    return x
 
 
 class SamplerRows:
@@ -486,6 +504,74 @@ class SamplerRows:
         self.samplers += other.samplers
         self._keys = other._keys if self._keys is None else mx.concatenate([self._keys, other._keys])
         self._refresh()
+
+    @property
+    def can_verify(self) -> bool:
+        """Whether the rows can take a verify step (`verify`): none has a grammar (it moves token by
+        token, its mask waits for the token before). A batch holding such a row takes plain steps."""
+        return not self._constrained
+
+    def verify(self, logits: mx.array, drafts: mx.array, depth: mx.array) -> tuple[mx.array, mx.array]:
+        """Speculative sampling over a verify step's (B, W, vocab) logits: row i fed its pending token and
+        `depth[i]` (<= W - 1) draft tokens `drafts[i]` (B, W - 1). Returns the (B,) count of drafts each
+        row keeps and the (B,) token that follows them (the next pending token); lazy.
+
+        The drafts are point masses (prompt lookup, or a draft model's greedy guess): draft x at a
+        position is kept with probability p(x), p the row's distribution there after its logit bias,
+        temperature and filters, exactly as `sample` draws from; the first one rejected is replaced by a
+        draw from p without x, renormalised (the residual max(0, p - q) of speculative sampling when q
+        is a point mass); after all are kept the next token is a draw from p at the following position.
+        So every token follows the distribution plain steps give. A greedy row keeps drafts equal to
+        its argmax and continues with the argmax.
+
+        A row that drafts nothing (depth 0) draws exactly as `sample` would from its first position's
+        logits (the same key), so a seeded request's tokens do not depend on whether its batch-mates
+        draft. A row with penalties must draft nothing (its later positions' penalties would depend on
+        the drafts): its first position is processed as in `sample`. Needs `can_verify`."""
+        if not self.can_verify:
+            raise ValueError("rows with a grammar cannot verify drafts")
+        b, width, vocab = logits.shape
+        x = logits if self._bias is None else logits.astype(mx.float32) + self._bias[:, None, :]
+        if self._penalized:  # their first position as `sample` processes it (they draft nothing)
+            first = x[:, 0, :].astype(mx.float32)
+            own = [self.samplers[i].process_logits(logits[i : i + 1, 0, :]) for i in self._penalized]
+            first[mx.array(self._penalized, dtype=mx.int32)] = mx.concatenate(own)
+            x = mx.concatenate([first[:, None, :], x[:, 1:, :].astype(mx.float32)], axis=1)
+        live = mx.arange(width - 1, dtype=mx.int32)[None, :] < depth[:, None]
+        target = mx.argmax(x, axis=-1) if self._any_greedy else None  # (B, W)
+        greedy_ok = None if target is None else (target[:, :-1] == drafts) & live
+        if self._arrays is None:
+            assert target is not None and greedy_ok is not None
+            kept = _leading(greedy_ok)
+            following = mx.take_along_axis(target, kept[:, None], axis=1)[:, 0]
+            self._observe_penalized(following)
+            return kept, following
+        assert self._keys is not None
+        filtered = filter_rows(x.reshape(b * width, vocab), self._arrays, width).reshape(b, width, vocab)
+        pairs = _split_keys(self._keys)
+        self._keys = pairs[:, 0]
+        # the next token drawn with the key `sample` would use; the acceptance tests with one split off it
+        tests = _split_keys(pairs[:, 1])[:, 0]
+        uniform = mx.vmap(lambda key: mx.random.uniform(shape=(width - 1,), key=key))(tests)
+        probs = mx.softmax(filtered[:, :-1, :], axis=-1)
+        ok = (uniform < mx.take_along_axis(probs, drafts[..., None], axis=-1)[..., 0]) & live
+        if greedy_ok is not None and self._greedy_mask is not None:
+            ok = mx.where(self._greedy_mask[:, None], greedy_ok, ok)
+        kept = _leading(ok)
+        at = mx.take_along_axis(filtered, kept[:, None, None], axis=1)[:, 0, :]  # (B, vocab)
+        rejected = mx.take_along_axis(drafts, mx.minimum(kept, width - 2)[:, None], axis=1)
+        drop = (mx.arange(vocab, dtype=mx.int32)[None, :] == rejected) & (kept < depth)[:, None]
+        following = _categorical(pairs[:, 1], mx.where(drop, _NEG_INF, at))
+        if target is not None and self._greedy_mask is not None:
+            greedy_next = mx.take_along_axis(target, kept[:, None], axis=1)[:, 0]
+            following = mx.where(self._greedy_mask, greedy_next, following)
+        self._observe_penalized(following)
+        return kept, following
+
+    def _observe_penalized(self, tokens: mx.array) -> None:
+        """Rows with penalties count their token (lazily), as after `sample`."""
+        for i in self._penalized:
+            self.samplers[i].observe(tokens[i : i + 1])
 
     def sample(self, logits: mx.array) -> mx.array:
         """One token per row of (B, vocab) logits, shape (B,); lazy. Every sampler observes its token."""

@@ -17,6 +17,11 @@ buffer is as long as the longest row. Rows that join are padded to the current e
 everyone else is padded further), or written into a free row of the buffers (`put`); rows that leave
 are dropped and the common left padding is trimmed in whole steps, so the waste is bounded by the
 spread of the current rows' lengths plus a step.
+A verify step of speculative decoding (`trim_rows`) writes several columns for every row and each row
+keeps as many as the target accepted of them: the batch ends where the row that kept most ends, and
+the columns another row did not keep become holes of that row (hidden by the mask like padding, not
+counted in its position). Nothing moves: holes cost a few columns per verify step until the row leaves
+or the buffers are copied for a membership change (`row` then gives the row without its holes).
 Membership changes copy the buffer once (like one step's attention reads it); steps never do. The
 buffers always hold a whole number of steps (256 columns), spare room kept across membership changes:
 on a GPU every new buffer shape may cost kernel building, and rows leaving one by one made a new shape
@@ -25,7 +30,10 @@ at almost every departure.
 
 from __future__ import annotations
 
+from typing import cast
+
 import mlx.core as mx
+import numpy as np
 
 from mlxq.worker.engine.cache.kv_cache import KVCache, key_columns
 
@@ -54,6 +62,9 @@ class BatchKVCache:
         self.end = 0  # columns written (the same for every row)
         self._starts = mx.zeros((0,), dtype=mx.int32)
         self._aligned = True
+        self.holes: list[int] = []  # per row: columns after its start it does not own (`trim_rows`)
+        self._hidden: mx.array | None = None  # (B, width <= end) bool, True at holes; None: no holes
+        self._holes = mx.zeros((0,), dtype=mx.int32)
 
     @property
     def batch(self) -> int:
@@ -62,24 +73,58 @@ class BatchKVCache:
     @property
     def lengths(self) -> list[int]:
         """Tokens each row holds."""
-        return [self.end - s for s in self.starts]
+        return [self.end - s - h for s, h in zip(self.starts, self.holes, strict=True)]
 
     @property
     def offset(self) -> mx.array | int:
         """Per-row position of the next token (the row's own length): RoPE's offset vector; a plain int
         when no row is padded (all rows the same length: RoPE's scalar path, as for one sequence)."""
-        return self.end if self._aligned else self.end - self._starts
+        if self._aligned:
+            return self.end
+        if self._hidden is None:
+            return self.end - self._starts
+        return self.end - self._starts - self._holes
+
+    @property
+    def has_holes(self) -> bool:
+        """Whether some row has holes (`trim_rows`): attention then needs the mask, not the ragged kernel."""
+        return self._hidden is not None
 
     def mask(self, n: int = 1) -> mx.array | None:
-        """Boolean (B, 1, n, end + n) attention mask for `n` new tokens per row; None if no row is padded.
-
-        Only n == 1 (decode) is needed here: the new column is visible to its own row.
-        """
-        if not any(self.starts):
+        """Boolean (B, 1, n, end + n) attention mask for `n` new tokens per row (causal among them);
+        None if no row is padded or has holes (plain causal attention is exact then)."""
+        if not any(self.starts) and self._hidden is None:
             return None
         columns = mx.arange(self.end + n, dtype=mx.int32)
         visible = columns[None, :] >= self._starts[:, None]
-        return visible[:, None, None, :]
+        if self._hidden is not None:
+            hidden = self._hidden
+            visible = visible & ~mx.pad(hidden, [(0, 0), (0, self.end + n - hidden.shape[1])])
+        if n == 1:
+            return visible[:, None, None, :]
+        causal = columns[None, :] <= mx.arange(self.end, self.end + n, dtype=mx.int32)[:, None]
+        return (visible[:, None, :] & causal[None])[:, None, :, :]
+
+    def trim_rows(self, written: int, kept: list[int]) -> None:
+        """After a forward that wrote `written` columns for every row, row i keeps the first `kept[i]`
+        of them: the batch ends where the longest kept ends, each shorter row's other columns become
+        its holes (the columns past every row's kept ones are simply forgotten)."""
+        if len(kept) != self.batch or any(not 0 <= k <= written for k in kept):
+            raise ValueError(
+                f"trim_rows needs 0..{written} kept columns for each of {self.batch} rows, got {kept}"
+            )
+        first, most = self.end - written, max(kept)
+        self.end = first + most
+        if all(k == most for k in kept):
+            return
+        columns = mx.arange(self.end, dtype=mx.int32)[None, :]
+        new = columns >= first + mx.array(kept, dtype=mx.int32)[:, None]
+        if self._hidden is not None:
+            new = new | mx.pad(self._hidden, [(0, 0), (0, self.end - self._hidden.shape[1])])
+        self._hidden = new
+        self.holes = [h + most - k for h, k in zip(self.holes, kept, strict=True)]
+        self._holes = mx.array(self.holes, dtype=mx.int32)
+        self._aligned = False
 
     def reserve(self, n: int) -> None:
         """Make room for `n` more columns (whole steps at a time), so the next writes grow nothing."""
@@ -152,7 +197,10 @@ class BatchKVCache:
             starts.append(pad)
         self.keys = mx.concatenate(parts_k, axis=0)
         self.values = mx.concatenate(parts_v, axis=0)
-        self._set(starts, new_end)
+        hidden = self._hidden
+        if hidden is not None:  # the rows there keep their holes, shifted by the new left padding
+            hidden = mx.pad(hidden, [(0, len(rows)), (grow, new_end - grow - hidden.shape[1])])
+        self._set(starts, new_end, [*self.holes, *([0] * len(rows))], hidden)
 
     def adopt(self, prefilled: PrefillRowsCache, rows: int) -> bool:
         """Take over the buffers of a rows prefill (`prefill_rows_layers`) as an empty batch's: its
@@ -182,10 +230,12 @@ class BatchKVCache:
         for i, buffer in enumerate((self.keys, self.values)):
             block = mx.concatenate([_pad_columns(r.state[i], width - r.offset, 0) for r in rows])
             buffer[index, :, self.end - width : self.end, :] = block
-        starts = list(self.starts)
+        starts, holes, hidden = list(self.starts), list(self.holes), self._hidden
         for slot, row in zip(slots, rows, strict=True):
-            starts[slot] = self.end - row.offset
-        self._set(starts, self.end)
+            starts[slot], holes[slot] = self.end - row.offset, 0
+        if hidden is not None:
+            hidden[index] = mx.zeros((len(slots), hidden.shape[1]), dtype=mx.bool_)
+        self._set(starts, self.end, holes, hidden)
         return True
 
     def add_padding(self, n: int) -> None:
@@ -197,15 +247,21 @@ class BatchKVCache:
         self.keys, self.values = (
             mx.concatenate([a, mx.zeros((n, *a.shape[1:]), a.dtype)]) for a in (self.keys, self.values)
         )
-        self._set([*self.starts, *([self.end] * n)], self.end)
+        hidden = None if self._hidden is None else mx.pad(self._hidden, [(0, n), (0, 0)])
+        self._set([*self.starts, *([self.end] * n)], self.end, [*self.holes, *([0] * n)], hidden)
 
     def row(self, i: int) -> KVCache:
-        """Row `i` alone, as a batch-1 cache holding exactly its own tokens."""
+        """Row `i` alone, as a batch-1 cache holding exactly its own tokens (its holes left out)."""
         assert self.keys is not None and self.values is not None
         s = self.starts[i]
-        return KVCache.from_state(
-            self.keys[i : i + 1, :, s : self.end, :], self.values[i : i + 1, :, s : self.end, :]
-        )
+        keys, values = self.keys[i : i + 1, :, s : self.end, :], self.values[i : i + 1, :, s : self.end, :]
+        if self.holes[i] and self._hidden is not None:
+            hidden = cast("list[bool]", self._hidden[i].tolist())
+            own = mx.array(
+                [c - s for c in range(s, self.end) if c >= len(hidden) or not hidden[c]], dtype=mx.int32
+            )
+            keys, values = keys[:, :, own, :], values[:, :, own, :]
+        return KVCache.from_state(keys, values)
 
     def keep(self, rows: list[int], padding: list[int] | None = None) -> None:
         """Keep only `rows` (in this order), then the rows `padding` as padding rows (their tokens masked,
@@ -218,17 +274,59 @@ class BatchKVCache:
             return
         assert self.keys is not None and self.values is not None
         index = mx.array([*rows, *padding], dtype=mx.int32)
-        starts = [self.starts[i] for i in rows]
-        trim = min(starts) // self.step * self.step
-        self.keys = self.keys[index, :, trim:, :]
-        self.values = self.values[index, :, trim:, :]
+        if any(self.holes[i] for i in rows):  # copied anyway: the rows' holes squeezed out on the way
+            self.keys, self.values, starts = self._squeezed(index, len(rows))
+            end = self.end
+            padding_starts = starts[len(rows) :]
+            starts = starts[: len(rows)]
+            trim = min(starts) // self.step * self.step
+            self.keys, self.values = self.keys[:, :, trim:, :], self.values[:, :, trim:, :]
+        else:
+            padding_starts = [self.end] * len(padding)
+            starts = [self.starts[i] for i in rows]
+            trim = min(starts) // self.step * self.step
+            self.keys = self.keys[index, :, trim:, :]
+            self.values = self.values[index, :, trim:, :]
         end = self.end - trim
-        self._set([*(s - trim for s in starts), *([end] * len(padding))], end)
+        self._set([*(s - trim for s in starts), *(s - trim for s in padding_starts)], end)
 
-    def _set(self, starts: list[int], end: int) -> None:
+    def _squeezed(self, index: mx.array, live: int) -> tuple[mx.array, mx.array, list[int]]:
+        """Buffers holding the rows `index` (the first `live` of them rows, the rest padding) with every
+        row's own columns right-aligned at `end`, its holes gone (one gather), spare room to a whole
+        step after `end`; and each row's first column."""
+        assert self.keys is not None and self.values is not None and self._hidden is not None
+        picked = cast("list[int]", index.tolist())
+        hidden = np.zeros((len(picked), self.end), dtype=bool)
+        width = min(self._hidden.shape[1], self.end)
+        hidden[:, :width] = np.array(self._hidden[index, :width])
+        columns = np.zeros((len(picked), self.end), dtype=np.int32)  # padding reads column 0: masked
+        starts = []
+        for n, row in enumerate(picked):
+            first_own = self.starts[row] if n < live else self.end  # a padding row owns nothing
+            own = np.arange(first_own, self.end, dtype=np.int32)[~hidden[n, first_own:]]
+            first = self.end - len(own)
+            columns[n, first:] = own
+            starts.append(first)
+        gather = mx.array(columns)[:, None, :, None]
+        spare = key_columns(self.end + 1) - self.end
+        out = []
+        for buffer in (self.keys, self.values):
+            rows = buffer[index, :, : self.end, :]
+            picked_columns = mx.take_along_axis(rows, mx.broadcast_to(gather, rows.shape), axis=2)
+            out.append(_pad_columns(picked_columns, 0, spare))
+        return out[0], out[1], starts
+
+    def _set(
+        self, starts: list[int], end: int, holes: list[int] | None = None, hidden: mx.array | None = None
+    ) -> None:
+        """The rows' first columns and the common end; `holes` (each row's count) with `hidden`, the
+        (B, width) mask of where they are; none by default."""
         self.starts, self.end = starts, end
         self._starts = mx.array(starts, dtype=mx.int32)
-        self._aligned = not any(starts)
+        self.holes = holes if holes is not None and any(holes) else [0] * len(starts)
+        self._hidden = hidden if any(self.holes) else None
+        self._holes = mx.array(self.holes, dtype=mx.int32)
+        self._aligned = not any(starts) and self._hidden is None
 
     @property
     def nbytes(self) -> int:

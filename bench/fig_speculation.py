@@ -1,0 +1,168 @@
+"""Speculative decoding: acceptance and tokens/s with and without drafting, side by side.
+
+The same chat prompts run in the engine's `GenerationBatch` (in this process, no Redis), greedy, once
+per way of decoding:
+- plain: no drafting;
+- prompt lookup: drafts copied from the job's own text (`MLXQ_SPECULATION=prompt_lookup`);
+- 4-bit draft: the model's own 4-bit copy drafts (`draft_model`; skipped for an already quantized model).
+Each at N jobs at once (`Sizes.speculation_jobs`), on two kinds of prompt: copy-heavy (edit this code,
+extract these fields, answer quoting the passage: the answer repeats long runs of the prompt) and open
+prose (a story: nothing to copy). The policy's thresholds are the worker's defaults except that every
+batch size drafts (`max_batch`), so the table shows what drafting does where the policy would turn it
+off.
+
+Reported per row: tokens/s over the whole call (prefill included), the drafted and kept tokens, the
+acceptance (kept / drafted) and the speed against plain decoding of the same prompts. Every run's tokens
+are checked against plain decoding's (greedy speculation must not change a token). On the CPU build a
+forward of k tokens costs about k times one, so drafting cannot win there: the CPU shows acceptance; the
+speed targets (2x at one copy-heavy job, never below 0.97x) are the GPU's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+
+from mlxq.jobs.schema import GenerateRequest, GenerateResult
+from mlxq.worker.engine import Engine
+from mlxq.worker.engine.generation_batch import GenerationBatch
+from mlxq.worker.engine.speculation.policy import DraftPolicy
+
+from .common import Bench, median
+
+CODE = '''def moving_average(values, window):
+    """Average of each run of `window` values."""
+    if window <= 0:
+        raise ValueError("window must be positive")
+    total = 0.0
+    out = []
+    for i, value in enumerate(values):
+        total += value
+        if i >= window:
+            total -= values[i - window]
+        if i >= window - 1:
+            out.append(total / window)
+    return out
+'''
+
+PASSAGE = (
+    "The lighthouse at Point Reyes was built in 1870 and stands on a rocky headland three hundred feet "
+    "above the Pacific. Its first-order Fresnel lens, made in France, was lit every night by keepers who "
+    "climbed the 313 steps from their quarters, until the light was automated in 1975. The station "
+    "recorded some of the foggiest and windiest weather on the West Coast, with winds above sixty miles "
+    "an hour on many winter days."
+)
+
+COPY_HEAVY = [
+    f"Rename the function `moving_average` to `rolling_mean` and the variable `total` to `running`. "
+    f"Reply with the whole code and nothing else.\n\n{CODE}",
+    f"From the text below, list every number it gives with the sentence it appears in, quoted word for "
+    f"word.\n\n{PASSAGE}",
+    f"Answer by quoting the passage exactly: what happened to the lighthouse's light, and when?\n\n{PASSAGE}",
+]
+PROSE = [
+    "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+    "Describe, in a few paragraphs, what a morning at a busy fish market feels like.",
+    "Write a letter to a friend about a journey by train through the mountains.",
+]
+
+
+def speculation(b: Bench) -> dict[str, Any]:
+    s = b.sizes
+    modes: dict[str, Engine] = {"plain": b.engine, "prompt lookup": _engine(b, "prompt_lookup")}
+    draft = _draft_copy(b)
+    if draft is not None:
+        modes["4-bit draft"] = _engine(b, "draft_model", str(draft))
+    rows: dict[str, Any] = {}
+    try:
+        for kind, prompts in (("copy-heavy", COPY_HEAVY), ("prose", PROSE)):
+            for n in s.speculation_jobs:
+                payloads = [_payload(b, prompts[i % len(prompts)], s.speculation_tokens) for i in range(n)]
+                runs = {
+                    mode: [_run(engine, payloads) for _ in range(s.batch_reps)]
+                    for mode, engine in modes.items()
+                }
+                plain_tok_s = median([r["tok_s"] for r in runs["plain"]])
+                for mode, rs in runs.items():
+                    same = all(r["tokens"] == runs["plain"][0]["tokens"] for r in rs)
+                    drafted, kept = rs[-1]["drafted"], rs[-1]["kept"]
+                    tok_s = median([r["tok_s"] for r in rs])
+                    rows[f"{kind}, {n} jobs, {mode}"] = {
+                        "kind": kind,
+                        "jobs": n,
+                        "mode": mode,
+                        "tok_s": tok_s,
+                        "all_tok_s": [r["tok_s"] for r in rs],
+                        "drafted": drafted,
+                        "kept": kept,
+                        "acceptance": kept / drafted if drafted else None,
+                        "vs_plain": tok_s / plain_tok_s if tok_s and plain_tok_s else None,
+                        "same_tokens": same,
+                    }
+    finally:
+        for mode, engine in modes.items():
+            if mode != "plain":
+                engine.close()
+        if draft is not None:
+            shutil.rmtree(draft.parent, ignore_errors=True)
+    return {"max_tokens": s.speculation_tokens, "reps": s.batch_reps, "rows": rows}
+
+
+def _engine(b: Bench, kind: str, draft: str | None = None) -> Engine:
+    """The bench engine's model with speculation of `kind` (a second engine sharing its weights)."""
+    policy = DraftPolicy(max_batch=1 << 20)  # drafting at every batch size: the table shows its cost
+    options = dataclasses.replace(b.engine.options, speculation=kind, draft_model=draft, draft_policy=policy)
+    engine = Engine(b.engine.model, b.engine.tokenizer, b.engine.config, b.engine.name, options)
+    if kind == "draft_model":
+        engine.load_draft(Path(b.model_path))
+    return engine
+
+
+def _draft_copy(b: Bench) -> Path | None:
+    """The model quantized to 4 bits in a scratch folder (with its tokenizer), or None when it is
+    quantized already."""
+    from mlxq.worker.engine.models.loader import load_config, load_model, save_quantized
+
+    src = Path(b.model_path)
+    if load_config(src).get("quantization"):
+        return None
+    out = b.workdir / "draft-4bit" / "draft"
+    model, config = load_model(src)
+    save_quantized(model, config, out, bits=4, group_size=32, copy_from=src)
+    return out
+
+
+def _payload(b: Bench, prompt: str, max_tokens: int) -> dict[str, Any]:
+    chat = b.engine.tokenizer.has_chat_template
+    text = {"messages": [{"role": "user", "content": prompt}]} if chat else {"prompt": prompt}
+    return {**text, "max_tokens": max_tokens, "temperature": 0, "logit_bias": b.no_eos}
+
+
+def _run(engine: Engine, payloads: list[dict[str, Any]]) -> dict[str, Any]:
+    """All payloads admitted at once into one generation batch, stepped until every job ends."""
+    mx.synchronize()
+    t0 = time.perf_counter()
+    batch = GenerationBatch(engine, len(payloads))
+    for i, p in enumerate(payloads):
+        batch.admit(str(i), GenerateRequest.model_validate(p), lambda _t, _ids: None, lambda: False)
+    results: dict[str, GenerateResult] = {}
+    while len(batch):
+        for done in batch.step():
+            if done.error is not None:
+                raise done.error
+            assert done.result is not None
+            results[done.key] = done.result
+    batch.close()
+    wall = time.perf_counter() - t0
+    res = [results[str(i)] for i in range(len(payloads))]
+    return {
+        "tok_s": sum(r.usage.completion_tokens for r in res) / wall,
+        "drafted": sum(r.usage.draft_tokens for r in res),
+        "kept": sum(r.usage.accepted_tokens for r in res),
+        "tokens": [list(r.token_ids) for r in res],
+    }

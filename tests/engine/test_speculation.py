@@ -1,0 +1,403 @@
+"""Speculative decoding in generation batches: prompt lookup drafts, one verify forward per step, each
+row keeps what the target agrees with.
+
+Lossless is the claim held here: greedy requests give exactly the tokens, text, stream and finish of
+plain decoding (float32 on the CPU, tiny random-weight model whose greedy output loops, so lookup
+proposes and some proposals are kept), whoever the batch-mates are; sampled requests follow the
+distribution plain steps draw from (a chi-square test over many seeded draws).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mlxq.jobs.schema import GenerateRequest, GenerateResult
+from mlxq.worker.engine import Engine, EngineOptions
+from mlxq.worker.engine.cache.batch_cache import BatchKVCache
+from mlxq.worker.engine.cache.kv_cache import KVCache
+from mlxq.worker.engine.generate import DecodeBatch
+from mlxq.worker.engine.generation_batch import Finished, GenerationBatch, generate
+from mlxq.worker.engine.sampler import Sampler, SamplerRows
+from mlxq.worker.engine.speculation.policy import DraftPolicy, RowSpeculation
+from mlxq.worker.engine.speculation.prompt_lookup import PromptLookup
+from mlxq.worker.modelfiles.tiny_model import write_random_checkpoint
+
+PROMPT = "The capital of France is Paris. "
+TEMPERATURE = 0.5
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_random_checkpoint(tmp_path_factory.mktemp("tiny"), {"max_position_embeddings": 512})
+
+
+_made: list[Engine] = []
+
+
+@pytest.fixture(autouse=True)
+def _close_engines() -> Iterator[None]:
+    yield
+    while _made:
+        _made.pop().close()
+
+
+def _engine(model_dir: Path, **options: Any) -> Engine:
+    engine = Engine.load(str(model_dir), EngineOptions(prefill_chunk=16, prefix_cache_bytes=0, **options))
+    _made.append(engine)
+    return engine
+
+
+@pytest.fixture
+def plain(model_dir: Path) -> Engine:
+    return _engine(model_dir)
+
+
+@pytest.fixture
+def spec(model_dir: Path) -> Engine:
+    """Prompt lookup on every step a row finds a match (the policy never turns it down)."""
+    return _engine(model_dir, speculation="prompt_lookup", draft_policy=DraftPolicy(min_acceptance=0.0))
+
+
+def _no_eos(engine: Engine) -> dict[int, float]:
+    return {i: -100.0 for i in engine.tokenizer.eos_ids}
+
+
+def _run(
+    engine: Engine, requests: list[GenerateRequest], max_sequences: int
+) -> tuple[dict[int, Finished], dict[int, list[list[int]]]]:
+    """Admit requests as slots free up, one per step; run until all finish. Returns the results and the
+    ids of each sink call."""
+    batch = GenerationBatch(engine, max_sequences=max_sequences)
+    done: dict[int, Finished] = {}
+    streamed: dict[int, list[list[int]]] = {i: [] for i in range(len(requests))}
+    todo = list(enumerate(requests))
+    while todo or len(batch):
+        if todo and batch.free_slots > 0:
+            i, request = todo.pop(0)
+            batch.admit(str(i), request, lambda _t, ids, i=i: streamed[i].append(list(ids)), lambda: False)
+        for f in batch.step():
+            done[int(f.key)] = f
+    batch.close()
+    return done, streamed
+
+
+def _result(f: Finished) -> GenerateResult:
+    assert f.error is None and f.result is not None, f.error
+    return f.result
+
+
+def _same_but_speed(a: GenerateResult, b: GenerateResult) -> bool:
+    """Equal but for timings and the draft counts of usage."""
+    usage = b.usage.model_copy(update={"draft_tokens": 0, "accepted_tokens": 0})
+    return a == b.model_copy(update={"timings": a.timings, "usage": usage})
+
+
+def test_prompt_lookup_proposes_what_followed_the_latest_longest_match() -> None:
+    lookup = PromptLookup(min_ngram=2, max_ngram=3)
+    # "1 2 3" occurs twice before the end; the latest occurrence (followed by 9) wins
+    assert lookup.propose([1, 2, 3, 4, 5, 1, 2, 3, 9, 8, 7, 1, 2, 3], 3) == [9, 8, 7]
+    assert lookup.propose([1, 2, 3, 4, 5, 1, 2, 3, 9, 8, 7, 1, 2, 3], 2) == [9, 8]
+    # the longest matching suffix wins over a later shorter one: "5 2 3" -> 6, not "2 3" -> 4
+    assert lookup.propose([5, 2, 3, 6, 7, 2, 3, 4, 5, 2, 3], 2) == [6, 7]
+    assert lookup.propose([1, 2, 3, 4], 4) == []  # nothing repeats
+    assert lookup.propose([1, 2, 1, 2], 0) == []
+    with pytest.raises(ValueError, match="min_ngram"):
+        PromptLookup(min_ngram=3, max_ngram=2)
+
+
+def test_the_policy_follows_acceptance_and_stops_drafting_in_large_batches() -> None:
+    policy = DraftPolicy(max_depth=4, max_batch=8, min_acceptance=0.3, smoothing=0.5, retry_every=3)
+    row = RowSpeculation(PromptLookup(), policy, cap=4)
+    assert row.depth(batch=1, budget=100) == 4
+    assert row.depth(batch=9, budget=100) == 0  # the step is bound by arithmetic there
+    assert row.depth(batch=1, budget=2) == 2  # never past the request's budget
+    for _ in range(4):
+        row.observe(4, 0)
+    assert row.acceptance < 0.3 and not row.wants(1, 100) and not row.wants(1, 100)
+    assert not row.wants(1, 100)
+    assert row.wants(1, 100) and row.depth(1, 100) == 1  # a retry of one token after 3 idle steps
+    row.observe(1, 1)
+    row.observe(1, 1)
+    assert row.depth(1, 100) >= 2
+    assert (row.drafted, row.kept) == (18, 2)
+    with pytest.raises(ValueError, match="min_acceptance"):
+        DraftPolicy(min_acceptance=2.0)
+
+
+def _cache_rows(lengths: list[int], heads: int = 2, dim: int = 4) -> list[KVCache]:
+    """Batch-1 caches whose keys/values at position t of row r hold 100 * r + t (easy to check)."""
+    rows = []
+    for r, n in enumerate(lengths):
+        a = (100 * r + mx.arange(n, dtype=mx.float32))[None, None, :, None] * mx.ones((1, heads, n, dim))
+        rows.append(KVCache.from_state(a, a + 0.5))
+    return rows
+
+
+def test_trim_rows_keeps_each_rows_columns_and_a_copy_of_the_buffers_squeezes_the_holes_out() -> None:
+    cache = BatchKVCache()
+    cache.add(_cache_rows([3, 5]))
+    new = mx.broadcast_to(mx.array([[7.0, 8.0, 9.0]])[:, None, :, None], (2, 2, 3, 4))
+    cache.update_and_fetch(new, new)  # a verify step: 3 columns for each row
+    cache.trim_rows(3, [1, 2])  # row 0 keeps its pending token only, row 1 one draft too
+    assert cache.lengths == [4, 7] and cache.holes == [1, 0]
+    assert cache.offset.tolist() == [4, 7]  # type: ignore[union-attr]
+    mask = cache.mask(2)
+    assert mask is not None and mask.shape == (2, 1, 2, cache.end + 2)
+    assert mask[0, 0, 0].tolist() == [False, False, True, True, True, True, False, True, False]
+    assert mask[1, 0, 1].tolist() == [True] * 9
+    row0 = cache.row(0).state[0][0, 0, :, 0].tolist()
+    assert row0 == [0.0, 1.0, 2.0, 7.0]  # its own tokens, the hole left out
+    assert cache.row(1).state[0][0, 0, :, 0].tolist() == [100.0, 101.0, 102.0, 103.0, 104.0, 7.0, 8.0]
+    cache.add(_cache_rows([9]))  # a longer newcomer: the others padded further, holes kept in place
+    assert cache.lengths == [4, 7, 9] and cache.holes == [1, 0, 0]
+    assert cache.row(0).state[0][0, 0, :, 0].tolist() == row0
+    assert cache.put([2], _cache_rows([1, 1, 3])[2:]) and cache.holes == [1, 0, 0]  # a newcomer has none
+    cache.keep([2, 0], padding=[1])  # the buffers copied: the holes squeezed out on the way
+    assert cache.lengths == [3, 4, 0] and cache.holes == [0, 0, 0] and not cache.has_holes
+    assert cache.row(1).state[0][0, 0, :, 0].tolist() == row0
+    assert cache.row(1).state[1][0, 0, :, 0].tolist() == [0.5, 1.5, 2.5, 7.0]  # values move with keys
+    assert cache.row(0).state[0][0, 0, :, 0].tolist() == [200.0, 201.0, 202.0]
+    assert cache.offset.tolist() == [3, 4, 0]  # type: ignore[union-attr]
+    assert cache.capacity > cache.end  # room for the next step's write
+
+
+def _greedy_requests(engine: Engine) -> list[GenerateRequest]:
+    no_eos = _no_eos(engine)
+    return [
+        GenerateRequest(
+            prompt=PROMPT * (1 + i % 3) + f"#{i}", max_tokens=8 + 9 * i, temperature=0, logit_bias=no_eos
+        )
+        for i in range(5)
+    ]
+
+
+def test_greedy_speculation_gives_plain_decodings_tokens_and_stream_in_a_batch(
+    plain: Engine, spec: Engine
+) -> None:
+    requests = _greedy_requests(plain)
+    free = generate(plain, requests[4], lambda _t, _ids: None)
+    # a stop string met in the middle of a verify step's kept drafts ends the request there
+    requests.append(requests[4].model_copy(update={"stop": [free.text[12:15]], "max_tokens": 60}))
+    expected, expected_stream = _run(plain, requests, max_sequences=3)
+    got, got_stream = _run(spec, requests, max_sequences=3)
+    drafted = accepted = 0
+    for i in range(len(requests)):
+        a, b = _result(expected[i]), _result(got[i])
+        assert _same_but_speed(a, b), (i, a.token_ids, b.token_ids)
+        assert got_stream[i] == expected_stream[i]  # every token its own event, in order
+        assert a.usage.draft_tokens == 0 and b.usage.accepted_tokens <= b.usage.draft_tokens
+        drafted, accepted = drafted + b.usage.draft_tokens, accepted + b.usage.accepted_tokens
+    assert _result(got[5]).finish_reason == "stop"
+    assert drafted > 0 and accepted > 0  # lookup proposed, and the target kept some
+
+
+def test_rows_that_draft_nothing_decode_exactly_as_plain_steps_beside_rows_that_draft(
+    plain: Engine, spec: Engine
+) -> None:
+    """A job that turned drafting off and rows with penalties (never drafting: their penalties would
+    depend on the drafts) take their tokens from the verify steps' first positions: greedy or seeded,
+    the very tokens of plain decoding, whatever their batch-mates draft."""
+    no_eos = _no_eos(plain)
+    drafting = GenerateRequest(prompt=PROMPT * 2, max_tokens=30, temperature=0, logit_bias=no_eos)
+    requests = [
+        drafting,
+        drafting.model_copy(update={"max_draft_tokens": 0}),
+        GenerateRequest(
+            prompt=PROMPT, max_tokens=20, temperature=0, logit_bias=no_eos, repetition_penalty=1.3
+        ),
+        GenerateRequest(
+            prompt=PROMPT, max_tokens=20, temperature=1.1, seed=4, logit_bias=no_eos, max_draft_tokens=0
+        ),
+        GenerateRequest(
+            prompt=PROMPT * 2,
+            max_tokens=25,
+            temperature=0.9,
+            seed=9,
+            top_k=30,
+            frequency_penalty=0.5,
+            logit_bias=no_eos,
+        ),
+    ]
+    expected, _ = _run(plain, requests, max_sequences=5)
+    got, _ = _run(spec, requests, max_sequences=5)
+    for i in range(len(requests)):
+        assert _same_but_speed(_result(expected[i]), _result(got[i])), i
+    assert _result(got[0]).usage.accepted_tokens > 0  # the batch did take verify steps
+    assert all(_result(got[i]).usage.draft_tokens == 0 for i in range(1, 5))
+    assert spec.speculation_for(requests[2], Sampler(10, repetition_penalty=1.3)) is None
+
+
+def _chi_square(counts: np.ndarray, probs: np.ndarray) -> float:
+    expected = counts.sum() * probs
+    keep = expected > 0
+    assert counts[~keep].sum() == 0, "a token of probability 0 was drawn"
+    return float(((counts[keep] - expected[keep]) ** 2 / expected[keep]).sum())
+
+
+def test_speculative_sampling_draws_the_targets_distribution() -> None:
+    """Verify steps over fixed logits (a row's distribution at each position, its drafts fixed): the
+    first token (the draft or its replacement) follows p0 after temperature and top-k, and after a
+    kept draft the next one follows p1. Seeded: the test always draws the same."""
+    vocab, rows, temperature, top_k = 6, 4000, 0.8, 5
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=(3, vocab)).astype(np.float32) * 1.5
+    samplers = [Sampler(vocab, temperature=temperature, top_k=top_k, seed=s) for s in range(rows)]
+    batch = SamplerRows(samplers, vocab)
+    drafts = [int(np.argsort(logits[0])[-2]), int(np.argmax(logits[1]))]  # a likely and a top guess
+    kept, following = batch.verify(
+        mx.broadcast_to(mx.array(logits)[None], (rows, 3, vocab)),
+        mx.array([drafts] * rows, dtype=mx.int32),
+        mx.full((rows,), 2, dtype=mx.int32),
+    )
+    kept_np, next_np = np.array(kept), np.array(following)
+
+    def probs(x: np.ndarray) -> np.ndarray:
+        z = x / temperature
+        z = np.where(z < np.sort(z)[-top_k], -np.inf, z)
+        p = np.exp(z - z.max())
+        return p / p.sum()
+
+    first = np.where(kept_np >= 1, drafts[0], next_np)
+    second = np.where(kept_np >= 2, drafts[1], next_np)[kept_np >= 1]
+    # chi-square, 5 degrees of freedom (4 free with top-k): 20.5 is the 0.1% point
+    assert _chi_square(np.bincount(first, minlength=vocab), probs(logits[0])) < 20.5
+    assert _chi_square(np.bincount(second, minlength=vocab), probs(logits[1])) < 20.5
+    assert (kept_np == 0).sum() > 0 and (kept_np == 2).sum() > 0  # both outcomes were met
+    expected_rate = probs(logits[0])[drafts[0]]
+    assert abs((kept_np >= 1).mean() - expected_rate) < 4 * math.sqrt(expected_rate / rows)
+
+
+def test_sampled_generation_with_speculation_follows_plain_decodings_distribution(
+    model_dir: Path, plain: Engine
+) -> None:
+    """End to end on the tiny model: the first tokens of many seeded draws of a repeating prompt, with
+    and without prompt lookup, come from one distribution (a two-sample chi-square test)."""
+    spec = _engine(
+        model_dir, speculation="prompt_lookup", draft_policy=DraftPolicy(min_acceptance=0.0, max_batch=64)
+    )
+    n, tokens = 192, 4
+    # three tokens made likely and a prompt cycling through them: the draws repeat the prompt's
+    # pieces, so lookup proposes and the drafts are often kept
+    likely = plain.tokenizer.encode(PROMPT)[:3]
+    bias = {**_no_eos(plain), **{t: 9.0 for t in likely}}
+    prompt = plain.tokenizer.decode(likely * 8)
+    base = dict(prompt=prompt, max_tokens=tokens, temperature=1.0, logit_bias=bias)
+    requests = [GenerateRequest.model_validate({**base, "seed": s}) for s in range(n)]
+    runs, accepted = [], 0
+    for engine in (plain, spec):
+        done, _ = _run(engine, requests, max_sequences=64)
+        runs.append([_result(done[i]).token_ids for i in range(n)])
+        accepted = sum(_result(f).usage.accepted_tokens for f in done.values())
+    assert accepted > n // 4  # the drafts were tested, and often kept
+    for position in range(tokens):
+        # counts of each likely token and of the rest, with and without speculation
+        table = np.array(
+            [
+                [sum(r[position] == t for r in run) for t in likely]
+                + [sum(r[position] not in likely for r in run)]
+                for run in runs
+            ],
+            dtype=np.float64,
+        )
+        table = table[:, table.sum(0) > 0]
+        expected = table.sum(1, keepdims=True) * table.sum(0, keepdims=True) / table.sum()
+        stat = float(((table - expected) ** 2 / expected).sum())
+        # chi-square of independence, (columns - 1) degrees of freedom: 16.3 is the 0.1% point of 3
+        assert stat < 16.3, (position, table)
+
+
+def test_holes_of_a_steps_worth_are_squeezed_out_and_decoding_goes_on_the_same(
+    plain: Engine, spec: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rows keeping different numbers of drafts leave holes; once a row's reach a step (4 columns
+    here) the buffers are copied without them, and every row decodes on as before."""
+    squeezed = []
+    original = BatchKVCache._squeezed
+
+    def spy(self: BatchKVCache, index: mx.array, live: int) -> tuple[mx.array, mx.array, list[int]]:
+        squeezed.append(live)
+        return original(self, index, live)
+
+    monkeypatch.setattr(BatchKVCache, "step", 4)
+    monkeypatch.setattr(BatchKVCache, "_squeezed", spy)
+    requests = _greedy_requests(plain)
+    expected, _ = _run(plain, requests, max_sequences=5)
+    got, _ = _run(spec, requests, max_sequences=5)
+    for i in range(len(requests)):
+        assert _same_but_speed(_result(expected[i]), _result(got[i])), i
+    assert squeezed
+
+
+def test_a_batch_holding_a_constrained_row_takes_plain_steps_and_gives_plain_results(
+    plain: Engine, spec: Engine
+) -> None:
+    """A grammar moves token by token (its mask waits for the token before): while such a row decodes,
+    the batch takes plain steps, and drafting resumes once it left."""
+    no_eos = _no_eos(plain)
+    regex = {"type": "regex", "regex": "[a-z]{4}"}
+    requests = [
+        GenerateRequest(prompt=PROMPT * 2, max_tokens=40, temperature=0, logit_bias=no_eos),
+        GenerateRequest(prompt=PROMPT, max_tokens=20, temperature=0, response_format=regex),
+    ]
+    expected, _ = _run(plain, requests, max_sequences=2)
+    got, _ = _run(spec, requests, max_sequences=2)
+    for i in range(len(requests)):
+        assert _same_but_speed(_result(expected[i]), _result(got[i])), i
+    assert _result(got[1]).usage.draft_tokens == 0
+
+
+def test_the_policy_turns_verify_steps_off_for_large_batches_and_rows_that_find_nothing(
+    model_dir: Path, plain: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Above `max_batch` decoding rows nobody drafts; a row whose lookup keeps finding nothing drops to
+    plain steps (one in flight) and retries now and then. Output as plain decoding's either way."""
+    verify_steps: list[int] = []
+    original = DecodeBatch.verify_with
+
+    def counted(self: DecodeBatch, *args: Any, **kwargs: Any) -> Any:
+        verify_steps.append(len(self))
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(DecodeBatch, "verify_with", counted)
+    no_eos = _no_eos(plain)
+    pair = [
+        GenerateRequest(prompt=PROMPT * 2, max_tokens=30, temperature=0, logit_bias=no_eos),
+        GenerateRequest(prompt=PROMPT * 3, max_tokens=30, temperature=0, logit_bias=no_eos),
+    ]
+    small = _engine(model_dir, speculation="prompt_lookup", draft_policy=DraftPolicy(max_batch=1))
+    expected, _ = _run(plain, pair, max_sequences=2)
+    got, _ = _run(small, pair, max_sequences=2)
+    assert [_result(got[i]).token_ids for i in range(2)] == [_result(expected[i]).token_ids for i in range(2)]
+    assert verify_steps and max(verify_steps) == 1  # only once one row was left alone
+    # a prompt of distinct tokens (nothing to look up) and a model that never repeats: few tries, then off
+    verify_steps.clear()
+    distinct = plain.tokenizer.decode(list(range(40, 90)))
+    bias = {t: -100.0 for t in plain.tokenizer.encode(distinct)} | no_eos
+    alone = GenerateRequest(prompt=distinct, max_tokens=60, temperature=0, logit_bias=bias)
+    policy = DraftPolicy(min_acceptance=0.3, smoothing=0.5, retry_every=16)
+    result = _result(
+        _run(_engine(model_dir, speculation="prompt_lookup", draft_policy=policy), [alone], 1)[0][0]
+    )
+    assert result.token_ids == _result(_run(plain, [alone], 1)[0][0]).token_ids
+    assert 0 < len(verify_steps) < 10  # of ~60 steps
+
+
+def test_verify_steps_padded_to_few_shapes_decode_the_same(model_dir: Path, plain: Engine) -> None:
+    """With `pad_shapes` (a GPU's default) a verify step's width is a power of two and its rows a
+    padded batch: the columns past the drafts are never kept, the tokens are plain decoding's."""
+    padded = _engine(
+        model_dir, speculation="prompt_lookup", draft_policy=DraftPolicy(min_acceptance=0.0), pad_shapes=True
+    )
+    requests = _greedy_requests(plain)
+    expected, _ = _run(plain, requests, max_sequences=3)
+    got, _ = _run(padded, requests, max_sequences=3)
+    for i in range(len(requests)):
+        assert _same_but_speed(_result(expected[i]), _result(got[i])), i
+    assert sum(_result(f).usage.accepted_tokens for f in got.values()) > 0

@@ -1,0 +1,150 @@
+"""A separate draft model: a smaller (or quantized) causal LM with the target's tokenizer drafts tokens
+greedily, and the target's verify step keeps those it agrees with.
+
+Where a draft lives: a `draft/` folder beside the target's files (as the ollama runner stores one), or
+a folder named by the worker's setting (`EngineOptions.draft_model`). Which code builds it: a registry
+keyed by the draft config's `architectures[0]`, like the targets'; an ordinary causal LM (any target
+architecture) is built and loaded by the target's own loader, and drafter kinds with a layout of their
+own (MTP heads fed the target's hidden states, DFlash's block diffusion) register a loader here.
+
+Each row drafts with its own batch-1 KV cache of the draft model (`DraftModelDrafter`), caught up with
+the row's tokens before each proposal and rolled back to the tokens the target kept after it. Rows
+draft one after another (a forward per drafted token and row): batching rows' drafts into one forward
+is the next step for large batches, where the policy turns drafting off today.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import cast
+
+import mlx.core as mx
+
+from mlxq.worker.engine.cache.kv_cache import KVCache
+from mlxq.worker.engine.generate import prefill
+from mlxq.worker.engine.models import supported_architectures
+from mlxq.worker.engine.models.base import Model
+from mlxq.worker.engine.models.loader import load_config, load_model
+from mlxq.worker.engine.text.tokenizer import Tokenizer
+
+DraftLoader = Callable[[Path, "str | None"], Model]
+
+_DRAFT_REGISTRY: dict[str, DraftLoader] = {}
+
+
+def register_draft(name: str, loader: DraftLoader) -> None:
+    """Make draft checkpoints whose `architectures[0]` is `name` loadable by `loader(folder, dtype)`."""
+    _DRAFT_REGISTRY[name] = loader
+
+
+def draft_architectures() -> list[str]:
+    """Every architecture a draft may have: the draft registry's and every target architecture."""
+    return sorted({*_DRAFT_REGISTRY, *supported_architectures()})
+
+
+class DraftMismatch(ValueError):
+    """A draft model that cannot draft for this target (its tokenizer differs, or it cannot be built)."""
+
+
+def draft_folder(target: Path, setting: str | None) -> Path | None:
+    """The draft's folder: the one the setting names, else a `draft/` folder beside the target's files
+    holding a config.json; None when there is neither."""
+    if setting:
+        folder = Path(setting)
+        if not (folder / "config.json").is_file():
+            raise DraftMismatch(f"the draft model folder {folder} has no config.json")
+        return folder
+    beside = target / "draft"
+    return beside if (beside / "config.json").is_file() else None
+
+
+@dataclass
+class DraftModel:
+    """A loaded draft model, checked against its target's tokenizer."""
+
+    model: Model
+    folder: Path
+    prefill_chunk: int = 2048
+
+    @classmethod
+    def load(
+        cls, folder: Path, target: Tokenizer, dtype: str | None = None, prefill_chunk: int = 2048
+    ) -> DraftModel:
+        """Load the draft in `folder` (its `architectures[0]` through the draft registry, else the target
+        loader); `DraftMismatch` when its vocabulary is not the target tokenizer's."""
+        config = load_config(folder)
+        names = config.get("architectures") or ["<none>"]
+        name = str(names[0])
+        if name in _DRAFT_REGISTRY:
+            model = _DRAFT_REGISTRY[name](folder, dtype)
+        elif name in supported_architectures():
+            model, _ = load_model(folder, dtype=dtype)
+        else:
+            raise DraftMismatch(
+                f"the draft model in {folder} is a {name}, which mlxq cannot draft with; "
+                f"supported: {', '.join(draft_architectures())}"
+            )
+        _check_vocabulary(folder, target, model)
+        return cls(model, folder, prefill_chunk)
+
+    def drafter(self) -> DraftModelDrafter:
+        """A drafter for one row, with a cache of its own."""
+        return DraftModelDrafter(self)
+
+
+def _check_vocabulary(folder: Path, target: Tokenizer, model: Model) -> None:
+    """The draft must speak the target's token ids: its tokenizer (if it ships one) maps every token to
+    the same id, and its embedding covers the target's ids."""
+    if (folder / "tokenizer.json").is_file():
+        own = Tokenizer.from_dir(folder).backend.get_vocab(with_added_tokens=True)
+        if own != target.backend.get_vocab(with_added_tokens=True):
+            raise DraftMismatch(
+                f"the draft model in {folder} has another tokenizer than the target "
+                f"({len(own)} tokens against {target.vocab_size}, or the same tokens under other ids): "
+                "a draft must use the target's tokenizer"
+            )
+    if model.args.vocab_size < target.vocab_size:
+        raise DraftMismatch(
+            f"the draft model in {folder} knows {model.args.vocab_size} token ids, the target's tokenizer "
+            f"{target.vocab_size}: a draft must use the target's tokenizer"
+        )
+
+
+class DraftModelDrafter:
+    """A `Drafter` for one row: the draft model's greedy guesses, its cache following the row."""
+
+    def __init__(self, draft: DraftModel) -> None:
+        self.draft = draft
+        self.cache: list[KVCache] = draft.model.make_cache()
+
+    @property
+    def cached(self) -> int:
+        """Tokens of the row in the draft's cache."""
+        return self.cache[0].offset if self.cache else 0
+
+    def propose(self, tokens: Sequence[int], depth: int) -> list[int]:
+        """Feed the row's tokens the cache lacks, then draft `depth` tokens greedily (a forward each,
+        the last one's keys never needed)."""
+        if depth <= 0 or not tokens:
+            return []
+        if self.cached >= len(tokens):  # nothing new (not expected): recompute the last token
+            self._trim(self.cached - len(tokens) + 1)
+        logits = prefill(self.draft.model, tokens[self.cached :], self.cache, self.draft.prefill_chunk)
+        out: list[int] = []
+        while True:
+            out.append(int(cast("int", mx.argmax(logits, axis=-1).item())))
+            if len(out) == depth:
+                return out
+            logits = self.draft.model(mx.array([[out[-1]]], dtype=mx.int32), cache=self.cache)[:, -1, :]
+
+    def accepted(self, proposed: int, kept: int) -> None:
+        """Forget the drafted tokens the target did not keep: the cache holds the row's tokens then the
+        first `proposed - 1` drafts; it keeps the first `kept` of those."""
+        if proposed > 1:
+            self._trim(max(0, proposed - 1 - kept))
+
+    def _trim(self, n: int) -> None:
+        for layer in self.cache:
+            layer.trim(n)

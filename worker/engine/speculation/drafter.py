@@ -1,0 +1,26 @@
+"""The seam between a decode batch and whatever proposes tokens for it to verify.
+
+A `Drafter` serves one request (one row of a decode batch). Before a verify step it is asked for up to
+`depth` tokens that may follow the row's tokens so far; after the step it is told how many of them the
+target kept, so a drafter with state of its own (a draft model's KV cache, an MTP head's hidden state)
+rolls that state back to the kept tokens. Prompt lookup keeps nothing; a draft model, MTP or DFlash
+drafter implements the same two methods.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+
+class Drafter(Protocol):
+    """Proposes tokens for one row; told what the target kept of them."""
+
+    def propose(self, tokens: Sequence[int], depth: int) -> list[int]:
+        """At most `depth` tokens that may follow `tokens` (the row's prompt and every token it
+        generated, the one about to be fed included); [] when it has no guess (a plain decode step)."""
+        ...
+
+    def accepted(self, proposed: int, kept: int) -> None:
+        """Of the `proposed` tokens of the last `propose`, the target kept the first `kept`."""
+        ...
