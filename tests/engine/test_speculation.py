@@ -401,3 +401,40 @@ def test_verify_steps_padded_to_few_shapes_decode_the_same(model_dir: Path, plai
     for i in range(len(requests)):
         assert _same_but_speed(_result(expected[i]), _result(got[i])), i
     assert sum(_result(f).usage.accepted_tokens for f in got.values()) > 0
+
+
+@pytest.mark.parametrize(
+    "arch, config",
+    [
+        ("DeepseekV3ForCausalLM", "latent"),  # MLA's latent cache: keys and values of other widths
+        ("Qwen3MoeForCausalLM", "moe"),
+    ],
+)
+def test_speculation_on_other_architectures_gives_plain_decodings_tokens(
+    tmp_path: Path, arch: str, config: str
+) -> None:
+    """Verify steps and per-row trimming on caches other than Llama's: MLA's latent cache (whose
+    attention folds the batch's mask into its RoPE scores) and a mixture of experts."""
+    from reference import make_hf_checkpoint
+
+    overrides: dict[str, Any] = {"max_position_embeddings": 512}
+    if config == "latent":
+        from test_latent_cache import MLA
+
+        overrides = {**MLA, **overrides}
+    else:
+        overrides.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+    folder = make_hf_checkpoint(tmp_path / "ckpt", arch, **overrides)
+    plain = _engine(folder, dtype="float32")
+    spec = _engine(
+        folder, dtype="float32", speculation="prompt_lookup", draft_policy=DraftPolicy(min_acceptance=0.0)
+    )
+    requests = _greedy_requests(plain)[:4]
+    expected, _ = _run(plain, requests, max_sequences=3)
+    got, _ = _run(spec, requests, max_sequences=3)
+    drafted = 0
+    for i in range(len(requests)):
+        a, b = _result(expected[i]), _result(got[i])
+        assert a.token_ids == b.token_ids, (i, a.token_ids, b.token_ids)
+        drafted += b.usage.draft_tokens
+    assert drafted > 0
