@@ -47,6 +47,7 @@ class Sizes:
     structured_jobs: tuple[int, ...] = (1, 64)  # constrained generation jobs at once (`fig_structured`)
     speculation_jobs: tuple[int, ...] = (1, 8, 64)  # generation jobs at once (`fig_speculation`)
     speculation_tokens: int = 128
+    speculation_reps: int = 10  # rotating turns per row (`fig_speculation`), after one that warms up
     timeout_s: float = 600.0
 
 
@@ -66,6 +67,7 @@ SIZES = {
         batch_tokens=64,
         speculation_jobs=(1, 4),
         speculation_tokens=64,
+        speculation_reps=3,
     ),
     "cpu-real": Sizes(
         "cpu-real",
@@ -86,6 +88,7 @@ SIZES = {
         batch_reps=1,
         speculation_jobs=(1, 4),
         speculation_tokens=64,
+        speculation_reps=3,
     ),
     "smoke": Sizes(
         "smoke",
@@ -108,6 +111,7 @@ SIZES = {
         structured_jobs=(1, 4),
         speculation_jobs=(1, 2),
         speculation_tokens=8,
+        speculation_reps=1,
         timeout_s=120.0,
     ),
 }

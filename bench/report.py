@@ -184,10 +184,18 @@ STRUCTURED: list[Column] = [
     ("tok/s (with prefill)", _get("tok_s", digits=0)),
 ]
 
+
+def _ratio_range(r: dict[str, Any]) -> str:
+    if r.get("vs_plain_turns") is None:
+        return _fmt(r.get("vs_plain"), 2)
+    low, high = r["vs_plain_range"]
+    return f"{r['vs_plain_turns']:.2f} ({low:.2f}-{high:.2f})"
+
+
 SPECULATION: list[Column] = [
     PATH,
     ("tok/s (with prefill)", _get("tok_s", digits=1)),
-    ("vs plain", _get("vs_plain", digits=2)),
+    ("vs plain (turns' median, range)", lambda _k, r: _ratio_range(r)),
     ("drafted", _get("drafted", digits=0)),
     ("kept", _get("kept", digits=0)),
     ("acceptance", lambda _k, r: "-" if r.get("acceptance") is None else f"{r['acceptance']:.0%}"),
@@ -372,6 +380,14 @@ def targets(figs: dict[str, Any]) -> list[dict[str, str]]:
                     None if v is None else v >= 0.90,
                     "{:.1%}",
                 )
+    if (sp := figs.get("speculation")) and "rows" in sp:
+        for k, r in sp["rows"].items():
+            if r["mode"] == "plain" or r.get("vs_plain_turns") is None:
+                continue
+            v = r["vs_plain_turns"]
+            add("speculation never below 0.97x of plain", k, v, v >= 0.97, "{:.2f}x")
+            if r["mode"] == "prompt lookup" and r["kind"] == "copy-heavy" and r["jobs"] == 1:
+                add("prompt lookup ≥ 2x at one copy-heavy job", k, v, v >= 2.0, "{:.2f}x")
     if (fj := figs.get("first_job")) and "rows" in fj and "warm-up on" in fj["rows"]:
         r = fj["rows"]["warm-up on"]
         for kind in ("gen", "score"):
