@@ -24,7 +24,7 @@ from mlx.utils import tree_flatten
 
 from mlxq.worker.engine import Engine
 
-from . import fig_batch, fig_decode_ab, fig_generate, fig_score, fig_structured, report
+from . import fig_batch, fig_decode_ab, fig_generate, fig_logprobs, fig_score, fig_structured, report
 from .baseline import MlxLm
 from .checkpoints import checkpoint
 from .common import SIZES, Bench
@@ -40,6 +40,7 @@ FIGURES: dict[str, Callable[[Bench], dict[str, Any]]] = {
     "batch": fig_batch.batch_generation,
     "decode_ab": fig_decode_ab.decode_ab,
     "structured": fig_structured.structured,
+    "prompt_logprobs": fig_logprobs.prompt_logprobs,
 }
 
 

@@ -45,6 +45,8 @@ class Sizes:
     batch_tokens: int = 128
     batch_reps: int = 3
     structured_jobs: tuple[int, ...] = (1, 64)  # constrained generation jobs at once (`fig_structured`)
+    logprob_prompt: int = 8192  # prompt logprobs of one prompt this long (`fig_logprobs`)
+    logprob_reps: int = 3
     timeout_s: float = 600.0
 
 
@@ -80,6 +82,7 @@ SIZES = {
         batch_jobs=(1, 4),
         batch_tokens=16,
         batch_reps=1,
+        logprob_reps=2,
     ),
     "smoke": Sizes(
         "smoke",
@@ -100,6 +103,8 @@ SIZES = {
         batch_tokens=8,
         batch_reps=1,
         structured_jobs=(1, 4),
+        logprob_prompt=512,
+        logprob_reps=1,
         timeout_s=120.0,
     ),
 }
