@@ -24,11 +24,16 @@ def _rows(i: int) -> list[dict[str, Any]]:
     ]
 
 
-def test_a_mixed_batch_scores_as_each_row_alone_and_computes_the_prefix_once(model_dir: Path) -> None:
-    engine = Engine.load(str(model_dir), EngineOptions(prefix_cache_bytes=0))
+@pytest.mark.parametrize("pad_shapes", [False, True], ids=["exact-shapes", "padded-shapes"])
+def test_a_mixed_batch_scores_as_each_row_alone_and_computes_the_prefix_once(
+    model_dir: Path, pad_shapes: bool
+) -> None:
+    """With padded shapes (a GPU's default, forced here) too: right padding changes no real position."""
+    engine = Engine.load(str(model_dir), EngineOptions(prefix_cache_bytes=0, pad_shapes=pad_shapes))
     rows = _rows(1)
     mixed = engine.score(ScoreRequest.model_validate({"rows": rows}))
-    alone = [engine.score(ScoreRequest.model_validate({"rows": [row]})).rows[0] for row in rows]
+    exact = Engine.load(str(model_dir), EngineOptions(prefix_cache_bytes=0, pad_shapes=False))
+    alone = [exact.score(ScoreRequest.model_validate({"rows": [row]})).rows[0] for row in rows]
     cand, cont, prompt = mixed.rows
     assert cand.logits == pytest.approx(alone[0].logits, abs=1e-5)
     assert cand.logprobs == pytest.approx(alone[0].logprobs, abs=1e-5)
