@@ -82,7 +82,7 @@ SIZES = {
         batch_jobs=(1, 4),
         batch_tokens=16,
         batch_reps=1,
-        logprob_reps=2,
+        logprob_reps=1,  # one turn each: an 8k-token prompt takes minutes on this CPU
     ),
     "smoke": Sizes(
         "smoke",

@@ -82,6 +82,7 @@ def prompt_logprobs(b: Bench) -> dict[str, Any]:
                 answers[name] = fn(b, ids)
                 seconds = time.perf_counter() - t0
             runs[name].append({"s": seconds, **mem_fields(mem["peak"], mem["active0"])})
+            print(f"    {name}: {seconds:.1f} s, {runs[name][-1]['peak_mib']:,.0f} MiB peak", flush=True)
     rows: dict[str, dict[str, Any]] = {}
     full_s = None
     for name, all_runs in runs.items():
