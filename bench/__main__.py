@@ -29,6 +29,7 @@ from . import (
     fig_decode_ab,
     fig_first_job,
     fig_generate,
+    fig_logprobs,
     fig_score,
     fig_speculation,
     fig_structured,
@@ -51,6 +52,7 @@ FIGURES: dict[str, Callable[[Bench], dict[str, Any]]] = {
     "structured": fig_structured.structured,
     "first_job": fig_first_job.first_job,
     "speculation": fig_speculation.speculation,
+    "prompt_logprobs": fig_logprobs.prompt_logprobs,
 }
 
 

@@ -11,6 +11,10 @@ from mlxq.worker.modelfiles.tiny_model import write_random_checkpoint
 # Small enough for a CPU with a reference BLAS; long context so 8k-token prefixes fit.
 TINY: dict[str, Any] = {"max_position_embeddings": 16384}
 
+# The tiny body with SmolLM2's 49,152-token vocabulary: a small model whose LM head is the large part, as
+# the prompt-logprobs figure needs (a [T, vocab] float32 block of an 8k prompt is 1.5 GiB).
+TINY_WIDE_VOCAB: dict[str, Any] = {**TINY, "vocab_size": 49152}
+
 LLAMA_1B: dict[str, Any] = {
     "hidden_size": 2048,
     "num_hidden_layers": 16,
@@ -63,6 +67,7 @@ TINY_MOE: dict[str, Any] = {
 
 SHAPES = {
     "tiny": (TINY, "float32"),
+    "tiny-wide-vocab": (TINY_WIDE_VOCAB, "float32"),
     "llama-1b": (LLAMA_1B, "bfloat16"),
     "tiny-moe": (TINY_MOE, "float32"),
     "qwen3-moe-30b": (QWEN3_MOE_30B, "bfloat16"),

@@ -48,6 +48,8 @@ class Sizes:
     speculation_jobs: tuple[int, ...] = (1, 8, 64)  # generation jobs at once (`fig_speculation`)
     speculation_tokens: int = 128
     speculation_reps: int = 10  # rotating turns per row (`fig_speculation`), after one that warms up
+    logprob_prompt: int = 8192  # prompt logprobs of one prompt this long (`fig_logprobs`)
+    logprob_reps: int = 3
     timeout_s: float = 600.0
 
 
@@ -89,6 +91,7 @@ SIZES = {
         speculation_jobs=(1, 4),
         speculation_tokens=64,
         speculation_reps=3,
+        logprob_reps=1,  # one turn each: an 8k-token prompt takes minutes on this CPU
     ),
     "smoke": Sizes(
         "smoke",
@@ -112,6 +115,8 @@ SIZES = {
         speculation_jobs=(1, 2),
         speculation_tokens=8,
         speculation_reps=1,
+        logprob_prompt=512,
+        logprob_reps=1,
         timeout_s=120.0,
     ),
 }

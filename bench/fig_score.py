@@ -21,7 +21,7 @@ from .queue_client import BenchWorker, cleanup, enqueue_many, follow, job_failur
 
 # Each of these synchronises (mx.eval / .tolist()) inside, so its wall time is its work's time.
 SCORE_PHASES = {
-    "model (PrefixScorer.last_logits)": (PrefixScorer, "last_logits"),
+    "model (PrefixScorer.score)": (PrefixScorer, "score"),
     "prefix cache offer (KV copy)": (PrefixCache, "offer"),
     "candidate_scores (per row)": (engine_module, "candidate_scores"),
 }

@@ -184,6 +184,16 @@ STRUCTURED: list[Column] = [
     ("tok/s (with prefill)", _get("tok_s", digits=0)),
 ]
 
+LOGPROBS: list[Column] = [
+    PATH,
+    ("time s", _get("s", digits=2)),
+    ("tokens/s", _get("tok_s", digits=0)),
+    ("time vs full logits", _get("vs_full_logits", digits=2)),
+    MEM,
+    ("max abs logprob diff vs plain", _get("max_abs_logprob_diff", digits=6)),
+    ("top-1 same", _get("top1_same", digits=3)),
+]
+
 
 def _ratio_range(r: dict[str, Any]) -> str:
     if r.get("vs_plain_turns") is None:
@@ -316,6 +326,13 @@ def render(result: dict[str, Any]) -> str:
             f"{fj['max_tokens']} new tokens; warm: median of {_repeats(fj)} repeats; enqueue to `done`)"
         )
         out.append(_columns(FIRST_JOB, fj["rows"]))
+    if (lp := figs.get("prompt_logprobs")) and "rows" in lp:
+        out.append(
+            f"\n### 8. Prompt logprobs of one {lp['prompt_tokens']:,}-token prompt (top-{lp['top_k']}; "
+            f"one [T, vocab] float32 block is {lp['block_mib']:,.0f} MiB; best of {lp['reps']}, "
+            "the first dropped when more than one)"
+        )
+        out.append(_columns(LOGPROBS, lp["rows"]))
     for name, fig in figs.items():
         if "error" in fig:
             out.append(f"\n**{name}: FAILED** `{fig['error']}`")
@@ -399,10 +416,24 @@ def targets(figs: dict[str, Any]) -> list[dict[str, str]]:
                 add(
                     "64 jobs x 128 tokens ≥ 12,000 tok/s", k, r["tok_s"], r["tok_s"] >= 12000, "{:,.0f} tok/s"
                 )
+    if (lp := figs.get("prompt_logprobs")) and "rows" in lp and FULL_LOGITS in lp["rows"]:
+        full = lp["rows"][FULL_LOGITS]["over_resident_mib"]
+        for k, r in lp["rows"].items():
+            if k.startswith("mlxq") and full:
+                v = r["over_resident_mib"] / full
+                label = f"{lp['prompt_tokens']:,} tokens, vocab {lp['vocab']:,}, {k}"
+                add(
+                    "prompt logprobs: peak over resident below the full-logits path's",
+                    label,
+                    v,
+                    v < 1,
+                    "{:.2f}x",
+                )
     return out
 
 
 QUEUE_BATCH = "mlxq via Redis (batching worker)"
+FULL_LOGITS = "chunked prefill, then the full [T, vocab] float32 logits"  # `fig_logprobs.FULL`
 
 
 def _repeats(fig: dict[str, Any]) -> int:

@@ -7,7 +7,7 @@ Timers sit on the engine's entry points and on the stream writes only, never ins
 may be rebuilt freely): one JSON line per call of `Engine.generate`, `Engine.score_tokens_many`,
 `Engine.score_many` and `stream_writer.finish_streams` goes to `--records`, so the benchmark can split a
 job's wall time into MLX time and the rest (RQ, Redis, pydantic, logging). Calls made once per decode
-step (`GenerationBatch.step` and `admit`, `flush_streams`) and `PrefixScorer.last_logits` are added up
+step (`GenerationBatch.step` and `admit`, `flush_streams`) and `PrefixScorer.score` are added up
 and attached to the next `finish_streams` or `score_many` record, so a long batch writes no line per
 step. Records of engine calls and of `finish_streams` carry MLX's peak memory since the last such record.
 """
@@ -100,7 +100,7 @@ def instrument(recorder: Recorder) -> None:
         setattr(Engine, name, _timed(recorder, name, getattr(Engine, name), attach=name == "score_many"))
     GenerationBatch.step = _summed(recorder, "batch_step", GenerationBatch.step)  # type: ignore[method-assign]
     GenerationBatch.admit = _summed(recorder, "admit", GenerationBatch.admit)  # type: ignore[method-assign]
-    PrefixScorer.last_logits = _summed(recorder, "last_logits", PrefixScorer.last_logits)  # type: ignore[method-assign]
+    PrefixScorer.score = _summed(recorder, "scorer", PrefixScorer.score)  # type: ignore[method-assign]
     streams = stream_writer
     streams.flush_streams = _summed(recorder, "flush_streams", streams.flush_streams)  # type: ignore[assignment]
     streams.finish_streams = _timed(recorder, "finish_streams", streams.finish_streams, attach=True)  # type: ignore[assignment]

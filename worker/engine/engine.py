@@ -52,10 +52,10 @@ from mlxq.worker.engine.models.loader import default_dtype, load_model, parse_dt
 from mlxq.worker.engine.models.quantized_rows import default_max_bytes, dense_rows_by_default, use_dense_rows
 from mlxq.worker.engine.sampler import Sampler
 from mlxq.worker.engine.scoring import (
+    CandidateHead,
     PrefixScorer,
     RowText,
     RowTokens,
-    ScoreStats,
     candidate_scores,
     candidate_token_ids,
     score_kv_by_default,
@@ -68,14 +68,14 @@ from mlxq.worker.engine.text.stop_strings import StopStringMatcher
 from mlxq.worker.engine.text.token_texts import piece as token_piece
 from mlxq.worker.engine.text.token_texts import token_texts
 from mlxq.worker.engine.text.tokenizer import Tokenizer
-from mlxq.worker.engine.token_scoring import TokenScorer, TokenScores, TokenSeq
+from mlxq.worker.engine.token_scoring import TokenHead, TokenScores, TokenSeq
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class SeqRow:
-    """A prepared score row of a kind scored token by token (`TokenScorer`): continuations (a
+    """A prepared score row of a kind scored token by token (`TokenHead`): continuations (a
     sequence each), rolling windows, or one prompt."""
 
     kind: str  # "continuations" | "rolling" | "prompt_logprobs"
@@ -442,12 +442,12 @@ class Engine:
     ) -> list[ScoreResult]:
         """Score the prepared rows (`score_tokens`) of several jobs together; one result per job.
 
-        All candidate rows go into one prefix tree, and all token-by-token rows into another, so a
-        prefix shared across jobs is computed once (and across the two through the prefix cache). A
+        All rows, candidate and token-by-token alike, go into one prefix tree (`PrefixScorer`, one head
+        per kind), so a prefix shared across jobs and across kinds is computed once. A
         row's `cached_tokens` counts input tokens it did not compute itself (shared, or from the cache).
         Out of memory: caches are emptied and the rows scored once more, their suffix batches holding a
         quarter of the prefix copies (`score_kv_bytes`). `interrupt` is called before every forward
-        (`PrefixScorer.last_logits`): what it raises ends the scoring (a job's timeout).
+        (`PrefixScorer.score`): what it raises ends the scoring (a job's timeout).
         """
         rows = sum(len(j) for j in jobs)
         kv_bytes = [self.score_kv_bytes]
@@ -466,22 +466,25 @@ class Engine:
         flat = [row for rows in jobs for row in rows]
         scored: list[ScoredRow | None] = [None] * len(flat)
         cands = [(i, row) for i, row in enumerate(flat) if isinstance(row, tuple)]
+        seq_rows = [(i, row) for i, row in enumerate(flat) if isinstance(row, SeqRow)]
+        candidates = CandidateHead([prompt for _, (prompt, _) in cands])
+        tokens = TokenHead([s for _, row in seq_rows for s in row.seqs])
+        scorer = PrefixScorer(
+            self.model,
+            prefix_cache=self.prefix_cache,
+            prefill_chunk=self.options.prefill_chunk,
+            max_batch_rows=64,
+            max_batch_kv_bytes=kv_bytes,
+            kv_bytes_per_token=self.kv_bytes_per_token,
+            pad_shapes=self.pad_shapes,
+            interrupt=interrupt,
+        )
+        per_candidate_row, per_seq = scorer.score([candidates, tokens])
         if cands:
-            stats = ScoreStats()
-            scorer = PrefixScorer(
-                self.model,
-                prefix_cache=self.prefix_cache,
-                prefill_chunk=self.options.prefill_chunk,
-                max_batch_rows=64,
-                max_batch_kv_bytes=kv_bytes,
-                kv_bytes_per_token=self.kv_bytes_per_token,
-                pad_shapes=self.pad_shapes,
-                interrupt=interrupt,
-            )
-            logits = scorer.last_logits([p for _, (p, _) in cands], stats)
+            logits = [row for row in candidates.logits if row is not None]  # every row is filled
             scores = candidate_scores(logits, [c for _, (_, c) in cands])
             for (i, (prompt, _)), (raw, logprobs), computed in zip(
-                cands, scores, stats.computed_per_row, strict=True
+                cands, scores, per_candidate_row, strict=True
             ):
                 scored[i] = ScoredRow(
                     logits=raw,
@@ -489,28 +492,15 @@ class Engine:
                     input_tokens=len(prompt),
                     cached_tokens=len(prompt) - computed,
                 )
-        seq_rows = [(i, row) for i, row in enumerate(flat) if isinstance(row, SeqRow)]
-        if seq_rows:
-            seqs = [s for _, row in seq_rows for s in row.seqs]
-            token_scorer = TokenScorer(
-                self.model,
-                prefix_cache=self.prefix_cache,
-                prefill_chunk=self.options.prefill_chunk,
-                max_batch_rows=64,
-                max_batch_kv_bytes=kv_bytes,
-                kv_bytes_per_token=self.kv_bytes_per_token,
-                interrupt=interrupt,
-            )
-            results, per_seq = token_scorer.score(seqs)
-            at = 0
-            for i, row in seq_rows:
-                n = len(row.seqs)
-                row_scores, row_computed = results[at : at + n], per_seq[at : at + n]
-                if row.prompt is not None:
-                    scored[i] = _prompt_logprobs(row.prompt, row_scores, row_computed, self.tokenizer)
-                else:
-                    scored[i] = _seq_result(row, row_scores, row_computed)
-                at += n
+        at = 0
+        for i, row in seq_rows:
+            n = len(row.seqs)
+            row_scores, row_computed = tokens.scores[at : at + n], per_seq[at : at + n]
+            if row.prompt is not None:
+                scored[i] = _prompt_logprobs(row.prompt, row_scores, row_computed, self.tokenizer)
+            else:
+                scored[i] = _seq_result(row, row_scores, row_computed)
+            at += n
         out, start = [], 0
         for job in jobs:
             mine = [r for r in scored[start : start + len(job)] if r is not None]

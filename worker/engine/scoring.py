@@ -1,45 +1,37 @@
-"""Scoring: next-token logits of candidates after many prompts, sharing every common prefix.
+"""Scoring: the next-token distributions many rows need, every prefix they share computed once.
 
-Rows (from one job or many) are put in a radix tree over their prompt tokens. Walking it depth-first
-with one batch-1 KV cache, each shared span is computed once (extend the cache, recurse, trim back);
-where a node's children are rows with nothing more in common, their suffixes run as one right-padded
-batch on top of the node's cache. Right padding needs no special mask: a real token never attends to
-a pad that sits after it. Only the positions whose logits are needed go through the LM head.
+Rows (from one job or many, of every kind) go into one radix tree over their model inputs
+(`score_tree`). Walking it depth-first with one batch-1 KV cache, each shared span is computed once
+(extend the cache, recurse, trim back); where a node's children are rows with nothing more in common,
+their suffixes run as one right-padded batch on top of the node's cache. Right padding needs no special
+mask: a real token never attends to a pad that sits after it.
+
+What a row reads of the positions it runs through belongs to its head (`ScoreHead`, the seam): the
+candidates head here keeps the logits after a prompt's last token (`candidate_scores`); the token head
+(`token_scoring`) keeps each token's log-probability after the tokens before it (continuations, rolling
+windows, prompt logprobs). Only positions some row needs go through the LM head, at most `head_chunk` at
+a time (a long prompt never holds a [T, vocab] float32 block), and a position several rows need (a
+question's last context token, before each of its continuations) goes through it once.
+
+This module also turns candidate rows' text into tokens (`candidate_token_ids`).
 """
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import cast
+from dataclasses import dataclass
+from typing import Protocol, cast
 
 import mlx.core as mx
 
 from mlxq.jobs.errors import InvalidCandidate
 from mlxq.worker.engine.cache.kv_cache import KVCache, broadcast_batch, key_columns
 from mlxq.worker.engine.cache.prefix_cache import PrefixCache
-from mlxq.worker.engine.cache.token_match import common_length
 from mlxq.worker.engine.generate import padded_size
 from mlxq.worker.engine.models.base import Model
+from mlxq.worker.engine.score_tree import _Node, build_tree, computed_per_row
 from mlxq.worker.engine.text.tokenizer import Tokenizer
-
-
-@dataclass
-class ScoreStats:
-    computed_tokens: int = 0  # prompt tokens that went through the model
-    computed_per_row: list[int] = field(default_factory=list)  # see `computed_per_row`
-
-
-@dataclass
-class _Node:
-    span: list[int]
-    children: dict[int, _Node] = field(default_factory=dict)
-    rows: list[int] = field(default_factory=list)  # rows whose prompt ends at this node's last token
-    flat: list[_Node] = field(default_factory=list)  # leaves of subtrees not worth sharing (`compact`)
-
-    def below(self) -> list[_Node]:
-        return [*self.children.values(), *self.flat]
-
 
 TAIL_TOKENS = 16  # prompt tokens re-encoded with each candidate (see `candidate_token_ids`)
 
@@ -151,57 +143,6 @@ def _row_tokens(
     return base, out
 
 
-def _insert(root: _Node, tokens: list[int], row: int) -> None:
-    node, i = root, 0
-    while i < len(tokens):
-        child = node.children.get(tokens[i])
-        if child is None:
-            node.children[tokens[i]] = _Node(span=tokens[i:], rows=[row])
-            return
-        span = child.span
-        k = common_length(span, tokens, i)
-        if k < len(span):  # split the child at the first difference
-            tail = _Node(span=span[k:], children=child.children, rows=child.rows)
-            child.span, child.children, child.rows = span[:k], {span[k]: tail}, []
-        node, i = child, i + k
-    node.rows.append(row)
-
-
-def build_tree(prompts: Sequence[list[int]], min_shared: int = 0) -> _Node:
-    """Radix tree of prompts; identical prompts share one node. See `compact` for `min_shared`."""
-    root = _Node(span=[])
-    for row, tokens in enumerate(prompts):
-        _insert(root, tokens, row)
-    if min_shared > 1:
-        compact(root, min_shared)
-    return root
-
-
-def _flatten(node: _Node, prefix: list[int]) -> list[_Node]:
-    here = prefix + node.span
-    out = [_Node(span=here, rows=list(node.rows))] if node.rows else []
-    for child in node.below():
-        out.extend(_flatten(child, here))
-    return out
-
-
-def compact(node: _Node, min_shared: int) -> None:
-    """Fold subtrees whose shared spans are all shorter than `min_shared` into plain leaves.
-
-    A shared span costs a batch-1 forward of its own and splits its rows into separate batches; a few
-    tokens common to some rows (a first word, a space) are cheaper to recompute inside one padded batch.
-    """
-    for key, child in list(node.children.items()):
-        compact(child, min_shared)
-        if (
-            child.below()
-            and len(child.span) < min_shared
-            and not any(c.below() for c in child.children.values())
-        ):
-            del node.children[key]
-            node.flat.extend(_flatten(child, []))
-
-
 def score_kv_by_default() -> int:
     """A score batch's suffix rows may hold an eighth of MLX's memory limit in KV copies (`PrefixScorer`).
     Each row copies its shared prefix (rows of 64 tokens on a 2,048-token prefix hold 75 MB each on the
@@ -210,13 +151,62 @@ def score_kv_by_default() -> int:
     return int(mx.get_memory_limit()) // 8
 
 
-class PrefixScorer:
-    """Computes last-position logits for many prompts, each shared prefix once.
+@dataclass(frozen=True)
+class Pick:
+    """Row `at` of a block of hidden states (or of logits) is the state after position `position` of
+    row `row`'s model input."""
 
-    With a `PrefixCache`, a top-level span starts from the longest cached prefix, and every span
-    computed on the batch-1 path is offered back to the cache for later jobs. With `pad_shapes` (GPUs:
-    see `generate.padded_size`) spans and suffix batches are padded on the right, and suffix batches to
-    a power-of-two number of rows, so the forwards take few distinct shapes.
+    row: int
+    position: int
+    at: int
+
+
+class ScoreHead(Protocol):
+    """One kind of score row as `PrefixScorer` sees it: each row's model input, the positions of it
+    whose next-token distribution the row needs, and what is kept of those distributions."""
+
+    @property
+    def inputs(self) -> Sequence[list[int]]:
+        """The rows' model inputs, in order."""
+        ...
+
+    def needed(self, row: int) -> range:
+        """The positions of row `row`'s input whose next-token distributions it needs (never empty)."""
+        ...
+
+    def take(self, logits: mx.array, picks: Sequence[Pick]) -> None:
+        """Keep what the picks' rows need: `logits` is (m, vocab) float32, and row `pick.at` of it
+        the distribution after position `pick.position` of row `pick.row`'s input."""
+        ...
+
+
+class CandidateHead:
+    """Candidate rows: the logits (vocab,) after each prompt's last token, kept for `candidate_scores`."""
+
+    def __init__(self, prompts: Sequence[list[int]]) -> None:
+        self.inputs = prompts
+        self.logits: list[mx.array | None] = [None] * len(prompts)
+
+    def needed(self, row: int) -> range:
+        n = len(self.inputs[row])
+        return range(n - 1, n)
+
+    def take(self, logits: mx.array, picks: Sequence[Pick]) -> None:
+        mine = logits[mx.array([p.at for p in picks])]  # a copy: a kept row holds no other row's block
+        mx.eval(mine)
+        for i, p in enumerate(picks):
+            self.logits[p.row] = mine[i]
+
+
+class PrefixScorer:
+    """Computes the next-token distributions the rows of every `ScoreHead` need, each shared prefix
+    once: one tree for all heads, so rows of different kinds share their prefixes too.
+
+    With a `PrefixCache`, a top-level span starts from the longest cached prefix that ends before any
+    position a row under it needs, and every span computed on the batch-1 path is offered back to the
+    cache for later jobs. With `pad_shapes` (GPUs: see `generate.padded_size`) spans and suffix batches
+    are padded on the right, and suffix batches to a power-of-two number of rows, so the forwards take
+    few distinct shapes.
 
     A suffix batch runs on a copy of its shared prefix's keys and values per row: with
     `max_batch_kv_bytes` (and the model's `kv_bytes_per_token`) a batch takes only as many rows as
@@ -239,6 +229,7 @@ class PrefixScorer:
         max_batch_kv_bytes: int = 0,
         kv_bytes_per_token: int = 0,
         min_shared: int = 32,
+        head_chunk: int = 256,
         pad_shapes: bool = False,
         interrupt: Callable[[], None] | None = None,
     ) -> None:
@@ -251,84 +242,95 @@ class PrefixScorer:
         self.max_batch_kv_bytes = max_batch_kv_bytes
         self.kv_bytes_per_token = kv_bytes_per_token
         self.min_shared = min_shared
+        self.head_chunk = head_chunk
         self.interrupt = interrupt or (lambda: None)
 
-    def last_logits(self, prompts: Sequence[list[int]], stats: ScoreStats | None = None) -> list[mx.array]:
-        """One (vocab,) float32 logits array per prompt: the distribution of the token after it."""
-        stats = stats if stats is not None else ScoreStats()
-        out: list[mx.array | None] = [None] * len(prompts)
-        root = build_tree(prompts, self.min_shared)
+    def score(self, heads: Sequence[ScoreHead]) -> list[list[int]]:
+        """Fill every head's rows; per head, the input tokens each of its rows computed itself (a span
+        shared by several rows counts for the first of them: `computed_per_row`)."""
+        self._heads = heads
+        self._owner = [(k, r) for k, head in enumerate(heads) for r in range(len(head.inputs))]
+        self._needed = [heads[k].needed(r) for k, r in self._owner]
+        root = build_tree([heads[k].inputs[r] for k, r in self._owner], self.min_shared)
+        self._below: dict[int, list[int]] = {}
+        self._index_below(root)
         reused: dict[int, int] = {}  # id(node) -> its tokens taken from the prefix cache
         leaves = []
         for child in root.below():
-            hit = self.prefix_cache.peek(child.span) if self.prefix_cache is not None else 0
+            first = min(self._needed[i].start for i in self._below[id(child)])
+            known = child.span[: first + 1]  # the cache gives at most all but its last token
+            hit = self.prefix_cache.peek(known) if self.prefix_cache is not None else 0
             if not (hit or child.below() or len(child.span) > self.prefill_chunk):
                 leaves.append(child)
                 continue
             if hit and self.prefix_cache is not None:
-                cache, reused[id(child)] = self.prefix_cache.begin(child.span, len(self.model.layers))
+                cache, reused[id(child)] = self.prefix_cache.begin(known, len(self.model.layers))
             else:
                 cache = self.model.make_cache()
-            self._extend(child, cache, out, stats, start=reused.get(id(child), 0))
-            self._visit(child, child.span, cache, out, stats)
-        self._run_leaves(leaves, self.model.make_cache(), out, stats)
-        stats.computed_per_row = computed_per_row(root, len(prompts), reused)
-        return [o for o in out if o is not None]  # every row is filled by construction
+            self._extend(child, cache, 0, reused.get(id(child), 0))
+            self._visit(child, child.span, cache)
+        self._run_leaves(leaves, self.model.make_cache(), 0)
+        out: list[list[int]] = [[] for _ in heads]
+        for (k, _), n in zip(self._owner, computed_per_row(root, len(self._owner), reused), strict=True):
+            out[k].append(n)
+        return out
 
-    def _visit(
-        self,
-        node: _Node,
-        prefix: list[int],
-        cache: list[KVCache],
-        out: list[mx.array | None],
-        stats: ScoreStats,
-    ) -> None:
+    def _index_below(self, node: _Node) -> list[int]:
+        below = list(node.rows)
+        for child in node.below():
+            below += self._index_below(child)
+        self._below[id(node)] = below
+        return below
+
+    def _wanted(self, row: int, lo: int, hi: int) -> range:
+        """The positions in [lo, hi) that row `row` needs."""
+        need = self._needed[row]
+        return range(max(lo, need.start), min(hi, need.stop))
+
+    def _visit(self, node: _Node, prefix: list[int], cache: list[KVCache]) -> None:
         """Offer `prefix` (what `cache` holds) to the prefix cache, then score everything below `node`."""
         if self.prefix_cache is not None:
             self.prefix_cache.offer(prefix, cache)
         leaves = []
         for child in node.below():
             if child.below() or len(child.span) > self.prefill_chunk:
-                self._extend(child, cache, out, stats)
-                self._visit(child, prefix + child.span, cache, out, stats)
+                self._extend(child, cache, len(prefix))
+                self._visit(child, prefix + child.span, cache)
                 for c in cache:
                     c.trim(len(child.span))
             else:
                 leaves.append(child)
-        self._run_leaves(leaves, cache, out, stats)
+        self._run_leaves(leaves, cache, len(prefix))
 
-    def _extend(
-        self, node: _Node, cache: list[KVCache], out: list[mx.array | None], stats: ScoreStats, start: int = 0
-    ) -> None:
-        """Append the node's span (from `start`) to the batch-1 cache; fill rows that end here."""
+    def _extend(self, node: _Node, cache: list[KVCache], depth: int, start: int = 0) -> None:
+        """Append the node's span (from `start`) to the batch-1 cache a chunk at a time, scoring the
+        positions in each that rows under the node need; `depth` is the cache's length before the span."""
         ids = mx.array(node.span, dtype=mx.int32)[None]
-        stats.computed_tokens += len(node.span) - start
-        while len(node.span) - start > self.prefill_chunk:
+        while start < len(node.span):
+            end = min(start + self.prefill_chunk, len(node.span))
             self.interrupt()
-            self.model(ids[:, start : start + self.prefill_chunk], cache=cache)
+            picks = [
+                Pick(i, p, p - depth - start)
+                for i in self._below[id(node)]
+                for p in self._wanted(i, depth + start, depth + end)
+            ]
+            chunk, real = ids[:, start:end], end - start
+            pad = padded_size(real) - real if self.pad_shapes and end == len(node.span) else 0
+            if pad:  # right padding: no real token sees it, and the cache forgets it at once
+                chunk = mx.concatenate([chunk, mx.zeros((1, pad), dtype=mx.int32)], axis=1)
+            if all(p.at == real - 1 for p in picks):  # only the last position (or none): skip the rest
+                hidden = self.model.hidden(chunk, cache=cache, last=real - 1)[0]
+                picks = [Pick(p.row, p.position, 0) for p in picks]
+            else:
+                hidden = self.model.hidden(chunk, cache=cache)[0]
+            for c in cache:
+                c.trim(pad)
+            self._score(hidden, picks)
             mx.eval([c.state for c in cache])
-            start += self.prefill_chunk
-        self.interrupt()
-        tail = ids[:, start:]
-        real = tail.shape[1]
-        pad = padded_size(real) - real if self.pad_shapes else 0
-        if pad:  # right padding: no real token sees it, and the cache forgets it at once
-            tail = mx.concatenate([tail, mx.zeros((1, pad), dtype=mx.int32)], axis=1)
-        hidden = self.model.hidden(tail, cache=cache, last=real - 1)  # (1, 1, H)
-        for c in cache:
-            c.trim(pad)
-        if not node.rows:
-            mx.eval([c.state for c in cache])
-            return
-        logits = self.model.logits(hidden[:, -1, :]).astype(mx.float32)[0]
-        mx.eval(logits, [c.state for c in cache])
-        for row in node.rows:
-            out[row] = logits
+            start = end
 
-    def _run_leaves(
-        self, leaves: list[_Node], cache: list[KVCache], out: list[mx.array | None], stats: ScoreStats
-    ) -> None:
-        for group in self._batches(leaves, cache[0].offset if cache else 0):
+    def _run_leaves(self, leaves: list[_Node], cache: list[KVCache], depth: int) -> None:
+        for group in self._batches(leaves, depth):
             self.interrupt()
             width = max(len(n.span) for n in group)
             pad = group[0].span[0]  # any real id; padded positions are never read
@@ -339,14 +341,13 @@ class PrefixScorer:
             ids = mx.array([span + [pad] * (width - len(span)) for span in spans], dtype=mx.int32)
             batch_cache = broadcast_batch(cache, len(spans), width) if cache[0].offset else None
             hidden = self.model.hidden(ids, cache=batch_cache or self.model.make_cache())
-            last = mx.array([len(n.span) - 1 for n in group])
-            picked = hidden[mx.arange(len(group)), last]  # (B, H): only what the LM head needs
-            logits = self.model.logits(picked).astype(mx.float32)
-            mx.eval(logits)
-            stats.computed_tokens += sum(len(n.span) for n in group)
-            for i, n in enumerate(group):
-                for row in n.rows:
-                    out[row] = logits[i]
+            picks = [
+                Pick(i, p, b * width + p - depth)
+                for b, n in enumerate(group)
+                for i in self._below[id(n)]
+                for p in self._wanted(i, depth, depth + len(n.span))
+            ]
+            self._score(hidden.reshape(-1, hidden.shape[-1]), picks)
 
     def _batches(self, leaves: list[_Node], prefix: int) -> list[list[_Node]]:
         """Group leaf suffixes (similar lengths together) under the row, padded-token and KV budgets;
@@ -374,24 +375,23 @@ class PrefixScorer:
             rows, width = padded_size(rows, smallest=1), padded_size(width)
         return rows * key_columns(prefix + width) * self.kv_bytes_per_token
 
-
-def computed_per_row(root: _Node, n_rows: int, reused: dict[int, int] | None = None) -> list[int]:
-    """Prompt tokens each row computed itself: a shared span counts for the first row under it.
-
-    `reused` maps id(node) to how many of its tokens came from the prefix cache (computed by no row).
-    """
-    computed = [0] * n_rows
-    reused = reused or {}
-
-    def first_row(node: _Node) -> int:
-        firsts = [first_row(c) for c in node.below()] + node.rows
-        first = min(firsts)
-        computed[first] += len(node.span) - reused.get(id(node), 0)
-        return first
-
-    for child in root.below():
-        first_row(child)
-    return computed
+    def _score(self, hidden: mx.array, picks: list[Pick]) -> None:
+        """Each row of `hidden` (N, H) that a pick reads goes through the LM head once, at most
+        `head_chunk` rows at a time; each head takes its rows' distributions."""
+        by_at: dict[int, list[Pick]] = defaultdict(list)
+        for pick in picks:
+            by_at[pick.at].append(pick)
+        ats = sorted(by_at)
+        for c in range(0, len(ats), self.head_chunk):
+            chunk = ats[c : c + self.head_chunk]
+            logits = self.model.logits(hidden[mx.array(chunk)]).astype(mx.float32)  # (m, vocab)
+            by_head: dict[int, list[Pick]] = defaultdict(list)
+            for j, at in enumerate(chunk):
+                for pick in by_at[at]:
+                    k, row = self._owner[pick.row]
+                    by_head[k].append(Pick(row, pick.position, j))
+            for k, mine in by_head.items():
+                self._heads[k].take(logits, mine)
 
 
 def candidate_scores(
