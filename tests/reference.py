@@ -43,6 +43,19 @@ TINY: dict[str, Any] = {
 }
 
 
+# A tiny DeepSeek-V3's experts: 6 routed in 3 groups (2 groups kept, 2 experts a token), 1 shared, the
+# first layer dense. Tests add its attention's widths (MLA's latent and RoPE key) to their needs.
+DEEPSEEK_V3_ROUTING = {
+    "n_routed_experts": 6,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32,
+    "n_group": 3,
+    "topk_group": 2,
+    "first_k_dense_replace": 1,
+    "n_shared_experts": 1,
+}
+
+
 def make_hf_checkpoint(
     out_dir: str | Path,
     arch: str = "LlamaForCausalLM",

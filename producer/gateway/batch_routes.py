@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -18,13 +18,34 @@ from .errors import ApiError, bad_request
 from .files import FileStore
 
 if TYPE_CHECKING:
-    from .app import Gateway
+    from ..aio import AsyncClient
+    from .settings import GatewaySettings
+
+
+class GatewayParts(Protocol):
+    """What the Files and Batch routes use of the gateway (`app.Gateway`): its key check, body reading,
+    model routing, Redis client, settings and file store. A Protocol, so this module needs no import of
+    the app that mounts it."""
+
+    settings: GatewaySettings
+
+    @property
+    def client(self) -> AsyncClient: ...
+
+    @property
+    def files(self) -> FileStore: ...
+
+    async def authorize(self, request: Request) -> ApiKey: ...
+
+    async def body(self, request: Request) -> dict[str, Any]: ...
+
+    async def route(self, key: ApiKey, model: str) -> str: ...
 
 
 class BatchRoutes:
     """The routes, handed the gateway whose key checks, body reading, routing and Redis they use."""
 
-    def __init__(self, gateway: Gateway) -> None:
+    def __init__(self, gateway: GatewayParts) -> None:
         self.gateway = gateway
 
     async def upload(self, request: Request) -> Response:

@@ -15,20 +15,14 @@ import numpy as np
 import pytest
 import torch
 from mlx.utils import tree_flatten
-from reference import hf_logits, load_hf_model, make_hf_checkpoint, prompt_ids, rel_err
+from reference import DEEPSEEK_V3_ROUTING, hf_logits, load_hf_model, make_hf_checkpoint, prompt_ids, rel_err
 from safetensors.torch import load_file, save_file
 
 from mlxq.worker.engine.errors import CheckpointError, UnsupportedArchitecture
 from mlxq.worker.engine.models.loader import load_model
 
 DEEPSEEK = {
-    "n_routed_experts": 6,
-    "num_experts_per_tok": 2,
-    "moe_intermediate_size": 32,
-    "n_group": 3,
-    "topk_group": 2,
-    "first_k_dense_replace": 1,
-    "n_shared_experts": 1,
+    **DEEPSEEK_V3_ROUTING,
     "q_lora_rank": 32,
     "kv_lora_rank": 32,
     "qk_rope_head_dim": 8,

@@ -14,7 +14,15 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
-from reference import hf_greedy, hf_logits, load_hf_model, make_hf_checkpoint, prompt_ids, rel_err
+from reference import (
+    DEEPSEEK_V3_ROUTING,
+    hf_greedy,
+    hf_logits,
+    load_hf_model,
+    make_hf_checkpoint,
+    prompt_ids,
+    rel_err,
+)
 
 from mlxq.jobs.schema import GenerateRequest, ScoreRequest
 from mlxq.worker.engine import Engine, EngineOptions
@@ -27,13 +35,7 @@ from mlxq.worker.engine.sampler import Sampler
 # Latent 24 wide, RoPE key 8: 32 features a token and layer, where expanded keys and values would take
 # 4 heads x (12 + 8 + 10).
 MLA = {
-    "n_routed_experts": 6,
-    "num_experts_per_tok": 2,
-    "moe_intermediate_size": 32,
-    "n_group": 3,
-    "topk_group": 2,
-    "first_k_dense_replace": 1,
-    "n_shared_experts": 1,
+    **DEEPSEEK_V3_ROUTING,
     "q_lora_rank": 24,
     "kv_lora_rank": 24,
     "qk_rope_head_dim": 8,

@@ -10,7 +10,15 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
-from reference import hf_greedy, hf_logits, load_hf_model, make_hf_checkpoint, prompt_ids, rel_err
+from reference import (
+    DEEPSEEK_V3_ROUTING,
+    hf_greedy,
+    hf_logits,
+    load_hf_model,
+    make_hf_checkpoint,
+    prompt_ids,
+    rel_err,
+)
 from safetensors.numpy import load_file, save_file
 
 from mlxq.worker.engine import Engine, EngineOptions
@@ -50,13 +58,7 @@ QWEN3_YARN = {
 # values 10), 6 routed experts in 3 groups (2 groups kept, 2 experts per token), 1 shared expert, the
 # first layer dense. transformers writes the RoPE width as head_dim.
 DEEPSEEK_V3 = {
-    "n_routed_experts": 6,
-    "num_experts_per_tok": 2,
-    "moe_intermediate_size": 32,
-    "n_group": 3,
-    "topk_group": 2,
-    "first_k_dense_replace": 1,
-    "n_shared_experts": 1,
+    **DEEPSEEK_V3_ROUTING,
     "routed_scaling_factor": 2.5,
     "q_lora_rank": 24,
     "kv_lora_rank": 16,

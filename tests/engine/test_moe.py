@@ -16,7 +16,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
-from reference import make_hf_checkpoint, prompt_ids, rel_err
+from reference import DEEPSEEK_V3_ROUTING, make_hf_checkpoint, prompt_ids, rel_err
 from safetensors.numpy import load_file, save_file
 
 from mlxq.jobs.schema import GenerateRequest, ScoreRequest
@@ -146,13 +146,7 @@ BATCHED = {
     "deepseek-v3": (  # latent attention: the caches hold the latent and the RoPE key, unequal widths
         "DeepseekV3ForCausalLM",
         {
-            "n_routed_experts": 6,
-            "num_experts_per_tok": 2,
-            "moe_intermediate_size": 32,
-            "n_group": 3,
-            "topk_group": 2,
-            "first_k_dense_replace": 1,
-            "n_shared_experts": 1,
+            **DEEPSEEK_V3_ROUTING,
             "q_lora_rank": 24,
             "kv_lora_rank": 16,
             "qk_rope_head_dim": 8,
