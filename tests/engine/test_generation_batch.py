@@ -946,3 +946,30 @@ def test_a_deadline_is_checked_before_each_forward_of_a_burst_of_prompts(
     while len(batch):
         done.update((f.key, f) for f in batch.step())
     assert all(done[str(i)].result is not None for i in (0, 1, 2, 3, 5))
+
+
+def test_engines_made_on_one_thread_share_its_launcher_and_each_decodes_as_a_plain_engine(
+    model_dir: Path,
+) -> None:
+    """A thread has one default stream: a second engine with its own launcher made its stream the
+    default, and the first engine's steps then ran on it from two launch threads (a CUDA graph capture
+    failed: a benchmark's side-by-side engines). Now both hold the thread's one launcher; the first to
+    close leaves it to the other, the last puts the thread's own stream back."""
+    stream = mx.default_stream(mx.default_device())
+    plain = _engine(model_dir, prefix_cache_bytes=0)
+    a = _engine(model_dir, prefix_cache_bytes=0, decode_overlap=True)
+    b = _engine(model_dir, prefix_cache_bytes=0, decode_overlap=True)
+    shared = a.launcher()
+    assert shared is not None and b.launcher() is shared
+    requests = _requests(plain, 4)
+    for request in requests:  # the two engines take turns on the one launcher
+        want = _alone(plain, request)[0].token_ids
+        assert _alone(a, request)[0].token_ids == want
+        assert _alone(b, request)[0].token_ids == want
+    a.close()
+    assert (
+        b.launcher() is shared
+        and _alone(b, requests[0])[0].token_ids == _alone(plain, requests[0])[0].token_ids
+    )
+    b.close()
+    assert mx.default_stream(mx.default_device()) == stream

@@ -35,6 +35,7 @@ from mlxq.jobs.schema import (
     TopLogprob,
     Usage,
 )
+from mlxq.worker.engine import launcher as launchers
 from mlxq.worker.engine.cache.kv_cache import KVCache
 from mlxq.worker.engine.cache.prefix_cache import PrefixCache
 from mlxq.worker.engine.constraint import ConstraintCompiler
@@ -169,7 +170,7 @@ class Engine:
         # thread makes from now on is on the launcher's stream.
         overlap = options.decode_overlap
         self.decode_overlap = overlap_by_default() if overlap is None else overlap
-        self._launcher: Launcher | None = Launcher() if self.decode_overlap else None
+        self._launcher: Launcher | None = launchers.acquire() if self.decode_overlap else None
         # Structured output (`response_format`): the grammar library's tokenizer, built at first use.
         self.constraints = ConstraintCompiler(tokenizer.backend, model.args.vocab_size, tokenizer.eos_ids)
         self.draft: DraftModel | None = None  # speculation "draft_model": loaded by `load_draft`
@@ -216,7 +217,7 @@ class Engine:
         if not self.decode_overlap:
             return None
         if self._launcher is None:
-            self._launcher = Launcher()
+            self._launcher = launchers.acquire()
         if not self._launcher.here:
             log.debug("decode steps off the launcher's thread launch on their own thread")
             return None
@@ -240,10 +241,11 @@ class Engine:
         return f" cache_hits={s.hits}/{s.lookups} cache_hit_tokens={s.hit_tokens} cache_bytes={s.bytes}"
 
     def close(self) -> None:
-        """Stop the launcher's thread, if one was made (see `Launcher.close`); a later batch makes another."""
-        launcher, self._launcher = self._launcher, None
-        if launcher is not None:
-            launcher.close()
+        """Let go of the launcher, if one was taken (the last engine of its thread stops it: see
+        `launchers.release`); a later batch takes one again."""
+        held, self._launcher = self._launcher, None
+        if held is not None:
+            launchers.release(held)
 
     def prompt_tokens(self, request: GenerateRequest) -> list[int]:
         """Token ids for a request: raw `prompt` encoded (special-token text as text unless the request

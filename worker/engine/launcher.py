@@ -17,6 +17,12 @@ evaluates, reads back or frees anything itself (a prefill, an offer to the prefi
 batch, `mx.clear_cache`). Building graphs needs no wait: it only adds nodes that point at the
 in-flight step's outputs.
 
+A thread has one default stream, so it has one launcher: engines made on the same thread (a benchmark's
+ways of decoding side by side, a test's engines) share it (`acquire`, `release`). Two launchers on one
+thread would each make their stream the default, and the first engine's steps would then run on the
+second's stream from two launch threads (on CUDA: a graph capture failing with
+`cudaStreamEndCapture`).
+
 The launcher's thread needs the GIL twice a launch (to start the call, and to return from it), while
 the loop's thread is mostly Python: with Python's default switch interval (5 ms) a waiting thread may
 wait that long for the GIL, about a whole step. A `Launcher` lowers the process's interval to
@@ -97,3 +103,35 @@ class Launcher:
             sys.setswitchinterval(self._switch_interval)
             if self.here:
                 mx.set_default_stream(self._previous)
+
+
+_SHARED: dict[int, tuple[Launcher, int]] = {}  # creating thread -> its launcher, engines holding it
+_SHARED_LOCK = threading.Lock()
+
+
+def acquire() -> Launcher:
+    """The calling thread's launcher, made at its first use; each call must be matched by `release`."""
+    with _SHARED_LOCK:
+        thread = threading.get_ident()
+        launcher, holders = _SHARED.get(thread, (None, 0))
+        if launcher is None:
+            launcher = Launcher()
+        _SHARED[thread] = (launcher, holders + 1)
+        return launcher
+
+
+def release(launcher: Launcher) -> None:
+    """Let go of a launcher from `acquire`; the last holder closes it (its thread's default stream is
+    then again the one it had)."""
+    with _SHARED_LOCK:
+        held = _SHARED.get(launcher.thread)
+        if held is None or held[0] is not launcher:  # not a shared one: closed by its only holder
+            last = True
+        else:
+            last = held[1] <= 1
+            if last:
+                del _SHARED[launcher.thread]
+            else:
+                _SHARED[launcher.thread] = (launcher, held[1] - 1)
+    if last:
+        launcher.close()
