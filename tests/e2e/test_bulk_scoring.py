@@ -227,7 +227,8 @@ def test_an_interrupted_run_leaves_a_clean_prefix_and_a_rerun_completes_it_in_or
             yield row
 
     first = client.score_dataset(presses_ctrl_c_at_row_120(), out, rows_per_job=8, in_flight=4, stop=stop)
-    assert first.interrupted and 0 < first.succeeded < 120 and first.unfinished > 0
+    # Rows read before the press may all be scored by the time the run stops (a fast worker): <= 120.
+    assert first.interrupted and 0 < first.succeeded <= 120 and first.unfinished > 0
     assert ids(out) == all_ids[: first.succeeded]  # a clean prefix, nothing else
     assert redis_conn.llen(QUEUE_KEY) == 0  # the outstanding jobs were cancelled
     prefix = out.read_bytes()
