@@ -79,6 +79,8 @@ DEEPSEEK_YARN = {
     "beta_slow": 1,
 }
 
+LAYERS = ["full_attention", "sliding_attention"]
+
 # name -> (architecture, config overrides, config.json style)
 CASES: dict[str, tuple[str, dict[str, Any], str]] = {
     "llama-gqa": ("LlamaForCausalLM", {}, "v5"),
@@ -89,6 +91,9 @@ CASES: dict[str, tuple[str, dict[str, Any], str]] = {
     "llama3-rope-v4": ("LlamaForCausalLM", {"rope_parameters": LLAMA3_ROPE}, "v4"),
     "linear-rope-v4": ("LlamaForCausalLM", {"rope_parameters": {"rope_type": "linear", "factor": 2.0}}, "v4"),
     "mistral": ("MistralForCausalLM", {}, "v5"),
+    # a window far shorter than the prompt (21 tokens): every path's masks narrowed (`window.py`)
+    "mistral-window-8": ("MistralForCausalLM", {"sliding_window": 8}, "v5"),
+    "mistral-window-5-v4": ("MistralForCausalLM", {"sliding_window": 5, "num_key_value_heads": 1}, "v4"),
     "qwen2-bias-tied": ("Qwen2ForCausalLM", {"tie_word_embeddings": True}, "v5"),
     "qwen3-qk-norm": ("Qwen3ForCausalLM", {"head_dim": 32}, "v5"),
     "qwen3-v4": ("Qwen3ForCausalLM", {"num_key_value_heads": 1}, "v4"),
@@ -115,6 +120,7 @@ CASES: dict[str, tuple[str, dict[str, Any], str]] = {
         "v5",
     ),
     "phi3": ("Phi3ForCausalLM", {}, "v5"),
+    "phi3-window-6": ("Phi3ForCausalLM", {"sliding_window": 6}, "v5"),  # Phi-3-mini's window, in small
     "phi3-partial-rotary": ("Phi3ForCausalLM", {"rope_parameters": {"partial_rotary_factor": 0.75}}, "v5"),
     "phi3-partial-rotary-tied-v4": (
         "Phi3ForCausalLM",
@@ -382,41 +388,49 @@ def test_build_model_is_lazy_and_shaped() -> None:
     assert model(mx.array([[1, 2, 3]], dtype=mx.int32)).shape == (1, 3, 50)
 
 
-def test_an_active_sliding_window_is_refused_at_load_naming_it(tmp_path: Path) -> None:
-    """Full attention in place of a window would change every position past it: never approximated."""
-    folder = make_hf_checkpoint(tmp_path, "MistralForCausalLM", sliding_window=8)
-    with pytest.raises(UnsupportedArchitecture, match=r"sliding_window '8' \(attention over only the last"):
-        load_model(folder)
-
-
 @pytest.mark.parametrize(
-    ("arch", "window", "use", "refused"),
+    ("arch", "window", "extra", "windows"),
     [
-        ("MistralForCausalLM", 511, None, True),
-        ("MistralForCausalLM", 512, None, False),  # as long as the context: never slides
-        ("Qwen2ForCausalLM", 8, False, False),  # Qwen2's window is off unless use_sliding_window
-        ("Qwen2ForCausalLM", 8, True, True),
+        ("MistralForCausalLM", 511, {}, [511, 511]),  # Mistral's window is on whenever it is set
+        ("MistralForCausalLM", 512, {}, [None, None]),  # as long as the context: never slides
+        ("Qwen2ForCausalLM", 8, {"use_sliding_window": False}, [None, None]),  # off unless switched on
+        ("Qwen2ForCausalLM", 8, {"use_sliding_window": True, "layer_types": LAYERS}, [None, 8]),
+        ("Phi3ForCausalLM", 8, {}, [8, 8]),
     ],
 )
-def test_a_window_is_refused_exactly_when_it_would_slide(
-    arch: str, window: int, use: bool | None, refused: bool
+def test_each_layer_takes_the_window_transformers_applies_to_it(
+    arch: str, window: int, extra: dict[str, Any], windows: list[int | None]
 ) -> None:
     config = {
         "architectures": [arch],
         "hidden_size": 32,
-        "num_hidden_layers": 1,
+        "num_hidden_layers": 2,
         "intermediate_size": 64,
         "num_attention_heads": 2,
         "vocab_size": 50,
         "max_position_embeddings": 512,
         "sliding_window": window,
-        **({} if use is None else {"use_sliding_window": use}),
+        **extra,
     }
-    if refused:
-        with pytest.raises(UnsupportedArchitecture, match=f"sliding_window '{window}'"):
-            build_model(config)
-    else:
-        assert len(build_model(config).layers) == 1
+    assert build_model(config).model.windows == windows  # type: ignore[attr-defined]
+
+
+def test_a_window_layout_the_engine_cannot_read_is_refused_naming_it() -> None:
+    """Qwen2's older configs switch windows on from `max_window_layers` on: not read, so refused."""
+    config = {
+        "architectures": ["Qwen2ForCausalLM"],
+        "hidden_size": 32,
+        "num_hidden_layers": 2,
+        "intermediate_size": 64,
+        "num_attention_heads": 2,
+        "vocab_size": 50,
+        "sliding_window": 8,
+        "use_sliding_window": True,
+    }
+    with pytest.raises(UnsupportedArchitecture, match="use_sliding_window without layer_types"):
+        build_model(config)
+    with pytest.raises(CheckpointError, match="layer_types"):
+        build_model({**config, "layer_types": ["full_attention", "chunked_attention"]})
 
 
 def test_phi3_rope_reads_partial_rotary_and_longrope_and_caps_the_context(tmp_path: Path) -> None:

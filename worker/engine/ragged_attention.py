@@ -118,6 +118,14 @@ class RaggedRows:
         self.meta = mx.array([end, capacity], dtype=mx.int32)
         self.positions = (end - 1) - starts  # (B,) int32: each row's length before the new token
 
+    def window(self, window: int) -> RaggedRows:
+        """The same step for a sliding-window layer: each row's first visible column moves up to the
+        last `window` columns (the new token's own included); positions are unchanged."""
+        rows = RaggedRows.__new__(RaggedRows)
+        rows.starts = mx.maximum(self.starts, self.end - window)
+        rows.end, rows.meta, rows.positions = self.end, self.meta, self.positions
+        return rows
+
 
 def decode_attention(
     q: mx.array, keys: mx.array, values: mx.array, rows: RaggedRows, scale: float, heads: int | None = None

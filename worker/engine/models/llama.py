@@ -22,6 +22,7 @@ from mlxq.worker.engine.errors import CheckpointError, UnsupportedArchitecture
 from mlxq.worker.engine.models.base import LayerCache
 from mlxq.worker.engine.models.quantized_rows import FusedDenseRows, fuse_dense_rows
 from mlxq.worker.engine.models.rope import make_rope
+from mlxq.worker.engine.models.window import WindowMasks
 from mlxq.worker.engine.ragged_attention import RaggedRows, decode_attention
 
 Mask = mx.array | str | RaggedRows | None
@@ -52,7 +53,9 @@ class ModelArgs:
     use_sliding_window: bool | None = None  # Qwen2/3 write it (False); Mistral's window is on when set
     qkv_bias: bool = False  # set by the registry for Qwen2, not read from config.json
     qk_norm: bool = False  # set by the registry for Qwen3
+    layer_types: list[str] | None = None  # per layer "sliding_attention" or "full_attention"
     n_kv_heads: int = field(init=False)
+    windows: list[int | None] = field(init=False)  # per layer: its sliding window, None if global
 
     def __post_init__(self) -> None:
         self.num_key_value_heads = self.num_key_value_heads or self.num_attention_heads
@@ -75,15 +78,7 @@ class ModelArgs:
                 self.max_position_embeddings = min(self.max_position_embeddings, original)
         if self.hidden_act != "silu":
             raise UnsupportedArchitecture(self.hidden_act, ["silu"], what="hidden_act")
-        window = self.sliding_window if self.use_sliding_window is not False else None
-        if window and window < self.max_position_embeddings:
-            raise UnsupportedArchitecture(
-                str(window),
-                ["none", f"a window of at least max_position_embeddings ({self.max_position_embeddings})"],
-                what="sliding_window",
-                why="attention over only the last sliding_window positions is not implemented, and full "
-                "attention would change every position past the window",
-            )
+        self.windows = layer_windows(self)
 
     @property
     def cache_features(self) -> int:
@@ -103,6 +98,32 @@ class ModelArgs:
             )
         args["rope_theta"], args["rope_scaling"], args["partial_rotary_factor"] = _rope_settings(config)
         return cls(**args)
+
+
+LAYER_TYPES = ("sliding_attention", "full_attention")
+
+
+def layer_windows(args: ModelArgs) -> list[int | None]:
+    """Each layer's sliding window (None: global attention), as transformers applies `sliding_window`:
+    on the layers `layer_types` names sliding, or on every layer where there are none (Mistral, Mixtral,
+    Phi-3); off where `use_sliding_window` is false (Qwen2/3) or the window covers the whole context."""
+    n = args.num_hidden_layers
+    window = args.sliding_window if args.use_sliding_window is not False else None
+    if not window or window >= args.max_position_embeddings:
+        return [None] * n
+    types = args.layer_types
+    if types is None:
+        if args.use_sliding_window:  # Qwen2's older configs: windows from `max_window_layers` on
+            raise UnsupportedArchitecture(
+                "use_sliding_window without layer_types",
+                ["layer_types naming each layer's attention"],
+                what="sliding-window layout",
+                why="which layers slide is read from layer_types (transformers 5 writes it)",
+            )
+        return [window] * n
+    if len(types) != n or any(t not in LAYER_TYPES for t in types):
+        raise CheckpointError(f"layer_types {types} is not one of {LAYER_TYPES} for each of {n} layers")
+    return [window if t == "sliding_attention" else None for t in types]
 
 
 def _rope_settings(config: dict[str, Any]) -> tuple[float, dict[str, Any] | None, float]:
@@ -386,6 +407,7 @@ class LlamaModel(nn.Module):
         ]
         self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.bucket_keys = False
+        self.windows = args.windows  # per layer: its sliding window (`window.py`), None if global
 
     def __call__(
         self,
@@ -394,7 +416,7 @@ class LlamaModel(nn.Module):
         mask: mx.array | RaggedRows | None = None,
         last: int | None = None,
     ) -> mx.array:
-        h = self.embed_tokens(inputs)
+        h = self.embed(inputs)
         layer_mask: Mask = mask
         if isinstance(mask, mx.array) and mx.issubdtype(mask.dtype, mx.floating) and mask.dtype != h.dtype:
             layer_mask = mask.astype(h.dtype)  # SDPA refuses an additive mask wider than its output
@@ -405,12 +427,18 @@ class LlamaModel(nn.Module):
         columns = None
         if self.bucket_keys and mask is None and (bucketed := _bucketed_keys(inputs, caches, h.dtype)):
             columns, layer_mask = bucketed
-        for layer, c in zip(self.layers[:-1], caches[:-1], strict=True):
-            h = layer(h, layer_mask, c, columns=columns)
+        masks = WindowMasks(layer_mask, inputs.shape[1], caches[0])
+        for layer, c, window in zip(self.layers[:-1], caches[:-1], self.windows[:-1], strict=True):
+            h = layer(h, masks(window), c, columns=columns)
+        layer_mask = masks(self.windows[-1])
         if last is not None:
             layer_mask = _mask_for_one_query(layer_mask, last, inputs.shape[1], caches[-1])
         h = self.layers[-1](h, layer_mask, caches[-1], last, columns)
         return self.norm(h)  # type: ignore[no-any-return]  # mlx.nn.RMSNorm.__call__ is unannotated
+
+    def embed(self, inputs: mx.array) -> mx.array:
+        """The input embeddings of token ids (B, L)."""
+        return self.embed_tokens(inputs)  # type: ignore[no-any-return]  # mlx.nn.Embedding is unannotated
 
 
 class Model(nn.Module):
