@@ -29,6 +29,9 @@ ARCHITECTURES = (
     "Qwen3MoeForCausalLM",
 )
 
+# Where a causal LM's config class is not named after it (Gemma 3's text model).
+CONFIGS = {"Gemma3ForCausalLM": "Gemma3TextConfig"}
+
 # Small enough for a slow CPU, big enough for GQA (4 query heads on 2 KV heads) and two layers.
 TINY: dict[str, Any] = {
     "hidden_size": 64,
@@ -73,7 +76,7 @@ def make_hf_checkpoint(
     """
     out = Path(out_dir)
     n_vocab = build_tokenizer(out)
-    config_cls = getattr(transformers, arch.replace("ForCausalLM", "Config"))
+    config_cls = getattr(transformers, CONFIGS.get(arch, arch.replace("ForCausalLM", "Config")))
     eos = _special_id(out, "<|im_end|>")
     settings = {**TINY, "vocab_size": n_vocab, "bos_token_id": None, "eos_token_id": eos, "pad_token_id": 0}
     if arch == "MistralForCausalLM":
@@ -105,6 +108,8 @@ def randomize(model: torch.nn.Module, std: float = 0.2) -> None:
 
 def _rewrite_as_v4(path: Path) -> None:
     cfg = json.loads(path.read_text())
+    if cfg["model_type"] == "gemma3_text":
+        _gemma3_rope_as_v4(cfg)
     rope = dict(cfg.pop("rope_parameters", None) or {})
     cfg["rope_theta"] = rope.pop("rope_theta", 10000.0)
     partial = rope.pop("partial_rotary_factor", 1.0)
@@ -114,12 +119,28 @@ def _rewrite_as_v4(path: Path) -> None:
     if "dtype" in cfg:
         cfg["torch_dtype"] = cfg.pop("dtype")
     derived = cfg["hidden_size"] // cfg["num_attention_heads"]
-    if cfg["model_type"] not in ("qwen3", "qwen3_moe") and cfg.get("head_dim") == derived:
+    if cfg["model_type"] not in ("qwen3", "qwen3_moe", "gemma3_text") and cfg.get("head_dim") == derived:
         del cfg["head_dim"]  # older configs derive it; Qwen3 always writes it (its default is 128)
     if cfg["model_type"] == "qwen3_moe" and "num_local_experts" in cfg:
         cfg["num_experts"] = cfg.pop("num_local_experts")  # transformers 4's name for Qwen3-MoE
     cfg["transformers_version"] = "4.45.0"
     path.write_text(json.dumps(cfg, indent=2))
+
+
+def _gemma3_rope_as_v4(cfg: dict[str, Any]) -> None:
+    """Gemma 3 as transformers 4 wrote it: the global layers' RoPE as the model's, the local layers'
+    base as `rope_local_base_freq`, and `sliding_window_pattern` (every n-th layer global) in place of
+    `layer_types` (which must follow such a pattern)."""
+    per_type = cfg.pop("rope_parameters")
+    cfg["rope_parameters"] = per_type["full_attention"]
+    cfg["rope_local_base_freq"] = per_type["sliding_attention"]["rope_theta"]
+    types = cfg.pop("layer_types")
+    every = types.index("full_attention") + 1 if "full_attention" in types else len(types) + 1
+    pattern = ["full_attention" if (i + 1) % every == 0 else "sliding_attention" for i in range(len(types))]
+    if types != pattern:
+        raise ValueError(f"layer_types {types} follow no sliding_window_pattern")
+    cfg["sliding_window_pattern"] = every
+    cfg.pop("_sliding_window_pattern", None)
 
 
 def _special_id(folder: Path, token: str) -> int:

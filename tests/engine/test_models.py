@@ -81,6 +81,21 @@ DEEPSEEK_YARN = {
 
 LAYERS = ["full_attention", "sliding_attention"]
 
+# Gemma 3 in small: local layers (window 6, their own RoPE base) around a global one (linear RoPE
+# scaling); head_dim 32 is not hidden/heads, and the attention scale is not head_dim's.
+GEMMA3: dict[str, Any] = {
+    "num_hidden_layers": 3,
+    "head_dim": 32,
+    "sliding_window": 6,
+    "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+    "query_pre_attn_scalar": 24,
+    "rope_parameters": {
+        "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 100000.0},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0},
+    },
+}
+GEMMA3_PATTERN = ["sliding_attention", "sliding_attention", "full_attention"]  # sliding_window_pattern 3
+
 # name -> (architecture, config overrides, config.json style)
 CASES: dict[str, tuple[str, dict[str, Any], str]] = {
     "llama-gqa": ("LlamaForCausalLM", {}, "v5"),
@@ -141,6 +156,12 @@ CASES: dict[str, tuple[str, dict[str, Any], str]] = {
         "v4",
     ),
     "qwen3-yarn": ("Qwen3ForCausalLM", {"rope_parameters": QWEN3_YARN}, "v5"),
+    "gemma3": ("Gemma3ForCausalLM", GEMMA3, "v5"),
+    "gemma3-tied-v4": (
+        "Gemma3ForCausalLM",
+        {**GEMMA3, "tie_word_embeddings": True, "layer_types": GEMMA3_PATTERN, "num_key_value_heads": 1},
+        "v4",
+    ),
     "deepseek-v3": ("DeepseekV3ForCausalLM", DEEPSEEK_V3, "v5"),
     "deepseek-v3-yarn-no-q-lora-v4": (
         "DeepseekV3ForCausalLM",
@@ -183,7 +204,19 @@ def tie_routers(folder: Path) -> None:
     save_file(w, path, metadata={"format": "pt"})
 
 
+def spread_final_norm(folder: Path) -> None:
+    """Gemma with tied embeddings: a token's own embedding (scaled by sqrt(hidden)) rides the residual
+    and wins the logits, so greedy decoding repeats it; a final norm of wide random weights breaks that."""
+    path = folder / "model.safetensors"
+    w = load_file(path)
+    w["model.norm.weight"] = (
+        2.0 * np.random.default_rng(0).standard_normal(w["model.norm.weight"].shape)
+    ).astype(np.float32)
+    save_file(w, path, metadata={"format": "pt"})
+
+
 EDITS = {
+    "gemma3-tied-v4": spread_final_norm,
     "mixtral-router-ties-v4": tie_routers,
     "qwen3-moe-router-ties": tie_routers,
     "deepseek-v3": correction_bias,
@@ -537,3 +570,55 @@ def test_deepseek_reads_mlx_lm_split_latent_projection(tmp_path: Path) -> None:
         rel_err(from_quantized, np.array(load_model(tmp_path / "joined", dtype="float32")[0](batch)[0]))
         < 1e-5
     )
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        ("final_logit_softcapping", 30.0),
+        ("attn_logit_softcapping", 50.0),
+        ("use_bidirectional_attention", True),
+        ("hidden_activation", "silu"),
+    ],
+)
+def test_a_gemma3_feature_not_implemented_is_refused_naming_it(key: str, value: Any) -> None:
+    config = {
+        "architectures": ["Gemma3ForCausalLM"],
+        "hidden_size": 32,
+        "num_hidden_layers": 2,
+        "intermediate_size": 64,
+        "num_attention_heads": 2,
+        "vocab_size": 50,
+        "head_dim": 16,
+        key: value,
+    }
+    with pytest.raises(UnsupportedArchitecture, match=key):
+        build_model(config)
+    del config[key]
+    model = build_model(config)  # without it, Gemma 3's defaults: window 4096, every 6th layer global
+    assert model.model.windows == [4096, 4096]  # type: ignore[attr-defined]
+
+
+def test_gemma3_reads_transformers_4_rope_and_pattern() -> None:
+    """transformers 4: `rope_theta`/`rope_scaling` for the global layers, `rope_local_base_freq` for the
+    local ones, every `sliding_window_pattern`-th layer global."""
+    config = {
+        "architectures": ["Gemma3ForCausalLM"],
+        "hidden_size": 32,
+        "num_hidden_layers": 4,
+        "intermediate_size": 64,
+        "num_attention_heads": 2,
+        "vocab_size": 50,
+        "head_dim": 16,
+        "sliding_window": 8,
+        "sliding_window_pattern": 2,
+        "rope_theta": 50000.0,
+        "rope_local_base_freq": 500.0,
+        "rope_scaling": {"rope_type": "linear", "factor": 4.0},
+    }
+    model = build_model(config)
+    assert model.model.windows == [8, None, 8, None]  # type: ignore[attr-defined]
+    local, global_ = (model.layers[i].self_attn.rope for i in (0, 1))
+    assert local.base == 500.0 and global_.base == 50000.0 and global_.scale == 0.25
+    with pytest.raises(UnsupportedArchitecture, match="Gemma3ForConditionalGeneration"):
+        build_model({**config, "architectures": ["Gemma3ForConditionalGeneration"]})

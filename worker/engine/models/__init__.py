@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mlxq.worker.engine.errors import UnsupportedArchitecture
-from mlxq.worker.engine.models import deepseek, llama, moe, phi3
+from mlxq.worker.engine.models import deepseek, gemma3, llama, moe, phi3
 from mlxq.worker.engine.models.base import Model
 
 
@@ -56,7 +56,7 @@ def build_model(config: dict[str, Any]) -> Model:
 
 
 register("LlamaForCausalLM", llama.ModelArgs, llama.Model)
-# Mistral is Llama's layout; a config whose sliding window would be active is refused (llama.ModelArgs).
+# Mistral is Llama's layout; its sliding window (when set) narrows every layer's attention (window.py).
 register("MistralForCausalLM", llama.ModelArgs, llama.Model)
 register("Qwen2ForCausalLM", llama.ModelArgs, llama.Model, qkv_bias=True)
 register("Qwen3ForCausalLM", llama.ModelArgs, llama.Model, qk_norm=True)
@@ -72,5 +72,6 @@ register(
 register("Qwen3MoeForCausalLM", moe.ModelArgs, moe.Model, qk_norm=True)
 register("Phi3ForCausalLM", phi3.ModelArgs, phi3.Model)
 register("DeepseekV3ForCausalLM", deepseek.ModelArgs, deepseek.Model)
+register("Gemma3ForCausalLM", gemma3.ModelArgs, gemma3.Model)
 
 __all__ = ["Architecture", "build_model", "register", "supported_architectures"]

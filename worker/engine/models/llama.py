@@ -96,7 +96,7 @@ class ModelArgs:
             raise CheckpointError(
                 f"config.json lacks {', '.join(missing)}, needed for {config.get('architectures')}"
             )
-        args["rope_theta"], args["rope_scaling"], args["partial_rotary_factor"] = _rope_settings(config)
+        args["rope_theta"], args["rope_scaling"], args["partial_rotary_factor"] = rope_settings(config)
         return cls(**args)
 
 
@@ -126,7 +126,7 @@ def layer_windows(args: ModelArgs) -> list[int | None]:
     return [window if t == "sliding_attention" else None for t in types]
 
 
-def _rope_settings(config: dict[str, Any]) -> tuple[float, dict[str, Any] | None, float]:
+def rope_settings(config: dict[str, Any]) -> tuple[float, dict[str, Any] | None, float]:
     """(theta, scaling dict with a `rope_type` key or None, partial rotary factor) from either
     config.json layout."""
     params = config.get("rope_parameters")  # transformers 5: one dict with theta and scaling together
@@ -266,8 +266,12 @@ class MLP(nn.Module):
         if self.gate_up_proj is not None:
             inter = self.intermediate_size
             gate, up = _fused_outputs(self.gate_up_proj, x, (inter, 2 * inter))
-            return self.down_proj(_swiglu(gate, up))
-        return self.down_proj(_swiglu(self.gate_proj(x), self.up_proj(x)))
+            return self.down_proj(self.gated(gate, up))
+        return self.down_proj(self.gated(self.gate_proj(x), self.up_proj(x)))
+
+    def gated(self, gate: mx.array, up: mx.array) -> mx.array:
+        """The activation of gate times up: SwiGLU's (Gemma's MLP overrides it)."""
+        return _swiglu(gate, up)
 
 
 def _fused_outputs(proj: nn.Module, x: mx.array, ends: tuple[int, ...]) -> list[mx.array]:
