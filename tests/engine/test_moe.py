@@ -1,6 +1,7 @@
 """The new architectures through the engine: the mixtures of experts' routing and stacked (quantized)
-experts in mlx-community's layout; for Qwen3-MoE, Mixtral, DeepSeek-V3 and Phi-3 (LongRoPE, partial
-rotary) batched generation, the ragged decode step, scoring and the prefix cache.
+experts in mlx-community's layout; for Qwen3-MoE, Mixtral, DeepSeek-V3, Phi-3 (LongRoPE, partial
+rotary), Mistral with a sliding window and Gemma 3 batched generation, the ragged decode step, scoring
+and the prefix cache.
 
 The models themselves are held against transformers in `test_models.py`; here float32 on the CPU, where
 a batched forward is exact per row, every request's tokens must equal the request's run alone.
@@ -32,6 +33,14 @@ from mlxq.worker.modelfiles.tiny_model import write_random_checkpoint
 LONG = "The capital of France is Paris. " * 8
 QWEN3_MOE = {"num_experts": 5, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "norm_topk_prob": True}
 MIXTRAL = {"num_local_experts": 5, "num_experts_per_tok": 2}
+# Gemma 3 in small: windowed local layers (window 7) around a global one, head_dim not hidden/heads.
+GEMMA3 = {
+    "num_hidden_layers": 3,
+    "head_dim": 32,
+    "sliding_window": 7,
+    "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+    "query_pre_attn_scalar": 32,
+}
 
 
 @pytest.fixture(scope="module")
@@ -168,6 +177,10 @@ BATCHED = {
             "original_max_position_embeddings": 128,
         },
     ),
+    # sliding windows far shorter than the prompts: every path's masks narrowed, the ragged decode
+    # step's rows starting later, a cached prefix restored past the window
+    "mistral-window": ("MistralForCausalLM", {"sliding_window": 8}),
+    "gemma3": ("Gemma3ForCausalLM", GEMMA3),
 }
 
 

@@ -408,13 +408,16 @@ def test_verify_steps_padded_to_few_shapes_decode_the_same(model_dir: Path, plai
     [
         ("DeepseekV3ForCausalLM", "latent"),  # MLA's latent cache: keys and values of other widths
         ("Qwen3MoeForCausalLM", "moe"),
+        ("MistralForCausalLM", "window"),  # a verify step's mask with holes, narrowed to the window
+        ("Gemma3ForCausalLM", "window"),
     ],
 )
 def test_speculation_on_other_architectures_gives_plain_decodings_tokens(
     tmp_path: Path, arch: str, config: str
 ) -> None:
     """Verify steps and per-row trimming on caches other than Llama's: MLA's latent cache (whose
-    attention folds the batch's mask into its RoPE scores) and a mixture of experts."""
+    attention folds the batch's mask into its RoPE scores), a mixture of experts, and sliding windows
+    (the verify mask's holes are not positions: the window counts only a row's own columns)."""
     from reference import make_hf_checkpoint
 
     overrides: dict[str, Any] = {"max_position_embeddings": 512}
@@ -422,6 +425,8 @@ def test_speculation_on_other_architectures_gives_plain_decodings_tokens(
         from test_latent_cache import MLA
 
         overrides = {**MLA, **overrides}
+    elif config == "window":
+        overrides.update(sliding_window=8)
     else:
         overrides.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
     folder = make_hf_checkpoint(tmp_path / "ckpt", arch, **overrides)

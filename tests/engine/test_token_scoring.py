@@ -1,4 +1,5 @@
-"""Continuations, rolling loglikelihood and prompt logprobs, proven against transformers (float32).
+"""Continuations, rolling loglikelihood and prompt logprobs, proven against transformers (float32), for
+Llama and for Gemma 3 with sliding windows.
 
 The reference side tokenizes with transformers' own tokenizer the way lm-evaluation-harness' HF backend
 does, and takes log-softmax of transformers' logits over the whole sequence; mlxq's side goes through
@@ -24,9 +25,21 @@ from mlxq.worker.engine.eval_tokens import rolling_windows
 FEW_SHOT = "Question: what do queues hold? Answer: jobs.\n" * 4
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_hf_checkpoint(tmp_path_factory.mktemp("hf"), "LlamaForCausalLM", max_position_embeddings=128)
+# Llama, and Gemma 3 with sliding windows far shorter than the prompts (rows over a shared prefix,
+# rolling windows: every scoring path's masks narrowed)
+CHECKPOINTS: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama": ("LlamaForCausalLM", {}),
+    "gemma3-window": (
+        "Gemma3ForCausalLM",
+        {"sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"], "head_dim": 32},
+    ),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(CHECKPOINTS))
+def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    arch, overrides = CHECKPOINTS[request.param]
+    return make_hf_checkpoint(tmp_path_factory.mktemp("hf"), arch, max_position_embeddings=128, **overrides)
 
 
 @pytest.fixture(scope="module")
