@@ -1,5 +1,6 @@
 """GGUF import of the architectures beyond llama: qwen2 (biases), qwen3 (q/k norms), qwen3moe (stacked
-experts) and phi3 (fused projections, partial RoPE). A tiny transformers checkpoint stored in bfloat16
+experts), phi3 (fused projections, partial RoPE) and gemma3 (norms stored as 1 + weight, local and
+global layers). A tiny transformers checkpoint stored in bfloat16
 is written as an F32 GGUF file under llama.cpp's names (no Q/K reordering: llama.cpp does that for llama
 alone), imported (bfloat16 again, so nothing is rounded) and must compute what the checkpoint computes.
 """
@@ -40,6 +41,12 @@ _TO_GGUF = {
     "mlp.down_proj": "ffn_down",
     "mlp.gate": "ffn_gate_inp",
 }
+# Gemma 3's norms around attention and the feed-forward, as llama.cpp names them
+_GEMMA3_NORMS = {
+    "post_attention_layernorm": "post_attention_norm",
+    "pre_feedforward_layernorm": "ffn_norm",
+    "post_feedforward_layernorm": "post_ffw_norm",
+}
 _EXPERT_TENSORS = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps"}
 
 CASES: dict[str, tuple[str, dict[str, Any]]] = {
@@ -50,13 +57,32 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
         {"num_experts": 5, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "norm_topk_prob": True},
     ),
     "phi3": ("Phi3ForCausalLM", {"rope_parameters": {"partial_rotary_factor": 0.75}}),
+    # what llama.cpp does not store is its fixed values here: the local RoPE base, the scale by head_dim
+    "gemma3": (
+        "Gemma3ForCausalLM",
+        {
+            "num_hidden_layers": 3,
+            "head_dim": 32,
+            "query_pre_attn_scalar": 32,
+            "sliding_window": 6,
+            "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+            "rope_parameters": {
+                "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 100000.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            },
+        },
+    ),
 }
 
 
-def _gguf_tensors(weights: dict[str, np.ndarray], n_experts: int) -> dict[str, np.ndarray]:
-    """Hugging Face tensors under llama.cpp's names; each layer's experts stacked (experts, out, in)."""
+def _gguf_tensors(weights: dict[str, np.ndarray], n_experts: int, arch: str) -> dict[str, np.ndarray]:
+    """Hugging Face tensors under llama.cpp's names; each layer's experts stacked (experts, out, in);
+    Gemma 3's norms as 1 + weight, as llama.cpp's converter writes them."""
     out: dict[str, np.ndarray] = {}
+    names = {**_TO_GGUF, **(_GEMMA3_NORMS if arch == "gemma3" else {})}
     for name, arr in weights.items():
+        if arch == "gemma3" and name.endswith("norm.weight"):
+            arr = arr + 1.0
         base, suffix = name.rsplit(".", 1)
         if base.startswith("model.layers."):
             _, _, i, rest = base.split(".", 3)
@@ -69,7 +95,7 @@ def _gguf_tensors(weights: dict[str, np.ndarray], n_experts: int) -> dict[str, n
                     ]
                     out[f"blk.{i}.{_EXPERT_TENSORS[proj]}.{suffix}"] = np.stack(stacked)
                 continue
-            out[f"blk.{i}.{_TO_GGUF[rest]}.{suffix}"] = arr
+            out[f"blk.{i}.{names[rest]}.{suffix}"] = arr
         else:
             out[f"{_TO_GGUF[base]}.{suffix}"] = arr
     return out
@@ -80,6 +106,8 @@ def write_arch_gguf(path: Path, hf_dir: Path, arch: str, extra: dict[str, np.nda
 
     cfg = json.loads((hf_dir / "config.json").read_text())
     rope = cfg.get("rope_parameters") or {}
+    if arch == "gemma3":  # one RoPE per layer kind: the file stores the global layers'
+        rope = rope["full_attention"]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     n_experts = int(cfg.get("num_local_experts") or cfg.get("num_experts") or 0)
     w = gguf.GGUFWriter(str(path), arch)
@@ -94,13 +122,18 @@ def write_arch_gguf(path: Path, hf_dir: Path, arch: str, extra: dict[str, np.nda
     w.add_rope_freq_base(rope.get("rope_theta", 10000.0))
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     w.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 1.0)))
+    if arch == "gemma3":
+        w.add_sliding_window(cfg["sliding_window"])
+        w.add_sliding_window_pattern([t == "sliding_attention" for t in cfg["layer_types"]])
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(rope["factor"])
     if n_experts:
         w.add_expert_count(n_experts)
         w.add_expert_used_count(cfg["num_experts_per_tok"])
         w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
     _write_vocab(w, json.loads((hf_dir / "tokenizer.json").read_text()), cfg, "gpt2", "gpt-2")
     weights = {k: v.float().numpy() for k, v in load_file(str(hf_dir / "model.safetensors")).items()}
-    for name, arr in sorted({**_gguf_tensors(weights, n_experts), **(extra or {})}.items()):
+    for name, arr in sorted({**_gguf_tensors(weights, n_experts, arch), **(extra or {})}.items()):
         w.add_tensor(name, np.ascontiguousarray(arr, dtype=np.float32), raw_dtype=QT.F32)
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -124,6 +157,8 @@ def test_import_computes_what_the_checkpoint_computes(tmp_path: Path, arch: str)
         assert config["num_experts"] == 5 and config["norm_topk_prob"] is True
     if arch == "phi3":
         assert config["partial_rotary_factor"] == 0.75
+    if arch == "gemma3":
+        assert imported.model.windows == [6, None, 6]
 
 
 def test_phi3_longrope_factors_are_refused_by_name(tmp_path: Path) -> None:

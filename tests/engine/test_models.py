@@ -622,3 +622,49 @@ def test_gemma3_reads_transformers_4_rope_and_pattern() -> None:
     assert local.base == 500.0 and global_.base == 50000.0 and global_.scale == 0.25
     with pytest.raises(UnsupportedArchitecture, match="Gemma3ForConditionalGeneration"):
         build_model({**config, "architectures": ["Gemma3ForConditionalGeneration"]})
+
+
+def test_gemma3_quantized_folder_with_quantized_tied_embeddings(tmp_path: Path) -> None:
+    """mlx-community's Gemma 3 folders quantize every projection and the tied embedding (read scaled
+    for the input, as a linear for the logits); Gemma's norms stay plain. Computes what the same
+    weights dequantized compute, over a prompt past the window and decoding with the cache."""
+    src = make_hf_checkpoint(tmp_path / "src", "Gemma3ForCausalLM", **{**GEMMA3, "tie_word_embeddings": True})
+    quantized, dequantized = {}, {}
+    for key, value in load_file(src / "model.safetensors").items():
+        if value.ndim == 2:
+            w, scales, biases = mx.quantize(mx.array(value), group_size=32, bits=4)
+            stem = key[: -len(".weight")]
+            quantized |= {
+                key: np.array(w),
+                f"{stem}.scales": np.array(scales),
+                f"{stem}.biases": np.array(biases),
+            }
+            dequantized[key] = np.array(mx.dequantize(w, scales, biases, group_size=32, bits=4))
+        else:
+            quantized[key] = dequantized[key] = value
+    assert "model.embed_tokens.scales" in quantized and "lm_head.weight" not in quantized
+    config = json.loads((src / "config.json").read_text())
+    for name, tensors, extra in (
+        ("q", quantized, {"quantization": {"group_size": 32, "bits": 4}}),
+        ("d", dequantized, {}),
+    ):
+        (tmp_path / name).mkdir()
+        save_file(tensors, tmp_path / name / "model.safetensors", metadata={"format": "mlx"})
+        (tmp_path / name / "config.json").write_text(json.dumps({**config, **extra}))
+    model, _ = load_model(tmp_path / "q", dtype="float32")
+    plain, _ = load_model(tmp_path / "d", dtype="float32")
+    assert isinstance(model.model.embed_tokens, nn.QuantizedEmbedding)
+    assert isinstance(model.layers[0].self_attn.q_proj, nn.QuantizedLinear)
+    ids = prompt_ids(src)
+    x = mx.array([ids], dtype=mx.int32)
+    assert rel_err(np.array(model(x)[0]), np.array(plain(x)[0])) < 1e-4
+    tokens = []
+    for m in (model, plain):
+        cache = m.make_cache()
+        logits = m(x, cache=cache)[:, -1]
+        out = []
+        for _ in range(8):
+            out.append(int(mx.argmax(logits, axis=-1).item()))
+            logits = m(mx.array([[out[-1]]], dtype=mx.int32), cache=cache)[:, -1]
+        tokens.append(out)
+    assert tokens[0] == tokens[1]

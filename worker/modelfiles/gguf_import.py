@@ -1,4 +1,5 @@
-"""Import a GGUF file (llama, qwen2, qwen3, qwen3moe or phi3 architecture) as a Hugging Face-layout folder.
+"""Import a GGUF file (llama, qwen2, qwen3, qwen3moe, phi3 or gemma3 architecture) as a Hugging Face-layout
+folder.
 
 Writes `config.json`, `model.safetensors` (Hugging Face tensor names), `tokenizer.json`,
 `tokenizer_config.json` and `generation_config.json`. Weights become bfloat16, except that Q4_0/Q4_1
@@ -8,7 +9,10 @@ Tensors are converted one at a time and streamed to disk, so memory stays near o
 
 Names map to the architecture's Hugging Face (or, for stacked experts, mlx-community) names; only llama
 files have their Q/K rows reordered (llama.cpp's converter permutes them for llama alone). Phi-3's
-fused projections and Qwen3-MoE's stacked experts stay as they are: the models read them so.
+fused projections and Qwen3-MoE's stacked experts stay as they are: the models read them so. Gemma 3's
+norms are stored by llama.cpp's converter with Gemma's +1 folded in (the RMSNorm scales by 1 + weight):
+it is taken out again; what the GGUF file does not store of Gemma 3 (the local layers' RoPE base, the
+every-sixth-layer-global pattern, the attention scale) is derived as llama.cpp derives it.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +51,7 @@ ARCHITECTURES = {
     "qwen3": ("Qwen3ForCausalLM", "qwen3"),
     "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
     "phi3": ("Phi3ForCausalLM", "phi3"),
+    "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
 }
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _LAYER_NAMES = {
@@ -74,7 +79,18 @@ _ARCH_LAYER_NAMES = {
     "qwen3": {**_LAYER_NAMES, **_QK_NORMS},
     "qwen3moe": {**_LAYER_NAMES, **_QK_NORMS, **_EXPERTS},
     "phi3": {**_LAYER_NAMES, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
+    "gemma3": {
+        **_LAYER_NAMES,
+        **_QK_NORMS,
+        "post_attention_norm": "post_attention_layernorm",
+        "ffn_norm": "pre_feedforward_layernorm",
+        "post_ffw_norm": "post_feedforward_layernorm",
+    },
 }
+# llama.cpp's fixed Gemma 3 values where the file stores none (its model loader's own constants)
+GEMMA3_LOCAL_ROPE_BASE = 10000.0
+GEMMA3_WINDOW_PATTERN = 6  # every sixth layer global
+GEMMA3_27B_LAYERS = 62  # scaled by hidden / heads, not head_dim (llama.cpp tells the 27B by its depth)
 
 
 class GGUFImportError(WorkerError, ValueError):
@@ -102,6 +118,7 @@ class LlamaHParams:
     expert_ffn: int = 0
     expert_weights_norm: bool = True
     sliding_window: int | None = None
+    extra: dict[str, Any] = field(default_factory=dict)  # config keys of the architecture's own (gemma3)
 
 
 @dataclass(frozen=True)
@@ -113,6 +130,7 @@ class _Planned:
     shape: tuple[int, ...]  # logical (rows, cols), Hugging Face order
     unpermute_heads: int | None  # Q/K rows: number of heads to undo GGUF's RoPE row order with
     packed: bool  # kept as MLX 4-bit
+    shift: float = 0.0  # subtracted from the values (Gemma 3's norms: llama.cpp stores 1 + weight)
 
 
 def import_gguf(gguf_path: str | Path, out_dir: str | Path, *, quantize: bool | None = None) -> Path:
@@ -173,8 +191,10 @@ def read_hparams(reader: Any) -> LlamaHParams:
         raise GGUFImportError(f"partial RoPE ({arch}.rope.dimension_count={rope_dim}, head dim {head_dim})")
     window = value("attention.sliding_window")
     experts = int(value("expert_count", 0))
+    n_layers = int(need("block_count"))
+    extra = _gemma3_config(value, n_layers, hidden // n_heads, head_dim, window) if arch == "gemma3" else {}
     return LlamaHParams(
-        n_layers=int(need("block_count")),
+        n_layers=n_layers,
         hidden=hidden,
         ffn=int(value("feed_forward_length", 0)) if experts else int(need("feed_forward_length")),
         n_heads=n_heads,
@@ -192,7 +212,35 @@ def read_hparams(reader: Any) -> LlamaHParams:
         # llama.cpp renormalises Qwen3-MoE's top-k weights unless a file says otherwise
         expert_weights_norm=bool(value("expert_weights_norm", True)),
         sliding_window=int(window) if window else None,
+        extra=extra,
     )
+
+
+def _gemma3_config(
+    value: Any, n_layers: int, hidden_per_head: int, head_dim: int, window: Any
+) -> dict[str, Any]:
+    """Gemma 3's config keys beyond the Llama family's: layer kinds (every n-th layer global; all
+    global without a window), the local layers' RoPE base, the attention scale, its activation, and
+    any soft-capping the file sets (which the model then refuses by name)."""
+    pattern = value("attention.sliding_window_pattern", GEMMA3_WINDOW_PATTERN)
+    if not window:
+        kinds = ["full_attention"] * n_layers
+    elif isinstance(pattern, list):  # one flag per layer: True where it slides
+        kinds = ["sliding_attention" if p else "full_attention" for p in pattern]
+    else:
+        kinds = [
+            "full_attention" if (i + 1) % int(pattern) == 0 else "sliding_attention" for i in range(n_layers)
+        ]
+    config: dict[str, Any] = {
+        "layer_types": kinds,
+        "rope_local_base_freq": _f32_to_float(value("rope.freq_base_swa", GEMMA3_LOCAL_ROPE_BASE)),
+        "query_pre_attn_scalar": hidden_per_head if n_layers == GEMMA3_27B_LAYERS else head_dim,
+        "hidden_activation": "gelu_pytorch_tanh",
+    }
+    for key in ("final_logit_softcapping", "attn_logit_softcapping"):
+        if (cap := value(key)) is not None:
+            config[key] = _f32_to_float(cap)
+    return config
 
 
 def _f32_to_float(x: float) -> float:
@@ -246,7 +294,10 @@ def _hf_config(
     if hp.rope_dim is not None:
         config["partial_rotary_factor"] = hp.rope_dim / hp.head_dim
     if hp.sliding_window is not None:
-        config["sliding_window"] = hp.sliding_window  # the model refuses it where it would slide
+        config["sliding_window"] = hp.sliding_window
+    if hp.extra:  # an architecture of its own (gemma3): its keys, its activation
+        del config["hidden_act"]
+        config |= hp.extra
     if packed:
         config["quantization"] = {"group_size": GROUP_SIZE, "bits": 4}
     return config
@@ -310,7 +361,8 @@ def _plan(tensors: list[Any], hp: LlamaHParams, quantize: bool | None) -> list[_
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))
         packed = pack and t.tensor_type.name in _Q4_TYPES and _is_linear(name, t)
         unpermute = next((n for key, n in heads.items() if key in name), None)
-        plan.append(_Planned(t, name, shape, unpermute, packed))
+        shift = 1.0 if hp.arch == "gemma3" and name.endswith("norm.weight") else 0.0
+        plan.append(_Planned(t, name, shape, unpermute, packed, shift))
     return plan
 
 
@@ -340,7 +392,8 @@ def _tensor_blobs(plan: list[_Planned]) -> Iterator[np.ndarray]:
         if p.packed:
             arrays = list(q4_to_mlx(raw, p.source.tensor_type.name))
         else:
-            arrays = [dequantize(raw, p.source.tensor_type).reshape(p.shape)]
+            values = dequantize(raw, p.source.tensor_type).reshape(p.shape)
+            arrays = [values - np.float32(p.shift) if p.shift else values]
         for a in arrays:
             a = unpermute_qk(a, p.unpermute_heads) if p.unpermute_heads else a
             yield bf16_bits(a) if a.dtype == np.float32 else a
