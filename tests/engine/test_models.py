@@ -251,7 +251,9 @@ def test_fused_projections_compute_what_the_checkpoint_layout_does(pair: tuple[P
 
 
 def test_every_architecture_has_a_case() -> None:
-    assert {arch for arch, _, _ in CASES.values()} == set(supported_architectures())
+    # the multimodal Gemma 3 is held against transformers' own in its test below
+    multimodal = {"Gemma3ForConditionalGeneration"}
+    assert {arch for arch, _, _ in CASES.values()} | multimodal == set(supported_architectures())
 
 
 def test_logits_match_transformers(pair: tuple[Path, Any, Any]) -> None:
@@ -620,8 +622,50 @@ def test_gemma3_reads_transformers_4_rope_and_pattern() -> None:
     assert model.model.windows == [8, None, 8, None]  # type: ignore[attr-defined]
     local, global_ = (model.layers[i].self_attn.rope for i in (0, 1))
     assert local.base == 500.0 and global_.base == 50000.0 and global_.scale == 0.25
-    with pytest.raises(UnsupportedArchitecture, match="Gemma3ForConditionalGeneration"):
+    with pytest.raises(CheckpointError, match="Gemma3ForConditionalGeneration has no text_config"):
         build_model({**config, "architectures": ["Gemma3ForConditionalGeneration"]})
+
+
+def test_gemma3_multimodal_checkpoint_loads_its_language_model(tmp_path: Path) -> None:
+    """Gemma 3 4B and up ship as `Gemma3ForConditionalGeneration`: its language model alone computes
+    what transformers' multimodal model computes for text, under either prefix of its weights."""
+    import torch
+    import transformers
+    from reference import TINY, randomize
+
+    from mlxq.worker.modelfiles.tiny_model import build_tokenizer
+
+    folder = tmp_path / "mm"
+    vocab = build_tokenizer(folder)
+    text = {**TINY, **GEMMA3, "vocab_size": vocab, "tie_word_embeddings": True, "pad_token_id": 0}
+    vision = {
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "image_size": 28,
+        "patch_size": 14,
+    }
+    tokens = {"image_token_index": vocab - 3, "boi_token_index": vocab - 2, "eoi_token_index": vocab - 1}
+    config = transformers.Gemma3Config(
+        text_config=text, vision_config=vision, mm_tokens_per_image=4, **tokens
+    )
+    torch.manual_seed(0)
+    hf = transformers.Gemma3ForConditionalGeneration(config)
+    randomize(hf)
+    hf.save_pretrained(folder)
+    ids = prompt_ids(folder)
+    with torch.no_grad():
+        want = hf.eval()(torch.tensor([ids])).logits[0].float().numpy()
+    model, _ = load_model(folder, dtype="float32")
+    assert model.model.windows == [6, None, 6]  # type: ignore[attr-defined]
+    assert rel_err(np.array(model(mx.array([ids], dtype=mx.int32))[0]), want) < 1e-4
+    weights = load_file(folder / "model.safetensors")
+    renamed = {k.replace("language_model.model.", "model.language_model."): v for k, v in weights.items()}
+    assert renamed.keys() != weights.keys()
+    save_file(renamed, folder / "model.safetensors", metadata={"format": "pt"})
+    again, _ = load_model(folder, dtype="float32")
+    assert rel_err(np.array(again(mx.array([ids], dtype=mx.int32))[0]), want) < 1e-4
 
 
 def test_gemma3_quantized_folder_with_quantized_tied_embeddings(tmp_path: Path) -> None:

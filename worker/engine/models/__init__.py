@@ -73,5 +73,7 @@ register("Qwen3MoeForCausalLM", moe.ModelArgs, moe.Model, qk_norm=True)
 register("Phi3ForCausalLM", phi3.ModelArgs, phi3.Model)
 register("DeepseekV3ForCausalLM", deepseek.ModelArgs, deepseek.Model)
 register("Gemma3ForCausalLM", gemma3.ModelArgs, gemma3.Model)
+# Gemma 3 4B and up ship multimodal: their language model alone, images not read (gemma3.py)
+register("Gemma3ForConditionalGeneration", gemma3.MultimodalArgs, gemma3.MultimodalModel)
 
 __all__ = ["Architecture", "build_model", "register", "supported_architectures"]

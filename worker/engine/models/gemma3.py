@@ -9,9 +9,11 @@ by `query_pre_attn_scalar`**-0.5 rather than head_dim's; tied embeddings by defa
 the caches, masks and sliding windows (`window.py`) included, is the Llama family's code.
 
 Module names equal the checkpoint's keys (`model.layers.N.pre_feedforward_layernorm`) as transformers
-4 and 5 write a `Gemma3ForCausalLM`; the multimodal `Gemma3ForConditionalGeneration` (keys under
-`language_model.`) is a different architecture and is not registered. Attention or final logit
-soft-capping and bidirectional attention are refused, never approximated.
+4 and 5 write a `Gemma3ForCausalLM`. The multimodal `Gemma3ForConditionalGeneration` (Gemma 3 4B and
+up, and mlx-community's folders of them) loads as its language model alone (`MultimodalArgs`,
+`MultimodalModel`): the config's `text_config`, the weights under `language_model.model.` (or
+`model.language_model.`) renamed, the vision tower and projector dropped; images are not read. Attention
+or final logit soft-capping and bidirectional attention are refused, never approximated.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlxq.worker.engine.errors import UnsupportedArchitecture
+from mlxq.worker.engine.errors import CheckpointError, UnsupportedArchitecture
 from mlxq.worker.engine.models import llama
 from mlxq.worker.engine.models.base import LayerCache
 from mlxq.worker.engine.models.rope import make_rope
@@ -33,8 +35,15 @@ ACTIVATIONS = ("gelu_pytorch_tanh",)
 
 @dataclass
 class ModelArgs(llama.ModelArgs):
-    """The Llama family's fields with Gemma 3's defaults, plus its own."""
+    """The Llama family's fields with Gemma 3's defaults (transformers' `Gemma3TextConfig`: a
+    multimodal config's `text_config` writes only what differs from them), plus its own."""
 
+    vocab_size: int = 262208
+    hidden_size: int = 2304
+    intermediate_size: int = 9216
+    num_hidden_layers: int = 26
+    num_attention_heads: int = 8
+    num_key_value_heads: int | None = 4
     rms_norm_eps: float = 1e-6
     head_dim: int | None = 256
     max_position_embeddings: int = 131072
@@ -190,3 +199,43 @@ class Model(llama.Model):
         self.model = GemmaModel(args)
         if not args.tie_word_embeddings:
             self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+
+
+# Where the multimodal checkpoints keep the language model's decoder, and what else they hold
+_TEXT_PREFIXES = ("language_model.model.", "model.language_model.")
+_VISION_PREFIXES = (
+    "vision_tower.",
+    "multi_modal_projector.",
+    "model.vision_tower.",
+    "model.multi_modal_projector.",
+)
+
+
+@dataclass
+class MultimodalArgs(ModelArgs):
+    """`Gemma3ForConditionalGeneration`'s language model: its config is the `text_config`."""
+
+    @classmethod
+    def from_dict(cls, config: dict[str, Any]) -> ModelArgs:
+        text = config.get("text_config")
+        if not isinstance(text, dict):
+            raise CheckpointError("config.json of a Gemma3ForConditionalGeneration has no text_config")
+        return super().from_dict({**text, "architectures": config.get("architectures")})
+
+
+class MultimodalModel(Model):
+    """The language model of `Gemma3ForConditionalGeneration` (text in, text out)."""
+
+    def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
+        """The decoder's weights under the text model's names; the vision tower and projector dropped
+        (anything else is left for the loader to name as unexpected)."""
+        text: dict[str, mx.array] = {}
+        for key, value in weights.items():
+            prefix = next((p for p in _TEXT_PREFIXES if key.startswith(p)), None)
+            if prefix is not None:
+                text["model." + key[len(prefix) :]] = value
+            elif key.startswith("language_model.lm_head."):
+                text[key[len("language_model.") :]] = value
+            elif not key.startswith(_VISION_PREFIXES):
+                text[key] = value
+        return super().sanitize(text)
