@@ -9,14 +9,21 @@ Models running the windows through the engine are held against transformers in `
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
 import mlx.core as mx
 import numpy as np
 import pytest
 
 from mlxq.worker.engine.cache.batch_cache import BatchKVCache
 from mlxq.worker.engine.cache.kv_cache import KVCache
+from mlxq.worker.engine.generate import DecodeBatch, prefill
+from mlxq.worker.engine.models import llama
+from mlxq.worker.engine.models.loader import load_model
 from mlxq.worker.engine.models.window import WindowMasks, window_mask
-from mlxq.worker.engine.ragged_attention import RaggedRows
+from mlxq.worker.engine.ragged_attention import RaggedRows, decode_attention
+from mlxq.worker.engine.sampler import Sampler
 
 
 def _cache(lengths: list[int]) -> BatchKVCache:
@@ -103,3 +110,33 @@ def test_each_window_is_made_once_per_forward() -> None:
     assert masks(None) is None
     assert masks(4) is masks(4)
     assert masks(4) is not masks(8)
+
+
+def test_one_row_past_the_window_decodes_through_the_ragged_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rows all as long need no mask for global attention, but a windowed layer past its window does:
+    with the ragged kernel such a step goes through it (here MLX computes it), giving the mask's tokens."""
+    from reference import make_hf_checkpoint, prompt_ids
+
+    folder = make_hf_checkpoint(tmp_path, "MistralForCausalLM", sliding_window=8)
+    model, _ = load_model(folder, dtype="float32")
+    calls: list[int] = []
+
+    def counted(*a: Any, **k: Any) -> mx.array:
+        calls.append(1)
+        return decode_attention(*a, **k)
+
+    monkeypatch.setattr(llama, "decode_attention", counted)
+    ids = prompt_ids(folder)
+    assert len(ids) > 8
+
+    def run(kernel: bool) -> list[list[int]]:
+        batch = DecodeBatch(model, ragged_kernel=kernel)
+        cache = model.make_cache()
+        logits = prefill(model, ids, cache, chunk=16)
+        batch.add([cache], logits, [Sampler(model.args.vocab_size, temperature=0)])
+        return [batch.step() for _ in range(6)]
+
+    assert run(True) == run(False)
+    assert len(calls) == 6 * len(model.layers)

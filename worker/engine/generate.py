@@ -211,6 +211,7 @@ class DecodeBatch:
         self.pad_shapes = pad_shapes
         self.launcher = launcher
         self.ragged_kernel = ragged_attention.available() if ragged_kernel is None else ragged_kernel
+        self._window = min((w for w in model.model.windows if w is not None), default=None)
         self.cache = [BatchKVCache() for _ in model.layers]
         self.rows: SamplerRows | None = None  # the live rows' samplers, in row order
         self._pending: mx.array | None = None  # (B,) each row's sampled token, not fed to the model yet
@@ -466,9 +467,11 @@ class DecodeBatch:
     def _step_mask(self) -> mx.array | ragged_attention.RaggedRows | None:
         """What a step's attention needs of the rows' lengths: nothing when all rows are as long, else
         a mask, or with the ragged kernel each row's first column (the buffers made long enough first,
-        so the forward's writes keep them in place)."""
+        so the forward's writes keep them in place). Rows past a sliding window take the kernel even
+        when all are as long: a windowed layer would need a mask (`window.py`)."""
         first = self.cache[0]
-        if not self.ragged_kernel or first.has_holes or not any(first.starts):
+        slides = self._window is not None and first.end + 1 > self._window
+        if not self.ragged_kernel or first.has_holes or not (any(first.starts) or slides):
             return first.mask()
         for layer in self.cache:
             layer.reserve(1)

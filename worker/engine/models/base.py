@@ -71,6 +71,11 @@ class Backbone(Protocol):
     @property
     def norm(self) -> Weighted: ...
 
+    @property
+    def windows(self) -> list[int | None]:
+        """Each layer's sliding window, None for global attention (`window.py`)."""
+        ...
+
 
 class Model(Protocol):
     """A causal LM as the engine drives it: logits, or hidden states and logits apart, over caches."""
