@@ -63,7 +63,8 @@ class MlxLm:
         return self._head(self.model.model(x)[:, -1])[0].astype(mx.float32)
 
     def _head(self, hidden: mx.array) -> mx.array:
-        if self.model.args.tie_word_embeddings:
+        # mlx-lm's models drop their lm_head where it is tied (Gemma 3's says so on the model, not args)
+        if "lm_head" not in self.model:
             return self.model.model.embed_tokens.as_linear(hidden)
         return self.model.lm_head(hidden)
 

@@ -65,12 +65,37 @@ TINY_MOE: dict[str, Any] = {
     "head_dim": 16,
 }
 
+# Gemma 3 4B's language model (as transformers 4 writes its config, which mlx-lm's gemma3_text reads):
+# 34 layers, every sixth global, the others over a 1024-token window; head_dim 256, tied embeddings.
+GEMMA3_4B: dict[str, Any] = {
+    "architectures": ["Gemma3ForCausalLM"],
+    "model_type": "gemma3_text",
+    "hidden_size": 2560,
+    "num_hidden_layers": 34,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "head_dim": 256,
+    "intermediate_size": 10240,
+    "vocab_size": 262208,
+    "tie_word_embeddings": True,
+    "hidden_activation": "gelu_pytorch_tanh",
+    "query_pre_attn_scalar": 256,
+    "sliding_window": 1024,
+    "sliding_window_pattern": 6,
+    "rope_theta": 1000000.0,
+    "rope_local_base_freq": 10000.0,
+    "rope_scaling": {"rope_type": "linear", "factor": 8.0},
+    "max_position_embeddings": 131072,
+    "rms_norm_eps": 1e-6,
+}
+
 SHAPES = {
     "tiny": (TINY, "float32"),
     "tiny-wide-vocab": (TINY_WIDE_VOCAB, "float32"),
     "llama-1b": (LLAMA_1B, "bfloat16"),
     "tiny-moe": (TINY_MOE, "float32"),
     "qwen3-moe-30b": (QWEN3_MOE_30B, "bfloat16"),
+    "gemma3-4b": (GEMMA3_4B, "bfloat16"),
 }
 # MLX-quantized (affine, group 64) from a random checkpoint of a shape above, by `loader.save_quantized`
 # (stacked experts quantized too, as mlx-community's 4-bit MoE folders are).
@@ -79,6 +104,7 @@ QUANTIZED = {
     "llama-1b-8bit": ("llama-1b", 8),
     "tiny-4bit": ("tiny", 4),
     "qwen3-moe-30b-4bit": ("qwen3-moe-30b", 4),
+    "gemma3-4b-4bit": ("gemma3-4b", 4),
 }
 
 

@@ -712,3 +712,21 @@ def test_gemma3_quantized_folder_with_quantized_tied_embeddings(tmp_path: Path) 
             logits = m(mx.array([[out[-1]]], dtype=mx.int32), cache=cache)[:, -1]
         tokens.append(out)
     assert tokens[0] == tokens[1]
+
+
+def test_random_gemma3_checkpoints_load_and_slide(tmp_path: Path) -> None:
+    """What the Gemma 3 benchmark shape is written as: Gemma's norms, offsets from one, near zero."""
+    config = {
+        "architectures": ["Gemma3ForCausalLM"],
+        "model_type": "gemma3_text",
+        "head_dim": 32,
+        "sliding_window": 4,
+        "sliding_window_pattern": 2,
+        "query_pre_attn_scalar": 32,
+    }
+    folder = write_random_checkpoint(tmp_path, config)
+    stored = load_file(folder / "model.safetensors")
+    assert abs(float(stored["model.layers.0.pre_feedforward_layernorm.weight"].mean())) < 0.1
+    model, _ = load_model(folder, dtype="float32")
+    assert model.model.windows == [4, None]  # type: ignore[attr-defined]
+    assert np.isfinite(np.array(model(mx.array([list(range(1, 12))], dtype=mx.int32)))).all()

@@ -108,7 +108,8 @@ def _llama_shapes(cfg: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     vocab = cfg["vocab_size"]
     arch = cfg["architectures"][0]
     bias = cfg.get("attention_bias", False) or arch == "Qwen2ForCausalLM"
-    qk_norm = arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+    gemma = arch == "Gemma3ForCausalLM"
+    qk_norm = gemma or arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
     experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
     expert_width = (cfg.get("moe_intermediate_size") if arch != "MixtralForCausalLM" else None) or inter
     ff = "block_sparse_moe" if arch == "MixtralForCausalLM" else "mlp"
@@ -119,6 +120,9 @@ def _llama_shapes(cfg: dict[str, Any]) -> dict[str, tuple[int, ...]]:
         p = f"model.layers.{i}."
         shapes[p + "input_layernorm.weight"] = (h,)
         shapes[p + "post_attention_layernorm.weight"] = (h,)
+        if gemma:
+            shapes[p + "pre_feedforward_layernorm.weight"] = (h,)
+            shapes[p + "post_feedforward_layernorm.weight"] = (h,)
         shapes[p + "self_attn.q_proj.weight"] = (n_heads * head_dim, h)
         shapes[p + "self_attn.k_proj.weight"] = (n_kv * head_dim, h)
         shapes[p + "self_attn.v_proj.weight"] = (n_kv * head_dim, h)
@@ -154,7 +158,9 @@ def write_random_checkpoint(
 
     `config` overrides keys of `TINY_LLAMA_CONFIG`; `vocab_size` defaults to the tokenizer's size. A
     config with experts (`num_experts` or `num_local_experts`; Qwen3-MoE or Mixtral) gets every layer
-    sparse, its experts stacked. Norm weights are ones-plus-noise so activations stay in a sensible
+    sparse, its experts stacked; a Gemma 3 one (`Gemma3ForCausalLM`) gets Gemma's norms and q/k norms.
+    Norm weights scale by about one (ones-plus-noise; Gemma's, stored as offsets from one, noise) so
+    activations stay in a sensible
     range. Tensors are drawn and written one at a time (a benchmark's 30B-parameter MoE never sits in
     memory whole); stacked experts, most of such a model, are drawn in float32, the rest as always.
     """
@@ -170,12 +176,13 @@ def write_random_checkpoint(
     if dtype not in _SAFETENSORS_DTYPES:
         raise ValueError(f"dtype {dtype!r} is not one of {', '.join(_SAFETENSORS_DTYPES)}")
     shapes = _llama_shapes(cfg)
+    gemma = cfg["architectures"][0] == "Gemma3ForCausalLM"  # its RMSNorm scales by 1 + weight
 
     def draw() -> Iterator[np.ndarray]:
         for name, shape in shapes.items():
             w: np.ndarray
             if name.endswith("norm.weight"):
-                w = 1.0 + 0.1 * rng.standard_normal(shape)
+                w = (0.0 if gemma else 1.0) + 0.1 * rng.standard_normal(shape)
             elif ".switch_mlp." in name:
                 w = std * rng.standard_normal(shape, dtype=np.float32)
             else:
