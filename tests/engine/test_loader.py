@@ -134,6 +134,7 @@ def test_unsupported_architecture(tiny: Path, tmp_path: Path) -> None:
     assert "LlamaForCausalLM" in str(e.value) and "Qwen3ForCausalLM" in str(e.value)
     assert "MixtralForCausalLM" in str(e.value) and "Qwen3MoeForCausalLM" in str(e.value)
     assert "Phi3ForCausalLM" in str(e.value) and "DeepseekV3ForCausalLM" in str(e.value)
+    assert "Gemma3ForCausalLM" in str(e.value) and "Gemma3ForConditionalGeneration" in str(e.value)
     assert isinstance(e.value, WorkerError)
 
 
