@@ -110,6 +110,12 @@ CASES: dict[str, tuple[str, dict[str, Any], str]] = {
     "mistral-window-8": ("MistralForCausalLM", {"sliding_window": 8}, "v5"),
     "mistral-window-5-v4": ("MistralForCausalLM", {"sliding_window": 5, "num_key_value_heads": 1}, "v4"),
     "qwen2-bias-tied": ("Qwen2ForCausalLM", {"tie_word_embeddings": True}, "v5"),
+    # Qwen2's windows from max_window_layers on, as transformers 5 writes them into layer_types
+    "qwen2-window-layers": (
+        "Qwen2ForCausalLM",
+        {"use_sliding_window": True, "sliding_window": 6, "max_window_layers": 1},
+        "v5",
+    ),
     "qwen3-qk-norm": ("Qwen3ForCausalLM", {"head_dim": 32}, "v5"),
     "qwen3-v4": ("Qwen3ForCausalLM", {"num_key_value_heads": 1}, "v4"),
     "mixtral-5-experts": ("MixtralForCausalLM", {"num_local_experts": 5, "num_experts_per_tok": 2}, "v5"),

@@ -33,12 +33,12 @@ from mlxq.worker.modelfiles.tiny_model import write_random_checkpoint
 LONG = "The capital of France is Paris. " * 8
 QWEN3_MOE = {"num_experts": 5, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "norm_topk_prob": True}
 MIXTRAL = {"num_local_experts": 5, "num_experts_per_tok": 2}
-# Gemma 3 in small: windowed local layers (window 7) around a global one, head_dim not hidden/heads.
+# Gemma 3 in small: a global layer, then windowed local ones (window 7); head_dim not hidden/heads.
 GEMMA3 = {
     "num_hidden_layers": 3,
     "head_dim": 32,
     "sliding_window": 7,
-    "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+    "layer_types": ["full_attention", "sliding_attention", "sliding_attention"],
     "query_pre_attn_scalar": 32,
 }
 

@@ -21,7 +21,7 @@ from mlxq.worker.engine.cache.kv_cache import KVCache
 from mlxq.worker.engine.generate import DecodeBatch, prefill
 from mlxq.worker.engine.models import llama
 from mlxq.worker.engine.models.loader import load_model
-from mlxq.worker.engine.models.window import WindowMasks, window_mask
+from mlxq.worker.engine.models.window import WindowMasks, keys_read, window_mask
 from mlxq.worker.engine.ragged_attention import RaggedRows, decode_attention
 from mlxq.worker.engine.sampler import Sampler
 
@@ -51,14 +51,15 @@ def _by_positions(positions: list[list[int | None]], queries: list[list[int]], w
 def test_a_causal_band_sees_exactly_the_last_window_positions(window: int) -> None:
     cache = KVCache()
     cache.update_and_fetch(mx.zeros((1, 1, 9, 4)), mx.zeros((1, 1, 9, 4)))  # 9 cached, 4 new
-    got = window_mask("causal", 4, cache, window)
+    assert keys_read(cache, 4) == 13 and keys_read(cache, 1) == 10
+    got = window_mask("causal", 4, keys_read(cache, 4), window)
     want = _by_positions([list(range(13))], [list(range(9, 13))], window)[0, 0]
     if window >= 13:
         assert got == "causal"  # nothing to narrow: plain causal attention stays the fast path
     else:
         assert isinstance(got, mx.array)
         np.testing.assert_array_equal(np.array(got), want)
-    one = window_mask(None, 1, cache, window)  # one sequence's decode step
+    one = window_mask(None, 1, 10, window)  # one sequence's decode step
     if window < 10:
         assert isinstance(one, mx.array)
         np.testing.assert_array_equal(np.array(one), _by_positions([list(range(10))], [[9]], window)[0, 0])
@@ -83,7 +84,7 @@ def test_left_padding_and_verify_holes_are_not_counted_as_positions(window: int)
         [x, x, x, 0, 1, 2, 3, 4, 5, x, x, x, 6, 7],
     ]
     queries = [[4, 5], [12, 13], [6, 7]]
-    got = window_mask(mask, n, cache, window)
+    got = window_mask(mask, n, 0, window)
     assert isinstance(got, mx.array)
     np.testing.assert_array_equal(np.array(got), _by_positions(positions, queries, window))
 
@@ -91,7 +92,7 @@ def test_left_padding_and_verify_holes_are_not_counted_as_positions(window: int)
 def test_an_additive_mask_keeps_its_values_inside_the_window() -> None:
     visible = mx.array([[True, False, True, True, True]])
     additive = mx.where(visible, mx.array(0.0), mx.array(-mx.inf))
-    got = np.array(window_mask(additive, 1, None, 2))
+    got = np.array(window_mask(additive, 1, 0, 2))
     np.testing.assert_array_equal(got, [[-np.inf, -np.inf, -np.inf, 0.0, 0.0]])
 
 
@@ -103,13 +104,18 @@ def test_a_ragged_step_moves_each_rows_first_column_not_its_position() -> None:
     assert narrowed.end == rows.end
 
 
-def test_each_window_is_made_once_per_forward() -> None:
+def test_each_window_is_made_once_per_forward_from_the_cache_as_it_was_before() -> None:
+    """A global first layer writes this forward's keys before a windowed one asks for its mask: the
+    key count is the one before the forward (a model mixing global and windowed layers)."""
     cache = KVCache()
     cache.update_and_fetch(mx.zeros((1, 1, 20, 4)), mx.zeros((1, 1, 20, 4)))
     masks = WindowMasks(None, 1, cache)
+    cache.update_and_fetch(mx.zeros((1, 1, 1, 4)), mx.zeros((1, 1, 1, 4)))  # the first layer's write
     assert masks(None) is None
     assert masks(4) is masks(4)
     assert masks(4) is not masks(8)
+    got = masks(4)
+    assert isinstance(got, mx.array) and got.shape == (1, 21)
 
 
 def test_one_row_past_the_window_decodes_through_the_ragged_step(

@@ -26,16 +26,15 @@ from mlxq.worker.engine.ragged_attention import RaggedRows
 Mask = mx.array | str | RaggedRows | None
 
 
-def window_mask(mask: Mask, n: int, cache: LayerCache | None, window: int) -> Mask:
-    """`mask` (what a global layer gets for `n` new queries over `cache`: None or "causal" for plain
-    causal attention, a boolean or additive array, or a decode step's `RaggedRows`) narrowed to the
-    last `window` positions before and at each query."""
+def window_mask(mask: Mask, n: int, total: int, window: int) -> Mask:
+    """`mask` (what a global layer gets for `n` new queries: None or "causal" for plain causal
+    attention over `total` key columns, a boolean or additive array, or a decode step's `RaggedRows`)
+    narrowed to the last `window` positions before and at each query."""
     if isinstance(mask, RaggedRows):
         return mask.window(window)
     if isinstance(mask, str) and mask != "causal":
         raise ValueError(f"mask {mask!r} is not 'causal'")
     if mask is None or isinstance(mask, str):
-        total = keys_read(cache, n)
         if total <= window:
             return mask  # no query is further than the window from any key
         columns = mx.arange(total, dtype=mx.int32)[None, :]
@@ -65,15 +64,18 @@ def keys_read(cache: LayerCache | None, n: int) -> int:
 
 
 class WindowMasks:
-    """One forward's masks by layer window: the global mask as given, each window's made on first use."""
+    """One forward's masks by layer window: the global mask as given, each window's made on first use.
+    Made before the first layer runs: the key count of plain causal attention is read off the cache
+    then, before any layer has written this forward's keys into it."""
 
     def __init__(self, mask: Mask, n: int, cache: LayerCache | None) -> None:
-        self.mask, self.n, self.cache = mask, n, cache
+        self.mask, self.n = mask, n
+        self.total = keys_read(cache, n) if mask is None or isinstance(mask, str) else 0
         self._made: dict[int, Mask] = {}
 
     def __call__(self, window: int | None) -> Mask:
         if window is None:
             return self.mask
         if window not in self._made:
-            self._made[window] = window_mask(self.mask, self.n, self.cache, window)
+            self._made[window] = window_mask(self.mask, self.n, self.total, window)
         return self._made[window]
