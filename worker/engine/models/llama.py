@@ -3,6 +3,8 @@
 These differ only in two switches, so one file holds them all: `qkv_bias` (Qwen2 always has biases on
 q/k/v, never on o) and `qk_norm` (Qwen3 RMS-normalises each head of q and k before RoPE). Module
 attribute names equal the Hugging Face checkpoint keys, so weights load without a mapping table.
+A config's sliding window (Mistral, Phi-3, Qwen2's `layer_types`) narrows the attention of the layers it
+applies to (`layer_windows`, `window.py`); the caches are the same for every layer.
 """
 
 from __future__ import annotations
