@@ -33,13 +33,14 @@ from mlxq.worker.modelfiles.tiny_model import write_random_checkpoint
 LONG = "The capital of France is Paris. " * 8
 QWEN3_MOE = {"num_experts": 5, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "norm_topk_prob": True}
 MIXTRAL = {"num_local_experts": 5, "num_experts_per_tok": 2}
-# Gemma 3 in small: a global layer, then windowed local ones (window 7); head_dim not hidden/heads.
+# Gemma 3 in small: a global layer, then windowed local ones (window 7); head_dim 256 as Gemma 3's (not
+# hidden/heads), the scale its own: on a GPU the ragged decode kernel runs at that width.
 GEMMA3 = {
     "num_hidden_layers": 3,
-    "head_dim": 32,
+    "head_dim": 256,
     "sliding_window": 7,
     "layer_types": ["full_attention", "sliding_attention", "sliding_attention"],
-    "query_pre_attn_scalar": 32,
+    "query_pre_attn_scalar": 256,
 }
 
 
