@@ -119,6 +119,11 @@ CASES: dict[str, tuple[str, dict[str, Any], str]] = {
     "qwen3-qk-norm": ("Qwen3ForCausalLM", {"head_dim": 32}, "v5"),
     "qwen3-v4": ("Qwen3ForCausalLM", {"num_key_value_heads": 1}, "v4"),
     "mixtral-5-experts": ("MixtralForCausalLM", {"num_local_experts": 5, "num_experts_per_tok": 2}, "v5"),
+    "mixtral-window-7": (
+        "MixtralForCausalLM",
+        {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 7},
+        "v5",
+    ),
     "mixtral-router-ties-v4": (
         "MixtralForCausalLM",
         {"num_local_experts": 5, "num_experts_per_tok": 3, "head_dim": 32},
