@@ -109,7 +109,7 @@ def test_each_window_is_made_once_per_forward_from_the_cache_as_it_was_before() 
     key count is the one before the forward (a model mixing global and windowed layers)."""
     cache = KVCache()
     cache.update_and_fetch(mx.zeros((1, 1, 20, 4)), mx.zeros((1, 1, 20, 4)))
-    masks = WindowMasks(None, 1, cache)
+    masks = WindowMasks(None, 1, cache, [None, 4, 8])
     cache.update_and_fetch(mx.zeros((1, 1, 1, 4)), mx.zeros((1, 1, 1, 4)))  # the first layer's write
     assert masks(None) is None
     assert masks(4) is masks(4)

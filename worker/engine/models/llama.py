@@ -433,7 +433,7 @@ class LlamaModel(nn.Module):
         columns = None
         if self.bucket_keys and mask is None and (bucketed := _bucketed_keys(inputs, caches, h.dtype)):
             columns, layer_mask = bucketed
-        masks = WindowMasks(layer_mask, inputs.shape[1], caches[0])
+        masks = WindowMasks(layer_mask, inputs.shape[1], caches[0], self.windows)
         for layer, c, window in zip(self.layers[:-1], caches[:-1], self.windows[:-1], strict=True):
             h = layer(h, masks(window), c, columns=columns)
         layer_mask = masks(self.windows[-1])

@@ -68,9 +68,10 @@ class WindowMasks:
     Made before the first layer runs: the key count of plain causal attention is read off the cache
     then, before any layer has written this forward's keys into it."""
 
-    def __init__(self, mask: Mask, n: int, cache: LayerCache | None) -> None:
+    def __init__(self, mask: Mask, n: int, cache: LayerCache | None, windows: list[int | None]) -> None:
         self.mask, self.n = mask, n
-        self.total = keys_read(cache, n) if mask is None or isinstance(mask, str) else 0
+        causal = mask is None or isinstance(mask, str)
+        self.total = keys_read(cache, n) if causal and any(w is not None for w in windows) else 0
         self._made: dict[int, Mask] = {}
 
     def __call__(self, window: int | None) -> Mask:
