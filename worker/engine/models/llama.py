@@ -215,6 +215,8 @@ class Attention(nn.Module):
             elif cache is not None:
                 assert isinstance(cache, KVCache)  # `columns` come with batch-1 caches (`_bucketed_keys`)
                 k, v = cache.update_and_fetch(k, v, columns)
+            if isinstance(mask, mx.array) and mask.shape[-1] < k.shape[2]:  # a window's band (`window.py`)
+                k, v = k[..., -mask.shape[-1] :, :], v[..., -mask.shape[-1] :, :]
             out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(b, xq.shape[1], -1))
 

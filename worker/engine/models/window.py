@@ -11,7 +11,9 @@ columns are hidden (`batch_cache.py`, `llama._bucketed_keys`). So the window nee
 visible key's distance to the query is the count of visible columns from it to the query, minus one,
 and the window keeps the visible columns where that count is at most W. One rule for rows prefills,
 decode masks, verify masks and the scorer's masks; plain causal attention (no mask) gets the band
-built explicitly, and the ragged decode kernel's rows move their first column (`RaggedRows.window`).
+built explicitly over the columns some query sees (the older keys are not read at all: a long
+context's windowed layers cost their window), and the ragged decode kernel's rows move their first
+column (`RaggedRows.window`).
 `WindowMasks` makes each window's mask once per forward, not once per layer.
 """
 
@@ -37,7 +39,10 @@ def window_mask(mask: Mask, n: int, total: int, window: int) -> Mask:
     if mask is None or isinstance(mask, str):
         if total <= window:
             return mask  # no query is further than the window from any key
-        columns = mx.arange(total, dtype=mx.int32)[None, :]
+        # Only the last n + window - 1 columns are seen by any query: the band covers those alone,
+        # and attention reads only as many keys as its mask has columns (`llama.Attention`).
+        width = min(total, n + window - 1)
+        columns = mx.arange(total - width, total, dtype=mx.int32)[None, :]
         queries = mx.arange(total - n, total, dtype=mx.int32)[:, None]
         return (columns <= queries) & (queries - columns < window)
     if mask.shape[-1] <= window:
