@@ -29,7 +29,7 @@ import mlx.core as mx
 from redis.connection import AbstractConnection
 
 from mlxq import worker
-from mlxq.worker import stream_writer
+from mlxq.worker import stream_scripts, stream_writer
 from mlxq.worker.cli import configure_logging
 from mlxq.worker.engine import Engine
 from mlxq.worker.engine.generation_batch import GenerationBatch
@@ -139,6 +139,10 @@ def instrument(recorder: Recorder) -> None:
     streams = stream_writer
     streams.flush_streams = _summed(recorder, "flush_streams", streams.flush_streams)  # type: ignore[assignment]
     streams.finish_streams = _timed(recorder, "finish_streams", streams.finish_streams, attach=True)  # type: ignore[assignment]
+    # Score jobs end their streams by one script call a batch: timed as the same kind of write.
+    stream_scripts.finish_score_streams = _timed(  # type: ignore[assignment]
+        recorder, "finish_streams", stream_scripts.finish_score_streams, attach=True
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -57,6 +57,7 @@ from rq.worker import WorkerStatus
 
 from mlxq.worker import rq_scripts
 from mlxq.worker.bounded_job import BoundedJob
+from mlxq.worker.server_script import wire
 from mlxq.worker.stream_writer import StreamOptions, retrying
 
 log = logging.getLogger(__name__)
@@ -333,7 +334,7 @@ class RqBatches:
         stored = job.stored_fields if isinstance(job, BoundedJob) else None
         if stored is None:
             return fields
-        return {k: v for k, v in fields.items() if stored.get(k.encode()) != rq_scripts.wire(v)}
+        return {k: v for k, v in fields.items() if stored.get(k.encode()) != wire(v)}
 
     def _ended(self, run: Run, value: Any, at: datetime) -> None:
         """The job and the worker in memory as RQ leaves them after its end of a job."""
