@@ -233,13 +233,14 @@ class RqBatches:
     def succeed_many(self, ended: list[Ended]) -> None:
         """End many successful jobs: those RQ ends plainly (`_plain_end`) by one script call
         (`_end_together`), the others (and all of them if that call fails for good) one by one through
-        RQ; a job whose
-        end fails is failed with the reason. Jobs cancelled while they ran end `canceled`."""
+        RQ; a job whose end fails is failed with the reason. Jobs cancelled while they ran end
+        `canceled`."""
         for run, _ in (item for item in ended if was_cancelled(item[1])):
             self.cancel_running(run)
         ended = [item for item in ended if not was_cancelled(item[1])]
-        alone = [item for item in ended if not _plain_end(*item, self.worker.default_result_ttl)]
-        together = [item for item in ended if _plain_end(*item, self.worker.default_result_ttl)]
+        plain = [_plain_end(*item, self.worker.default_result_ttl) for item in ended]
+        alone = [item for item, ok in zip(ended, plain, strict=True) if not ok]
+        together = [item for item, ok in zip(ended, plain, strict=True) if ok]
         if together:
             try:
                 done = retrying(self.options)(self._end_together, together)
