@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from mlxq.jobs import parse_score
 from mlxq.jobs.keys import SCORE_PHASES
 from mlxq.producer import Client, JobFailed
 from mlxq.producer.status_report import WorkerHealth, _health_lines
@@ -69,3 +70,22 @@ def test_a_workers_score_batches_are_timed_in_its_stats_and_status(
     line = next(line for line in _health_lines(health) if line.startswith("score batches"))
     assert line.startswith("score batches: 1 (3 jobs, 6 rows)  ms a batch: claim ")
     assert all(f" {phase} " in f" {line} " for phase in SCORE_PHASES)
+
+
+@pytest.mark.parametrize("sync", [False, True])
+def test_the_engine_times_its_parts_of_scoring_with_or_without_waiting_for_each(
+    model_dir: Path, sync: bool
+) -> None:
+    """The engine adds up its parts of a score batch (tree, forward, unembed, device_wait); with
+    `sync_score_phases` each forward and head is waited for where it is built, so the forward's part
+    holds its device time and the result is the same."""
+    engine = Engine.load(str(model_dir), EngineOptions(sync_score_phases=sync))
+    request = parse_score({"rows": [{"prompt": PROMPT, "candidates": [" the", " a"]}] * 2})
+    (rows,) = engine.score_tokens_many([request])
+    assert not isinstance(rows, Exception)
+    before = dict(engine.score_seconds)
+    (result,) = engine.score_many([rows])
+    spent = {k: engine.score_seconds[k] - before[k] for k in before}
+    assert set(spent) == {"tree", "forward", "unembed", "device_wait"}
+    assert all(s > 0 for s in spent.values()), spent
+    assert len(result.rows) == 2 and all(len(r.logits) == 2 for r in result.rows)
