@@ -318,6 +318,9 @@ def queue_overhead(b: Bench) -> dict[str, Any]:
             "ms_per_job_outside_mlx": 1000 * (wall - sums["score_many"]) / n,
             "load_s": ready["load_s"],
             "redis_commands_per_job": sum(calls.values()) / n,
+            # Counted at the worker's client: a script call is one command sent, however many it runs.
+            "redis_sent_per_job": sum(exit_.get("sent", {}).values()) / n,
+            "redis_sent": dict(sorted(exit_.get("sent", {}).items(), key=lambda kv: -kv[1])),
             "score_phase_ms_per_batch": _phase_ms(exit_.get("stats", {})),
             "redis_commands": dict(sorted(calls.items(), key=lambda kv: -kv[1])),
             **worker_memory(records),

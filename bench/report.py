@@ -110,24 +110,26 @@ SCORING: list[Column] = [
 ]
 
 
-def _commands_by_name(table: dict[str, Any]) -> str:
-    """Redis commands per job by name for each pass (INFO commandstats; commands inside Lua scripts
-    and transactions count one each), those at 0.05 a job or more."""
-    passes = [(k, r) for k, r in table.items() if r.get("redis_commands") and r.get("jobs")]
+def _commands_by_name(table: dict[str, Any], key: str = "redis_commands") -> str:
+    """Redis commands per job by name for each pass, those at 0.05 a job or more: run by the server
+    (`redis_commands`, INFO commandstats: commands inside Lua scripts and transactions count one each)
+    or sent by the worker (`redis_sent`, counted at its client: a script call counts one)."""
+    passes = [(k, r) for k, r in table.items() if r.get(key) and r.get("jobs")]
     if not passes:
         return ""
     names: dict[str, float] = {}
     for _, r in passes:
-        for name, calls in r["redis_commands"].items():
+        for name, calls in r[key].items():
             names[name] = max(names.get(name, 0.0), calls / r["jobs"])
     shown = [n for n, per_job in sorted(names.items(), key=lambda kv: -kv[1]) if per_job >= 0.05]
+    what = "run by the server" if key == "redis_commands" else "sent by the worker"
     lines = [
-        "\nRedis commands per job, by command:\n",
+        f"\nRedis commands per job {what}, by command:\n",
         "| command | " + " | ".join(k for k, _ in passes) + " |",
         "| --- |" + " ---: |" * len(passes),
     ]
     for name in shown:
-        cells = [f"{r['redis_commands'].get(name, 0) / r['jobs']:.2f}" for _, r in passes]
+        cells = [f"{r[key].get(name, 0) / r['jobs']:.2f}" for _, r in passes]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -160,7 +162,8 @@ QUEUE: list[Column] = [
     ("finish_streams s", _get("finish_streams_s", digits=2)),
     ("share outside MLX", lambda _k, r: f"{100 * r['share_outside_mlx']:.0f}%"),
     ("ms/job outside MLX", _get("ms_per_job_outside_mlx", digits=2)),
-    ("Redis cmds/job", _get("redis_commands_per_job")),
+    ("Redis cmds/job run (server)", _get("redis_commands_per_job")),
+    ("Redis cmds/job sent (worker)", _get("redis_sent_per_job")),
     MEM,
 ]
 BATCH: list[Column] = [
@@ -290,6 +293,7 @@ def render(result: dict[str, Any]) -> str:
         )
         out.append(_columns(QUEUE, q["table"]))
         out.append(_commands_by_name(q["table"]))
+        out.append(_commands_by_name(q["table"], "redis_sent"))
         out.append(_phases_by_pass(q["table"]))
     if (bg := figs.get("batch")) and "rows" in bg:
         out.append(

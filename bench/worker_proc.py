@@ -20,14 +20,16 @@ import functools
 import json
 import os
 import pstats
+import threading
 import time
 from collections.abc import Callable
 from typing import Any, TextIO
 
 import mlx.core as mx
+from redis.connection import AbstractConnection
 
 from mlxq import worker
-from mlxq.worker import stream_writer
+from mlxq.worker import stream_scripts, stream_writer
 from mlxq.worker.cli import configure_logging
 from mlxq.worker.engine import Engine
 from mlxq.worker.engine.generation_batch import GenerationBatch
@@ -90,6 +92,39 @@ def _summed(recorder: Recorder, name: str, fn: Callable[..., Any]) -> Callable[.
     return wrapper
 
 
+class SentCommands:
+    """Redis commands the worker process sends, by name, counted at the client: a script call counts
+    one (the server's `INFO commandstats` counts it and every command it runs), a pipeline's commands
+    one each. redis-py sends a single command through `send_command` and a pipeline's through
+    `pack_commands`; both are wrapped on the connection class."""
+
+    def __init__(self) -> None:
+        self.counts: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def add(self, args: Any) -> None:
+        name = args[0].decode() if isinstance(args[0], bytes) else str(args[0])
+        name = name.split()[0].lower()  # "SCRIPT LOAD" is sent as one argument by some calls
+        with self._lock:
+            self.counts[name] = self.counts.get(name, 0) + 1
+
+    def install(self) -> None:
+        send, pack = AbstractConnection.send_command, AbstractConnection.pack_commands
+
+        def send_command(conn: Any, *args: Any, **kwargs: Any) -> Any:
+            self.add(args)
+            return send(conn, *args, **kwargs)
+
+        def pack_commands(conn: Any, commands: Any) -> Any:
+            commands = list(commands)
+            for cmd in commands:
+                self.add(cmd)
+            return pack(conn, commands)
+
+        AbstractConnection.send_command = send_command  # type: ignore[method-assign]
+        AbstractConnection.pack_commands = pack_commands  # type: ignore[method-assign]
+
+
 def instrument(recorder: Recorder) -> None:
     """Put the timers on the engine's classes and the stream writer's functions.
 
@@ -104,6 +139,10 @@ def instrument(recorder: Recorder) -> None:
     streams = stream_writer
     streams.flush_streams = _summed(recorder, "flush_streams", streams.flush_streams)  # type: ignore[assignment]
     streams.finish_streams = _timed(recorder, "finish_streams", streams.finish_streams, attach=True)  # type: ignore[assignment]
+    # Score jobs end their streams by one script call a batch: timed as the same kind of write.
+    stream_scripts.finish_score_streams = _timed(  # type: ignore[assignment]
+        recorder, "finish_streams", stream_scripts.finish_score_streams, attach=True
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -121,6 +160,8 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging(settings.log_level)
     recorder = Recorder(args.records)
     instrument(recorder)
+    sent = SentCommands()
+    sent.install()
     from mlxq.worker.service import WorkerService  # after `instrument`: see there
 
     t0 = time.perf_counter()
@@ -149,7 +190,9 @@ def main(argv: list[str] | None = None) -> int:
                 stats.sort_stats("tottime").print_stats(25)
                 stats.sort_stats("cumulative").print_stats(r"(rq|worker|jobs|redis)/.*\.py", 45)
         # The worker's last stats snapshot: its own per-phase times of score batches, among others.
-        recorder.write({"event": "exit", "start": time.time(), "stats": dict(service.stats.latest)})
+        recorder.write(
+            {"event": "exit", "start": time.time(), "stats": dict(service.stats.latest), "sent": sent.counts}
+        )
 
 
 if __name__ == "__main__":

@@ -30,7 +30,20 @@ def worker_stats_key(worker_name: str) -> str:
 
 
 # The phases of a score batch, in order; the worker stats hash holds `score_<phase>_s` for each.
-SCORE_PHASES = ("claim", "start", "tokenize", "score", "write", "end")
+# `score` is the engine's whole time; `tree`, `forward`, `unembed` and `device_wait` are its parts
+# (`worker/score_phases.py` says what each holds).
+SCORE_PHASES = (
+    "claim",
+    "start",
+    "tokenize",
+    "tree",
+    "forward",
+    "unembed",
+    "device_wait",
+    "score",
+    "write",
+    "end",
+)
 
 
 def rq_queue_key(queue: str) -> str:

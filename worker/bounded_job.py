@@ -126,6 +126,9 @@ class BoundedJob(Job):
     within `max_payload_bytes` (stored and inflated); else `UnreadableJob`, naming the field."""
 
     max_payload_bytes: ClassVar[int] = 16 << 20
+    # The hash as read, field by field: a batch's end (`rq_batches`) writes back only the fields whose
+    # value RQ's end would change, where RQ rewrites the whole hash. None: not read from a hash.
+    stored_fields: dict[bytes, bytes] | None = None
 
     def restore(self, raw_data: Any) -> Any:
         fields = {k.encode() if isinstance(k, str) else k: v for k, v in dict(raw_data).items()}
@@ -133,4 +136,6 @@ class BoundedJob(Job):
         problem = field_problem(fields, self.max_payload_bytes)
         if problem is not None:
             raise UnreadableJob(problem)
-        return super().restore(raw_data)
+        restored = super().restore(raw_data)
+        self.stored_fields = fields
+        return restored

@@ -3,7 +3,9 @@
 The generation and score components hand finished work here; this module owns the attempt count (kept
 in the job's meta, so it survives RQ's retries: a retried job's stream says `restart` first), the time a
 job waited in its queue, the result key and `done` event written together (one transaction for all the
-jobs that end at once), the per-job log line and the worker's job counters. Failures are not written
+generation jobs that end at once; for a batch of score jobs, which write their streams only as they
+end, one script call with their attempt counts and `restart` entries: `stream_scripts.py`), the per-job
+log line and the worker's job counters. Failures are not written
 here: the worker's failure hook ends the stream with an `error` event for every failed job.
 """
 
@@ -19,6 +21,7 @@ from rq.job import Job
 from rq.utils import now
 
 from mlxq.jobs.schema import DoneEvent, GenerateResult, ScoreResult
+from mlxq.worker.stream_scripts import finish_score_streams
 from mlxq.worker.stream_writer import StreamOptions, StreamWriter, finish_streams, open_streams
 
 log = logging.getLogger(__name__)
@@ -123,11 +126,10 @@ class JobResults:
         )
 
     def finish_scores(self, finished: list[tuple[Job, ScoreResult]]) -> None:
-        """Write score jobs' results and `done` events in three round trips, not three per job: their
-        attempt counts, their streams' seeks, then one transaction with every result and `done`."""
-        writers = self.open_streams([job for job, _ in finished], deferred=False)
-        finals = [(w, result, _score_done(result)) for w, (_, result) in zip(writers, finished, strict=True)]
-        finish_streams(self.conn, finals, self.options)
+        """Write score jobs' attempt counts, results and `done` events (and a `restart` where an earlier
+        attempt wrote the stream) by one script call for them all (`stream_scripts.py`)."""
+        finals = [(job, self._attempt(job), result, _score_done(result)) for job, result in finished]
+        finish_score_streams(self.conn, finals, self.options)
         for job, result in finished:
             self.jobs_done += 1
             self._queued_s.pop(job.id, None)

@@ -1,20 +1,24 @@
 """RQ's job lifecycle for jobs an mlxq worker runs together: the one module that reproduces RQ.
 
 RQ (3.x) starts and ends one job at a time, several round trips each. A worker that runs 64 jobs in one
-batch does the same bookkeeping for all of them in one transaction. What is copied, and from where:
+batch writes the same records for all of them with one script call (`rq_scripts.py`: the commands run
+inside Redis, the worker sends one). What is copied, and from where:
 
 - `start`: what `Worker.prepare_execution` (an `Execution` record in the started registry, the worker's
   heartbeat) and `Worker.prepare_job_execution(remove_from_intermediate_queue=True)` (the job's
   heartbeat, status `started` and worker name, its hash persisted, the id off the queue's intermediate
-  list, the worker busy) write, for every job in one MULTI/EXEC, without RQ's repeated writes: the
-  job's heartbeat goes in the HSET that starts it, the worker's index of executions gets one SADD and
-  one EXPIRE for the batch;
+  list, the worker busy) write, for every job, without RQ's repeated writes: the job's heartbeat goes
+  in the HSET that starts it, the worker's index of executions gets one SADD and one EXPIRE for the
+  batch; the worker's state and heartbeat go through RQ's own methods in the same round trip;
 - `succeed_many`: what `Worker._finalize_success` and `Worker.handle_job_success` write for a job
-  without dependents or repeats (result, status `finished`, registries, TTLs, execution record, the
-  worker's counters), for every job in one MULTI/EXEC, with the dependents sets WATCHed as RQ does;
-  one HSET a job where RQ sends three, and no EXPIRE of a dependents or dependencies set that does not
-  exist.
-  A job with repeats left, and every job when that transaction fails for good, ends through RQ itself;
+  without dependents, dependencies or repeats and with a result kept for a while (result, status
+  `finished`, registries, TTLs, execution record, the worker's counters), for every job: one HSET a
+  job where RQ sends three, of the fields whose stored value changes where RQ rewrites them all (the
+  end's times and status, a timeout the worker set, a field a producer left out), no EXPIRE of a
+  dependents or dependencies set that does not exist. The script checks each dependents set as it
+  ends the job (RQ WATCHes them): nothing runs between the check and the writes, so a job that has
+  a dependent is never ended there. It, a job with repeats left or another TTL, and every job when
+  the call fails for good, ends through RQ itself;
 - `cancel_running`: what RQ's `Job.cancel` writes (status `canceled`, the canceled registry) for a job
   its producer cancelled while it ran, with the worker's end of the execution (`cleanup_execution`).
   RQ's cancel is made for waiting jobs; a running mlxq job stops at its next step and writes its
@@ -36,21 +40,24 @@ from __future__ import annotations
 
 import logging
 import sys
+from base64 import b64encode
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 from uuid import uuid4
 
-import redis
 from rq import Queue, SimpleWorker
 from rq.executions import Execution, ExecutionRegistry
 from rq.job import Job, JobStatus
 from rq.rate_limit import release_slot
 from rq.registry import CanceledJobRegistry
 from rq.results import Result
-from rq.utils import now, utcformat
+from rq.utils import current_timestamp, now, utcformat
 from rq.worker import WorkerStatus
 
+from mlxq.worker import rq_scripts
+from mlxq.worker.bounded_job import BoundedJob
+from mlxq.worker.server_script import wire
 from mlxq.worker.stream_writer import StreamOptions, retrying
 
 log = logging.getLogger(__name__)
@@ -88,45 +95,65 @@ class RqBatches:
         self.options = options
         self.default_job_timeout = default_job_timeout
         self.max_job_timeout = max_job_timeout  # -1: a job may ask for any timeout, none included
+        rq_scripts.load(worker.connection)
 
     def start(self, jobs: list[Job], queue: Queue) -> list[Run]:
-        """Start jobs that are in RQ's intermediate list (dequeued or claimed), all in one transaction."""
+        """Start jobs that are in RQ's intermediate list (dequeued or claimed): their records written by
+        one script call (`rq_scripts.START`) a queue, the worker's state and heartbeat beside it, in
+        one round trip."""
         if not jobs:
             return []
         w = self.worker
-        intermediate = {  # each origin's intermediate list: one Queue made per origin, not per job
-            origin: Queue(origin, connection=w.connection).intermediate_queue_key
-            for origin in {job.origin for job in jobs}
-        }
+        at = now()
+        runs = []
+        groups: dict[tuple[str, int], list[tuple[Job, Execution]]] = {}
+        for job in jobs:
+            job.timeout = self.timeout_of(job)
+            execution = Execution(id=uuid4().hex, job_id=job.id, connection=w.connection, worker_name=w.name)
+            execution.created_at = execution.last_heartbeat = at
+            execution._job = job
+            groups.setdefault((job.origin, w.get_heartbeat_ttl(job)), []).append((job, execution))
+            runs.append(Run(job, queue, execution))
+        calls = [self._start_call(origin, ttl, group, at) for (origin, ttl), group in groups.items()]
 
-        def start() -> list[Execution]:
-            executions = []
-            worker_ttl = 0
-            with w.connection.pipeline() as pipe:
-                for job in jobs:
-                    job.timeout = self.timeout_of(job)
-                    ttl = w.get_heartbeat_ttl(job)
-                    executions.append(_create_execution(job, ttl, w.name, pipe))
-                    worker_ttl = max(worker_ttl, ttl)
-                    job.prepare_for_execution(w.name, pipeline=pipe)  # `last_heartbeat` too: RQ's `heartbeat`
-                    pipe.persist(job.key)
-                    pipe.lrem(intermediate[job.origin], 1, job.id)
-                # The worker's index of its executions: one SADD and one EXPIRE for the batch where
-                # RQ's `Execution.create` sends both per job (the longest TTL: RQ's last one may be shorter).
-                pipe.sadd(executions[0].worker_executions_key, *(e.composite_key for e in executions))
-                pipe.expire(executions[0].worker_executions_key, worker_ttl + 60)
+        def start() -> None:
+            with w.connection.pipeline(transaction=False) as pipe:
+                for keys, args in calls:
+                    rq_scripts.START.queue(pipe, keys, args)
                 w.set_state(WorkerStatus.BUSY, pipeline=pipe)
                 w.heartbeat(w.get_heartbeat_ttl(jobs[0]), pipeline=pipe)
                 pipe.execute()
-            return executions
 
-        executions = retrying(self.options)(start)
-        runs = []
-        for job, execution in zip(jobs, executions, strict=True):
-            w.executions[execution.id] = execution
-            job.started_at = now()
-            runs.append(Run(job, queue, execution))
+        retrying(self.options)(rq_scripts.START.run, w.connection, start)
+        stamp = utcformat(at).encode()
+        for run in runs:  # what RQ's `prepare_for_execution` sets on the job, as the script wrote it
+            job = run.job
+            job.worker_name, job.last_heartbeat, job.started_at = w.name, at, at
+            job._status = JobStatus.STARTED
+            if isinstance(job, BoundedJob) and job.stored_fields is not None:
+                started = {b"last_heartbeat": stamp, b"started_at": stamp, b"worker_name": w.name.encode()}
+                job.stored_fields.update({**started, b"status": b"started"})
+            w.executions[run.execution.id] = run.execution
         return runs
+
+    def _start_call(
+        self, origin: str, ttl: int, group: list[tuple[Job, Execution]], at: datetime
+    ) -> tuple[list[str], list[Any]]:
+        """The start script's keys and arguments for jobs of one queue and heartbeat TTL: what RQ's
+        `Execution.create` (its hash and TTL, the job's executions and their TTL, the started
+        registry, the worker's index of executions once for them all) and `prepare_for_execution`
+        (the job's heartbeat, status, start and worker; PERSIST; off the intermediate list) write."""
+        w = self.worker
+        q = Queue(origin, connection=w.connection)
+        stamp = current_timestamp()
+        wip: int | str = ttl if ttl < 0 else stamp + ttl  # RQ's `add_execution`
+        keys = [q.started_job_registry.key, q.intermediate_queue_key, group[0][1].worker_executions_key]
+        args: list[Any] = [w.name, at.timestamp(), utcformat(at), ttl, stamp + ttl + 60, ttl + 60]
+        args += ["+inf" if wip == -1 else wip, ttl + 60]
+        for job, execution in group:
+            keys += [job.key, execution.key, ExecutionRegistry.key_template.format(job.id)]
+            args += [job.id, execution.id]
+        return keys, args
 
     def timeout_of(self, job: Job) -> int:
         """The job's timeout as this worker runs it: the worker's default where the job has none (RQ's
@@ -204,14 +231,16 @@ class RqBatches:
         self.fail(run, (type(error), error, error.__traceback__))
 
     def succeed_many(self, ended: list[Ended]) -> None:
-        """End many successful jobs: those without repeats in one transaction (`_end_together`), the
-        others (and all of them if that transaction fails for good) one by one through RQ; a job whose
-        end fails is failed with the reason. Jobs cancelled while they ran end `canceled`."""
+        """End many successful jobs: those RQ ends plainly (`_plain_end`) by one script call
+        (`_end_together`), the others (and all of them if that call fails for good) one by one through
+        RQ; a job whose end fails is failed with the reason. Jobs cancelled while they ran end
+        `canceled`."""
         for run, _ in (item for item in ended if was_cancelled(item[1])):
             self.cancel_running(run)
         ended = [item for item in ended if not was_cancelled(item[1])]
-        alone = [item for item in ended if item[0].job.repeats_left]
-        together = [item for item in ended if not item[0].job.repeats_left]
+        plain = [_plain_end(*item, self.worker.default_result_ttl) for item in ended]
+        alone = [item for item, ok in zip(ended, plain, strict=True) if not ok]
+        together = [item for item, ok in zip(ended, plain, strict=True) if ok]
         if together:
             try:
                 done = retrying(self.options)(self._end_together, together)
@@ -233,77 +262,100 @@ class RqBatches:
                 self.fail(run, sys.exc_info())
 
     def _end_together(self, ended: list[Ended]) -> list[bool]:
-        """End the jobs without dependents in one MULTI/EXEC, each as RQ's `handle_job_success` ends one;
-        which ones it ended. The dependents sets are watched before they are read, so a dependent added
-        before the commit makes it start over, as in RQ."""
+        """End jobs with no dependents, each as RQ's `handle_job_success` ends one, by one script call
+        a queue (`rq_scripts.END`); which ones it ended. The script checks each job's dependents set
+        and leaves a job that has one (its index comes back): a script runs alone, so no dependent can
+        be added between that check and the writes, which RQ guards with WATCH."""
         w = self.worker
-        with w.connection.pipeline() as pipe:
-            while True:
-                try:
-                    pipe.watch(*(run.job.dependents_key for run, _ in ended))  # type: ignore[no-untyped-call]
-                    with w.connection.pipeline(transaction=False) as reads:
-                        for run, _ in ended:
-                            reads.exists(run.job.dependents_key)
-                        free = [not n for n in reads.execute()]
-                    pipe.multi()
-                    at = now()
-                    working = 0.0
-                    for (run, value), ok in zip(ended, free, strict=True):
-                        if ok:
-                            self._write_success(run, value, at, pipe)
-                            working += (at - (run.job.started_at or at)).total_seconds()
-                    if any(free):  # the worker's counters, as RQ adds them a job at a time
-                        pipe.hincrby(w.key, "successful_job_count", sum(free))
-                        pipe.hincrbyfloat(w.key, "total_working_time", working)
-                    pipe.execute()
-                    return free
-                except redis.WatchError:
-                    continue
+        at = now()
+        by_origin: dict[str, list[int]] = {}
+        for i, (run, _) in enumerate(ended):
+            by_origin.setdefault(run.job.origin, []).append(i)
+        calls = [
+            (idx, self._end_call(origin, [ended[i] for i in idx], at)) for origin, idx in by_origin.items()
+        ]
 
-    def _write_success(self, run: Run, value: Any, at: datetime, pipe: Any) -> None:
-        """Queue on `pipe` what RQ's `_finalize_success` writes for a job with no dependents or repeats,
-        but the worker's counters (`_end_together` adds them for all its jobs at once)."""
-        job, execution = run.job, run.execution
+        def end() -> list[Any]:
+            with w.connection.pipeline(transaction=False) as pipe:
+                for _, (keys, args) in calls:
+                    rq_scripts.END.queue(pipe, keys, args)
+                return list(pipe.execute())
+
+        replies = rq_scripts.END.run(w.connection, end)
+        done = [True] * len(ended)
+        for (idx, _), left in zip(calls, replies, strict=True):
+            for k in left:
+                done[idx[int(k)]] = False
+        for (run, value), ok in zip(ended, done, strict=True):
+            if ok:
+                self._ended(run, value, at)
+        return done
+
+    def _end_call(self, origin: str, ended: list[Ended], at: datetime) -> tuple[list[str], list[Any]]:
+        """The end script's keys and arguments for jobs of one queue: what RQ's `_handle_success` (the
+        job hash, its result, the finished registry), `job.cleanup(ttl)` (the job's TTL) and
+        `cleanup_execution` write, and the worker's counters once for them all."""
+        w = self.worker
+        q = Queue(origin, connection=w.connection)
+        keys = [w.key, ended[0][0].execution.worker_executions_key, q.started_job_registry.key]
+        keys.append(q.finished_job_registry.key)
+        args: list[Any] = [w.name, at.timestamp(), current_timestamp()]
+        for run, value in ended:
+            job, execution = run.job, run.execution
+            ttl = job.get_result_ttl(w.default_result_ttl)
+            results = Result.get_key(job.id)  # type: ignore[no-untyped-call]
+            keys += [job.key, job.dependents_key, results, execution.key]
+            keys.append(ExecutionRegistry.key_template.format(job.id))
+            returned = b64encode(job.serializer.dumps(value)).decode()
+            working = (at - (job.started_at or at)).total_seconds()
+            fields = self._changed_fields(job, at)
+            args += [
+                job.id,
+                execution.id,
+                ttl,
+                returned,
+                execution.created_at.timestamp(),
+                working,
+                len(fields),
+            ]
+            for name, field in fields.items():
+                args += [name, field]
+        return keys, args
+
+    def _changed_fields(self, job: Job, at: datetime) -> dict[str, Any]:
+        """The job-hash fields RQ's end writes (`job.to_dict()`, as `_handle_success` saves it, with
+        status `finished`), less those the hash already holds with the same value: RQ rewrites every
+        field; the script writes only what changes (the end's times and status, a timeout the worker
+        set). A job not read from a hash gets them all."""
         job.ended_at = at
-        job.last_heartbeat = at  # RQ's `job.heartbeat(...)`, written with the rest of the hash below
-        job._result = value
+        job.last_heartbeat = at  # RQ's `job.heartbeat(...)`
         job._status = JobStatus.FINISHED
-        result_ttl = job.get_result_ttl(self.worker.default_result_ttl)
-        if result_ttl != 0:  # RQ's `_handle_success`: its three HSETs (heartbeat, status, save) as one
-            fields = job.to_dict(include_meta=False, include_result=False)
-            pipe.hset(job.key, mapping={**fields, "status": JobStatus.FINISHED})
-            Result.create(
-                job,
-                Result.Type.SUCCESSFUL,
-                return_value=value,
-                ttl=result_ttl,
-                worker_name=self.worker.name,
-                pipeline=pipe,
-                execution_id=execution.id,
-                execution_started_at=execution.created_at,
-                execution_ended_at=at,
-            )
-            job.finished_job_registry.add(job, result_ttl, pipe)
-        else:
-            pipe.hset(job.key, "last_heartbeat", utcformat(at))
-        if result_ttl is not None and result_ttl > 0:
-            # RQ's `job.cleanup(ttl)`, but without EXPIRE of keys that do not exist (a no-op): the
-            # dependents set (`_end_together` found it absent, under WATCH) and the dependencies set of
-            # a job that depends on nothing.
-            pipe.expire(job.key, result_ttl)
-            if job._dependency_ids:
-                pipe.expire(job.dependencies_key, result_ttl)
-        else:
-            job.cleanup(result_ttl, pipeline=pipe, remove_from_queue=False)
-        self.worker.cleanup_execution(job, pipeline=pipe, execution=execution)
+        fields = job.to_dict(include_meta=False, include_result=False)
+        fields["status"] = JobStatus.FINISHED.value
+        stored = job.stored_fields if isinstance(job, BoundedJob) else None
+        if stored is None:
+            return fields
+        return {k: v for k, v in fields.items() if stored.get(k.encode()) != wire(v)}
+
+    def _ended(self, run: Run, value: Any, at: datetime) -> None:
+        """The job and the worker in memory as RQ leaves them after its end of a job."""
+        job = run.job
+        job._result = value
+        if isinstance(job, BoundedJob) and job.stored_fields is not None:
+            stamp = utcformat(at).encode()
+            job.stored_fields.update({b"status": b"finished", b"ended_at": stamp, b"last_heartbeat": stamp})
+        self.worker.executions.pop(run.execution.id, None)
 
 
-def _create_execution(job: Job, ttl: int, worker_name: str, pipe: Any) -> Execution:
-    """RQ's `Execution.create` but the worker's index of executions (`RqBatches.start` writes it once
-    for the batch): the execution's hash, the job's registry of executions, the started registry."""
-    execution = Execution(id=uuid4().hex, job_id=job.id, connection=job.connection, worker_name=worker_name)
-    execution._job = job
-    execution.save(ttl=ttl, pipeline=pipe)
-    ExecutionRegistry(job_id=job.id, connection=pipe).add(execution=execution, ttl=ttl, pipeline=pipe)
-    job.started_job_registry.add_execution(execution, pipeline=pipe, ttl=ttl, xx=False)
-    return execution
+def _plain_end(run: Run, value: Any, default_result_ttl: int) -> bool:
+    """Whether RQ's end of this job is the one the end script writes: no repeats left (RQ queues the job
+    again), a result kept for a while (RQ deletes the job at 0 and keeps it forever at -1), no
+    dependencies (RQ sets their set's TTL too) and a return value (RQ's result then has none)."""
+    job = run.job
+    try:
+        ttl = job.get_result_ttl(default_result_ttl)
+    except Exception:  # RQ's own end meets the same error and fails the job with it
+        return False
+    if job.repeats_left or job._dependency_ids or value is None:
+        return False
+    return ttl is not None and ttl > 0

@@ -37,7 +37,10 @@ Prepared = list[PreparedRow]  # one job's rows: tokens of candidates, continuati
 
 
 class ScoringEngine(Protocol):
-    """What scoring needs of the engine."""
+    """What scoring needs of the engine: tokenizing and scoring, and the seconds scoring spent in each
+    of its parts so far (`score_seconds`: tree, forward, unembed, device_wait)."""
+
+    score_seconds: dict[str, float]
 
     def score_tokens_many(
         self, requests: Sequence[ScoreRequest]
@@ -113,7 +116,7 @@ class ScoreJobs:
                 ready.append((run, rows))
         if not ready:
             return
-        with self.phases.timed("score"):
+        with self.phases.timed("score"), self.phases.parts(self.engine.score_seconds):
             results, timed_out = self._score_together(ready, deadlines)
             scored: list[tuple[Run, ScoreResult]] = []
             for i, (run, rows) in enumerate(ready):

@@ -3,7 +3,14 @@
 A score batch goes through the same steps whatever its size: claim the queued score jobs beside the
 first (`ScoreClaimer`), start them in RQ (`RqBatches.start`), validate and tokenize their rows, score
 them on the engine (prefix tree, forwards, unembedding), write results and `done` events
-(`JobResults`), end them in RQ. Which of these dominates decides what to tune: the queue's round trips
+(`JobResults`), end them in RQ. The engine's time (`score`) is split into its parts as the engine
+times them (`PrefixScorer`): `tree`, `forward` and `unembed` are host time building the prefix tree,
+the forwards and the LM head's work; `device_wait` is the time spent waiting for the device, which
+runs forwards and heads lazily (so it holds the device time of both). No wait is added to split them;
+the engine's debug setting `MLXQ_SYNC_SCORE_PHASES` waits for each forward and head, so that their
+device time counts as `forward` and `unembed` (and the batch is slower).
+
+Which of these dominates decides what to tune: the queue's round trips
 (more rows per job, more workers) or the model (a larger batch, a faster device). `ScoreJobs` times each
 phase here; the worker publishes the sums in its stats hash (`fields`), so `mlxq status` shows the mean
 per batch and Prometheus the totals. Sums, not a history: a worker lives for days and the hash is read
@@ -40,6 +47,18 @@ class ScorePhases:
             yield
         finally:
             self.seconds[phase] += self._clock() - started
+
+    @contextmanager
+    def parts(self, seconds: dict[str, float]) -> Iterator[None]:
+        """Add what the block adds to `seconds` (the engine's running sums of its parts of scoring:
+        tree, forward, unembed, device_wait) to those phases."""
+        before = dict(seconds)
+        try:
+            yield
+        finally:
+            for phase, s in seconds.items():
+                if phase in self.seconds:
+                    self.seconds[phase] += s - before.get(phase, 0.0)
 
     def batch_done(self, jobs: int, rows: int) -> None:
         self.batches += 1

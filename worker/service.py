@@ -69,6 +69,7 @@ def load_engine(settings: WorkerSettings) -> Engine:
             dense_rows=settings.dense_rows,
             idle_prefill_tokens=settings.idle_prefill_tokens,
             score_kv_bytes=settings.score_kv_bytes,
+            sync_score_phases=settings.sync_score_phases,
             max_prompt_chars=settings.max_prompt_chars,
             max_stop_chars=settings.max_stop_chars,
             max_stops=settings.max_stops,

@@ -93,6 +93,12 @@ class WorkerSettings(BaseSettings):
         "prefix they share (each row runs on its own copy); more rows go in further batches; 0: no bound; "
         "unset: an eighth of MLX's memory limit",
     )
+    sync_score_phases: bool = Field(
+        default=False,
+        description="debug: wait for the device after each scoring forward and LM head, so that the score "
+        "phases forward and unembed hold their device time (else the waits are one phase, device_wait); "
+        "slows scoring",
+    )
     max_score_rows: int = Field(default=64, ge=1, description="rows one score job may have")
     max_score_candidates: int = Field(default=26, ge=1, description="candidates one score row may have")
     max_prompt_chars: int | None = Field(

@@ -4,6 +4,7 @@ transaction instead of several round trips per job; dependents and repeats as RQ
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import pytest
@@ -16,6 +17,7 @@ from rq.serializers import JSONSerializer
 
 from mlxq.jobs import keys
 from mlxq.worker import rq_batches
+from mlxq.worker.bounded_job import BoundedJob
 from mlxq.worker.rq_batches import Run
 from mlxq.worker.rq_worker import MlxqWorker
 from mlxq.worker.stream_writer import StreamOptions
@@ -49,7 +51,7 @@ def _job_state(job: Job) -> dict[str, Any]:
     }
 
 
-def test_jobs_started_together_are_started_as_rq_starts_one_in_one_transaction(
+def test_jobs_started_together_are_started_as_rq_starts_one_by_one_script_call(
     redis_conn: redis.Redis,
 ) -> None:
     q = Queue("starts", connection=redis_conn, serializer=JSONSerializer)
@@ -61,9 +63,10 @@ def test_jobs_started_together_are_started_as_rq_starts_one_in_one_transaction(
     alone, together = jobs[0], jobs[1:]
     execution = w.prepare_execution(alone)  # RQ's own start of one job
     w.prepare_job_execution(alone, remove_from_intermediate_queue=True)
-    before = _commands(redis_conn, ("exec",))
+    before = _commands(redis_conn, ("exec", "evalsha"))
     runs = w.batches.start(together, q)
-    assert _commands(redis_conn, ("exec",))["exec"] - before["exec"] == 1
+    after = _commands(redis_conn, ("exec", "evalsha"))
+    assert {k: after[k] - before[k] for k in after} == {"exec": 0, "evalsha": 1}  # one script call
     reference = _job_state(alone)
     assert reference["status"] == "started" and reference["started registry"] and reference["executions"] == 1
     for run in runs:
@@ -74,11 +77,22 @@ def test_jobs_started_together_are_started_as_rq_starts_one_in_one_transaction(
     assert w.get_state() == "busy"
 
 
-def _started(w: MlxqWorker, q: Queue, n: int, **enqueue: Any) -> list[tuple[Run, Any]]:
+def _started(w: MlxqWorker, q: Queue, n: int, sparse: bool = False, **enqueue: Any) -> list[tuple[Run, Any]]:
     """`n` score jobs as a batch holds them once started, each with a return value."""
     jobs = [q.enqueue_call(keys.SCORE_FUNC, args=(ROW,), **enqueue) for _ in range(n)]
     for _ in jobs:  # claimed: off the queue, onto the intermediate list as RQ's dequeue leaves it
         q.connection.lmove(q.key, q.intermediate_queue_key, "LEFT", "RIGHT")
+    # Every other job read back from its hash, as a worker's dequeue or claim has it (its end writes
+    # only the fields that change); the others as enqueued (their end writes every field). `sparse`:
+    # the last job's hash lacks fields RQ's enqueue writes, as a producer in another language may leave it.
+    if sparse:
+        q.connection.hdel(jobs[-1].key, "group_id", "stopped_callback_name")
+    jobs = [
+        BoundedJob.fetch(job.id, connection=q.connection, serializer=JSONSerializer)
+        if i % 2 or (sparse and i == len(jobs) - 1)
+        else job
+        for i, job in enumerate(jobs)
+    ]
     return [(run, {"n": i}) for i, run in enumerate(w.batches.start(jobs, q))]
 
 
@@ -100,28 +114,40 @@ def _ended_state(job: Job) -> dict[str, Any]:
             for k in ("started_at", "ended_at", "last_heartbeat", "enqueued_at")
         },
         "worker": conn.hget(job.key, "worker_name"),
+        # Every other field's value, and the result entry's fields (RQ writes each one at its end).
+        "values": {k: v for k, v in conn.hgetall(job.key).items() if k.decode() not in _PER_JOB},
+        "result fields": [sorted(f) for _, f in conn.xrange(f"rq:results:{job.id}")],
+        "result ttl": conn.ttl(f"rq:results:{job.id}") > 0,
+        "finished in": round(
+            float(conn.zscore(job.finished_job_registry.key, job.id) or 0) - time.time(), -1
+        ),
+        "ended after started": conn.hget(job.key, "ended_at") >= conn.hget(job.key, "started_at"),
     }
 
 
-def test_jobs_ended_together_are_ended_as_rq_ends_one_in_one_transaction(redis_conn: redis.Redis) -> None:
+# Fields that differ from job to job (times, the payload's own text) and are compared as set or not.
+_PER_JOB = {"created_at", "started_at", "ended_at", "last_heartbeat", "enqueued_at", "data", "description"}
+
+
+def test_jobs_ended_together_are_ended_as_rq_ends_one_by_one_script_call(redis_conn: redis.Redis) -> None:
     q = Queue("ends", connection=redis_conn, serializer=JSONSerializer)
     w = MlxqWorker([q], connection=redis_conn, stream_options=StreamOptions())
     w.register_birth()
-    (alone, *_), together = _started(w, q, 1), _started(w, q, 20)
+    (alone, *_), together = _started(w, q, 1), _started(w, q, 21, sparse=True)
     w.batches.succeed(*alone)  # RQ's own end of one job
-    before = _commands(redis_conn, ("exec", "watch"))
+    before = _commands(redis_conn, ("exec", "watch", "evalsha"))
     w.batches.succeed_many(together)
-    after = _commands(redis_conn, ("exec", "watch"))
-    assert {k: after[k] - before[k] for k in after} == {"exec": 1, "watch": 1}  # RQ: 20 of each
+    after = _commands(redis_conn, ("exec", "watch", "evalsha"))
+    assert {k: after[k] - before[k] for k in after} == {"exec": 0, "watch": 0, "evalsha": 1}  # RQ: 21 EXECs
     reference = _ended_state(alone[0].job)
     assert reference["status"] == "finished" and reference["finished registry"]
     assert reference["results"] == [(Result.Type.SUCCESSFUL, alone[1])]
     for run, value in together:
         assert _ended_state(run.job) == {**reference, "results": [(Result.Type.SUCCESSFUL, value)]}
         assert not redis_conn.exists(run.execution.key)
-    assert int(redis_conn.hget(w.key, "successful_job_count") or 0) == 21
+    assert int(redis_conn.hget(w.key, "successful_job_count") or 0) == 22
     assert float(redis_conn.hget(w.key, "total_working_time") or 0) > 0
-    assert q.started_job_registry.count == 0 and q.finished_job_registry.count == 21
+    assert q.started_job_registry.count == 0 and q.finished_job_registry.count == 22
     assert w.executions == {}
 
 
@@ -272,8 +298,9 @@ def test_a_batch_starts_and_ends_each_job_in_fewer_commands_than_rq_and_leaves_t
     redis_conn: redis.Redis,
 ) -> None:
     """RQ's start and end of one job run 11 + 15 commands for it; a batch writes the same records
-    (the tests above) without RQ's repeated writes of one field or one key: 8 + 11 a job, and a few
-    for the batch."""
+    (the tests above) without RQ's repeated writes of one field or one key: 8 + 11 a job run inside
+    Redis, and a few for the batch; the worker sends one script call for each (and its own state and
+    heartbeat beside the start's)."""
     q = Queue("costs", connection=redis_conn, serializer=JSONSerializer)
     w = MlxqWorker([q], connection=redis_conn, stream_options=StreamOptions())
     w.register_birth()
@@ -281,12 +308,32 @@ def test_a_batch_starts_and_ends_each_job_in_fewer_commands_than_rq_and_leaves_t
     jobs = [q.enqueue_call(keys.SCORE_FUNC, args=(ROW,)) for _ in range(n)]
     for _ in jobs:
         redis_conn.lmove(q.key, q.intermediate_queue_key, "LEFT", "RIGHT")
-    c0 = _calls(redis_conn)
+    c0, s0 = _calls(redis_conn), _commands(redis_conn, ("evalsha",))["evalsha"]
     runs = w.batches.start(jobs, q)
-    c1 = _calls(redis_conn)
+    c1, s1 = _calls(redis_conn), _commands(redis_conn, ("evalsha",))["evalsha"]
     w.batches.succeed_many([(run, {"n": 1}) for run in runs])
-    c2 = _calls(redis_conn)
-    assert c1 - c0 <= 8 * n + 6
-    assert c2 - c1 <= 11 * n + 6
+    c2, s2 = _calls(redis_conn), _commands(redis_conn, ("evalsha",))["evalsha"]
+    assert c1 - c0 <= 8 * n + 7  # the script call and the commands it runs
+    assert c2 - c1 <= 11 * n + 3
+    assert s1 - s0 == 1 and s2 - s1 == 1
     assert q.finished_job_registry.count == n and q.started_job_registry.count == 0
     assert not redis_conn.smembers(runs[0].execution.worker_executions_key)
+
+
+def test_an_end_sent_again_ends_no_job_twice_and_a_server_without_the_scripts_is_sent_them(
+    redis_conn: redis.Redis,
+) -> None:
+    """The end script sent a second time (its reply lost on the way, `retrying` sends it again) leaves
+    one result a job and counts each job once; a server that lost its scripts (a restart, SCRIPT
+    FLUSH) is sent them again and the batch goes on."""
+    q = Queue("again", connection=redis_conn, serializer=JSONSerializer)
+    w = MlxqWorker([q], connection=redis_conn, stream_options=StreamOptions())
+    w.register_birth()
+    redis_conn.script_flush()
+    ended = _started(w, q, 3)
+    assert w.batches._end_together(ended) == [True] * 3
+    assert w.batches._end_together(ended) == [True] * 3
+    for run, value in ended:
+        assert [r.return_value for r in Result.all(run.job, serializer=JSONSerializer)] == [value]
+        assert run.job.get_status(refresh=True) == "finished"
+    assert int(redis_conn.hget(w.key, "successful_job_count") or 0) == 3

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from mlxq.jobs import parse_score
 from mlxq.jobs.keys import SCORE_PHASES
 from mlxq.producer import Client, JobFailed
 from mlxq.producer.status_report import WorkerHealth, _health_lines
@@ -35,7 +36,7 @@ def test_each_phase_adds_its_time_also_when_it_raises() -> None:
     assert fields["score_tokenize_s"] == "0.500000" and fields["score_write_s"] == "0.500000"
     assert fields["score_claim_s"] == "0.000000"
     assert (fields["score_batches"], fields["score_jobs"], fields["score_rows"]) == ("1", "3", "7")
-    with pytest.raises(ValueError, match="unknown score phase 'forward'"), phases.timed("forward"):
+    with pytest.raises(ValueError, match="unknown score phase 'sampling'"), phases.timed("sampling"):
         pass
 
 
@@ -62,10 +63,29 @@ def test_a_workers_score_batches_are_timed_in_its_stats_and_status(
     assert stats["score_batches"] == "1"  # all four claimed together
     assert (stats["score_jobs"], stats["score_rows"]) == ("3", "6")  # the failed job is not counted
     seconds = {phase: float(stats[f"score_{phase}_s"]) for phase in SCORE_PHASES}
-    assert all(seconds[p] > 0 for p in ("claim", "start", "tokenize", "score", "write", "end")), seconds
+    assert all(seconds[p] > 0 for p in SCORE_PHASES), seconds  # the engine's parts too (tree, forward...)
 
     health = WorkerHealth.from_stats(stats)
     assert health.score_phase_s == pytest.approx(seconds)
     line = next(line for line in _health_lines(health) if line.startswith("score batches"))
     assert line.startswith("score batches: 1 (3 jobs, 6 rows)  ms a batch: claim ")
     assert all(f" {phase} " in f" {line} " for phase in SCORE_PHASES)
+
+
+@pytest.mark.parametrize("sync", [False, True])
+def test_the_engine_times_its_parts_of_scoring_with_or_without_waiting_for_each(
+    model_dir: Path, sync: bool
+) -> None:
+    """The engine adds up its parts of a score batch (tree, forward, unembed, device_wait); with
+    `sync_score_phases` each forward and head is waited for where it is built, so the forward's part
+    holds its device time and the result is the same."""
+    engine = Engine.load(str(model_dir), EngineOptions(sync_score_phases=sync))
+    request = parse_score({"rows": [{"prompt": PROMPT, "candidates": [" the", " a"]}] * 2})
+    (rows,) = engine.score_tokens_many([request])
+    assert not isinstance(rows, Exception)
+    before = dict(engine.score_seconds)
+    (result,) = engine.score_many([rows])
+    spent = {k: engine.score_seconds[k] - before[k] for k in before}
+    assert set(spent) == {"tree", "forward", "unembed", "device_wait"}
+    assert all(s > 0 for s in spent.values()), spent
+    assert len(result.rows) == 2 and all(len(r.logits) == 2 for r in result.rows)

@@ -53,6 +53,7 @@ from mlxq.worker.engine.models.loader import default_dtype, load_model, parse_dt
 from mlxq.worker.engine.models.quantized_rows import default_max_bytes, dense_rows_by_default, use_dense_rows
 from mlxq.worker.engine.sampler import Sampler
 from mlxq.worker.engine.scoring import (
+    SCORE_ENGINE_PHASES,
     CandidateHead,
     PrefixScorer,
     RowText,
@@ -130,6 +131,7 @@ class EngineOptions:
     speculation: str = "off"  # one of SPECULATION_KINDS (`speculation/`)
     draft_model: str | None = None  # the draft's folder; None: a `draft/` folder beside the model's files
     draft_policy: DraftPolicy = field(default_factory=DraftPolicy)
+    sync_score_phases: bool = False  # debug: wait for each scoring forward and head (`PrefixScorer`)
 
 
 class Engine:
@@ -165,6 +167,9 @@ class Engine:
         self.score_kv_bytes = (
             score_kv_by_default() if options.score_kv_bytes is None else options.score_kv_bytes
         )
+        # Seconds scoring spent in each part (`SCORE_ENGINE_PHASES`) since the engine was made: the
+        # worker reads them around each score batch.
+        self.score_seconds = dict.fromkeys(SCORE_ENGINE_PHASES, 0.0)
         # Whether decode steps launch on a thread of their own (`launcher.py`). The launcher is made here,
         # on the thread that loads the engine (the one that generates, in a worker), so every array that
         # thread makes from now on is on the launcher's stream.
@@ -480,11 +485,15 @@ class Engine:
             kv_bytes_per_token=self.kv_bytes_per_token,
             pad_shapes=self.pad_shapes,
             interrupt=interrupt,
+            seconds=self.score_seconds,
+            sync_phases=self.options.sync_score_phases,
         )
         per_candidate_row, per_seq = scorer.score([candidates, tokens])
         if cands:
+            t0 = time.perf_counter()
             logits = [row for row in candidates.logits if row is not None]  # every row is filled
             scores = candidate_scores(logits, [c for _, (_, c) in cands])
+            self.score_seconds["unembed"] += time.perf_counter() - t0
             for (i, (prompt, _)), (raw, logprobs), computed in zip(
                 cands, scores, per_candidate_row, strict=True
             ):

@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from time import perf_counter
 from typing import Protocol, cast
 
 import mlx.core as mx
@@ -32,6 +33,9 @@ from mlxq.worker.engine.generate import padded_size
 from mlxq.worker.engine.models.base import Model
 from mlxq.worker.engine.score_tree import _Node, build_tree, computed_per_row
 from mlxq.worker.engine.text.tokenizer import Tokenizer
+
+# The parts of a score batch's engine time `PrefixScorer` (and the engine's candidate scoring) times.
+SCORE_ENGINE_PHASES = ("tree", "forward", "unembed", "device_wait")
 
 TAIL_TOKENS = 16  # prompt tokens re-encoded with each candidate (see `candidate_token_ids`)
 
@@ -68,13 +72,25 @@ def candidate_token_ids(tokenizer: Tokenizer, rows: Sequence[RowText]) -> list[R
     guarded = {i for i, row in enumerate(rows) if _guarded(tokenizer, row)}
     tails = _tails(tokenizer, rows, bases, guarded)
     encoded = tokenizer.encode_short_many([t + c for i, t in tails.items() for c in rows[i].candidates])
+    # The other rows' prompt+candidate texts, encoded whole: all rows' in one call (not one per candidate).
+    whole = [i for i in range(len(rows)) if i not in tails]
+    encoded_whole = tokenizer.encode_many(
+        [rows[i].prompt + c for i in whole for c in rows[i].candidates],
+        [rows[i].add_special_tokens for i in whole for _ in rows[i].candidates],
+        [rows[i].split_special for i in whole for _ in rows[i].candidates],
+    )
     with_candidates: dict[int, list[list[int]]] = {}
     at = 0
     for i in tails:
         with_candidates[i] = encoded[at : at + len(rows[i].candidates)]
         at += len(rows[i].candidates)
+    whole_ids: dict[int, list[list[int]]] = {}
+    at = 0
+    for i in whole:
+        whole_ids[i] = encoded_whole[at : at + len(rows[i].candidates)]
+        at += len(rows[i].candidates)
     return [
-        _row_tokens(tokenizer, row, base, with_candidates.get(i))
+        _row_tokens(tokenizer, row, base, with_candidates.get(i), whole_ids.get(i, []))
         for i, (row, base) in enumerate(zip(rows, bases, strict=True))
     ]
 
@@ -104,8 +120,14 @@ def _tails(
 
 
 def _row_tokens(
-    tokenizer: Tokenizer, row: RowText, base: list[int], tails: list[list[int]] | None
+    tokenizer: Tokenizer,
+    row: RowText,
+    base: list[int],
+    tails: list[list[int]] | None,
+    whole: list[list[int]],
 ) -> RowTokens | InvalidCandidate:
+    """The row's prompt tokens and each candidate's one token, from its prompt's tail re-encoded with
+    each candidate (`tails`) or else from prompt+candidate encoded whole (`whole`)."""
     if not base:
         return InvalidCandidate(f"row {row.index}: the prompt is empty (it encodes to no tokens)")
     for cand in row.candidates:
@@ -121,13 +143,7 @@ def _row_tokens(
             for ids in tails
         ]
     else:
-        whole = [
-            tokenizer.encode(
-                row.prompt + c, add_special_tokens=row.add_special_tokens, split_special=row.split_special
-            )
-            for c in row.candidates
-        ]
-        shape = [(len(ids), ids[: len(base)] == base, ids[-1]) for ids in whole]
+        shape = [(len(ids), ids[: len(base)] == base, ids[-1] if ids else -1) for ids in whole]
     out = []
     for cand, (n, kept, last) in zip(row.candidates, shape, strict=True):
         if n != len(base) + 1 or not kept:
@@ -232,8 +248,17 @@ class PrefixScorer:
         head_chunk: int = 256,
         pad_shapes: bool = False,
         interrupt: Callable[[], None] | None = None,
+        seconds: dict[str, float] | None = None,
+        sync_phases: bool = False,
     ) -> None:
         self.model = model
+        # Where scoring's host time goes, added to `seconds` (see `SCORE_ENGINE_PHASES`): building the
+        # tree, building forwards, building the LM head's work, and waiting for the device (forwards
+        # and heads run lazily, so a wait holds the device time of both). `sync_phases` (a debug
+        # setting: one more wait a forward) evaluates each forward as it is built, so its device time
+        # counts as `forward` and the head's as `unembed`.
+        self.seconds = seconds if seconds is not None else dict.fromkeys(SCORE_ENGINE_PHASES, 0.0)
+        self.sync_phases = sync_phases
         self.pad_shapes = pad_shapes
         self.prefix_cache = prefix_cache
         self.prefill_chunk = prefill_chunk
@@ -248,12 +273,14 @@ class PrefixScorer:
     def score(self, heads: Sequence[ScoreHead]) -> list[list[int]]:
         """Fill every head's rows; per head, the input tokens each of its rows computed itself (a span
         shared by several rows counts for the first of them: `computed_per_row`)."""
+        t0 = perf_counter()
         self._heads = heads
         self._owner = [(k, r) for k, head in enumerate(heads) for r in range(len(head.inputs))]
         self._needed = [heads[k].needed(r) for k, r in self._owner]
         root = build_tree([heads[k].inputs[r] for k, r in self._owner], self.min_shared)
         self._below: dict[int, list[int]] = {}
         self._index_below(root)
+        self.seconds["tree"] += perf_counter() - t0
         reused: dict[int, int] = {}  # id(node) -> its tokens taken from the prefix cache
         leaves = []
         for child in root.below():
@@ -318,6 +345,7 @@ class PrefixScorer:
             pad = padded_size(real) - real if self.pad_shapes and end == len(node.span) else 0
             if pad:  # right padding: no real token sees it, and the cache forgets it at once
                 chunk = mx.concatenate([chunk, mx.zeros((1, pad), dtype=mx.int32)], axis=1)
+            t0 = perf_counter()
             if all(p.at == real - 1 for p in picks):  # only the last position (or none): skip the rest
                 hidden = self.model.hidden(chunk, cache=cache, last=real - 1)[0]
                 picks = [Pick(p.row, p.position, 0) for p in picks]
@@ -325,9 +353,18 @@ class PrefixScorer:
                 hidden = self.model.hidden(chunk, cache=cache)[0]
             for c in cache:
                 c.trim(pad)
+            self._forward_built(hidden, t0)
             self._score(hidden, picks)
+            t0 = perf_counter()
             mx.eval([c.state for c in cache])
+            self.seconds["device_wait"] += perf_counter() - t0
             start = end
+
+    def _forward_built(self, hidden: mx.array, t0: float) -> None:
+        """Count the host time since `t0` as building a forward (with `sync_phases`, and its run)."""
+        if self.sync_phases:
+            mx.eval(hidden)
+        self.seconds["forward"] += perf_counter() - t0
 
     def _run_leaves(self, leaves: list[_Node], cache: list[KVCache], depth: int) -> None:
         for group in self._batches(leaves, depth):
@@ -339,8 +376,10 @@ class PrefixScorer:
                 width = padded_size(width)
                 spans += [[pad]] * (padded_size(len(group), smallest=1) - len(group))
             ids = mx.array([span + [pad] * (width - len(span)) for span in spans], dtype=mx.int32)
+            t0 = perf_counter()
             batch_cache = broadcast_batch(cache, len(spans), width) if cache[0].offset else None
             hidden = self.model.hidden(ids, cache=batch_cache or self.model.make_cache())
+            self._forward_built(hidden, t0)
             picks = [
                 Pick(i, p, b * width + p - depth)
                 for b, n in enumerate(group)
@@ -383,15 +422,21 @@ class PrefixScorer:
             by_at[pick.at].append(pick)
         ats = sorted(by_at)
         for c in range(0, len(ats), self.head_chunk):
+            t0 = perf_counter()
             chunk = ats[c : c + self.head_chunk]
             logits = self.model.logits(hidden[mx.array(chunk)]).astype(mx.float32)  # (m, vocab)
+            if self.sync_phases:
+                mx.eval(logits)
             by_head: dict[int, list[Pick]] = defaultdict(list)
             for j, at in enumerate(chunk):
                 for pick in by_at[at]:
                     k, row = self._owner[pick.row]
                     by_head[k].append(Pick(row, pick.position, j))
-            for k, mine in by_head.items():
+            t1 = perf_counter()
+            self.seconds["unembed"] += t1 - t0
+            for k, mine in by_head.items():  # a head keeps its rows' part: the wait for the device
                 self._heads[k].take(logits, mine)
+            self.seconds["device_wait"] += perf_counter() - t1
 
 
 def candidate_scores(

@@ -107,7 +107,19 @@ class SharedPrefixEncoder:
         the parts encoded after a cut go to the tokenizer in one batch call."""
         out: list[list[int]] = [[] for _ in texts]
         cuts: list[tuple[int, _Encoded, _Cut]] = []
+        # Texts too short to be cut or remembered do not depend on each other's order: one batch call
+        # per `add_special_tokens` value, not one crossing into the tokenizer each (a score batch of
+        # short rows is mostly such texts).
+        short = [k for k, text in enumerate(texts) if not self.enabled or len(text) < self.min_shared_chars]
+        for special in (False, True):
+            mine = [k for k in short if add_special_tokens[k] == special]
+            encoded = encode_plain(self.backend, [texts[k] for k in mine], special)
+            for k, plain in zip(mine, encoded, strict=True):
+                out[k] = list(plain)
+        done = set(short)
         for k, (text, special) in enumerate(zip(texts, add_special_tokens, strict=True)):
+            if k in done:
+                continue
             found = self._cut_for(text, special)
             if found is None:
                 out[k] = self._whole(text, special)
@@ -194,10 +206,13 @@ def _cut(prev: _Encoded, shared: int) -> _Cut | None:
 _BATCH_FROM = 8  # `encode_plain`: fewer texts than this are encoded one call each
 
 
-def encode_plain(backend: tokenizers.Tokenizer, texts: Sequence[str]) -> list[tuple[int, ...]]:
-    """Each text's ids without special tokens. From `_BATCH_FROM` texts on, in one batch call, which
-    the library spreads over the host's cores (and which skips the offsets nothing here reads)."""
+def encode_plain(
+    backend: tokenizers.Tokenizer, texts: Sequence[str], add_special_tokens: bool = False
+) -> list[tuple[int, ...]]:
+    """Each text's ids (without special tokens unless asked). From `_BATCH_FROM` texts on, in one batch
+    call, which the library spreads over the host's cores (and which skips the offsets nothing here
+    reads)."""
     if len(texts) < _BATCH_FROM:
-        return [tuple(backend.encode(t, add_special_tokens=False).ids) for t in texts]
+        return [tuple(backend.encode(t, add_special_tokens=add_special_tokens).ids) for t in texts]
     batch = getattr(backend, "encode_batch_fast", backend.encode_batch)  # tokenizers >= 0.21
-    return [tuple(e.ids) for e in batch(list(texts), add_special_tokens=False)]
+    return [tuple(e.ids) for e in batch(list(texts), add_special_tokens=add_special_tokens)]
