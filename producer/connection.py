@@ -140,6 +140,7 @@ def connect_async(url: str, settings: ProducerSettings | None = None) -> redis.a
         socket_timeout=settings.socket_timeout_s,
         socket_connect_timeout=settings.socket_connect_timeout_s,
         health_check_interval=30,
+        **({"max_connections": settings.redis_max_connections} if settings.redis_max_connections else {}),
     )
 
 

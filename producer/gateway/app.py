@@ -62,6 +62,8 @@ class Gateway:
 
     def __init__(self, settings: GatewaySettings, producer: ProducerSettings) -> None:
         self.settings = settings
+        if producer.redis_max_connections is None:
+            producer = producer.model_copy(update={"redis_max_connections": settings.redis_connections})
         self.producer = producer
         self._client: AsyncClient | None = None
         self._catalog: Catalog | None = None

@@ -22,6 +22,8 @@ from rq.serializers import JSONSerializer
 from mlxq.jobs import keys
 from mlxq.producer import AsyncClient, ProducerSettings, RedisFull, rq_wire
 from mlxq.producer.gateway import limits
+from mlxq.producer.gateway.app import Gateway
+from mlxq.producer.gateway.settings import GatewaySettings
 from mlxq.producer.gateway.submission import Submitter
 
 REDIS_DB = 13
@@ -136,3 +138,20 @@ def test_a_full_redis_is_redis_full_and_nothing_is_written(tmp_path: Path) -> No
         conn.close()
     finally:
         server.stop()
+
+
+def test_the_gateways_redis_pool_is_sized_for_its_streams(redis_url: str) -> None:
+    """Each relayed stream blocks a connection in XREAD: redis-py's default pool (100) would cap them."""
+
+    async def pools() -> list[int]:
+        sized = []
+        for producer in (
+            ProducerSettings(redis_url=redis_url),
+            ProducerSettings(redis_url=redis_url, redis_max_connections=50),
+        ):
+            gateway = Gateway(GatewaySettings(redis_connections=300), producer)
+            sized.append(gateway.client.connection.connection_pool.max_connections)
+            await gateway.aclose()
+        return sized
+
+    assert asyncio.run(pools()) == [300, 50]  # the producer's own setting, where given, wins
