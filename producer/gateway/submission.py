@@ -6,7 +6,8 @@ is told was refused, and no id is left counted. Only then are the key's ended jo
 (`limits.clear_ended`) and the script run once more. The jobs are RQ's own (`rq_wire.LUA_ENQUEUE` makes
 `rq_wire.queue_commands`' writes), so RQ, `rq info` and the workers see them as any other; a script tried
 again after its reply was lost finds its first job there and writes nothing twice.
-The gateway's Redis user needs `EVALSHA` (and `SCRIPT LOAD` once) beside the commands it sends itself.
+The gateway's Redis user needs `EVALSHA` (and `SCRIPT LOAD` once) on those keys, beside the commands the
+script sends (deploy/redis/users.acl).
 """
 
 from __future__ import annotations
@@ -73,7 +74,8 @@ class Submitter:
     ) -> int | None:
         """Claim `jobs` for the key and enqueue them, with `context` written at `context_key`; None when
         done, else how many other jobs the key has in flight (over `limit`: nothing was written)."""
-        script_keys: list[str] = [limits.inflight_key(key_digest), context_key, keys.RQ_QUEUES_SET]
+        inflight = limits.inflight_key(key_digest)  # without a context, its key's place holds this one
+        script_keys: list[str] = [inflight, context_key or inflight, keys.RQ_QUEUES_SET]
         for job in jobs:
             script_keys.extend((job.key, job.queue_key))
         fields = [part for pair in (context or {}).items() for part in pair]
