@@ -24,6 +24,7 @@ class GatewaySettings(BaseSettings):
         description="jobs one API key may have queued or running at once, unless the key "
         "says otherwise; one more gets 429",
     )
+    access_log: bool = Field(default=True, description="uvicorn's line per request (at log level info)")
     job_timeout_s: float | None = Field(
         default=600.0, gt=0, description="how long a non-streaming request waits for its job's result"
     )

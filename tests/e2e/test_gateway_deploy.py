@@ -238,3 +238,20 @@ def test_the_gateway_user_does_all_the_gateway_does_with_no_refusal(
         gateway.stop()
         worker.stop()
         admin.close()
+
+
+def test_no_access_log_leaves_out_the_line_per_request(redis_url: str, tmp_path: Path) -> None:
+    """At log level info uvicorn writes a line per request; `--no-access-log` (a busy gateway) does not."""
+    from gateway_process import GatewayProcess
+
+    logs = {}
+    for name, flags in (("on", ()), ("off", ("--no-access-log",))):
+        gateway = GatewayProcess(redis_url, tmp_path / f"{name}.log", "--log-level", "info", *flags)
+        try:
+            gateway.wait_ready()
+            assert httpx.get(f"{gateway.url}/health").status_code == 200
+        finally:
+            gateway.stop()
+        logs[name] = gateway.log()
+    assert '"GET /health HTTP/1.1" 200' in logs["on"]
+    assert "GET /health" not in logs["off"] and "Application startup complete" in logs["off"]
