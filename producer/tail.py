@@ -128,6 +128,10 @@ class Follower:
     _next_status_at: float = field(default=0.0, init=False)
     _read_once: bool = field(default=False, init=False)
 
+    def __post_init__(self) -> None:
+        if self.fresh:  # queued a moment ago: RQ's status is not worth a round trip while events come
+            self._next_status_at = self.deadline.clock() + STATUS_EVERY_S
+
     def block_ms(self) -> int | None:
         """How long the next XREAD may block: None (not at all) the first time, so that a job that is
         already over is seen at once, or `FRESH_BLOCK_MS` for a fresh job (nothing to see yet); then at

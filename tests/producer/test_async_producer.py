@@ -186,8 +186,11 @@ def test_a_fresh_stream_reads_at_once_and_keeps_its_connection_when_cut(
         handle = await client.submit_generate("Hi")
         threading.Timer(0.05, worker_side.tokens, (handle.id, "Hel", "lo")).start()
         threading.Timer(0.2, worker_side.done, (handle.id,)).start()
+        asked = (await client.connection.info("commandstats")).get("cmdstat_hget", {}).get("calls", 0)
         items = [item async for item in handle.stream(timeout=3, fresh=True)]
         assert [type(i.event).__name__ for i in items] == ["TokenEvent", "TokenEvent", "DoneEvent"]
+        stats = await client.connection.info("commandstats")
+        assert stats.get("cmdstat_hget", {}).get("calls", 0) == asked  # RQ's status was not asked
         # a caller cancelled during the first read: the read ends on its own and its connection lives
         other = await client.submit_generate("Hi")
         before = await client.connection.client_id()
