@@ -22,7 +22,7 @@ from typing import Any
 import redis
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from mlxq.jobs import keys as job_keys
@@ -39,6 +39,7 @@ from .batch_routes import BatchRoutes
 from .batch_runner import BatchRunner
 from .catalog import Catalog
 from .errors import ApiError, bad_request
+from .event_stream import EventStream
 from .files import FileStore
 from .metrics import NOT_INSTALLED, GatewayMetrics
 from .settings import GatewaySettings
@@ -343,14 +344,14 @@ def _too_large(limit: int) -> ApiError:
     )
 
 
-def _sse(frames: AsyncIterator[str], ctx: shapes.Context) -> StreamingResponse:
+def _sse(frames: AsyncIterator[str], ctx: shapes.Context) -> EventStream:
     headers = {
         "cache-control": "no-cache",
         "x-accel-buffering": "no",
         "x-mlxq-job-id": ctx.job_id,
         "x-mlxq-resume": f"/v1/streams/{ctx.id}",
     }
-    return StreamingResponse(frames, media_type="text/event-stream", headers=headers)
+    return EventStream(frames, headers)
 
 
 def _answer(handler: Any) -> Any:
