@@ -7,13 +7,15 @@ Two figures, with a private redis-server and real `mlxq serve` and `mlxq worker`
   with `stream: true` until the first SSE chunk with text). p50/p99 of each and of the difference of
   each pair. The tiny random model keeps the worker's own time small, not zero: the difference is
   what the gateway adds.
-- submissions/s: concurrent streaming POSTs, each counted when the gateway answers with its headers
-  (the job is enqueued by then), to a model advertised in Redis the way a worker advertises itself but
-  with no worker draining its queue, so the figure is the gateway's (and Redis's) alone. The gateway
-  process's own CPU time per submission is reported too: on a host shared with the load generator,
-  Redis and other work, it says what one gateway core sustains. These clients hang up as soon as the
-  job is enqueued, which cuts the gateway's first read of the job's stream: each costs it a Redis
-  reconnect that a client reading its stream to the end does not cause.
+- submissions/s: concurrent streaming POSTs from a lean load generator (raw asyncio HTTP/1.1, one
+  connection each, its own CPU per request reported), each counted when the gateway answers with its
+  headers (the job is enqueued by then), to a model advertised in Redis the way a worker advertises
+  itself but with no worker draining its queue, so the figure is the gateway's (and Redis's) alone. The
+  gateway process's own CPU time per submission is reported too: on a host shared with the load
+  generator, Redis and other work, it says what one gateway core sustains. These clients hang up as
+  soon as the job is enqueued, while the gateway's first read of the job's stream is under way.
+- `--compare PATH`: another checkout's gateway (a `git worktree` of the commit before a change) measured
+  with this one's, taking turns, so that a shared host's changing load falls on both alike.
 
 Targets (issue 33): p50 under 2 ms added, at least 1,000 submissions/s from one gateway process.
 """
@@ -24,6 +26,7 @@ import argparse
 import asyncio
 import json
 import os
+import platform
 import statistics
 import subprocess
 import sys
@@ -51,11 +54,11 @@ def _pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def _spawn(argv: list[str], log: Path) -> subprocess.Popen[bytes]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "MLXQ_HEARTBEAT_S": "1"}
+def _spawn(argv: list[str], log: Path, root: Path = ROOT) -> subprocess.Popen[bytes]:
+    env = {**os.environ, "PYTHONPATH": str(root), "MLXQ_HEARTBEAT_S": "1"}
     return subprocess.Popen(
         [sys.executable, "-m", "mlxq.producer.cli", *argv],
-        cwd=ROOT,
+        cwd=root,
         env=env,
         stdout=open(log, "wb"),
         stderr=subprocess.STDOUT,
@@ -119,35 +122,109 @@ async def first_token(redis_url: str, gateway: str, token: str, model: str, roun
     }
 
 
-async def submissions(gateway: str, token: str, total: int, concurrency: int) -> dict[str, Any]:
-    body = {
-        "model": IDLE_MODEL,
-        "messages": [{"role": "user", "content": "x"}],
-        "max_tokens": 1,
-        "stream": True,
-    }
-    headers = {"authorization": f"Bearer {token}"}
+async def submissions(port: int, token: str, total: int, concurrency: int) -> dict[str, Any]:
+    """`total` streaming POSTs from `concurrency` lanes of raw asyncio HTTP/1.1 (a lean load generator:
+    its own CPU per request is reported, a fraction of the gateway's), each on its own connection,
+    closed once the status line and headers are in (the job is enqueued by then)."""
+    body = json.dumps(
+        {"model": IDLE_MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 1, "stream": True}
+    ).encode()
+    request = (
+        f"POST /v1/chat/completions HTTP/1.1\r\nhost: 127.0.0.1\r\nauthorization: Bearer {token}\r\n"
+        f"content-type: application/json\r\ncontent-length: {len(body)}\r\n\r\n"
+    ).encode() + body
     done = 0
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
 
-    async def one(http: httpx.AsyncClient) -> None:
+    async def one() -> None:
         nonlocal done
-        async with http.stream("POST", f"{gateway}/v1/chat/completions", json=body, headers=headers) as r:
-            if r.status_code != 200:
-                raise RuntimeError(f"{r.status_code}: {await r.aread()!r}")
-            done += 1
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        try:
+            writer.write(request)
+            head = await reader.readuntil(b"\r\n\r\n")
+            if not head.startswith(b"HTTP/1.1 200"):
+                raise RuntimeError(f"the gateway answered {head!r} {await reader.read(1000)!r}")
+        finally:
+            writer.close()
+        done += 1
 
-    async def lane(http: httpx.AsyncClient, n: int) -> None:
+    async def lane(n: int) -> None:
         for _ in range(n):
-            await one(http)
+            await one()
 
-    async with httpx.AsyncClient(timeout=60.0, limits=limits) as http:
-        await asyncio.gather(*(one(http) for _ in range(concurrency)))  # connections open, code warm
-        done = 0
-        t0 = time.perf_counter()
-        await asyncio.gather(*(lane(http, total // concurrency) for _ in range(concurrency)))
-        wall = time.perf_counter() - t0
-    return {"requests": done, "concurrency": concurrency, "wall_s": wall, "per_s": done / wall}
+    await asyncio.gather(*(one() for _ in range(concurrency)))  # code warm, pools filled
+    done = 0
+    cpu0, t0 = time.process_time(), time.perf_counter()
+    await asyncio.gather(*(lane(total // concurrency) for _ in range(concurrency)))
+    wall = time.perf_counter() - t0
+    return {
+        "requests": done,
+        "concurrency": concurrency,
+        "wall_s": wall,
+        "per_s": done / wall,
+        "load_generator_cpu_ms_each": (time.process_time() - cpu0) * 1000 / done,
+    }
+
+
+def _measure_submissions(
+    gateway: subprocess.Popen[bytes], port: int, token: str, args: Any
+) -> dict[str, Any]:
+    cpu0 = _cpu_s(gateway.pid)
+    sub = asyncio.run(submissions(port, token, args.submissions, args.concurrency))
+    # The gateway's own CPU per submission: what one core of it can do, however busy the host is
+    # (the load generator and Redis share this machine's cores with it).
+    sub["gateway_cpu_ms_each"] = (_cpu_s(gateway.pid) - cpu0) * 1000 / sub["requests"]
+    sub["per_gateway_core_s"] = 1000 / sub["gateway_cpu_ms_each"]
+    return sub
+
+
+def _commit(root: Path) -> str:
+    found = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True)
+    dirty = subprocess.run(["git", "status", "--porcelain"], cwd=root, capture_output=True, text=True)
+    return (found.stdout.strip() or "unknown") + ("+dirty" if dirty.stdout.strip() else "")
+
+
+def _machine() -> str:
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        lines = []
+    names = [ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")]
+    return f"{platform.system()} {platform.machine()}, {os.cpu_count()} CPUs" + (
+        f", {names[0]}" if names else ""
+    )
+
+
+def _compare(args: Any, redis_url: str, token: str, model: str, folder: Path) -> dict[str, Any]:
+    """Both figures for this checkout's gateway and `args.compare`'s, taking turns."""
+    trees = {"this": ROOT, "compared": args.compare.resolve()}
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in trees}
+    port = 18432
+    url = f"http://127.0.0.1:{port}"
+    for turn in range(args.turns):
+        for name, root in trees.items():
+            gateway = _spawn(
+                ["--redis-url", redis_url, "serve", "--port", str(port), "--log-level", "warning"],
+                folder / f"gateway-{name}-{turn}.log",
+                root,
+            )
+            try:
+                _wait(lambda: _up(url), f"{name} gateway up")
+                first = asyncio.run(first_token(redis_url, url, token, model, args.rounds))
+                runs[name].append({"first_token": first, **_measure_submissions(gateway, port, token, args)})
+            finally:
+                gateway.terminate()
+                gateway.wait(30)
+    summary = []
+    for name, root in trees.items():
+        rates = [round(r["per_s"]) for r in runs[name]]
+        cpus = [round(r["gateway_cpu_ms_each"], 2) for r in runs[name]]
+        added = [round(r["first_token"]["added_ms"]["p50"], 2) for r in runs[name]]
+        summary.append(
+            f"{name} ({_commit(root)}): submissions/s {statistics.median(rates):.0f} (median of {rates}); "
+            f"gateway CPU {statistics.median(cpus):.2f} ms each ({cpus}); added first-token p50 "
+            f"{statistics.median(added):.2f} ms ({added})"
+        )
+    return {"runs": runs, "commits": {n: _commit(r) for n, r in trees.items()}, "summary": summary}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -156,6 +233,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--submissions", type=int, default=4000, help="POSTs for submissions/s [4000]")
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--out", type=Path, help="write the figures as JSON here")
+    parser.add_argument(
+        "--compare",
+        type=Path,
+        help="another mlxq checkout (e.g. a `git worktree` of main): its gateway and this one's are "
+        "measured for submissions/s in turns, so a shared host's load falls on both alike",
+    )
+    parser.add_argument("--turns", type=int, default=3, help="turns of each gateway with --compare [3]")
     args = parser.parse_args(argv)
     from mlxq.worker.modelfiles.tiny_model import write_random_checkpoint
 
@@ -191,24 +275,26 @@ def main(argv: list[str] | None = None) -> int:
             _wait(lambda: _up(gateway_url), "gateway up")
             model = model_dir.name
             first = asyncio.run(first_token(redis_url, gateway_url, token, model, args.rounds))
-            cpu0 = _cpu_s(gateway.pid)
-            sub = asyncio.run(submissions(gateway_url, token, args.submissions, args.concurrency))
-            # The gateway's own CPU per submission: what one core of it can do, however busy the host is
-            # (the load generator and Redis share this machine's cores with it).
-            sub["gateway_cpu_ms_each"] = (_cpu_s(gateway.pid) - cpu0) * 1000 / sub["requests"]
-            sub["per_gateway_core_s"] = 1000 / sub["gateway_cpu_ms_each"]
-            figures = {
-                "first_token": first,
-                "submissions": sub,
-                "cpus": os.cpu_count(),
-                "load_average": os.getloadavg(),
-            }
+            sub = _measure_submissions(gateway, 18431, token, args)
+            gateway.terminate()
+            gateway.wait(30)
+            compared = None if args.compare is None else _compare(args, redis_url, token, model, folder)
         finally:
             for proc in (gateway, worker):
                 proc.terminate()
                 proc.wait(30)
+        figures: dict[str, Any] = {
+            "first_token": first,
+            "submissions": sub,
+            "machine": _machine(),
+            "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
+            "commit": _commit(ROOT),
+            "load_average": os.getloadavg(),
+        }
+        if compared is not None:
+            figures["compared"] = compared
         print(json.dumps(figures, indent=2))
-        ft, sub = figures["first_token"], figures["submissions"]
+        ft = figures["first_token"]
         print(
             f"added to first token: p50 {ft['added_ms']['p50']:.2f} ms, p99 {ft['added_ms']['p99']:.2f} ms "
             f"(target p50 < 2 ms): {'met' if ft['added_ms']['p50'] < 2 else 'NOT met'}"
@@ -217,8 +303,12 @@ def main(argv: list[str] | None = None) -> int:
             f"submissions/s: {sub['per_s']:.0f} (target >= 1000): "
             + ("met" if sub["per_s"] >= 1000 else "NOT met")
             + f"; gateway CPU {sub['gateway_cpu_ms_each']:.2f} ms each "
-            + f"({sub['per_gateway_core_s']:.0f}/s per core)"
+            + f"({sub['per_gateway_core_s']:.0f}/s per core); load generator "
+            + f"{sub['load_generator_cpu_ms_each']:.2f} ms each"
         )
+        print(f"{figures['machine']}; {figures['date_utc']} UTC; commit {figures['commit']}")
+        for line in figures.get("compared", {}).get("summary", []):
+            print(line)
         if args.out:
             args.out.write_text(json.dumps(figures, indent=2))
     return 0

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Generic, TextIO, TypeVar
 
@@ -58,6 +58,7 @@ from .tenant import Tenant
 log = logging.getLogger(__name__)
 
 R = TypeVar("R")
+T = TypeVar("T")
 
 
 class AsyncJobHandle(Generic[R]):
@@ -81,9 +82,14 @@ class AsyncJobHandle(Generic[R]):
             return rq_wire.status_after(e)
         return rq_wire.decode_status(raw)
 
-    def stream(self, from_id: str = START_ID, timeout: float | None = None) -> AsyncIterator[StreamItem]:
-        """The job's events from `from_id`, ending after `done` or `error` (as `JobHandle.stream`)."""
-        return self._follow(Follower(last_id=from_id, deadline=Deadline(timeout)))
+    def stream(
+        self, from_id: str = START_ID, timeout: float | None = None, fresh: bool = False
+    ) -> AsyncIterator[StreamItem]:
+        """The job's events from `from_id`, ending after `done` or `error` (as `JobHandle.stream`).
+        `fresh`: the caller has just enqueued the job, so the first read waits at once, briefly, and
+        runs to its end even if the caller is cancelled meanwhile (a Redis reply cut off costs its
+        connection: under clients that hang up at once, a reconnect each)."""
+        return self._follow(Follower(last_id=from_id, deadline=Deadline(timeout), fresh=fresh))
 
     async def text_deltas(
         self, timeout: float | None = None, on_restart: Callable[[RestartEvent], None] | None = None
@@ -129,7 +135,9 @@ class AsyncJobHandle(Generic[R]):
     async def _follow(self, follower: Follower) -> AsyncIterator[StreamItem]:
         key = keys.stream_key(self.id)
         while not follower.ended:
-            reply = await self._retry(self._conn.xread, {key: follower.last_id}, block=follower.block_ms())
+            whole = follower.fresh and follower.first_read()
+            read = self._retry(self._conn.xread, {key: follower.last_id}, block=follower.block_ms())
+            reply = await (_uncut(read) if whole else read)
             items = follower.accept(decode_xread(reply))
             for item in items:
                 yield item
@@ -180,6 +188,13 @@ class AsyncJobHandle(Generic[R]):
 
     async def _error_event_failure(self, event: ErrorEvent) -> JobFailed:
         return job_state.event_failure(self.id, event.message, await self._failure_text())
+
+
+async def _uncut(command: Awaitable[T]) -> T:
+    """`command` awaited to its end even if the caller is cancelled meanwhile (its error then dropped)."""
+    task = asyncio.ensure_future(command)
+    task.add_done_callback(lambda t: t.cancelled() or t.exception())
+    return await asyncio.shield(task)
 
 
 class AsyncClient:
@@ -371,26 +386,50 @@ class AsyncClient:
         job_id: str | None = None,
     ) -> str:
         """Write the RQ job in one transaction; retried on connection errors, never enqueued twice."""
-        queue = queue or self.queue
-        job = rq_wire.build_job(
-            func_name, job_payload, queue=queue, options=options, job_id=job_id, tenant=self.tenant
-        )
-        await self.evictions.arun(self.connection)
-        try:
-            await self.retry.acall(self._enqueue_durably, job)
-        except redis.exceptions.OutOfMemoryError as e:
-            raise RedisFull(job.id, e) from e
-        except NotReplicated as e:  # enqueued on the primary; only a replica's copy is unconfirmed
-            log.warning("%s", unreplicated_warning(job.id, e))
+        job = self.wire_job(func_name, job_payload, options, queue, job_id)
+        await self.write_jobs([job], lambda: self._enqueue_once(job))
         log.debug("enqueued job=%s func=%s queue=%s", job.id, func_name, job.queue)
-        await self.queue_check.arun(self.connection, job.queue)
         return job.id
 
-    async def _enqueue_durably(self, job: rq_wire.WireJob) -> None:
-        """Enqueue once, then wait for the replicas (`jobs.replication.AsyncReplicas`; each try does
-        both)."""
-        await self._enqueue_once(job)
-        await self._replicas.confirm()
+    def wire_job(
+        self,
+        func_name: str,
+        job_payload: dict[str, Any],
+        options: rq_wire.JobOptions,
+        queue: str | None = None,
+        job_id: str | None = None,
+    ) -> rq_wire.WireJob:
+        """The RQ job this client would enqueue, in its tenant, on `queue` (else the client's)."""
+        return rq_wire.build_job(
+            func_name,
+            job_payload,
+            queue=queue or self.queue,
+            options=options,
+            job_id=job_id,
+            tenant=self.tenant,
+        )
+
+    async def write_jobs(self, jobs: Sequence[rq_wire.WireJob], write: Callable[[], Awaitable[T]]) -> T:
+        """Await `write`, which writes `jobs` in one atomic step (and may do more in it), under this
+        client's enqueue rules: Redis's memory policy looked at first, tried again on connection errors
+        (so `write` must find a job already there and not write it twice), the replicas waited for,
+        `RedisFull` when Redis refuses for memory, and the queues looked at for a worker."""
+        done: list[T] = []
+
+        async def durably() -> None:
+            done[:] = [await write()]
+            await self._replicas.confirm()
+
+        await self.evictions.arun(self.connection)
+        try:
+            await self.retry.acall(durably)
+        except redis.exceptions.OutOfMemoryError as e:
+            raise RedisFull(jobs[0].id, e) from e
+        except NotReplicated as e:  # written on the primary; only a replica's copy is unconfirmed
+            log.warning("%s", unreplicated_warning(jobs[0].id, e))
+        for queue in dict.fromkeys(job.queue for job in jobs):
+            await self.queue_check.arun(self.connection, queue)
+        return done[0]
 
     async def _enqueue_once(self, job: rq_wire.WireJob) -> None:
         async with self.connection.pipeline() as pipe:

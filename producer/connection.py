@@ -11,6 +11,8 @@ their election) needs more: docs/operations.md gives the figures and settings.
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -64,21 +66,25 @@ class RetryPolicy:
             max_wait_s=settings.redis_retry_max_wait_s,
         )
 
-    def _options(self) -> dict[str, object]:
+    def _options(self, tries_made: int = 0) -> dict[str, object]:
+        """Tenacity's options for the tries left after `tries_made` (waits go on where they were)."""
         return {
-            "stop": stop_after_attempt(self.attempts),
-            "wait": wait_exponential(multiplier=self.initial_wait_s, max=self.max_wait_s),
+            "stop": stop_after_attempt(self.attempts - tries_made),
+            "wait": wait_exponential(multiplier=self.initial_wait_s * 2**tries_made, max=self.max_wait_s),
             "retry": retry_if_exception(is_transient),
             "reraise": True,
-            **({"before_sleep": self._say_wait} if self.say_waits else {}),
+            **({"before_sleep": functools.partial(self._say_wait, tries_made)} if self.say_waits else {}),
         }
 
-    def _say_wait(self, state: RetryCallState) -> None:
+    def _say_wait(self, tries_made: int, state: RetryCallState) -> None:
         error = state.outcome.exception() if state.outcome is not None else None
         wait = state.next_action.sleep if state.next_action is not None else 0.0
+        self._log_wait(wait, state.attempt_number + tries_made + 1, error)
+
+    def _log_wait(self, wait: float, next_try: int, error: BaseException | None) -> None:
         log.warning(
             "redis unreachable; trying again in %.1f s (try %d of %d) error=%s",
-            wait, state.attempt_number + 1, self.attempts, error,
+            wait, next_try, self.attempts, error,
         )  # fmt: skip
 
     def call(self, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
@@ -87,12 +93,22 @@ class RetryPolicy:
         return retrying(fn, *args, **kwargs)
 
     async def acall(self, fn: Callable[P, Awaitable[T]], *args: P.args, **kwargs: P.kwargs) -> T:
-        """Await `fn`, trying again on a connection error; the last error is raised as it was."""
+        """Await `fn`, trying again on a connection error; the last error is raised as it was.
+        The first try runs outside tenacity, whose bookkeeping costs more than a Redis command."""
 
         async def attempt() -> T:  # redis.asyncio's commands return awaitables without being `async def`
             return await fn(*args, **kwargs)
 
-        retrying = AsyncRetrying(**self._options())  # type: ignore[arg-type]
+        try:
+            return await attempt()
+        except Exception as e:
+            if self.attempts <= 1 or not is_transient(e):
+                raise
+            wait = min(self.initial_wait_s, self.max_wait_s)  # tenacity's first wait
+            if self.say_waits:
+                self._log_wait(wait, 2, e)
+            await asyncio.sleep(wait)
+        retrying = AsyncRetrying(**self._options(tries_made=1))  # type: ignore[arg-type]
         return await retrying(attempt)
 
 
@@ -124,6 +140,7 @@ def connect_async(url: str, settings: ProducerSettings | None = None) -> redis.a
         socket_timeout=settings.socket_timeout_s,
         socket_connect_timeout=settings.socket_connect_timeout_s,
         health_check_interval=30,
+        **({"max_connections": settings.redis_max_connections} if settings.redis_max_connections else {}),
     )
 
 

@@ -1,7 +1,9 @@
 """RQ's job format on the wire: the one place that knows which hash fields make an RQ job.
 
 Both clients enqueue through here (the async client cannot call RQ, which is sync): `build_job` makes
-the fields of `rq:job:<id>` and `queue_commands` queues the writes (HSET, push, SADD) on a transaction.
+the fields of `rq:job:<id>` and `queue_commands` queues the writes (HSET, push, SADD) on a transaction;
+`LUA_ENQUEUE` and `lua_args` make the same writes from inside a Lua script, for a caller that does more
+in the same atomic step (the gateway's claim on a key's jobs in flight).
 The fields are those `rq.Queue.enqueue` writes with `JSONSerializer`, less RQ's empty placeholders and
 with `timeout` only when one was asked for (the worker applies its own default otherwise); a test checks
 the two stay equivalent. `docs/plain-redis.md` shows the minimal subset a non-Python producer needs.
@@ -145,6 +147,31 @@ def queue_commands(pipe: AnyPipeline, job: WireJob) -> None:
     else:
         pipe.rpush(job.queue_key, job.id)
     pipe.sadd(keys.RQ_QUEUES_SET, job.queue_key)
+
+
+LUA_ENQUEUE = """
+local function enqueue(job_key, queue_key, queues_key, args, at)
+  -- args from `lua_args` from position `at`: id, at_front, field count, then field, value pairs
+  local id, front, n = args[at], args[at + 1], tonumber(args[at + 2])
+  if redis.call('EXISTS', job_key) == 0 then  -- a retried call whose first try got through: once only
+    redis.call('HSET', job_key, unpack(args, at + 3, at + 2 + 2 * n))
+    redis.call(front == '1' and 'LPUSH' or 'RPUSH', queue_key, id)
+    redis.call('SADD', queues_key, queue_key)
+  end
+  return at + 3 + 2 * n
+end
+"""
+"""A Lua function making `queue_commands`' writes for one job (skipped if its hash exists already):
+KEYS are the job's hash, its queue and `rq:queues`; the arguments are `lua_args(job)` from `at`; it
+returns the position after them."""
+
+
+def lua_args(job: WireJob) -> list[str | bytes]:
+    """`LUA_ENQUEUE`'s arguments for `job`."""
+    flat: list[str | bytes] = [job.id, "1" if job.at_front else "0", str(len(job.fields))]
+    for name, value in job.fields.items():
+        flat.extend((name, value))
+    return flat
 
 
 def results_key(job_id: str) -> str:

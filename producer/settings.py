@@ -52,6 +52,12 @@ class ProducerSettings(BaseSettings):
     replica_ack_timeout_ms: int = Field(default=1000, ge=1, description="how long one WAIT waits")
     socket_timeout_s: float = Field(default=10.0, description="must exceed the longest XREAD BLOCK (1 s)")
     socket_connect_timeout_s: float = Field(default=5.0, gt=0.0)
+    redis_max_connections: int | None = Field(
+        default=None,
+        ge=1,
+        description="most Redis connections an asyncio client opens at once (each stream being read "
+        "holds one); unset: redis-py's pool default (100)",
+    )
 
     @field_validator("tenant")
     @classmethod

@@ -21,6 +21,9 @@ START_ID = "0-0"
 """Read from the start: `$` would miss whatever the worker wrote before the read was issued."""
 
 STATUS_EVERY_S = 1.0
+FRESH_BLOCK_MS = 100
+"""A fresh job's first read: short, so that a reader whose caller has gone meanwhile (a client that hung up
+on the gateway) gives its connection back whole soon after (`AsyncJobHandle.stream`'s `fresh`)."""
 
 RESULT_GRACE_S = 1.0
 """How long to look for the result after a `done` event (the worker writes both in one pipeline)."""
@@ -120,16 +123,29 @@ class Follower:
     last_id: str = START_ID
     deadline: Deadline = field(default_factory=lambda: Deadline(None))
     ended: bool = False
+    fresh: bool = False
+    """The reader enqueued the job a moment ago: it cannot be over yet (see `block_ms`)."""
     _next_status_at: float = field(default=0.0, init=False)
     _read_once: bool = field(default=False, init=False)
 
+    def __post_init__(self) -> None:
+        if self.fresh:  # queued a moment ago: RQ's status is not worth a round trip while events come
+            self._next_status_at = self.deadline.clock() + STATUS_EVERY_S
+
     def block_ms(self) -> int | None:
         """How long the next XREAD may block: None (not at all) the first time, so that a job that is
-        already over is seen at once; then at most a second, never past the deadline, at least 1 ms."""
+        already over is seen at once, or `FRESH_BLOCK_MS` for a fresh job (nothing to see yet); then at
+        most a second, never past the deadline, at least 1 ms."""
         if not self._read_once:
             self._read_once = True
-            return None
+            if not self.fresh:
+                return None
+            return max(1, int(min(FRESH_BLOCK_MS, self.deadline.remaining() * 1000)))
         return max(1, int(min(READ_BLOCK_MS, self.deadline.remaining() * 1000)))
+
+    def first_read(self) -> bool:
+        """Whether no read was made yet (`block_ms` counts them)."""
+        return not self._read_once
 
     def accept(self, items: list[StreamItem]) -> list[StreamItem]:
         """Take newly read items: moves `last_id`, keeps nothing after a terminal event."""

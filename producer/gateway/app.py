@@ -15,32 +15,35 @@ import json
 import logging
 import re
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
 import redis
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from mlxq.jobs import keys as job_keys
-from mlxq.jobs.schema import GenerateResult, ScoreRequest, ScoreResult
+from mlxq.jobs.schema import GenerateRequest, GenerateResult, ScoreRequest, ScoreResult
 
+from .. import payload, rq_wire
 from ..aio import AsyncClient
 from ..errors import JobFailed, JobNotFound, RedisFull
 from ..settings import ProducerSettings
-from . import api_keys, chat_logprobs, echo, limits, relay, shapes, translate
+from . import api_keys, chat_logprobs, echo, relay, shapes, translate
 from . import metrics as gateway_metrics
 from .api_keys import ApiKey
 from .batch_routes import BatchRoutes
 from .batch_runner import BatchRunner
 from .catalog import Catalog
 from .errors import ApiError, bad_request
+from .event_stream import EventStream
 from .files import FileStore
 from .metrics import NOT_INSTALLED, GatewayMetrics
 from .settings import GatewaySettings
+from .submission import Submitter
 
 log = logging.getLogger(__name__)
 
@@ -60,9 +63,12 @@ class Gateway:
 
     def __init__(self, settings: GatewaySettings, producer: ProducerSettings) -> None:
         self.settings = settings
+        if producer.redis_max_connections is None:
+            producer = producer.model_copy(update={"redis_max_connections": settings.redis_connections})
         self.producer = producer
         self._client: AsyncClient | None = None
         self._catalog: Catalog | None = None
+        self._submitter: Submitter | None = None
         self.keys = api_keys.KeyCache(settings.key_cache_s)
         self.metrics = gateway_metrics.create()
 
@@ -71,6 +77,12 @@ class Gateway:
         if self._client is None:
             self._client = AsyncClient(settings=self.producer)
         return self._client
+
+    @property
+    def submitter(self) -> Submitter:
+        if self._submitter is None:
+            self._submitter = Submitter(self.client)
+        return self._submitter
 
     @property
     def catalog(self) -> Catalog:
@@ -153,72 +165,48 @@ class Gateway:
         return queues[lengths.index(min(lengths))]
 
     async def submit(self, key: ApiKey, t: translate.Translated) -> shapes.Context:
-        """Enqueue a job per choice; the key's limit counts each. The answer's context (for any instance
-        that resumes its stream) is written in choice 0's claim."""
+        """Enqueue a job per choice, each counted against the key's limit, with the answer's context (for
+        any instance that resumes its stream): one round trip (`submission`)."""
         queue = await self.route(key, t.model)
-        requests = translate.choice_requests(t)
-        jobs = [self.client.tenant.job_id() for _ in requests]
+        jobs = [self._job(key, job_keys.GENERATE_FUNC, r, queue) for r in translate.choice_requests(t)]
         ctx = shapes.Context(
             t.kind,
-            jobs[0],
+            jobs[0].id,
             t.model,
             int(time.time()),
             t.include_usage,
             key.digest,
-            siblings=tuple(jobs[1:]),
+            siblings=tuple(job.id for job in jobs[1:]),
             per_prompt=t.n,
         )
-
-        def write_context(pipe: Any) -> None:  # in the claim's transaction: one round trip for both
-            pipe.hset(context_key(ctx.job_id), mapping=ctx.fields())
-            pipe.expire(context_key(ctx.job_id), self.settings.stream_ttl_s)
-
-        for i, job_id in enumerate(jobs):
-            try:
-                await self._claim(key, job_id, write_context if i == 0 else None, context_key(ctx.job_id))
-            except ApiError:
-                for claimed in jobs[:i]:
-                    await limits.release(self.client.connection, key.digest, claimed)
-                raise
-        meta = {"api_key": key.name}
-        for i, (job_id, request) in enumerate(zip(jobs, requests, strict=True)):
-            try:
-                await self._enqueued(
-                    key, job_id, self.client.submit_generate(request, job_id=job_id, queue=queue, meta=meta)
-                )
-            except BaseException:
-                for unsent in jobs[i + 1 :]:
-                    await limits.release(self.client.connection, key.digest, unsent)
-                raise
+        await self._submit(key, jobs, ctx)
         if self.metrics is not None:
             self.metrics.submitted(t.model, t.kind)
         return ctx
 
-    async def _claim(self, key: ApiKey, job_id: str, also: Any = None, undo: str | None = None) -> None:
-        """Count `job_id` against the key's jobs in flight, or answer 429 (deleting `undo`)."""
+    def _job(
+        self, key: ApiKey, func_name: str, request: GenerateRequest | ScoreRequest, queue: str
+    ) -> rq_wire.WireJob:
+        options = self.client.settings.job_options(meta={"api_key": key.name})
+        return self.client.wire_job(func_name, payload.wire_payload(request), options, queue)
+
+    async def _submit(self, key: ApiKey, jobs: list[rq_wire.WireJob], ctx: shapes.Context | None) -> None:
+        """Claim and enqueue `jobs`, or answer 429 (the key's limit) or 503 (Redis is full)."""
         limit = key.max_jobs or self.settings.max_jobs_per_key
-        conn = self.client.connection
-        busy = await limits.claim(conn, key.digest, job_id, limit, also=also)
+        where, fields = ("", None) if ctx is None else (context_key(ctx.job_id), ctx.fields())
+        try:
+            busy = await self.submitter.submit(
+                key.digest, limit, jobs, where, fields, self.settings.stream_ttl_s
+            )
+        except RedisFull as e:
+            raise ApiError(503, str(e), type="server_error", code="redis_full") from None
         if busy is not None:
-            if undo is not None:
-                await conn.delete(undo)
             raise ApiError(
                 429,
                 f"API key {key.name!r} has {busy} jobs in flight, its limit is {limit}: wait for one to end",
                 type="rate_limit_error",
                 code="too_many_jobs",
             )
-
-    async def _enqueued(self, key: ApiKey, job_id: str, enqueue: Awaitable[Any]) -> None:
-        """Await a claimed job's enqueue; if it fails, the claim is given back."""
-        try:
-            await enqueue
-        except RedisFull as e:
-            await limits.release(self.client.connection, key.digest, job_id)
-            raise ApiError(503, str(e), type="server_error", code="redis_full") from None
-        except BaseException:
-            await limits.release(self.client.connection, key.digest, job_id)
-            raise
 
     async def _result(self, job_id: str) -> GenerateResult | ScoreResult:
         """A job's result, its failure as OpenAI's error (400 for the request's fault, else 500)."""
@@ -260,11 +248,9 @@ class Gateway:
 
     async def _scored(self, key: ApiKey, model: str, request: ScoreRequest) -> tuple[str, ScoreResult]:
         """A score job run to its end, counted against the key's jobs in flight."""
-        queue = await self.route(key, model)
-        job_id = self.client.tenant.job_id()
-        await self._claim(key, job_id)
-        submitting = self.client.submit_score(request, job_id=job_id, queue=queue, meta={"api_key": key.name})
-        await self._enqueued(key, job_id, submitting)
+        job = self._job(key, job_keys.SCORE_FUNC, request, await self.route(key, model))
+        job_id = job.id
+        await self._submit(key, [job], None)
         if self.metrics is not None:
             self.metrics.submitted(model, "completion")
         result = await self._result(job_id)
@@ -299,7 +285,7 @@ class Gateway:
         t = translate.chat(body) if kind == "chat" else translate.completion(body)
         ctx = await self.submit(key, t)
         if t.stream:
-            return _sse(relay.events(self.client, ctx, None), ctx)
+            return _sse(relay.events(self.client, ctx, None, fresh=True), ctx)
         results = await asyncio.gather(*(self._result(job_id) for job_id in ctx.jobs))
         generated = [r for r in results if isinstance(r, GenerateResult)]
         if len(generated) != len(results):
@@ -358,14 +344,14 @@ def _too_large(limit: int) -> ApiError:
     )
 
 
-def _sse(frames: AsyncIterator[str], ctx: shapes.Context) -> StreamingResponse:
+def _sse(frames: AsyncIterator[str], ctx: shapes.Context) -> EventStream:
     headers = {
         "cache-control": "no-cache",
         "x-accel-buffering": "no",
         "x-mlxq-job-id": ctx.job_id,
         "x-mlxq-resume": f"/v1/streams/{ctx.id}",
     }
-    return StreamingResponse(frames, media_type="text/event-stream", headers=headers)
+    return EventStream(frames, headers)
 
 
 def _answer(handler: Any) -> Any:

@@ -1,10 +1,11 @@
 """Each API key's jobs in flight, counted in Redis so that every gateway instance sees the same count.
 
 `mlxq:gw:inflight:<key digest>` is a sorted set of the key's job ids (scored by submit time). A submit
-adds its id and counts the set in one transaction; over the limit, the ids whose job has ended (or
-expired) are taken out, by asking RQ each job's status and looking for its result (the worker writes
-that with the stream's `done`, a moment before RQ marks the job finished), and if the count is still
-over, the new id is taken back out and the request refused.
+adds its ids and counts the set in the same script that enqueues its jobs (`submission`); over the
+limit, the script writes nothing, the ids whose job has ended (or expired) are taken out here
+(`clear_ended`: RQ's status of each job, and its result, which the worker writes with the stream's
+`done` a moment before RQ marks the job finished), and the script runs once more; still over, the
+request is refused.
 Nothing depends on a gateway seeing a job end: a client that hangs up, or a gateway that dies, leaves
 ids that the next submit clears.
 """
@@ -12,7 +13,6 @@ ids that the next submit clears.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from typing import Any
 
 import redis.asyncio
@@ -35,7 +35,9 @@ def inflight_key(key_digest: str) -> str:
     return INFLIGHT_PREFIX + key_digest
 
 
-async def _clear_ended(conn: redis.asyncio.Redis, key: str, keep: str) -> None:
+async def clear_ended(conn: redis.asyncio.Redis, key_digest: str) -> None:
+    """Take the key's ended jobs out of its count (a few Redis reads per job in flight: only at the limit)."""
+    key = inflight_key(key_digest)
     members: list[Any] = list(await conn.zrange(key, 0, -1, withscores=True))
     if not members:
         return
@@ -50,47 +52,7 @@ async def _clear_ended(conn: redis.asyncio.Redis, key: str, keep: str) -> None:
     ended = [
         i
         for i, s, r in zip(ids, statuses, results, strict=True)
-        if i != keep and (r or rq_wire.decode_status(s) in ENDED) and not (s is None and not r and i in young)
+        if (r or rq_wire.decode_status(s) in ENDED) and not (s is None and not r and i in young)
     ]
     if ended:
         await conn.zrem(key, *ended)
-
-
-async def claim(
-    conn: redis.asyncio.Redis,
-    key_digest: str,
-    job_id: str,
-    limit: int,
-    also: Callable[[Any], None] | None = None,
-) -> int | None:
-    """Count `job_id` against the key; None if that stays within `limit`, else how many are in flight.
-
-    One round trip while the key is under its limit; only at the limit are the ended jobs looked for
-    (so a key's cost per submit does not grow with its jobs in flight). `also` adds the caller's own
-    commands to that round trip's transaction."""
-    key = inflight_key(key_digest)
-    count = await _add(conn, key, job_id, also)
-    if count <= limit:
-        return None
-    await _clear_ended(conn, key, keep=job_id)
-    count = int(await conn.zcard(key))
-    if count > limit:
-        await conn.zrem(key, job_id)
-        return count - 1
-    return None
-
-
-async def _add(conn: redis.asyncio.Redis, key: str, job_id: str, also: Callable[[Any], None] | None) -> int:
-    async with conn.pipeline(transaction=True) as pipe:
-        pipe.zadd(key, {job_id: time.time()})
-        pipe.zcard(key)
-        pipe.expire(key, KEY_TTL_S)
-        if also is not None:
-            also(pipe)
-        replies = await pipe.execute()
-    return int(replies[1])
-
-
-async def release(conn: redis.asyncio.Redis, key_digest: str, job_id: str) -> None:
-    """Take a job that was never enqueued (or has ended) out of the count."""
-    await conn.zrem(inflight_key(key_digest), job_id)

@@ -70,14 +70,16 @@ async def _entry(conn: redis.asyncio.Redis, job_id: str, entry_id: str) -> Any:
     return items[0] if items else None
 
 
-async def events(client: AsyncClient, ctx: Context, last_event_id: str | None) -> AsyncIterator[str]:
+async def events(
+    client: AsyncClient, ctx: Context, last_event_id: str | None, fresh: bool = False
+) -> AsyncIterator[str]:
     """The SSE frames of `ctx`'s job after `last_event_id` (from the start if None); with several
-    choices, their jobs' chunks interleaved (`_merged`)."""
+    choices, their jobs' chunks interleaved (`_merged`). `fresh`: the jobs were enqueued just now."""
     if ctx.siblings:
-        async for text in _merged(client, ctx, last_event_id):
+        async for text in _merged(client, ctx, last_event_id, fresh):
             yield text
         return
-    async for piece in _pieces(client, ctx, last_event_id or START_ID):
+    async for piece in _pieces(client, ctx, last_event_id or START_ID, fresh):
         if piece.data is not None:
             yield frame(piece.data, event_id=piece.entry_id)
         if piece.done is not None:
@@ -85,7 +87,9 @@ async def events(client: AsyncClient, ctx: Context, last_event_id: str | None) -
                 yield text
 
 
-async def _merged(client: AsyncClient, ctx: Context, last_event_id: str | None) -> AsyncIterator[str]:
+async def _merged(
+    client: AsyncClient, ctx: Context, last_event_id: str | None, fresh: bool
+) -> AsyncIterator[str]:
     """Several choices' jobs as one stream, each chunk as it comes, marked by its choice's `index`.
     An event's id is every job's stream position (`<id0>,<id1>,...`), so a client that reconnects with
     it resumes each job where it was; the usage chunk and `[DONE]` come once, after every job's end."""
@@ -97,7 +101,7 @@ async def _merged(client: AsyncClient, ctx: Context, last_event_id: str | None) 
 
     async def pump(i: int) -> None:
         try:
-            async for piece in _pieces(client, ctx.choice(i), positions[i]):
+            async for piece in _pieces(client, ctx.choice(i), positions[i], fresh):
                 await queue.put((i, piece))
         finally:
             await queue.put((i, None))
@@ -127,7 +131,7 @@ async def _merged(client: AsyncClient, ctx: Context, last_event_id: str | None) 
             task.cancel()
 
 
-async def _pieces(client: AsyncClient, ctx: Context, from_id: str) -> AsyncIterator[_Piece]:
+async def _pieces(client: AsyncClient, ctx: Context, from_id: str, fresh: bool) -> AsyncIterator[_Piece]:
     """One job's chunks after `from_id`."""
     if from_id != START_ID:
         at = await _entry(client.connection, ctx.job_id, from_id)
@@ -137,7 +141,7 @@ async def _pieces(client: AsyncClient, ctx: Context, from_id: str) -> AsyncItera
     role_pending = ctx.kind == "chat" and from_id == START_ID
     sent_text = from_id != START_ID
     try:
-        async for item in client.job(ctx.job_id).stream(from_id=from_id):
+        async for item in client.job(ctx.job_id).stream(from_id=from_id, fresh=fresh):
             event = item.event
             if isinstance(event, TokenEvent):
                 if not event.text:

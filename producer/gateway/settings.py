@@ -24,6 +24,7 @@ class GatewaySettings(BaseSettings):
         description="jobs one API key may have queued or running at once, unless the key "
         "says otherwise; one more gets 429",
     )
+    access_log: bool = Field(default=True, description="uvicorn's line per request (at log level info)")
     job_timeout_s: float | None = Field(
         default=600.0, gt=0, description="how long a non-streaming request waits for its job's result"
     )
@@ -34,6 +35,12 @@ class GatewaySettings(BaseSettings):
         default=1.0,
         ge=0.0,
         description="how long an API key's record is reused (a revoked key works this much longer)",
+    )
+    redis_connections: int = Field(
+        default=4096,
+        ge=16,
+        description="most Redis connections this instance opens (`MLXQ_REDIS_MAX_CONNECTIONS` wins if "
+        "set): every stream being relayed blocks one in XREAD, so this bounds concurrent streams",
     )
     models_cache_s: float = Field(
         default=1.0, ge=0.0, description="how long the list of live workers' models is reused"

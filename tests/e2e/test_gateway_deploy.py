@@ -164,8 +164,9 @@ def _acl_url(user: str, port: int) -> str:
 def test_the_gateway_user_does_all_the_gateway_does_with_no_refusal(
     acl_port: int, model_dir: Path, no_eos: dict[int, float], tmp_path: Path
 ) -> None:
-    """Chat (whole and streamed), a resumed stream, the in-flight limit, models, files and a batch, all
-    through a gateway logged in as users.acl's `gateway` user; then Redis's ACL LOG is empty."""
+    """Chat (whole and streamed), a resumed stream, a scored prompt, the in-flight limit, models, files
+    and a batch, all through a gateway logged in as users.acl's `gateway` user; then Redis's ACL LOG is
+    empty."""
     import openai
     from gateway_process import GatewayProcess
     from worker_process import WorkerProcess
@@ -208,6 +209,8 @@ def test_the_gateway_user_does_all_the_gateway_does_with_no_refusal(
             timeout=30,
         )
         assert resumed.status_code == 200 and resumed.text.rstrip().endswith("data: [DONE]")
+        scored = sdk.completions.create(model=model, prompt="hi there", max_tokens=0, echo=True, logprobs=1)
+        assert scored.choices[0].logprobs is not None  # a score job: submitted with no stream context
         # the in-flight limit (1): ended jobs are looked up and cleared, so this one may run
         sdk.chat.completions.create(
             model=model, messages=[{"role": "user", "content": "again"}], max_tokens=2
@@ -235,3 +238,20 @@ def test_the_gateway_user_does_all_the_gateway_does_with_no_refusal(
         gateway.stop()
         worker.stop()
         admin.close()
+
+
+def test_no_access_log_leaves_out_the_line_per_request(redis_url: str, tmp_path: Path) -> None:
+    """At log level info uvicorn writes a line per request; `--no-access-log` (a busy gateway) does not."""
+    from gateway_process import GatewayProcess
+
+    logs = {}
+    for name, flags in (("on", ()), ("off", ("--no-access-log",))):
+        gateway = GatewayProcess(redis_url, tmp_path / f"{name}.log", "--log-level", "info", *flags)
+        try:
+            gateway.wait_ready()
+            assert httpx.get(f"{gateway.url}/health").status_code == 200
+        finally:
+            gateway.stop()
+        logs[name] = gateway.log()
+    assert '"GET /health HTTP/1.1" 200' in logs["on"]
+    assert "GET /health" not in logs["off"] and "Application startup complete" in logs["off"]

@@ -19,6 +19,8 @@ from rq.serializers import JSONSerializer
 from mlxq.jobs import errors, keys
 from mlxq.jobs.schema import GenerateResult, RestartEvent, ScoreResult
 from mlxq.producer import AsyncClient, CancelOutcome, Client, JobFailed, JobNotFound, ProducerSettings
+from mlxq.producer.connection import RetryPolicy
+from mlxq.producer.tail import FRESH_BLOCK_MS
 
 REDIS_DB = 12
 
@@ -175,3 +177,61 @@ def test_async_retried_submission_is_never_enqueued_twice(
     job_id = run_with_client(redis_url, scenario)
     assert lost == [True]
     assert Queue("default", connection=redis_conn).job_ids == [job_id]
+
+
+def test_a_fresh_stream_reads_at_once_and_keeps_its_connection_when_cut(
+    redis_url: str, worker_side: WorkerSide
+) -> None:
+    async def scenario(client: AsyncClient) -> None:
+        handle = await client.submit_generate("Hi")
+        threading.Timer(0.05, worker_side.tokens, (handle.id, "Hel", "lo")).start()
+        threading.Timer(0.2, worker_side.done, (handle.id,)).start()
+        asked = (await client.connection.info("commandstats")).get("cmdstat_hget", {}).get("calls", 0)
+        items = [item async for item in handle.stream(timeout=3, fresh=True)]
+        assert [type(i.event).__name__ for i in items] == ["TokenEvent", "TokenEvent", "DoneEvent"]
+        stats = await client.connection.info("commandstats")
+        assert stats.get("cmdstat_hget", {}).get("calls", 0) == asked  # RQ's status was not asked
+        # a caller cancelled during the first read: the read ends on its own and its connection lives
+        other = await client.submit_generate("Hi")
+        before = await client.connection.client_id()
+        reading = asyncio.ensure_future(anext(aiter(other.stream(fresh=True))))
+        await asyncio.sleep(0.02)
+        reading.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await reading
+        await asyncio.sleep(FRESH_BLOCK_MS / 1000 + 0.2)
+        assert await client.connection.client_id() == before
+
+    run_with_client(redis_url, scenario)
+
+
+def test_the_async_retry_policy_tries_again_on_connection_errors_only() -> None:
+    policy = RetryPolicy(attempts=3, initial_wait_s=0.05, max_wait_s=1.0)
+    calls: list[float] = []
+
+    async def flaky() -> str:
+        calls.append(time.monotonic())
+        if len(calls) < 3:
+            raise redis.ConnectionError("down")
+        return "up"
+
+    assert asyncio.run(policy.acall(flaky)) == "up"
+    assert len(calls) == 3 and calls[1] - calls[0] >= 0.05 and calls[2] - calls[1] >= 0.1  # waits go on
+
+    async def down() -> str:
+        calls.append(time.monotonic())
+        raise redis.ConnectionError("still down")
+
+    calls.clear()
+    with pytest.raises(redis.ConnectionError, match="still down"):
+        asyncio.run(policy.acall(down))
+    assert len(calls) == 3
+
+    async def bug() -> str:
+        calls.append(time.monotonic())
+        raise ValueError("bad value")
+
+    calls.clear()
+    with pytest.raises(ValueError, match="bad value"):
+        asyncio.run(policy.acall(bug))
+    assert len(calls) == 1
