@@ -7,6 +7,7 @@ own sampler; its cache layout (left padding, per-row RoPE offsets) is explained 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from typing import TypeVar, cast
 
@@ -15,6 +16,7 @@ import mlx.core as mx
 from mlxq.worker.engine import ragged_attention
 from mlxq.worker.engine.cache.batch_cache import BatchKVCache, PrefillRowsCache, prefill_mask
 from mlxq.worker.engine.cache.kv_cache import KVCache
+from mlxq.worker.engine.critical_path import CriticalPath
 from mlxq.worker.engine.device import on_cuda
 from mlxq.worker.engine.launcher import Launcher
 from mlxq.worker.engine.models.base import Model
@@ -198,7 +200,14 @@ class DecodeBatch:
     device's work), so the Python (building, text, stop strings, streams) runs in time that was lost, and a
     step costs about its launch. This thread calls `quiet()` before it evaluates anything else. Either way,
     the first step after rows joined reads their first tokens back before it builds the next step (see
-    `step_with`)."""
+    `step_with`).
+
+    A batch holding a constrained row keeps one forward ahead instead (`_ahead`): its pending tokens
+    are already being fed while they are read back, so the draw that needs their grammars' masks and
+    the forward after it are launched at once, and the tokens are handled while that forward computes
+    (`step_with`). The cache then holds one token past those handled: a leaving row's cache is cut
+    back to its own (`remove`), and the forward ahead is dropped (its column trimmed) before rows join
+    or a verify step."""
 
     def __init__(
         self,
@@ -222,6 +231,10 @@ class DecodeBatch:
         self.slots: list[int] = []  # each live row's row of the buffers, in row order
         self._slot_index: mx.array | None = None  # `slots` as an array; None while slots are 0..B-1
         self._steps = 0
+        # With a constrained row: the logits of the forward that feeds `_pending`, launched (see `step_with`)
+        self._ahead: mx.array | None = None
+        self.critical = CriticalPath()  # the host's time on the constrained steps' critical path
+        self._launched_at = 0.0  # when the last timed launch was handed to the launcher
 
     def __len__(self) -> int:
         return len(self.rows) if self.rows is not None else 0
@@ -242,6 +255,7 @@ class DecodeBatch:
         buffers), else the buffers are copied once for all of them."""
         if not caches:
             return
+        self._drop_ahead()
         joining = SamplerRows(samplers, logits.shape[-1])
         tokens = joining.sample(logits)
         if not self._join_in_place(caches):
@@ -298,7 +312,10 @@ class DecodeBatch:
         the prefill the rows joined from was waited for, so nothing is in flight, and their first
         tokens reach readers without waiting for the next step's graph (on the CPU, where `async_eval`
         returns only once a lone row's step is nearly computed, for the whole next step). That step
-        takes no next step when `ends_all` says every row ends with them (a 1-token job)."""
+        takes no next step when `ends_all` says every row ends with them (a 1-token job).
+
+        With a constrained row the forward that feeds the pending tokens is already launched (`_ahead`):
+        see `_step_ahead`."""
         if self._pending is None:
             raise ValueError("an empty batch has no step to take")
         pending, fresh = self._pending, self._fresh
@@ -314,22 +331,13 @@ class DecodeBatch:
             if ends_all is not None and ends_all(result):
                 self._pending = None  # nothing more to feed: every row leaves
                 return result
-            self._launch(self._next_step(pending))
-        elif self.rows is not None and self.rows.constrained:
-            # A constrained row's next draw waits for its mask, which waits for its token of this
-            # step: the forward is launched first; while it runs the tokens are read back, taken by
-            # the grammars and handled, and the masks computed as the draw is built; then the draw
-            # is launched (a batch without constraints draws in the forward's graph instead).
-            read = self._readable(pending)
-            logits = self._forward(pending)
-            self._launch_logits(logits)
-            if meanwhile is not None:
-                meanwhile()
-            tokens = read()
-            self._take(tokens)
-            result = handle(tokens)
-            self._pending = self.rows.sample(logits)
-            self._launch(self._pending)
+            following = self._next_step(pending)
+            if self.rows is not None and self.rows.constrained:
+                self._launch_ahead(following)
+            else:
+                self._launch(following)
+        elif self._ahead is not None or (self.rows is not None and self.rows.constrained):
+            result = self._step_ahead(pending, handle, meanwhile)
         else:
             read = self._readable(pending)
             self._launch(self._next_step(pending))  # a launcher waits for `pending`'s launch first
@@ -337,6 +345,50 @@ class DecodeBatch:
                 meanwhile()
             result = handle(read())
         self._stepped()
+        return result
+
+    def _step_ahead(
+        self, pending: mx.array, handle: Callable[[list[int]], T], meanwhile: Callable[[], None] | None
+    ) -> T:
+        """A step of a batch with a constrained row. A row's next draw waits for its mask, which waits
+        for its token of this step; the forward that feeds that token does not: it was launched with
+        the draw (`_ahead`). So the tokens are read back while that forward computes, the grammars take
+        them, and the next draw (their masks) and the forward fed by it are built and launched as one;
+        only then are the tokens handled and `meanwhile` run, while the device computes. Between the
+        read-back and that launch the device may wait on the host: that stretch is timed
+        (`critical`). A batch whose constrained rows all left draws from the forward ahead once more
+        and is a free batch again."""
+        assert self.rows is not None
+        clock = self.critical
+        began = time.perf_counter()
+        if self._ahead is None:  # (not expected: a constrained batch's steps keep a forward ahead)
+            self._ahead = self._forward(pending)
+            self._launch_logits(self._ahead)
+        self.quiet()  # the launch of `pending` ended: it (or its copy) may be read back
+        if self.launcher is not None and self._launched_at:  # the rest of the last timed launch
+            tail = max(0.0, self.launcher.ended_at - self._launched_at)
+            clock.launch_s, clock.critical_s = clock.launch_s + tail, clock.critical_s + tail
+        tokens = self._readable(pending)()
+        read = time.perf_counter()
+        self._take(tokens)
+        taken = time.perf_counter()
+        following = self._pending = self.rows.sample(self._ahead)
+        drawn = time.perf_counter()
+        self._ahead = self._forward(following) if self.rows.constrained else None
+        built = time.perf_counter()
+        self._launch(following, *([] if self._ahead is None else [self._ahead]))
+        launched = time.perf_counter()
+        self._launched_at = launched if self.launcher is not None else 0.0
+        clock.steps += 1
+        clock.read_s += read - began
+        clock.take_s += taken - read
+        clock.draw_s += drawn - taken
+        clock.forward_s += built - drawn
+        clock.launch_s += launched - built
+        clock.critical_s += launched - read
+        result = handle(tokens)
+        if meanwhile is not None:
+            meanwhile()
         return result
 
     def verify_with(
@@ -359,6 +411,7 @@ class DecodeBatch:
             raise ValueError("an empty batch has no step to take")
         if not self.rows.can_verify:
             raise ValueError("rows with penalties or a grammar take plain steps")
+        self._drop_ahead()
         self.quiet()
         self._fresh = False
         tokens = [int(t) for t in cast("list[int]", self._pending.tolist())]
@@ -394,14 +447,29 @@ class DecodeBatch:
         if self.launcher is not None:
             self.launcher.wait()
 
-    def _launch(self, tokens: mx.array) -> None:
-        """Start computing `tokens` (and the step behind them). With a launcher they are read back later
-        from the copy `Launcher.launch_tokens` makes (it says why), each live row at its place in it."""
+    def _launch(self, tokens: mx.array, *also: mx.array) -> None:
+        """Start computing `tokens` (and the step behind them), and `also` with them. With a launcher
+        they are read back later from the copy `Launcher.launch_tokens` makes (it says why), each live
+        row at its place in it."""
         if self.launcher is None:
-            mx.async_eval(tokens)
+            mx.async_eval(tokens, *also)
             return
-        self._pending_copy = self.launcher.launch_tokens(tokens)
+        self._pending_copy = self.launcher.launch_tokens(tokens, *also)
         self._copy_rows = list(range(tokens.shape[0]))
+
+    def _launch_ahead(self, tokens: mx.array) -> None:
+        """Launch a constrained batch's drawn `tokens` with the forward that feeds them (`_ahead`)."""
+        self._ahead = self._forward(tokens)
+        self._launch(tokens, self._ahead)
+
+    def _drop_ahead(self) -> None:
+        """Forget the forward launched ahead: every row's cache loses the column it wrote, and the
+        pending tokens are again fed by nothing (before rows join, or a verify step)."""
+        if self._ahead is None:
+            return
+        self._ahead = None
+        for layer in self.cache:
+            layer.trim_rows(1, [0] * layer.batch)
 
     def _launch_logits(self, logits: mx.array) -> None:
         """Start computing a step's forward whose draw waits for the rows' masks."""
@@ -478,14 +546,21 @@ class DecodeBatch:
         """Drop `rows`; return each one's batch-1 cache (exactly its tokens), in the order given. Their
         buffer rows become idle rows; the buffers are compacted only when the batch can shrink."""
         caches = [[layer.row(self.slots[i]) for layer in self.cache] for i in rows]
+        if self._ahead is not None:  # the forward ahead fed a token they never handled
+            for cache in caches:
+                for layer_cache in cache:
+                    layer_cache.trim(1)
         gone = set(rows)
         keep = [i for i in range(len(self)) if i not in gone]
         if self.rows is not None:
             self.rows.select(keep)
         if not keep or self._pending is None:
-            self._pending = None
+            self._pending = self._ahead = None
         else:
-            self._pending = self._pending[mx.array(keep, dtype=mx.int32)]
+            index = mx.array(keep, dtype=mx.int32)
+            self._pending = self._pending[index]
+            if self._ahead is not None:
+                self._ahead = self._ahead[index]
         self._copy_rows = [self._copy_rows[i] for i in keep] if self._pending_copy is not None else []
         self._set_slots([self.slots[i] for i in keep])
         self._pad()
