@@ -420,3 +420,99 @@ def test_the_critical_path_is_timed_on_constrained_steps_only(engine: Engine) ->
         assert 0 < decode.critical.steps < steps
         parts = times["take_ms"] + times["draw_ms"] + times["forward_ms"] + times["launch_ms"]
         assert 0 < parts <= times["critical_ms"] * 1.001 + 1e-6
+
+
+# A free number in a schema: greedy on noise repeats a digit, so prompt lookup drafts and some drafts are
+# kept; the enum, the bounded integers and the keys cut drafts the grammar does not allow.
+READING = {
+    "type": "object",
+    "properties": {
+        "label": {"enum": ["pos", "neg", "neutral"]},
+        "count": {"type": "integer", "minimum": 0, "maximum": 99},
+        "value": {"type": "number"},
+    },
+    "required": ["label", "count", "value"],
+    "additionalProperties": False,
+}
+
+
+def _speculating(model_dir: Path, kind: str = "prompt_lookup", **options: Any) -> Engine:
+    from mlxq.worker.engine.speculation.policy import DraftPolicy
+
+    policy = DraftPolicy(min_acceptance=0.0, max_batch=64)
+    return _engine(model_dir, prefix_cache_bytes=0, speculation=kind, draft_policy=policy, **options)
+
+
+def _spec_requests(engine: Engine) -> list[GenerateRequest]:
+    """Constrained rows (a schema, a regex; greedy and one sampled) beside free ones."""
+    example = '{"label":"pos","count":12,"value":1.5} {"label":"neg","count":3,"value":7.25} '
+    no_eos = {i: -100.0 for i in engine.tokenizer.eos_ids}
+    return [
+        _request(prompt=example * 2, max_tokens=60, temperature=0.0, response_format=json_schema(READING)),
+        _request(prompt="Free " * 8, max_tokens=30, temperature=0.0, logit_bias=no_eos),
+        _request(prompt=example, max_tokens=40, temperature=0.0, response_format=json_schema(PERSON)),
+        _request(
+            prompt="2024-01-02 2024-01-02 ", temperature=0.0, response_format={"type": "regex", "regex": DATE}
+        ),
+        _request(
+            prompt=example, max_tokens=60, temperature=0.8, seed=4, response_format=json_schema(READING)
+        ),
+    ]
+
+
+def _check_valid(engine: Engine, requests: list[GenerateRequest], results: list[GenerateResult]) -> None:
+    """Every constrained answer is one its grammar allows token by token (a fresh one), and each that
+    ended on its own validates against its schema or matches its regex."""
+    for i in (0, 2, 3, 4):
+        constraint = engine.constraints.compile(requests[i].response_format)
+        assert constraint is not None
+        ids = list(results[i].token_ids)
+        assert constraint.valid_prefix(ids) == len(ids), results[i].text
+    for i, schema in ((0, READING), (2, PERSON), (4, READING)):
+        if results[i].finish_reason == "stop":
+            jsonschema.validate(json.loads(results[i].text), schema)
+    assert results[3].finish_reason == "stop" and re.fullmatch(DATE, results[3].text), results[3].text
+
+
+@pytest.mark.parametrize(("pad_shapes", "overlap", "join_every"), [(False, False, 0), (True, True, 2)])
+def test_speculation_checks_drafts_against_the_grammar_and_changes_no_greedy_token(
+    engine: Engine, model_dir: Path, pad_shapes: bool, overlap: bool, join_every: int
+) -> None:
+    """Prompt lookup drafts for constrained rows: each row's drafts are cut where its grammar stops
+    allowing them, each position is masked by the grammar after the drafts before it, and the grammar
+    takes what was kept. Greedy rows get exactly what plain steps give them; every answer is valid."""
+    requests = _spec_requests(engine)
+    plain = [_result(f) for f in _batch(engine, requests)]
+    spec = _speculating(model_dir, pad_shapes=pad_shapes, decode_overlap=overlap)
+    got = [_result(f) for f in _batch(spec, requests, join_every)]
+    for i in range(4):  # the greedy ones
+        assert (got[i].token_ids, got[i].text, got[i].finish_reason) == (
+            plain[i].token_ids,
+            plain[i].text,
+            plain[i].finish_reason,
+        ), i
+    _check_valid(spec, requests, got)
+    assert plain[0].usage.draft_tokens == 0
+    drafted = sum(got[i].usage.draft_tokens for i in (0, 2, 3, 4))
+    kept = sum(got[i].usage.accepted_tokens for i in (0, 2, 3, 4))
+    assert 0 < kept < drafted  # drafts were checked: some kept, some cut or rejected
+
+
+def test_a_draft_model_drafting_for_constrained_rows_leaves_their_answers_unchanged(
+    engine: Engine, model_dir: Path, tmp_path: Path
+) -> None:
+    """The target as its own draft: its drafts follow the target's unconstrained greedy choice, so
+    they hold until the grammar forbids one; cut there, the answers are plain decoding's."""
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(model_dir, model)
+    shutil.copytree(model_dir, model / "draft")
+    spec = _speculating(model, "draft_model")
+    requests = _spec_requests(engine)
+    plain = [_result(f) for f in _batch(engine, requests)]
+    got = [_result(f) for f in _batch(spec, requests)]
+    for i in range(4):
+        assert (got[i].token_ids, got[i].finish_reason) == (plain[i].token_ids, plain[i].finish_reason), i
+    _check_valid(spec, requests, got)
+    assert sum(got[i].usage.accepted_tokens for i in (0, 2, 3, 4)) > 0

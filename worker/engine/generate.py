@@ -405,20 +405,24 @@ class DecodeBatch:
         row's tokens of the step, in row order: its pending token, then the drafts it kept; returns what
         `handle` returns. `meanwhile` runs while the forward computes.
 
+        Constrained rows take their pending token first; their drafts are cut before the first their
+        grammar does not allow (`SamplerRows.cut`), each position is masked with the grammar after the
+        drafts before it (`SamplerRows.draft_masks`), and the grammar takes the drafts kept.
+
         Unlike a plain step nothing stays in flight: the drafts of the next step depend on what this
         one kept. So the next step (plain or verify) starts from tokens already read back."""
         if self._pending is None or self.rows is None:
             raise ValueError("an empty batch has no step to take")
-        if not self.rows.can_verify:
-            raise ValueError("rows with penalties or a grammar take plain steps")
         self._drop_ahead()
         self.quiet()
         self._fresh = False
         tokens = [int(t) for t in cast("list[int]", self._pending.tolist())]
-        drafts = drafts_for(tokens)
+        self._take(tokens)
+        drafts = self.rows.cut(drafts_for(tokens))
         width = 1 + max(len(d) for d in drafts)
         if self.pad_shapes and width > 1:  # a GPU meets few widths (the columns past the drafts: never kept)
             width = padded_size(width, smallest=1)
+        allowed = self.rows.draft_masks(drafts, width) if width > 1 else None
         fed = [[t, *d, *([0] * (width - 1 - len(d)))] for t, d in zip(tokens, drafts, strict=True)]
         logits = self._forward(mx.array(fed, dtype=mx.int32), self.cache[0].mask(width))
         if width == 1:
@@ -426,7 +430,7 @@ class DecodeBatch:
         else:
             depth = mx.array([len(d) for d in drafts], dtype=mx.int32)
             ids = mx.array([row[1:] for row in fed], dtype=mx.int32)
-            kept_drafts, following = self.rows.verify(logits, ids, depth)
+            kept_drafts, following = self.rows.verify(logits, ids, depth, allowed)
         mx.async_eval(kept_drafts, following)
         if meanwhile is not None:
             meanwhile()
@@ -440,6 +444,8 @@ class DecodeBatch:
             self._compact(self._idle_rows())
         self._pending, self._pending_copy, self._fresh = following, None, True
         self._stepped()
+        if self.rows.constrained:
+            self.rows.take_drafts([d[:k] for d, k in zip(drafts, kept, strict=True)])
         return handle([[t, *d[:k]] for t, d, k in zip(tokens, drafts, kept, strict=True)])
 
     def quiet(self) -> None:
