@@ -336,7 +336,7 @@ class DecodeBatch:
                 self._launch_ahead(following)
             else:
                 self._launch(following)
-        elif self._ahead is not None or (self.rows is not None and self.rows.constrained):
+        elif self._ahead is not None:
             result = self._step_ahead(pending, handle, meanwhile)
         else:
             read = self._readable(pending)
@@ -358,12 +358,10 @@ class DecodeBatch:
         read-back and that launch the device may wait on the host: that stretch is timed
         (`critical`). A batch whose constrained rows all left draws from the forward ahead once more
         and is a free batch again."""
-        assert self.rows is not None
+        # rows join only through `add`/`start` (a fresh step follows, which launches the forward ahead)
+        assert self.rows is not None and self._ahead is not None
         clock = self.critical
         began = time.perf_counter()
-        if self._ahead is None:  # (not expected: a constrained batch's steps keep a forward ahead)
-            self._ahead = self._forward(pending)
-            self._launch_logits(self._ahead)
         self.quiet()  # the launch of `pending` ended: it (or its copy) may be read back
         if self.launcher is not None and self._launched_at:  # the rest of the last timed launch
             tail = max(0.0, self.launcher.ended_at - self._launched_at)
@@ -476,13 +474,6 @@ class DecodeBatch:
         self._ahead = None
         for layer in self.cache:
             layer.trim_rows(1, [0] * layer.batch)
-
-    def _launch_logits(self, logits: mx.array) -> None:
-        """Start computing a step's forward whose draw waits for the rows' masks."""
-        if self.launcher is None:
-            mx.async_eval(logits)
-        else:
-            self.launcher.launch(logits)
 
     def _take(self, tokens: list[int]) -> None:
         """Constrained rows take this step's tokens (before they are handled: a row whose grammar is

@@ -170,10 +170,11 @@ class GenerationBatch:
 
         `background` (host work that touches neither MLX nor this batch, e.g. writing streams) runs once
         per step: while the device finishes the step in flight, before its tokens are read back (so
-        it writes the tokens the step before handled), or after the tokens of rows that just joined
-        (`DecodeBatch.step_with`). It must not raise (keep its errors); should it raise anyway, the
-        decoding requests end with that error, as when a decode step fails (in a step that decodes
-        nothing, every request), so none is lost."""
+        it writes the tokens the step before handled), or after the tokens of rows that just joined,
+        or, in a batch holding a constrained row, after the step's tokens were handled while the
+        device computes the next forward (`DecodeBatch.step_with`). It must not raise (keep its
+        errors); should it raise anyway, the decoding requests end with that error, as when a decode
+        step fails (in a step that decodes nothing, every request), so none is lost."""
         if self.waiting or self.prefilling is not None:
             self.quiet()  # MLX work on this thread ahead
         self.settle()
