@@ -399,9 +399,11 @@ def test_a_constrained_row_that_leaves_hands_the_prefix_cache_exactly_its_tokens
     assert lengths and all(tokens - 1 <= offset <= tokens for tokens, offset in lengths), lengths
 
 
-def test_the_critical_path_is_timed_on_constrained_steps_only(engine: Engine) -> None:
+@pytest.mark.parametrize("overlap", [False, True])
+def test_the_critical_path_is_timed_on_constrained_steps_only(model_dir: Path, overlap: bool) -> None:
     """A constrained batch times the host's stretch between a step's read-back and the next launch
     (`CriticalPath`, which the structured benchmark reports); a free batch takes no such step."""
+    engine = _engine(model_dir, prefix_cache_bytes=0, decode_overlap=overlap)
     constrained = _request(prompt="Scores:", max_tokens=40, response_format=json_schema(SCORES))
     free = _request(prompt="Free text", max_tokens=40, temperature=0.0)
     for requests, timed in (([constrained, constrained], True), ([free, free], False)):

@@ -22,7 +22,7 @@ class CriticalPath:
     take_s: float = 0.0  # the grammars taking the tokens
     draw_s: float = 0.0  # the masks computed and the draw's graph built
     forward_s: float = 0.0  # the next forward's graph built
-    launch_s: float = 0.0  # the launch (with a launcher: until its thread's launch ended)
+    launch_s: float = 0.0  # the launch (with a launcher: waiting for the forward before it, handing over)
 
     def per_step_ms(self) -> dict[str, float]:
         """Each part in milliseconds a step; empty when no step was timed."""

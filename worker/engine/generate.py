@@ -234,7 +234,6 @@ class DecodeBatch:
         # With a constrained row: the logits of the forward that feeds `_pending`, launched (see `step_with`)
         self._ahead: mx.array | None = None
         self.critical = CriticalPath()  # the host's time on the constrained steps' critical path
-        self._launched_at = 0.0  # when the last timed launch was handed to the launcher
 
     def __len__(self) -> int:
         return len(self.rows) if self.rows is not None else 0
@@ -351,22 +350,18 @@ class DecodeBatch:
         self, pending: mx.array, handle: Callable[[list[int]], T], meanwhile: Callable[[], None] | None
     ) -> T:
         """A step of a batch with a constrained row. A row's next draw waits for its mask, which waits
-        for its token of this step; the forward that feeds that token does not: it was launched with
-        the draw (`_ahead`). So the tokens are read back while that forward computes, the grammars take
-        them, and the next draw (their masks) and the forward fed by it are built and launched as one;
-        only then are the tokens handled and `meanwhile` run, while the device computes. Between the
-        read-back and that launch the device may wait on the host: that stretch is timed
-        (`critical`). A batch whose constrained rows all left draws from the forward ahead once more
-        and is a free batch again."""
+        for its token of this step; the forward that feeds that token does not: it was launched right
+        after the draw (`_ahead`). So the tokens are read back while that forward computes (with a
+        launcher, while it is still being launched), the grammars take them, and the next draw (their
+        masks) and the forward fed by it are built and launched; only then are the tokens handled and
+        `meanwhile` run, while the device computes. Between the read-back and that launch the device
+        may wait on the host: that stretch is timed (`critical`). A batch whose constrained rows all
+        left draws from the forward ahead once more and is a free batch again."""
         # rows join only through `add`/`start` (a fresh step follows, which launches the forward ahead)
         assert self.rows is not None and self._ahead is not None
         clock = self.critical
         began = time.perf_counter()
-        self.quiet()  # the launch of `pending` ended: it (or its copy) may be read back
-        if self.launcher is not None and self._launched_at:  # the rest of the last timed launch
-            tail = max(0.0, self.launcher.ended_at - self._launched_at)
-            clock.launch_s, clock.critical_s = clock.launch_s + tail, clock.critical_s + tail
-        tokens = self._readable(pending)()
+        tokens = self._readable(pending)()  # with a launcher: the draw's own launch has ended
         read = time.perf_counter()
         self._take(tokens)
         taken = time.perf_counter()
@@ -374,9 +369,8 @@ class DecodeBatch:
         drawn = time.perf_counter()
         self._ahead = self._forward(following) if self.rows.constrained else None
         built = time.perf_counter()
-        self._launch(following, *([] if self._ahead is None else [self._ahead]))
+        self._launch(following, self._ahead)
         launched = time.perf_counter()
-        self._launched_at = launched if self.launcher is not None else 0.0
         clock.steps += 1
         clock.read_s += read - began
         clock.take_s += taken - read
@@ -451,18 +445,25 @@ class DecodeBatch:
         if self.launcher is not None:
             self.launcher.wait()
 
-    def _launch(self, tokens: mx.array, *also: mx.array) -> None:
-        """Start computing `tokens` (and the step behind them), and `also` with them. With a launcher
-        they are read back later from the copy `Launcher.launch_tokens` makes (it says why), each live
-        row at its place in it."""
+    def _launch(self, tokens: mx.array, ahead: mx.array | None = None) -> None:
+        """Start computing `tokens` (and the step behind them), then `ahead` (the forward that feeds
+        them, in a constrained batch). With a launcher they are read back later from the copy
+        `Launcher.launch_tokens` makes (it says why), each live row at its place in it; `ahead` is a
+        launch of its own, so the copy can be read while it is being launched (as a free batch reads
+        its tokens while the next step launches)."""
         if self.launcher is None:
-            mx.async_eval(tokens, *also)
+            if ahead is None:
+                mx.async_eval(tokens)
+            else:
+                mx.async_eval(tokens, ahead)
             return
-        self._pending_copy = self.launcher.launch_tokens(tokens, *also)
+        self._pending_copy = self.launcher.launch_tokens(tokens)
         self._copy_rows = list(range(tokens.shape[0]))
+        if ahead is not None:
+            self.launcher.launch(ahead)
 
     def _launch_ahead(self, tokens: mx.array) -> None:
-        """Launch a constrained batch's drawn `tokens` with the forward that feeds them (`_ahead`)."""
+        """Launch a constrained batch's drawn `tokens`, then the forward that feeds them (`_ahead`)."""
         self._ahead = self._forward(tokens)
         self._launch(tokens, self._ahead)
 

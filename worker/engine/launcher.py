@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import sys
 import threading
-import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import mlx.core as mx
@@ -59,7 +58,6 @@ class Launcher:
         sys.setswitchinterval(min(self._switch_interval, SWITCH_INTERVAL_S))
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="mlxq-launch")
         self._in_flight: Future[None] | None = None
-        self.ended_at = 0.0  # `time.perf_counter()` when the last launch ended (for `CriticalPath`)
 
     @property
     def here(self) -> bool:
@@ -69,20 +67,15 @@ class Launcher:
     def launch(self, *arrays: mx.array) -> None:
         """Start launching `arrays` on the launcher's thread, once the launch before it has ended."""
         self.wait()
-        self._in_flight = self._pool.submit(self._launch, arrays)
+        self._in_flight = self._pool.submit(mx.async_eval, *arrays)
 
-    def _launch(self, arrays: tuple[mx.array, ...]) -> None:
-        mx.async_eval(*arrays)
-        self.ended_at = time.perf_counter()
-
-    def launch_tokens(self, tokens: mx.array, *also: mx.array) -> mx.array:
-        """Launch a decode step's sampled `tokens` (and `also`, launched with them); returns a copy made
-        in the same launch, to read them back from. The tokens themselves are an input of the next
-        step, whose launch is running when they are read, and reading an array (MLX's `wait`) changes
-        its state under that launch (it crashed the CPU build in tests); nothing later takes the copy
-        as input."""
+    def launch_tokens(self, tokens: mx.array) -> mx.array:
+        """Launch a decode step's sampled `tokens`; returns a copy made in the same launch, to read them
+        back from. The tokens themselves are an input of the next step, whose launch is running when
+        they are read, and reading an array (MLX's `wait`) changes its state under that launch (it
+        crashed the CPU build in tests); nothing later takes the copy as input."""
         copy = tokens.astype(mx.int32)
-        self.launch(tokens, copy, *also)
+        self.launch(tokens, copy)
         return copy
 
     def wait(self) -> None:
