@@ -15,10 +15,11 @@ least 90% of the free one.
 "host ms/step" (constrained rows) is the decode batch's own timing of its constrained steps
 (`worker/engine/critical_path.py`), the median over repetitions: "critical" is the host's time from
 reading a step's tokens back to the launch of the next draw and the forward it feeds, which the
-device may wait on (a step of the free batch costs about the device's forward); "take", "draw"
-(the masks and the draw's graph), "forward" (its graph) and "launch" are its parts; "read" is the
-wait for the tokens (the device still computing). On the CPU `async_eval` returns only once much of
-the step is computed, so "launch" holds compute there.
+device may wait on; "take" (the grammars), "draw" (the masks and the draw's graph), "forward" (its
+graph) and "launch" are its parts, "launch" being, with a launcher (a GPU), the wait for the forward
+before to be launched and the draw's own launch (the forward's launch runs on while the tokens are
+handled); "read" is the wait for the tokens (the device still computing). On the CPU `async_eval`
+returns only once much of the step is computed, so "launch" holds compute there.
 """
 
 from __future__ import annotations
