@@ -115,6 +115,8 @@ def _engine(b: Bench, payloads: list[dict[str, Any]]) -> Run:
         [r.timings.ttft_s or 0.0 for r in res],
         [list(r.token_ids) for r in res],
         *_window(arrivals, all_started or end, end),
+        # a constrained batch's host time on the critical path, ms a step (none for free batches)
+        phases=batch.decode.critical.per_step_ms(),
     )
 
 

@@ -11,6 +11,15 @@ For each N (`Sizes.structured_jobs`), in turns each repetition, the same N promp
 decode: the mask's host work and the split step are there); "tok/s" is all tokens over the call,
 prefill and admission (compiling the schema) included. The target: constrained decode at 64 jobs at
 least 90% of the free one.
+
+"host ms/step" (constrained rows) is the decode batch's own timing of its constrained steps
+(`worker/engine/critical_path.py`), the median over repetitions: "critical" is the host's time from
+reading a step's tokens back to the launch of the next draw and the forward it feeds, which the
+device may wait on; "take" (the grammars), "draw" (the masks and the draw's graph), "forward" (its
+graph) and "launch" are its parts, "launch" being, with a launcher (a GPU), the wait for the forward
+before to be launched and the draw's own launch (the forward's launch runs on while the tokens are
+handled); "read" is the wait for the tokens (the device still computing). On the CPU `async_eval`
+returns only once much of the step is computed, so "launch" holds compute there.
 """
 
 from __future__ import annotations
@@ -73,5 +82,12 @@ def structured(b: Bench) -> dict[str, Any]:
             "all_decode_tok_s": decode,
             "vs_unconstrained": median(ratios),
             "tokens": rs[-1].tokens,
+            "host_ms_per_step": _host_ms(rs),
         }
     return {"prompt_tokens": s.gen_prompt, "max_tokens": s.batch_tokens, "reps": s.batch_reps, "rows": rows}
+
+
+def _host_ms(runs: list[Run]) -> dict[str, float | None]:
+    """Each part of the critical path (ms a step), the median over the runs that timed it."""
+    parts = [r.phases for r in runs if r.phases]
+    return {k: median([p[k] for p in parts]) for k in parts[0]} if parts else {}

@@ -185,7 +185,18 @@ STRUCTURED: list[Column] = [
     ("vs unconstrained", _get("vs_unconstrained", digits=2)),
     ("all reps' decode tok/s", lambda _k, r: ", ".join(f"{x:,.0f}" for x in r["all_decode_tok_s"] if x)),
     ("tok/s (with prefill)", _get("tok_s", digits=0)),
+    ("host ms/step: critical (take, draw, forward, launch; read)", lambda _k, r: _host_ms(r)),
 ]
+
+
+def _host_ms(r: dict[str, Any]) -> str:
+    """A constrained row's critical path per step (`fig_structured`), "-" where none was timed."""
+    ms = r.get("host_ms_per_step") or {}
+    if not ms:
+        return "-"
+    parts = ", ".join(f"{ms[k]:.2f}" for k in ("take_ms", "draw_ms", "forward_ms", "launch_ms"))
+    return f"{ms['critical_ms']:.2f} ({parts}; {ms['read_ms']:.2f})"
+
 
 LOGPROBS: list[Column] = [
     PATH,

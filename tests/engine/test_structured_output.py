@@ -309,3 +309,212 @@ def test_the_mask_keeps_exactly_the_allowed_tokens_of_a_vocabulary_wider_than_th
         ),
     )
     assert re.fullmatch("[0-9]{1,8}", result.text) and max(result.token_ids) < engine.tokenizer.vocab_size
+
+
+def _allowed_greedy(engine: Engine, prompt: list[int], regex: str, steps: int) -> list[int]:
+    """The greedy answer of a regex constraint computed the slow, plain way: at every step the whole
+    sequence prefilled afresh, the grammar's mask applied, the best allowed token taken."""
+    import mlx.core as mx
+    import numpy as np
+
+    from mlxq.jobs.schema import RegexFormat
+    from mlxq.worker.engine.constraint import fill_masks
+    from mlxq.worker.engine.generate import prefill
+
+    constraint = engine.constraints.compile(RegexFormat(type="regex", regex=regex))
+    assert constraint is not None
+    vocab = engine.model.args.vocab_size
+    out: list[int] = []
+    for _ in range(steps):
+        if constraint.stopped:
+            break
+        logits = prefill(engine.model, prompt + out, engine.model.make_cache(), 64)[0]
+        words = fill_masks([constraint], engine.constraints.words)[0].view(np.uint32)
+        allowed = (words[np.arange(vocab) >> 5] >> (np.arange(vocab) & 31)) & 1
+        best = int(mx.argmax(mx.where(mx.array(allowed.astype(bool)), logits, float("-inf"))).item())
+        out.append(best)
+        if best in engine.tokenizer.eos_ids:
+            break
+        constraint.take(best)
+    return out
+
+
+def test_a_constrained_greedy_answer_is_the_best_allowed_token_at_every_step(
+    engine: Engine, model_dir: Path
+) -> None:
+    """The decode batch keeps a forward ahead of a constrained row's draw (the draw waits for the mask,
+    the forward does not): its tokens are those of the plain way, alone and in a batch with free rows
+    and rows joining later, steps launched on the launcher's thread."""
+    regex = r"[a-z]{2,9}( [a-z]{1,9}){0,4}\."
+    prompts = [engine.tokenizer.encode(f"Words {i}:") for i in range(3)]
+    expected = [_allowed_greedy(engine, p, regex, 80) for p in prompts]
+    requests = [
+        _request(
+            prompt_ids=p, max_tokens=80, temperature=0.0, response_format={"type": "regex", "regex": regex}
+        )
+        for p in prompts
+    ]
+    free = _request(prompt="Free text", max_tokens=30, temperature=0.0)
+    overlapped = _engine(model_dir, prefix_cache_bytes=0, pad_shapes=True, decode_overlap=True)
+    for eng, join_every in ((engine, 0), (overlapped, 2)):
+        finished = _batch(eng, [requests[0], free, requests[1], requests[2]], join_every)
+        got = [_result(finished[i]) for i in (0, 2, 3)]
+        for want, result in zip(expected, got, strict=True):
+            assert list(result.token_ids) == want
+            assert result.finish_reason == "stop" and re.fullmatch(regex, result.text), result.text
+        assert eng is engine or _result(finished[1]).token_ids == _alone(engine, free).token_ids
+
+
+def test_a_constrained_row_that_leaves_hands_the_prefix_cache_exactly_its_tokens(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A row cut by a stop string or its budget leaves after the forward ahead fed it one token more:
+    its cache leaves without it (never longer than its prompt and tokens), so a prompt continuing the
+    answer reuses it and gets what it gets uncached."""
+    lengths: list[tuple[int, int]] = []  # (prompt and tokens, cache) of each finished request
+    finish = GenerationBatch._finish
+
+    def recording(batch: GenerationBatch, seq: Any, reason: Any, cache: Any) -> Finished:
+        if cache is not None:
+            lengths.append((len(seq.prompt) + len(seq.run.ids), cache[0].offset))
+        return finish(batch, seq, reason, cache)
+
+    monkeypatch.setattr(GenerationBatch, "_finish", recording)
+    cached = _engine(model_dir, prefix_cache_bytes=64 << 20)
+    plain = _engine(model_dir, prefix_cache_bytes=0)
+    prompt = "Some people are described below, one a line, as JSON. " * 3 + "Person:"
+    request = _request(prompt=prompt, temperature=0.0, response_format=json_schema(PERSON))
+    whole = _alone(plain, request).text
+    for cut in (
+        request.model_copy(update={"stop": ['"age":']}),
+        request.model_copy(update={"max_tokens": 9}),
+    ):
+        first = _alone(cached, cut)
+        assert first.finish_reason in ("stop", "length") and whole.startswith(first.text)
+        ids = [*cached.prompt_tokens(cut), *first.token_ids]
+        follow = _request(prompt_ids=ids, max_tokens=12, temperature=0.0)
+        again = _alone(cached, follow)
+        assert again.usage.cached_tokens == len(ids) - 1  # all its tokens reused (one is recomputed)
+        assert again.token_ids == _alone(plain, follow).token_ids
+    assert lengths and all(tokens - 1 <= offset <= tokens for tokens, offset in lengths), lengths
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_the_critical_path_is_timed_on_constrained_steps_only(model_dir: Path, overlap: bool) -> None:
+    """A constrained batch times the host's stretch between a step's read-back and the next launch
+    (`CriticalPath`, which the structured benchmark reports); a free batch takes no such step."""
+    engine = _engine(model_dir, prefix_cache_bytes=0, decode_overlap=overlap)
+    constrained = _request(prompt="Scores:", max_tokens=40, response_format=json_schema(SCORES))
+    free = _request(prompt="Free text", max_tokens=40, temperature=0.0)
+    for requests, timed in (([constrained, constrained], True), ([free, free], False)):
+        batch = GenerationBatch(engine, max_sequences=2)
+        for i, request in enumerate(requests):
+            batch.admit(str(i), request, lambda _text, _ids: None, lambda: False)
+        decode, steps = batch.decode, 0
+        while len(batch):
+            batch.step()
+            steps += 1
+        batch.close()
+        times = decode.critical.per_step_ms()
+        if not timed:
+            assert decode.critical.steps == 0 and times == {}
+            continue
+        assert 0 < decode.critical.steps < steps
+        parts = times["take_ms"] + times["draw_ms"] + times["forward_ms"] + times["launch_ms"]
+        assert 0 < parts <= times["critical_ms"] * 1.001 + 1e-6
+
+
+# A free number in a schema: greedy on noise repeats a digit, so prompt lookup drafts and some drafts are
+# kept; the enum, the bounded integers and the keys cut drafts the grammar does not allow.
+READING = {
+    "type": "object",
+    "properties": {
+        "label": {"enum": ["pos", "neg", "neutral"]},
+        "count": {"type": "integer", "minimum": 0, "maximum": 99},
+        "value": {"type": "number"},
+    },
+    "required": ["label", "count", "value"],
+    "additionalProperties": False,
+}
+
+
+def _speculating(model_dir: Path, kind: str = "prompt_lookup", **options: Any) -> Engine:
+    from mlxq.worker.engine.speculation.policy import DraftPolicy
+
+    policy = DraftPolicy(min_acceptance=0.0, max_batch=64)
+    return _engine(model_dir, prefix_cache_bytes=0, speculation=kind, draft_policy=policy, **options)
+
+
+def _spec_requests(engine: Engine) -> list[GenerateRequest]:
+    """Constrained rows (a schema, a regex; greedy and one sampled) beside free ones."""
+    example = '{"label":"pos","count":12,"value":1.5} {"label":"neg","count":3,"value":7.25} '
+    no_eos = {i: -100.0 for i in engine.tokenizer.eos_ids}
+    return [
+        _request(prompt=example * 2, max_tokens=60, temperature=0.0, response_format=json_schema(READING)),
+        _request(prompt="Free " * 8, max_tokens=30, temperature=0.0, logit_bias=no_eos),
+        _request(prompt=example, max_tokens=40, temperature=0.0, response_format=json_schema(PERSON)),
+        _request(
+            prompt="2024-01-02 2024-01-02 ", temperature=0.0, response_format={"type": "regex", "regex": DATE}
+        ),
+        _request(
+            prompt=example, max_tokens=60, temperature=0.8, seed=4, response_format=json_schema(READING)
+        ),
+    ]
+
+
+def _check_valid(engine: Engine, requests: list[GenerateRequest], results: list[GenerateResult]) -> None:
+    """Every constrained answer is one its grammar allows token by token (a fresh one), and each that
+    ended on its own validates against its schema or matches its regex."""
+    for i in (0, 2, 3, 4):
+        constraint = engine.constraints.compile(requests[i].response_format)
+        assert constraint is not None
+        ids = list(results[i].token_ids)
+        assert constraint.valid_prefix(ids) == len(ids), results[i].text
+    for i, schema in ((0, READING), (2, PERSON), (4, READING)):
+        if results[i].finish_reason == "stop":
+            jsonschema.validate(json.loads(results[i].text), schema)
+    assert results[3].finish_reason == "stop" and re.fullmatch(DATE, results[3].text), results[3].text
+
+
+@pytest.mark.parametrize(("pad_shapes", "overlap", "join_every"), [(False, False, 0), (True, True, 2)])
+def test_speculation_checks_drafts_against_the_grammar_and_changes_no_greedy_token(
+    engine: Engine, model_dir: Path, pad_shapes: bool, overlap: bool, join_every: int
+) -> None:
+    """Prompt lookup drafts for constrained rows: each row's drafts are cut where its grammar stops
+    allowing them, each position is masked by the grammar after the drafts before it, and the grammar
+    takes what was kept. Greedy rows get exactly what plain steps give them; every answer is valid."""
+    requests = _spec_requests(engine)
+    plain = [_result(f) for f in _batch(engine, requests)]
+    spec = _speculating(model_dir, pad_shapes=pad_shapes, decode_overlap=overlap)
+    got = [_result(f) for f in _batch(spec, requests, join_every)]
+    for i in range(4):  # the greedy ones
+        assert (got[i].token_ids, got[i].text, got[i].finish_reason) == (
+            plain[i].token_ids,
+            plain[i].text,
+            plain[i].finish_reason,
+        ), i
+    _check_valid(spec, requests, got)
+    assert plain[0].usage.draft_tokens == 0
+    drafted = sum(got[i].usage.draft_tokens for i in (0, 2, 3, 4))
+    kept = sum(got[i].usage.accepted_tokens for i in (0, 2, 3, 4))
+    assert 0 < kept < drafted  # drafts were checked: some kept, some cut or rejected
+
+
+def test_a_draft_model_drafting_for_constrained_rows_leaves_their_answers_unchanged(
+    engine: Engine, model_dir: Path, tmp_path: Path
+) -> None:
+    """The target as its own draft: its drafts follow the target's unconstrained greedy choice, so
+    they hold until the grammar forbids one; cut there, the answers are plain decoding's."""
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(model_dir, model)
+    shutil.copytree(model_dir, model / "draft")
+    spec = _speculating(model, "draft_model")
+    requests = _spec_requests(engine)
+    plain = [_result(f) for f in _batch(engine, requests)]
+    got = [_result(f) for f in _batch(spec, requests)]
+    for i in range(4):
+        assert (got[i].token_ids, got[i].finish_reason) == (plain[i].token_ids, plain[i].finish_reason), i
+    _check_valid(spec, requests, got)
+    assert sum(got[i].usage.accepted_tokens for i in (0, 2, 3, 4)) > 0

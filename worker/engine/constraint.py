@@ -69,6 +69,8 @@ class Constraint:
         self.what = what  # e.g. "json_schema 'person'", for messages
         self.executor = executor  # its engine's pool of mask threads (`fill_masks`)
         self.error: ConstraintViolated | None = None
+        self.taken = 0  # tokens taken
+        self.stopped_at: int | None = None  # tokens taken when the grammar was complete
 
     def take(self, token: int) -> None:
         """Advance past `token` (nothing once complete or failed: the row ends with this token)."""
@@ -78,11 +80,28 @@ class Constraint:
             self.error = ConstraintViolated(
                 f"token {token} does not follow the {self.what}: {self.matcher.get_error()}"
             )
+            return
+        self.taken += 1
+        if self.matcher.is_stopped():
+            self.stopped_at = self.taken
 
     @property
     def stopped(self) -> bool:
         """Whether the grammar allows nothing more (complete): the row must end."""
         return bool(self.matcher.is_stopped())
+
+    def complete_after(self, n: int) -> bool:
+        """Whether the grammar allowed nothing more once it took its first `n` tokens: the row ends with
+        its n-th token. (After a verify step the grammar took all the step's tokens before the row
+        handles them one by one, so `stopped` may already hold for the first of them.)"""
+        return self.stopped_at is not None and self.stopped_at <= n
+
+    def valid_prefix(self, tokens: Sequence[int]) -> int:
+        """How many of `tokens`, from the grammar's position, it allows one after another (0 once it
+        failed or is complete); the grammar does not move."""
+        if self.error is not None or self.matcher.is_stopped() or not tokens:
+            return 0
+        return int(self.matcher.validate_tokens(list(tokens)))
 
     def fill(self, out: np.ndarray) -> None:
         """Write the allowed next tokens as a bitmask into `out` (int32 words, a row of a C array)."""
@@ -111,6 +130,36 @@ def fill_masks(constraints: Sequence[Constraint], words: int) -> np.ndarray:
     for c in constraints:
         if c.error is None and c.matcher.is_error():
             c.error = ConstraintViolated(f"the {c.what} failed: {c.matcher.get_error()}")
+    return out
+
+
+def fill_draft_masks(
+    constraints: Sequence[Constraint | None], drafts: Sequence[Sequence[int]], width: int, words: int
+) -> np.ndarray:
+    """The bitmasks of a verify step's positions: (rows, `width`, `words`) int32; position j of a
+    constrained row is its grammar after its first j drafts (which it must allow: `valid_prefix`),
+    for j up to its number of drafts; every other position, and every position of a row without a
+    constraint (None), allows everything. Position by position, the rows' masks are computed in
+    parallel (`fill_masks`) and each row's grammar takes its next draft; the grammars are rolled back
+    to where they were at the end."""
+    out = np.full((len(constraints), width, words), -1, dtype=np.int32)
+    rows = [i for i, c in enumerate(constraints) if c is not None]
+    moved = dict.fromkeys(rows, 0)
+    try:
+        for j in range(width):
+            at = [i for i in rows if j <= len(drafts[i])]
+            if not at:
+                break
+            out[at, j] = fill_masks([c for i in at if (c := constraints[i]) is not None], words)
+            for i in at:
+                c = constraints[i]
+                if j < len(drafts[i]) and c is not None and c.matcher.consume_token(drafts[i][j]):
+                    moved[i] += 1
+    finally:
+        for i, n in moved.items():
+            c = constraints[i]
+            if n and c is not None:
+                c.matcher.rollback(n)
     return out
 
 

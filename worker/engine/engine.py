@@ -601,13 +601,14 @@ class Engine:
     def speculation_for(self, request: GenerateRequest, sampler: Sampler) -> RowSpeculation | None:
         """A request's drafter and its depth cap, or None where it decodes plainly: speculation off on
         this worker or for the job (`max_draft_tokens` 0), or a sampler whose draws depend on the tokens
-        before them (penalties) or on a grammar moving token by token: speculative sampling could not
-        keep such a row's distribution exact, so it takes plain steps (`SamplerRows.can_verify`)."""
+        before them through penalties: speculative sampling could not keep such a row's distribution
+        exact, so it takes plain steps. A constrained row drafts: its drafts are checked against its
+        grammar (`DecodeBatch.verify_with`)."""
         kind = self.options.speculation
         cap = self.options.draft_policy.max_depth
         if request.max_draft_tokens is not None:
             cap = min(cap, request.max_draft_tokens)
-        if kind == "off" or cap <= 0 or sampler.penalized or sampler.constraint is not None:
+        if kind == "off" or cap <= 0 or sampler.penalized:
             return None
         if kind == "prompt_lookup":
             return RowSpeculation(PromptLookup(), self.options.draft_policy, cap)

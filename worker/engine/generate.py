@@ -7,6 +7,7 @@ own sampler; its cache layout (left padding, per-row RoPE offsets) is explained 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from typing import TypeVar, cast
 
@@ -15,6 +16,7 @@ import mlx.core as mx
 from mlxq.worker.engine import ragged_attention
 from mlxq.worker.engine.cache.batch_cache import BatchKVCache, PrefillRowsCache, prefill_mask
 from mlxq.worker.engine.cache.kv_cache import KVCache
+from mlxq.worker.engine.critical_path import CriticalPath
 from mlxq.worker.engine.device import on_cuda
 from mlxq.worker.engine.launcher import Launcher
 from mlxq.worker.engine.models.base import Model
@@ -198,7 +200,14 @@ class DecodeBatch:
     device's work), so the Python (building, text, stop strings, streams) runs in time that was lost, and a
     step costs about its launch. This thread calls `quiet()` before it evaluates anything else. Either way,
     the first step after rows joined reads their first tokens back before it builds the next step (see
-    `step_with`)."""
+    `step_with`).
+
+    A batch holding a constrained row keeps one forward ahead instead (`_ahead`): its pending tokens
+    are already being fed while they are read back, so the draw that needs their grammars' masks and
+    the forward after it are launched together (with a launcher, one launch after the other), and the
+    tokens are handled while that forward computes (`_step_ahead`). The cache then holds one token
+    past those handled: a leaving row's cache is cut back to its own (`remove`), and the forward ahead
+    is dropped (its column trimmed) before rows join or a verify step."""
 
     def __init__(
         self,
@@ -223,6 +232,9 @@ class DecodeBatch:
         self.slots: list[int] = []  # each live row's row of the buffers, in row order
         self._slot_index: mx.array | None = None  # `slots` as an array; None while slots are 0..B-1
         self._steps = 0
+        # With a constrained row: the logits of the forward that feeds `_pending`, launched (see `step_with`)
+        self._ahead: mx.array | None = None
+        self.critical = CriticalPath()  # the host's time on the constrained steps' critical path
 
     def __len__(self) -> int:
         return len(self.rows) if self.rows is not None else 0
@@ -243,6 +255,7 @@ class DecodeBatch:
         buffers), else the buffers are copied once for all of them."""
         if not caches:
             return
+        self._drop_ahead()
         joining = SamplerRows(samplers, logits.shape[-1])
         tokens = joining.sample(logits)
         if not self._join_in_place(caches):
@@ -299,7 +312,10 @@ class DecodeBatch:
         the prefill the rows joined from was waited for, so nothing is in flight, and their first
         tokens reach readers without waiting for the next step's graph (on the CPU, where `async_eval`
         returns only once a lone row's step is nearly computed, for the whole next step). That step
-        takes no next step when `ends_all` says every row ends with them (a 1-token job)."""
+        takes no next step when `ends_all` says every row ends with them (a 1-token job).
+
+        With a constrained row the forward that feeds the pending tokens is already launched (`_ahead`):
+        see `_step_ahead`."""
         if self._pending is None:
             raise ValueError("an empty batch has no step to take")
         pending, fresh = self._pending, self._fresh
@@ -315,22 +331,13 @@ class DecodeBatch:
             if ends_all is not None and ends_all(result):
                 self._pending = None  # nothing more to feed: every row leaves
                 return result
-            self._launch(self._next_step(pending))
-        elif self.rows is not None and self.rows.constrained:
-            # A constrained row's next draw waits for its mask, which waits for its token of this
-            # step: the forward is launched first; while it runs the tokens are read back, taken by
-            # the grammars and handled, and the masks computed as the draw is built; then the draw
-            # is launched (a batch without constraints draws in the forward's graph instead).
-            read = self._readable(pending)
-            logits = self._forward(pending)
-            self._launch_logits(logits)
-            if meanwhile is not None:
-                meanwhile()
-            tokens = read()
-            self._take(tokens)
-            result = handle(tokens)
-            self._pending = self.rows.sample(logits)
-            self._launch(self._pending)
+            following = self._next_step(pending)
+            if self.rows is not None and self.rows.constrained:
+                self._launch_ahead(following)
+            else:
+                self._launch(following)
+        elif self._ahead is not None:
+            result = self._step_ahead(pending, handle, meanwhile)
         else:
             read = self._readable(pending)
             self._launch(self._next_step(pending))  # a launcher waits for `pending`'s launch first
@@ -338,6 +345,43 @@ class DecodeBatch:
                 meanwhile()
             result = handle(read())
         self._stepped()
+        return result
+
+    def _step_ahead(
+        self, pending: mx.array, handle: Callable[[list[int]], T], meanwhile: Callable[[], None] | None
+    ) -> T:
+        """A step of a batch with a constrained row. A row's next draw waits for its mask, which waits
+        for its token of this step; the forward that feeds that token does not: it was launched right
+        after the draw (`_ahead`). So the tokens are read back while that forward computes (with a
+        launcher, while it is still being launched), the grammars take them, and the next draw (their
+        masks) and the forward fed by it are built and launched; only then are the tokens handled and
+        `meanwhile` run, while the device computes. Between the read-back and that launch the device
+        may wait on the host: that stretch is timed (`critical`). A batch whose constrained rows all
+        left draws from the forward ahead once more and is a free batch again."""
+        # rows join only through `add`/`start` (a fresh step follows, which launches the forward ahead)
+        assert self.rows is not None and self._ahead is not None
+        clock = self.critical
+        began = time.perf_counter()
+        tokens = self._readable(pending)()  # with a launcher: the draw's own launch has ended
+        read = time.perf_counter()
+        self._take(tokens)
+        taken = time.perf_counter()
+        following = self._pending = self.rows.sample(self._ahead)
+        drawn = time.perf_counter()
+        self._ahead = self._forward(following) if self.rows.constrained else None
+        built = time.perf_counter()
+        self._launch(following, self._ahead)
+        launched = time.perf_counter()
+        clock.steps += 1
+        clock.read_s += read - began
+        clock.take_s += taken - read
+        clock.draw_s += drawn - taken
+        clock.forward_s += built - drawn
+        clock.launch_s += launched - built
+        clock.critical_s += launched - read
+        result = handle(tokens)
+        if meanwhile is not None:
+            meanwhile()
         return result
 
     def verify_with(
@@ -354,19 +398,24 @@ class DecodeBatch:
         row's tokens of the step, in row order: its pending token, then the drafts it kept; returns what
         `handle` returns. `meanwhile` runs while the forward computes.
 
+        Constrained rows take their pending token first; their drafts are cut before the first their
+        grammar does not allow (`SamplerRows.cut`), each position is masked with the grammar after the
+        drafts before it (`SamplerRows.draft_masks`), and the grammar takes the drafts kept.
+
         Unlike a plain step nothing stays in flight: the drafts of the next step depend on what this
         one kept. So the next step (plain or verify) starts from tokens already read back."""
         if self._pending is None or self.rows is None:
             raise ValueError("an empty batch has no step to take")
-        if not self.rows.can_verify:
-            raise ValueError("rows with penalties or a grammar take plain steps")
+        self._drop_ahead()
         self.quiet()
         self._fresh = False
         tokens = [int(t) for t in cast("list[int]", self._pending.tolist())]
-        drafts = drafts_for(tokens)
+        self._take(tokens)
+        drafts = self.rows.cut(drafts_for(tokens))
         width = 1 + max(len(d) for d in drafts)
         if self.pad_shapes and width > 1:  # a GPU meets few widths (the columns past the drafts: never kept)
             width = padded_size(width, smallest=1)
+        allowed = self.rows.draft_masks(drafts, width) if width > 1 else None
         fed = [[t, *d, *([0] * (width - 1 - len(d)))] for t, d in zip(tokens, drafts, strict=True)]
         logits = self._forward(mx.array(fed, dtype=mx.int32), self.cache[0].mask(width))
         if width == 1:
@@ -374,7 +423,7 @@ class DecodeBatch:
         else:
             depth = mx.array([len(d) for d in drafts], dtype=mx.int32)
             ids = mx.array([row[1:] for row in fed], dtype=mx.int32)
-            kept_drafts, following = self.rows.verify(logits, ids, depth)
+            kept_drafts, following = self.rows.verify(logits, ids, depth, allowed)
         mx.async_eval(kept_drafts, following)
         if meanwhile is not None:
             meanwhile()
@@ -388,6 +437,8 @@ class DecodeBatch:
             self._compact(self._idle_rows())
         self._pending, self._pending_copy, self._fresh = following, None, True
         self._stepped()
+        if self.rows.constrained:
+            self.rows.take_drafts([d[:k] for d, k in zip(drafts, kept, strict=True)])
         return handle([[t, *d[:k]] for t, d, k in zip(tokens, drafts, kept, strict=True)])
 
     def quiet(self) -> None:
@@ -395,21 +446,36 @@ class DecodeBatch:
         if self.launcher is not None:
             self.launcher.wait()
 
-    def _launch(self, tokens: mx.array) -> None:
-        """Start computing `tokens` (and the step behind them). With a launcher they are read back later
-        from the copy `Launcher.launch_tokens` makes (it says why), each live row at its place in it."""
+    def _launch(self, tokens: mx.array, ahead: mx.array | None = None) -> None:
+        """Start computing `tokens` (and the step behind them), then `ahead` (the forward that feeds
+        them, in a constrained batch). With a launcher they are read back later from the copy
+        `Launcher.launch_tokens` makes (it says why), each live row at its place in it; `ahead` is a
+        launch of its own, so the copy can be read while it is being launched (as a free batch reads
+        its tokens while the next step launches)."""
         if self.launcher is None:
-            mx.async_eval(tokens)
+            if ahead is None:
+                mx.async_eval(tokens)
+            else:
+                mx.async_eval(tokens, ahead)
             return
         self._pending_copy = self.launcher.launch_tokens(tokens)
         self._copy_rows = list(range(tokens.shape[0]))
+        if ahead is not None:
+            self.launcher.launch(ahead)
 
-    def _launch_logits(self, logits: mx.array) -> None:
-        """Start computing a step's forward whose draw waits for the rows' masks."""
-        if self.launcher is None:
-            mx.async_eval(logits)
-        else:
-            self.launcher.launch(logits)
+    def _launch_ahead(self, tokens: mx.array) -> None:
+        """Launch a constrained batch's drawn `tokens`, then the forward that feeds them (`_ahead`)."""
+        self._ahead = self._forward(tokens)
+        self._launch(tokens, self._ahead)
+
+    def _drop_ahead(self) -> None:
+        """Forget the forward launched ahead: every row's cache loses the column it wrote, and the
+        pending tokens are again fed by nothing (before rows join, or a verify step)."""
+        if self._ahead is None:
+            return
+        self._ahead = None
+        for layer in self.cache:
+            layer.trim_rows(1, [0] * layer.batch)
 
     def _take(self, tokens: list[int]) -> None:
         """Constrained rows take this step's tokens (before they are handled: a row whose grammar is
@@ -481,14 +547,21 @@ class DecodeBatch:
         """Drop `rows`; return each one's batch-1 cache (exactly its tokens), in the order given. Their
         buffer rows become idle rows; the buffers are compacted only when the batch can shrink."""
         caches = [[layer.row(self.slots[i]) for layer in self.cache] for i in rows]
+        if self._ahead is not None:  # the forward ahead fed a token they never handled
+            for cache in caches:
+                for layer_cache in cache:
+                    layer_cache.trim(1)
         gone = set(rows)
         keep = [i for i in range(len(self)) if i not in gone]
         if self.rows is not None:
             self.rows.select(keep)
         if not keep or self._pending is None:
-            self._pending = None
+            self._pending = self._ahead = None
         else:
-            self._pending = self._pending[mx.array(keep, dtype=mx.int32)]
+            index = mx.array(keep, dtype=mx.int32)
+            self._pending = self._pending[index]
+            if self._ahead is not None:
+                self._ahead = self._ahead[index]
         self._copy_rows = [self._copy_rows[i] for i in keep] if self._pending_copy is not None else []
         self._set_slots([self.slots[i] for i in keep])
         self._pad()

@@ -170,10 +170,11 @@ class GenerationBatch:
 
         `background` (host work that touches neither MLX nor this batch, e.g. writing streams) runs once
         per step: while the device finishes the step in flight, before its tokens are read back (so
-        it writes the tokens the step before handled), or after the tokens of rows that just joined
-        (`DecodeBatch.step_with`). It must not raise (keep its errors); should it raise anyway, the
-        decoding requests end with that error, as when a decode step fails (in a step that decodes
-        nothing, every request), so none is lost."""
+        it writes the tokens the step before handled), or after the tokens of rows that just joined,
+        or, in a batch holding a constrained row, after the step's tokens were handled while the
+        device computes the next forward (`DecodeBatch.step_with`). It must not raise (keep its
+        errors); should it raise anyway, the decoding requests end with that error, as when a decode
+        step fails (in a step that decodes nothing, every request), so none is lost."""
         if self.waiting or self.prefilling is not None:
             self.quiet()  # MLX work on this thread ahead
         self.settle()
@@ -488,9 +489,8 @@ class GenerationBatch:
 
     def _speculating(self) -> bool:
         """Whether this step verifies drafts: some row drafts (its policy's depth, set here for
-        `_drafts`) and every row's sampler can verify. A worker without speculation checks nothing."""
-        rows = self.decode.rows
-        if self.engine.options.speculation == "off" or rows is None or not rows.can_verify:
+        `_drafts`). A worker without speculation checks nothing."""
+        if self.engine.options.speculation == "off" or self.decode.rows is None:
             return False
         n, any_depth = len(self.decoding), False
         for seq in self.decoding:
@@ -543,7 +543,7 @@ class GenerationBatch:
             if constraint is not None and constraint.error is not None:
                 raise constraint.error  # its token broke its grammar (see `SamplerRows.take`)
             reason = self.engine.finish_reason_after(seq.run, token, seq.cancelled)
-            if reason is None and constraint is not None and constraint.stopped:
+            if reason is None and constraint is not None and constraint.complete_after(len(seq.run.ids)):
                 reason = "stop"  # its grammar is complete and allows no end-of-text token
             if reason is None and len(seq.run.ids) >= seq.max_tokens:
                 reason = "length"

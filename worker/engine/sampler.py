@@ -11,6 +11,8 @@ A sampler may carry a `Constraint` (structured output, `constraint.py`): its row
 tokens the grammar allows are masked with -inf after the penalties, before greedy or a draw. The
 masks are computed on the host as the draw is built (`SamplerRows.sample`), once every constrained
 row took its token of the step before (`SamplerRows.take`); rows without a constraint are untouched.
+A verify step masks each position of a constrained row with its grammar after the drafts before it
+(`SamplerRows.cut` first drops the drafts the grammar does not allow).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from typing import Protocol
 import mlx.core as mx
 import numpy as np
 
-from mlxq.worker.engine.constraint import Constraint, fill_masks
+from mlxq.worker.engine.constraint import Constraint, fill_draft_masks, fill_masks
 
 _NEG_INF = float("-inf")
 
@@ -383,6 +385,12 @@ def _bit_columns(width: int) -> tuple[mx.array, mx.array]:
     return mx.array(column >> 5), mx.array(column & 31)
 
 
+def _allowed(masks: np.ndarray, width: int) -> mx.array:
+    """Bitmasks (..., words) int32 as (..., `width`) bool: True where a token is allowed."""
+    word, bit = _bit_columns(width)
+    return ((mx.array(masks.view(np.uint32))[..., word] >> bit) & 1).astype(mx.bool_)
+
+
 def _column(values: Sequence[float], dtype: mx.Dtype) -> mx.array:
     return mx.array(list(values), dtype=dtype)[:, None]
 
@@ -483,9 +491,35 @@ class SamplerRows:
             every = np.full((x.shape[0], words), -1, dtype=np.int32)
             every[self._constrained] = masks
             masks = every
-        word, bit = _bit_columns(x.shape[-1])
-        allowed = (mx.array(masks.view(np.uint32))[:, word] >> bit) & 1  # (B, width): 1 where allowed
-        return mx.where(allowed.astype(mx.bool_), x, _NEG_INF)
+        return mx.where(_allowed(masks, x.shape[-1]), x, _NEG_INF)
+
+    def cut(self, drafts: Sequence[Sequence[int]]) -> list[list[int]]:
+        """Each row's draft tokens (one list per row), a constrained row's cut before the first its
+        grammar does not allow (after its pending token, taken: `take`)."""
+        out = [list(d) for d in drafts]
+        for i in self._constrained:
+            c = self.samplers[i].constraint
+            assert c is not None
+            out[i] = out[i][: c.valid_prefix(out[i])]
+        return out
+
+    def draft_masks(self, drafts: Sequence[Sequence[int]], width: int) -> mx.array | None:
+        """(B, `width`, vocab) bool: the tokens each position of a verify step allows, a constrained
+        row's position j its grammar after its first j `drafts` (cut by `cut`); None without
+        constrained rows. Computed on the host now."""
+        if not self._constrained:
+            return None
+        constraints = [s.constraint for s in self.samplers]
+        masks = fill_draft_masks(constraints, drafts, width, _words(self.vocab_size))
+        return _allowed(masks, self.vocab_size)
+
+    def take_drafts(self, drafts: Sequence[Sequence[int]]) -> None:
+        """After a verify step, constrained rows take the drafts they kept (one list per row)."""
+        for i in self._constrained:
+            c = self.samplers[i].constraint
+            assert c is not None
+            for token in drafts[i]:
+                c.take(token)
 
     def select(self, rows: Sequence[int]) -> None:
         """Keep only `rows`, in that order."""
@@ -505,13 +539,9 @@ class SamplerRows:
         self._keys = other._keys if self._keys is None else mx.concatenate([self._keys, other._keys])
         self._refresh()
 
-    @property
-    def can_verify(self) -> bool:
-        """Whether the rows can take a verify step (`verify`): none has a grammar (it moves token by
-        token, its mask waits for the token before). A batch holding such a row takes plain steps."""
-        return not self._constrained
-
-    def verify(self, logits: mx.array, drafts: mx.array, depth: mx.array) -> tuple[mx.array, mx.array]:
+    def verify(
+        self, logits: mx.array, drafts: mx.array, depth: mx.array, allowed: mx.array | None = None
+    ) -> tuple[mx.array, mx.array]:
         """Speculative sampling over a verify step's (B, W, vocab) logits: row i fed its pending token and
         `depth[i]` (<= W - 1) draft tokens `drafts[i]` (B, W - 1). Returns the (B,) count of drafts each
         row keeps and the (B,) token that follows them (the next pending token); lazy.
@@ -527,9 +557,11 @@ class SamplerRows:
         A row that drafts nothing (depth 0) draws exactly as `sample` would from its first position's
         logits (the same key), so a seeded request's tokens do not depend on whether its batch-mates
         draft. A row with penalties must draft nothing (its later positions' penalties would depend on
-        the drafts): its first position is processed as in `sample`. Needs `can_verify`."""
-        if not self.can_verify:
-            raise ValueError("rows with a grammar cannot verify drafts")
+        the drafts): its first position is processed as in `sample`.
+
+        `allowed` (B, W, vocab) bool (`draft_masks`): the tokens each position's grammar allows,
+        applied after the penalties as in `sample`, so a constrained row's drafts (which its grammar
+        allows) are kept and replaced under the distribution its plain steps draw from."""
         b, width, vocab = logits.shape
         x = logits if self._bias is None else logits.astype(mx.float32) + self._bias[:, None, :]
         if self._penalized:  # their first position as `sample` processes it (they draft nothing)
@@ -537,6 +569,8 @@ class SamplerRows:
             own = [self.samplers[i].process_logits(logits[i : i + 1, 0, :]) for i in self._penalized]
             first[mx.array(self._penalized, dtype=mx.int32)] = mx.concatenate(own)
             x = mx.concatenate([first[:, None, :], x[:, 1:, :].astype(mx.float32)], axis=1)
+        if allowed is not None:
+            x = mx.where(allowed, x, _NEG_INF)
         live = mx.arange(width - 1, dtype=mx.int32)[None, :] < depth[:, None]
         target = mx.argmax(x, axis=-1) if self._any_greedy else None  # (B, W)
         greedy_ok = None if target is None else (target[:, :-1] == drafts) & live
