@@ -6,6 +6,7 @@ See bench/README.md for what each figure measures and how to run it here and on 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -64,6 +65,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="a name in checkpoints.SHAPES or QUANTIZED | smollm2 | a model folder [tiny]",
     )
     p.add_argument("--sizes", default="cpu", choices=sorted(SIZES), help="figure sizes [cpu]")
+    p.add_argument(
+        "--batch-jobs",
+        help="comma-separated numbers of concurrent jobs for the batch figure, in place of the sizes' own",
+    )
     p.add_argument("--only", default=",".join(FIGURES), help=f"comma-separated figures [{','.join(FIGURES)}]")
     p.add_argument("--out", default=str(Path(__file__).parent / "results"), help="folder for JSON and tables")
     p.add_argument("--label", help="file name of the results [SIZES-MODEL]")
@@ -102,6 +107,8 @@ def main(argv: list[str] | None = None) -> int:
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s %(message)s")
     sizes = SIZES[args.sizes]
+    if args.batch_jobs:
+        sizes = dataclasses.replace(sizes, batch_jobs=tuple(int(n) for n in args.batch_jobs.split(",")))
     only = [f.strip() for f in args.only.split(",") if f.strip()]
     unknown = [f for f in only if f not in FIGURES]
     if unknown:

@@ -6,7 +6,12 @@ import json
 from pathlib import Path
 from typing import Any
 
-from mlxq.worker.modelfiles.tiny_model import write_random_checkpoint
+from mlxq.worker.modelfiles.tiny_model import (
+    checkpoint_shapes,
+    finish_checkpoint_folder,
+    prepare_checkpoint_folder,
+    write_random_checkpoint,
+)
 
 # Small enough for a CPU with a reference BLAS; long context so 8k-token prefixes fit.
 TINY: dict[str, Any] = {"max_position_embeddings": 16384}
@@ -106,6 +111,9 @@ QUANTIZED = {
     "qwen3-moe-30b-4bit": ("qwen3-moe-30b", 4),
     "gemma3-4b-4bit": ("gemma3-4b", 4),
 }
+# Those drawn and quantized tensor by tensor on the device instead: their source in bf16 would not fit
+# the GPU host's disk beside them (the 30B MoE: 61 GB against 17).
+DRAWN_QUANTIZED = {"qwen3-moe-30b-4bit"}
 
 
 def checkpoint(name: str, cache_dir: Path) -> Path:
@@ -141,6 +149,9 @@ def _quantized(name: str, cache_dir: Path) -> Path:
     from mlxq.worker.engine.models.loader import load_config, load_model, save_quantized  # imports MLX
 
     source_name, bits = QUANTIZED[name]
+    if name in DRAWN_QUANTIZED:
+        config, dtype = SHAPES[source_name]
+        return draw_quantized(cache_dir / name, config, dtype, bits)
     source = checkpoint(source_name, cache_dir)
     out = cache_dir / name
     done = out / "bench-config.json"
@@ -149,4 +160,42 @@ def _quantized(name: str, cache_dir: Path) -> Path:
         model, _ = load_model(source)
         save_quantized(model, load_config(source), out, bits=bits, copy_from=source)
         done.write_text(wanted)
+    return out
+
+
+def draw_quantized(
+    out: Path, config: dict[str, Any], dtype: str, bits: int, group_size: int = 64, std: float = 0.02
+) -> Path:
+    """A random checkpoint of `config` written as `_quantized` writes one (the same tensors, quantized
+    where `loader.save_quantized` would: every matrix whose input size divides by `group_size`), but each
+    tensor drawn on the device and quantized at once, so the unquantized model never exists."""
+    import mlx.core as mx  # imports MLX only here: the other checkpoints are written without it
+
+    done = out / "bench-config.json"
+    wanted = json.dumps({"config": config, "dtype": dtype, "bits": bits, "drawn": True}, sort_keys=True)
+    if done.is_file() and done.read_text() == wanted:
+        return out
+    cfg = prepare_checkpoint_folder(out, config, dtype)
+    key = mx.random.key(0)
+    weights: dict[str, mx.array] = {}
+    norm_one = 0.0 if cfg["architectures"][0] == "Gemma3ForCausalLM" else 1.0  # Gemma's: offsets from one
+    for tensor, shape in checkpoint_shapes(cfg).items():
+        key, draw = mx.random.split(key)
+        if tensor.endswith("norm.weight"):
+            w = norm_one + 0.1 * mx.random.normal(shape, key=draw)
+        else:
+            w = std * mx.random.normal(shape, key=draw)
+        w = w.astype(mx.bfloat16 if dtype == "bfloat16" else mx.float32)
+        if len(shape) >= 2 and shape[-1] % group_size == 0:
+            stem = tensor.removesuffix(".weight")
+            q, scales, biases = mx.quantize(w, group_size, bits)
+            parts = {f"{stem}.weight": q, f"{stem}.scales": scales, f"{stem}.biases": biases}
+        else:
+            parts = {tensor: w}
+        mx.eval(list(parts.values()))
+        weights.update(parts)
+    mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
+    quant = {"group_size": group_size, "bits": bits}
+    finish_checkpoint_folder(out, {**cfg, "quantization": quant, "quantization_config": quant})
+    done.write_text(wanted)
     return out

@@ -317,3 +317,27 @@ def test_the_ragged_decode_path_decodes_what_the_mask_path_decodes(
     steps = [(masked.step(), ragged.step()) for _ in range(6)]
     assert all(a == b for a, b in steps), steps
     assert len(calls) == 6 * len(model.layers)
+
+
+def test_a_drawn_quantized_moe_has_the_layout_save_quantized_writes(tmp_path: Path) -> None:
+    """The bench's 30B MoE is drawn and quantized tensor by tensor on the device (its bf16 source would
+    not fit the GPU host's disk): the folder holds exactly the tensors, shapes and dtypes that quantizing
+    a loaded random checkpoint writes, and loads with its experts quantized."""
+    from bench.checkpoints import draw_quantized
+
+    config = {"architectures": ["Qwen3MoeForCausalLM"], "num_experts": 5, "moe_intermediate_size": 64}
+    config["num_experts_per_tok"] = 2
+    source = write_random_checkpoint(tmp_path / "source", config, dtype="bfloat16")
+    model, full_config = load_model(source, dtype="bfloat16")  # as the GPU loads it
+    save_quantized(model, full_config, tmp_path / "saved", bits=4)
+    drawn = draw_quantized(tmp_path / "drawn", config, "bfloat16", 4)
+
+    def layout(folder: Path) -> dict[str, tuple[tuple[int, ...], mx.Dtype]]:
+        return {k: (tuple(v.shape), v.dtype) for k, v in mx.load(str(folder / "model.safetensors")).items()}
+
+    assert layout(drawn) == layout(tmp_path / "saved")
+    assert json.loads((drawn / "config.json").read_text())["quantization"] == {"group_size": 64, "bits": 4}
+    loaded, _ = load_model(drawn)
+    assert isinstance(loaded.layers[0].feed_forward.switch_mlp.down_proj, moe.QuantizedSwitchLinear)
+    assert np.isfinite(np.array(loaded(mx.array([[1, 2, 3, 4]], dtype=mx.int32)).astype(mx.float32))).all()
+    assert draw_quantized(tmp_path / "drawn", config, "bfloat16", 4) == drawn  # written once

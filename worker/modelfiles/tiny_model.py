@@ -165,16 +165,10 @@ def write_random_checkpoint(
     memory whole); stacked experts, most of such a model, are drawn in float32, the rest as always.
     """
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    n_vocab = build_tokenizer(out)
-    cfg = {**TINY_LLAMA_CONFIG, **(config or {})}
-    cfg.setdefault("vocab_size", n_vocab)
-    if cfg["vocab_size"] < n_vocab:
-        raise ValueError(f"vocab_size {cfg['vocab_size']} is smaller than the tokenizer's {n_vocab}")
-    cfg["torch_dtype"] = dtype
-    rng = np.random.default_rng(seed)
     if dtype not in _SAFETENSORS_DTYPES:
         raise ValueError(f"dtype {dtype!r} is not one of {', '.join(_SAFETENSORS_DTYPES)}")
+    cfg = prepare_checkpoint_folder(out, config, dtype)
+    rng = np.random.default_rng(seed)
     shapes = _llama_shapes(cfg)
     gemma = cfg["architectures"][0] == "Gemma3ForCausalLM"  # its RMSNorm scales by 1 + weight
 
@@ -190,12 +184,35 @@ def write_random_checkpoint(
             yield _encoded(w.astype(np.float32), dtype)
 
     _write_safetensors(out / "model.safetensors", shapes, _SAFETENSORS_DTYPES[dtype], draw())
+    finish_checkpoint_folder(out, cfg)
+    return out
+
+
+def prepare_checkpoint_folder(out: Path, config: dict[str, Any] | None, dtype: str) -> dict[str, Any]:
+    """`out` with the tiny tokenizer written, and the full config a random checkpoint of `config` has
+    (`TINY_LLAMA_CONFIG` under `config`'s keys; the vocabulary at least the tokenizer's)."""
+    out.mkdir(parents=True, exist_ok=True)
+    n_vocab = build_tokenizer(out)
+    cfg = {**TINY_LLAMA_CONFIG, **(config or {})}
+    cfg.setdefault("vocab_size", n_vocab)
+    if cfg["vocab_size"] < n_vocab:
+        raise ValueError(f"vocab_size {cfg['vocab_size']} is smaller than the tokenizer's {n_vocab}")
+    cfg["torch_dtype"] = dtype
+    return cfg
+
+
+def finish_checkpoint_folder(out: Path, cfg: dict[str, Any]) -> None:
+    """`config.json` (with the tokenizer's end-of-turn id) and `generation_config.json`, written last."""
     eos = _token_id(out, "<|im_end|>")
     (out / "config.json").write_text(json.dumps({**cfg, "eos_token_id": eos}, indent=2))
     (out / "generation_config.json").write_text(
         json.dumps({"eos_token_id": [eos, _token_id(out, "<|endoftext|>")]})
     )
-    return out
+
+
+def checkpoint_shapes(cfg: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """Every tensor of a random checkpoint of full config `cfg`, in the order it is written."""
+    return _llama_shapes(cfg)
 
 
 def _token_id(out: Path, token: str) -> int:
