@@ -8,6 +8,12 @@ kernel reads each row's columns straight from the cache buffer: one thread block
 one warp per query head of that group, the lanes splitting the row's keys with an online softmax in
 float32, then one warp reduction.
 
+That layout keeps a whole query and output row in each lane's registers, which fits narrow heads only:
+from `WIDE_FROM` dimensions on (Gemma 3's 256) the registers would spill to memory, so wide heads take a
+second kernel (`_WIDE_SOURCE`) that splits each row's dimensions across the lanes instead (a key's score
+is a warp reduction) and its keys across several warps per query head, whose partial softmax sums meet
+in shared memory.
+
 CUDA only (`available()`): a decode batch uses it there by default and MLX's masked attention
 elsewhere. On other devices `decode_attention` computes the same thing with MLX's masked attention, so
 the batch's use of it is tested on the CPU; the kernel's results equal MLX's masked attention within
@@ -91,6 +97,88 @@ _SOURCE = """
     }
 """
 
+# Each lane owns D / 32 dimensions of its query head; warp w of a block handles query head w % REP of
+# the block's kv head and every SPLIT-th key from the row's start (w / REP: its share); the SPLIT
+# partial (max, sum, output) of a head are then combined by its first warp.
+_WIDE_SOURCE = """
+    constexpr int WARP = 32;
+    constexpr int E = D / WARP;  // dimensions per lane
+    const int block = blockIdx.x;
+    const int b = block / HKV;
+    const int hk = block % HKV;
+    const int warp = threadIdx.x / WARP;
+    const int lane = threadIdx.x % WARP;
+    const int r = warp % REP;
+    const int share = warp / REP;
+    const int h = hk * REP + r;
+    const int end = meta[0];
+    const int capacity = meta[1];
+    const int start = starts[b];
+
+    const T* qp = q + (size_t)(b * QH + h) * D + lane * E;
+    const float sc = rsqrtf((float)D);
+    float qr[E];
+    #pragma unroll
+    for (int e = 0; e < E; ++e) qr[e] = static_cast<float>(qp[e]) * sc;
+
+    const size_t base = (size_t)(b * HKV + hk) * capacity * D + lane * E;
+    float m = -INFINITY;
+    float l = 0.0f;
+    float o[E];
+    #pragma unroll
+    for (int e = 0; e < E; ++e) o[e] = 0.0f;
+    for (int j = start + share; j < end; j += SPLIT) {
+        const T* kr = keys + base + (size_t)j * D;
+        float s = 0.0f;
+        #pragma unroll
+        for (int e = 0; e < E; ++e) s += qr[e] * static_cast<float>(kr[e]);
+        #pragma unroll
+        for (int off = WARP / 2; off > 0; off /= 2) s += __shfl_xor_sync(0xffffffff, s, off);
+        const float m_new = fmaxf(m, s);
+        const float keep = __expf(m - m_new);
+        const float p = __expf(s - m_new);
+        l = l * keep + p;
+        const T* vr = values + base + (size_t)j * D;
+        #pragma unroll
+        for (int e = 0; e < E; ++e) o[e] = o[e] * keep + p * static_cast<float>(vr[e]);
+        m = m_new;
+    }
+
+    __shared__ float part_m[REP * SPLIT];
+    __shared__ float part_l[REP * SPLIT];
+    __shared__ float part_o[REP * SPLIT * D];
+    if (lane == 0) {
+        part_m[warp] = m;
+        part_l[warp] = l;
+    }
+    #pragma unroll
+    for (int e = 0; e < E; ++e) part_o[warp * D + lane * E + e] = o[e];
+    __syncthreads();
+    if (share == 0) {
+        float top = -INFINITY;
+        for (int t = 0; t < SPLIT; ++t) top = fmaxf(top, part_m[t * REP + r]);
+        float total = 0.0f;
+        float acc[E];
+        #pragma unroll
+        for (int e = 0; e < E; ++e) acc[e] = 0.0f;
+        for (int t = 0; t < SPLIT; ++t) {
+            const int w = t * REP + r;
+            const float f = (part_m[w] == -INFINITY) ? 0.0f : __expf(part_m[w] - top);
+            total += part_l[w] * f;
+            #pragma unroll
+            for (int e = 0; e < E; ++e) acc[e] += part_o[w * D + lane * E + e] * f;
+        }
+        T* op = out + (size_t)(b * HKV * REP + h) * D + lane * E;
+        #pragma unroll
+        for (int e = 0; e < E; ++e) op[e] = static_cast<T>(acc[e] / total);
+    }
+"""
+
+# Head dimensions from which the wide kernel runs: a narrow kernel's lane holds 2 x D floats.
+WIDE_FROM = 128
+# Warps of a wide block at most (REP x SPLIT): 512 threads, and 32 KiB of shared partial outputs at D=256.
+_WIDE_WARPS = 16
+
 
 def available() -> bool:
     """Whether the kernel can run: MLX's CUDA backend is the default device (not Metal, not the CPU)."""
@@ -98,12 +186,12 @@ def available() -> bool:
 
 
 @cache
-def _kernel() -> Any:
+def _kernel(wide: bool = False) -> Any:
     return mx.fast.cuda_kernel(
-        name="mlxq_ragged_decode_attention",
+        name="mlxq_ragged_decode_attention_wide" if wide else "mlxq_ragged_decode_attention",
         input_names=["q", "keys", "values", "starts", "meta"],
         output_names=["out"],
-        source=_SOURCE,
+        source=_WIDE_SOURCE if wide else _SOURCE,
     )
 
 
@@ -140,12 +228,16 @@ def decode_attention(
     hkv = keys.shape[1]
     if not available() or abs(scale - d**-0.5) > 1e-9 or (d * q.dtype.size) % 16:
         return _masked(q[:, :h] if h < qh else q, keys, values, rows, scale)
+    rep = h // hkv
+    template = [("T", q.dtype), ("D", d), ("HKV", hkv), ("REP", rep), ("QH", qh)]
+    wide = d >= WIDE_FROM and d % 32 == 0 and rep <= _WIDE_WARPS
+    split = max(1, _WIDE_WARPS // rep) if wide else 1
     out: mx.array  # MLX types a custom kernel as `object`
-    (out,) = _kernel()(
+    (out,) = _kernel(wide)(
         inputs=[q, keys, values, rows.starts, rows.meta],
-        template=[("T", q.dtype), ("D", d), ("HKV", hkv), ("REP", h // hkv), ("QH", qh)],
-        grid=(b * h * 32, 1, 1),
-        threadgroup=((h // hkv) * 32, 1, 1),
+        template=[*template, ("SPLIT", split)] if wide else template,
+        grid=(b * hkv * rep * split * 32, 1, 1),
+        threadgroup=(rep * split * 32, 1, 1),
         output_shapes=[(b, h, 1, d)],
         output_dtypes=[q.dtype],
     )
