@@ -21,6 +21,7 @@ from mlxq.jobs.replication import Replicas, default_replica_acks
 from mlxq.worker.bounded_job import BoundedJob
 from mlxq.worker.engine import Engine, EngineOptions
 from mlxq.worker.engine.device import limit_buffer_cache
+from mlxq.worker.engine.generation_batch import batch_kv_by_default
 from mlxq.worker.engine.speculation.policy import DraftPolicy
 from mlxq.worker.engine.warm_up import WarmUpShapes, batch_sizes, warm_up
 from mlxq.worker.generation_jobs import BatchOptions, GenerationJobs
@@ -138,7 +139,9 @@ class WorkerService:
         scores = ScoreJobs(engine, worker, results, score_claimer, settings.max_nesting_depth)
         options = BatchOptions(
             max_sequences=settings.max_batch_sequences,
-            kv_budget_bytes=settings.batch_kv_bytes,
+            kv_budget_bytes=(
+                batch_kv_by_default() if settings.batch_kv_bytes is None else settings.batch_kv_bytes
+            ),
             admit_every=settings.batch_admit_every,
             empty_wait_s=settings.batch_empty_wait_s,
             min_join=settings.batch_min_join,

@@ -42,8 +42,11 @@ class WorkerSettings(BaseSettings):
         ge=1,
         description="generation jobs decoded together in one running batch; 1: one job at a time",
     )
-    batch_kv_bytes: int = Field(
-        default=2 << 30, ge=0, description="padded KV bytes a generation batch may grow to; 0: no limit"
+    batch_kv_bytes: int | None = Field(
+        default=None,
+        ge=0,
+        description="padded KV bytes a generation batch may grow to; 0: no limit; unset: a quarter of "
+        "MLX's memory limit",
     )
     batch_admit_every: int = Field(
         default=4, ge=1, description="decode steps between looks at the queue for jobs to admit"

@@ -73,3 +73,25 @@ def test_an_expected_job_failure_is_a_warning_line(
         r.getMessage() for r in failed
     ]
     assert "error=ContextTooLong: prompt is" in failed[0].getMessage()
+
+
+@pytest.mark.parametrize("configured", [None, 0, 123_456_789])
+def test_a_generation_batchs_kv_budget_follows_the_machine_unless_set(
+    redis_url: str, model_dir: Path, configured: int | None
+) -> None:
+    """Unset, a batch may hold a quarter of MLX's memory limit in KV (a fixed size would seat 64 rows of
+    one model and a quarter of them of a model with 4x the KV per token); 0 is no limit."""
+    import mlx.core as mx
+
+    from mlxq.jobs import keys
+    from mlxq.worker.generation_jobs import GenerationJobs
+
+    settings = WorkerSettings(  # type: ignore[call-arg]
+        model=str(model_dir), redis_url=redis_url, batch_kv_bytes=configured, _env_file=None
+    )
+    service = WorkerService.start(settings)
+    generations = service.worker.runners[keys.GENERATE_FUNC]
+    assert isinstance(generations, GenerationJobs)
+    want = int(mx.get_memory_limit()) // 4 if configured is None else configured
+    assert generations.options.kv_budget_bytes == want
+    assert want > 0 or configured == 0

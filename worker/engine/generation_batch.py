@@ -120,6 +120,15 @@ class _Launched:
         return self.logits[mx.array(self.rows, dtype=mx.int32)]
 
 
+def batch_kv_by_default() -> int:
+    """A generation batch's buffers may hold a quarter of MLX's memory limit in keys and values. The bound
+    scales with the machine, not with a fixed size: a model's KV per token spans ~30x across the
+    families served (Gemma 3 4B's 34 layers of 256-wide heads hold 4x a Llama-3.2-1B's per token), so a
+    fixed budget that admits 64 rows of one model would admit a quarter of them of another on the same
+    GPU, and newcomers would wait for seats while memory sits free."""
+    return int(mx.get_memory_limit()) // 4
+
+
 class GenerationBatch:
     """Requests decoded together on one engine; see the module docstring."""
 
