@@ -17,7 +17,8 @@ in shared memory.
 CUDA only (`available()`): a decode batch uses it there by default and MLX's masked attention
 elsewhere. On other devices `decode_attention` computes the same thing with MLX's masked attention, so
 the batch's use of it is tested on the CPU; the kernel's results equal MLX's masked attention within
-bf16 rounding (its sums run in float32 in another order), checked on the GPU with head_dim 64 only.
+bf16 rounding (its sums run in float32 in another order): `tests/engine/test_ragged_kernel.py`, run on
+the GPU.
 """
 
 from __future__ import annotations
