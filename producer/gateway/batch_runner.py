@@ -145,9 +145,11 @@ class BatchRunner:
         await self.records.update(batch_id, status="finalizing", finalizing_at=str(int(time.time())))
         d = batches.folder(self.settings.data_dir, batch_id)
         kind = batches.ENDPOINTS[fields["endpoint"]]
+        records = _records(d / "out.jsonl")
+        usage = batches.batch_usage(records)
         out = [
             json.dumps(batches.output_line(kind, fields["model"], fields["owner"], record))
-            for record in _records(d / "out.jsonl")
+            for record in records
         ]
         errors = [json.dumps(line) for line in _records(d / "refused.jsonl")]
         errors += [json.dumps(batches.failed_line(record)) for record in _records(d / "errors.jsonl")]
@@ -169,7 +171,9 @@ class BatchRunner:
             if cancelled
             else {"status": "completed", "completed_at": now}
         )
-        await self.records.finish(batch_id, **done, **status, request_counts=json.dumps(counts))
+        await self.records.finish(
+            batch_id, **done, **status, request_counts=json.dumps(counts), usage=json.dumps(usage)
+        )
         log.info(
             "batch %s batch=%s completed=%d failed=%d", status["status"], batch_id, len(out), len(errors)
         )

@@ -152,6 +152,21 @@ def error_line(custom_id: str | None, status: int, error: dict[str, Any]) -> dic
     }
 
 
+def batch_usage(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """OpenAI's `usage` of a batch: the tokens of its completed requests (bulk output records,
+    `{custom_id, **GenerateResult}`), summed; a failed request adds none."""
+    prompt = sum(int(r["usage"]["prompt_tokens"]) for r in records)
+    cached = sum(int(r["usage"].get("cached_tokens", 0)) for r in records)
+    completion = sum(int(r["usage"]["completion_tokens"]) for r in records)
+    return {
+        "input_tokens": prompt,
+        "input_tokens_details": {"cached_tokens": cached},
+        "output_tokens": completion,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": prompt + completion,
+    }
+
+
 def output_line(kind: Kind, model: str, owner: str, record: dict[str, Any]) -> dict[str, Any]:
     """A bulk output record (`{custom_id, **GenerateResult}`) as an OpenAI batch output line."""
     custom_id = record.pop("custom_id")
@@ -277,6 +292,7 @@ def openai_batch(fields: dict[str, str], counts: dict[str, int] | None = None) -
         or stored
         or {"total": int(fields.get("total", 0)), "completed": 0, "failed": 0},
         "metadata": json.loads(fields.get("metadata") or "null"),
+        "usage": json.loads(fields.get("usage") or "null"),  # once the batch is done
     }
 
 

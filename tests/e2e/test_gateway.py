@@ -535,6 +535,10 @@ def test_a_batch_runs_into_openai_output_and_error_files(
     } == expected
     assert all(o["response"]["status_code"] == 200 and o["error"] is None for o in out)
     assert all(o["response"]["body"]["usage"]["completion_tokens"] == 8 for o in out)
+    prompt_tokens = sum(o["response"]["body"]["usage"]["prompt_tokens"] for o in out)
+    assert batch.usage is not None  # the completed requests' tokens, summed; the refused one adds none
+    assert (batch.usage.input_tokens, batch.usage.output_tokens) == (prompt_tokens, 4 * 8)
+    assert batch.usage.total_tokens == prompt_tokens + 32 and prompt_tokens > 0
     (error,) = _lines_of(sdk, batch.error_file_id)
     assert error["custom_id"] == "two-choices" and error["response"]["status_code"] == 400
     assert error["response"]["body"]["error"]["param"] == "n"
