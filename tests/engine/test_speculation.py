@@ -17,6 +17,8 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from mlxq.jobs.schema import GenerateRequest, GenerateResult
 from mlxq.worker.engine import Engine, EngineOptions
@@ -62,7 +64,8 @@ def plain(model_dir: Path) -> Engine:
 @pytest.fixture
 def spec(model_dir: Path) -> Engine:
     """Prompt lookup on every step a row finds a match (the policy never turns it down)."""
-    return _engine(model_dir, speculation="prompt_lookup", draft_policy=DraftPolicy(min_acceptance=0.0))
+    policy = DraftPolicy(min_acceptance=0.0, only_likely=False)  # verify steps at every step
+    return _engine(model_dir, speculation="prompt_lookup", draft_policy=policy)
 
 
 def _no_eos(engine: Engine) -> dict[int, float]:
@@ -110,6 +113,33 @@ def test_prompt_lookup_proposes_what_followed_the_latest_longest_match() -> None
     assert lookup.propose([1, 2, 1, 2], 0) == []
     with pytest.raises(ValueError, match="min_ngram"):
         PromptLookup(min_ngram=3, max_ngram=2)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.integers(0, 4), min_size=1, max_size=30),
+    st.lists(st.lists(st.integers(0, 4), min_size=1, max_size=3), max_size=25),
+    st.integers(1, 6),
+)
+def test_the_lookups_index_finds_what_scanning_the_text_finds(
+    start: list[int], arrivals: list[list[int]], depth: int
+) -> None:
+    """The n-gram index (each row's n-grams indexed once, as its tokens arrive) proposes what a scan of
+    the last `window` tokens for the latest occurrence of the longest matching suffix does."""
+
+    def scanned(tokens: list[int]) -> list[int]:
+        seen = tokens[-20:]
+        for n in range(min(4, len(seen) - 1), 1, -1):
+            for at in range(len(seen) - n - 1, -1, -1):
+                if seen[at : at + n] == seen[len(seen) - n :]:
+                    return seen[at + n : at + n + depth]
+        return []
+
+    lookup, tokens = PromptLookup(min_ngram=2, max_ngram=4, window=20), list(start)
+    for more in [[], *arrivals]:
+        tokens += more
+        assert lookup.propose(tokens, depth) == scanned(tokens)
+        assert lookup.may_propose(tokens) == bool(scanned(tokens))
 
 
 def test_the_policy_follows_acceptance_and_stops_drafting_in_large_batches() -> None:
@@ -280,7 +310,9 @@ def test_sampled_generation_with_speculation_follows_plain_decodings_distributio
     """End to end on the tiny model: the first tokens of many seeded draws of a repeating prompt, with
     and without prompt lookup, come from one distribution (a two-sample chi-square test)."""
     spec = _engine(
-        model_dir, speculation="prompt_lookup", draft_policy=DraftPolicy(min_acceptance=0.0, max_batch=64)
+        model_dir,
+        speculation="prompt_lookup",
+        draft_policy=DraftPolicy(min_acceptance=0.0, max_batch=64, only_likely=False),
     )
     n, tokens = 192, 4
     # three tokens made likely and a prompt cycling through them: the draws repeat the prompt's
@@ -393,7 +425,10 @@ def test_verify_steps_padded_to_few_shapes_decode_the_same(model_dir: Path, plai
     """With `pad_shapes` (a GPU's default) a verify step's width is a power of two and its rows a
     padded batch: the columns past the drafts are never kept, the tokens are plain decoding's."""
     padded = _engine(
-        model_dir, speculation="prompt_lookup", draft_policy=DraftPolicy(min_acceptance=0.0), pad_shapes=True
+        model_dir,
+        speculation="prompt_lookup",
+        draft_policy=DraftPolicy(min_acceptance=0.0, only_likely=False),
+        pad_shapes=True,
     )
     requests = _greedy_requests(plain)
     expected, _ = _run(plain, requests, max_sequences=3)
@@ -432,7 +467,10 @@ def test_speculation_on_other_architectures_gives_plain_decodings_tokens(
     folder = make_hf_checkpoint(tmp_path / "ckpt", arch, **overrides)
     plain = _engine(folder, dtype="float32")
     spec = _engine(
-        folder, dtype="float32", speculation="prompt_lookup", draft_policy=DraftPolicy(min_acceptance=0.0)
+        folder,
+        dtype="float32",
+        speculation="prompt_lookup",
+        draft_policy=DraftPolicy(min_acceptance=0.0, only_likely=False),
     )
     requests = _greedy_requests(plain)[:4]
     expected, _ = _run(plain, requests, max_sequences=3)
@@ -443,3 +481,47 @@ def test_speculation_on_other_architectures_gives_plain_decodings_tokens(
         assert a.token_ids == b.token_ids, (i, a.token_ids, b.token_ids)
         drafted += b.usage.draft_tokens
     assert drafted > 0
+
+
+def test_rows_with_nothing_to_copy_take_plain_steps_rather_than_empty_verify_steps(
+    model_dir: Path, plain: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`only_likely` (the default): a row drafts at a step only when its text ends in a match now
+    (`PromptLookup.may_propose`, asked before its pending token is read back), so a verify step comes
+    out empty only where that token ended the copy, and a row that never copies decodes with plain
+    steps, one in flight. Tokens as plain decoding's either way."""
+    empty_verify_steps, verify_steps = [], []
+    original = DecodeBatch.verify_with
+
+    def recorded(self: DecodeBatch, drafts_for: Any, *args: Any, **kwargs: Any) -> Any:
+        def drafts(tokens: list[int]) -> list[list[int]]:
+            out = drafts_for(tokens)
+            verify_steps.append(1)
+            if not any(out):
+                empty_verify_steps.append(1)
+            return out
+
+        return original(self, drafts, *args, **kwargs)
+
+    monkeypatch.setattr(DecodeBatch, "verify_with", recorded)
+    no_eos = _no_eos(plain)
+    distinct = plain.tokenizer.decode(list(range(40, 90)))
+    bias = {t: -100.0 for t in plain.tokenizer.encode(distinct)} | no_eos
+    requests = [
+        GenerateRequest(prompt=PROMPT * 3, max_tokens=30, temperature=0, logit_bias=no_eos),
+        GenerateRequest(prompt=distinct, max_tokens=30, temperature=0, logit_bias=bias),
+    ]
+    expected, _ = _run(plain, requests, max_sequences=2)
+    counts: dict[bool, tuple[int, int]] = {}
+    for only_likely in (False, True):
+        policy = DraftPolicy(min_acceptance=0.0, only_likely=only_likely)
+        got, _ = _run(_engine(model_dir, speculation="prompt_lookup", draft_policy=policy), requests, 2)
+        assert [_result(got[i]).token_ids for i in range(2)] == [
+            _result(expected[i]).token_ids for i in range(2)
+        ]
+        assert _result(got[0]).usage.draft_tokens > 0  # the copying row drafted
+        counts[only_likely] = (len(verify_steps), len(empty_verify_steps))
+        verify_steps.clear()
+        empty_verify_steps.clear()
+    (every, every_empty), (likely, likely_empty) = counts[False], counts[True]
+    assert 0 < likely < every and likely_empty < every_empty / 2, counts

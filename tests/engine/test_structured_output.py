@@ -441,7 +441,7 @@ READING = {
 def _speculating(model_dir: Path, kind: str = "prompt_lookup", **options: Any) -> Engine:
     from mlxq.worker.engine.speculation.policy import DraftPolicy
 
-    policy = DraftPolicy(min_acceptance=0.0, max_batch=64)
+    policy = DraftPolicy(min_acceptance=0.0, max_batch=64, only_likely=False)
     return _engine(model_dir, prefix_cache_bytes=0, speculation=kind, draft_policy=policy, **options)
 
 

@@ -498,13 +498,21 @@ class GenerationBatch:
 
     def _speculating(self) -> bool:
         """Whether this step verifies drafts: some row drafts (its policy's depth, set here for
-        `_drafts`). A worker without speculation checks nothing."""
+        `_drafts`) and its drafter expects to have something to propose (`Drafter.may_propose`, asked
+        before the row's pending token is known). A worker without speculation checks nothing."""
         if self.engine.options.speculation == "off" or self.decode.rows is None:
             return False
         n, any_depth = len(self.decoding), False
         for seq in self.decoding:
             spec = seq.speculation
             seq.depth = spec.depth(n, seq.budget) if spec is not None and spec.wants(n, seq.budget) else 0
+            if (
+                seq.depth
+                and spec is not None
+                and spec.policy.only_likely
+                and not spec.drafter.may_propose([*seq.prompt, *seq.run.ids])
+            ):
+                seq.depth = 0  # nothing to copy now: no verify step for it (its acceptance unchanged)
             any_depth = any_depth or seq.depth > 0
         return any_depth
 

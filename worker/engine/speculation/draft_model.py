@@ -139,6 +139,10 @@ class DraftModelDrafter:
                 return out
             logits = self.draft.model(mx.array([[out[-1]]], dtype=mx.int32), cache=self.cache)[:, -1, :]
 
+    def may_propose(self, tokens: Sequence[int]) -> bool:
+        """A draft model always has a guess."""
+        return True
+
     def accepted(self, proposed: int, kept: int) -> None:
         """Forget the drafted tokens the target did not keep: the cache holds the row's tokens then the
         first `proposed - 1` drafts; it keeps the first `kept` of those."""

@@ -21,6 +21,12 @@ class Drafter(Protocol):
         generated, the one about to be fed included); [] when it has no guess (a plain decode step)."""
         ...
 
+    def may_propose(self, tokens: Sequence[int]) -> bool:
+        """Before a step, with the row's next token still being computed: whether a proposal after
+        `tokens` and that token is likely. False makes the step a plain one (one step stays in flight)
+        rather than a verify step whose drafts would be empty. Never changes what is generated."""
+        ...
+
     def accepted(self, proposed: int, kept: int) -> None:
         """Of the `proposed` tokens of the last `propose`, the target kept the first `kept`."""
         ...

@@ -24,13 +24,18 @@ class DraftPolicy:
 
     `max_depth`: most tokens a row drafts per step; `max_batch`: above this many decoding rows nobody
     drafts; `min_acceptance`: below this average share kept a row stops drafting; `smoothing`: the
-    weight of the latest step in the average; `retry_every`: steps between a stopped row's retries."""
+    weight of the latest step in the average; `retry_every`: steps between a stopped row's retries;
+    `only_likely`: a row drafts only at steps where its drafter expects a proposal
+    (`Drafter.may_propose`), so a batch whose rows have nothing to copy keeps taking plain steps, one
+    in flight (off: every row the policy lets draft takes verify steps, as the verify step's tests
+    want)."""
 
     max_depth: int = 4
     max_batch: int = 8
     min_acceptance: float = 0.3
     smoothing: float = 0.3
     retry_every: int = 16
+    only_likely: bool = True
 
     def __post_init__(self) -> None:
         if self.max_depth < 0 or self.max_batch < 0 or self.retry_every < 1:
