@@ -22,9 +22,10 @@ from hypothesis import strategies as st
 
 from mlxq.jobs.schema import GenerateRequest, GenerateResult
 from mlxq.worker.engine import Engine, EngineOptions
+from mlxq.worker.engine import launcher as launchers
 from mlxq.worker.engine.cache.batch_cache import BatchKVCache
 from mlxq.worker.engine.cache.kv_cache import KVCache
-from mlxq.worker.engine.generate import DecodeBatch
+from mlxq.worker.engine.generate import DecodeBatch, prefill
 from mlxq.worker.engine.generation_batch import Finished, GenerationBatch, generate
 from mlxq.worker.engine.sampler import Sampler, SamplerRows
 from mlxq.worker.engine.speculation.policy import DraftPolicy, RowSpeculation
@@ -525,3 +526,49 @@ def test_rows_with_nothing_to_copy_take_plain_steps_rather_than_empty_verify_ste
         empty_verify_steps.clear()
     (every, every_empty), (likely, likely_empty) = counts[False], counts[True]
     assert 0 < likely < every and likely_empty < every_empty / 2, counts
+
+
+def test_rows_leaving_with_holes_wait_for_the_launch_in_flight(
+    plain: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With steps launched on the launcher's thread (a GPU's default) a plain step may follow a verify
+    step (`only_likely`), so a row can leave with holes in its cache while the next step launches.
+    Taking its own columns reads the holes back (an evaluation), which must not run beside a launch
+    (it crashed the CUDA build): the batch waits for the launch first."""
+    launcher = launchers.acquire()
+    busy_when_read: list[bool] = []
+    original = BatchKVCache.row
+
+    def recorded(self: BatchKVCache, i: int) -> Any:
+        if self.holes[i]:
+            busy_when_read.append(launcher.busy)
+        return original(self, i)
+
+    monkeypatch.setattr(BatchKVCache, "row", recorded)
+    try:
+        model = plain.model
+        batch = DecodeBatch(model, launcher=launcher)
+        prompts = [plain.tokenizer.encode(PROMPT * 2), plain.tokenizer.encode(PROMPT)]
+        caches = [model.make_cache() for _ in prompts]
+        logits = mx.concatenate(
+            [prefill(model, p, c, chunk=16) for p, c in zip(prompts, caches, strict=True)]
+        )
+        vocab = model.args.vocab_size
+        batch.add(caches, logits, [Sampler(vocab, temperature=0.0) for _ in prompts])
+        first = batch.step()
+        # row 0 drafts the three tokens greedy decoding gives next (all kept), row 1 none: row 1 keeps
+        # one column of the four (holes)
+        alone, cache = DecodeBatch(model), model.make_cache()
+        alone.add([cache], prefill(model, prompts[0], cache, 16), [Sampler(vocab, temperature=0.0)])
+        ahead = [alone.step()[0] for _ in range(5)]
+        assert ahead[0] == first[0]
+        runs = batch.verify_with(lambda tokens: [ahead[2:5], []], lambda runs: runs)
+        assert runs[0] == ahead[1:5] and batch.cache[0].holes[1] == 3
+        batch.step()  # a plain step: the next one is launching when this returns
+        assert launcher.busy
+        (cache,) = batch.remove([1])
+        assert busy_when_read == [False] * len(model.layers)  # each layer's columns, read once it ended
+        assert cache[0].offset == len(prompts[1]) + 3  # its prompt, then one token a step
+        batch.quiet()
+    finally:
+        launchers.release(launcher)

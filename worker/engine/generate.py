@@ -545,7 +545,12 @@ class DecodeBatch:
 
     def remove(self, rows: list[int]) -> list[list[KVCache]]:
         """Drop `rows`; return each one's batch-1 cache (exactly its tokens), in the order given. Their
-        buffer rows become idle rows; the buffers are compacted only when the batch can shrink."""
+        buffer rows become idle rows; the buffers are compacted only when the batch can shrink.
+
+        With holes (a verify step's) a row's own columns are read back, an evaluation: the launch in
+        flight (a plain step may follow a verify step) ends first, as for any evaluation between steps."""
+        if self.cache[0].has_holes:
+            self.quiet()
         caches = [[layer.row(self.slots[i]) for layer in self.cache] for i in rows]
         if self._ahead is not None:  # the forward ahead fed a token they never handled
             for cache in caches:
