@@ -525,3 +525,19 @@ def test_rows_with_nothing_to_copy_take_plain_steps_rather_than_empty_verify_ste
         empty_verify_steps.clear()
     (every, every_empty), (likely, likely_empty) = counts[False], counts[True]
     assert 0 < likely < every and likely_empty < every_empty / 2, counts
+
+
+def test_a_row_whose_proposals_are_kept_whole_drafts_longer_runs_up_to_its_cap() -> None:
+    policy = DraftPolicy(max_depth=4, max_run=15)
+    row = RowSpeculation(PromptLookup(), policy, cap=15)
+    depths = []
+    for _ in range(4):
+        depths.append(row.depth(batch=1, budget=100))
+        row.observe(depths[-1], depths[-1])
+    assert depths == [4, 8, 15, 15]  # a copied run doubles, bounded by the row's cap
+    assert row.depth(batch=1, budget=6) == 6  # never past the request's budget
+    row.observe(15, 3)  # the run ended: back to the acceptance-based depth within max_depth
+    assert row.depth(batch=1, budget=100) <= 4
+    assert row.depth(batch=9, budget=100) == 0  # large batches draft nothing, runs or not
+    with pytest.raises(ValueError, match="max_run"):
+        DraftPolicy(max_run=-1)
