@@ -81,6 +81,7 @@ def load_engine(settings: WorkerSettings) -> Engine:
                 max_depth=settings.draft_max_tokens,
                 max_batch=settings.draft_max_batch,
                 min_acceptance=settings.draft_min_acceptance,
+                max_run=settings.draft_step_tokens,
             ),
         ),
     )

@@ -123,6 +123,13 @@ class WorkerSettings(BaseSettings):
         default=None, description="the draft model's folder; unset: a draft/ folder beside the model's files"
     )
     draft_max_tokens: int = Field(default=4, ge=0, le=64, description="most draft tokens a row takes a step")
+    draft_step_tokens: int = Field(
+        default=15,
+        ge=0,
+        le=64,
+        description="most tokens prompt lookup drafts a step while its drafts keep being kept whole "
+        "(a copied run grows past draft_max_tokens)",
+    )
     draft_max_batch: int = Field(
         default=8, ge=0, description="no drafting in steps with more decoding rows than this (compute-bound)"
     )

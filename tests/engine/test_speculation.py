@@ -572,3 +572,19 @@ def test_rows_leaving_with_holes_wait_for_the_launch_in_flight(
         batch.quiet()
     finally:
         launchers.release(launcher)
+
+
+def test_a_row_whose_proposals_are_kept_whole_drafts_longer_runs_up_to_its_cap() -> None:
+    policy = DraftPolicy(max_depth=4, max_run=15)
+    row = RowSpeculation(PromptLookup(), policy, cap=15)
+    depths = []
+    for _ in range(4):
+        depths.append(row.depth(batch=1, budget=100))
+        row.observe(depths[-1], depths[-1])
+    assert depths == [4, 8, 15, 15]  # a copied run doubles, bounded by the row's cap
+    assert row.depth(batch=1, budget=6) == 6  # never past the request's budget
+    row.observe(15, 3)  # the run ended: back to the acceptance-based depth within max_depth
+    assert row.depth(batch=1, budget=100) <= 4
+    assert row.depth(batch=9, budget=100) == 0  # large batches draft nothing, runs or not
+    with pytest.raises(ValueError, match="max_run"):
+        DraftPolicy(max_run=-1)

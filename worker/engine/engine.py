@@ -605,17 +605,19 @@ class Engine:
         exact, so it takes plain steps. A constrained row drafts: its drafts are checked against its
         grammar (`DecodeBatch.verify_with`)."""
         kind = self.options.speculation
-        cap = self.options.draft_policy.max_depth
+        policy = self.options.draft_policy
+        # prompt lookup's drafts cost no forward: a copied run may grow past max_depth (DraftPolicy.max_run)
+        cap = max(policy.max_depth, policy.max_run) if kind == "prompt_lookup" else policy.max_depth
         if request.max_draft_tokens is not None:
             cap = min(cap, request.max_draft_tokens)
         if kind == "off" or cap <= 0 or sampler.penalized:
             return None
         if kind == "prompt_lookup":
-            return RowSpeculation(PromptLookup(), self.options.draft_policy, cap)
+            return RowSpeculation(PromptLookup(), policy, cap)
         if kind == "draft_model":
             if self.draft is None:
                 raise ValueError("speculation draft_model: the engine has no draft model (`load_draft`)")
-            return RowSpeculation(self.draft.drafter(), self.options.draft_policy, cap)
+            return RowSpeculation(self.draft.drafter(), policy, cap)
         raise ValueError(f"unknown speculation kind {kind!r}: expected one of {list(SPECULATION_KINDS)}")
 
     def finish_reason_after(

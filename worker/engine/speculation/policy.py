@@ -8,7 +8,9 @@ arithmetic there, every drafted token costs as much as a generated one), and its
 exponentially weighted average of the share of its drafted tokens the target kept: a row whose drafts
 keep failing (or that finds nothing to propose, prompt lookup on open prose) drops to 0 and the batch
 goes back to plain steps with one step in flight; such a row tries again with one token every
-`retry_every` steps, so a row that starts copying later is found.
+`retry_every` steps, so a row that starts copying later is found. A row whose last proposal was kept
+whole is likely inside a long copied run: its next proposal may be twice as long, up to the row's cap
+(`max_run` for a cheap drafter such as prompt lookup), so a copied passage costs few verify steps.
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ class DraftPolicy:
     `only_likely`: a row drafts only at steps where its drafter expects a proposal
     (`Drafter.may_propose`), so a batch whose rows have nothing to copy keeps taking plain steps, one
     in flight (off: every row the policy lets draft takes verify steps, as the verify step's tests
-    want)."""
+    want); `max_run`: most tokens a cheap drafter (prompt lookup) proposes while its proposals keep
+    being kept whole (its row's cap; `max_depth` still bounds a row's first and partly kept proposals)."""
 
     max_depth: int = 4
     max_batch: int = 8
@@ -36,11 +39,13 @@ class DraftPolicy:
     smoothing: float = 0.3
     retry_every: int = 16
     only_likely: bool = True
+    max_run: int = 15
 
     def __post_init__(self) -> None:
-        if self.max_depth < 0 or self.max_batch < 0 or self.retry_every < 1:
+        if self.max_depth < 0 or self.max_batch < 0 or self.retry_every < 1 or self.max_run < 0:
             raise ValueError(
-                f"draft policy needs max_depth >= 0, max_batch >= 0, retry_every >= 1, got {self}"
+                "draft policy needs max_depth >= 0, max_batch >= 0, retry_every >= 1, max_run >= 0, "
+                f"got {self}"
             )
         if not 0.0 <= self.min_acceptance <= 1.0 or not 0.0 < self.smoothing <= 1.0:
             raise ValueError(f"draft policy needs min_acceptance in [0, 1], smoothing in (0, 1], got {self}")
@@ -48,8 +53,10 @@ class DraftPolicy:
 
 @dataclass(eq=False)
 class RowSpeculation:
-    """One row's drafter, its depth cap (the job's own, within the policy's), its average acceptance and
-    its counts of drafted and kept tokens (reported in the job's usage)."""
+    """One row's drafter, its depth cap (the job's own, within the policy's: `max_depth`, or `max_run`
+    for a cheap drafter), its average acceptance, the length of its last proposal if it was kept whole
+    (a run being copied: the next may be longer) and its counts of drafted and kept tokens (reported in
+    the job's usage)."""
 
     drafter: Drafter
     policy: DraftPolicy
@@ -58,13 +65,17 @@ class RowSpeculation:
     drafted: int = 0
     kept: int = 0
     _idle_steps: int = field(default=0, repr=False)
+    _run: int = field(default=0, repr=False)
 
     def depth(self, batch: int, budget: int) -> int:
         """Tokens to draft this step in a batch of `batch` rows with `budget` tokens left to generate
         after the pending one (drafts past the budget would be thrown away)."""
-        cap = min(self.cap, self.policy.max_depth, budget)
+        ceiling = min(self.cap, budget)
+        cap = min(ceiling, self.policy.max_depth)
         if cap <= 0 or batch > self.policy.max_batch:
             return 0
+        if self._run:  # the last proposal was kept whole: the copied run likely goes on
+            return min(ceiling, max(cap, 2 * self._run))
         if self.acceptance < self.policy.min_acceptance:
             return 1 if self._idle_steps >= self.policy.retry_every else 0
         return max(1, min(cap, round(cap * self.acceptance)))
@@ -84,4 +95,5 @@ class RowSpeculation:
         self.drafted += proposed
         self.kept += kept
         self._idle_steps = 0
+        self._run = proposed if proposed and kept == proposed else 0
         self.drafter.accepted(proposed, kept)

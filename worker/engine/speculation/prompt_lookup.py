@@ -21,7 +21,7 @@ class PromptLookup:
     same host work however long the row is. One instance serves one row (its tokens only ever grow:
     rejected drafts never reach it)."""
 
-    def __init__(self, min_ngram: int = 2, max_ngram: int = 4, window: int = 4096) -> None:
+    def __init__(self, min_ngram: int = 2, max_ngram: int = 8, window: int = 4096) -> None:
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"prompt lookup needs 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
         if window < max_ngram + 1:
