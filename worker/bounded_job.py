@@ -78,6 +78,9 @@ def _date(value: bytes) -> datetime:
     return datetime(year, month, day, hour, minute, second, micro, tzinfo=timezone.utc)
 
 
+_DATES = ("created_at", "enqueued_at", "started_at", "ended_at", "last_heartbeat")  # RQ's job dates
+
+
 def _flag(value: bytes) -> bool:
     return bool(int(value))
 
@@ -154,6 +157,12 @@ class BoundedJob(Job):
         problem = field_problem(fields, self.max_payload_bytes)
         if problem is not None:
             raise UnreadableJob(problem)
-        restored = super().restore(raw_data)
+        # RQ's restore parses dates with strptime; they are read here (checked above, so they parse)
+        # and left out of what it reads, which then leaves them unset, and set as it would set them.
+        dates = {name: _date(fields[name.encode()]) for name in _DATES if fields.get(name.encode())}
+        skip = {name.encode() for name in dates}
+        restored = super().restore({k: v for k, v in fields.items() if k not in skip})
+        for name, value in dates.items():
+            setattr(self, name, value)
         self.stored_fields = fields
         return restored

@@ -5,9 +5,12 @@ from __future__ import annotations
 from datetime import datetime, timedelta, timezone
 
 import pytest
+import redis
+from rq.job import Job
+from rq.serializers import JSONSerializer
 from rq.utils import str_to_date, utcformat
 
-from mlxq.worker.bounded_job import _date, field_problem
+from mlxq.worker.bounded_job import BoundedJob, _date, field_problem
 
 _TEXTS = [
     b"2026-02-30T00:00:00.000000Z",  # no such day
@@ -48,3 +51,25 @@ def test_a_bad_date_field_is_named() -> None:
     fields = {b"origin": b"q", b"enqueued_at": b"2026-02-30T00:00:00.000000Z"}
     problem = field_problem(fields, 1 << 20)
     assert problem is not None and "'enqueued_at'" in problem
+
+
+def test_a_restored_job_has_the_dates_rqs_restore_gives() -> None:
+    conn = redis.Redis()  # restoring reads nothing from Redis
+    stamp = utcformat(datetime(2026, 3, 1, 12, 30, 5, 123_456, tzinfo=timezone.utc)).encode()
+    for dated in (
+        [],
+        ["created_at"],
+        ["created_at", "enqueued_at", "started_at", "ended_at", "last_heartbeat"],
+    ):
+        fields = {b"origin": b"q", b"data": b'["jobs.score", null, [{}], {}]', b"status": b"queued"}
+        fields.update({name.encode(): stamp for name in dated})
+        ours = BoundedJob("a", connection=conn, serializer=JSONSerializer)
+        rqs = Job("a", connection=conn, serializer=JSONSerializer)
+        ours.restore(fields)
+        rqs.restore(fields)
+        for name in ("enqueued_at", "started_at", "ended_at", "last_heartbeat", "origin", "args"):
+            assert getattr(ours, name) == getattr(rqs, name), name
+        if dated:
+            assert ours.created_at == rqs.created_at
+        else:  # both "now" (RQ's restore sets a missing creation time to the time of reading)
+            assert ours.created_at is not None and rqs.created_at is not None
