@@ -13,8 +13,10 @@ reason (`dead_letters.py`), never inflated again.
 from __future__ import annotations
 
 import json
+import re
 import zlib
 from collections.abc import Callable
+from datetime import datetime, timezone
 from typing import Any, ClassVar
 
 from rq.job import Job, JobStatus
@@ -60,6 +62,25 @@ def _json_list(value: bytes) -> Any:
     return parsed
 
 
+# The form RQ writes its dates in (`rq.utils.utcformat`).
+_RQ_DATE = re.compile(rb"(\d{4})-(\d{2})-(\d{2})T(\d{2}):(\d{2}):(\d{2})\.(\d{6})Z")
+
+
+def _date(value: bytes) -> datetime:
+    """A date field checked as RQ's `str_to_date` reads it: the form RQ writes by a pattern and the
+    calendar's ranges (`strptime` costs several times more, and RQ's restore parses the field again),
+    any other form by RQ's own parser, so that the same values pass."""
+    m = _RQ_DATE.fullmatch(value)
+    if m is None:
+        return str_to_date(value)
+    year, month, day, hour, minute, second, micro = (int(g) for g in m.groups())
+    # datetime checks the calendar (a 30 February raises ValueError, as strptime does)
+    return datetime(year, month, day, hour, minute, second, micro, tzinfo=timezone.utc)
+
+
+_DATES = ("created_at", "enqueued_at", "started_at", "ended_at", "last_heartbeat")  # RQ's job dates
+
+
 def _flag(value: bytes) -> bool:
     return bool(int(value))
 
@@ -76,11 +97,11 @@ _FIELDS: list[tuple[str, Callable[[bytes], Any], str]] = [
     ("worker_name", _text, "UTF-8 text"),
     ("description", _text, "UTF-8 text"),
     ("group_id", _text, "UTF-8 text"),
-    ("created_at", str_to_date, "a date in RQ's format, e.g. 2026-01-01T12:00:00.000000Z"),
-    ("enqueued_at", str_to_date, "a date in RQ's format"),
-    ("started_at", str_to_date, "a date in RQ's format"),
-    ("ended_at", str_to_date, "a date in RQ's format"),
-    ("last_heartbeat", str_to_date, "a date in RQ's format"),
+    ("created_at", _date, "a date in RQ's format, e.g. 2026-01-01T12:00:00.000000Z"),
+    ("enqueued_at", _date, "a date in RQ's format"),
+    ("started_at", _date, "a date in RQ's format"),
+    ("ended_at", _date, "a date in RQ's format"),
+    ("last_heartbeat", _date, "a date in RQ's format"),
     ("timeout", lambda v: parse_timeout(v.decode()), "a number of seconds"),
     ("result_ttl", int, "an integer"),
     ("failure_ttl", int, "an integer"),
@@ -136,6 +157,12 @@ class BoundedJob(Job):
         problem = field_problem(fields, self.max_payload_bytes)
         if problem is not None:
             raise UnreadableJob(problem)
-        restored = super().restore(raw_data)
+        # RQ's restore parses dates with strptime; they are read here (checked above, so they parse)
+        # and left out of what it reads, which then leaves them unset, and set as it would set them.
+        dates = {name: _date(fields[name.encode()]) for name in _DATES if fields.get(name.encode())}
+        skip = {name.encode() for name in dates}
+        restored = super().restore({k: v for k, v in fields.items() if k not in skip})
+        for name, value in dates.items():
+            setattr(self, name, value)
         self.stored_fields = fields
         return restored
