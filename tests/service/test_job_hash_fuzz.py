@@ -9,6 +9,7 @@ import uuid
 import zlib
 from typing import Any
 
+import pytest
 import redis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -146,3 +147,17 @@ def test_no_job_hash_stops_the_worker(
             b"queued",
         ), (job_id, status)
     w.clean_registries()  # RQ's maintenance over what is left: never quits either
+
+
+@pytest.mark.parametrize("status", ["", "created"])
+def test_a_queued_job_whose_status_says_it_never_started_is_run(redis_conn: redis.Redis, status: str) -> None:
+    """A job in the queue whose status is empty or `created` (RQ reads both as created: never started)
+    is run, not mistaken for one taken again and dropped (found by the fuzz test above)."""
+    redis_conn.flushdb()
+    queue = Queue("fuzz", connection=redis_conn, serializer=JSONSerializer)
+    job_id = f"fuzz-{uuid.uuid4().hex}"
+    _write(redis_conn, job_id, "hash", {"data": GOOD_DATA, "origin": "fuzz", "status": status})
+    redis_conn.rpush(queue.key, job_id)
+    w = MlxqWorker([queue], connection=redis_conn, stream_options=StreamOptions())
+    w.work(burst=True)
+    assert redis_conn.hget(keys.rq_job_key(job_id), "status") == b"failed"  # run: a bare worker refuses it
