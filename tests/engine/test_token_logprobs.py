@@ -14,7 +14,9 @@ from reference import hf_logits, load_hf_model, make_hf_checkpoint
 from mlxq.jobs.schema import GeneratedLogprob, GenerateRequest, GenerateResult
 from mlxq.worker.engine import Engine, EngineOptions
 from mlxq.worker.engine.generation_batch import GenerationBatch, generate
+from mlxq.worker.engine.speculation.policy import DraftPolicy
 from mlxq.worker.engine.token_logprobs import step_logprobs
+from mlxq.worker.modelfiles.tiny_model import write_random_checkpoint
 
 V = 97
 
@@ -136,6 +138,56 @@ def test_batched_ragged_rows_report_transformers_logprobs(
                 _check_against_hf(hf_model, engine, request, results[str(i)])
         if prefix_cache:
             assert results["3"].usage.cached_tokens > 0
+    finally:
+        engine.close()
+
+
+def _run_batch(engine: Engine, requests: list[GenerateRequest]) -> list[GenerateResult]:
+    batch = GenerationBatch(engine, max_sequences=len(requests))
+    for i, request in enumerate(requests):
+        batch.admit(str(i), request, lambda text, ids: None, lambda: False)
+    results: dict[str, GenerateResult] = {}
+    while len(results) < len(requests):
+        for done in batch.step():
+            assert done.error is None and done.result is not None
+            results[done.key] = done.result
+    batch.settle()
+    batch.close()
+    return [results[str(i)] for i in range(len(requests))]
+
+
+@pytest.fixture(scope="module")
+def looping_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The project's tiny checkpoint: its greedy text repeats itself, so prompt lookup drafts."""
+    return write_random_checkpoint(tmp_path_factory.mktemp("tiny"), {"max_position_embeddings": 512})
+
+
+def test_rows_with_logprobs_beside_drafting_rows_and_constrained_rows(looping_folder: Path) -> None:
+    """Speculation on: a row asking logprobs takes plain steps inside verify steps (its batch-mate
+    drafts) and reports the model's logprobs; a constrained row reports the raw model's, not the
+    grammar-masked distribution it draws from."""
+    options = EngineOptions(
+        prefill_chunk=16,
+        prefix_cache_bytes=0,
+        speculation="prompt_lookup",
+        draft_policy=DraftPolicy(min_acceptance=0.0),
+    )
+    engine = Engine.load(str(looping_folder), options)
+    hf_model = load_hf_model(looping_folder)
+    try:
+        eos = dict.fromkeys(engine.tokenizer.eos_ids, -100.0)
+        echo = "The capital of France is Paris. " * 2
+        drafting = GenerateRequest(prompt=echo, max_tokens=40, temperature=0.0, logit_bias=eos)
+        asking = GenerateRequest(prompt=echo, max_tokens=40, temperature=0.0, logit_bias=eos, logprobs=4)
+        regex = {"type": "regex", "regex": "[0-9]{4}-[0-9]{2}"}
+        constrained = GenerateRequest.model_validate(
+            {"prompt": "Date:", "max_tokens": 12, "temperature": 0.0, "response_format": regex, "logprobs": 2}
+        )
+        results = _run_batch(engine, [drafting, asking, constrained])
+        assert results[0].usage.draft_tokens > 0 and results[1].usage.draft_tokens == 0
+        assert results[1].token_ids == results[0].token_ids  # plain steps give the drafted tokens
+        _check_against_hf(hf_model, engine, asking, results[1])
+        _check_against_hf(hf_model, engine, constrained, results[2])
     finally:
         engine.close()
 
