@@ -11,7 +11,7 @@ import pytest
 import torch
 from reference import hf_logits, load_hf_model, make_hf_checkpoint
 
-from mlxq.jobs.schema import GeneratedLogprob, GenerateRequest, GenerateResult
+from mlxq.jobs.schema import GeneratedLogprob, GenerateRequest, GenerateResult, TokenEvent, parse_event
 from mlxq.worker.engine import Engine, EngineOptions
 from mlxq.worker.engine.generation_batch import GenerationBatch, generate
 from mlxq.worker.engine.speculation.policy import DraftPolicy
@@ -220,3 +220,11 @@ class _LogprobSink:
 
     def logprobs(self, items: list[GeneratedLogprob]) -> None:
         self.got += items
+
+
+def test_a_token_event_carries_its_logprobs_through_a_stream_entry() -> None:
+    logprobs = [GeneratedLogprob(id=5, logprob=-0.25, top=[(5, -0.25), (9, -1.5)])]
+    event = TokenEvent(text="hi", ids=[5], index=0, logprobs=logprobs)
+    assert parse_event(event.fields()) == event
+    plain = TokenEvent(text="hi", ids=[5], index=0)
+    assert "logprobs" not in plain.fields() and parse_event(plain.fields()) == plain
