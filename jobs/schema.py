@@ -232,12 +232,14 @@ class Timings(_Strict):
 
 
 class GeneratedLogprob(_Strict):
-    """A generated token's log-probability under the model and its `top` alternatives (most likely
-    first), where the request asked `logprobs`."""
+    """A generated token's log-probability under the model, its `text` alone (a token that holds part
+    of a character decodes to U+FFFD) and its `top` alternatives (most likely first, each with its
+    text), where the request asked `logprobs`."""
 
     id: int
     logprob: float
-    top: list[tuple[int, float]] = Field(default_factory=list)
+    text: str = ""
+    top: list[TopLogprob] = Field(default_factory=list)
 
 
 class GenerateResult(_Strict):

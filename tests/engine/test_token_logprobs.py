@@ -11,7 +11,14 @@ import pytest
 import torch
 from reference import hf_logits, load_hf_model, make_hf_checkpoint
 
-from mlxq.jobs.schema import GeneratedLogprob, GenerateRequest, GenerateResult, TokenEvent, parse_event
+from mlxq.jobs.schema import (
+    GeneratedLogprob,
+    GenerateRequest,
+    GenerateResult,
+    TokenEvent,
+    TopLogprob,
+    parse_event,
+)
 from mlxq.worker.engine import Engine, EngineOptions
 from mlxq.worker.engine.generation_batch import GenerationBatch, generate
 from mlxq.worker.engine.speculation.policy import DraftPolicy
@@ -107,10 +114,12 @@ def _check_against_hf(
         k = request.logprobs or 0
         values, top = torch.topk(row, k)
         assert len(lp.top) == k
-        np.testing.assert_allclose([p for _, p in lp.top], values.numpy(), atol=1e-4)
+        np.testing.assert_allclose([a.logprob for a in lp.top], values.numpy(), atol=1e-4)
         # ids agree except where two alternatives tie within the tolerance
-        for (got, _), want, v in zip(lp.top, top.tolist(), values.tolist(), strict=True):
-            assert got == want or abs(float(row[got]) - v) < 1e-4
+        for a, want, v in zip(lp.top, top.tolist(), values.tolist(), strict=True):
+            assert a.id == want or abs(float(row[a.id]) - v) < 1e-4
+            assert a.text == engine.tokenizer.decode([a.id])
+        assert lp.text == engine.tokenizer.decode([token])
 
 
 @pytest.mark.parametrize("prefix_cache", [False, True])
@@ -223,7 +232,8 @@ class _LogprobSink:
 
 
 def test_a_token_event_carries_its_logprobs_through_a_stream_entry() -> None:
-    logprobs = [GeneratedLogprob(id=5, logprob=-0.25, top=[(5, -0.25), (9, -1.5)])]
+    top = [TopLogprob(id=5, logprob=-0.25, text="hi"), TopLogprob(id=9, logprob=-1.5, text="ho")]
+    logprobs = [GeneratedLogprob(id=5, logprob=-0.25, text="hi", top=top)]
     event = TokenEvent(text="hi", ids=[5], index=0, logprobs=logprobs)
     assert parse_event(event.fields()) == event
     plain = TokenEvent(text="hi", ids=[5], index=0)

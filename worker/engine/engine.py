@@ -659,7 +659,7 @@ class Engine:
             model=self.name,
             usage=Usage(prompt_tokens=len(prompt), completion_tokens=len(run.ids), cached_tokens=n_cached),
             timings=clock.timings(len(prompt) - n_cached, len(run.ids)),
-            logprobs=None if run.logprobs is None else [as_generated(lp) for lp in run.logprobs],
+            logprobs=run.logprobs,
         )
 
 
@@ -701,8 +701,9 @@ class TextRun:
     ) -> None:
         self.detok = IncrementalDetokenizer(tokenizer)
         # one per generated token, where the request asked; those behind the text not emitted yet
-        self.logprobs: list[TokenLogprob] | None = [] if logprobs else None
-        self._pending_logprobs: list[TokenLogprob] = []
+        self.logprobs: list[GeneratedLogprob] | None = [] if logprobs else None
+        self._pending_logprobs: list[GeneratedLogprob] = []
+        self._text_of = lambda token: token_piece(tokenizer, token)
         self.stops = StopStringMatcher(stops) if stops else None
         self.sink = sink
         self.ids: list[int] = []
@@ -717,7 +718,7 @@ class TextRun:
         if text or self._pending:
             self._parts.append(text)
             if self._pending_logprobs and isinstance(self.sink, LogprobSink):
-                self.sink.logprobs([as_generated(lp) for lp in self._pending_logprobs])
+                self.sink.logprobs(self._pending_logprobs)
             self._pending_logprobs = []
             self.sink(text, self._pending)
             self._pending = []
@@ -726,8 +727,9 @@ class TextRun:
         """Take one token (with its logprob, where asked); returns True when a stop string was completed."""
         self.ids.append(token)
         if self.logprobs is not None and logprob is not None:
-            self.logprobs.append(logprob)
-            self._pending_logprobs.append(logprob)
+            generated = as_generated(logprob, self._text_of)
+            self.logprobs.append(generated)
+            self._pending_logprobs.append(generated)
         self._pending.append(token)
         delta = self.detok.add(token)
         if self.stops is None:

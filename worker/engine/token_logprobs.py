@@ -12,13 +12,13 @@ among them.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import cast
 
 import mlx.core as mx
 
-from mlxq.jobs.schema import GeneratedLogprob
+from mlxq.jobs.schema import GeneratedLogprob, TopLogprob
 
 
 @dataclass(frozen=True)
@@ -59,9 +59,10 @@ class StepLogprobs:
         return out
 
 
-def as_generated(lp: TokenLogprob) -> GeneratedLogprob:
-    """A token's logprob as a result and a stream event carry it."""
-    return GeneratedLogprob(id=lp.id, logprob=lp.logprob, top=lp.top)
+def as_generated(lp: TokenLogprob, text_of: Callable[[int], str]) -> GeneratedLogprob:
+    """A token's logprob as a result and a stream event carry it, with the texts `text_of` gives."""
+    top = [TopLogprob(id=i, logprob=p, text=text_of(i)) for i, p in lp.top]
+    return GeneratedLogprob(id=lp.id, logprob=lp.logprob, text=text_of(lp.id), top=top)
 
 
 def log_softmax(logits: mx.array) -> mx.array:
