@@ -122,12 +122,23 @@ def _check_against_hf(
         assert lp.text == engine.tokenizer.decode([token])
 
 
-@pytest.mark.parametrize("prefix_cache", [False, True])
+@pytest.mark.parametrize(
+    ("prefix_cache", "pad_shapes", "overlap"),
+    [(False, False, False), (True, False, False), (True, True, True)],
+)
 def test_batched_ragged_rows_report_transformers_logprobs(
-    hf_folder: Path, hf_model: torch.nn.Module, prefix_cache: bool
+    hf_folder: Path, hf_model: torch.nn.Module, prefix_cache: bool, pad_shapes: bool, overlap: bool
 ) -> None:
+    """Rows join at once and leave one by one (ragged budgets); with the overlap, steps launch on the
+    launcher's thread and the logprobs are read back from that launch, as on a GPU."""
     engine = Engine.load(
-        str(hf_folder), EngineOptions(prefill_chunk=16, prefix_cache_bytes=(1 << 26) * prefix_cache)
+        str(hf_folder),
+        EngineOptions(
+            prefill_chunk=16,
+            prefix_cache_bytes=(1 << 26) * prefix_cache,
+            pad_shapes=pad_shapes,
+            decode_overlap=overlap,
+        ),
     )
     try:
         requests = [_request(i, list(engine.tokenizer.eos_ids)) for i in range(4)]
