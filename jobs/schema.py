@@ -180,6 +180,9 @@ class GenerateRequest(SamplingParams):
     # Speculative decoding: at most this many draft tokens per step for this job (0: off); None: as the
     # worker's policy decides. Never changes what is generated, only how fast.
     max_draft_tokens: Annotated[int, Field(ge=0, le=64)] | None = None
+    # Generated tokens' log-probabilities under the model (before bias, penalties, temperature and
+    # filters, as OpenAI reports them), each with this many likeliest alternatives; None: off.
+    logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -228,8 +231,20 @@ class Timings(_Strict):
     decode_tokens_per_s: float | None = None
 
 
+class GeneratedLogprob(_Strict):
+    """A generated token's log-probability under the model, its `text` alone (a token that holds part
+    of a character decodes to U+FFFD) and its `top` alternatives (most likely first, each with its
+    text), where the request asked `logprobs`."""
+
+    id: int
+    logprob: float
+    text: str = ""
+    top: list[TopLogprob] = Field(default_factory=list)
+
+
 class GenerateResult(_Strict):
-    """What a finished generation job returns (result key and RQ result)."""
+    """What a finished generation job returns (result key and RQ result); `logprobs` (one per
+    completion token) only where the request asked for them."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, protected_namespaces=())
     text: str
@@ -238,6 +253,11 @@ class GenerateResult(_Strict):
     usage: Usage
     timings: Timings
     model: str = ""
+    logprobs: list[GeneratedLogprob] | None = None
+
+    @model_serializer(mode="wrap")
+    def _logprobs_if_asked(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return _without_none(handler(self), ("logprobs",))
 
 
 MAX_TOP_LOGPROBS = 20
@@ -449,9 +469,13 @@ class TokenEvent(_Strict):
     text: str
     ids: list[int]
     index: int  # position of ids[0] among the completion tokens
+    logprobs: list[GeneratedLogprob] | None = None  # one per id, where the request asked `logprobs`
 
     def fields(self) -> dict[str, str]:
-        return {"event": self.event, "text": self.text, "ids": json.dumps(self.ids), "index": str(self.index)}
+        out = {"event": self.event, "text": self.text, "ids": json.dumps(self.ids), "index": str(self.index)}
+        if self.logprobs is not None:
+            out["logprobs"] = json.dumps([lp.model_dump(mode="json") for lp in self.logprobs])
+        return out
 
 
 class DoneEvent(_Strict):
@@ -495,7 +519,13 @@ def parse_event(fields: dict[str, str]) -> StreamEvent:
     """Turn a stream entry's (decoded) field map back into its event model."""
     kind = fields.get("event")
     if kind == "token":
-        return TokenEvent(text=fields["text"], ids=json.loads(fields["ids"]), index=int(fields["index"]))
+        logprobs = fields.get("logprobs")
+        return TokenEvent(
+            text=fields["text"],
+            ids=json.loads(fields["ids"]),
+            index=int(fields["index"]),
+            logprobs=None if logprobs is None else json.loads(logprobs),
+        )
     if kind == "done":
         data = {k: (None if v == "" else v) for k, v in fields.items()}
         return DoneEvent.model_validate(data)

@@ -151,6 +151,13 @@ def _sampling_arguments(p: argparse.ArgumentParser) -> None:
         help="speculative decoding: at most this many draft tokens a step (0: off) [the worker's policy]",
     )
     p.add_argument(
+        "--logprobs",
+        type=int,
+        metavar="K",
+        help="report each generated token's log-probability with its K likeliest alternatives (0..20) "
+        "in the result and the stream",
+    )
+    p.add_argument(
         "--allow-special-tokens",
         action="store_true",
         default=None,
@@ -299,6 +306,7 @@ def _sampling_params(args: argparse.Namespace) -> dict[str, Any]:
         "seed": args.seed,
         "stop": args.stop,
         "max_draft_tokens": args.max_draft_tokens,
+        "logprobs": args.logprobs,
         "allow_special_tokens": args.allow_special_tokens,
         "response_format": args.response_format,
     }

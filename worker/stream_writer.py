@@ -25,7 +25,15 @@ from tenacity import RetryCallState, Retrying, retry_if_exception, wait_exponent
 
 from mlxq.jobs import keys
 from mlxq.jobs.replication import NotReplicated, Replicas
-from mlxq.jobs.schema import DoneEvent, ErrorEvent, GenerateResult, RestartEvent, ScoreResult, TokenEvent
+from mlxq.jobs.schema import (
+    DoneEvent,
+    ErrorEvent,
+    GeneratedLogprob,
+    GenerateResult,
+    RestartEvent,
+    ScoreResult,
+    TokenEvent,
+)
 from mlxq.jobs.transient import WORKER_TRANSIENT_ERRORS, is_out_of_memory, is_worker_transient
 from mlxq.worker.redis_full import FullRedis
 
@@ -125,6 +133,7 @@ class StreamWriter:
         self._retry = retrying(options)
         self._text: list[str] = []
         self._ids: list[int] = []
+        self._logprobs: list[GeneratedLogprob] = []  # the buffered tokens', where the job asked
         self._index = 0  # completion-token index of the first buffered id
         self._last_flush = time.monotonic()
         self._ms = 0  # the last id chosen (or found at the stream's end): `<ms>-<seq>`
@@ -158,6 +167,10 @@ class StreamWriter:
         self._ms, self._seq = int(ms), int(seq)
         return _text(fields.get(b"event", fields.get("event", b"")))
 
+    def logprobs(self, items: list[GeneratedLogprob]) -> None:
+        """The logprobs of the tokens of the next call (`LogprobSink`), where the job asked."""
+        self._logprobs.extend(items)
+
     def __call__(self, text: str, ids: list[int]) -> None:
         self._text.append(text)
         self._ids.extend(ids)
@@ -190,9 +203,10 @@ class StreamWriter:
         """The buffered tokens as one `token` entry with its id; the buffer is empty afterwards."""
         if not self._ids and not any(self._text):
             return None
-        event = TokenEvent(text="".join(self._text), ids=self._ids, index=self._index)
+        logprobs = self._logprobs or None
+        event = TokenEvent(text="".join(self._text), ids=self._ids, index=self._index, logprobs=logprobs)
         self._index += len(self._ids)
-        self._text, self._ids = [], []
+        self._text, self._ids, self._logprobs = [], [], []
         self._last_flush = time.monotonic()
         return self._next_id(), event.fields()
 

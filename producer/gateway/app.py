@@ -32,7 +32,7 @@ from .. import payload, rq_wire
 from ..aio import AsyncClient
 from ..errors import JobFailed, JobNotFound, RedisFull
 from ..settings import ProducerSettings
-from . import api_keys, chat_logprobs, echo, relay, shapes, translate
+from . import api_keys, echo, relay, shapes, translate
 from . import metrics as gateway_metrics
 from .api_keys import ApiKey
 from .batch_routes import BatchRoutes
@@ -290,10 +290,7 @@ class Gateway:
         generated = [r for r in results if isinstance(r, GenerateResult)]
         if len(generated) != len(results):
             raise ApiError(500, f"job {ctx.job_id} returned no generation result", type="server_error")
-        answer = ctx.whole(generated)
-        if t.logprobs is not None:  # a chat's logprobs: its tokens scored after its messages
-            _, scored = await self._scored(key, t.model, chat_logprobs.score_request(t, generated[0]))
-            answer["choices"][0]["logprobs"] = chat_logprobs.content(generated[0], scored)
+        answer = ctx.whole(generated)  # with the logprobs the jobs report, where asked
         return JSONResponse(answer, headers={"x-mlxq-job-id": ",".join(ctx.jobs)})
 
     async def resume(self, request: Request) -> Response:

@@ -52,7 +52,7 @@ _GENERATED = (
 
 def wanted(body: dict[str, Any]) -> bool:
     """Whether a completions body asks for what only a score job answers."""
-    return body.get("echo") not in (None, False) or body.get("logprobs") is not None
+    return body.get("echo") not in (None, False)
 
 
 @dataclass(frozen=True)

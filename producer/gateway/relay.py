@@ -140,13 +140,16 @@ async def _pieces(client: AsyncClient, ctx: Context, from_id: str, fresh: bool) 
             return
     role_pending = ctx.kind == "chat" and from_id == START_ID
     sent_text = from_id != START_ID
+    offset = 0  # the completion's characters before the next token (logprobs' `text_offset`)
     try:
         async for item in client.job(ctx.job_id).stream(from_id=from_id, fresh=fresh):
             event = item.event
             if isinstance(event, TokenEvent):
-                if not event.text:
+                if not event.text and not event.logprobs:
                     continue
-                yield _Piece(item.stream_id, _json(ctx.chunk(event.text, None, role_pending)))
+                chunk = ctx.chunk(event.text, None, role_pending, event.logprobs, offset)
+                offset += sum(len(lp.text) for lp in event.logprobs or ())
+                yield _Piece(item.stream_id, _json(chunk))
                 role_pending, sent_text = False, True
             elif isinstance(event, RestartEvent):
                 if sent_text:

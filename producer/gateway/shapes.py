@@ -12,8 +12,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from mlxq.jobs.schema import DoneEvent, GenerateResult
+from mlxq.jobs.schema import DoneEvent, GeneratedLogprob, GenerateResult
 
+from . import generated_logprobs
 from .translate import Kind
 
 PREFIXES: dict[Kind, str] = {"chat": "chatcmpl-", "completion": "cmpl-"}
@@ -105,8 +106,17 @@ class Context:
             "system_fingerprint": None,
         }
 
-    def chunk(self, text: str | None, finish_reason: str | None, role: bool) -> dict[str, Any]:
-        """One streamed chunk: a piece of text, or the end (`finish_reason`)."""
+    def chunk(
+        self,
+        text: str | None,
+        finish_reason: str | None,
+        role: bool,
+        logprobs: Sequence[GeneratedLogprob] | None = None,
+        offset: int = 0,
+    ) -> dict[str, Any]:
+        """One streamed chunk: a piece of text (with its tokens' logprobs, where the job reports them;
+        `offset`: the completion's characters before them), or the end (`finish_reason`)."""
+        lp = generated_logprobs.of(self.kind, logprobs, offset)
         if self.kind == "chat":
             delta: dict[str, Any] = {"role": "assistant"} if role else {}
             if text is not None:
@@ -114,11 +124,11 @@ class Context:
             choice: dict[str, Any] = {
                 "index": self.index,
                 "delta": delta,
-                "logprobs": None,
+                "logprobs": lp,
                 "finish_reason": finish_reason,
             }
             return {**self._head("chat.completion.chunk"), "choices": [choice]}
-        choice = {"index": self.index, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": self.index, "text": text or "", "logprobs": lp, "finish_reason": finish_reason}
         return {**self._head("text_completion"), "choices": [choice]}
 
     def usage_chunk(self, dones: Sequence[DoneEvent]) -> dict[str, Any]:
@@ -137,7 +147,8 @@ class Context:
                 choice["message"] = {"role": "assistant", "content": result.text, "refusal": None}
             else:
                 choice["text"] = result.text
-            choices.append({**choice, "logprobs": None, "finish_reason": result.finish_reason})
+            lp = generated_logprobs.of(self.kind, result.logprobs)
+            choices.append({**choice, "logprobs": lp, "finish_reason": result.finish_reason})
         obj = "chat.completion" if self.kind == "chat" else "text_completion"
         return {**self._head(obj), "choices": choices, "usage": _summed(counts, self.per_prompt)}
 

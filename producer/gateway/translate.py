@@ -4,9 +4,9 @@ Every parameter is either carried to the job, answered for by the gateway (`stre
 per choice),
 accepted as metadata with no effect on the text (`user`, `metadata`, `store=false`), or refused with a
 400 that names it. Nothing is dropped silently: a client that asks for tools learns at once that mlxq
-does not give them, rather than getting text that ignored the ask. A completion's `echo`/`logprobs` are
-answered by a score job instead (`echo`), and a chat's `logprobs` by one after its generation
-(`chat_logprobs`).
+does not give them, rather than getting text that ignored the ask. A completion's `echo` is answered
+by a score job instead (`echo`); `logprobs` of generated tokens (chat and completions, streamed or not)
+are reported by the generation job itself (`generated_logprobs`).
 """
 
 from __future__ import annotations
@@ -192,7 +192,9 @@ def chat(body: dict[str, Any]) -> Translated:
         raise unsupported("store", "the gateway keeps no completions for later retrieval")
     known = _BASE | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}
     params = _common(body, known, _UNSUPPORTED_CHAT)
-    logprobs = _chat_logprobs(body, stream, n)
+    logprobs = _chat_logprobs(body)
+    if logprobs is not None:  # the job reports its tokens' logprobs itself
+        params["logprobs"] = logprobs
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     if max_tokens is not None:
         params["max_tokens"] = max_tokens
@@ -210,9 +212,9 @@ def chat(body: dict[str, Any]) -> Translated:
     )
 
 
-def _chat_logprobs(body: dict[str, Any], stream: bool, n: int) -> int | None:
-    """How many alternatives a chat's `logprobs` asks per token (None: no logprobs). They come from a
-    score job after the generation (`chat_logprobs`), so not streamed, and for one choice."""
+def _chat_logprobs(body: dict[str, Any]) -> int | None:
+    """How many alternatives a chat's `logprobs` asks per token (None: no logprobs). The generation
+    job reports them (`generated_logprobs`), streamed or not, for every choice."""
     logprobs, top = body.get("logprobs"), body.get("top_logprobs")
     if logprobs not in (None, True, False):
         raise bad_request("`logprobs` must be true or false", "logprobs")
@@ -224,10 +226,6 @@ def _chat_logprobs(body: dict[str, Any], stream: bool, n: int) -> int | None:
         if top:
             raise bad_request("`top_logprobs` needs `logprobs: true`", "top_logprobs")
         return None
-    if stream:
-        raise unsupported("logprobs", "a chat's logprobs come with the whole answer, not streamed")
-    if n > 1:
-        raise unsupported("logprobs", "a chat's logprobs are given for one choice (n: 1)")
     return top or 0
 
 
@@ -256,8 +254,10 @@ def completion(body: dict[str, Any]) -> Translated:
     if body.get("best_of") not in (None, 1):
         raise unsupported("best_of", "a request yields one completion")
     stream, include_usage = _stream(body)
-    # `echo` and `logprobs` when asked are answered by a score job (`echo`), never reach here
+    # `echo` is answered by a score job (`echo`), never reaches here; `logprobs` the job reports itself
     params = _common(body, _BASE | {"prompt", "best_of", "echo", "logprobs"}, _UNSUPPORTED_COMPLETION)
+    if body.get("logprobs") is not None:
+        params["logprobs"] = _completion_logprobs(body["logprobs"])
     params["max_tokens"] = body.get("max_tokens", 16)  # OpenAI's default for completions
     prompts = _completion_prompts(body.get("prompt"))
     if len(prompts) * n > MAX_JOBS:
@@ -273,6 +273,12 @@ def completion(body: dict[str, Any]) -> Translated:
         for p in prompts
     ]
     return Translated("completion", model, requests[0], stream, include_usage, n, tuple(requests[1:]))
+
+
+def _completion_logprobs(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_TOP_LOGPROBS:
+        raise bad_request(f"`logprobs` must be an integer from 0 to {MAX_TOP_LOGPROBS}", "logprobs")
+    return value
 
 
 def _completion_prompts(prompt: Any) -> list[str | list[int]]:

@@ -63,6 +63,11 @@ def test_generate_file_answers_openai_batch_lines_in_openais_output_format(
     assert chat["status_code"] == 200 and chat["body"]["object"] == "chat.completion"
     assert chat["body"]["choices"][0]["message"]["content"] == want["chat"]["text"]
     assert chat["body"]["usage"]["completion_tokens"] == 3 and chat["body"]["model"] == "m"
+    for key, response in (("chat", chat), ("text", text)):  # OpenAI's usage on every output line
+        usage, plain_usage = response["body"]["usage"], want[key]["usage"]
+        assert usage["prompt_tokens"] == plain_usage["prompt_tokens"] > 0
+        assert usage["completion_tokens"] == plain_usage["completion_tokens"] > 0
+        assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
     assert (
         text["body"]["object"] == "text_completion"
         and text["body"]["choices"][0]["text"] == want["text"]["text"]

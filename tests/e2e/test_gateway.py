@@ -252,7 +252,6 @@ def test_response_format_constrains_the_answer(
     [
         ("chat", {"n": 17}, "n"),
         ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-        ("chat", {"logprobs": True, "stream": True}, "logprobs"),
         ("chat", {"top_logprobs": 2}, "top_logprobs"),
         ("completion", {"logprobs": 99}, "logprobs"),
         ("completion", {"echo": True, "max_tokens": 0, "stream": True}, "stream"),

@@ -1,4 +1,5 @@
-"""`POST /v1/completions` with `echo` and `logprobs` through the gateway: driven by the real `openai`
+"""`POST /v1/completions` with `echo` and `logprobs`, and generated tokens' logprobs (chat and completions,
+streamed or not) through the gateway: driven by the real `openai`
 package and by lm-eval's own `local-completions` model, against a real worker on the tiny model. What
 comes back is checked against the same scores asked of mlxq directly (score jobs), and the one greedy
 token against a generation job.
@@ -188,7 +189,7 @@ def test_a_generated_completions_logprobs_are_the_models_own(
     assert max(lp.top_logprobs[-1].values()) == pytest.approx(float(np.max(reference[-2])), abs=1e-4)
     assert choice.finish_reason == generated.finish_reason == "length"
     assert got.usage is not None and got.usage.completion_tokens == 6
-    # Without echo: the generated tokens only, their offsets still counted from the prompt's start.
+    # Without echo: the job reports its tokens' logprobs itself (offsets from the completion's start).
     plain = sdk.completions.create(model=model, prompt=PROMPT, logprobs=0, logit_bias=bias, **settings)
     assert plain.choices[0].text == generated.text and plain.choices[0].logprobs is not None
     assert plain.choices[0].logprobs.token_logprobs == pytest.approx(want[len(prompt_ids) - 1 :], abs=1e-4)
@@ -235,3 +236,69 @@ def test_a_chats_logprobs_are_the_models_own(
     for j, c in enumerate(content):
         best = sorted(reference[len(chat) - 1 + j], reverse=True)[:3]
         assert [a.logprob for a in c.top_logprobs] == pytest.approx([float(b) for b in best], abs=1e-4)
+
+
+def test_streamed_chat_logprobs_for_every_choice_equal_the_whole_answers(
+    sdk: openai.OpenAI, model: str, no_eos: dict[int, float]
+) -> None:
+    """`stream: true, n: 2` with `logprobs`: each chunk carries its tokens' entries in
+    `choices[].logprobs.content`; put together per choice they are the unstreamed answer's (which
+    `test_a_chats_logprobs_are_the_models_own` holds against transformers)."""
+    messages = [{"role": "user", "content": "Name two colours."}]
+    bias = {str(k): v for k, v in no_eos.items()}
+    settings: dict[str, Any] = {"max_tokens": 6, "temperature": 0.9, "seed": 11, "n": 2, "logit_bias": bias}
+    whole = sdk.chat.completions.create(
+        model=model, messages=messages, logprobs=True, top_logprobs=2, **settings
+    )
+    stream = sdk.chat.completions.create(
+        model=model, messages=messages, logprobs=True, top_logprobs=2, stream=True, **settings
+    )
+    texts: dict[int, str] = {0: "", 1: ""}
+    entries: dict[int, list[Any]] = {0: [], 1: []}
+    for chunk in stream:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+            if choice.logprobs is not None:
+                entries[choice.index] += choice.logprobs.content or []
+    for answer in whole.choices:
+        assert answer.logprobs is not None and answer.logprobs.content is not None
+        want = answer.logprobs.content
+        got = entries[answer.index]
+        assert texts[answer.index] == answer.message.content
+        assert len(got) == len(want) == 6
+        assert [(c.token, c.bytes) for c in got] == [(c.token, c.bytes) for c in want]
+        assert [c.logprob for c in got] == pytest.approx([c.logprob for c in want], abs=1e-6)
+        assert [[a.token for a in c.top_logprobs] for c in got] == [
+            [a.token for a in c.top_logprobs] for c in want
+        ]
+    assert [len(e) for e in entries.values()] == [6, 6]
+
+
+def test_streamed_completion_logprobs_equal_the_whole_answers(
+    sdk: openai.OpenAI, model: str, no_eos: dict[int, float]
+) -> None:
+    """`stream: true` with `logprobs: 2` on a completion: OpenAI's `tokens`, `token_logprobs`,
+    `top_logprobs`, `text_offset` per chunk; together, the unstreamed answer's."""
+    bias = {str(k): v for k, v in no_eos.items()}
+    settings: dict[str, Any] = {"max_tokens": 7, "temperature": 0.7, "seed": 4, "logit_bias": bias}
+    whole = sdk.completions.create(model=model, prompt=PROMPT, logprobs=2, **settings)
+    tokens: list[str] = []
+    logprobs: list[float | None] = []
+    tops: list[Any] = []
+    offsets: list[int] = []
+    text = ""
+    for chunk in sdk.completions.create(model=model, prompt=PROMPT, logprobs=2, stream=True, **settings):
+        for choice in chunk.choices:
+            text += choice.text
+            if choice.logprobs is not None:
+                tokens += choice.logprobs.tokens or []
+                logprobs += choice.logprobs.token_logprobs or []
+                tops += choice.logprobs.top_logprobs or []
+                offsets += choice.logprobs.text_offset or []
+    (answer,) = whole.choices
+    want = answer.logprobs
+    assert want is not None and text == answer.text
+    assert tokens == want.tokens and len(tokens) == 7 and "".join(tokens) == text
+    assert logprobs == pytest.approx(want.token_logprobs, abs=1e-6)
+    assert [sorted(t) for t in tops] == [sorted(t) for t in want.top_logprobs or []]
+    assert offsets == want.text_offset == [len("".join(tokens[:i])) for i in range(len(tokens))]

@@ -81,6 +81,8 @@ def test_generate_streams_the_text_then_prints_stats(
         "\n",
         "--max-draft-tokens",
         "2",
+        "--logprobs",
+        "3",
     ]
     assert main(argv) == 0
     out, err = capsys.readouterr()
@@ -90,7 +92,14 @@ def test_generate_streams_the_text_then_prints_stats(
     assert "draft_tokens=4 accepted_tokens=1" in err
     assert "tokens/s=42.5" in err and "job " in err
     assert only_job(redis_conn).args == [
-        {"prompt": "Hi", "max_tokens": 5, "temperature": 0.0, "stop": ["\n"], "max_draft_tokens": 2}
+        {
+            "prompt": "Hi",
+            "max_tokens": 5,
+            "temperature": 0.0,
+            "stop": ["\n"],
+            "max_draft_tokens": 2,
+            "logprobs": 3,
+        }
     ]
 
 

@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -24,6 +24,7 @@ from mlxq.jobs.schema import (
     MAX_STOP_STRINGS,
     ContinuationScore,
     FinishReason,
+    GeneratedLogprob,
     GenerateRequest,
     GenerateResult,
     PromptLogprobs,
@@ -70,6 +71,7 @@ from mlxq.worker.engine.text.stop_strings import StopStringMatcher
 from mlxq.worker.engine.text.token_texts import piece as token_piece
 from mlxq.worker.engine.text.token_texts import token_texts
 from mlxq.worker.engine.text.tokenizer import Tokenizer
+from mlxq.worker.engine.token_logprobs import TokenLogprob, as_generated
 from mlxq.worker.engine.token_scoring import TokenHead, TokenScores, TokenSeq
 
 log = logging.getLogger(__name__)
@@ -105,6 +107,14 @@ class TokenSink(Protocol):
     """Receives generated text as it becomes safe to show; `ids` are the tokens behind it."""
 
     def __call__(self, text: str, ids: list[int]) -> None: ...
+
+
+@runtime_checkable
+class LogprobSink(Protocol):
+    """A sink that also takes the logprobs of the tokens behind its next text, just before it (where
+    the request asked for logprobs)."""
+
+    def logprobs(self, items: list[GeneratedLogprob]) -> None: ...
 
 
 # Drafters a worker may decode with (`EngineOptions.speculation`); draft models, MTP and DFlash go here.
@@ -583,6 +593,7 @@ class Engine:
             )
         except ValueError as e:
             raise InvalidRequest(str(e)) from e
+        sampler.logprobs = request.logprobs
         return prompt, max_tokens, sampler
 
     def load_draft(self, target: Path) -> None:
@@ -610,8 +621,8 @@ class Engine:
         cap = max(policy.max_depth, policy.max_run) if kind == "prompt_lookup" else policy.max_depth
         if request.max_draft_tokens is not None:
             cap = min(cap, request.max_draft_tokens)
-        if kind == "off" or cap <= 0 or sampler.penalized:
-            return None
+        if kind == "off" or cap <= 0 or sampler.penalized or sampler.logprobs is not None:
+            return None  # a row reporting logprobs takes plain steps: its logprobs are of position 0
         if kind == "prompt_lookup":
             return RowSpeculation(PromptLookup(), policy, cap)
         if kind == "draft_model":
@@ -621,12 +632,12 @@ class Engine:
         raise ValueError(f"unknown speculation kind {kind!r}: expected one of {list(SPECULATION_KINDS)}")
 
     def finish_reason_after(
-        self, run: TextRun, token: int, cancelled: Callable[[], bool]
+        self, run: TextRun, token: int, cancelled: Callable[[], bool], logprob: TokenLogprob | None = None
     ) -> FinishReason | None:
         """Take one generated token; the reason to stop now (EOS, a stop string, a cancel) or None."""
         if token in self.tokenizer.eos_ids:
             return "stop"
-        if run.add(token):
+        if run.add(token, logprob):
             return "stop"
         if cancelled():
             return "cancelled"
@@ -650,6 +661,7 @@ class Engine:
             model=self.name,
             usage=Usage(prompt_tokens=len(prompt), completion_tokens=len(run.ids), cached_tokens=n_cached),
             timings=clock.timings(len(prompt) - n_cached, len(run.ids)),
+            logprobs=run.logprobs,
         )
 
 
@@ -686,8 +698,14 @@ class GenerationClock:
 class TextRun:
     """Per-request text state: detokenizer, stop strings, what was emitted."""
 
-    def __init__(self, tokenizer: Tokenizer, stops: list[str], sink: TokenSink) -> None:
+    def __init__(
+        self, tokenizer: Tokenizer, stops: list[str], sink: TokenSink, logprobs: bool = False
+    ) -> None:
         self.detok = IncrementalDetokenizer(tokenizer)
+        # one per generated token, where the request asked; those behind the text not emitted yet
+        self.logprobs: list[GeneratedLogprob] | None = [] if logprobs else None
+        self._pending_logprobs: list[GeneratedLogprob] = []
+        self._text_of = lambda token: token_piece(tokenizer, token)
         self.stops = StopStringMatcher(stops) if stops else None
         self.sink = sink
         self.ids: list[int] = []
@@ -701,12 +719,19 @@ class TextRun:
     def _emit(self, text: str) -> None:
         if text or self._pending:
             self._parts.append(text)
+            if self._pending_logprobs and isinstance(self.sink, LogprobSink):
+                self.sink.logprobs(self._pending_logprobs)
+            self._pending_logprobs = []
             self.sink(text, self._pending)
             self._pending = []
 
-    def add(self, token: int) -> bool:
-        """Take one token; returns True when a stop string was completed."""
+    def add(self, token: int, logprob: TokenLogprob | None = None) -> bool:
+        """Take one token (with its logprob, where asked); returns True when a stop string was completed."""
         self.ids.append(token)
+        if self.logprobs is not None and logprob is not None:
+            generated = as_generated(logprob, self._text_of)
+            self.logprobs.append(generated)
+            self._pending_logprobs.append(generated)
         self._pending.append(token)
         delta = self.detok.add(token)
         if self.stops is None:

@@ -21,6 +21,7 @@ from mlxq.worker.engine.device import on_cuda
 from mlxq.worker.engine.launcher import Launcher
 from mlxq.worker.engine.models.base import Model
 from mlxq.worker.engine.sampler import Sampler, SamplerRows
+from mlxq.worker.engine.token_logprobs import PendingLogprobs, TokenLogprob
 
 # Release MLX's buffer cache at intervals, not every token: freeing is cheap, reallocating is not.
 _CLEAR_CACHE_EVERY = 256
@@ -224,6 +225,8 @@ class DecodeBatch:
         self.cache = [BatchKVCache() for _ in model.layers]
         self.rows: SamplerRows | None = None  # the live rows' samplers, in row order
         self._pending: mx.array | None = None  # (B,) each row's sampled token, not fed to the model yet
+        self._pending_logprobs = PendingLogprobs()  # theirs, where rows asked (`token_logprobs.py`)
+        self.logprobs: dict[int, TokenLogprob] = {}  # row -> logprob of the token last handed out
         self._fresh = False  # rows joined since the last step: their first tokens are in `_pending`
         # With a launcher: a copy of `_pending` made in the same launch, read back in its stead (see
         # `_launch`), and each live row's place in it.
@@ -258,6 +261,10 @@ class DecodeBatch:
         self._drop_ahead()
         joining = SamplerRows(samplers, logits.shape[-1])
         tokens = joining.sample(logits)
+        if self._pending is None:
+            self._pending_logprobs.reset(joining.logprobs, len(samplers))
+        else:
+            self._pending_logprobs.extend(joining.logprobs, len(samplers))
         if not self._join_in_place(caches):
             if self._idle or self._slot_index is not None:  # live rows first, in row order
                 self._compact([])
@@ -284,6 +291,7 @@ class DecodeBatch:
             assert taken, "the layers of a batch hold the same columns"
         self.rows = SamplerRows(samplers, logits.shape[-1])
         self._pending = self.rows.sample(logits)
+        self._pending_logprobs.reset(self.rows.logprobs, len(samplers))
         self._set_slots(list(range(len(samplers))))
         self._pad()
         self._fresh = True
@@ -325,6 +333,7 @@ class DecodeBatch:
             # `tolist` of a 1-D int32 array gives ints (MLX's stub allows any nesting of any scalar)
             tokens = [int(t) for t in cast("list[int]", pending.tolist())]
             self._take(tokens)
+            self.logprobs = self._pending_logprobs.read(tokens)
             result = handle(tokens)
             if meanwhile is not None:
                 meanwhile()
@@ -339,11 +348,13 @@ class DecodeBatch:
         elif self._ahead is not None:
             result = self._step_ahead(pending, handle, meanwhile)
         else:
-            read = self._readable(pending)
+            read, logprobs = self._readable(pending), self._pending_logprobs
             self._launch(self._next_step(pending))  # a launcher waits for `pending`'s launch first
             if meanwhile is not None:
                 meanwhile()
-            result = handle(read())
+            tokens = read()
+            self.logprobs = logprobs.read(tokens)
+            result = handle(tokens)
         self._stepped()
         return result
 
@@ -365,8 +376,11 @@ class DecodeBatch:
         tokens = self._readable(pending)()  # with a launcher: the draw's own launch has ended
         read = time.perf_counter()
         self._take(tokens)
+        self.logprobs = self._pending_logprobs.read(tokens)
         taken = time.perf_counter()
         following = self._pending = self.rows.sample(self._ahead)
+        self._pending_logprobs = PendingLogprobs()
+        self._pending_logprobs.reset(self.rows.logprobs, len(self.rows))
         drawn = time.perf_counter()
         self._ahead = self._forward(following) if self.rows.constrained else None
         built = time.perf_counter()
@@ -411,6 +425,7 @@ class DecodeBatch:
         self._fresh = False
         tokens = [int(t) for t in cast("list[int]", self._pending.tolist())]
         self._take(tokens)
+        self.logprobs = self._pending_logprobs.read(tokens)  # rows asking logprobs draft nothing
         drafts = self.rows.cut(drafts_for(tokens))
         width = 1 + max(len(d) for d in drafts)
         if self.pad_shapes and width > 1:  # a GPU meets few widths (the columns past the drafts: never kept)
@@ -424,7 +439,9 @@ class DecodeBatch:
             depth = mx.array([len(d) for d in drafts], dtype=mx.int32)
             ids = mx.array([row[1:] for row in fed], dtype=mx.int32)
             kept_drafts, following = self.rows.verify(logits, ids, depth, allowed)
-        mx.async_eval(kept_drafts, following)
+        self._pending_logprobs = PendingLogprobs()
+        self._pending_logprobs.reset(self.rows.logprobs, len(self.rows))
+        mx.async_eval(kept_drafts, following, *self._pending_logprobs.arrays())
         if meanwhile is not None:
             meanwhile()
         kept = [int(k) for k in cast("list[int]", kept_drafts.tolist())]
@@ -452,13 +469,14 @@ class DecodeBatch:
         `Launcher.launch_tokens` makes (it says why), each live row at its place in it; `ahead` is a
         launch of its own, so the copy can be read while it is being launched (as a free batch reads
         its tokens while the next step launches)."""
+        logprobs = self._pending_logprobs.arrays()  # read back with the tokens: no sync of their own
         if self.launcher is None:
             if ahead is None:
-                mx.async_eval(tokens)
+                mx.async_eval(tokens, *logprobs)
             else:
-                mx.async_eval(tokens, ahead)
+                mx.async_eval(tokens, *logprobs, ahead)
             return
-        self._pending_copy = self.launcher.launch_tokens(tokens)
+        self._pending_copy = self.launcher.launch_tokens(tokens, *logprobs)
         self._copy_rows = list(range(tokens.shape[0]))
         if ahead is not None:
             self.launcher.launch(ahead)
@@ -501,6 +519,8 @@ class DecodeBatch:
         logits = self._forward(pending)
         assert self.rows is not None
         self._pending = self.rows.sample(logits)
+        self._pending_logprobs = PendingLogprobs()  # the old one is still read by the step in hand
+        self._pending_logprobs.reset(self.rows.logprobs, len(self.rows))
         return self._pending
 
     def _forward(
@@ -560,6 +580,7 @@ class DecodeBatch:
         keep = [i for i in range(len(self)) if i not in gone]
         if self.rows is not None:
             self.rows.select(keep)
+        self._pending_logprobs.select(keep)
         if not keep or self._pending is None:
             self._pending = self._ahead = None
         else:

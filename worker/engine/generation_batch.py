@@ -52,6 +52,7 @@ from mlxq.worker.engine.generate import (
 from mlxq.worker.engine.memory_guard import is_out_of_memory, with_memory_retry
 from mlxq.worker.engine.sampler import Sampler
 from mlxq.worker.engine.speculation.policy import RowSpeculation
+from mlxq.worker.engine.token_logprobs import TokenLogprob
 
 log = logging.getLogger(__name__)
 
@@ -166,7 +167,7 @@ class GenerationBatch:
             raise ValueError(f"the batch is full ({self.max_sequences} sequences)")
         prompt, max_tokens, sampler = self.engine.prepare_generation(request)
         cancelled()
-        run = TextRun(self.engine.tokenizer, request.stop, sink)
+        run = TextRun(self.engine.tokenizer, request.stop, sink, logprobs=request.logprobs is not None)
         cancelled()
         speculation = self.engine.speculation_for(request, sampler)
         self.waiting.append(
@@ -535,8 +536,8 @@ class GenerationBatch:
         for i, (seq, run) in enumerate(zip(self.decoding, runs, strict=True)):
             if seq.depth > 0 and seq.speculation is not None:
                 seq.speculation.observe(seq.proposed, len(run) - 1)
-            for token in run:
-                outcome = self._take_one(seq, token)
+            for j, token in enumerate(run):  # rows asking logprobs draft nothing: theirs is the first
+                outcome = self._take_one(seq, token, self.decode.logprobs.get(i) if j == 0 else None)
                 if outcome is not None:
                     leaving.append((i, outcome))
                     break
@@ -547,19 +548,21 @@ class GenerationBatch:
         now, with their finish reason or their own error. Touches no MLX array (see `step`)."""
         leaving: list[tuple[int, FinishReason | BaseException]] = []
         for i, (seq, token) in enumerate(zip(self.decoding, tokens, strict=True)):
-            outcome = self._take_one(seq, token)
+            outcome = self._take_one(seq, token, self.decode.logprobs.get(i))
             if outcome is not None:
                 leaving.append((i, outcome))
         return leaving
 
-    def _take_one(self, seq: _Sequence, token: int) -> FinishReason | BaseException | None:
+    def _take_one(
+        self, seq: _Sequence, token: int, logprob: TokenLogprob | None = None
+    ) -> FinishReason | BaseException | None:
         """A request takes one token; its finish reason or its own error if it ends now, else None."""
         seq.clock.token()
         try:
             constraint = seq.sampler.constraint
             if constraint is not None and constraint.error is not None:
                 raise constraint.error  # its token broke its grammar (see `SamplerRows.take`)
-            reason = self.engine.finish_reason_after(seq.run, token, seq.cancelled)
+            reason = self.engine.finish_reason_after(seq.run, token, seq.cancelled, logprob)
             if reason is None and constraint is not None and constraint.complete_after(len(seq.run.ids)):
                 reason = "stop"  # its grammar is complete and allows no end-of-text token
             if reason is None and len(seq.run.ids) >= seq.max_tokens:

@@ -69,13 +69,13 @@ class Launcher:
         self.wait()
         self._in_flight = self._pool.submit(mx.async_eval, *arrays)
 
-    def launch_tokens(self, tokens: mx.array) -> mx.array:
+    def launch_tokens(self, tokens: mx.array, *with_them: mx.array) -> mx.array:
         """Launch a decode step's sampled `tokens`; returns a copy made in the same launch, to read them
         back from. The tokens themselves are an input of the next step, whose launch is running when
         they are read, and reading an array (MLX's `wait`) changes its state under that launch (it
         crashed the CPU build in tests); nothing later takes the copy as input."""
         copy = tokens.astype(mx.int32)
-        self.launch(tokens, copy)
+        self.launch(tokens, copy, *with_them)
         return copy
 
     def wait(self) -> None:

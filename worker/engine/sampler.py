@@ -28,6 +28,7 @@ import mlx.core as mx
 import numpy as np
 
 from mlxq.worker.engine.constraint import Constraint, fill_draft_masks, fill_masks
+from mlxq.worker.engine.token_logprobs import StepLogprobs, step_logprobs
 
 _NEG_INF = float("-inf")
 
@@ -231,6 +232,7 @@ class Sampler:
         self.row = _RowParams.of(self, vocab_size)
         self._row_arrays: _RowArrays | None = None  # built at the first draw
         self.constraint = constraint  # structured output: the tokens its grammar allows
+        self.logprobs: int | None = None  # alternatives its tokens' logprobs carry; None: none asked
 
     @classmethod
     def from_request(
@@ -465,6 +467,8 @@ class SamplerRows:
         mixed = self._any_greedy and self._arrays is not None
         self._greedy_mask = mx.array(greedy) if mixed else None
         self._constrained = [i for i, s in enumerate(samplers) if s.constraint is not None]
+        self._logprob_rows = [i for i, s in enumerate(samplers) if s.logprobs is not None]
+        self.logprobs: StepLogprobs | None = None  # the last draw's, for the rows that asked (lazy)
 
     @property
     def constrained(self) -> bool:
@@ -579,6 +583,7 @@ class SamplerRows:
             kept = _leading(greedy_ok)
             following = mx.take_along_axis(target, kept[:, None], axis=1)[:, 0]
             self._observe_penalized(following)
+            self._note_logprobs(logits[:, 0, :], following)  # rows asking logprobs draft nothing
             return kept, following
         assert self._keys is not None
         filtered = filter_rows(x.reshape(b * width, vocab), self._arrays, width).reshape(b, width, vocab)
@@ -600,6 +605,7 @@ class SamplerRows:
             greedy_next = mx.take_along_axis(target, kept[:, None], axis=1)[:, 0]
             following = mx.where(self._greedy_mask, greedy_next, following)
         self._observe_penalized(following)
+        self._note_logprobs(logits[:, 0, :], following)  # rows asking logprobs draft nothing
         return kept, following
 
     def _observe_penalized(self, tokens: mx.array) -> None:
@@ -633,4 +639,11 @@ class SamplerRows:
                 tokens = mx.where(self._greedy_mask, greedy, drawn)
         for i, s in enumerate(self.samplers):
             s.observe(tokens[i : i + 1] if i in self._penalized_set else tokens)  # counts where penalized
+        self._note_logprobs(logits, tokens)
         return tokens
+
+    def _note_logprobs(self, logits: mx.array, tokens: mx.array) -> None:
+        """The rows that asked for logprobs: their tokens' under the model's raw `logits` (lazy)."""
+        rows = self._logprob_rows
+        ks = [self.samplers[i].logprobs or 0 for i in rows]
+        self.logprobs = step_logprobs(logits, tokens, rows, ks) if rows else None
