@@ -350,10 +350,10 @@ class MlxqWorker(SimpleWorker):
 
     def _taken_again(self, job: Job, queue: Queue, twice: bool = False) -> bool:
         """Whether a job just taken from the queue has started or ended already (any RQ status but
-        `queued` or `created`), or was taken `twice` in one claim: its id was in the queue a second time, as when a
-        Sentinel failover leaves the new primary with a queue from before a take while the job's start
-        was written again there. It is not run twice: (one copy of) its id leaves the intermediate list
-        the take put it on, its records stay."""
+        `queued` or `created`), or was taken `twice` in one claim: its id was in the queue a second
+        time, as when a Sentinel failover leaves the new primary with a queue from before a take while
+        the job's start was written again there. It is not run twice: (one copy of) its id leaves the
+        intermediate list the take put it on, its records stay."""
         status = job.get_status(refresh=False)
         # never started: queued, or no status (RQ reads a missing or empty one as created)
         if not twice and (status is None or status in (JobStatus.QUEUED, JobStatus.CREATED)):
