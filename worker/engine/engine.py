@@ -611,10 +611,12 @@ class Engine:
 
     def speculation_for(self, request: GenerateRequest, sampler: Sampler) -> RowSpeculation | None:
         """A request's drafter and its depth cap, or None where it decodes plainly: speculation off on
-        this worker or for the job (`max_draft_tokens` 0), or a sampler whose draws depend on the tokens
-        before them through penalties: speculative sampling could not keep such a row's distribution
-        exact, so it takes plain steps. A constrained row drafts: its drafts are checked against its
-        grammar (`DecodeBatch.verify_with`)."""
+        this worker or for the job (`max_draft_tokens` 0), a sampler whose draws depend on the tokens
+        before them through penalties (speculative sampling could not keep such a row's distribution
+        exact), or a row that reports logprobs (they are taken at a step's first position only): such
+        rows take plain steps. A constrained row drafts: its drafts are checked against its grammar
+        (`DecodeBatch.verify_with`). Prompt lookup's cap may exceed `max_depth` (`max_run`: its drafts
+        cost no forward); a draft model's may not."""
         kind = self.options.speculation
         policy = self.options.draft_policy
         # prompt lookup's drafts cost no forward: a copied run may grow past max_depth (DraftPolicy.max_run)
