@@ -124,7 +124,7 @@ def check(content: bytes, endpoint: str, max_lines: int) -> Checked:
             raise bad_request(f"the input file has more than {max_lines} requests", "input_file_id")
         try:
             if kind == "completion" and echo.wanted(body):
-                raise unsupported("echo" if body.get("echo") else "logprobs", "not in a batch request")
+                raise unsupported("echo", "not in a batch request")
             t: Translated = chat(body) if kind == "chat" else completion(body)
             if t.stream:
                 raise bad_request("`stream` is not allowed in a batch request", "stream")
@@ -132,8 +132,7 @@ def check(content: bytes, endpoint: str, max_lines: int) -> Checked:
                 raise unsupported("n", "a batch request yields one choice: give each its own line")
             if t.more:
                 raise unsupported("prompt", "a batch request takes one prompt: give each its own line")
-            if t.logprobs is not None:
-                raise unsupported("logprobs", "not in a batch request")
+            # `logprobs` of the generated tokens: the job reports them, and the output line carries them
         except ApiError as e:
             refused.append(error_line(custom_id, e.status, e.body()["error"]))
             continue

@@ -677,3 +677,23 @@ def test_metrics_count_requests_and_jobs(sdk: openai.OpenAI, gateway: GatewayPro
     assert value(after, ok) == value(before, ok) + 1
     assert value(after, missing) == value(before, missing) + 1
     assert value(after, jobs) == value(before, jobs) + 1
+
+
+def test_a_batch_lines_logprobs_are_the_same_requests_answer_outside_a_batch(
+    sdk: openai.OpenAI, model: str, no_eos: dict[int, float]
+) -> None:
+    """A Batch API line asking `logprobs` (the generation job reports them) gets the logprobs the same
+    request gets outside a batch."""
+    (line,) = _batch_lines(model, no_eos, 1, 6)
+    line["body"] = {**line["body"], "logprobs": True, "top_logprobs": 2}
+    batch = _wait_batch(sdk, _upload_batch(sdk, [line]).id, ("completed",))
+    (out,) = _lines_of(sdk, batch.output_file_id)
+    content = out["response"]["body"]["choices"][0]["logprobs"]["content"]
+    direct = sdk.chat.completions.create(**line["body"])
+    assert direct.choices[0].logprobs is not None and direct.choices[0].logprobs.content is not None
+    want = [
+        (t.token, t.logprob, [a.token for a in t.top_logprobs]) for t in direct.choices[0].logprobs.content
+    ]
+    got = [(t["token"], t["logprob"], [a["token"] for a in t["top_logprobs"]]) for t in content]
+    assert len(got) == 6 and [g[0] for g in got] == [w[0] for w in want]
+    assert all(abs(g[1] - w[1]) < 1e-4 and g[2] == w[2] for g, w in zip(got, want, strict=True))
