@@ -30,6 +30,7 @@ from mlxq.worker.engine.generation_batch import Finished, GenerationBatch, gener
 from mlxq.worker.engine.sampler import Sampler, SamplerRows
 from mlxq.worker.engine.speculation.policy import DraftPolicy, RowSpeculation
 from mlxq.worker.engine.speculation.prompt_lookup import PromptLookup
+from mlxq.worker.engine.speculation.row_tokens import RowTokens
 from mlxq.worker.modelfiles.tiny_model import write_random_checkpoint
 
 PROMPT = "The capital of France is Paris. "
@@ -588,3 +589,26 @@ def test_a_row_whose_proposals_are_kept_whole_drafts_longer_runs_up_to_its_cap()
     assert row.depth(batch=9, budget=100) == 0  # large batches draft nothing, runs or not
     with pytest.raises(ValueError, match="max_run"):
         DraftPolicy(max_run=-1)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.integers(0, 9), max_size=8),
+    st.lists(st.integers(0, 9), max_size=8),
+    st.one_of(st.none(), st.integers(0, 9)),
+    st.integers(-20, 20),
+    st.integers(-20, 20),
+    st.sampled_from([None, 1, 2, -1]),
+)
+def test_a_rows_tokens_read_as_their_concatenation(
+    prompt: list[int], generated: list[int], pending: int | None, start: int, stop: int, step: int | None
+) -> None:
+    """What drafters read (`RowTokens`: no copy of the row per step) reads as the list it stands for."""
+    whole = [*prompt, *generated, *([] if pending is None else [pending])]
+    row = RowTokens(prompt, generated, pending)
+    assert len(row) == len(whole) and list(row) == whole
+    assert row[start:stop:step] == whole[start:stop:step]
+    for i in range(-len(whole), len(whole)):
+        assert row[i] == whole[i]
+    with pytest.raises(IndexError):
+        row[len(whole)]

@@ -52,6 +52,7 @@ from mlxq.worker.engine.generate import (
 from mlxq.worker.engine.memory_guard import is_out_of_memory, with_memory_retry
 from mlxq.worker.engine.sampler import Sampler
 from mlxq.worker.engine.speculation.policy import RowSpeculation
+from mlxq.worker.engine.speculation.row_tokens import RowTokens
 from mlxq.worker.engine.token_logprobs import TokenLogprob
 
 log = logging.getLogger(__name__)
@@ -511,7 +512,7 @@ class GenerationBatch:
                 seq.depth
                 and spec is not None
                 and spec.policy.only_likely
-                and not spec.drafter.may_propose([*seq.prompt, *seq.run.ids])
+                and not spec.drafter.may_propose(RowTokens(seq.prompt, seq.run.ids))
             ):
                 seq.depth = 0  # nothing to copy now: no verify step for it (its acceptance unchanged)
             any_depth = any_depth or seq.depth > 0
@@ -524,7 +525,7 @@ class GenerationBatch:
             if seq.depth <= 0 or seq.speculation is None:
                 drafts.append([])
                 continue
-            proposed = seq.speculation.drafter.propose([*seq.prompt, *seq.run.ids, token], seq.depth)
+            proposed = seq.speculation.drafter.propose(RowTokens(seq.prompt, seq.run.ids, token), seq.depth)
             drafts.append(proposed[: seq.depth])
             seq.proposed = len(drafts[-1])
         return drafts
