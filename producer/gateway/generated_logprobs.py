@@ -4,8 +4,9 @@ A job asked `logprobs: K` computes each token's log-probability under the model 
 alternatives) in the decode step that samples it, so the gateway needs no score job for generated text
 and can stream them: a chat's `choices[].logprobs.content` entries (token text, logprob, UTF-8 bytes,
 `top_logprobs`), a completion's `tokens`/`token_logprobs`/`top_logprobs`/`text_offset` (offsets counted
-from the completion's first character). A token's text is its text alone: one that holds part of a
-character shows U+FFFD there, and its `bytes` are those of that text.
+from the completion's first character, going on where a resumed stream left off). A token's text is its
+text alone: one that holds part of a character shows U+FFFD there, and its `bytes` are those of that
+text.
 """
 
 from __future__ import annotations

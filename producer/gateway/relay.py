@@ -70,6 +70,18 @@ async def _entry(conn: redis.asyncio.Redis, job_id: str, entry_id: str) -> Any:
     return items[0] if items else None
 
 
+async def _characters_before(conn: redis.asyncio.Redis, job_id: str, entry_id: str) -> int:
+    """The completion's characters in the tokens a stream reported up to `entry_id` (since its last
+    restart), by their logprobs' texts: where a resumed completion's `text_offset` goes on from."""
+    characters = 0
+    for item in decode_entries(await conn.xrange(keys.stream_key(job_id), "-", entry_id) or []):
+        if isinstance(item.event, RestartEvent):
+            characters = 0
+        elif isinstance(item.event, TokenEvent):
+            characters += sum(len(lp.text) for lp in item.event.logprobs or ())
+    return characters
+
+
 async def events(
     client: AsyncClient, ctx: Context, last_event_id: str | None, fresh: bool = False
 ) -> AsyncIterator[str]:
@@ -141,6 +153,8 @@ async def _pieces(client: AsyncClient, ctx: Context, from_id: str, fresh: bool) 
     role_pending = ctx.kind == "chat" and from_id == START_ID
     sent_text = from_id != START_ID
     offset = 0  # the completion's characters before the next token (logprobs' `text_offset`)
+    if ctx.kind != "chat" and from_id != START_ID:  # a resumed completion: its offsets go on
+        offset = await _characters_before(client.connection, ctx.job_id, from_id)
     try:
         async for item in client.job(ctx.job_id).stream(from_id=from_id, fresh=fresh):
             event = item.event

@@ -7,8 +7,11 @@ token against a generation job.
 
 from __future__ import annotations
 
+import json
+from collections.abc import Iterator
 from typing import Any
 
+import httpx
 import openai
 import pytest
 import test_gateway
@@ -302,3 +305,50 @@ def test_streamed_completion_logprobs_equal_the_whole_answers(
     assert logprobs == pytest.approx(want.token_logprobs, abs=1e-6)
     assert [sorted(t) for t in tops] == [sorted(t) for t in want.top_logprobs or []]
     assert offsets == want.text_offset == [len("".join(tokens[:i])) for i in range(len(tokens))]
+
+
+def test_a_resumed_completion_streams_text_offsets_that_go_on(
+    gateway: GatewayProcess, key: str, sdk: openai.OpenAI, model: str, no_eos: dict[int, float]
+) -> None:
+    """A client that reconnects with `Last-Event-ID` mid-stream gets the rest of the tokens with their
+    `text_offset` counted from the completion's start, as the unstreamed answer has them."""
+    bias = {str(k): v for k, v in no_eos.items()}
+    body: dict[str, Any] = {"model": model, "prompt": PROMPT, "logprobs": 1, "max_tokens": 12}
+    body |= {"temperature": 0.0, "logit_bias": bias}
+    headers = {"authorization": f"Bearer {key}"}
+
+    def chunks(response: httpx.Response) -> Iterator[tuple[str | None, dict[str, Any]]]:
+        event_id = None
+        for line in response.iter_lines():
+            if line.startswith("id: "):
+                event_id = line[4:]
+            elif line.startswith("data: ") and line != "data: [DONE]":
+                yield event_id, json.loads(line[6:])
+
+    offsets: list[int] = []
+    with httpx.stream(
+        "POST", f"{gateway.url}/v1/completions", json={**body, "stream": True}, headers=headers
+    ) as r:
+        head = []
+        for event_id, chunk in chunks(r):
+            head.append((event_id, chunk))
+            if (
+                sum(len((c.get("logprobs") or {}).get("tokens", [])) for _, x in head for c in x["choices"])
+                >= 4
+            ):
+                break  # the client goes away mid-stream, after a few tokens
+    for _, chunk in head:
+        for choice in chunk["choices"]:
+            offsets += (choice.get("logprobs") or {}).get("text_offset", [])
+    last_id = [i for i, _ in head if i is not None][-1]
+    with httpx.stream(
+        "GET", f"{gateway.url}/v1/streams/{head[0][1]['id']}", headers={**headers, "last-event-id": last_id}
+    ) as r:
+        assert r.status_code == 200
+        for _, chunk in chunks(r):
+            for choice in chunk["choices"]:
+                offsets += (choice.get("logprobs") or {}).get("text_offset", [])
+    whole = sdk.completions.create(**body)
+    want = whole.choices[0].logprobs
+    assert want is not None and want.text_offset is not None and len(want.text_offset) == 12
+    assert offsets == want.text_offset
