@@ -141,6 +141,8 @@ def test_jobs_ride_out_the_primary_shutting_down_and_returning_as_a_replica(
     """The primary goes away (SHUTDOWN); the sentinels promote a replica; the old primary comes back
     and is made a replica. Nothing is lost: each submit waits for a replica to hold the job (WAIT)."""
 
+    returns: list[threading.Thread] = []
+
     def shut_down(ha: SentinelSet) -> None:
         old = ha.primary
         threading.Thread(target=lambda: redis.Redis(port=old.port).shutdown(), daemon=True).start()
@@ -152,9 +154,15 @@ def test_jobs_ride_out_the_primary_shutting_down_and_returning_as_a_replica(
             old.proc.wait(30)
             old.start()
 
-        threading.Thread(target=come_back, daemon=True).start()
+        returns.append(threading.Thread(target=come_back, daemon=True))
+        returns[-1].start()
 
     figures = _ride_out(sentinels, model_dir, no_eos, spawn_worker, shut_down)
+    # the old primary is back before the servers are stopped (a return racing the teardown's
+    # shutdown failed the thread, not the jobs)
+    (back,) = returns
+    back.join(60)
+    assert not back.is_alive()
     assert figures["finished"] == figures["jobs"]
     reliability_report["sentinel_failover_shutdown"] = figures
 
