@@ -144,20 +144,11 @@ def test_batched_ragged_rows_report_transformers_logprobs(
         requests = [_request(i, list(engine.tokenizer.eos_ids)) for i in range(4)]
         rounds = 2 if prefix_cache else 1  # the second round's prompts come from the warm prefix cache
         for _ in range(rounds):
-            batch = GenerationBatch(engine, max_sequences=4)
-            for i, request in enumerate(requests):
-                batch.admit(str(i), request, lambda text, ids: None, lambda: False)
-            results: dict[str, GenerateResult] = {}
-            while len(results) < len(requests):
-                for done in batch.step():
-                    assert done.error is None and done.result is not None
-                    results[done.key] = done.result
-            batch.settle()
-            batch.close()
-            for i, request in enumerate(requests):
-                _check_against_hf(hf_model, engine, request, results[str(i)])
+            results = _run_batch(engine, requests)
+            for request, result in zip(requests, results, strict=True):
+                _check_against_hf(hf_model, engine, request, result)
         if prefix_cache:
-            assert results["3"].usage.cached_tokens > 0
+            assert results[3].usage.cached_tokens > 0
     finally:
         engine.close()
 
