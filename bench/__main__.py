@@ -69,6 +69,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--batch-jobs",
         help="comma-separated numbers of concurrent jobs for the batch figure, in place of the sizes' own",
     )
+    p.add_argument(
+        "--speculation-jobs",
+        help="comma-separated numbers of concurrent jobs for the speculation figure, in place of the "
+        "sizes' own",
+    )
     p.add_argument("--only", default=",".join(FIGURES), help=f"comma-separated figures [{','.join(FIGURES)}]")
     p.add_argument("--out", default=str(Path(__file__).parent / "results"), help="folder for JSON and tables")
     p.add_argument("--label", help="file name of the results [SIZES-MODEL]")
@@ -109,6 +114,9 @@ def run(args: argparse.Namespace) -> int:
     sizes = SIZES[args.sizes]
     if args.batch_jobs:
         sizes = dataclasses.replace(sizes, batch_jobs=tuple(int(n) for n in args.batch_jobs.split(",")))
+    if args.speculation_jobs:
+        jobs = tuple(int(n) for n in args.speculation_jobs.split(","))
+        sizes = dataclasses.replace(sizes, speculation_jobs=jobs)
     only = [f.strip() for f in args.only.split(",") if f.strip()]
     unknown = [f for f in only if f not in FIGURES]
     if unknown:

@@ -3,13 +3,16 @@
 The same chat prompts run in the engine's `GenerationBatch` (in this process, no Redis), greedy, once
 per way of decoding:
 - plain: no drafting;
-- prompt lookup: drafts copied from the job's own text (`MLXQ_SPECULATION=prompt_lookup`);
-- 4-bit draft: the model's own 4-bit copy drafts (`draft_model`; skipped for an already quantized model).
+- prompt lookup: drafts copied from the job's own text (`MLXQ_SPECULATION=prompt_lookup`), under the
+  worker's default policy (no drafting above `MLXQ_DRAFT_MAX_BATCH` rows; the draft gate measures plain
+  and verify steps and pauses drafting where it loses): what a user gets, judged by the targets;
+- prompt lookup, forced: drafting at every batch size, no gate: how often drafts are kept and what a
+  verify step costs where the worker would not draft (not judged by the targets);
+- 4-bit draft: the model's own 4-bit copy drafts (`draft_model`, default policy; skipped for an already
+  quantized model).
 Each at N jobs at once (`Sizes.speculation_jobs`), on two kinds of prompt: copy-heavy (edit this code,
 extract these fields, answer quoting the passage: the answer repeats long runs of the prompt) and open
-prose (a story: nothing to copy). The policy's thresholds are the worker's defaults except that every
-batch size drafts (`max_batch`), so the table shows what drafting does where the policy would turn it
-off.
+prose (a story: nothing to copy).
 
 The ways of decoding take turns, in an order rotating from turn to turn, after a first turn that warms
 up and is not counted. Reported per row: tokens/s over the whole call (prefill included, median of the
@@ -34,8 +37,12 @@ from mlxq.jobs.schema import GenerateRequest, GenerateResult
 from mlxq.worker.engine import Engine
 from mlxq.worker.engine.generation_batch import GenerationBatch
 from mlxq.worker.engine.speculation.policy import DraftPolicy
+from mlxq.worker.service import draft_policy
+from mlxq.worker.settings import WorkerSettings
 
 from .common import Bench, median
+
+FORCED = "prompt lookup, forced"  # drafting at every batch size, no gate: acceptance and raw cost
 
 CODE = '''def moving_average(values, window):
     """Average of each run of `window` values."""
@@ -76,7 +83,11 @@ PROSE = [
 
 def speculation(b: Bench) -> dict[str, Any]:
     s = b.sizes
-    modes: dict[str, Engine] = {"plain": b.engine, "prompt lookup": _engine(b, "prompt_lookup")}
+    modes: dict[str, Engine] = {
+        "plain": b.engine,
+        "prompt lookup": _engine(b, "prompt_lookup"),
+        FORCED: _engine(b, "prompt_lookup", forced=True),
+    }
     draft = _draft_copy(b)
     if draft is not None:
         modes["4-bit draft"] = _engine(b, "draft_model", str(draft))
@@ -84,10 +95,14 @@ def speculation(b: Bench) -> dict[str, Any]:
     try:
         for kind, prompts in (("copy-heavy", COPY_HEAVY), ("prose", PROSE)):
             for n in s.speculation_jobs:
-                payloads = [_payload(b, prompts[i % len(prompts)], s.speculation_tokens) for i in range(n)]
+                # every prompt of the kind at least once: fewer jobs than prompts run as several
+                # batches of n jobs one after another
+                count = max(n, len(prompts))
+                tokens = s.speculation_tokens
+                payloads = [_payload(b, prompts[i % len(prompts)], tokens) for i in range(count)]
                 # the draft model drafts row by row: beyond one job it only shows its known cost
                 taking = {m: e for m, e in modes.items() if m != "4-bit draft" or n == 1}
-                runs = _rotating(taking, payloads, s.speculation_reps)
+                runs = _rotating(taking, payloads, n, s.speculation_reps)
                 plain_tok_s = median([r["tok_s"] for r in runs["plain"]])
                 for mode, rs in runs.items():
                     same = all(r["tokens"] == runs["plain"][0]["tokens"] for r in rs)
@@ -121,24 +136,26 @@ def speculation(b: Bench) -> dict[str, Any]:
 Runs = dict[str, list[dict[str, Any]]]
 
 
-def _rotating(modes: dict[str, Engine], payloads: list[dict[str, Any]], reps: int) -> Runs:
-    """Each mode's runs of `payloads`, `reps` turns in which every mode runs once, the order rotating
-    from turn to turn (a host whose speed drifts falls on all modes alike); a first turn warms up every
-    mode's shapes and is not counted."""
+def _rotating(modes: dict[str, Engine], payloads: list[dict[str, Any]], n: int, reps: int) -> Runs:
+    """Each mode's runs of `payloads` (`n` jobs at once), `reps` turns in which every mode runs once, the
+    order rotating from turn to turn (a host whose speed drifts falls on all modes alike); a first turn
+    warms up every mode's shapes and is not counted."""
     names = list(modes)
     runs: Runs = {name: [] for name in names}
     for turn in range(reps + 1):
         order = names[turn % len(names) :] + names[: turn % len(names)]
         for name in order:
-            result = _run(modes[name], payloads)
+            result = _run(modes[name], payloads, n)
             if turn:
                 runs[name].append(result)
     return runs
 
 
-def _engine(b: Bench, kind: str, draft: str | None = None) -> Engine:
-    """The bench engine's model with speculation of `kind` (a second engine sharing its weights)."""
-    policy = DraftPolicy(max_batch=1 << 20)  # drafting at every batch size: the table shows its cost
+def _engine(b: Bench, kind: str, draft: str | None = None, forced: bool = False) -> Engine:
+    """The bench engine's model with speculation of `kind` (a second engine sharing its weights), under
+    the worker's default policy (its draft gate on), or `forced`: drafting at every batch size, no gate
+    (what verify steps cost and how often drafts are kept where the worker would not draft)."""
+    policy = DraftPolicy(max_batch=1 << 20) if forced else draft_policy(WorkerSettings())
     options = dataclasses.replace(b.engine.options, speculation=kind, draft_model=draft, draft_policy=policy)
     engine = Engine(b.engine.model, b.engine.tokenizer, b.engine.config, b.engine.name, options)
     if kind == "draft_model":
@@ -166,21 +183,23 @@ def _payload(b: Bench, prompt: str, max_tokens: int) -> dict[str, Any]:
     return {**text, "max_tokens": max_tokens, "temperature": 0, "logit_bias": b.no_eos}
 
 
-def _run(engine: Engine, payloads: list[dict[str, Any]]) -> dict[str, Any]:
-    """All payloads admitted at once into one generation batch, stepped until every job ends."""
+def _run(engine: Engine, payloads: list[dict[str, Any]], n: int) -> dict[str, Any]:
+    """The payloads `n` at a time: each `n` admitted at once into one generation batch, stepped until
+    every job ends, then the next `n`."""
     mx.synchronize()
     t0 = time.perf_counter()
-    batch = GenerationBatch(engine, len(payloads))
-    for i, p in enumerate(payloads):
-        batch.admit(str(i), GenerateRequest.model_validate(p), lambda _t, _ids: None, lambda: False)
     results: dict[str, GenerateResult] = {}
-    while len(batch):
-        for done in batch.step():
-            if done.error is not None:
-                raise done.error
-            assert done.result is not None
-            results[done.key] = done.result
-    batch.close()
+    for first in range(0, len(payloads), n):
+        batch = GenerationBatch(engine, n)
+        for i, p in enumerate(payloads[first : first + n], start=first):
+            batch.admit(str(i), GenerateRequest.model_validate(p), lambda _t, _ids: None, lambda: False)
+        while len(batch):
+            for done in batch.step():
+                if done.error is not None:
+                    raise done.error
+                assert done.result is not None
+                results[done.key] = done.result
+        batch.close()
     wall = time.perf_counter() - t0
     res = [results[str(i)] for i in range(len(payloads))]
     return {

@@ -55,6 +55,17 @@ def redis_from_url(url: str) -> redis.Redis:
     )
 
 
+def draft_policy(settings: WorkerSettings) -> DraftPolicy:
+    """The speculation policy the settings ask for (`MLXQ_DRAFT_*`)."""
+    return DraftPolicy(
+        max_depth=settings.draft_max_tokens,
+        max_batch=settings.draft_max_batch,
+        min_acceptance=settings.draft_min_acceptance,
+        max_run=settings.draft_step_tokens,
+        gate=settings.draft_gate,
+    )
+
+
 def load_engine(settings: WorkerSettings) -> Engine:
     """The engine the settings ask for (model, dtype, chunking, caches, batching limits)."""
     return Engine.load(
@@ -77,12 +88,7 @@ def load_engine(settings: WorkerSettings) -> Engine:
             max_messages=settings.max_messages,
             speculation=settings.speculation,
             draft_model=settings.draft_model,
-            draft_policy=DraftPolicy(
-                max_depth=settings.draft_max_tokens,
-                max_batch=settings.draft_max_batch,
-                min_acceptance=settings.draft_min_acceptance,
-                max_run=settings.draft_step_tokens,
-            ),
+            draft_policy=draft_policy(settings),
         ),
     )
 

@@ -136,6 +136,11 @@ class WorkerSettings(BaseSettings):
     draft_min_acceptance: float = Field(
         default=0.3, ge=0.0, le=1.0, description="a row whose drafts are kept less often stops drafting"
     )
+    draft_gate: bool = Field(
+        default=True,
+        description="a batch measures what its plain and verify steps cost a token and drafts only where "
+        "verify steps give tokens faster (off: the acceptance policy alone decides)",
+    )
     max_nesting_depth: int = Field(
         default=MAX_NESTING_DEPTH,
         ge=3,

@@ -28,6 +28,7 @@ from mlxq.worker.engine.cache.kv_cache import KVCache
 from mlxq.worker.engine.generate import DecodeBatch, prefill
 from mlxq.worker.engine.generation_batch import Finished, GenerationBatch, generate
 from mlxq.worker.engine.sampler import Sampler, SamplerRows
+from mlxq.worker.engine.speculation.draft_gate import DraftGate
 from mlxq.worker.engine.speculation.policy import DraftPolicy, RowSpeculation
 from mlxq.worker.engine.speculation.prompt_lookup import PromptLookup
 from mlxq.worker.engine.speculation.row_tokens import RowTokens
@@ -612,3 +613,56 @@ def test_a_rows_tokens_read_as_their_concatenation(
         assert row[i] == whole[i]
     with pytest.raises(IndexError):
         row[len(whole)]
+
+
+def _gated_run(
+    engine: Engine, request: GenerateRequest, monkeypatch: pytest.MonkeyPatch, verify_s: float
+) -> tuple[GenerateResult, int, DraftGate]:
+    """One request through a batch whose draft gate reads a fake clock: a plain step takes 0.01 s, a
+    verify step `verify_s`. Returns its result, the verify steps taken and the gate."""
+    now = [0.0]
+    verify_steps = [0]
+    original_verify, original_step = DecodeBatch.verify_with, DecodeBatch.step_with
+
+    def verify(self: DecodeBatch, *args: Any, **kwargs: Any) -> Any:
+        verify_steps[0] += 1
+        now[0] += verify_s
+        return original_verify(self, *args, **kwargs)
+
+    def step(self: DecodeBatch, *args: Any, **kwargs: Any) -> Any:
+        now[0] += 0.01
+        return original_step(self, *args, **kwargs)
+
+    monkeypatch.setattr(DecodeBatch, "verify_with", verify)
+    monkeypatch.setattr(DecodeBatch, "step_with", step)
+    batch = GenerationBatch(engine, max_sequences=1)
+    assert batch.draft_gate is not None  # the policy asks for one
+    batch.draft_gate = gate = DraftGate(clock=lambda: now[0], min_samples=2, backoff=8)
+    done: list[Finished] = []
+    batch.admit("0", request, lambda _t, _ids: None, lambda: False)
+    while len(batch):
+        done.extend(batch.step())
+    batch.close()
+    monkeypatch.undo()
+    return _result(done[0]), verify_steps[0], gate
+
+
+def test_the_draft_gate_stops_drafting_where_verify_steps_lose_and_output_is_unchanged(
+    model_dir: Path, plain: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With the gate (the worker's default) a batch whose verify steps cost more a token than its plain
+    steps pauses drafting, again and again for longer; where they cost less it keeps drafting. The
+    tokens are plain decoding's either way."""
+    request = GenerateRequest(prompt=PROMPT * 3, max_tokens=80, temperature=0, logit_bias=_no_eos(plain))
+    expected = _result(_run(plain, [request], 1)[0][0])
+    gated = _engine(
+        model_dir,
+        speculation="prompt_lookup",
+        draft_policy=DraftPolicy(min_acceptance=0.0, only_likely=False, gate=True),
+    )
+    slow, slow_verifies, slow_gate = _gated_run(gated, request, monkeypatch, verify_s=1.0)
+    fast, fast_verifies, fast_gate = _gated_run(gated, request, monkeypatch, verify_s=0.002)
+    assert slow.token_ids == fast.token_ids == expected.token_ids
+    assert slow_gate.paused > 0 and slow_verifies < 15  # of ~80 steps: a few probes, then pauses
+    assert fast_gate.paused <= 3  # only the plain steps measured for comparison
+    assert fast.usage.accepted_tokens > 0 and fast_verifies > slow_verifies

@@ -51,6 +51,7 @@ from mlxq.worker.engine.generate import (
 )
 from mlxq.worker.engine.memory_guard import is_out_of_memory, with_memory_retry
 from mlxq.worker.engine.sampler import Sampler
+from mlxq.worker.engine.speculation.draft_gate import DraftGate
 from mlxq.worker.engine.speculation.policy import RowSpeculation
 from mlxq.worker.engine.speculation.row_tokens import RowTokens
 from mlxq.worker.engine.token_logprobs import TokenLogprob
@@ -147,6 +148,9 @@ class GenerationBatch:
         self.steps = 0
         self._offers: list[tuple[list[int], list[KVCache]]] = []  # finished requests' caches (`settle`)
         self._ended: list[Finished] = []  # requests ended by a failed launch, for the next `step`
+        # what plain and verify steps cost here (`draft_gate.py`), where the policy asks for it
+        self.draft_gate = DraftGate() if engine.options.draft_policy.gate else None
+        self._verified = 0  # tokens the last verify step gave (its rows' runs)
 
     def __len__(self) -> int:
         return len(self.waiting) + (self.prefilling is not None) + len(self.decoding) + len(self._ended)
@@ -454,8 +458,13 @@ class GenerationBatch:
     # --- decoding -----------------------------------------------------------------------------
 
     def _decode_step(self, finished: list[Finished], background: Callable[[], None] | None) -> None:
+        gate, rows = self.draft_gate, len(self.decoding)
+        if gate is not None:
+            gate.begin(rows)
+        verify = self._speculating()
         try:
-            if self._speculating():
+            if verify:
+                self._verified = 0
                 leaving = self.decode.verify_with(self._drafts, self._take_runs, meanwhile=background)
             else:
                 leaving = self.decode.step_with(
@@ -464,8 +473,14 @@ class GenerationBatch:
                     meanwhile=background,
                 )
         except Exception as e:  # the shared forward failed: no row can go on
+            if gate is not None:
+                gate.end("verify" if verify else "plain", 0)
             self._decode_failed(e, finished)
             return
+        if gate is not None and verify:
+            gate.end("verify", self._verified)
+        elif gate is not None:
+            gate.end("plain", rows)
         if not leaving:
             return
         caches = self.decode.remove([i for i, _ in leaving])
@@ -505,6 +520,10 @@ class GenerationBatch:
         if self.engine.options.speculation == "off" or self.decode.rows is None:
             return False
         n, any_depth = len(self.decoding), False
+        if self.draft_gate is not None and not self.draft_gate.allows(n):
+            for seq in self.decoding:  # drafting loses here now: a plain step (acceptances unchanged)
+                seq.depth = 0
+            return False
         for seq in self.decoding:
             spec = seq.speculation
             seq.depth = spec.depth(n, seq.budget) if spec is not None and spec.wants(n, seq.budget) else 0
@@ -534,6 +553,7 @@ class GenerationBatch:
         """After a verify step: each row takes its tokens (its pending one, then the drafts kept), in
         order, as from that many plain steps, up to the one it ends with; returns the rows that end."""
         leaving: list[tuple[int, FinishReason | BaseException]] = []
+        self._verified = sum(len(run) for run in runs)
         for i, (seq, run) in enumerate(zip(self.decoding, runs, strict=True)):
             if seq.depth > 0 and seq.speculation is not None:
                 seq.speculation.observe(seq.proposed, len(run) - 1)

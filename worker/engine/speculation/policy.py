@@ -31,7 +31,10 @@ class DraftPolicy:
     (`Drafter.may_propose`), so a batch whose rows have nothing to copy keeps taking plain steps, one
     in flight (off: every row the policy lets draft takes verify steps, as the verify step's tests
     want); `max_run`: most tokens a cheap drafter (prompt lookup) proposes while its proposals keep
-    being kept whole (its row's cap; `max_depth` still bounds a row's first and partly kept proposals)."""
+    being kept whole (its row's cap; `max_depth` still bounds a row's first and partly kept proposals);
+    `gate`: a batch also measures what its plain and verify steps cost a token and drafts only where
+    verify steps give tokens faster (`draft_gate.py`; the worker's default, off here so the verify
+    step's tests see the steps they ask for whatever the machine's speed)."""
 
     max_depth: int = 4
     max_batch: int = 8
@@ -40,6 +43,7 @@ class DraftPolicy:
     retry_every: int = 16
     only_likely: bool = True
     max_run: int = 15
+    gate: bool = False
 
     def __post_init__(self) -> None:
         if self.max_depth < 0 or self.max_batch < 0 or self.retry_every < 1 or self.max_run < 0:

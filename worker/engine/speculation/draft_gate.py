@@ -1,0 +1,130 @@
+"""Whether drafting pays in this batch, judged by what its steps cost on this machine.
+
+The acceptance policy (`policy.py`) knows how often a row's drafts are kept, not what a verify step
+costs against a plain one: that depends on the device, the model, the number of rows and the drafter
+(a GPU's plain steps keep one step in flight and cost about their launch, a verify step is built,
+launched and read back before the next; a CPU's forward of k tokens costs k times one; a draft model
+costs a forward a drafted token). So a batch measures both kinds as it decodes: the seconds a step took
+per token it gave (a plain step one token a row, a verify step each row's pending token and the drafts
+it kept), as exponentially weighted averages, kept per batch size (rows rounded up to a power of two:
+a 64-row step and a one-row step cost differently). Where verify steps give tokens more slowly than
+plain steps, drafting stops for `backoff` steps of that size, then verify steps are allowed again to
+measure anew; each time drafting loses again the pause doubles (up to `max_backoff`), so a batch where
+drafting never pays spends a vanishing share of its steps finding that out, and one where the text
+starts being copied later is still found. While there is no plain step of a size to compare with
+(every step drafts), `probe` plain steps are taken after `min_samples` verify steps.
+
+The first plain step after a verify step reads its tokens back before the next step is built (nothing
+was in flight): that cost is the verify step's, and it is counted as such.
+
+Output never changes with the gate: greedy speculation is lossless, and a row's text does not depend on
+which steps drafted.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Literal
+
+StepKind = Literal["plain", "verify"]
+
+
+def size_class(rows: int) -> int:
+    """The batch sizes whose steps are compared together: rows rounded up to a power of two."""
+    return 1 << max(0, rows - 1).bit_length()
+
+
+@dataclass
+class _SizeCosts:
+    """Seconds a token of each kind of step, at one batch size, and the pause of drafting there."""
+
+    plain: float | None = None
+    verify: float | None = None
+    verify_steps: int = 0  # verify steps measured since drafting was last allowed again
+    paused_until: int = 0  # the gate's step count from which drafting may resume
+    backoff: int = 0  # the pause after the next loss (0: the gate's own first one)
+    plain_needed: int = 0  # plain steps still to take to have a comparison
+
+
+@dataclass
+class DraftGate:
+    """A batch's measured cost of plain and verify steps, and whether the next step may draft.
+
+    `smoothing`: weight of the latest step in each average; `min_samples`: verify steps measured before
+    drafting is judged; `backoff`/`max_backoff`: the first and the longest pause (in steps) after
+    drafting lost; `probe`: plain steps taken to measure them when a batch size has none."""
+
+    smoothing: float = 0.25
+    min_samples: int = 3
+    backoff: int = 32
+    max_backoff: int = 2048
+    probe: int = 2
+    clock: Callable[[], float] = time.perf_counter
+    _sizes: dict[int, _SizeCosts] = field(default_factory=dict, repr=False)
+    _steps: int = field(default=0, repr=False)
+    _last: StepKind | None = field(default=None, repr=False)
+    _began: float | None = field(default=None, repr=False)
+    _began_rows: int = field(default=0, repr=False)
+    paused: int = 0  # steps at which drafting was refused (reported)
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.smoothing <= 1.0 or self.min_samples < 1 or self.probe < 1:
+            raise ValueError(f"a draft gate needs smoothing in (0, 1], min_samples >= 1, probe >= 1: {self}")
+        if self.backoff < 1 or self.max_backoff < self.backoff:
+            raise ValueError(f"a draft gate needs 1 <= backoff <= max_backoff: {self}")
+
+    def allows(self, rows: int) -> bool:
+        """Whether a step of `rows` decoding rows may verify drafts (asked before each step that
+        would)."""
+        costs = self._sizes.setdefault(size_class(rows), _SizeCosts())
+        if costs.paused_until > self._steps or costs.plain_needed > 0:
+            self.paused += 1
+            return False
+        return True
+
+    def begin(self, rows: int) -> None:
+        """A decode step of `rows` rows starts now."""
+        self._began, self._began_rows = self.clock(), rows
+
+    def end(self, kind: StepKind, tokens: int) -> None:
+        """The step begun last ended, a `kind` step that gave `tokens` tokens in all (0: nothing
+        measured, e.g. it failed)."""
+        began, self._began = self._began, None
+        self._steps += 1
+        last, self._last = self._last, kind
+        if began is None or tokens <= 0:
+            return
+        seconds = max(self.clock() - began, 0.0)
+        costs = self._sizes.setdefault(size_class(self._began_rows), _SizeCosts())
+        if kind == "plain" and last == "verify":
+            # this step paid for the verify step before it (nothing was in flight): the verify's cost
+            costs.verify = self._average(costs.verify, seconds / tokens)
+            return
+        if kind == "plain":
+            costs.plain = self._average(costs.plain, seconds / tokens)
+            costs.plain_needed = max(0, costs.plain_needed - 1)
+            return
+        costs.verify = self._average(costs.verify, seconds / tokens)
+        costs.verify_steps += 1
+        if costs.verify_steps < self.min_samples:
+            return
+        if costs.plain is None:
+            costs.plain_needed = self.probe  # (the first plain step after a verify counts as the verify's)
+            return
+        if costs.verify > costs.plain:
+            costs.backoff = min(self.max_backoff, 2 * costs.backoff) if costs.backoff else self.backoff
+            costs.paused_until = self._steps + costs.backoff
+            costs.verify_steps = 0
+            costs.verify = None  # measured anew when drafting resumes
+        else:
+            costs.backoff = 0
+
+    def cost(self, rows: int) -> tuple[float | None, float | None]:
+        """(plain, verify) seconds a token at this batch size, as measured so far (None: not yet)."""
+        costs = self._sizes.get(size_class(rows), _SizeCosts())
+        return costs.plain, costs.verify
+
+    def _average(self, mean: float | None, value: float) -> float:
+        return value if mean is None else mean + self.smoothing * (value - mean)
