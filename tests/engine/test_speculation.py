@@ -635,9 +635,9 @@ def _gated_run(
 
     monkeypatch.setattr(DecodeBatch, "verify_with", verify)
     monkeypatch.setattr(DecodeBatch, "step_with", step)
+    assert engine.draft_gate is not None  # the policy asks for one
+    engine.draft_gate = gate = DraftGate(clock=lambda: now[0], min_samples=2, backoff=8)
     batch = GenerationBatch(engine, max_sequences=1)
-    assert batch.draft_gate is not None  # the policy asks for one
-    batch.draft_gate = gate = DraftGate(clock=lambda: now[0], min_samples=2, backoff=8)
     done: list[Finished] = []
     batch.admit("0", request, lambda _t, _ids: None, lambda: False)
     while len(batch):

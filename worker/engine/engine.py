@@ -63,6 +63,7 @@ from mlxq.worker.engine.scoring import (
     candidate_token_ids,
     score_kv_by_default,
 )
+from mlxq.worker.engine.speculation.draft_gate import DraftGate
 from mlxq.worker.engine.speculation.draft_model import DraftMismatch, DraftModel, draft_folder
 from mlxq.worker.engine.speculation.policy import DraftPolicy, RowSpeculation
 from mlxq.worker.engine.speculation.prompt_lookup import PromptLookup
@@ -189,6 +190,9 @@ class Engine:
         # Structured output (`response_format`): the grammar library's tokenizer, built at first use.
         self.constraints = ConstraintCompiler(tokenizer.backend, model.args.vocab_size, tokenizer.eos_ids)
         self.draft: DraftModel | None = None  # speculation "draft_model": loaded by `load_draft`
+        # What plain and verify steps cost a token on this engine (`draft_gate.py`), where the policy asks
+        # for it: learnt across the generation batches it runs, one after another.
+        self.draft_gate = DraftGate() if options.draft_policy.gate else None
 
     @classmethod
     def load(cls, model: str, options: EngineOptions | None = None) -> Engine:

@@ -51,7 +51,6 @@ from mlxq.worker.engine.generate import (
 )
 from mlxq.worker.engine.memory_guard import is_out_of_memory, with_memory_retry
 from mlxq.worker.engine.sampler import Sampler
-from mlxq.worker.engine.speculation.draft_gate import DraftGate
 from mlxq.worker.engine.speculation.policy import RowSpeculation
 from mlxq.worker.engine.speculation.row_tokens import RowTokens
 from mlxq.worker.engine.token_logprobs import TokenLogprob
@@ -148,8 +147,6 @@ class GenerationBatch:
         self.steps = 0
         self._offers: list[tuple[list[int], list[KVCache]]] = []  # finished requests' caches (`settle`)
         self._ended: list[Finished] = []  # requests ended by a failed launch, for the next `step`
-        # what plain and verify steps cost here (`draft_gate.py`), where the policy asks for it
-        self.draft_gate = DraftGate() if engine.options.draft_policy.gate else None
         self._verified = 0  # tokens the last verify step gave (its rows' runs)
 
     def __len__(self) -> int:
@@ -458,7 +455,7 @@ class GenerationBatch:
     # --- decoding -----------------------------------------------------------------------------
 
     def _decode_step(self, finished: list[Finished], background: Callable[[], None] | None) -> None:
-        gate, rows = self.draft_gate, len(self.decoding)
+        gate, rows = self.engine.draft_gate, len(self.decoding)
         if gate is not None:
             gate.begin(rows)
         verify = self._speculating()
@@ -520,7 +517,7 @@ class GenerationBatch:
         if self.engine.options.speculation == "off" or self.decode.rows is None:
             return False
         n, any_depth = len(self.decoding), False
-        if self.draft_gate is not None and not self.draft_gate.allows(n):
+        if self.engine.draft_gate is not None and not self.engine.draft_gate.allows(n):
             for seq in self.decoding:  # drafting loses here now: a plain step (acceptances unchanged)
                 seq.depth = 0
             return False

@@ -1,10 +1,11 @@
-"""Whether drafting pays in this batch, judged by what its steps cost on this machine.
+"""Whether drafting pays, judged by what an engine's decode steps cost on this machine.
 
 The acceptance policy (`policy.py`) knows how often a row's drafts are kept, not what a verify step
 costs against a plain one: that depends on the device, the model, the number of rows and the drafter
 (a GPU's plain steps keep one step in flight and cost about their launch, a verify step is built,
 launched and read back before the next; a CPU's forward of k tokens costs k times one; a draft model
-costs a forward a drafted token). So a batch measures both kinds as it decodes: the seconds a step took
+costs a forward a drafted token). So the engine's generation batches measure both kinds as they decode
+(one gate an engine, learnt across its batches, one after another): the seconds a step took
 per token it gave (a plain step one token a row, a verify step each row's pending token and the drafts
 it kept), as exponentially weighted averages, kept per batch size (rows rounded up to a power of two:
 a 64-row step and a one-row step cost differently). Where verify steps give tokens more slowly than
@@ -50,7 +51,7 @@ class _SizeCosts:
 
 @dataclass
 class DraftGate:
-    """A batch's measured cost of plain and verify steps, and whether the next step may draft.
+    """An engine's measured cost of plain and verify steps, and whether the next step may draft.
 
     `smoothing`: weight of the latest step in each average; `min_samples`: verify steps measured before
     drafting is judged; `backoff`/`max_backoff`: the first and the longest pause (in steps) after
