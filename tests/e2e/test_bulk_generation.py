@@ -11,7 +11,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,14 +28,6 @@ from mlxq.producer import AsyncClient, Client
 from mlxq.worker.engine.generation_batch import generate
 
 REDIS_DB = 15  # the bulk tests' DB (the modules run one after the other; each flushes it)
-
-
-@pytest.fixture
-def worker(model_dir: Path, redis_url: str, tmp_path: Path) -> Iterator[WorkerProcess]:
-    w = WorkerProcess(model_dir, redis_url, tmp_path / "worker.log", "--queue", "default")
-    w.wait_ready()
-    yield w
-    w.stop()
 
 
 def test_rows_come_back_in_order_with_what_each_request_gives_alone(

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,14 +18,6 @@ from mlxq.producer import Client
 REDIS_DB = 15  # the bulk tests' DB (the modules run one after the other; each flushes it)
 
 CHAT = [{"role": "user", "content": "Name a city."}]
-
-
-@pytest.fixture
-def worker(model_dir: Path, redis_url: str, tmp_path: Path) -> Iterator[WorkerProcess]:
-    w = WorkerProcess(model_dir, redis_url, tmp_path / "worker.log", "--queue", "default")
-    w.wait_ready()
-    yield w
-    w.stop()
 
 
 def _line(custom_id: str, url: str, body: dict[str, Any]) -> dict[str, Any]:

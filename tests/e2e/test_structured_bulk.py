@@ -10,7 +10,6 @@ import json
 import re
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -52,14 +51,6 @@ CITY = {
     "additionalProperties": False,
 }
 CODE = r"[A-Z]{2}-[0-9]{3}"
-
-
-@pytest.fixture
-def worker(model_dir: Path, redis_url: str, tmp_path: Path) -> Iterator[WorkerProcess]:
-    w = WorkerProcess(model_dir, redis_url, tmp_path / "worker.log", "--queue", "default")
-    w.wait_ready()
-    yield w
-    w.stop()
 
 
 def _format(schema: dict[str, Any]) -> dict[str, Any]:

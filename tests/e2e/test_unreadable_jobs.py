@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -57,14 +57,6 @@ def _write_bad(conn: redis.Redis, job_id: str, fields: dict[str, str] | None, qu
 
 def _dead(conn: redis.Redis, queue: str = "default") -> dict[str, str]:
     return {f[b"job_id"].decode(): f[b"reason"].decode() for _, f in conn.xrange(keys.dead_letter_key(queue))}
-
-
-@pytest.fixture
-def worker(model_dir: Path, redis_url: str, tmp_path: Path) -> Iterator[WorkerProcess]:
-    w = WorkerProcess(model_dir, redis_url, tmp_path / "worker.log", "--queue", "default")
-    w.wait_ready()
-    yield w
-    w.stop()
 
 
 def test_unreadable_jobs_are_put_aside_with_a_reason_and_the_job_behind_them_runs(

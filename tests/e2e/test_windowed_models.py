@@ -4,7 +4,6 @@ result is what the engine computes for it alone in this process."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -37,14 +36,6 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Any:
         "max_position_embeddings": 4096,
     }
     return write_random_checkpoint(tmp_path_factory.mktemp("gemma3"), config, std=0.2)
-
-
-@pytest.fixture
-def worker(model_dir: Path, redis_url: str, tmp_path: Path) -> Iterator[WorkerProcess]:
-    w = WorkerProcess(model_dir, redis_url, tmp_path / "worker.log", "--queue", "default")
-    w.wait_ready()
-    yield w
-    w.stop()
 
 
 def test_generation_and_score_jobs_of_a_windowed_model(
