@@ -15,12 +15,14 @@ from pathlib import Path
 from typing import Any
 
 import jsonschema
+import mlx.core as mx
 import pytest
 
 from mlxq.jobs.errors import InvalidRequest
 from mlxq.jobs.schema import GenerateRequest, GenerateResult
 from mlxq.worker.engine import Engine, EngineOptions
 from mlxq.worker.engine.generation_batch import Finished, GenerationBatch, generate
+from mlxq.worker.engine.sampler import Sampler, SamplerRows
 from mlxq.worker.modelfiles.tiny_model import write_random_checkpoint
 
 pytest.importorskip("llguidance")
@@ -526,9 +528,10 @@ def test_a_draft_model_drafting_for_constrained_rows_leaves_their_answers_unchan
 
 def _both_orders(
     model_dir: Path, requests: list[GenerateRequest], join_every: int = 0, **options: Any
-) -> None:
+) -> list[GenerateResult]:
     """The requests in one batch with the draw built after the read-back and with it built before
-    (masks written in place): the same tokens, text, finish reasons and logprobs, row by row."""
+    (masks written in place): the same tokens, text, finish reasons and logprobs, row by row; returns
+    the results."""
     got = []
     for in_place in (False, True):
         engine = _engine(model_dir, prefix_cache_bytes=0, masks_in_place=in_place, **options)
@@ -542,6 +545,7 @@ def _both_orders(
             plain.finish_reason,
         )
         assert ahead.logprobs == plain.logprobs
+    return got[1]
 
 
 def _mixed(engine: Engine) -> list[GenerateRequest]:
@@ -556,7 +560,7 @@ def _mixed(engine: Engine) -> list[GenerateRequest]:
             continue
         fmt = [json_schema(PERSON), json_schema(SCORES), {"type": "regex", "regex": DATE}][i % 3 + (i % 2)]
         out.append(_request(prompt=f"Row {i}:", max_tokens=20 + 7 * i, response_format=fmt, **fields))
-    out[1] = out[1].model_copy(update={"stop": ['"', "3"]})
+    out[6] = out[6].model_copy(update={"stop": ['"age"']})  # cuts its object after the name
     out[4] = out[4].model_copy(update={"logprobs": 3, "temperature": 0.0})
     out[5] = out[5].model_copy(update={"logprobs": 2})
     return out
@@ -571,7 +575,9 @@ def test_masks_written_in_place_change_no_token(
     """Mixed constrained and free rows, greedy and seeded, stop strings and logprobs: all at once, and
     joining one every few steps while others leave (padded buffers and the launcher's thread, as on a
     GPU)."""
-    _both_orders(model_dir, _mixed(engine), join_every, pad_shapes=pad_shapes, decode_overlap=overlap)
+    got = _both_orders(model_dir, _mixed(engine), join_every, pad_shapes=pad_shapes, decode_overlap=overlap)
+    assert got[6].finish_reason == "stop" and got[6].text.startswith('{"name"'), got[6].text
+    assert got[4].logprobs and got[5].logprobs  # a constrained and a free row asked for them
 
 
 @pytest.mark.parametrize("overlap", [False, True])
@@ -632,3 +638,34 @@ def test_the_engine_checks_once_whether_masks_can_be_written_in_place(
         assert _engine(model_dir, masks_in_place=True).masks_in_place is True  # forced
     finally:
         mask_buffer.host_writes_seen.cache_clear()
+
+
+def test_a_draw_built_before_its_masks_draws_what_a_draw_built_after_them_does(engine: Engine) -> None:
+    """`SamplerRows` alone: a draw built with `masks_later`, then its rows taking the tokens before,
+    then the masks written, gives the tokens of a draw built with its masks; also after rows left
+    and joined as many (a free row where a constrained one was, and the other way round)."""
+    vocab = engine.model.args.vocab_size
+    formats = {"scores": json_schema(SCORES), "date": {"type": "regex", "regex": DATE}, "free": None}
+
+    def samplers(*kinds: str) -> list[Sampler]:
+        compile = engine.constraints.compile
+        fmt = {k: _request(prompt="x", response_format=f).response_format for k, f in formats.items()}
+        return [Sampler(vocab, temperature=0.0, constraint=compile(fmt[k])) for k in kinds]
+
+    plain = SamplerRows(samplers("scores", "free", "date"), vocab)
+    later = SamplerRows(samplers("scores", "free", "date"), vocab)
+    before: list[int] | None = None
+    for step in range(6):
+        if step == 3:  # the first row leaves and a free one joins: [free, date, free]
+            for rows in (plain, later):
+                rows.select([1, 2])
+                rows.extend(SamplerRows(samplers("free"), vocab))
+        logits = mx.random.normal((3, vocab), key=mx.random.key(step))
+        drawn_later = later.sample(logits, masks_later=True)
+        if before is not None:
+            plain.take(before)
+            later.take(before)
+        drawn = plain.sample(logits)
+        later.write_masks()
+        before = [int(t) for t in drawn.tolist()]
+        assert [int(t) for t in drawn_later.tolist()] == before, step
