@@ -23,7 +23,7 @@ import mlx.core as mx
 import redis
 from mlx.utils import tree_flatten
 
-from mlxq.worker.engine import Engine
+from mlxq.worker.engine import Engine, EngineOptions
 
 from . import (
     fig_batch,
@@ -109,6 +109,19 @@ def main(argv: list[str] | None = None) -> int:
     return run(args)
 
 
+def _masks_in_place() -> bool | None:
+    """`MLXQ_MASKS_IN_PLACE` as a worker reads it, so the structured figure can be taken both ways on
+    one machine; unset: the engine's own check."""
+    value = os.environ.get("MLXQ_MASKS_IN_PLACE", "").strip().lower()
+    if not value:
+        return None
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise SystemExit(f"MLXQ_MASKS_IN_PLACE must be true or false, got {value!r}")
+
+
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s %(message)s")
     sizes = SIZES[args.sizes]
@@ -135,11 +148,12 @@ def run(args: argparse.Namespace) -> int:
     workdir = Path(tempfile.mkdtemp(prefix="mlxq-bench-"))
 
     t_load = time.perf_counter()
-    engine = Engine.load(str(model_path))
+    engine = Engine.load(str(model_path), EngineOptions(masks_in_place=_masks_in_place()))
     dtype = next(v.dtype for _, v in tree_flatten(engine.model.parameters()))
     mlxlm = MlxLm.load(str(model_path), dtype)
     print(
-        f"loaded {model_path} ({dtype}) on {mx.default_device()} in {time.perf_counter() - t_load:.1f}s",
+        f"loaded {model_path} ({dtype}) on {mx.default_device()} in {time.perf_counter() - t_load:.1f}s"
+        f" (masks in place: {engine.masks_in_place})",
         flush=True,
     )
     conn = redis.Redis.from_url(args.redis_url)

@@ -18,8 +18,11 @@ reading a step's tokens back to the launch of the next draw and the forward it f
 device may wait on; "take" (the grammars), "draw" (the masks and the draw's graph), "forward" (its
 graph) and "launch" are its parts, "launch" being, with a launcher (a GPU), the wait for the forward
 before to be launched and the draw's own launch (the forward's launch runs on while the tokens are
-handled); "read" is the wait for the tokens (the device still computing). On the CPU `async_eval`
-returns only once much of the step is computed, so "launch" holds compute there.
+handled); "read" is the wait for the tokens (the device still computing). Where the masks are written
+in place (`worker/engine/mask_buffer.py`: the engine's check, or `MLXQ_MASKS_IN_PLACE`) the draw and
+the forward are built before the read-back: "built ahead" times that (off the critical path, it
+shortens "read"), "draw" is then the masks' writing and "forward" 0. On the CPU `async_eval` returns
+only once much of the step is computed, so "launch" holds compute there.
 """
 
 from __future__ import annotations

@@ -185,7 +185,7 @@ STRUCTURED: list[Column] = [
     ("vs unconstrained", _get("vs_unconstrained", digits=2)),
     ("all reps' decode tok/s", lambda _k, r: ", ".join(f"{x:,.0f}" for x in r["all_decode_tok_s"] if x)),
     ("tok/s (with prefill)", _get("tok_s", digits=0)),
-    ("host ms/step: critical (take, draw, forward, launch; read)", lambda _k, r: _host_ms(r)),
+    ("host ms/step: critical (take, draw, forward, launch; read; built ahead)", lambda _k, r: _host_ms(r)),
 ]
 
 
@@ -195,7 +195,7 @@ def _host_ms(r: dict[str, Any]) -> str:
     if not ms:
         return "-"
     parts = ", ".join(f"{ms[k]:.2f}" for k in ("take_ms", "draw_ms", "forward_ms", "launch_ms"))
-    return f"{ms['critical_ms']:.2f} ({parts}; {ms['read_ms']:.2f})"
+    return f"{ms['critical_ms']:.2f} ({parts}; {ms['read_ms']:.2f}; {ms.get('ahead_ms', 0.0):.2f})"
 
 
 LOGPROBS: list[Column] = [

@@ -75,6 +75,13 @@ class WorkerSettings(BaseSettings):
         description="launch decode steps on a second thread while the tokens before are handled, streams "
         "written and the next step built; unset: with MLX's CUDA build only",
     )
+    masks_in_place: bool | None = Field(
+        default=None,
+        description="a constrained batch (response_format) builds each step's draw and forward before "
+        "the step before's tokens are read back, and writes the grammars' masks into the draw's input "
+        "afterwards; needs the device to see what the host writes into its arrays' memory; unset: where "
+        "a check at start-up finds it does (the CPU build, Apple silicon)",
+    )
     dense_rows: int | None = Field(
         default=None,
         ge=0,

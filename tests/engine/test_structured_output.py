@@ -15,12 +15,14 @@ from pathlib import Path
 from typing import Any
 
 import jsonschema
+import mlx.core as mx
 import pytest
 
 from mlxq.jobs.errors import InvalidRequest
 from mlxq.jobs.schema import GenerateRequest, GenerateResult
 from mlxq.worker.engine import Engine, EngineOptions
 from mlxq.worker.engine.generation_batch import Finished, GenerationBatch, generate
+from mlxq.worker.engine.sampler import Sampler, SamplerRows
 from mlxq.worker.modelfiles.tiny_model import write_random_checkpoint
 
 pytest.importorskip("llguidance")
@@ -518,3 +520,152 @@ def test_a_draft_model_drafting_for_constrained_rows_leaves_their_answers_unchan
         assert (got[i].token_ids, got[i].finish_reason) == (plain[i].token_ids, plain[i].finish_reason), i
     _check_valid(spec, requests, got)
     assert sum(got[i].usage.accepted_tokens for i in (0, 2, 3, 4)) > 0
+
+
+# Masks written in place (`mask_buffer.py`): a constrained step's draw and forward built before its
+# tokens are read back. The tokens must be those of the plain order, whatever the batch does.
+
+
+def _both_orders(
+    model_dir: Path, requests: list[GenerateRequest], join_every: int = 0, **options: Any
+) -> list[GenerateResult]:
+    """The requests in one batch with the draw built after the read-back and with it built before
+    (masks written in place): the same tokens, text, finish reasons and logprobs, row by row; returns
+    the results."""
+    got = []
+    for in_place in (False, True):
+        engine = _engine(model_dir, prefix_cache_bytes=0, masks_in_place=in_place, **options)
+        assert engine.masks_in_place is in_place
+        got.append([_result(f) for f in _batch(engine, requests, join_every)])
+        engine.close()
+    for plain, ahead in zip(*got, strict=True):
+        assert (ahead.token_ids, ahead.text, ahead.finish_reason) == (
+            plain.token_ids,
+            plain.text,
+            plain.finish_reason,
+        )
+        assert ahead.logprobs == plain.logprobs
+    return got[1]
+
+
+def _mixed(engine: Engine) -> list[GenerateRequest]:
+    """Constrained rows (greedy, seeded, with filters and penalties, one with a stop string, one asking
+    logprobs) among free ones (one asking logprobs), of several lengths: rows leave at different steps."""
+    no_eos = {i: -100.0 for i in engine.tokenizer.eos_ids}
+    out = []
+    for i in range(9):
+        fields = _sampling(i)
+        if i % 3 == 2:
+            out.append(_request(prompt=f"Free {i}", max_tokens=12 + 5 * i, logit_bias=no_eos, **fields))
+            continue
+        fmt = [json_schema(PERSON), json_schema(SCORES), {"type": "regex", "regex": DATE}][i % 3 + (i % 2)]
+        out.append(_request(prompt=f"Row {i}:", max_tokens=20 + 7 * i, response_format=fmt, **fields))
+    out[6] = out[6].model_copy(update={"stop": ['"age"']})  # cuts its object after the name
+    out[4] = out[4].model_copy(update={"logprobs": 3, "temperature": 0.0})
+    out[5] = out[5].model_copy(update={"logprobs": 2})
+    return out
+
+
+@pytest.mark.parametrize(
+    ("pad_shapes", "overlap", "join_every"), [(False, False, 0), (True, True, 2), (False, False, 3)]
+)
+def test_masks_written_in_place_change_no_token(
+    engine: Engine, model_dir: Path, pad_shapes: bool, overlap: bool, join_every: int
+) -> None:
+    """Mixed constrained and free rows, greedy and seeded, stop strings and logprobs: all at once, and
+    joining one every few steps while others leave (padded buffers and the launcher's thread, as on a
+    GPU)."""
+    got = _both_orders(model_dir, _mixed(engine), join_every, pad_shapes=pad_shapes, decode_overlap=overlap)
+    assert got[6].finish_reason == "stop" and got[6].text.startswith('{"name"'), got[6].text
+    assert got[4].logprobs and got[5].logprobs  # a constrained and a free row asked for them
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_masks_written_in_place_with_verify_steps_change_no_token(
+    engine: Engine, model_dir: Path, overlap: bool
+) -> None:
+    """Constrained rows that draft (prompt lookup): verify steps between steps built ahead."""
+    from mlxq.worker.engine.speculation.policy import DraftPolicy
+
+    policy = DraftPolicy(min_acceptance=0.0, max_batch=64, only_likely=False)
+    requests = _spec_requests(engine)
+    _both_orders(
+        model_dir,
+        requests,
+        2,
+        speculation="prompt_lookup",
+        draft_policy=policy,
+        pad_shapes=overlap,
+        decode_overlap=overlap,
+    )
+
+
+def test_with_masks_in_place_the_forward_leaves_the_critical_path(model_dir: Path) -> None:
+    """Built before the read-back, the draw and the forward are timed apart (`ahead`); after the
+    read-back only the grammars, the masks' writing and the launch remain."""
+    requests = [_request(prompt="Scores:", max_tokens=40, response_format=json_schema(SCORES))] * 2
+    for in_place in (False, True):
+        engine = _engine(model_dir, prefix_cache_bytes=0, masks_in_place=in_place)
+        batch = GenerationBatch(engine, max_sequences=2)
+        for i, request in enumerate(requests):
+            batch.admit(str(i), request, lambda _text, _ids: None, lambda: False)
+        while len(batch):
+            batch.step()
+        batch.close()
+        times = batch.decode.critical.per_step_ms()
+        assert batch.decode.critical.steps > 0
+        if in_place:
+            assert times["ahead_ms"] > 0 and times["forward_ms"] == 0.0
+        else:
+            assert times["ahead_ms"] == 0.0 and times["forward_ms"] > 0
+
+
+def test_the_engine_checks_once_whether_masks_can_be_written_in_place(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Unset, the engine asks `host_writes_seen`: true where a graph built before a host write sees
+    it (this CPU build), and a failed or raising check falls back to the plain order."""
+    from mlxq.worker.engine import mask_buffer
+
+    mask_buffer.host_writes_seen.cache_clear()
+    try:
+        assert _engine(model_dir).masks_in_place is True
+        assert mask_buffer._check()
+        for broken in (lambda: False, lambda: 1 / 0):
+            mask_buffer.host_writes_seen.cache_clear()
+            monkeypatch.setattr(mask_buffer, "_check", broken)
+            assert _engine(model_dir).masks_in_place is False
+        assert _engine(model_dir, masks_in_place=True).masks_in_place is True  # forced
+    finally:
+        mask_buffer.host_writes_seen.cache_clear()
+
+
+def test_a_draw_built_before_its_masks_draws_what_a_draw_built_after_them_does(engine: Engine) -> None:
+    """`SamplerRows` alone: a draw built with `masks_later`, then its rows taking the tokens before,
+    then the masks written, gives the tokens of a draw built with its masks; also after rows left
+    and joined as many (a free row where a constrained one was, and the other way round)."""
+    vocab = engine.model.args.vocab_size
+    formats = {"scores": json_schema(SCORES), "date": {"type": "regex", "regex": DATE}, "free": None}
+
+    def samplers(*kinds: str) -> list[Sampler]:
+        compile = engine.constraints.compile
+        fmt = {k: _request(prompt="x", response_format=f).response_format for k, f in formats.items()}
+        return [Sampler(vocab, temperature=0.0, constraint=compile(fmt[k])) for k in kinds]
+
+    plain = SamplerRows(samplers("scores", "free", "date"), vocab)
+    later = SamplerRows(samplers("scores", "free", "date"), vocab)
+    before: list[int] | None = None
+    for step in range(6):
+        if step == 3:  # the first row leaves and a free one joins: [free, date, free]
+            for rows in (plain, later):
+                rows.select([1, 2])
+                rows.extend(SamplerRows(samplers("free"), vocab))
+        logits = mx.random.normal((3, vocab), key=mx.random.key(step))
+        drawn_later = later.sample(logits, masks_later=True)
+        if before is not None:
+            plain.take(before)
+            later.take(before)
+        drawn = plain.sample(logits)
+        later.write_masks()
+        before = [int(t) for t in drawn.tolist()]
+        assert [int(t) for t in drawn_later.tolist()] == before, step

@@ -3,7 +3,7 @@
 Owns the one place mlxq touches the constrained-decoding library (llguidance, the `structured`
 extra): `ConstraintCompiler` builds the library's tokenizer from the model's own `tokenizer.json`
 once per engine and compiles a request's JSON schema, regex or Lark grammar into a `Constraint`
-(its own matcher state); `fill_masks` writes the allowed-token bitmasks of a batch's constrained
+(its own matcher state); `fill_mask_rows` writes the allowed-token bitmasks of a batch's constrained
 rows, on the host, while the device runs a step. The sampler applies the masks (`sampler.py`); the
 decode batch decides when they are computed (`generate.py`). A constraint that cannot be compiled is
 the request's `InvalidRequest`, raised at admission, before any token.
@@ -67,7 +67,7 @@ class Constraint:
     def __init__(self, matcher: llguidance.LLMatcher, what: str, executor: llguidance.LLExecutor) -> None:
         self.matcher = matcher
         self.what = what  # e.g. "json_schema 'person'", for messages
-        self.executor = executor  # its engine's pool of mask threads (`fill_masks`)
+        self.executor = executor  # its engine's pool of mask threads (`fill_mask_rows`)
         self.error: ConstraintViolated | None = None
         self.taken = 0  # tokens taken
         self.stopped_at: int | None = None  # tokens taken when the grammar was complete
@@ -103,34 +103,36 @@ class Constraint:
             return 0
         return int(self.matcher.validate_tokens(list(tokens)))
 
-    def fill(self, out: np.ndarray) -> None:
-        """Write the allowed next tokens as a bitmask into `out` (int32 words, a row of a C array)."""
-        if self.error is None and not self.matcher.is_stopped():
-            self.matcher.unsafe_compute_mask_ptr(out.ctypes.data, out.size * out.itemsize)
-            if self.matcher.is_error():
-                self.error = ConstraintViolated(f"the {self.what} failed: {self.matcher.get_error()}")
-        if self.error is not None or self.matcher.is_stopped():
-            out[:] = -1  # nothing to constrain: the row ends before its next token is used
-
 
 def fill_masks(constraints: Sequence[Constraint], words: int) -> np.ndarray:
     """The allowed-token bitmasks of `constraints`, one row each: (len, `words`) int32, bit t of a
-    row set where its grammar allows token t. Several rows are computed in parallel on the library's
-    threads (it releases the GIL): on a GPU host a step of 64 rows lasts about as long as 64 masks
-    computed one after another would."""
+    row set where its grammar allows token t."""
     out = np.full((len(constraints), words), -1, dtype=np.int32)
-    live = [
-        (c.matcher, i) for i, c in enumerate(constraints) if c.error is None and not c.matcher.is_stopped()
-    ]
+    fill_mask_rows(out, list(enumerate(constraints)))
+    return out
+
+
+def fill_mask_rows(out: np.ndarray, rows: Sequence[tuple[int, Constraint]]) -> None:
+    """Write each constraint's allowed-token bitmask into its row of `out` ((batch, words) int32, C
+    order): bit t of row i set where row i's grammar allows token t; a row whose grammar is complete
+    or failed allows everything (it ends before its next token is used). Rows not listed are left as
+    they are. Several rows are computed in parallel on the library's threads (it releases the GIL):
+    on a GPU host a step of 64 rows lasts about as long as 64 masks computed one after another
+    would."""
+    live = [(c.matcher, i) for i, c in rows if c.error is None and not c.matcher.is_stopped()]
+    for i, c in rows:
+        if c.error is not None or c.matcher.is_stopped():
+            out[i] = -1
     if len(live) > 1:
-        executor = constraints[live[0][1]].executor
-        executor.unsafe_compute_mask_ptr(live, out.ctypes.data, words * 4, len(constraints))
+        executor = rows[0][1].executor
+        executor.unsafe_compute_mask_ptr(live, out.ctypes.data, out.shape[1] * 4, out.shape[0])
     elif live:
-        constraints[live[0][1]].fill(out[live[0][1]])
-    for c in constraints:
+        matcher, i = live[0]
+        matcher.unsafe_compute_mask_ptr(out[i].ctypes.data, out.shape[1] * 4)
+    for i, c in rows:
         if c.error is None and c.matcher.is_error():
             c.error = ConstraintViolated(f"the {c.what} failed: {c.matcher.get_error()}")
-    return out
+            out[i] = -1
 
 
 def fill_draft_masks(

@@ -48,6 +48,7 @@ from mlxq.worker.engine.generate import (
     pad_shapes_by_default,
 )
 from mlxq.worker.engine.launcher import Launcher
+from mlxq.worker.engine.mask_buffer import host_writes_seen
 from mlxq.worker.engine.memory_guard import with_memory_retry
 from mlxq.worker.engine.models.base import Model
 from mlxq.worker.engine.models.loader import default_dtype, load_model, parse_dtype, resolve_model_path
@@ -132,6 +133,7 @@ class EngineOptions:
     max_score_candidates: int = 26
     pad_shapes: bool | None = None  # None: on a GPU only (see `generate.padded_size`)
     decode_overlap: bool | None = None  # None: MLX's CUDA build only (`generate.overlap_by_default`)
+    masks_in_place: bool | None = None  # None: where the device sees host writes (`mask_buffer.py`)
     dense_rows: int | None = None  # quantized layers' dense copies from this many rows (`quantized_rows`)
     idle_prefill_tokens: int | None = None  # None: see `idle_prefill_by_default`
     score_kv_bytes: int | None = None  # score batches' prefix copies; None: `score_kv_by_default`
@@ -187,6 +189,14 @@ class Engine:
         overlap = options.decode_overlap
         self.decode_overlap = overlap_by_default() if overlap is None else overlap
         self._launcher: Launcher | None = launchers.acquire() if self.decode_overlap else None
+        # Whether a constrained step's draw and forward are built before its tokens are read back, the
+        # masks then written into the draw's input (`mask_buffer.py`): checked on this device once.
+        if options.masks_in_place is None:
+            if self._launcher is not None:
+                self._launcher.wait()  # the check evaluates on this thread's stream
+            self.masks_in_place = host_writes_seen()
+        else:
+            self.masks_in_place = options.masks_in_place
         # Structured output (`response_format`): the grammar library's tokenizer, built at first use.
         self.constraints = ConstraintCompiler(tokenizer.backend, model.args.vocab_size, tokenizer.eos_ids)
         self.draft: DraftModel | None = None  # speculation "draft_model": loaded by `load_draft`
@@ -215,13 +225,14 @@ class Engine:
             engine.load_draft(path)
         log.info(
             "model loaded path=%s arch=%s device=%s seconds=%.2f pad_shapes=%s decode_overlap=%s "
-            "idle_prefill_tokens=%d score_kv_bytes=%d",
+            "masks_in_place=%s idle_prefill_tokens=%d score_kv_bytes=%d",
             path,
             config["architectures"][0],
             mx.default_device(),
             time.perf_counter() - t0,
             engine.pad_shapes,
             engine.decode_overlap,
+            engine.masks_in_place,
             engine.idle_prefill_tokens,
             engine.score_kv_bytes,
         )

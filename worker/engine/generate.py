@@ -208,7 +208,12 @@ class DecodeBatch:
     the forward after it are launched together (with a launcher, one launch after the other), and the
     tokens are handled while that forward computes (`_step_ahead`). The cache then holds one token
     past those handled: a leaving row's cache is cut back to its own (`remove`), and the forward ahead
-    is dropped (its column trimmed) before rows join or a verify step."""
+    is dropped (its column trimmed) before rows join or a verify step.
+
+    With `masks_in_place` (where the backend lets the host write an evaluated array's memory:
+    `mask_buffer.host_writes_seen`) that draw and forward are built before the tokens are read back,
+    the draw reading the rows' mask buffer, and only the grammars' work and the launch follow the
+    read-back (`_step_ahead`)."""
 
     def __init__(
         self,
@@ -216,10 +221,12 @@ class DecodeBatch:
         pad_shapes: bool = False,
         ragged_kernel: bool | None = None,
         launcher: Launcher | None = None,
+        masks_in_place: bool = False,
     ) -> None:
         self.model = model
         self.pad_shapes = pad_shapes
         self.launcher = launcher
+        self.masks_in_place = masks_in_place
         self.ragged_kernel = ragged_attention.available() if ragged_kernel is None else ragged_kernel
         self._window = min((w for w in model.model.windows if w is not None), default=None)
         self.cache = [BatchKVCache() for _ in model.layers]
@@ -365,38 +372,61 @@ class DecodeBatch:
         for its token of this step; the forward that feeds that token does not: it was launched right
         after the draw (`_ahead`). So the tokens are read back while that forward computes (with a
         launcher, while it is still being launched), the grammars take them, and the next draw (their
-        masks) and the forward fed by it are built and launched; only then are the tokens handled and
+        masks) and the forward fed by it are launched; only then are the tokens handled and
         `meanwhile` run, while the device computes. Between the read-back and that launch the device
-        may wait on the host: that stretch is timed (`critical`). A batch whose constrained rows all
-        left draws from the forward ahead once more and is a free batch again."""
+        may wait on the host: that stretch is timed (`critical`). With `masks_in_place` the draw and
+        the forward are built before the read-back, while the device computes (the rows are those of
+        this step: rows join and leave between steps), and after it the masks are written into the
+        buffer the draw reads; else they are built after it, the masks computed as the draw is built.
+        A batch whose constrained rows all left draws from the forward ahead once more and is a free
+        batch again."""
         # rows join only through `add`/`start` (a fresh step follows, which launches the forward ahead)
         assert self.rows is not None and self._ahead is not None
-        clock = self.critical
-        began = time.perf_counter()
-        tokens = self._readable(pending)()  # with a launcher: the draw's own launch has ended
-        read = time.perf_counter()
+        clock, rows = self.critical, self.rows
+        read, logprobs = self._readable(pending), self._pending_logprobs
+        ahead = self.masks_in_place and rows.constrained
+        began = built = time.perf_counter()
+        if ahead:
+            following = self._draw(masks_later=True)
+            forward: mx.array | None = self._forward(following)
+            built = time.perf_counter()
+        tokens = read()  # with a launcher: the draw's own launch has ended
+        got = time.perf_counter()
         self._take(tokens)
-        self.logprobs = self._pending_logprobs.read(tokens)
+        self.logprobs = logprobs.read(tokens)
         taken = time.perf_counter()
-        following = self._pending = self.rows.sample(self._ahead)
-        self._pending_logprobs = PendingLogprobs()
-        self._pending_logprobs.reset(self.rows.logprobs, len(self.rows))
-        drawn = time.perf_counter()
-        self._ahead = self._forward(following) if self.rows.constrained else None
-        built = time.perf_counter()
-        self._launch(following, self._ahead)
+        if ahead:
+            rows.write_masks()
+            drawn = formed = time.perf_counter()
+        else:
+            following = self._draw(masks_later=False)
+            drawn = time.perf_counter()
+            forward = self._forward(following) if rows.constrained else None
+            formed = time.perf_counter()
+        self._pending, self._ahead = following, forward
+        self._launch(following, forward)
         launched = time.perf_counter()
         clock.steps += 1
-        clock.read_s += read - began
-        clock.take_s += taken - read
+        clock.ahead_s += built - began
+        clock.read_s += got - built
+        clock.take_s += taken - got
         clock.draw_s += drawn - taken
-        clock.forward_s += built - drawn
-        clock.launch_s += launched - built
-        clock.critical_s += launched - read
+        clock.forward_s += formed - drawn
+        clock.launch_s += launched - formed
+        clock.critical_s += launched - got
         result = handle(tokens)
         if meanwhile is not None:
             meanwhile()
         return result
+
+    def _draw(self, masks_later: bool) -> mx.array:
+        """Build the next draw from the forward ahead's logits, with its logprobs (`_pending_logprobs`
+        from now on); `masks_later`: see `SamplerRows.sample`."""
+        assert self.rows is not None and self._ahead is not None
+        following = self.rows.sample(self._ahead, masks_later=masks_later)
+        self._pending_logprobs = PendingLogprobs()
+        self._pending_logprobs.reset(self.rows.logprobs, len(self.rows))
+        return following
 
     def verify_with(
         self,

@@ -205,7 +205,12 @@ class GenerationBatch:
         return finished
 
     def _new_decode(self) -> DecodeBatch:
-        return DecodeBatch(self.engine.model, self.engine.pad_shapes, launcher=self.engine.launcher())
+        return DecodeBatch(
+            self.engine.model,
+            self.engine.pad_shapes,
+            launcher=self.engine.launcher(),
+            masks_in_place=self.engine.masks_in_place,
+        )
 
     def quiet(self) -> None:
         """Return once no decode step is being launched: call before evaluating MLX arrays on this thread

@@ -9,8 +9,10 @@ either way; a batch of 64 sampled rows costs one small graph per step, not 64.
 
 A sampler may carry a `Constraint` (structured output, `constraint.py`): its row's logits outside the
 tokens the grammar allows are masked with -inf after the penalties, before greedy or a draw. The
-masks are computed on the host as the draw is built (`SamplerRows.sample`), once every constrained
-row took its token of the step before (`SamplerRows.take`); rows without a constraint are untouched.
+masks are computed on the host once every constrained row took its token of the step before
+(`SamplerRows.take`): as the draw is built (`SamplerRows.sample`), or, where the draw was built
+before (`masks_later`, reading the rows' `MaskBuffer`), written into its memory before it is
+launched (`SamplerRows.write_masks`). Rows without a constraint are untouched.
 A verify step masks each position of a constrained row with its grammar after the drafts before it
 (`SamplerRows.cut` first drops the drafts the grammar does not allow).
 """
@@ -27,7 +29,8 @@ from typing import Protocol
 import mlx.core as mx
 import numpy as np
 
-from mlxq.worker.engine.constraint import Constraint, fill_draft_masks, fill_masks
+from mlxq.worker.engine.constraint import Constraint, fill_draft_masks, fill_mask_rows
+from mlxq.worker.engine.mask_buffer import MaskBuffer
 from mlxq.worker.engine.token_logprobs import StepLogprobs, step_logprobs
 
 _NEG_INF = float("-inf")
@@ -389,8 +392,13 @@ def _bit_columns(width: int) -> tuple[mx.array, mx.array]:
 
 def _allowed(masks: np.ndarray, width: int) -> mx.array:
     """Bitmasks (..., words) int32 as (..., `width`) bool: True where a token is allowed."""
+    return _allowed_bits(mx.array(masks.view(np.uint32)), width)
+
+
+def _allowed_bits(masks: mx.array, width: int) -> mx.array:
+    """Bitmasks (..., words) uint32 as (..., `width`) bool: True where a token is allowed."""
     word, bit = _bit_columns(width)
-    return ((mx.array(masks.view(np.uint32))[..., word] >> bit) & 1).astype(mx.bool_)
+    return ((masks[..., word] >> bit) & 1).astype(mx.bool_)
 
 
 def _column(values: Sequence[float], dtype: mx.Dtype) -> mx.array:
@@ -469,6 +477,7 @@ class SamplerRows:
         self._constrained = [i for i, s in enumerate(samplers) if s.constraint is not None]
         self._logprob_rows = [i for i, s in enumerate(samplers) if s.logprobs is not None]
         self.logprobs: StepLogprobs | None = None  # the last draw's, for the rows that asked (lazy)
+        self._mask_buffer: MaskBuffer | None = None  # these rows' masks, where drawn `masks_later`
 
     @property
     def constrained(self) -> bool:
@@ -485,17 +494,27 @@ class SamplerRows:
             assert c is not None
             c.take(tokens[i])
 
-    def _masked(self, x: mx.array) -> mx.array:
-        """`x` with the constrained rows' disallowed tokens at -inf, their masks computed now (a free
-        row's mask allows everything: one `where` for the batch, no scatter of rows)."""
-        constraints = [self.samplers[i].constraint for i in self._constrained]
-        words = _words(self.vocab_size)
-        masks = fill_masks([c for c in constraints if c is not None], words)
-        if len(self._constrained) < x.shape[0]:
-            every = np.full((x.shape[0], words), -1, dtype=np.int32)
-            every[self._constrained] = masks
-            masks = every
+    def _masked(self, x: mx.array, later: bool) -> mx.array:
+        """`x` with the constrained rows' disallowed tokens at -inf (a free row's mask allows
+        everything: one `where` for the batch, no scatter of rows): the masks computed now, or,
+        `later`, read from the rows' `MaskBuffer` when the draw is evaluated (`write_masks` first)."""
+        if later:
+            if self._mask_buffer is None:
+                self._mask_buffer = MaskBuffer(len(self.samplers), _words(self.vocab_size))
+            return mx.where(_allowed_bits(self._mask_buffer.array, x.shape[-1]), x, _NEG_INF)
+        masks = np.full((x.shape[0], _words(self.vocab_size)), -1, dtype=np.int32)
+        fill_mask_rows(masks, self._constrained_rows())
         return mx.where(_allowed(masks, x.shape[-1]), x, _NEG_INF)
+
+    def write_masks(self) -> None:
+        """Write the constrained rows' masks (after they took their tokens: `take`) into the buffer a
+        draw built with `masks_later` reads; call it before that draw is launched, once the draw
+        before it was read back (`mask_buffer.py` says why)."""
+        assert self._mask_buffer is not None, "no draw reads a mask buffer"
+        fill_mask_rows(self._mask_buffer.host, self._constrained_rows())
+
+    def _constrained_rows(self) -> list[tuple[int, Constraint]]:
+        return [(i, c) for i in self._constrained if (c := self.samplers[i].constraint) is not None]
 
     def cut(self, drafts: Sequence[Sequence[int]]) -> list[list[int]]:
         """Each row's draft tokens (one list per row), a constrained row's cut before the first its
@@ -613,8 +632,12 @@ class SamplerRows:
         for i in self._penalized:
             self.samplers[i].observe(tokens[i : i + 1])
 
-    def sample(self, logits: mx.array) -> mx.array:
-        """One token per row of (B, vocab) logits, shape (B,); lazy. Every sampler observes its token."""
+    def sample(self, logits: mx.array, masks_later: bool = False) -> mx.array:
+        """One token per row of (B, vocab) logits, shape (B,); lazy. Every sampler observes its token.
+
+        `masks_later`: the constrained rows' masks are not computed now but read from these rows'
+        `MaskBuffer` when the draw is evaluated: `write_masks` must write them before it is launched
+        (so the draw can be built before the tokens its masks follow are known)."""
         if len(self.samplers) != logits.shape[0]:
             raise ValueError(f"{len(self.samplers)} samplers for {logits.shape[0]} rows of logits")
         x = logits if self._bias is None else logits.astype(mx.float32) + self._bias
@@ -624,7 +647,7 @@ class SamplerRows:
             x = x.astype(mx.float32)  # exact; a penalized row's logits are float32 alone too
             x[index] = mx.concatenate(own)
         if self._constrained:
-            x = self._masked(x)
+            x = self._masked(x, masks_later)
         greedy = mx.argmax(x, axis=-1) if self._any_greedy else None
         if self._arrays is None:
             assert greedy is not None
