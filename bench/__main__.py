@@ -70,6 +70,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="comma-separated numbers of concurrent jobs for the batch figure, in place of the sizes' own",
     )
     p.add_argument(
+        "--batch-reps", type=int, help="repetitions of the batch and structured figures [the sizes']"
+    )
+    p.add_argument(
         "--speculation-jobs",
         help="comma-separated numbers of concurrent jobs for the speculation figure, in place of the "
         "sizes' own",
@@ -127,6 +130,8 @@ def run(args: argparse.Namespace) -> int:
     sizes = SIZES[args.sizes]
     if args.batch_jobs:
         sizes = dataclasses.replace(sizes, batch_jobs=tuple(int(n) for n in args.batch_jobs.split(",")))
+    if args.batch_reps:
+        sizes = dataclasses.replace(sizes, batch_reps=args.batch_reps)
     if args.speculation_jobs:
         jobs = tuple(int(n) for n in args.speculation_jobs.split(","))
         sizes = dataclasses.replace(sizes, speculation_jobs=jobs)
