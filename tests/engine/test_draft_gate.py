@@ -126,8 +126,33 @@ def test_a_step_that_gave_nothing_is_not_measured() -> None:
     assert gate.cost(2) == (None, None)
 
 
+def test_a_plain_step_slowed_once_does_not_make_drafting_look_cheap() -> None:
+    """The first plain step of a shape builds its kernels on a GPU (far dearer than a step), and plain
+    steps are rare where rows draft: plain steps are judged by their least cost, not an average."""
+    clock = Clock()
+    gate = DraftGate(clock=clock, min_samples=3, backoff=16)
+    _step(gate, clock, 8, "plain", 8, 2.0)  # a new shape's kernels
+    _step(gate, clock, 8, "plain", 8, 0.010)
+    # a verify step costs 4 plain ones and gives 2 tokens a row: drafting loses
+    kinds = _run(gate, clock, 8, 100, plain_s=0.010, verify_s=0.040, per_row=2)
+    assert kinds[:3] == ["verify"] * 3 and kinds[3:19] == ["plain"] * 16
+    assert gate.cost(8)[0] == pytest.approx(0.010 / 8)
+
+
+def test_plain_steps_are_measured_again_when_their_latest_sample_is_old() -> None:
+    """Drafting that pays keeps every step a verify step; now and then a few plain steps check the
+    comparison still holds (contexts grow, batch-mates change)."""
+    clock = Clock()
+    gate = DraftGate(clock=clock, min_samples=2, probe=2, refresh=50)
+    _step(gate, clock, 1, "plain", 1, 0.010)
+    kinds = _run(gate, clock, 1, 200, plain_s=0.010, verify_s=0.015, per_row=3)
+    plain_runs = [i for i, k in enumerate(kinds) if k == "plain"]
+    assert 3 * 2 <= len(plain_runs) <= 5 * 3  # a probe every ~50 steps, a few steps each
+    assert kinds.count("verify") > 180
+
+
 def test_bad_settings_are_refused() -> None:
-    with pytest.raises(ValueError, match="smoothing"):
-        DraftGate(smoothing=0.0)
+    with pytest.raises(ValueError, match="window"):
+        DraftGate(window=0)
     with pytest.raises(ValueError, match="backoff"):
         DraftGate(backoff=64, max_backoff=32)
