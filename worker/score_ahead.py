@@ -14,8 +14,9 @@ the engine's scoring (prompt log-probabilities decode tokens), and its backend's
 (`Tokenizer._encode_split`) is state that two threads must not flip under each other.
 
 Nothing is taken ahead when a queue served before this one has jobs waiting (RQ's dequeue would take
-those first), and the batch taken ahead is the last before RQ's dequeue when the claim passed over a
-queued job (`claim_batch`), so no job waits behind an endless run of score batches.
+those first) or workers are suspended (`rq suspend`: RQ's loop takes no job then), and the batch taken
+ahead is the last before RQ's dequeue when the claim passed over a queued job (`claim_batch`), so no
+job waits behind an endless run of score batches.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from rq import Queue
+from rq.suspension import WORKERS_SUSPENDED
 
 from mlxq.worker.job_deadline import JobDeadline
 from mlxq.worker.job_host import JobHost
@@ -66,7 +68,7 @@ class ScoreAhead:
 
     def _take(self, queue: Queue, watch: JobWatch) -> Taken:
         try:
-            if self._served_first_waiting(queue):
+            if self._stand_back(queue):
                 return Taken()
             with self.phases.timed("claim", aside=True):
                 jobs, passed_over = self.claimer.claim_batch(queue)
@@ -81,16 +83,13 @@ class ScoreAhead:
         watch.add(runs)
         return Taken(runs, deadlines, last=passed_over)
 
-    def _served_first_waiting(self, queue: Queue) -> bool:
-        """Whether a queue the worker serves before `queue` has jobs waiting."""
-        before = []
+    def _stand_back(self, queue: Queue) -> bool:
+        """Whether workers are suspended or a queue the worker serves before `queue` has jobs waiting
+        (one round trip)."""
+        pipe = queue.connection.pipeline(transaction=False)
+        pipe.exists(WORKERS_SUSPENDED)
         for q in self.host.queues:
             if q.name == queue.name:
                 break
-            before.append(q)
-        if not before:
-            return False
-        pipe = queue.connection.pipeline(transaction=False)
-        for q in before:
             pipe.llen(q.key)
         return any(pipe.execute())

@@ -16,6 +16,7 @@ from rq import Queue
 from rq.job import Job
 from rq.results import Result
 from rq.serializers import JSONSerializer
+from rq.suspension import resume, suspend
 
 from mlxq.jobs import keys
 from mlxq.producer import Client
@@ -180,7 +181,9 @@ class _Host:
         self.queues = queues
 
 
-def test_nothing_is_claimed_ahead_while_a_queue_served_first_has_jobs(redis_conn: redis.Redis) -> None:
+def test_nothing_is_claimed_ahead_while_a_queue_served_first_has_jobs_or_workers_are_suspended(
+    redis_conn: redis.Redis,
+) -> None:
     high, low = (Queue(name, connection=redis_conn, serializer=JSONSerializer) for name in ("high", "low"))
     for _ in range(3):
         low.enqueue_call(keys.SCORE_FUNC, args=({"rows": [{"prompt": "a", "candidates": ["b"]}]},))
@@ -197,4 +200,8 @@ def test_nothing_is_claimed_ahead_while_a_queue_served_first_has_jobs(redis_conn
         ahead.close()
     assert taken.runs == [] and taken.last
     assert low.count == 3 and high.count == 1  # nothing moved
-    assert not ahead._served_first_waiting(high)  # the first queue has none before it
+    assert not ahead._stand_back(high)  # the first queue has none before it
+    suspend(redis_conn)
+    assert ahead._stand_back(high)
+    resume(redis_conn)
+    assert not ahead._stand_back(high)
