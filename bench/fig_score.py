@@ -262,6 +262,14 @@ def queue_overhead(b: Bench) -> dict[str, Any]:
     maker = PromptMaker(Tokenizer.from_dir(b.tiny_path), seed=5)
     passes = [
         ("batched (default)", s.queue_jobs, {}, False),
+        # The same batches in turn (claim, start, run, end; RQ's dequeue between batches): the A/B of
+        # the score pipeline in one run.
+        (
+            "batched, score pipeline off (MLXQ_SCORE_PIPELINE=0)",
+            s.queue_jobs,
+            {"MLXQ_SCORE_PIPELINE": "0"},
+            False,
+        ),
         (
             "one job at a time (MLXQ_SCORE_BATCH_ROWS=0)",
             s.queue_jobs_unbatched,
