@@ -205,3 +205,38 @@ def test_nothing_is_claimed_ahead_while_a_queue_served_first_has_jobs_or_workers
     assert ahead._stand_back(high)
     resume(redis_conn)
     assert not ahead._stand_back(high)
+
+
+def test_a_stop_that_breaks_off_a_batch_fails_the_batch_taken_ahead_and_leaves_nothing_claimed(
+    model_dir: Path, redis_url: str, redis_conn: redis.Redis, client: Client
+) -> None:
+    """A stop that raises out of the running batch (RQ's cold stop, SystemExit): the batch taken beside it is
+    failed with the reason, not left started; the broken-off batch is left to abandoned-job recovery,
+    as RQ leaves a job its worker stopped inside; the rest stay queued; nothing sits claimed."""
+    engine = Engine.load(str(model_dir), EngineOptions())
+    real = engine.score_many
+    calls = [0]
+
+    def score_many(jobs: Any, interrupt: Any = None) -> Any:
+        calls[0] += 1
+        if calls[0] == 2:  # the second batch: by now the third was taken beside it
+            raise SystemExit("cold stop")
+        return real(jobs, interrupt)
+
+    engine.score_many = score_many  # type: ignore[method-assign]
+    ids = [client.submit_score(_rows(i)).id for i in range(6 * BATCH_JOBS)]
+    with pytest.raises(SystemExit):
+        _work(model_dir, redis_url, engine, pipeline=True)
+
+    statuses = [Job.fetch(j, connection=redis_conn, serializer=JSONSerializer).get_status() for j in ids]
+    batches = [statuses[k : k + BATCH_JOBS] for k in range(0, len(ids), BATCH_JOBS)]
+    assert batches[0] == ["finished"] * BATCH_JOBS
+    assert batches[1] == ["started"] * BATCH_JOBS  # broken off: recovered when its heartbeat lapses
+    assert batches[2] == ["failed"] * BATCH_JOBS  # taken ahead, never scored: failed with the reason
+    assert all(s == "queued" for b in batches[3:] for s in b)
+    for job_id in ids[2 * BATCH_JOBS : 3 * BATCH_JOBS]:
+        job = Job.fetch(job_id, connection=redis_conn, serializer=JSONSerializer)
+        assert "SystemExit: cold stop" in (job.latest_result().exc_string or "")  # type: ignore[union-attr]
+        assert _ended_state(redis_conn, job_id)["events"] == ["error"]
+    records = _queue_records(redis_conn)
+    assert (records["queued"], records["started"], records["intermediate"]) == (3 * BATCH_JOBS, BATCH_JOBS, 0)
