@@ -66,6 +66,11 @@ _KNOWN: dict[str, tuple[str, str, str]] = {
         "counter",
         "time score batches' claim, start and end spent on helper threads, beside the batches",
     ),
+    "score_aside_cpu_s": (
+        "mlxq_score_aside_cpu_seconds",
+        "counter",
+        "CPU time of the claim, start and end score batches did on helper threads",
+    ),
     "score_waited_s": (
         "mlxq_score_waited_seconds",
         "counter",

@@ -17,7 +17,9 @@ the batch, off the main thread). What the main thread spent waiting for them (th
 taken when this one was done, the finalizer's last ends before the worker goes back to RQ) is `waited`:
 `aside - waited` is how much of the claim, start and end was hidden behind the batches' own work
 (the stats fields `score_aside_s` and `score_waited_s`, shown by `mlxq status` and the `queue`
-benchmark).
+benchmark). Hidden is not free: the helper threads share the interpreter lock with the batch, so the
+CPU time of the work aside (`aside_cpu`, the threads' own CPU clock) is what it can still take from
+the batch's path, where `aside - aside_cpu` was spent waiting on Redis.
 
 Which of these dominates decides what to tune: the queue's round trips
 (more rows per job, more workers) or the model (a larger batch, a faster device). `ScoreJobs` times each
@@ -31,7 +33,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from time import perf_counter
+from time import perf_counter, thread_time
 
 from mlxq.jobs.keys import SCORE_PHASES as PHASES
 
@@ -39,14 +41,19 @@ from mlxq.jobs.keys import SCORE_PHASES as PHASES
 class ScorePhases:
     """Seconds spent in each phase of score batches since the worker started, and how many batches,
     jobs and rows went through; of the claim, start and end, the seconds spent on helper threads beside
-    the batches (`aside`) and those the main thread waited for them (`waited`). Phases may be timed
+    the batches (`aside`, and the CPU time of it, `aside_cpu`) and those the main thread waited for
+    them (`waited`). Phases may be timed
     from the batch's helper threads: the sums are added under a lock."""
 
-    def __init__(self, clock: Callable[[], float] = perf_counter) -> None:
+    def __init__(
+        self, clock: Callable[[], float] = perf_counter, cpu_clock: Callable[[], float] = thread_time
+    ) -> None:
         self._clock = clock
+        self._cpu_clock = cpu_clock  # the calling thread's CPU time
         self._lock = threading.Lock()
         self.seconds = dict.fromkeys(PHASES, 0.0)
         self.aside = 0.0
+        self.aside_cpu = 0.0
         self.waited = 0.0
         self.batches = 0
         self.jobs = 0
@@ -58,15 +65,17 @@ class ScorePhases:
         `aside`: the block runs on a helper thread beside a batch, its time counts in `aside` too."""
         if phase not in self.seconds:
             raise ValueError(f"unknown score phase {phase!r}; phases: {', '.join(PHASES)}")
-        started = self._clock()
+        started, cpu = self._clock(), self._cpu_clock() if aside else 0.0
         try:
             yield
         finally:
             spent = self._clock() - started
+            cpu = self._cpu_clock() - cpu if aside else 0.0
             with self._lock:
                 self.seconds[phase] += spent
                 if aside:
                     self.aside += spent
+                    self.aside_cpu += cpu
 
     @contextmanager
     def waiting(self) -> Iterator[None]:
@@ -100,7 +109,7 @@ class ScorePhases:
 
     def fields(self) -> dict[str, str]:
         """The worker stats hash's score fields (docs/operations.md): counts, seconds per phase, and
-        seconds aside and waited for."""
+        seconds aside (and their CPU time) and waited for."""
         with self._lock:
             if not self.batches:
                 return {}
@@ -110,5 +119,11 @@ class ScorePhases:
                 "score_rows": str(self.rows),
             }
             out.update({f"score_{phase}_s": f"{s:.6f}" for phase, s in self.seconds.items()})
-            out.update({"score_aside_s": f"{self.aside:.6f}", "score_waited_s": f"{self.waited:.6f}"})
+            out.update(
+                {
+                    "score_aside_s": f"{self.aside:.6f}",
+                    "score_aside_cpu_s": f"{self.aside_cpu:.6f}",
+                    "score_waited_s": f"{self.waited:.6f}",
+                }
+            )
             return out
