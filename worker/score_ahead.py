@@ -1,15 +1,15 @@
 """Taking the next score batch on a helper thread while the current one runs (`ScoreJobs`' pipeline).
 
-A score batch of one-row jobs spends as much host time in Redis round trips and RQ's records (claiming
-the queued jobs, starting them in RQ) as in the model. While one batch is tokenized, scored and written
-on the main thread, this thread claims the next batch from the same queue (`ScoreClaimer.claim_batch`)
-and starts it in RQ at once (`JobHost.start`: status `started`, the started registry with its
-heartbeat TTL, the execution record), then hands its runs to the batch's `JobWatch`, which keeps their
-heartbeats and polls their cancel keys while they wait. So a job is never held claimed but not started
-beyond the one script call that starts it (were the worker killed between the two, the job sits in
-RQ's intermediate list, where maintenance puts it back at the head of its queue,
-`MlxqWorker._requeue_stuck`); once started, a killed worker's job is found when its heartbeat lapses,
-as any running job is (`Maintenance`). Tokenizing stays on the main thread: the tokenizer is shared with
+Much of a batch of one-row score jobs' host time goes to the queue's work (claiming the queued jobs,
+starting them in RQ, ending them), none of which needs the model. While one batch is tokenized, scored
+and written on the main thread, this thread claims the next batch from the same queue
+(`ScoreClaimer.claim_batch`) and starts it in RQ at once (`JobHost.start`: status `started`, the started
+registry with its heartbeat TTL, the execution record), then hands its runs to the batch's `JobWatch`,
+which keeps their heartbeats and polls their cancel keys while they wait. So a job is never held claimed
+but not started beyond the one script call that starts it (were the worker killed between the two, the
+job sits in RQ's intermediate list, where maintenance puts it back at the head of its queue,
+`MlxqWorker._requeue_stuck`); once started, a killed worker's job is found when its heartbeat lapses, as
+any running job is (`Maintenance`). Tokenizing stays on the main thread: the tokenizer is shared with
 the engine's scoring (prompt log-probabilities decode tokens), and its backend's special-token switch
 (`Tokenizer._encode_split`) is state that two threads must not flip under each other.
 
