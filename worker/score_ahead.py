@@ -6,12 +6,13 @@ and written on the main thread, this thread claims the next batch from the same 
 (`ScoreClaimer.claim_batch`) and starts it in RQ at once (`JobHost.start`: status `started`, the started
 registry with its heartbeat TTL, the execution record), then hands its runs to the batch's `JobWatch`,
 which keeps their heartbeats and polls their cancel keys while they wait. So a job is never held claimed
-but not started beyond the one script call that starts it (were the worker killed between the two, the
-job sits in RQ's intermediate list, where maintenance puts it back at the head of its queue,
-`MlxqWorker._requeue_stuck`); once started, a killed worker's job is found when its heartbeat lapses, as
-any running job is (`Maintenance`). Tokenizing stays on the main thread: the tokenizer is shared with
-the engine's scoring (prompt log-probabilities decode tokens), and its backend's special-token switch
-(`Tokenizer._encode_split`) is state that two threads must not flip under each other.
+but not started longer than from its claim to the start script's call right after it (were the worker
+killed between the two, the job sits in RQ's intermediate list, where maintenance puts it back at the
+head of its queue, `MlxqWorker._requeue_stuck`); once started, a killed worker's job is found when its
+heartbeat lapses, as any running job is (`Maintenance`). Tokenizing stays on the main thread: the
+tokenizer is shared with the engine's scoring (prompt log-probabilities decode tokens), and its
+backend's special-token switch (`Tokenizer._encode_split`) is state that two threads must not flip under
+each other.
 
 Nothing is taken ahead when a queue served before this one has jobs waiting (RQ's dequeue would take
 those first) or workers are suspended (`rq suspend`: RQ's loop takes no job then), and the batch taken
