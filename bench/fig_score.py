@@ -262,6 +262,14 @@ def queue_overhead(b: Bench) -> dict[str, Any]:
     maker = PromptMaker(Tokenizer.from_dir(b.tiny_path), seed=5)
     passes = [
         ("batched (default)", s.queue_jobs, {}, False),
+        # The same batches in turn (claim, start, run, end; RQ's dequeue between batches): the A/B of
+        # the score pipeline in one run.
+        (
+            "batched, score pipeline off (MLXQ_SCORE_PIPELINE=0)",
+            s.queue_jobs,
+            {"MLXQ_SCORE_PIPELINE": "0"},
+            False,
+        ),
         (
             "one job at a time (MLXQ_SCORE_BATCH_ROWS=0)",
             s.queue_jobs_unbatched,
@@ -338,4 +346,18 @@ def _phase_ms(stats: dict[str, str]) -> dict[str, float]:
     batches = int(stats.get("score_batches", 0))
     if not batches:
         return {}
-    return {phase: 1000 * float(stats.get(f"score_{phase}_s", 0.0)) / batches for phase in SCORE_PHASES}
+    ms = {phase: 1000 * float(stats.get(f"score_{phase}_s", 0.0)) / batches for phase in SCORE_PHASES}
+    # The overlapped view: claim, start and end done on helper threads, their CPU time (what they can
+    # still take from the batch: the interpreter lock is shared), and how much was hidden (not waited
+    # for by the batches).
+    aside = 1000 * float(stats.get("score_aside_s", 0.0)) / batches
+    waited = 1000 * float(stats.get("score_waited_s", 0.0)) / batches
+    aside_cpu = 1000 * float(stats.get("score_aside_cpu_s", 0.0)) / batches
+    ms.update(
+        {
+            "aside (claim, start, end)": aside,
+            "CPU of aside (thread time)": aside_cpu,
+            "hidden of aside": max(aside - waited, 0.0),
+        }
+    )
+    return ms

@@ -61,6 +61,9 @@ class WorkerHealth:
     score_jobs: int | None = None
     score_rows: int | None = None
     score_phase_s: dict[str, float] = field(default_factory=dict)  # seconds in each phase, all batches
+    score_aside_s: float | None = None  # of claim, start and end: seconds on helper threads
+    score_aside_cpu_s: float | None = None  # the CPU time of those seconds
+    score_waited_s: float | None = None  # seconds the batches waited for that work
     draft_tokens: int | None = None
     accepted_tokens: int | None = None
 
@@ -108,6 +111,9 @@ class WorkerHealth:
                 for phase in keys.SCORE_PHASES
                 if (seconds := _float(stats.get(f"score_{phase}_s"))) is not None
             },
+            score_aside_s=_float(stats.get("score_aside_s")),
+            score_aside_cpu_s=_float(stats.get("score_aside_cpu_s")),
+            score_waited_s=_float(stats.get("score_waited_s")),
             draft_tokens=num("draft_tokens"),
             accepted_tokens=num("accepted_tokens"),
         )
@@ -311,6 +317,13 @@ def _health_lines(h: WorkerHealth) -> list[str]:
             f"score batches: {h.score_batches} ({h.score_jobs or 0} jobs, {h.score_rows or 0} rows)  "
             f"ms a batch: {per_batch}"
         )
+        if h.score_aside_s:
+            hidden = max(h.score_aside_s - (h.score_waited_s or 0.0), 0.0)
+            lines.append(
+                f"score overlap: {1000 * h.score_aside_s / h.score_batches:.2f} ms a batch of claim, start "
+                f"and end beside the batches ({1000 * (h.score_aside_cpu_s or 0.0) / h.score_batches:.2f} "
+                f"CPU), {1000 * hidden / h.score_batches:.2f} hidden ({hidden / h.score_aside_s:.0%})"
+            )
     if h.memory_active_bytes is not None:
         lines.append(
             f"memory: active {human_bytes(h.memory_active_bytes)}, "

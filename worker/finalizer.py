@@ -1,4 +1,4 @@
-"""RQ's end of the jobs a generation batch finished, on a thread beside the decode loop.
+"""RQ's end of the jobs a batch finished, on a thread beside the batch's own work.
 
 A generation batch writes each finished job's result key and `done` event itself, in one transaction
 per step (`stream_writer.finish_streams`): that is what readers wait on. RQ's own bookkeeping after it
@@ -8,9 +8,10 @@ ends the jobs handed over since it last woke in one go (`RqBatches.succeed_many`
 all of them in one transaction, a job failed with the reason if its end fails), so RQ's
 status of a job follows its result key by a few milliseconds, as documented. `close()` waits until
 every job handed over has ended; a batch closes it before it returns to RQ's loop, so RQ never
-sees a job of a finished batch still running. No job here has an RQ callback to run (RQ runs them
-under a signal-based timeout, which only the main thread can set): the allowlist refuses jobs that
-name one.
+sees a job of a finished batch still running. Score batches hand over each batch's finished jobs
+together (`submit_many`), so that RQ's end of one batch overlaps the next batch. No job here has an
+RQ callback to run (RQ runs them under a signal-based timeout, which only the main thread can set):
+the allowlist refuses jobs that name one.
 """
 
 from __future__ import annotations
@@ -33,14 +34,20 @@ class Finalizer:
 
     def __init__(self, end: Callable[[list[Ended]], None]) -> None:
         self._end = end
-        self._jobs: queue.Queue[Ended | None] = queue.Queue()
+        self._jobs: queue.Queue[list[Ended] | None] = queue.Queue()
         self._thread: threading.Thread | None = None
 
     def submit(self, run: Run, return_value: Any) -> None:
+        self.submit_many([(run, return_value)])
+
+    def submit_many(self, ended: list[Ended]) -> None:
+        """Hand over jobs that end together (the thread never wakes between them)."""
+        if not ended:
+            return
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="mlxq-finalizer", daemon=True)
             self._thread.start()
-        self._jobs.put((run, return_value))
+        self._jobs.put(list(ended))
 
     def close(self) -> None:
         """Wait until every job handed over has ended (finished, or failed with the reason), then stop
@@ -56,7 +63,7 @@ class Finalizer:
             batch: list[Ended] = []
             item = self._jobs.get()
             while item is not None:
-                batch.append(item)
+                batch.extend(item)
                 try:
                     item = self._jobs.get_nowait()
                 except queue.Empty:

@@ -61,6 +61,21 @@ _KNOWN: dict[str, tuple[str, str, str]] = {
         f"score_{phase}_s": (f"mlxq_score_{phase}_seconds", "counter", f"time score batches spent in {phase}")
         for phase in keys.SCORE_PHASES
     },
+    "score_aside_s": (
+        "mlxq_score_aside_seconds",
+        "counter",
+        "time score batches' claim, start and end spent on helper threads, beside the batches",
+    ),
+    "score_aside_cpu_s": (
+        "mlxq_score_aside_cpu_seconds",
+        "counter",
+        "CPU time of the claim, start and end score batches did on helper threads",
+    ),
+    "score_waited_s": (
+        "mlxq_score_waited_seconds",
+        "counter",
+        "time score batches waited for their claim, start and end done beside them",
+    ),
 }
 _INFO_FIELDS = ("device", "queues", "model_path", "version", "mlx_version")
 

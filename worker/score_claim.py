@@ -49,6 +49,16 @@ class ScoreClaimer:
             log.info("score batch claimed=%d rows=%d", len(jobs), pick.rows)
         return jobs
 
+    def claim_batch(self, queue: Queue) -> tuple[list[Job], bool]:
+        """A whole next batch claimed from `queue` (no job handed over by RQ in it), and whether a queued
+        job was passed over for a later one (a generation job, a score job over the row budget): then
+        the worker goes back to RQ's dequeue, which takes the queue in order, before claiming again."""
+        pick = ScorePicker(self.budget)
+        jobs = self.claimer.claim(queue, pick, limit=pick.jobs_left)
+        if jobs:
+            log.info("score batch claimed ahead=%d rows=%d", len(jobs), pick.rows)
+        return jobs, pick.passed_over
+
 
 class ScorePicker:
     """Says yes to well-formed score jobs while the batch's row and job budget allows (a `pick`)."""
@@ -57,6 +67,8 @@ class ScorePicker:
         self.budget = budget
         self.rows = rows_taken
         self.jobs = jobs_taken
+        self.passed_over = False  # a job was refused and a later one taken
+        self._refused = False
 
     @property
     def jobs_left(self) -> int:
@@ -65,7 +77,9 @@ class ScorePicker:
     def __call__(self, queued: QueuedJob) -> bool:
         n = score_rows(queued)
         if n is None or self.rows + n > self.budget.max_rows or self.jobs_left <= 0:
+            self._refused = True
             return False
         self.rows += n
         self.jobs += 1
+        self.passed_over = self.passed_over or self._refused
         return True

@@ -3,8 +3,12 @@
 RQ hands the worker one score job; this claims more queued score jobs up to a row budget
 (`ScoreClaimer`), starts them together, tokenizes every job's rows together, puts all rows in one prefix
 tree (the engine computes each shared prefix once, across jobs) and ends each job on its own: a bad job
-fails alone, its batch-mates go on. A generation batch hands over the score jobs it claims between two
-decode steps (`score_between_steps`). With no claimer (`MLXQ_SCORE_BATCH_ROWS=0`) a job is a batch of one.
+fails alone, its batch-mates go on. Pipelined (`MLXQ_SCORE_PIPELINE`, on by default), the next batch is
+claimed and started on a helper thread while one runs (`score_ahead.py`) and RQ's end of a batch is done
+on the finalizer's thread (`finalizer.py`), so that the queue's round trips overlap the model's work and
+batches follow one another without RQ's dequeue between them. A generation batch hands over the score
+jobs it claims between two decode steps (`score_between_steps`). With no claimer
+(`MLXQ_SCORE_BATCH_ROWS=0`) a job is a batch of one.
 """
 
 from __future__ import annotations
@@ -22,11 +26,13 @@ from mlxq.jobs import MAX_NESTING_DEPTH, parse_score
 from mlxq.jobs.errors import InvalidRequest
 from mlxq.jobs.schema import ScoreRequest, ScoreResult
 from mlxq.worker.engine.engine import PreparedRow
+from mlxq.worker.finalizer import Finalizer
 from mlxq.worker.job_deadline import JobDeadline
 from mlxq.worker.job_host import JobHost
 from mlxq.worker.job_results import JobResults
 from mlxq.worker.job_watch import JobWatch
-from mlxq.worker.rq_batches import Run
+from mlxq.worker.rq_batches import Ended, Run
+from mlxq.worker.score_ahead import ScoreAhead, Taken
 from mlxq.worker.score_claim import ClaimBudget, ScoreClaimer
 from mlxq.worker.score_phases import ScorePhases
 from mlxq.worker.stream_writer import REDIS_TRANSIENT
@@ -61,11 +67,13 @@ class ScoreJobs:
         results: JobResults,
         claimer: ScoreClaimer | None,
         max_depth: int = MAX_NESTING_DEPTH,
+        pipelined: bool = True,
     ) -> None:
         self.engine = engine
         self.host = host
         self.results = results
         self.claimer = claimer
+        self.pipelined = pipelined  # the next batch taken beside this one, RQ's end on a thread
         self.max_depth = max_depth  # a request's nesting, checked before it is validated
         self.phases = ScorePhases()  # where batches spend their time, for the worker's stats
 
@@ -75,7 +83,10 @@ class ScoreJobs:
         return self.claimer.budget if self.claimer is not None else None
 
     def run(self, first: Job, queue: Queue) -> None:
-        """Score `first` together with the score jobs claimed from its queue; each job ends on its own."""
+        """Score `first` together with the score jobs claimed from its queue; each job ends on its own.
+        Pipelined (the default with a claimer), the next batch is claimed and started beside this one
+        (`ScoreAhead`) and RQ's end of each batch goes to the finalizer's thread (`Finalizer`): batches
+        follow one another without RQ's dequeue between them while score jobs are queued."""
         claimed: list[Job] = []
         if self.claimer is not None:
             try:
@@ -85,8 +96,44 @@ class ScoreJobs:
                 log.warning("score batch could not claim jobs error=%s", e)
         with self.phases.timed("start"):
             runs = self.host.start([first, *claimed], queue)
-        with self.host.watching(runs):
-            self.score(runs)
+        if self.claimer is None or not self.pipelined:
+            with self.host.watching(runs):
+                self.score(runs)
+            return
+        self._run_pipelined(Taken(runs, {}, last=False), queue, self.claimer)
+
+    def _run_pipelined(self, taken: Taken, queue: Queue, claimer: ScoreClaimer) -> None:
+        """Score batch after batch: while one is scored, the next is taken (claimed and started) on the
+        helper thread. A stop request (warm shutdown) takes nothing more; what was taken is scored.
+        Whatever stops the loop otherwise fails the jobs taken ahead and not scored, as RQ fails the
+        job it ran. RQ's end of every batch is done before this returns to RQ's loop."""
+        ahead = ScoreAhead(self.host, claimer, self.phases)
+        finalizer = Finalizer(self._end_aside)
+        with self.host.watching(taken.runs) as watch:
+            try:
+                while taken.runs:
+                    batch = taken
+                    taken = Taken()
+                    following = None
+                    if not batch.last and not self.host.stopping():
+                        following = ahead.take(queue, watch)
+                    try:
+                        self.score(batch.runs, batch.deadlines, watch, finalizer)
+                    finally:
+                        if following is not None:
+                            with self.phases.waiting():
+                                taken = following.result()
+                    self.host.housekeeping()
+                    self.host.progress(0)  # the worker's stats (and score phases), now and then
+            except BaseException as e:
+                for run in taken.runs:
+                    watch.remove(run.job.id)
+                    self.host.batches.fail_with(run, e)
+                raise
+            finally:
+                ahead.close()
+                with self.phases.waiting():
+                    finalizer.close()  # every job scored here has ended through RQ too
 
     def score_between_steps(self, jobs: list[Job], queue: Queue, watch: JobWatch) -> None:
         """Score jobs a generation batch claimed, watched by that batch's watch while they run."""
@@ -99,11 +146,25 @@ class ScoreJobs:
             for run in runs:
                 watch.remove(run.job.id)
 
-    def score(self, runs: list[Run]) -> None:
-        """Score started jobs together; each one ends (finished or failed) through RQ. Each job's
-        deadline runs from here: tokenizing its rows counts, and it is checked before every forward."""
-        batches = self.host.batches
-        deadlines = {run.job.id: JobDeadline.of(run.job) for run in runs}
+    def score(
+        self,
+        runs: list[Run],
+        deadlines: dict[str, JobDeadline] | None = None,
+        watch: JobWatch | None = None,
+        finalizer: Finalizer | None = None,
+    ) -> None:
+        """Score started jobs together; each one ends (finished or failed) through RQ, and leaves `watch`
+        when it does. Each job's deadline runs from its start (`deadlines`, where it was taken ahead)
+        or from here: tokenizing its rows counts, and it is checked before every forward. With a
+        `finalizer`, RQ's end of the finished jobs is done on its thread, after their results and
+        `done` events are written here."""
+        deadlines = {run.job.id: (deadlines or {}).get(run.job.id) or JobDeadline.of(run.job) for run in runs}
+
+        def fail(run: Run, exc_info: Any) -> None:
+            if watch is not None:
+                watch.remove(run.job.id)
+            self.host.batches.fail(run, exc_info)
+
         ready: list[tuple[Run, Prepared]] = []
         with self.phases.timed("tokenize"):
             prepared = self._prepare(runs)
@@ -111,13 +172,13 @@ class ScoreJobs:
             if not isinstance(rows, Exception) and deadlines[run.job.id].passed():
                 rows = deadlines[run.job.id].exceeded()
             if isinstance(rows, Exception):  # a bad job fails alone; its batch-mates go on
-                batches.fail_with(run, rows)
+                fail(run, (type(rows), rows, rows.__traceback__))
             else:
                 ready.append((run, rows))
         if not ready:
             return
         with self.phases.timed("score"), self.phases.parts(self.engine.score_seconds):
-            results, timed_out = self._score_together(ready, deadlines)
+            results, timed_out = self._score_together(ready, deadlines, fail)
             scored: list[tuple[Run, ScoreResult]] = []
             for i, (run, rows) in enumerate(ready):
                 if i in timed_out:
@@ -128,20 +189,35 @@ class ScoreJobs:
                         result = self.engine.score_many([rows], deadlines[run.job.id].check)[0]
                     scored.append((run, result))
                 except Exception:
-                    batches.fail(run, sys.exc_info())
+                    fail(run, sys.exc_info())
         try:  # every job's result and `done` in one go; a failed write fails them all (RQ may retry)
             with self.phases.timed("write"):
                 self.results.finish_scores([(run.job, result) for run, result in scored])
         except Exception:
             for run, _ in scored:
-                batches.fail(run, sys.exc_info())
+                fail(run, sys.exc_info())
             return
-        with self.phases.timed("end"):
-            batches.succeed_many([(run, result.model_dump(mode="json")) for run, result in scored])
+        ended = [(run, result.model_dump(mode="json")) for run, result in scored]
+        if watch is not None:
+            for run, _ in ended:
+                watch.remove(run.job.id)  # no heartbeat may write its started entry back once it ends
+        if finalizer is not None:
+            finalizer.submit_many(ended)
+        else:
+            with self.phases.timed("end"):
+                self.host.batches.succeed_many(ended)
         self.phases.batch_done(len(scored), sum(_rows_of(run.job) for run, _ in scored))
 
+    def _end_aside(self, ended: list[Ended]) -> None:
+        """RQ's end of finished jobs, on the finalizer's thread."""
+        with self.phases.timed("end", aside=True):
+            self.host.batches.succeed_many(ended)
+
     def _score_together(
-        self, ready: list[tuple[Run, Prepared]], deadlines: dict[str, JobDeadline]
+        self,
+        ready: list[tuple[Run, Prepared]],
+        deadlines: dict[str, JobDeadline],
+        fail: Callable[[Run, Any], None],
     ) -> tuple[dict[int, ScoreResult], set[int]]:
         """Score the jobs in one batch: their results by index in `ready`, and the indices of jobs that
         failed because their deadline passed meanwhile (each fails alone; the others are scored again
@@ -162,7 +238,7 @@ class ScoreJobs:
             try:
                 done = self.engine.score_many([ready[i][1] for i in left], interrupt)
             except _PastDeadline as past:
-                self.host.batches.fail_with(ready[past.index][0], past.error)
+                fail(ready[past.index][0], (type(past.error), past.error, past.error.__traceback__))
                 left.remove(past.index)
                 timed_out.add(past.index)
                 continue

@@ -144,7 +144,9 @@ class WorkerService:
         if settings.score_batch_rows > 0:
             budget = ClaimBudget(max_rows=settings.score_batch_rows, max_jobs=settings.score_batch_jobs)
             score_claimer = ScoreClaimer(conn, worker.serializer, budget, worker.dead_letters)
-        scores = ScoreJobs(engine, worker, results, score_claimer, settings.max_nesting_depth)
+        scores = ScoreJobs(
+            engine, worker, results, score_claimer, settings.max_nesting_depth, settings.score_pipeline
+        )
         options = BatchOptions(
             max_sequences=settings.max_batch_sequences,
             kv_budget_bytes=(

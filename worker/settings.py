@@ -37,6 +37,11 @@ class WorkerSettings(BaseSettings):
         default=256, ge=0, description="rows of queued score jobs per batch; 0: one job"
     )
     score_batch_jobs: int = Field(default=64, ge=1)
+    score_pipeline: bool = Field(
+        default=True,
+        description="claim and start the next score batch while one runs, RQ's end of a batch on a "
+        "thread; off: each batch claimed, run and ended in turn, back to RQ's dequeue after it",
+    )
     max_batch_sequences: int = Field(
         default=8,
         ge=1,

@@ -40,6 +40,26 @@ def test_each_phase_adds_its_time_also_when_it_raises() -> None:
         pass
 
 
+def test_work_done_aside_counts_in_its_phase_and_aside_and_what_was_waited_for_apart() -> None:
+    now, cpu = [0.0], [0.0]
+    phases = ScorePhases(clock=lambda: now[0], cpu_clock=lambda: cpu[0])
+    with phases.timed("claim", aside=True):
+        now[0] += 0.25
+        cpu[0] += 0.125  # the rest of it waited on Redis
+    with phases.timed("claim"):  # the first batch's claim, on the main thread
+        now[0] += 0.125
+    with phases.timed("end", aside=True):
+        now[0] += 0.5
+        cpu[0] += 0.25
+    with phases.waiting():
+        now[0] += 0.0625
+    phases.batch_done(jobs=2, rows=2)
+    fields = phases.fields()
+    assert (fields["score_claim_s"], fields["score_end_s"]) == ("0.375000", "0.500000")
+    assert (fields["score_aside_s"], fields["score_waited_s"]) == ("0.750000", "0.062500")
+    assert fields["score_aside_cpu_s"] == "0.375000"
+
+
 def test_a_workers_score_batches_are_timed_in_its_stats_and_status(
     model_dir: Path, redis_url: str, client: Client
 ) -> None:
@@ -70,6 +90,13 @@ def test_a_workers_score_batches_are_timed_in_its_stats_and_status(
     line = next(line for line in _health_lines(health) if line.startswith("score batches"))
     assert line.startswith("score batches: 1 (3 jobs, 6 rows)  ms a batch: claim ")
     assert all(f" {phase} " in f" {line} " for phase in SCORE_PHASES)
+    # Pipelined (the default): the claim ahead (it found the queue empty) and RQ's end ran aside.
+    aside, waited = float(stats["score_aside_s"]), float(stats["score_waited_s"])
+    assert aside > 0 and waited >= 0 and (health.score_aside_s, health.score_waited_s) == (aside, waited)
+    overlap = next(line for line in _health_lines(health) if line.startswith("score overlap"))
+    assert overlap.startswith(f"score overlap: {1000 * aside:.2f} ms a batch of claim, start and end")
+    assert f"({1000 * float(stats['score_aside_cpu_s']):.2f} CPU)" in overlap
+    assert f"{1000 * max(aside - waited, 0):.2f} hidden" in overlap
 
 
 @pytest.mark.parametrize("sync", [False, True])
