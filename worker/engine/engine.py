@@ -63,7 +63,14 @@ from mlxq.worker.engine.scoring import (
     candidate_token_ids,
     score_kv_by_default,
 )
-from mlxq.worker.engine.speculation.draft_model import DraftMismatch, DraftModel, draft_folder
+from mlxq.worker.engine.speculation import dflash  # noqa: F401  # registers the DFlash draft kind
+from mlxq.worker.engine.speculation.draft_model import (
+    DraftMismatch,
+    DraftSource,
+    DraftTarget,
+    draft_folder,
+    load_draft,
+)
 from mlxq.worker.engine.speculation.policy import DraftPolicy, RowSpeculation
 from mlxq.worker.engine.speculation.prompt_lookup import PromptLookup
 from mlxq.worker.engine.text.detokenizer import IncrementalDetokenizer
@@ -188,7 +195,7 @@ class Engine:
         self._launcher: Launcher | None = launchers.acquire() if self.decode_overlap else None
         # Structured output (`response_format`): the grammar library's tokenizer, built at first use.
         self.constraints = ConstraintCompiler(tokenizer.backend, model.args.vocab_size, tokenizer.eos_ids)
-        self.draft: DraftModel | None = None  # speculation "draft_model": loaded by `load_draft`
+        self.draft: DraftSource | None = None  # speculation "draft_model": loaded by `load_draft`
 
     @classmethod
     def load(cls, model: str, options: EngineOptions | None = None) -> Engine:
@@ -606,8 +613,16 @@ class Engine:
                 f"speculation draft_model needs a draft model: a draft/ folder in {target} or a folder "
                 "named by MLXQ_DRAFT_MODEL"
             )
-        self.draft = DraftModel.load(folder, self.tokenizer, self.options.dtype, self.options.prefill_chunk)
-        log.info("draft model loaded path=%s", folder)
+        bound = DraftTarget(self.model, self.tokenizer, self.options.dtype, self.options.prefill_chunk)
+        self.draft = load_draft(folder, bound)
+        log.info("draft model loaded path=%s kind=%s", folder, type(self.draft).__name__)
+
+    @property
+    def draft_taps(self) -> tuple[int, ...]:
+        """The target layers whose outputs this worker's drafters read (a DFlash draft's; `DecodeBatch`)."""
+        if self.options.speculation != "draft_model" or self.draft is None:
+            return ()
+        return self.draft.taps
 
     def speculation_for(self, request: GenerateRequest, sampler: Sampler) -> RowSpeculation | None:
         """A request's drafter and its depth cap, or None where it decodes plainly: speculation off on
@@ -630,6 +645,8 @@ class Engine:
         if kind == "draft_model":
             if self.draft is None:
                 raise ValueError("speculation draft_model: the engine has no draft model (`load_draft`)")
+            if self.draft.max_depth is not None:  # a DFlash block holds so many drafts
+                cap = min(cap, self.draft.max_depth)
             return RowSpeculation(self.draft.drafter(), policy, cap)
         raise ValueError(f"unknown speculation kind {kind!r}: expected one of {list(SPECULATION_KINDS)}")
 
