@@ -4,7 +4,12 @@ The same chat prompts run in the engine's `GenerationBatch` (in this process, no
 per way of decoding:
 - plain: no drafting;
 - prompt lookup: drafts copied from the job's own text (`MLXQ_SPECULATION=prompt_lookup`);
-- 4-bit draft: the model's own 4-bit copy drafts (`draft_model`; skipped for an already quantized model).
+- 4-bit draft: the model's own 4-bit copy drafts (`draft_model`; skipped for an already quantized model);
+- DFlash (random): a DFlash draft with random weights (`speculation/dflash.py`, 5 layers, blocks of 16)
+  drafts at every step (the policy never turns it down; the draft computes a whole block each time,
+  the row verifies as many of its drafts as its acceptance allows): no trained DFlash weights exist for the models
+  benchmarked, so its drafts are hardly ever kept and its row shows what the machinery costs (the
+  target's tapped layers, a draft forward per row and step, verify steps), never what DFlash gains.
 Each at N jobs at once (`Sizes.speculation_jobs`), on two kinds of prompt: copy-heavy (edit this code,
 extract these fields, answer quoting the passage: the answer repeats long runs of the prompt) and open
 prose (a story: nothing to copy). The policy's thresholds are the worker's defaults except that every
@@ -80,13 +85,22 @@ def speculation(b: Bench) -> dict[str, Any]:
     draft = _draft_copy(b)
     if draft is not None:
         modes["4-bit draft"] = _engine(b, "draft_model", str(draft))
+    dflash = _dflash_draft(b)
+    if dflash is not None:
+        always = DraftPolicy(max_batch=1 << 20, min_acceptance=0.0)
+        modes["DFlash (random)"] = _engine(b, "draft_model", str(dflash), always)
     rows: dict[str, Any] = {}
     try:
         for kind, prompts in (("copy-heavy", COPY_HEAVY), ("prose", PROSE)):
             for n in s.speculation_jobs:
                 payloads = [_payload(b, prompts[i % len(prompts)], s.speculation_tokens) for i in range(n)]
-                # the draft model drafts row by row: beyond one job it only shows its known cost
-                taking = {m: e for m, e in modes.items() if m != "4-bit draft" or n == 1}
+                # the draft model drafts row by row: beyond one job it only shows its known cost;
+                # a DFlash draft too (a forward per row and step): up to 8 jobs
+                taking = {
+                    m: e
+                    for m, e in modes.items()
+                    if (m != "4-bit draft" or n == 1) and (m != "DFlash (random)" or n <= 8)
+                }
                 runs = _rotating(taking, payloads, s.speculation_reps)
                 plain_tok_s = median([r["tok_s"] for r in runs["plain"]])
                 for mode, rs in runs.items():
@@ -113,8 +127,9 @@ def speculation(b: Bench) -> dict[str, Any]:
         for mode, engine in modes.items():
             if mode != "plain":
                 engine.close()
-        if draft is not None:
-            shutil.rmtree(draft.parent, ignore_errors=True)
+        for folder in (draft, dflash):
+            if folder is not None:
+                shutil.rmtree(folder.parent, ignore_errors=True)
     return {"max_tokens": s.speculation_tokens, "reps": s.speculation_reps, "rows": rows}
 
 
@@ -136,9 +151,10 @@ def _rotating(modes: dict[str, Engine], payloads: list[dict[str, Any]], reps: in
     return runs
 
 
-def _engine(b: Bench, kind: str, draft: str | None = None) -> Engine:
+def _engine(b: Bench, kind: str, draft: str | None = None, policy: DraftPolicy | None = None) -> Engine:
     """The bench engine's model with speculation of `kind` (a second engine sharing its weights)."""
-    policy = DraftPolicy(max_batch=1 << 20)  # drafting at every batch size: the table shows its cost
+    # drafting at every batch size by default: the table shows its cost
+    policy = policy or DraftPolicy(max_batch=1 << 20)
     options = dataclasses.replace(b.engine.options, speculation=kind, draft_model=draft, draft_policy=policy)
     engine = Engine(b.engine.model, b.engine.tokenizer, b.engine.config, b.engine.name, options)
     if kind == "draft_model":
@@ -158,6 +174,19 @@ def _draft_copy(b: Bench) -> Path | None:
     model, config = load_model(src)
     save_quantized(model, config, out, bits=4, group_size=32, copy_from=src)
     return out
+
+
+def _dflash_draft(b: Bench) -> Path | None:
+    """A random-weight DFlash draft for the model in a scratch folder (its dtype), or None for a model
+    too shallow for a 5-layer draft's taps."""
+    from mlxq.worker.engine.models.loader import load_config
+    from mlxq.worker.engine.speculation.dflash import write_random_draft
+
+    config = load_config(Path(b.model_path))
+    if int(config.get("num_hidden_layers", 0)) < 8:
+        return None
+    out = b.workdir / "dflash-random" / "draft"
+    return write_random_draft(out, config, dtype=b.engine.model.model.norm.weight.dtype)
 
 
 def _payload(b: Bench, prompt: str, max_tokens: int) -> dict[str, Any]:

@@ -30,7 +30,12 @@ from mlxq.worker.engine import Engine, EngineOptions
 from mlxq.worker.engine.errors import CheckpointError
 from mlxq.worker.engine.generation_batch import Finished, GenerationBatch
 from mlxq.worker.engine.models.loader import load_model
-from mlxq.worker.engine.speculation.dflash import DFlashDraft, DFlashDrafter, default_target_layers
+from mlxq.worker.engine.speculation.dflash import (
+    DFlashDraft,
+    DFlashDrafter,
+    default_target_layers,
+    write_random_draft,
+)
 from mlxq.worker.engine.speculation.draft_model import DraftMismatch, DraftTarget, load_draft
 from mlxq.worker.engine.speculation.policy import DraftPolicy
 from mlxq.worker.engine.text.tokenizer import Tokenizer
@@ -88,9 +93,15 @@ def target(tmp_path_factory: pytest.TempPathFactory) -> Path:
     )
 
 
-@pytest.fixture(scope="module")
-def draft(target: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return _write_draft(tmp_path_factory.mktemp("draft"), target)
+@pytest.fixture(scope="module", params=["package", "mlxq"])
+def draft(target: Path, tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> Path:
+    """A random DFlash draft written by the package's classes, or by mlxq's `write_random_draft` (the
+    benchmark's: the package reads it as its own)."""
+    out = tmp_path_factory.mktemp(f"draft-{request.param}")
+    if request.param == "package":
+        return _write_draft(out, target)
+    config = json.loads((target / "config.json").read_text())
+    return write_random_draft(out, config, layers=2, block_size=BLOCK, seed=3, target_layers=TAPS, std=0.2)
 
 
 @pytest.fixture(scope="module")

@@ -631,7 +631,8 @@ class Engine:
         exact), or a row that reports logprobs (they are taken at a step's first position only): such
         rows take plain steps. A constrained row drafts: its drafts are checked against its grammar
         (`DecodeBatch.verify_with`). Prompt lookup's cap may exceed `max_depth` (`max_run`: its drafts
-        cost no forward); a draft model's may not."""
+        cost no forward), and so may a DFlash draft's, up to its block (a proposal costs one forward of
+        the draft whatever its length); a draft model's may not."""
         kind = self.options.speculation
         policy = self.options.draft_policy
         # prompt lookup's drafts cost no forward: a copied run may grow past max_depth (DraftPolicy.max_run)
@@ -645,8 +646,10 @@ class Engine:
         if kind == "draft_model":
             if self.draft is None:
                 raise ValueError("speculation draft_model: the engine has no draft model (`load_draft`)")
-            if self.draft.max_depth is not None:  # a DFlash block holds so many drafts
-                cap = min(cap, self.draft.max_depth)
+            if self.draft.max_depth is not None:  # a DFlash block: one forward, up to its size
+                cap = min(max(policy.max_depth, policy.max_run), self.draft.max_depth)
+                if request.max_draft_tokens is not None:
+                    cap = min(cap, request.max_draft_tokens)
             return RowSpeculation(self.draft.drafter(), policy, cap)
         raise ValueError(f"unknown speculation kind {kind!r}: expected one of {list(SPECULATION_KINDS)}")
 

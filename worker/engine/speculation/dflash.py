@@ -29,6 +29,7 @@ convolutions and candidate selector, taps of the target's last layer.
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -37,6 +38,7 @@ from typing import Any, cast
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten
 
 from mlxq.worker.engine.cache.kv_cache import KVCache
 from mlxq.worker.engine.errors import CheckpointError
@@ -380,6 +382,65 @@ class DFlashDrafter:
     def _forget(self, n: int) -> None:
         for c in self.cache:
             c.trim(n)
+
+
+def write_random_draft(
+    out: Path,
+    target_config: dict[str, Any],
+    layers: int = 5,
+    block_size: int = 16,
+    seed: int = 0,
+    dtype: mx.Dtype = mx.float32,
+    target_layers: Sequence[int] | None = None,
+    std: float = 0.02,
+) -> Path:
+    """A DFlash draft with random weights for the target whose config.json is `target_config`, written
+    to `out` as the package writes one (a Qwen3 config.json with `num_target_layers` and
+    `dflash_config`, its weights under the package's names): its drafts are noise, so it shows what
+    the machinery costs (a benchmark's), never what DFlash gains. `layers` draft layers read
+    `target_layers` (default: the package's choice, as many as the draft has layers); weights are
+    normal with `std`, norms one; the mask token is the vocabulary's last id."""
+    target_args = llama.ModelArgs.from_dict(target_config)
+    n_target = target_args.num_hidden_layers
+    taps = list(target_layers) if target_layers is not None else default_target_layers(n_target, layers)
+    if any(not 0 <= i < n_target - 1 for i in taps):
+        raise ValueError(f"a target of {n_target} layers is too shallow for a {layers}-layer DFlash draft")
+    config = {
+        "architectures": [ARCHITECTURE],
+        "model_type": "qwen3",
+        "hidden_size": target_args.hidden_size,
+        "intermediate_size": target_args.intermediate_size,
+        "num_hidden_layers": layers,
+        "num_attention_heads": target_args.num_attention_heads,
+        "num_key_value_heads": target_args.n_kv_heads,
+        "head_dim": target_args.head_dim,
+        "vocab_size": target_args.vocab_size,
+        "max_position_embeddings": target_args.max_position_embeddings,
+        "rms_norm_eps": target_args.rms_norm_eps,
+        "rope_theta": target_args.rope_theta,
+        "rope_scaling": target_args.rope_scaling,
+        "tie_word_embeddings": False,
+        "num_target_layers": n_target,
+        "dflash_config": {
+            "target_layer_ids": taps,
+            "mask_token_id": target_args.vocab_size - 1,
+            "block_size": block_size,
+        },
+    }
+    model = DFlashModel(DFlashConfig.from_dict(config))
+    key = mx.random.key(seed)
+    weights: dict[str, mx.array] = {}
+    params: dict[str, mx.array] = dict(tree_flatten(model.parameters()))  # type: ignore[no-untyped-call]
+    for name, value in params.items():
+        key, draw = mx.random.split(key)
+        if name.endswith("norm.weight"):
+            weights[name] = mx.ones(value.shape, dtype)
+        else:
+            weights[name] = (std * mx.random.normal(value.shape, key=draw)).astype(dtype)
+    out.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    return out
 
 
 register_draft(ARCHITECTURE, DFlashDraft.load)
