@@ -7,9 +7,10 @@ per way of decoding:
 - 4-bit draft: the model's own 4-bit copy drafts (`draft_model`; skipped for an already quantized model);
 - DFlash (random): a DFlash draft with random weights (`speculation/dflash.py`, 5 layers, blocks of 16)
   drafts at every step (the policy never turns it down; the draft computes a whole block each time,
-  the row verifies as many of its drafts as its acceptance allows): no trained DFlash weights exist for the models
-  benchmarked, so its drafts are hardly ever kept and its row shows what the machinery costs (the
-  target's tapped layers, a draft forward per row and step, verify steps), never what DFlash gains.
+  the row verifies as many of its drafts as its acceptance allows): no trained DFlash weights exist
+  for the models benchmarked, so its drafts are hardly ever kept and its row shows what the machinery
+  costs (the target's tapped layers, a draft forward per row and step, verify steps), never what
+  DFlash gains.
 Each at N jobs at once (`Sizes.speculation_jobs`), on two kinds of prompt: copy-heavy (edit this code,
 extract these fields, answer quoting the passage: the answer repeats long runs of the prompt) and open
 prose (a story: nothing to copy). The policy's thresholds are the worker's defaults except that every
