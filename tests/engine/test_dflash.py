@@ -234,9 +234,8 @@ def _close_engines() -> Iterator[None]:
 
 
 def _engine(model: Path, **options: Any) -> Engine:
-    engine = Engine.load(
-        str(model), EngineOptions(prefill_chunk=16, prefix_cache_bytes=0, dtype="float32", **options)
-    )
+    settings: dict[str, Any] = {"prefill_chunk": 16, "prefix_cache_bytes": 0, "dtype": "float32", **options}
+    engine = Engine.load(str(model), EngineOptions(**settings))
     _made.append(engine)
     return engine
 
@@ -287,9 +286,11 @@ def test_greedy_generation_with_the_dflash_drafter_is_plain_decodings_alone_and_
     requests = _greedy(plain)
     spec = _drafting(agreeing)  # the draft/ folder beside the target
     assert spec.draft_taps == tuple(TAPS)
-    for rows in (1, 3):
+    # with the prefix cache, prompts prefill from cached prefixes (the drafter's context still whole)
+    cached = _drafting(agreeing, prefix_cache_bytes=1 << 26)
+    for rows, engine in ((1, spec), (3, spec), (3, cached)):
         expected = _run(plain, requests, max_sequences=rows)
-        got = _run(spec, requests, max_sequences=rows)
+        got = _run(engine, requests, max_sequences=rows)
         for a, b in zip(expected, got, strict=True):
             assert (a.token_ids, a.text, a.finish_reason) == (b.token_ids, b.text, b.finish_reason)
         drafted = sum(r.usage.draft_tokens for r in got)
