@@ -71,6 +71,7 @@ from mlxq.worker.engine.speculation.draft_model import (
     draft_folder,
     load_draft,
 )
+from mlxq.worker.engine.speculation.mtp import MtpDraft
 from mlxq.worker.engine.speculation.policy import DraftPolicy, RowSpeculation
 from mlxq.worker.engine.speculation.prompt_lookup import PromptLookup
 from mlxq.worker.engine.text.detokenizer import IncrementalDetokenizer
@@ -124,8 +125,9 @@ class LogprobSink(Protocol):
     def logprobs(self, items: list[GeneratedLogprob]) -> None: ...
 
 
-# Drafters a worker may decode with (`EngineOptions.speculation`); draft models, MTP and DFlash go here.
-SPECULATION_KINDS = ("off", "prompt_lookup", "draft_model")
+# Drafters a worker may decode with (`EngineOptions.speculation`): "draft_model" covers every draft
+# folder kind (a causal LM, DFlash); "mtp" is the target checkpoint's own MTP layer.
+SPECULATION_KINDS = ("off", "prompt_lookup", "draft_model", "mtp")
 
 
 @dataclass(frozen=True)
@@ -216,6 +218,9 @@ class Engine:
         engine = cls(net, tokenizer, config, Path(model).name if Path(model).exists() else model, options)
         if options.speculation == "draft_model":
             engine.load_draft(path)
+        elif options.speculation == "mtp":
+            engine.draft = MtpDraft.load(path, engine.model, options.prefill_chunk)
+            log.info("MTP layer loaded path=%s", path)
         log.info(
             "model loaded path=%s arch=%s device=%s seconds=%.2f pad_shapes=%s decode_overlap=%s "
             "idle_prefill_tokens=%d score_kv_bytes=%d",
@@ -620,7 +625,7 @@ class Engine:
     @property
     def draft_taps(self) -> tuple[int, ...]:
         """The target layers whose outputs this worker's drafters read (a DFlash draft's; `DecodeBatch`)."""
-        if self.options.speculation != "draft_model" or self.draft is None:
+        if self.options.speculation not in ("draft_model", "mtp") or self.draft is None:
             return ()
         return self.draft.taps
 
@@ -643,9 +648,9 @@ class Engine:
             return None  # a row reporting logprobs takes plain steps: its logprobs are of position 0
         if kind == "prompt_lookup":
             return RowSpeculation(PromptLookup(), policy, cap)
-        if kind == "draft_model":
+        if kind in ("draft_model", "mtp"):
             if self.draft is None:
-                raise ValueError("speculation draft_model: the engine has no draft model (`load_draft`)")
+                raise ValueError(f"speculation {kind}: the engine has no draft (`load_draft`, MTP layer)")
             if self.draft.max_depth is not None:  # a DFlash block: one forward, up to its size
                 cap = min(max(policy.max_depth, policy.max_run), self.draft.max_depth)
                 if request.max_draft_tokens is not None:

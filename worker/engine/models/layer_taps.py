@@ -11,11 +11,16 @@ from collections.abc import Sequence
 
 import mlx.core as mx
 
+# The final norm's output (the hidden states the LM head reads, transformers' `hidden_states[-1]`), as a
+# layer `LayerTaps` may list; taken only from forwards computing every position (no `last`).
+FINAL = -1
+
 
 class LayerTaps:
     """The layers to collect (as `layers` lists them, in that order) and, after a forward, their outputs:
     the residual stream after each listed decoder layer (what transformers' `hidden_states[i + 1]`
-    holds for every layer but the last, whose entry there is the final norm's output instead)."""
+    holds for every layer but the last, whose entry there is the final norm's output instead), or for
+    `FINAL` the final norm's output."""
 
     def __init__(self, layers: Sequence[int]) -> None:
         if not layers:

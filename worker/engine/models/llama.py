@@ -22,7 +22,7 @@ from mlxq.worker.engine.cache.batch_cache import BatchKVCache
 from mlxq.worker.engine.cache.kv_cache import KVCache, key_columns
 from mlxq.worker.engine.errors import CheckpointError, UnsupportedArchitecture
 from mlxq.worker.engine.models.base import LayerCache
-from mlxq.worker.engine.models.layer_taps import LayerTaps
+from mlxq.worker.engine.models.layer_taps import FINAL, LayerTaps
 from mlxq.worker.engine.models.quantized_rows import FusedDenseRows, fuse_dense_rows
 from mlxq.worker.engine.models.rope import make_rope
 from mlxq.worker.engine.models.window import WindowMasks
@@ -447,7 +447,10 @@ class LlamaModel(nn.Module):
         if last is not None:
             layer_mask = _mask_for_one_query(layer_mask, last, inputs.shape[1], caches[-1])
         h = self.layers[-1](h, layer_mask, caches[-1], last, columns)
-        return self.norm(h)  # type: ignore[no-any-return]  # mlx.nn.RMSNorm.__call__ is unannotated
+        out: mx.array = self.norm(h)
+        if taps is not None and last is None:
+            taps.take(FINAL, out)
+        return out
 
     def embed(self, inputs: mx.array) -> mx.array:
         """The input embeddings of token ids (B, L)."""

@@ -4,7 +4,8 @@ A `Drafter` serves one request (one row of a decode batch). Before a verify step
 `depth` tokens that may follow the row's tokens so far; after the step it is told how many of them the
 target kept, so a drafter with state of its own (a draft model's KV cache, an MTP head's hidden state)
 rolls that state back to the kept tokens. Prompt lookup keeps nothing; a draft model or DFlash drafter
-implements the same methods; a drafter reading the target's hidden states is also a `FeatureReader`.
+implements the same methods; a drafter reading the target's hidden states (DFlash, MTP) is also a
+`FeatureReader`.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ class Drafter(Protocol):
 
 
 class FeatureReader(Protocol):
-    """A drafter that reads the target's hidden states (DFlash): the decode batch hands it each
+    """A drafter that reads the target's hidden states (DFlash, MTP): the decode batch hands it each
     forward's tapped layer outputs of its row (`DecodeBatch.taps`)."""
 
     def take_features(self, position: int, features: mx.array, tokens: Sequence[int]) -> list[mx.array]:
