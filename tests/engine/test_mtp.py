@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from transformers import DeepseekV3ForCausalLM
 from transformers.cache_utils import MtpCache
 from transformers.modeling_layers import MtpModel
 
@@ -99,6 +100,23 @@ def _ref_logits(main: Any, ref: Any, ids: list[int], lo: int, hi: int, cache: An
             mtp_cache=cache,
         )
     return logits[0, -1].float().numpy()
+
+
+def test_the_mtp_weights_as_written_are_what_transformers_loads(
+    reference: tuple[Path, Any, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The test checkpoint's MTP layout is the one transformers reads (`MtpModel.from_pretrained`; its
+    DeepSeek-V3 finds MTP weights by a pattern naming layer 61, the real model's, pointed here at this
+    model's layer)."""
+    folder, main, ref = reference
+    layer = main.config.num_hidden_layers
+    monkeypatch.setattr(
+        DeepseekV3ForCausalLM, "_keys_to_ignore_on_load_unexpected", [rf"model\.layers\.{layer}\..*"]
+    )
+    loaded = MtpModel.from_pretrained(load_hf_model(folder)).state_dict()
+    written = ref.state_dict()
+    assert set(loaded) == set(written)
+    assert all(torch.equal(loaded[k], written[k]) for k in written)
 
 
 def test_mtp_logits_and_proposals_match_transformers(reference: tuple[Path, Any, Any]) -> None:
