@@ -637,7 +637,7 @@ class Engine:
         rows take plain steps. A constrained row drafts: its drafts are checked against its grammar
         (`DecodeBatch.verify_with`). Prompt lookup's cap may exceed `max_depth` (`max_run`: its drafts
         cost no forward), and so may a DFlash draft's, up to its block (a proposal costs one forward of
-        the draft whatever its length); a draft model's may not."""
+        the draft whatever its length); a draft model's may not; an MTP layer drafts one token."""
         kind = self.options.speculation
         policy = self.options.draft_policy
         # prompt lookup's drafts cost no forward: a copied run may grow past max_depth (DraftPolicy.max_run)
@@ -651,7 +651,7 @@ class Engine:
         if kind in ("draft_model", "mtp"):
             if self.draft is None:
                 raise ValueError(f"speculation {kind}: the engine has no draft (`load_draft`, MTP layer)")
-            if self.draft.max_depth is not None:  # a DFlash block: one forward, up to its size
+            if self.draft.max_depth is not None:  # a DFlash block (one forward, its size), one MTP layer
                 cap = min(max(policy.max_depth, policy.max_run), self.draft.max_depth)
                 if request.max_draft_tokens is not None:
                     cap = min(cap, request.max_draft_tokens)
