@@ -22,6 +22,8 @@ $(VENV)/.installed-demo: pyproject.toml
 # Everything else the tests need: dev tools, the reference implementation (torch, transformers), metrics.
 $(VENV)/.installed: $(VENV)/.installed-demo
 	$(PY) -m pip install -q -e ".[$(MLX_EXTRA),dev,ref,metrics,structured,eval,gateway]"
+	# The DFlash drafter's reference (its torch model): --no-deps, its pins would replace other packages.
+	$(PY) -m pip install -q --no-deps dflash==0.1.0
 	touch $@
 
 demo: $(VENV)/.installed-demo

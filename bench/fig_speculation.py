@@ -10,6 +10,12 @@ per way of decoding:
   verify step costs where the worker would not draft (not judged by the targets);
 - 4-bit draft: the model's own 4-bit copy drafts (`draft_model`, default policy; skipped for an already
   quantized model).
+- DFlash (random): a DFlash draft with random weights (`speculation/dflash.py`, 5 layers, blocks of 16)
+  drafts at every step (the policy never turns it down; the draft computes a whole block each time,
+  the row verifies as many of its drafts as its acceptance allows): no trained DFlash weights exist
+  for the models benchmarked, so its drafts are hardly ever kept and its row shows what the machinery
+  costs (the target's tapped layers, a draft forward per row and step, verify steps), never what
+  DFlash gains (not judged by the targets).
 Each at N jobs at once (`Sizes.speculation_jobs`), on two kinds of prompt: copy-heavy (edit this code,
 extract these fields, answer quoting the passage: the answer repeats long runs of the prompt) and open
 prose (a story: nothing to copy).
@@ -91,6 +97,10 @@ def speculation(b: Bench) -> dict[str, Any]:
     draft = _draft_copy(b)
     if draft is not None:
         modes["4-bit draft"] = _engine(b, "draft_model", str(draft))
+    dflash = _dflash_draft(b)
+    if dflash is not None:
+        always = DraftPolicy(max_batch=1 << 20, min_acceptance=0.0)
+        modes["DFlash (random)"] = _engine(b, "draft_model", str(dflash), policy=always)
     rows: dict[str, Any] = {}
     try:
         for kind, prompts in (("copy-heavy", COPY_HEAVY), ("prose", PROSE)):
@@ -100,8 +110,13 @@ def speculation(b: Bench) -> dict[str, Any]:
                 count = max(n, len(prompts))
                 tokens = s.speculation_tokens
                 payloads = [_payload(b, prompts[i % len(prompts)], tokens) for i in range(count)]
-                # the draft model drafts row by row: beyond one job it only shows its known cost
-                taking = {m: e for m, e in modes.items() if m != "4-bit draft" or n == 1}
+                # the draft model drafts row by row: beyond one job it only shows its known cost;
+                # a DFlash draft too (a forward per row and step): up to 8 jobs
+                taking = {
+                    m: e
+                    for m, e in modes.items()
+                    if (m != "4-bit draft" or n == 1) and (m != "DFlash (random)" or n <= 8)
+                }
                 runs = _rotating(taking, payloads, n, s.speculation_reps)
                 plain_tok_s = median([r["tok_s"] for r in runs["plain"]])
                 for mode, rs in runs.items():
@@ -128,8 +143,9 @@ def speculation(b: Bench) -> dict[str, Any]:
         for mode, engine in modes.items():
             if mode != "plain":
                 engine.close()
-        if draft is not None:
-            shutil.rmtree(draft.parent, ignore_errors=True)
+        for folder in (draft, dflash):
+            if folder is not None:
+                shutil.rmtree(folder.parent, ignore_errors=True)
     return {"max_tokens": s.speculation_tokens, "reps": s.speculation_reps, "rows": rows}
 
 
@@ -151,11 +167,15 @@ def _rotating(modes: dict[str, Engine], payloads: list[dict[str, Any]], n: int, 
     return runs
 
 
-def _engine(b: Bench, kind: str, draft: str | None = None, forced: bool = False) -> Engine:
+def _engine(
+    b: Bench, kind: str, draft: str | None = None, forced: bool = False, policy: DraftPolicy | None = None
+) -> Engine:
     """The bench engine's model with speculation of `kind` (a second engine sharing its weights), under
-    the worker's default policy (its draft gate on), or `forced`: drafting at every batch size, no gate
-    (what verify steps cost and how often drafts are kept where the worker would not draft)."""
-    policy = DraftPolicy(max_batch=1 << 20) if forced else draft_policy(WorkerSettings())
+    `policy`, else the worker's default policy (its draft gate on), or `forced`: drafting at every batch
+    size, no gate (what verify steps cost and how often drafts are kept where the worker would not
+    draft)."""
+    if policy is None:
+        policy = DraftPolicy(max_batch=1 << 20) if forced else draft_policy(WorkerSettings())
     options = dataclasses.replace(b.engine.options, speculation=kind, draft_model=draft, draft_policy=policy)
     engine = Engine(b.engine.model, b.engine.tokenizer, b.engine.config, b.engine.name, options)
     if kind == "draft_model":
@@ -175,6 +195,19 @@ def _draft_copy(b: Bench) -> Path | None:
     model, config = load_model(src)
     save_quantized(model, config, out, bits=4, group_size=32, copy_from=src)
     return out
+
+
+def _dflash_draft(b: Bench) -> Path | None:
+    """A random-weight DFlash draft for the model in a scratch folder (its dtype), or None for a model
+    too shallow for a 5-layer draft's taps."""
+    from mlxq.worker.engine.models.loader import load_config
+    from mlxq.worker.engine.speculation.dflash import write_random_draft
+
+    config = load_config(Path(b.model_path))
+    if int(config.get("num_hidden_layers", 0)) < 8:
+        return None
+    out = b.workdir / "dflash-random" / "draft"
+    return write_random_draft(out, config, dtype=b.engine.model.model.norm.weight.dtype)
 
 
 def _payload(b: Bench, prompt: str, max_tokens: int) -> dict[str, Any]:

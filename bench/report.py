@@ -414,8 +414,12 @@ def targets(figs: dict[str, Any]) -> list[dict[str, str]]:
                 )
     if (sp := figs.get("speculation")) and "rows" in sp:
         for k, r in sp["rows"].items():
-            if r["mode"] in ("plain", "prompt lookup, forced") or r.get("vs_plain_turns") is None:
-                continue  # the forced mode shows acceptance and cost where the worker would not draft
+            # forced drafting and a random-weight drafter show acceptance and cost, not a user's speed
+            if (
+                r["mode"] in ("plain", "prompt lookup, forced", "DFlash (random)")
+                or r.get("vs_plain_turns") is None
+            ):
+                continue
             v = r["vs_plain_turns"]
             add("speculation never below 0.97x of plain", k, v, v >= 0.97, "{:.2f}x")
             if r["mode"] == "prompt lookup" and r["kind"] == "copy-heavy" and r["jobs"] == 1:

@@ -125,11 +125,13 @@ class WorkerSettings(BaseSettings):
     )
     max_messages: int = Field(default=256, ge=1, description="messages of one chat")
 
-    speculation: Literal["off", "prompt_lookup", "draft_model"] = Field(
+    speculation: Literal["off", "prompt_lookup", "draft_model", "mtp"] = Field(
         default="off",
         description="speculative decoding: draft tokens that one forward verifies (output unchanged); "
-        "prompt_lookup copies them from earlier in the request's own text, draft_model has a small model "
-        "with the target's tokenizer guess them",
+        "prompt_lookup copies them from earlier in the request's own text, draft_model has a draft guess "
+        "them (a small model with the target's tokenizer, or a DFlash draft reading the target's hidden "
+        "states: the draft folder's architectures[0] says which), mtp the model's own multi-token "
+        "prediction layer (DeepSeek-V3's num_nextn_predict_layers)",
     )
     draft_model: str | None = Field(
         default=None, description="the draft model's folder; unset: a draft/ folder beside the model's files"

@@ -6,6 +6,7 @@ batching must not change a single token id, finish reason or streamed character.
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -21,6 +22,7 @@ from mlxq.jobs.schema import DoneEvent, GenerateRequest, GenerateResult, ScoreRe
 from mlxq.producer import Client, JobFailed
 from mlxq.worker.engine import Engine, EngineOptions
 from mlxq.worker.engine.generation_batch import generate
+from mlxq.worker.engine.speculation.dflash import write_random_draft
 
 REDIS_DB = 5
 PROMPT = "The capital of France is Paris. "
@@ -252,3 +254,36 @@ def test_a_speculating_worker_gives_plain_results_and_reports_drafted_tokens(
         kept += result.usage.accepted_tokens
     assert kept > 0
     assert jobs[-1].result(timeout=1).usage.draft_tokens == 0
+
+
+def test_a_worker_drafting_with_a_dflash_draft_gives_plain_results(
+    model_dir: Path, redis_url: str, client: Client, engine: Engine, spawn_worker: Any, tmp_path: Path
+) -> None:
+    """A DFlash draft named by the setting (`MLXQ_SPECULATION=draft_model`, `MLXQ_DRAFT_MODEL`; random
+    weights, reading the target's first layer), steps launched on a second thread: greedy jobs give
+    plain decoding's tokens, text and stream, and the result and `done` count the drafted tokens."""
+    config = json.loads((model_dir / "config.json").read_text())
+    draft = write_random_draft(tmp_path / "dflash", config, 1, block_size=4, target_layers=[0], std=0.2)
+    greedy = {"logit_bias": NO_EOS, "temperature": 0}
+    requests = [
+        {"prompt": PROMPT * (1 + i % 2) + str(i), "max_tokens": 8 + 5 * i, **greedy} for i in range(4)
+    ]
+    jobs = [client.submit_generate(**fields) for fields in requests]
+    speculation = {
+        "MLXQ_SPECULATION": "draft_model",
+        "MLXQ_DRAFT_MODEL": str(draft),
+        "MLXQ_DRAFT_MIN_ACCEPTANCE": "0",
+    }
+    worker = spawn_worker(model_dir, redis_url, "--burst", **BATCH, **speculation, MLXQ_DECODE_OVERLAP="true")
+    assert worker.wait(120) == 0, worker.log()
+    for job, fields in zip(jobs, requests, strict=True):
+        result = job.result(timeout=5)
+        want = _alone(engine, fields)
+        assert (result.token_ids, result.text, result.finish_reason) == (
+            want.token_ids,
+            want.text,
+            want.finish_reason,
+        )
+        _check_stream(job, result)
+        done = [i.event for i in job.stream(timeout=5)][-1]
+        assert isinstance(done, DoneEvent) and done.draft_tokens == result.usage.draft_tokens > 0

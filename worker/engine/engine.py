@@ -64,8 +64,16 @@ from mlxq.worker.engine.scoring import (
     candidate_token_ids,
     score_kv_by_default,
 )
+from mlxq.worker.engine.speculation import dflash  # noqa: F401  # registers the DFlash draft kind
 from mlxq.worker.engine.speculation.draft_gate import DraftGate
-from mlxq.worker.engine.speculation.draft_model import DraftMismatch, DraftModel, draft_folder
+from mlxq.worker.engine.speculation.draft_model import (
+    DraftMismatch,
+    DraftSource,
+    DraftTarget,
+    draft_folder,
+    load_draft,
+)
+from mlxq.worker.engine.speculation.mtp import MtpDraft
 from mlxq.worker.engine.speculation.policy import DraftPolicy, RowSpeculation
 from mlxq.worker.engine.speculation.prompt_lookup import PromptLookup
 from mlxq.worker.engine.text.detokenizer import IncrementalDetokenizer
@@ -119,8 +127,9 @@ class LogprobSink(Protocol):
     def logprobs(self, items: list[GeneratedLogprob]) -> None: ...
 
 
-# Drafters a worker may decode with (`EngineOptions.speculation`); draft models, MTP and DFlash go here.
-SPECULATION_KINDS = ("off", "prompt_lookup", "draft_model")
+# Drafters a worker may decode with (`EngineOptions.speculation`): "draft_model" covers every draft
+# folder kind (a causal LM, DFlash); "mtp" is the target checkpoint's own MTP layer.
+SPECULATION_KINDS = ("off", "prompt_lookup", "draft_model", "mtp")
 
 
 @dataclass(frozen=True)
@@ -199,7 +208,7 @@ class Engine:
             self.masks_in_place = options.masks_in_place
         # Structured output (`response_format`): the grammar library's tokenizer, built at first use.
         self.constraints = ConstraintCompiler(tokenizer.backend, model.args.vocab_size, tokenizer.eos_ids)
-        self.draft: DraftModel | None = None  # speculation "draft_model": loaded by `load_draft`
+        self.draft: DraftSource | None = None  # speculation "draft_model": loaded by `load_draft`
         # What plain and verify steps cost a token on this engine (`draft_gate.py`), where the policy asks
         # for it: learnt across the generation batches it runs, one after another.
         self.draft_gate = DraftGate() if options.draft_policy.gate else None
@@ -223,6 +232,9 @@ class Engine:
         engine = cls(net, tokenizer, config, Path(model).name if Path(model).exists() else model, options)
         if options.speculation == "draft_model":
             engine.load_draft(path)
+        elif options.speculation == "mtp":
+            engine.draft = MtpDraft.load(path, engine.model, options.prefill_chunk)
+            log.info("MTP layer loaded path=%s", path)
         log.info(
             "model loaded path=%s arch=%s device=%s seconds=%.2f pad_shapes=%s decode_overlap=%s "
             "masks_in_place=%s idle_prefill_tokens=%d score_kv_bytes=%d",
@@ -621,8 +633,16 @@ class Engine:
                 f"speculation draft_model needs a draft model: a draft/ folder in {target} or a folder "
                 "named by MLXQ_DRAFT_MODEL"
             )
-        self.draft = DraftModel.load(folder, self.tokenizer, self.options.dtype, self.options.prefill_chunk)
-        log.info("draft model loaded path=%s", folder)
+        bound = DraftTarget(self.model, self.tokenizer, self.options.dtype, self.options.prefill_chunk)
+        self.draft = load_draft(folder, bound)
+        log.info("draft model loaded path=%s kind=%s", folder, type(self.draft).__name__)
+
+    @property
+    def draft_taps(self) -> tuple[int, ...]:
+        """The target layers whose outputs this worker's drafters read (a DFlash draft's; `DecodeBatch`)."""
+        if self.options.speculation not in ("draft_model", "mtp") or self.draft is None:
+            return ()
+        return self.draft.taps
 
     def speculation_for(self, request: GenerateRequest, sampler: Sampler) -> RowSpeculation | None:
         """A request's drafter and its depth cap, or None where it decodes plainly: speculation off on
@@ -631,7 +651,8 @@ class Engine:
         exact), or a row that reports logprobs (they are taken at a step's first position only): such
         rows take plain steps. A constrained row drafts: its drafts are checked against its grammar
         (`DecodeBatch.verify_with`). Prompt lookup's cap may exceed `max_depth` (`max_run`: its drafts
-        cost no forward); a draft model's may not."""
+        cost no forward), and so may a DFlash draft's, up to its block (a proposal costs one forward of
+        the draft whatever its length); a draft model's may not; an MTP layer drafts one token."""
         kind = self.options.speculation
         policy = self.options.draft_policy
         # prompt lookup's drafts cost no forward: a copied run may grow past max_depth (DraftPolicy.max_run)
@@ -642,9 +663,13 @@ class Engine:
             return None  # a row reporting logprobs takes plain steps: its logprobs are of position 0
         if kind == "prompt_lookup":
             return RowSpeculation(PromptLookup(), policy, cap)
-        if kind == "draft_model":
+        if kind in ("draft_model", "mtp"):
             if self.draft is None:
-                raise ValueError("speculation draft_model: the engine has no draft model (`load_draft`)")
+                raise ValueError(f"speculation {kind}: the engine has no draft (`load_draft`, MTP layer)")
+            if self.draft.max_depth is not None:  # a DFlash block (one forward, its size), one MTP layer
+                cap = min(max(policy.max_depth, policy.max_run), self.draft.max_depth)
+                if request.max_draft_tokens is not None:
+                    cap = min(cap, request.max_draft_tokens)
             return RowSpeculation(self.draft.drafter(), policy, cap)
         raise ValueError(f"unknown speculation kind {kind!r}: expected one of {list(SPECULATION_KINDS)}")
 

@@ -20,6 +20,7 @@ from mlxq.worker.engine.critical_path import CriticalPath
 from mlxq.worker.engine.device import on_cuda
 from mlxq.worker.engine.launcher import Launcher
 from mlxq.worker.engine.models.base import Model
+from mlxq.worker.engine.models.layer_taps import LayerTaps
 from mlxq.worker.engine.sampler import Sampler, SamplerRows
 from mlxq.worker.engine.token_logprobs import PendingLogprobs, TokenLogprob
 
@@ -27,6 +28,11 @@ from mlxq.worker.engine.token_logprobs import PendingLogprobs, TokenLogprob
 _CLEAR_CACHE_EVERY = 256
 
 T = TypeVar("T")
+
+# Where a decode batch hands the tapped layers' outputs of each forward: each live row's position of
+# its first fed token, and the features (live rows, W, features), rows in row order (`DecodeBatch.taps`);
+# returns the arrays it made of them, computed with the step (nothing lazy piles up over plain steps).
+FeatureSink = Callable[[list[int], mx.array], list[mx.array]]
 
 
 def padded_size(n: int, smallest: int = 16) -> int:
@@ -213,7 +219,14 @@ class DecodeBatch:
     With `masks_in_place` (where the backend lets the host write an evaluated array's memory:
     `mask_buffer.host_writes_seen`) that draw and forward are built before the tokens are read back,
     the draw reading the rows' mask buffer, and only the grammars' work and the launch follow the
-    read-back (`_step_ahead`)."""
+    read-back (`_step_ahead`).
+
+    With `taps` (decoder layer indices) and `features`, every forward the batch builds (plain, ahead
+    or verify) also collects those layers' outputs (`layer_taps.py`) and hands them to `features`
+    with each live row's position of the first token it feeds: a drafter reading the target's hidden
+    states (DFlash) follows its row with them. A forward that is dropped or whose drafts are not kept
+    is followed by one feeding the same positions again, so a reader keeps, of what it was handed,
+    what the latest forward at each position gave."""
 
     def __init__(
         self,
@@ -222,8 +235,13 @@ class DecodeBatch:
         ragged_kernel: bool | None = None,
         launcher: Launcher | None = None,
         masks_in_place: bool = False,
+        taps: Sequence[int] = (),
+        features: FeatureSink | None = None,
     ) -> None:
         self.model = model
+        self.taps = tuple(taps) if features is not None else ()
+        self.features = features
+        self._with_step: list[mx.array] = []  # what `features` made of the forward being built
         self.pad_shapes = pad_shapes
         self.launcher = launcher
         self.masks_in_place = masks_in_place
@@ -471,7 +489,7 @@ class DecodeBatch:
             kept_drafts, following = self.rows.verify(logits, ids, depth, allowed)
         self._pending_logprobs = PendingLogprobs()
         self._pending_logprobs.reset(self.rows.logprobs, len(self.rows))
-        mx.async_eval(kept_drafts, following, *self._pending_logprobs.arrays())
+        mx.async_eval(kept_drafts, following, *self._pending_logprobs.arrays(), *self._taken_with_step())
         if meanwhile is not None:
             meanwhile()
         kept = [int(k) for k in cast("list[int]", kept_drafts.tolist())]
@@ -500,6 +518,7 @@ class DecodeBatch:
         launch of its own, so the copy can be read while it is being launched (as a free batch reads
         its tokens while the next step launches)."""
         logprobs = self._pending_logprobs.arrays()  # read back with the tokens: no sync of their own
+        logprobs.extend(self._taken_with_step())
         if self.launcher is None:
             if ahead is None:
                 mx.async_eval(tokens, *logprobs)
@@ -510,6 +529,11 @@ class DecodeBatch:
         self._copy_rows = list(range(tokens.shape[0]))
         if ahead is not None:
             self.launcher.launch(ahead)
+
+    def _taken_with_step(self) -> list[mx.array]:
+        """What the feature sink made of the forwards built since the last launch (then forgotten)."""
+        made, self._with_step = self._with_step, []
+        return made
 
     def _launch_ahead(self, tokens: mx.array) -> None:
         """Launch a constrained batch's drawn `tokens`, then the forward that feeds them (`_ahead`)."""
@@ -569,10 +593,22 @@ class DecodeBatch:
             fed = scattered
         elif self._idle:
             fed = mx.concatenate([fed, mx.zeros((self._idle, fed.shape[1]), dtype=fed.dtype)])
-        logits = self.model(fed, cache=self.cache, mask=mask)
+        if not self.taps:
+            logits = self.model(fed, cache=self.cache, mask=mask)
+        else:
+            lengths = self.cache[0].lengths  # before the forward: each row's position of its first token
+            taps = LayerTaps(self.taps)
+            logits = self.model(fed, cache=self.cache, mask=mask, taps=taps)
+            assert self.features is not None
+            made = self.features([lengths[s] for s in self.slots], self._live(taps.features()))
+            self._with_step.extend(made)
         if one:
             logits = logits[:, -1, :]
-        return logits[: len(self)] if self._slot_index is None else logits[self._slot_index]
+        return self._live(logits)
+
+    def _live(self, rows: mx.array) -> mx.array:
+        """The live rows of a forward's output (buffer rows first), in row order."""
+        return rows[: len(self)] if self._slot_index is None else rows[self._slot_index]
 
     def _stepped(self) -> None:
         self._steps += 1

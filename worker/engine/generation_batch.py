@@ -33,6 +33,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import cast
 
 import mlx.core as mx
 
@@ -51,6 +52,7 @@ from mlxq.worker.engine.generate import (
 )
 from mlxq.worker.engine.memory_guard import is_out_of_memory, with_memory_retry
 from mlxq.worker.engine.sampler import Sampler
+from mlxq.worker.engine.speculation.drafter import FeatureReader
 from mlxq.worker.engine.speculation.policy import RowSpeculation
 from mlxq.worker.engine.speculation.row_tokens import RowTokens
 from mlxq.worker.engine.token_logprobs import TokenLogprob
@@ -88,6 +90,7 @@ class _Sequence:
     speculation: RowSpeculation | None = None  # its drafter, where it decodes speculatively
     depth: int = 0  # tokens it may draft at this step
     proposed: int = 0  # tokens its drafter proposed at this step
+    reader: FeatureReader | None = None  # its drafter, where it reads the target's hidden states
 
     @property
     def budget(self) -> int:
@@ -172,8 +175,19 @@ class GenerationBatch:
         run = TextRun(self.engine.tokenizer, request.stop, sink, logprobs=request.logprobs is not None)
         cancelled()
         speculation = self.engine.speculation_for(request, sampler)
+        drafter = speculation.drafter if speculation is not None else None
+        reader = drafter if self.decode.taps and hasattr(drafter, "take_features") else None
         self.waiting.append(
-            _Sequence(key, prompt, max_tokens, sampler, run, cancelled, speculation=speculation)
+            _Sequence(
+                key,
+                prompt,
+                max_tokens,
+                sampler,
+                run,
+                cancelled,
+                speculation=speculation,
+                reader=cast("FeatureReader | None", reader),
+            )
         )
 
     def step(self, background: Callable[[], None] | None = None) -> list[Finished]:
@@ -205,12 +219,26 @@ class GenerationBatch:
         return finished
 
     def _new_decode(self) -> DecodeBatch:
+        taps = self.engine.draft_taps
         return DecodeBatch(
             self.engine.model,
             self.engine.pad_shapes,
             launcher=self.engine.launcher(),
             masks_in_place=self.engine.masks_in_place,
+            taps=taps,
+            features=self._features if taps else None,
         )
+
+    def _features(self, positions: list[int], features: mx.array) -> list[mx.array]:
+        """A decode forward's tapped target features (rows in the order of `decoding`), handed to the
+        rows whose drafters read them, with each row's position of its first fed token; returns what
+        the drafters made of them (`FeatureSink`)."""
+        made: list[mx.array] = []
+        for i, (seq, position) in enumerate(zip(self.decoding, positions, strict=True)):
+            if seq.reader is not None:
+                tokens = RowTokens(seq.prompt, seq.run.ids)
+                made.extend(seq.reader.take_features(position, features[i : i + 1], tokens))
+        return made
 
     def quiet(self) -> None:
         """Return once no decode step is being launched: call before evaluating MLX arrays on this thread

@@ -22,6 +22,7 @@ from mlxq.worker.engine.cache.batch_cache import BatchKVCache
 from mlxq.worker.engine.cache.kv_cache import KVCache, key_columns
 from mlxq.worker.engine.errors import CheckpointError, UnsupportedArchitecture
 from mlxq.worker.engine.models.base import LayerCache
+from mlxq.worker.engine.models.layer_taps import FINAL, LayerTaps
 from mlxq.worker.engine.models.quantized_rows import FusedDenseRows, fuse_dense_rows
 from mlxq.worker.engine.models.rope import make_rope
 from mlxq.worker.engine.models.window import WindowMasks
@@ -423,6 +424,7 @@ class LlamaModel(nn.Module):
         cache: Sequence[LayerCache] | None = None,
         mask: mx.array | RaggedRows | None = None,
         last: int | None = None,
+        taps: LayerTaps | None = None,
     ) -> mx.array:
         h = self.embed(inputs)
         layer_mask: Mask = mask
@@ -436,13 +438,19 @@ class LlamaModel(nn.Module):
         if self.bucket_keys and mask is None and (bucketed := _bucketed_keys(inputs, caches, h.dtype)):
             columns, layer_mask = bucketed
         masks = WindowMasks(layer_mask, inputs.shape[1], caches[0], self.windows)
-        for layer, c, window in zip(self.layers[:-1], caches[:-1], self.windows[:-1], strict=True):
+        layers = zip(self.layers[:-1], caches[:-1], self.windows[:-1], strict=True)
+        for i, (layer, c, window) in enumerate(layers):
             h = layer(h, masks(window), c, columns=columns)
+            if taps is not None:
+                taps.take(i, h)
         layer_mask = masks(self.windows[-1])
         if last is not None:
             layer_mask = _mask_for_one_query(layer_mask, last, inputs.shape[1], caches[-1])
         h = self.layers[-1](h, layer_mask, caches[-1], last, columns)
-        return self.norm(h)  # type: ignore[no-any-return]  # mlx.nn.RMSNorm.__call__ is unannotated
+        out: mx.array = self.norm(h)
+        if taps is not None and last is None:
+            taps.take(FINAL, out)
+        return out
 
     def embed(self, inputs: mx.array) -> mx.array:
         """The input embeddings of token ids (B, L)."""
@@ -473,13 +481,15 @@ class Model(nn.Module):
         inputs: mx.array,
         cache: Sequence[LayerCache] | None = None,
         mask: mx.array | RaggedRows | None = None,
+        taps: LayerTaps | None = None,
     ) -> mx.array:
         """Logits (B, L, vocab) for int32 token ids (B, L).
 
         `mask=None` is causal over the cache's positions plus these L; an explicit mask (boolean, True =
-        attend, or additive) must broadcast to (B, heads, L, offset + L).
+        attend, or additive) must broadcast to (B, heads, L, offset + L). `taps`: collects the outputs
+        of the layers it lists (any but the last: `layer_taps.py`).
         """
-        return self.logits(self.hidden(inputs, cache=cache, mask=mask))
+        return self.logits(self.hidden(inputs, cache=cache, mask=mask, taps=taps))
 
     def hidden(
         self,
@@ -487,6 +497,7 @@ class Model(nn.Module):
         cache: Sequence[LayerCache] | None = None,
         mask: mx.array | RaggedRows | None = None,
         last: int | None = None,
+        taps: LayerTaps | None = None,
     ) -> mx.array:
         """Final normed hidden states (B, L, hidden_size); same arguments as `__call__`.
 
@@ -494,7 +505,7 @@ class Model(nn.Module):
         keys and values into the cache, but the final layer computes attention and MLP for that one
         position: what a prefill needs, and a whole layer's work saved on the rest.
         """
-        return self.model(inputs, cache=cache, mask=mask, last=last)
+        return self.model(inputs, cache=cache, mask=mask, last=last, taps=taps)
 
     def logits(self, hidden: mx.array) -> mx.array:
         """Project hidden states (..., hidden_size) to vocabulary logits (..., vocab)."""

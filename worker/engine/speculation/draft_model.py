@@ -5,7 +5,9 @@ Where a draft lives: a `draft/` folder beside the target's files (as the ollama 
 a folder named by the worker's setting (`EngineOptions.draft_model`). Which code builds it: a registry
 keyed by the draft config's `architectures[0]`, like the targets'; an ordinary causal LM (any target
 architecture) is built and loaded by the target's own loader, and drafter kinds with a layout of their
-own (MTP heads fed the target's hidden states, DFlash's block diffusion) register a loader here.
+own register a loader here (DFlash's block diffusion, `dflash.py`, fed the target's hidden states).
+Whatever the kind, a loaded draft is a `DraftSource`: it makes one drafter per row and names the target
+layers whose outputs its drafters read (none for a draft model).
 
 Each row drafts with its own batch-1 KV cache of the draft model (`DraftModelDrafter`), caught up with
 the row's tokens before each proposal and rolled back to the tokens the target kept after it. Rows
@@ -18,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import cast
+from typing import Protocol, cast
 
 import mlx.core as mx
 
@@ -27,16 +29,64 @@ from mlxq.worker.engine.generate import prefill
 from mlxq.worker.engine.models import supported_architectures
 from mlxq.worker.engine.models.base import Model
 from mlxq.worker.engine.models.loader import load_config, load_model
+from mlxq.worker.engine.speculation.drafter import Drafter
 from mlxq.worker.engine.text.tokenizer import Tokenizer
 
-DraftLoader = Callable[[Path, "str | None"], Model]
+
+@dataclass(frozen=True)
+class DraftTarget:
+    """What a draft is loaded for: the target model and tokenizer, the dtype setting, the prefill chunk."""
+
+    model: Model
+    tokenizer: Tokenizer
+    dtype: str | None = None
+    prefill_chunk: int = 2048
+
+
+class DraftSource(Protocol):
+    """A loaded draft of any kind: the drafters of its rows share it."""
+
+    @property
+    def folder(self) -> Path: ...
+
+    @property
+    def taps(self) -> tuple[int, ...]:
+        """The target layers whose outputs its drafters read (`DecodeBatch.taps`); () for none."""
+        ...
+
+    @property
+    def max_depth(self) -> int | None:
+        """Most tokens one proposal holds, None for no bound of its own."""
+        ...
+
+    def drafter(self) -> Drafter:
+        """A drafter for one row."""
+        ...
+
+
+DraftLoader = Callable[[Path, DraftTarget], DraftSource]
 
 _DRAFT_REGISTRY: dict[str, DraftLoader] = {}
 
 
 def register_draft(name: str, loader: DraftLoader) -> None:
-    """Make draft checkpoints whose `architectures[0]` is `name` loadable by `loader(folder, dtype)`."""
+    """Make draft checkpoints whose `architectures[0]` is `name` loadable by `loader(folder, target)`."""
     _DRAFT_REGISTRY[name] = loader
+
+
+def load_draft(folder: Path, target: DraftTarget) -> DraftSource:
+    """The draft in `folder`: its `architectures[0]` through the draft registry, else a causal LM the
+    target loader builds (`DraftModel`); `DraftMismatch` when it cannot draft for this target."""
+    config = load_config(folder)
+    name = str((config.get("architectures") or ["<none>"])[0])
+    if name in _DRAFT_REGISTRY:
+        return _DRAFT_REGISTRY[name](folder, target)
+    if name in supported_architectures():
+        return DraftModel.load(folder, target.tokenizer, target.dtype, target.prefill_chunk)
+    raise DraftMismatch(
+        f"the draft model in {folder} is a {name}, which mlxq cannot draft with; "
+        f"supported: {', '.join(draft_architectures())}"
+    )
 
 
 def draft_architectures() -> list[str]:
@@ -68,24 +118,16 @@ class DraftModel:
     folder: Path
     prefill_chunk: int = 2048
 
+    taps: tuple[int, ...] = ()  # it reads none of the target's hidden states
+    max_depth: int | None = None
+
     @classmethod
     def load(
         cls, folder: Path, target: Tokenizer, dtype: str | None = None, prefill_chunk: int = 2048
     ) -> DraftModel:
-        """Load the draft in `folder` (its `architectures[0]` through the draft registry, else the target
-        loader); `DraftMismatch` when its vocabulary is not the target tokenizer's."""
-        config = load_config(folder)
-        names = config.get("architectures") or ["<none>"]
-        name = str(names[0])
-        if name in _DRAFT_REGISTRY:
-            model = _DRAFT_REGISTRY[name](folder, dtype)
-        elif name in supported_architectures():
-            model, _ = load_model(folder, dtype=dtype)
-        else:
-            raise DraftMismatch(
-                f"the draft model in {folder} is a {name}, which mlxq cannot draft with; "
-                f"supported: {', '.join(draft_architectures())}"
-            )
+        """Load the causal LM in `folder` with the target loader; `DraftMismatch` when its vocabulary is
+        not the target tokenizer's."""
+        model, _ = load_model(folder, dtype=dtype)
         _check_vocabulary(folder, target, model)
         return cls(model, folder, prefill_chunk)
 

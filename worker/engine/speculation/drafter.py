@@ -3,14 +3,17 @@
 A `Drafter` serves one request (one row of a decode batch). Before a verify step it is asked for up to
 `depth` tokens that may follow the row's tokens so far; after the step it is told how many of them the
 target kept, so a drafter with state of its own (a draft model's KV cache, an MTP head's hidden state)
-rolls that state back to the kept tokens. Prompt lookup keeps nothing; a draft model, MTP or DFlash
-drafter implements the same two methods.
+rolls that state back to the kept tokens. Prompt lookup keeps nothing; a draft model or DFlash drafter
+implements the same methods; a drafter reading the target's hidden states (DFlash, MTP) is also a
+`FeatureReader`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import Protocol
+
+import mlx.core as mx
 
 
 class Drafter(Protocol):
@@ -29,4 +32,14 @@ class Drafter(Protocol):
 
     def accepted(self, proposed: int, kept: int) -> None:
         """Of the `proposed` tokens of the last `propose`, the target kept the first `kept`."""
+        ...
+
+
+class FeatureReader(Protocol):
+    """A drafter that reads the target's hidden states (DFlash, MTP): the decode batch hands it each
+    forward's tapped layer outputs of its row (`DecodeBatch.taps`)."""
+
+    def take_features(self, position: int, features: mx.array, tokens: Sequence[int]) -> list[mx.array]:
+        """Tapped features (1, W, features) of the row's tokens from `position` on; `tokens`: the row's
+        tokens so far. Returns the arrays it made of them (the batch computes them with its step)."""
         ...

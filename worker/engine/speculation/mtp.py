@@ -1,0 +1,258 @@
+"""Multi-token prediction (MTP): the layer some checkpoints carry past their last one, which drafts the
+token after next from the target's own final hidden state (DeepSeek-V3's `num_nextn_predict_layers`;
+reference: transformers' `MtpModel`, used by `generate(use_mtp=True)`).
+
+What it computes: for each position j of the row it pairs the target's final (normed) hidden state of
+position j - 1 with the embedding of token j (each through an RMS norm, side by side, then `eh_proj`),
+runs a decoder layer of the target's own kind over them (DeepSeek-V3: latent attention and experts)
+with a cache of its own, then a norm (`shared_head.norm`) and the target's LM head: its argmax at the
+row's latest position j (the pending token, not fed to the target yet, whose predecessor's hidden state
+is known) is the draft for position j + 1. One MTP layer drafts one token a step.
+
+Where it lives: in the target's own checkpoint, as layer `num_hidden_layers` (`model.layers.N.enorm`,
+`.hnorm`, `.eh_proj`, `.shared_head.norm`, and the decoder layer's own weights there; `shared_head.head`
+and `embed_tokens` repeat the target's and are not read). Chosen by the worker's setting
+(`speculation` "mtp"), not by a draft folder.
+
+How it follows a row: the decode batch hands every forward's final hidden states to the row's drafter
+with their position (`DecodeBatch.taps` with `layer_taps.FINAL`); an entry of the MTP cache is added
+once its token is known, and features from a position on replace what the drafter held from there (a
+verify step's rejected columns). The prompt's come from a forward of the drafter's own, the first time
+(as for DFlash). Entries sit at RoPE positions 1, 2, ... (the first token has no predecessor).
+
+Not implemented (refused): more than one MTP layer, architectures other than DeepSeek-V3's, quantized
+MTP weights.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import cast
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from mlxq.worker.engine.cache.kv_cache import KVCache
+from mlxq.worker.engine.errors import CheckpointError
+from mlxq.worker.engine.models import deepseek, llama, moe
+from mlxq.worker.engine.models.base import Model
+from mlxq.worker.engine.models.layer_taps import FINAL
+from mlxq.worker.engine.models.loader import load_config
+
+log = logging.getLogger(__name__)
+
+
+class ShiftedCache:
+    """A batch-1 `KVCache` whose entries sit one position later (RoPE's offset is one more)."""
+
+    def __init__(self) -> None:
+        self.inner = KVCache()
+
+    @property
+    def offset(self) -> int:
+        return self.inner.offset + 1
+
+    @property
+    def entries(self) -> int:
+        return self.inner.offset
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        return self.inner.update_and_fetch(keys, values)
+
+    def trim(self, n: int) -> None:
+        self.inner.trim(n)
+
+
+class SharedHead(nn.Module):
+    """The checkpoint's `shared_head`: its norm (its head is the target's LM head)."""
+
+    def __init__(self, args: llama.ModelArgs) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]  # mlx.nn.Module.__init__ is unannotated
+        self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+
+
+class MtpLayer(nn.Module):
+    """`enorm`, `hnorm`, `eh_proj`, the decoder layer (`block`) and `shared_head.norm`."""
+
+    def __init__(self, args: deepseek.ModelArgs) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]  # mlx.nn.Module.__init__ is unannotated
+        h = args.hidden_size
+        self.enorm = nn.RMSNorm(h, eps=args.rms_norm_eps)
+        self.hnorm = nn.RMSNorm(h, eps=args.rms_norm_eps)
+        self.eh_proj = nn.Linear(2 * h, h, bias=False)
+        self.block = llama.TransformerBlock(
+            args, ("mlp", deepseek.DeepseekMoE(args)), deepseek.LatentAttention(args)
+        )
+        self.shared_head = SharedHead(args)
+
+    def __call__(self, embeds: mx.array, hidden: mx.array, cache: ShiftedCache) -> mx.array:
+        """Normed outputs (1, L, hidden) for token embeddings and their predecessors' hidden states."""
+        x = self.eh_proj(mx.concatenate([self.enorm(embeds), self.hnorm(hidden)], axis=-1))
+        x = self.block(x, "causal" if x.shape[1] > 1 else None, cache)
+        return self.shared_head.norm(x)  # type: ignore[no-any-return]
+
+
+@dataclass
+class MtpDraft:
+    """A target's MTP layer, loaded from its checkpoint: what the rows' drafters share."""
+
+    layer: MtpLayer
+    target: Model
+    folder: Path
+    prefill_chunk: int = 2048
+
+    taps: tuple[int, ...] = (FINAL,)  # the target's final hidden states
+    max_depth: int | None = 1  # one MTP layer: one draft a step
+
+    def drafter(self) -> MtpDrafter:
+        return MtpDrafter(self)
+
+    def outputs(self, tokens: Sequence[int], hidden: mx.array, cache: ShiftedCache) -> mx.array:
+        """Add entries for `tokens` (ids of positions j..) with `hidden` (1, L, hidden: positions j - 1..)
+        to `cache`; their normed outputs (1, L, hidden)."""
+        embed = cast("nn.Embedding", self.target.model.embed_tokens)  # type: ignore[attr-defined]
+        return self.layer(embed(mx.array([list(tokens)], dtype=mx.int32)), hidden, cache)
+
+    def features(self, tokens: Sequence[int]) -> mx.array:
+        """The target's final hidden states (1, L, hidden) of `tokens` from position 0 (a forward of the
+        target's own, in chunks, its cache thrown away)."""
+        cache = self.target.make_cache()
+        chunks = []
+        for start in range(0, len(tokens), self.prefill_chunk):
+            ids = mx.array([list(tokens[start : start + self.prefill_chunk])], dtype=mx.int32)
+            chunks.append(self.target.hidden(ids, cache=cache))
+            mx.eval(chunks[-1])
+        return chunks[0] if len(chunks) == 1 else mx.concatenate(chunks, axis=1)
+
+    @classmethod
+    def load(cls, folder: Path, target: Model, prefill_chunk: int = 2048) -> MtpDraft:
+        """The MTP layer in the target checkpoint `folder`; `CheckpointError` naming what is missing or
+        not implemented."""
+        config = load_config(folder)
+        layers = int(config.get("num_nextn_predict_layers") or config.get("num_mtp_layers") or 0)
+        if layers == 0:
+            raise CheckpointError(f"the model in {folder} has no MTP layer (num_nextn_predict_layers)")
+        if layers > 1:
+            raise CheckpointError(f"the model in {folder} has {layers} MTP layers; mlxq drafts with one")
+        if not isinstance(target, deepseek.Model):
+            raise CheckpointError(
+                f"MTP drafting is implemented for DeepSeek-V3's layers; {folder} holds "
+                f"{config.get('architectures')}"
+            )
+        args = cast("deepseek.ModelArgs", target.args)
+        n = len(target.layers)
+        prefix = f"model.layers.{n}."
+        weights: dict[str, mx.array] = {}
+        for f in sorted(folder.glob("*.safetensors")):
+            loaded = cast("dict[str, mx.array]", mx.load(str(f)))
+            weights.update({k: v for k, v in loaded.items() if k.startswith(prefix)})
+        if any(k.endswith(".scales") for k in weights):
+            raise CheckpointError(
+                f"the MTP layer in {folder} is quantized; mlxq reads float MTP weights only"
+            )
+        weights = moe.Model.sanitize(target, weights)  # experts stacked as the target's are
+        own = ("enorm.", "hnorm.", "eh_proj.", "shared_head.norm.")
+        renamed: dict[str, mx.array] = {}
+        dtype = target.model.norm.weight.dtype
+        for key, value in weights.items():
+            rest = key[len(prefix) :]
+            if rest.startswith(("shared_head.head.", "embed_tokens.")):
+                continue  # the target's own head and embedding
+            name = rest if rest.startswith(own) else f"block.{rest}"
+            renamed[name] = value.astype(dtype) if mx.issubdtype(value.dtype, mx.floating) else value
+        layer = MtpLayer(args)
+        try:
+            layer.load_weights(list(renamed.items()), strict=True)
+        except ValueError as e:
+            raise CheckpointError(f"the MTP layer in {folder} ({prefix}*) lacks weights it needs: {e}") from e
+        mx.eval(layer.parameters())  # type: ignore[no-untyped-call]  # mlx.nn.Module is unannotated
+        layer.eval()
+        return cls(layer, target, folder, prefill_chunk)
+
+
+class MtpDrafter:
+    """A `Drafter` for one row reading the target's final hidden states (`FeatureReader`): its cache
+    holds `entries` entries (positions 1..entries), and `_hidden` the hidden states of positions
+    `entries`.. not entered yet (their next token not known when they came)."""
+
+    def __init__(self, draft: MtpDraft) -> None:
+        self.draft = draft
+        self.cache = ShiftedCache()
+        self._hidden: mx.array | None = None
+        self.lost = False
+
+    @property
+    def entries(self) -> int:
+        return self.cache.entries
+
+    @property
+    def _known(self) -> int:
+        """Positions whose hidden states the drafter holds (entered or not)."""
+        return self.entries + (0 if self._hidden is None else self._hidden.shape[1])
+
+    def take_features(self, position: int, features: mx.array, tokens: Sequence[int]) -> list[mx.array]:
+        """The target's final hidden states (1, W, hidden) of the row's positions from `position` on;
+        `tokens` the row's tokens so far. Enters what their tokens allow; returns the cache's arrays."""
+        if self.lost:
+            return []
+        self._forget_from(position)
+        if position > self._known and not self._catch_up(tokens, position):
+            return []
+        self._hidden = features if self._hidden is None else mx.concatenate([self._hidden, features], axis=1)
+        self._enter(tokens, len(tokens) - 1)
+        return [a for a in (self.cache.inner.keys, self.cache.inner.values) if a is not None]
+
+    def propose(self, tokens: Sequence[int], depth: int) -> list[int]:
+        """The draft after the row's latest token (`tokens[-1]`, not fed yet): the MTP layer's argmax at
+        its position, every entry before it made."""
+        if depth <= 0 or len(tokens) < 2 or self.lost:
+            return []
+        before = len(tokens) - 1  # hidden states of positions 0..before - 1 are needed
+        self._forget_from(before)
+        if self._known < before and not self._catch_up(tokens, before):
+            return []
+        out = self._enter(tokens, before)
+        if out is None:
+            return []
+        logits = self.draft.target.logits(out[:, -1])
+        return [int(cast("int", mx.argmax(logits, axis=-1).item()))]
+
+    def may_propose(self, tokens: Sequence[int]) -> bool:
+        return not self.lost
+
+    def accepted(self, proposed: int, kept: int) -> None:
+        """Nothing to roll back: entries are made of kept tokens only, and hidden states of drafts not
+        kept are replaced when the next forward feeds their positions."""
+
+    def _enter(self, tokens: Sequence[int], upto: int) -> mx.array | None:
+        """Make the entries of positions entries + 1 .. upto (their tokens known, their predecessors'
+        hidden states held); the outputs of those made (None for none)."""
+        start = self.entries
+        n = min(upto, self._known) - start
+        if n <= 0 or self._hidden is None:
+            return None
+        hidden, rest = self._hidden[:, :n], self._hidden[:, n:]
+        self._hidden = rest if rest.shape[1] else None
+        return self.draft.outputs(tokens[start + 1 : start + 1 + n], hidden, self.cache)
+
+    def _forget_from(self, position: int) -> None:
+        """Forget the hidden states of positions from `position` on, and the entries made of them."""
+        if position < self.entries:
+            self.cache.trim(self.entries - position)
+            self._hidden = None
+        elif self._hidden is not None and position < self._known:
+            keep = position - self.entries
+            self._hidden = self._hidden[:, :keep] if keep else None
+
+    def _catch_up(self, tokens: Sequence[int], upto: int) -> bool:
+        """Hold the hidden states of positions 0..upto - 1 from a forward of the target's own, from an
+        empty drafter (a row's prompt); False, and the drafter stops, on a gap (not expected)."""
+        if self._known or upto > len(tokens):
+            log.warning("an MTP drafter lost its row (%d held, %d wanted): it stops", self._known, upto)
+            self.lost = True
+            return False
+        self._hidden = self.draft.features(tokens[:upto])
+        return True
