@@ -303,11 +303,12 @@ def test_the_prefix_cache_restores_past_the_window_in_generation(folder: Path, m
 
 
 def test_scoring_past_the_window_gives_a_cold_runs_logprobs(folder: Path, model: Model) -> None:
-    """A long shared context, then branches longer than a rollback keeps (the score tree goes back to
-    the context after each): every prompt token's logprob is the full sequence's own."""
+    """A long shared context, then branches far longer than a rollback keeps (the score tree goes back
+    to the context after each: its caches are pinned there): every prompt token's logprob is the full
+    sequence's own."""
     engine = _engine(folder)
     context = _ids(model, 640, seed=50)
-    branches = [_ids(model, 300, seed=51), _ids(model, 40, seed=52)]
+    branches = [_ids(model, 600, seed=51), _ids(model, 40, seed=52)]
     prompts = [context + b for b in branches] + [context + branches[0][:150] + _ids(model, 90, seed=53)]
     rows = [{"prompt_ids": p, "prompt_logprobs": True} for p in prompts]
     result = engine.score(ScoreRequest.model_validate({"rows": rows}))
@@ -414,3 +415,18 @@ def test_a_windowed_batch_holds_the_last_columns_of_every_row_through_every_memb
     check()
     assert batches[window].keys is not None and batches[None].keys is not None
     assert batches[window].keys.shape[2] <= batches[None].keys.shape[2] // 2
+
+
+def test_a_windowed_cache_rolls_back_what_a_rollback_may_take_and_refuses_more() -> None:
+    cache = KVCache(5)
+    for _ in range(900):
+        cache.update_and_fetch(mx.zeros((1, 1, 1, 2)), mx.zeros((1, 1, 1, 2)))
+    assert cache.base > 0 and cache.offset - cache.base < 5 + ROLLBACK + 2 * KVCache.step
+    assert cache.trim(ROLLBACK) == ROLLBACK
+    with pytest.raises(ValueError, match="cannot go back"):
+        cache.trim(cache.offset - cache.base)
+    pinned = KVCache(5)
+    pinned.pinned = 100  # a score tree goes back to position 100 after each branch
+    for _ in range(900):
+        pinned.update_and_fetch(mx.zeros((1, 1, 1, 2)), mx.zeros((1, 1, 1, 2)))
+    assert pinned.base == 0 and pinned.trim(800) == 800
