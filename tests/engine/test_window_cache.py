@@ -23,7 +23,7 @@ from reference import hf_greedy, hf_logits, load_hf_model, make_hf_checkpoint, r
 from mlxq.jobs.schema import GenerateRequest, ScoreRequest
 from mlxq.worker.engine import Engine, EngineOptions
 from mlxq.worker.engine.cache.batch_cache import BatchKVCache
-from mlxq.worker.engine.cache.kv_cache import ROLLBACK, KVCache, held_columns
+from mlxq.worker.engine.cache.kv_cache import ROLLBACK, KVCache, held_columns, key_columns
 from mlxq.worker.engine.cache.prefix_cache import PrefixCache
 from mlxq.worker.engine.generate import DecodeBatch, prefill
 from mlxq.worker.engine.generation_batch import Finished, GenerationBatch, generate
@@ -430,3 +430,26 @@ def test_a_windowed_cache_rolls_back_what_a_rollback_may_take_and_refuses_more()
     for _ in range(900):
         pinned.update_and_fetch(mx.zeros((1, 1, 1, 2)), mx.zeros((1, 1, 1, 2)))
     assert pinned.base == 0 and pinned.trim(800) == 800
+
+
+def test_the_batch_kv_budget_counts_a_windowed_layer_at_most_its_window_and_slack(
+    folder: Path, model: Model
+) -> None:
+    """Rows that may reach 3,000 positions: a budget of two such rows as the windowed caches hold them
+    seats two, where counting every layer's every column (as before) would seat one."""
+    engine = _engine(folder)
+    columns = key_columns(20 + 3000 + BatchKVCache.step)  # what `GenerationBatch._fits` counts a row at
+    row = engine.kv_bytes(columns)
+    windows = model.model.windows
+    assert row == sum(held_columns(columns, w) for w in windows) * engine.kv_bytes_per_token // len(windows)
+    assert row < engine.kv_bytes_per_token * columns
+    batch = GenerationBatch(engine, max_sequences=3, kv_budget_bytes=2 * row)
+    for i in range(3):
+        batch.admit(
+            str(i), _greedy(engine, _ids(model, 20, seed=80 + i), 3000), lambda _t, _i: None, lambda: False
+        )
+    for _ in range(4):
+        batch.step()
+    assert len(batch.decoding) == 2 and len(batch.waiting) == 1
+    batch.abort(RuntimeError("done"))
+    batch.close()
