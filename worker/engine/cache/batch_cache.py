@@ -77,6 +77,7 @@ class BatchKVCache:
         self._starts = mx.zeros((0,), dtype=mx.int32)
         self._aligned = True
         self.holes: list[int] = []  # per row: columns after its start it does not own (`trim_rows`)
+        self._most_holes = 0
         self._hidden: mx.array | None = None  # (B, width <= end) bool, True at holes; None: no holes
         self._holes = mx.zeros((0,), dtype=mx.int32)
 
@@ -137,6 +138,7 @@ class BatchKVCache:
             new = new | mx.pad(self._hidden, [(0, 0), (0, self.end - self._hidden.shape[1])])
         self._hidden = new
         self.holes = [h + most - k for h, k in zip(self.holes, kept, strict=True)]
+        self._most_holes = max(self.holes)
         self._holes = mx.array(self.holes, dtype=mx.int32)
         self._aligned = False
 
@@ -173,9 +175,9 @@ class BatchKVCache:
         """A windowed layer: drop the whole steps of oldest columns no row's next queries see (a row's
         last window - 1 own columns lie within window - 1 + its holes columns before `end`), in one
         copy; the buffers keep their shape unless it is far more than the held columns need."""
-        if self.keys is None or self.values is None or not self.starts:
+        if self.window is None or self.keys is None or self.values is None or not self.starts:
             return
-        base = slide_base(self.base, self.end - max(self.holes), self.window, self.step)
+        base = slide_base(self.base, self.end - self._most_holes, self.window, self.step)
         if base == self.base:
             return
         drop, held = base - self.base, self.end - self.base
@@ -411,6 +413,7 @@ class BatchKVCache:
         self.starts, self.end = starts, end
         self._starts = mx.array(starts, dtype=mx.int32)
         self.holes = holes if holes is not None and any(holes) else [0] * len(starts)
+        self._most_holes = max(self.holes, default=0)  # a windowed layer's `_slide` reads it every write
         self._hidden = hidden if any(self.holes) else None
         self._holes = mx.array(self.holes, dtype=mx.int32)
         self._aligned = not any(starts) and self._hidden is None

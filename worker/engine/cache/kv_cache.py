@@ -84,6 +84,8 @@ class KVCache:
         """A windowed cache: drop the whole steps of oldest columns no query from `offset` on sees (nor
         one after a rollback, nor one from `pinned` on), in one copy; the buffers keep their shape unless
         it is far more than the held columns need."""
+        if self.window is None:
+            return
         first = self.offset if self.pinned is None else min(self.offset, self.pinned)
         base = slide_base(self.base, first, self.window, self.step)
         if base == self.base or self.keys is None or self.values is None:
