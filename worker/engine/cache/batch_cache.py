@@ -343,6 +343,7 @@ class BatchKVCache:
         padding = padding or []
         if not rows:
             self.keys = self.values = None
+            self.base = 0
             self._set([], 0)
             return
         assert self.keys is not None and self.values is not None
