@@ -37,7 +37,7 @@ from mlxq.jobs.schema import (
     Usage,
 )
 from mlxq.worker.engine import launcher as launchers
-from mlxq.worker.engine.cache.kv_cache import KVCache
+from mlxq.worker.engine.cache.kv_cache import KVCache, held_columns
 from mlxq.worker.engine.cache.prefix_cache import PrefixCache
 from mlxq.worker.engine.constraint import ConstraintCompiler
 from mlxq.worker.engine.device import memory_figures, on_gpu
@@ -349,7 +349,7 @@ class Engine:
         `min_reuse` tokens), and that prefix's length."""
         if self.prefix_cache is None:
             return self.model.make_cache(), 0
-        return self.prefix_cache.begin(prompt, len(self.model.layers), min_reuse)
+        return self.prefix_cache.begin(prompt, len(self.model.layers), min_reuse, self.model.model.windows)
 
     # --- scoring --------------------------------------------------------------------------------
 
@@ -567,9 +567,20 @@ class Engine:
 
     @property
     def kv_bytes_per_token(self) -> int:
-        """Bytes of keys and values one token adds to a sequence's cache (all layers)."""
+        """Bytes of keys and values one token adds to a sequence's cache (all layers), as long as no
+        sliding-window layer has reached its window (`kv_bytes` counts those)."""
+        return len(self.model.layers) * self._layer_bytes_per_token
+
+    @property
+    def _layer_bytes_per_token(self) -> int:
         itemsize = self.model.model.norm.weight.dtype.size  # floating weights are in the compute dtype
-        return len(self.model.layers) * self.model.args.cache_features * itemsize
+        return self.model.args.cache_features * itemsize
+
+    def kv_bytes(self, columns: int) -> int:
+        """Bytes of keys and values one row of a decode batch holds at `columns` columns: a global
+        layer's every column, a sliding-window layer's at most its window and slack (`held_columns`)."""
+        held = sum(held_columns(columns, window) for window in self.model.model.windows)
+        return held * self._layer_bytes_per_token
 
     @property
     def max_prompt_chars(self) -> int:

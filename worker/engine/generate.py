@@ -247,7 +247,7 @@ class DecodeBatch:
         self.masks_in_place = masks_in_place
         self.ragged_kernel = ragged_attention.available() if ragged_kernel is None else ragged_kernel
         self._window = min((w for w in model.model.windows if w is not None), default=None)
-        self.cache = [BatchKVCache() for _ in model.layers]
+        self.cache = [BatchKVCache(window) for window in model.model.windows]
         self.rows: SamplerRows | None = None  # the live rows' samplers, in row order
         self._pending: mx.array | None = None  # (B,) each row's sampled token, not fed to the model yet
         self._pending_logprobs = PendingLogprobs()  # theirs, where rows asked (`token_logprobs.py`)
@@ -667,10 +667,11 @@ class DecodeBatch:
         if len(idle) < len(caches):
             return False
         targets = idle[: len(caches)]
+        if not all(layer.can_put([cache[n] for cache in caches]) for n, layer in enumerate(self.cache)):
+            return False  # longer than the batch's rows, or (windowed layers) holding too few columns
         for n, layer in enumerate(self.cache):
-            if not layer.put(targets, [cache[n] for cache in caches]):
-                assert n == 0, "the layers of a batch hold the same columns"
-                return False
+            taken = layer.put(targets, [cache[n] for cache in caches])
+            assert taken, "the layers of a batch took the same rows"
         self._set_slots([*self.slots, *targets])
         return True
 

@@ -260,14 +260,15 @@ class GenerationBatch:
     def _fits(self, seq: _Sequence, joining: list[_Sequence] | None = None) -> bool:
         """Whether `seq` may start (beside `joining`, starting with it): the decode batch's buffers at
         the rows' longest stay within the budget (padding rows, less than a step of shared left
-        padding and the spare room to a whole step included: see `batch_cache.py`)."""
+        padding and the spare room to a whole step included: see `batch_cache.py`; a sliding-window
+        layer's buffers hold at most its window and slack, however long the rows)."""
         active = [*self.decoding, *([self.prefilling] if self.prefilling else []), *(joining or [])]
         if not active or self.kv_budget_bytes <= 0:
             return True
         rows = [*active, seq]
         n = padded_size(len(rows), smallest=1) if self.engine.pad_shapes else len(rows)  # padding rows too
         columns = key_columns(max(s.longest for s in rows) + BatchKVCache.step)
-        need = n * columns * self.engine.kv_bytes_per_token
+        need = n * self.engine.kv_bytes(columns)  # sliding-window layers: their window's columns
         return need <= self.kv_budget_bytes
 
     def _drop_cancelled_waiting(self, finished: list[Finished]) -> None:

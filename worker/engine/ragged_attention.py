@@ -206,13 +206,32 @@ class RaggedRows:
         self.end = end  # columns written, this step's new one included
         self.meta = mx.array([end, capacity], dtype=mx.int32)
         self.positions = (end - 1) - starts  # (B,) int32: each row's length before the new token
+        self.capacity = capacity
+        self._placed: dict[tuple[int, int], RaggedRows] = {}
 
     def window(self, window: int) -> RaggedRows:
         """The same step for a sliding-window layer: each row's first visible column moves up to the
         last `window` columns (the new token's own included); positions are unchanged."""
+        return self._moved(mx.maximum(self.starts, self.end - window), self.end, self.capacity, self.meta)
+
+    def placed(self, base: int, capacity: int) -> RaggedRows:
+        """The same step over a layer's buffers that start at column `base` of the batch (a windowed
+        layer's cache drops its oldest columns: `batch_cache.py`) and hold `capacity` columns: every
+        column moved down by `base`. Made once per (base, capacity): every windowed layer of a forward
+        holds the same columns."""
+        if base == 0 and capacity == self.capacity:
+            return self
+        key = (base, capacity)
+        if key not in self._placed:
+            meta = mx.array([self.end - base, capacity], dtype=mx.int32)
+            self._placed[key] = self._moved(self.starts - base, self.end - base, capacity, meta)
+        return self._placed[key]
+
+    def _moved(self, starts: mx.array, end: int, capacity: int, meta: mx.array) -> RaggedRows:
+        """The same step's positions over other columns (no op for the positions)."""
         rows = RaggedRows.__new__(RaggedRows)
-        rows.starts = mx.maximum(self.starts, self.end - window)
-        rows.end, rows.meta, rows.positions = self.end, self.meta, self.positions
+        rows.starts, rows.end, rows.capacity, rows.meta = starts, end, capacity, meta
+        rows.positions, rows._placed = self.positions, {}
         return rows
 
 

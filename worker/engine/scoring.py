@@ -291,10 +291,14 @@ class PrefixScorer:
                 leaves.append(child)
                 continue
             if hit and self.prefix_cache is not None:
-                cache, reused[id(child)] = self.prefix_cache.begin(known, len(self.model.layers))
+                cache, reused[id(child)] = self.prefix_cache.begin(
+                    known, len(self.model.layers), windows=self.model.model.windows
+                )
             else:
                 cache = self.model.make_cache()
             self._extend(child, cache, 0, reused.get(id(child), 0))
+            for c in cache:  # every branch below goes back here: a windowed layer keeps what that needs
+                c.pinned = len(child.span)
             self._visit(child, child.span, cache)
         self._run_leaves(leaves, self.model.make_cache(), 0)
         out: list[list[int]] = [[] for _ in heads]

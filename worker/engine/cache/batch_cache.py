@@ -26,6 +26,18 @@ Membership changes copy the buffer once (like one step's attention reads it); st
 buffers always hold a whole number of steps (256 columns), spare room kept across membership changes:
 on a GPU every new buffer shape may cost kernel building, and rows leaving one by one made a new shape
 at almost every departure.
+A sliding-window layer's batch (`window` set) drops its oldest columns as its batch-1 cache does
+(`kv_cache.py`): the buffers start at column `base`, every other column number (`starts`, `end`,
+holes, masks) stays the batch's, the same in every layer, so one mask or one `RaggedRows` serves
+global and windowed layers alike (attention right-aligns a mask to the keys; `RaggedRows.placed`
+moves the kernel's columns). What is dropped before a write is what no row's next queries see: every
+row's last window - 1 own columns lie within the last window - 1 + its holes columns, and `ROLLBACK`
+more stay for a verify step's trim. The invariant every membership change keeps: each row's own
+columns from `base` on are all held. A row that joins with dropped positions has held its last
+window - 1 + `ROLLBACK` at least, so `base` moves up to where the latest joining row's held columns
+begin (what the others lose there is out of their windows too); `put` refuses such a row where its
+held columns begin after `base` (`add` then copies). A row that leaves takes its held columns (`row`,
+with `base` its dropped positions).
 """
 
 from __future__ import annotations
@@ -35,7 +47,7 @@ from typing import cast
 import mlx.core as mx
 import numpy as np
 
-from mlxq.worker.engine.cache.kv_cache import KVCache, key_columns
+from mlxq.worker.engine.cache.kv_cache import KVCache, key_columns, slide_base
 
 
 def _pad_columns(a: mx.array, left: int, right: int) -> mx.array:
@@ -55,7 +67,9 @@ class BatchKVCache:
 
     step = 256
 
-    def __init__(self) -> None:
+    def __init__(self, window: int | None = None) -> None:
+        self.window = window  # a sliding-window layer's window: older columns are dropped
+        self.base = 0  # columns dropped: the buffers' column 0 is the batch's column `base`
         self.keys: mx.array | None = None
         self.values: mx.array | None = None
         self.starts: list[int] = []  # per row: first column it owns
@@ -63,6 +77,7 @@ class BatchKVCache:
         self._starts = mx.zeros((0,), dtype=mx.int32)
         self._aligned = True
         self.holes: list[int] = []  # per row: columns after its start it does not own (`trim_rows`)
+        self._most_holes = 0
         self._hidden: mx.array | None = None  # (B, width <= end) bool, True at holes; None: no holes
         self._holes = mx.zeros((0,), dtype=mx.int32)
 
@@ -123,14 +138,15 @@ class BatchKVCache:
             new = new | mx.pad(self._hidden, [(0, 0), (0, self.end - self._hidden.shape[1])])
         self._hidden = new
         self.holes = [h + most - k for h, k in zip(self.holes, kept, strict=True)]
+        self._most_holes = max(self.holes)
         self._holes = mx.array(self.holes, dtype=mx.int32)
         self._aligned = False
 
     def reserve(self, n: int) -> None:
         """Make room for `n` more columns (whole steps at a time), so the next writes grow nothing."""
         assert self.keys is not None and self.values is not None, "add rows before decoding"
-        if self.end + n > self.keys.shape[2]:
-            extra = -(-(self.end + n - self.keys.shape[2]) // self.step) * self.step
+        if self.end + n - self.base > self.keys.shape[2]:
+            extra = -(-(self.end + n - self.base - self.keys.shape[2]) // self.step) * self.step
             self.keys = _pad_columns(self.keys, 0, extra)
             self.values = _pad_columns(self.values, 0, extra)
 
@@ -141,18 +157,40 @@ class BatchKVCache:
 
     def write(self, keys: mx.array, values: mx.array) -> None:
         """Append (B, n_kv_heads, L, head_dim) at column `end` for every row."""
+        self._slide()
         start, n = self.end, keys.shape[2]
         self.reserve(n)
         assert self.keys is not None and self.values is not None
         self.end = start + n
-        self.keys[..., start : self.end, :] = keys
-        self.values[..., start : self.end, :] = values
+        self.keys[..., start - self.base : self.end - self.base, :] = keys
+        self.values[..., start - self.base : self.end - self.base, :] = values
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        """`write`, then return all columns so far."""
+        """`write`, then return all columns held (a windowed layer's from `base` on)."""
         self.write(keys, values)
         assert self.keys is not None and self.values is not None
-        return self.keys[..., : self.end, :], self.values[..., : self.end, :]
+        return self.keys[..., : self.end - self.base, :], self.values[..., : self.end - self.base, :]
+
+    def _slide(self) -> None:
+        """A windowed layer: drop the whole steps of oldest columns no row's next queries see (a row's
+        last window - 1 own columns lie within window - 1 + its holes columns before `end`), in one
+        copy; the buffers keep their shape unless it is far more than the held columns need."""
+        if self.window is None or self.keys is None or self.values is None or not self.starts:
+            return
+        base = slide_base(self.base, self.end - self._most_holes, self.window, self.step)
+        if base == self.base:
+            return
+        drop, held = base - self.base, self.end - self.base
+        # The same shape (the dropped steps become spare room), or a step past the held columns where
+        # a long chunk or a joining row left far more.
+        spare = min(self.keys.shape[2], key_columns(held - drop) + self.step) - (held - drop)
+        self.keys, self.values = (
+            mx.concatenate(
+                [a[..., drop:held, :], mx.zeros((*a.shape[:2], spare, a.shape[3]), a.dtype)], axis=2
+            )
+            for a in (self.keys, self.values)
+        )
+        self.base = base
 
     # --- membership -----------------------------------------------------------------------------
 
@@ -174,27 +212,39 @@ class BatchKVCache:
             and row.offset > 0
             and row.keys.shape[2] % self.step == 0
         ):
-            self.keys, self.values = row.keys, row.values
+            self.keys, self.values, self.base = row.keys, row.values, row.base
             self._set([0], row.offset)
             row.keys = row.values = None
-            row.offset = 0
+            row.offset = row.base = 0
             return
         new_end = max(self.end, *(r.offset for r in rows))
         grow = new_end - self.end
         spare = key_columns(new_end + 1) - new_end  # whole steps, room for the next token
+        # Where each part with dropped positions (a windowed layer's) holds its columns from, in the new
+        # numbering: the buffers start at the latest, so every row's own columns past it are held.
+        held = [self.base + grow] if self.keys is not None and self.base else []
+        held += [new_end - r.offset + r.base for r in rows if r.base]
+        base = max([0, *held])
+        spare = key_columns(new_end - base + 1) - (new_end - base)  # whole steps, room for the next token
         parts_k, parts_v = [], []
+
+        def part(a: mx.array, first: int) -> mx.array:
+            """Columns of a part whose column 0 is the batch's `first`, from `base` to `new_end`."""
+            return _pad_columns(a[..., max(base - first, 0) :, :], max(first - base, 0), spare)
+
         if self.keys is not None and self.values is not None:
-            parts_k.append(_pad_columns(self.keys[..., : self.end, :], grow, spare))
-            parts_v.append(_pad_columns(self.values[..., : self.end, :], grow, spare))
+            parts_k.append(part(self.keys[..., : self.end - self.base, :], self.base + grow))
+            parts_v.append(part(self.values[..., : self.end - self.base, :], self.base + grow))
         starts = [s + grow for s in self.starts]
         for row in rows:
             keys, values = row.state
             if keys.shape[0] != 1:
                 raise ValueError(f"rows join a batch one at a time, got a batch-{keys.shape[0]} cache")
             pad = new_end - row.offset
-            parts_k.append(_pad_columns(keys, pad, spare))
-            parts_v.append(_pad_columns(values, pad, spare))
+            parts_k.append(part(keys, pad + row.base))
+            parts_v.append(part(values, pad + row.base))
             starts.append(pad)
+        self.base = base
         self.keys = mx.concatenate(parts_k, axis=0)
         self.values = mx.concatenate(parts_v, axis=0)
         hidden = self._hidden
@@ -213,6 +263,7 @@ class BatchKVCache:
             return False
         width = prefilled.width
         spare = key_columns(width + 1) - width
+        self.base = 0
         self.keys = _pad_columns(prefilled.keys, 0, spare)
         self.values = _pad_columns(prefilled.values, 0, spare)
         padding = len(prefilled.new) - rows
@@ -223,13 +274,24 @@ class BatchKVCache:
         """Write batch-1 caches into rows `slots` (padding or rows that left), each ending at column
         `end` like every row: no copy of the buffers. False (nothing written) where a cache is longer
         than `end`: then every row needs more left padding, which `add` does."""
-        if self.keys is None or self.values is None or any(r.offset > self.end for r in rows):
+        if not self.can_put(rows):
             return False
-        width = max(r.offset for r in rows)  # one write per buffer: the rows left-padded to one width
+        assert self.keys is not None and self.values is not None
+        # One write per buffer: the rows' held columns from `base` on (a windowed layer's older ones
+        # are out of every window), left-padded to one width.
+        held = [max(self.end - r.offset + r.base, self.base) for r in rows]  # first column written
+        width = self.end - min(held)
         index = mx.array(slots, dtype=mx.int32)
         for i, buffer in enumerate((self.keys, self.values)):
-            block = mx.concatenate([_pad_columns(r.state[i], width - r.offset, 0) for r in rows])
-            buffer[index, :, self.end - width : self.end, :] = block
+            block = mx.concatenate(
+                [
+                    _pad_columns(
+                        r.state[i][:, :, h - (self.end - r.offset + r.base) :], h - (self.end - width), 0
+                    )
+                    for r, h in zip(rows, held, strict=True)
+                ]
+            )
+            buffer[index, :, self.end - self.base - width : self.end - self.base, :] = block
         starts, holes, hidden = list(self.starts), list(self.holes), self._hidden
         for slot, row in zip(slots, rows, strict=True):
             starts[slot], holes[slot] = self.end - row.offset, 0
@@ -237,6 +299,13 @@ class BatchKVCache:
             hidden[index] = mx.zeros((len(slots), hidden.shape[1]), dtype=mx.bool_)
         self._set(starts, self.end, holes, hidden)
         return True
+
+    def can_put(self, rows: list[KVCache]) -> bool:
+        """Whether `put` takes these caches: none longer than `end`, and none holding its columns from
+        after `base` on (a windowed row's dropped positions there would be missing)."""
+        if self.keys is None or any(r.offset > self.end for r in rows):
+            return False
+        return all(not r.base or self.end - r.offset + r.base <= self.base for r in rows)
 
     def add_padding(self, n: int) -> None:
         """Append `n` rows that hold no tokens (all columns masked): they keep the batch at a padded
@@ -254,14 +323,18 @@ class BatchKVCache:
         """Row `i` alone, as a batch-1 cache holding exactly its own tokens (its holes left out)."""
         assert self.keys is not None and self.values is not None
         s = self.starts[i]
-        keys, values = self.keys[i : i + 1, :, s : self.end, :], self.values[i : i + 1, :, s : self.end, :]
+        lo = max(s, self.base)  # a windowed layer's own columns before `base` are dropped
+        keys = self.keys[i : i + 1, :, lo - self.base : self.end - self.base, :]
+        values = self.values[i : i + 1, :, lo - self.base : self.end - self.base, :]
+        dropped = lo - s
         if self.holes[i] and self._hidden is not None:
             hidden = cast("list[bool]", self._hidden[i].tolist())
+            dropped -= sum(hidden[s : min(lo, len(hidden))])
             own = mx.array(
-                [c - s for c in range(s, self.end) if c >= len(hidden) or not hidden[c]], dtype=mx.int32
+                [c - lo for c in range(lo, self.end) if c >= len(hidden) or not hidden[c]], dtype=mx.int32
             )
             keys, values = keys[:, :, own, :], values[:, :, own, :]
-        return KVCache.from_state(keys, values)
+        return KVCache.from_state(keys, values, base=dropped, window=self.window)
 
     def keep(self, rows: list[int], padding: list[int] | None = None) -> None:
         """Keep only `rows` (in this order), then the rows `padding` as padding rows (their tokens masked,
@@ -270,51 +343,68 @@ class BatchKVCache:
         padding = padding or []
         if not rows:
             self.keys = self.values = None
+            self.base = 0
             self._set([], 0)
             return
         assert self.keys is not None and self.values is not None
         index = mx.array([*rows, *padding], dtype=mx.int32)
         if any(self.holes[i] for i in rows):  # copied anyway: the rows' holes squeezed out on the way
-            self.keys, self.values, starts = self._squeezed(index, len(rows))
-            end = self.end
+            self.keys, self.values, starts, self.base = self._squeezed(index, len(rows))
             padding_starts = starts[len(rows) :]
             starts = starts[: len(rows)]
             trim = min(starts) // self.step * self.step
-            self.keys, self.values = self.keys[:, :, trim:, :], self.values[:, :, trim:, :]
+            cut = max(trim - self.base, 0)  # buffer columns before the new first one
+            self.keys, self.values = self.keys[:, :, cut:, :], self.values[:, :, cut:, :]
         else:
             padding_starts = [self.end] * len(padding)
             starts = [self.starts[i] for i in rows]
             trim = min(starts) // self.step * self.step
-            self.keys = self.keys[index, :, trim:, :]
-            self.values = self.values[index, :, trim:, :]
+            cut = max(trim - self.base, 0)
+            self.keys = self.keys[index, :, cut:, :]
+            self.values = self.values[index, :, cut:, :]
+        self.base = max(self.base, trim) - trim
         end = self.end - trim
         self._set([*(s - trim for s in starts), *(s - trim for s in padding_starts)], end)
 
-    def _squeezed(self, index: mx.array, live: int) -> tuple[mx.array, mx.array, list[int]]:
+    def _squeezed(self, index: mx.array, live: int) -> tuple[mx.array, mx.array, list[int], int]:
         """Buffers holding the rows `index` (the first `live` of them rows, the rest padding) with every
         row's own columns right-aligned at `end`, its holes gone (one gather), spare room to a whole
-        step after `end`; and each row's first column."""
+        step after `end`; each row's first column; and the buffers' first column.
+
+        A windowed layer's row may have dropped its oldest own columns: its held ones, right-aligned,
+        then begin after its start, and the buffers begin where the latest such row's held columns
+        do (no row's columns past the buffers' first are then missing; every row keeps at least its
+        window and a rollback: each held that many own columns from `base` on)."""
         assert self.keys is not None and self.values is not None and self._hidden is not None
         picked = cast("list[int]", index.tolist())
         hidden = np.zeros((len(picked), self.end), dtype=bool)
         width = min(self._hidden.shape[1], self.end)
         hidden[:, :width] = np.array(self._hidden[index, :width])
-        columns = np.zeros((len(picked), self.end), dtype=np.int32)  # padding reads column 0: masked
-        starts = []
+        owned, starts = [], []
+        base = self.base
         for n, row in enumerate(picked):
             first_own = self.starts[row] if n < live else self.end  # a padding row owns nothing
             own = np.arange(first_own, self.end, dtype=np.int32)[~hidden[n, first_own:]]
-            first = self.end - len(own)
-            columns[n, first:] = own
-            starts.append(first)
+            held = own[own >= self.base] - self.base
+            if len(held) < len(own):
+                base = max(base, self.end - len(held))
+            owned.append(held)
+            starts.append(self.end - len(own))
+        # Buffer columns (from the old `base`) to gather: padding reads column 0, masked.
+        columns = np.zeros((len(picked), self.end - base), dtype=np.int32)
+        for n, held in enumerate(owned):
+            if len(held) > self.end - base:
+                held = held[len(held) - (self.end - base) :]
+            columns[n, self.end - base - len(held) :] = held
         gather = mx.array(columns)[:, None, :, None]
-        spare = key_columns(self.end + 1) - self.end
+        spare = key_columns(self.end - base + 1) - (self.end - base)
         out = []
         for buffer in (self.keys, self.values):
-            rows = buffer[index, :, : self.end, :]
-            picked_columns = mx.take_along_axis(rows, mx.broadcast_to(gather, rows.shape), axis=2)
+            rows = buffer[index, :, : self.end - self.base, :]
+            shape = (*rows.shape[:2], self.end - base, rows.shape[3])
+            picked_columns = mx.take_along_axis(rows, mx.broadcast_to(gather, shape), axis=2)
             out.append(_pad_columns(picked_columns, 0, spare))
-        return out[0], out[1], starts
+        return out[0], out[1], starts, base
 
     def _set(
         self, starts: list[int], end: int, holes: list[int] | None = None, hidden: mx.array | None = None
@@ -324,6 +414,7 @@ class BatchKVCache:
         self.starts, self.end = starts, end
         self._starts = mx.array(starts, dtype=mx.int32)
         self.holes = holes if holes is not None and any(holes) else [0] * len(starts)
+        self._most_holes = max(self.holes, default=0)  # a windowed layer's `_slide` reads it every write
         self._hidden = hidden if any(self.holes) else None
         self._holes = mx.array(self.holes, dtype=mx.int32)
         self._aligned = not any(starts) and self._hidden is None
@@ -349,6 +440,9 @@ class PrefillRowsCache:
     `offset` (each row's RoPE position of column E) makes the real tokens' positions continue right
     after the cached part, exactly as when the row is prefilled alone. `row_cache` then gives each row
     back its own tokens only, without the padding.
+    A sliding-window layer's cached parts may have dropped their oldest positions (`kv_cache.py`): the
+    buffers then start at column `base`, the first any row holds (the mask, over every column, is
+    right-aligned to them by attention).
     """
 
     def __init__(self, rows: list[KVCache], new: list[int], width: int = 0, end: int = 0) -> None:
@@ -357,16 +451,21 @@ class PrefillRowsCache:
         self.end = max(end, *self.cached)  # E
         self.width = max(width, *new)  # M
         self.starts = [self.end - c for c in self.cached]
+        self.window = rows[0].window
+        self.dropped = [r.base for r in rows]  # each cached part's positions dropped
+        held = [s + d for s, d in zip(self.starts, self.dropped, strict=True)]
+        self.base = min(held) if any(self.dropped) else 0
         self.keys: mx.array | None = None
         self.values: mx.array | None = None
         if self.end:
             like = next(r.state for r in rows if r.offset)
 
             def stacked(i: int) -> mx.array:  # 0: keys, 1: values; an empty row is all padding
-                empty = mx.zeros((1, like[i].shape[1], self.end, like[i].shape[3]), like[i].dtype)
+                shape = (1, like[i].shape[1], self.end - self.base, like[i].shape[3])
+                empty = mx.zeros(shape, like[i].dtype)
                 padded = [
-                    _pad_columns(r.state[i], s, 0) if r.offset else empty
-                    for r, s in zip(rows, self.starts, strict=True)
+                    _pad_columns(r.state[i], h - self.base, 0) if r.offset else empty
+                    for r, h in zip(rows, held, strict=True)
                 ]
                 return mx.concatenate(padded, axis=0)
 
@@ -387,16 +486,20 @@ class PrefillRowsCache:
     def row_cache(self, i: int) -> KVCache:
         """Row `i`'s batch-1 cache after the forward: its cached tokens, then its new ones."""
         assert self.keys is not None and self.values is not None, "run the forward first"
-        first_new = self.end + self.width - self.new[i]
+        first_new = self.end + self.width - self.new[i] - self.base
+        held, end = self.starts[i] + self.dropped[i] - self.base, self.end - self.base
         parts = []
         for a in (self.keys, self.values):
             row = a[i : i + 1]
             if self.cached[i]:
-                row = mx.concatenate([row[:, :, self.starts[i] : self.end], row[:, :, first_new:]], axis=2)
+                row = mx.concatenate([row[:, :, held:end], row[:, :, first_new:]], axis=2)
             else:
                 row = row[:, :, first_new:]
             parts.append(row)
-        return KVCache.from_state(*parts)
+        keys, values = parts
+        return KVCache.from_state(
+            keys, values, base=self.dropped[i] if self.cached[i] else 0, window=self.window
+        )
 
 
 def prefill_mask(cache: PrefillRowsCache) -> mx.array | None:

@@ -10,6 +10,13 @@ wait in a heap in that order, re-entered whenever their place changes (stale ent
 popped), so an eviction costs a few heap operations, not a walk of the trie with every node's size
 summed again: with a few thousand nodes that made every offer into a full cache cost tens of
 milliseconds (62 ms at 5,000 nodes on the CPU).
+
+Sliding-window layers: a cache offered holds only a windowed layer's last positions (`kv_cache.py`), and
+a node stores what it got, so a node's windowed layers may lack the head of its span (`_Node.held_from`).
+A prefix of length p restores exactly when every windowed layer holds its window's last positions
+before p (the window - 1 a next query sees), or all of them from 0 on: `begin` reuses the longest such
+prefix of the match, and gives those layers only the positions their window needs (from a whole step
+on), so a restored prefix far longer than the window costs the window, not the prefix.
 """
 
 from __future__ import annotations
@@ -52,9 +59,12 @@ def _nbytes(layers: list[tuple[mx.array, mx.array]]) -> int:
 @dataclass(eq=False)
 class _Node:
     span: list[int]
-    layers: list[tuple[mx.array, mx.array]]  # per layer: keys, values (1, kv_heads, len(span), dim)
+    # per layer: keys, values (1, kv_heads, len(span), dim); a windowed layer's may hold only the last
+    # columns of the span (its older positions were dropped before it was offered)
+    layers: list[tuple[mx.array, mx.array]]
     parent: _Node | None
     depth: int  # tokens before this node's span
+    windows: list[int | None] = field(default_factory=list)  # per layer: its sliding window, or None
     children: dict[int, _Node] = field(default_factory=dict)
     last_used: int = 0
     nbytes: int = field(init=False)  # the layers' bytes, counted once (they are set with the node)
@@ -64,6 +74,17 @@ class _Node:
 
     def __post_init__(self) -> None:
         self.nbytes = _nbytes(self.layers)
+
+    @property
+    def held_from(self) -> int:
+        """The first position of the span that every layer holds."""
+        end = self.depth + len(self.span)
+        return max([self.depth, *(end - k.shape[2] for k, _ in self.layers)])
+
+    @property
+    def reach(self) -> int:
+        """Positions before a query its most far-seeing windowed layer sees (0: no windowed layer)."""
+        return max([0, *(w - 1 for w in self.windows if w is not None)])
 
     @property
     def order(self) -> tuple[int, int, int, int]:
@@ -79,16 +100,37 @@ def _own(layers: list[tuple[mx.array, mx.array]]) -> list[tuple[mx.array, mx.arr
     (`mx.async_eval`): a decode step already in flight keeps the device busy meanwhile, and nothing
     reads them before later work on the same stream."""
     flat = [a for kv in layers for a in kv]
-    if not flat or not flat[0].size:
-        return layers
+    if not flat or not any(a.size for a in flat):
+        return [(mx.zeros(k.shape, k.dtype), mx.zeros(v.shape, v.dtype)) for k, v in layers]
     if all(a.shape == flat[0].shape and a.dtype == flat[0].dtype for a in flat) and flat[0].shape[0] == 1:
         block = mx.concatenate(flat, axis=0)
         mx.async_eval(block)
         views = [block[i : i + 1] for i in range(len(flat))]
-    else:
-        views = [mx.contiguous(a * 1) for a in flat]
+    else:  # a windowed layer's held columns: fewer than a global layer's
+        views = [mx.contiguous(a * 1) if a.size else mx.zeros(a.shape, a.dtype) for a in flat]
         mx.async_eval(views)
     return [(views[2 * i], views[2 * i + 1]) for i in range(len(layers))]
+
+
+def _restorable(path: list[tuple[_Node, int]], use: int) -> int:
+    """The longest prefix of at most `use` tokens along `path` whose windowed layers hold what their
+    windows see: every position from `reach` before it, or all from 0 (the whole prefix for a model
+    with global layers only)."""
+    reach = max([0, *(node.reach for node, _ in path)])
+    if not reach:
+        return use
+    runs: list[list[int]] = []  # [first, end) of the stretches every layer holds, in order
+    for node, _ in path:
+        first, end = node.held_from, node.depth + len(node.span)
+        if runs and first == node.depth and runs[-1][1] == node.depth:
+            runs[-1][1] = end
+        elif first < end:
+            runs.append([first, end])
+    for first, end in reversed(runs):
+        p = min(use, end)
+        if p > first and (first == 0 or p - reach >= first):
+            return p
+    return 0
 
 
 class PrefixCache:
@@ -126,40 +168,60 @@ class PrefixCache:
 
     def peek(self, tokens: list[int], min_tokens: int = 1) -> int:
         """How many tokens `begin` would reuse, without touching the cache."""
-        use = min(self._match(tokens)[1], len(tokens) - 1)
+        path, matched = self._match(tokens)
+        use = _restorable(path, min(matched, len(tokens) - 1))
         return use if use >= max(1, min_tokens) else 0
 
-    def begin(self, tokens: list[int], n_layers: int, min_tokens: int = 1) -> tuple[list[KVCache], int]:
-        """A cache holding the longest cached prefix of `tokens` (at most len-1 tokens) and its length;
-        an empty one where that prefix is shorter than `min_tokens`."""
+    def begin(
+        self, tokens: list[int], n_layers: int, min_tokens: int = 1, windows: list[int | None] | None = None
+    ) -> tuple[list[KVCache], int]:
+        """A cache holding the longest cached prefix of `tokens` (at most len-1 tokens) that restores
+        exactly (see the module docstring) and its length; an empty one where that prefix is shorter
+        than `min_tokens`. `windows`: each layer's sliding window (the caches' kind), all global by
+        default."""
         self.stats.lookups += 1
+        windows = windows or [None] * n_layers
         path, matched = self._match(tokens)
-        use = min(matched, len(tokens) - 1)
+        use = _restorable(path, min(matched, len(tokens) - 1))
         if use < max(1, min_tokens):
-            return [KVCache() for _ in range(n_layers)], 0
+            return [KVCache(w) for w in windows], 0
         now = next(self._clock)
-        parts: list[list[tuple[mx.array, mx.array]]] = []
-        left = use
-        for node, k in path:
-            take = min(k, left)
-            if take <= 0:
+        nodes = []
+        for node, _ in path:
+            if node.depth >= use:
                 break
             self._touch(node, now)
-            parts.append([(kk[:, :, :take], vv[:, :, :take]) for kk, vv in node.layers])
-            left -= take
+            nodes.append(node)
         # One copy into buffers with room for the rest of the prompt, so its prefill writes in place
         # instead of copying the whole prefix again to grow (an 8k prefix is ~270 MB on a 1B model).
         # A whole number of steps: the size bucketed attention reads (`key_columns`).
         room = key_columns(len(tokens)) - use
         caches = []
         for layer in range(n_layers):
-            k0, v0 = parts[0][layer]
+            window = nodes[0].windows[layer] if nodes[0].windows else None
+            # A windowed layer takes the positions its window sees from `use` on, from a whole step on
+            # where the node holds them (a global layer: all, from 0).
+            first = 0 if window is None else max(0, use - (window - 1)) // KVCache.step * KVCache.step
+            parts_k: list[mx.array] = []
+            parts_v: list[mx.array] = []
+            start = use  # the parts hold positions start..use: back from `use` while they run on
+            for node in reversed(nodes):
+                kk, vv = node.layers[layer]
+                held = node.depth + len(node.span) - kk.shape[2]  # the position of its first column
+                lo, hi = max(first, held), min(node.depth + len(node.span), use)
+                if hi > lo:
+                    parts_k.insert(0, kk[:, :, lo - held : hi - held])
+                    parts_v.insert(0, vv[:, :, lo - held : hi - held])
+                    start = lo
+                if lo > node.depth or lo <= first:  # what comes before is not held, or not needed
+                    break
+            k0, v0 = parts_k[0], parts_v[0]
             spare_k = mx.zeros((*k0.shape[:2], room, k0.shape[3]), k0.dtype)
             spare_v = mx.zeros((*v0.shape[:2], room, v0.shape[3]), v0.dtype)
-            keys = mx.concatenate([*(p[layer][0] for p in parts), spare_k], axis=2)
-            values = mx.concatenate([*(p[layer][1] for p in parts), spare_v], axis=2)
-            cache = KVCache()
-            cache.keys, cache.values, cache.offset = keys, values, use
+            cache = KVCache(window)
+            cache.keys = mx.concatenate([*parts_k, spare_k], axis=2)
+            cache.values = mx.concatenate([*parts_v, spare_v], axis=2)
+            cache.base, cache.offset = start, use
             caches.append(cache)
         self.stats.hits += 1
         self.stats.hit_tokens += use
@@ -188,8 +250,14 @@ class PrefixCache:
         now = next(self._clock)
         for node, _ in path:
             self._touch(node, now)
-        layers = _own([(k[:, :, matched:n], v[:, :, matched:n]) for k, v in (c.state for c in cache)])
-        child = _Node(span=tokens[matched:], layers=layers, parent=parent, depth=matched, last_used=now)
+        # A windowed layer's cache holds positions from its `base` on: the node keeps those it has.
+        first = [max(matched, c.base) - c.base for c in cache]  # the first held column to store
+        held = [(c.state, a, max(n - c.base, a)) for c, a in zip(cache, first, strict=True)]
+        layers = _own([(k[:, :, a:b], v[:, :, a:b]) for (k, v), a, b in held])
+        windows = [c.window for c in cache]
+        child = _Node(
+            span=tokens[matched:], layers=layers, parent=parent, depth=matched, last_used=now, windows=windows
+        )
         parent.children[tokens[matched]] = child
         self._candidate(child)
         self.stats.bytes += child.nbytes
@@ -201,14 +269,19 @@ class PrefixCache:
     def _split(self, node: _Node, k: int) -> _Node:
         """Cut `node` after k tokens of its span; return the new upper part (which keeps the position)."""
         assert node.parent is not None
+        # A layer missing the span's first m positions (windowed) keeps its columns from k - m on.
+        cut = [max(0, k - (len(node.span) - kk.shape[2])) for kk, _ in node.layers]
         head = _Node(
             span=node.span[:k],
             parent=node.parent,
             depth=node.depth,
             last_used=node.last_used,
-            layers=_own([(kk[:, :, :k], vv[:, :, :k]) for kk, vv in node.layers]),
+            layers=_own([(kk[:, :, :c], vv[:, :, :c]) for (kk, vv), c in zip(node.layers, cut, strict=True)]),
+            windows=node.windows,
         )
-        tail_layers = _own([(kk[:, :, k:], vv[:, :, k:]) for kk, vv in node.layers])
+        tail_layers = _own(
+            [(kk[:, :, c:], vv[:, :, c:]) for (kk, vv), c in zip(node.layers, cut, strict=True)]
+        )
         before = node.nbytes
         node.parent.children[node.span[0]] = head
         node.span, node.layers, node.parent, node.depth = node.span[k:], tail_layers, head, node.depth + k

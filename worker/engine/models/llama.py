@@ -4,7 +4,8 @@ These differ only in two switches, so one file holds them all: `qkv_bias` (Qwen2
 q/k/v, never on o) and `qk_norm` (Qwen3 RMS-normalises each head of q and k before RoPE). Module
 attribute names equal the Hugging Face checkpoint keys, so weights load without a mapping table.
 A config's sliding window (Mistral, Phi-3, Qwen2's `layer_types`) narrows the attention of the layers it
-applies to (`layer_windows`, `window.py`); the caches are the same for every layer.
+applies to (`layer_windows`, `window.py`); their caches drop what the window no longer sees
+(`kv_cache.py`).
 """
 
 from __future__ import annotations
@@ -206,7 +207,8 @@ class Attention(nn.Module):
             q, k = self.rope(q, offset=mask.positions), self.rope(k, offset=mask.positions)
             cache.write(k, v)  # the kernel reads the buffers themselves
             assert cache.keys is not None and cache.values is not None
-            out = decode_attention(q, cache.keys, cache.values, mask, self.scale)
+            rows = mask.placed(cache.base, cache.capacity)
+            out = decode_attention(q, cache.keys, cache.values, rows, self.scale)
         else:
             offset = cache.offset if cache is not None else 0
             q = self.rope(q, offset=offset if last is None else offset + last)
@@ -218,6 +220,10 @@ class Attention(nn.Module):
                 k, v = cache.update_and_fetch(k, v, columns)
             if isinstance(mask, mx.array) and mask.shape[-1] < k.shape[2]:  # a window's band (`window.py`)
                 k, v = k[..., -mask.shape[-1] :, :], v[..., -mask.shape[-1] :, :]
+            elif isinstance(mask, mx.array) and mask.shape[-1] > k.shape[2]:
+                # A windowed cache's buffers start past position 0 (`kv_cache.py`): masks are built over
+                # every position, and both end at the last one.
+                mask = mask[..., -k.shape[2] :]
             out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(b, xq.shape[1], -1))
 
@@ -240,7 +246,8 @@ class Attention(nn.Module):
         qk = self.rope(qk, offset=rows.positions)
         cache.write(qk[:, h:], v)  # the kernel reads the buffers themselves
         assert cache.keys is not None and cache.values is not None
-        attn = decode_attention(qk, cache.keys, cache.values, rows, self.scale, heads=h)
+        placed = rows.placed(cache.base, cache.capacity)
+        attn = decode_attention(qk, cache.keys, cache.values, placed, self.scale, heads=h)
         return self.o_proj(attn.transpose(0, 2, 1, 3).reshape(b, n, -1))
 
 
@@ -535,8 +542,8 @@ class Model(nn.Module):
             layer.feed_forward.fuse()
 
     def make_cache(self) -> list[KVCache]:
-        """One empty `KVCache` per layer."""
-        return [KVCache() for _ in self.layers]
+        """One empty `KVCache` per layer; a sliding-window layer's drops what its window no longer sees."""
+        return [KVCache(window) for window in self.model.windows]
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
         """Drop what a checkpoint may carry but the model computes itself (RoPE tables, a tied lm_head)."""

@@ -1,9 +1,11 @@
 """Sliding-window attention: the keys a query of a windowed layer sees, for every mask a layer is given.
 
 A query at position p of a layer with window W sees the keys at positions j <= p with p - j < W (as
-transformers' `sliding_window_overlay` has it: kv_idx > q_idx - window). Windowed layers keep the
-full KV in their caches (no rotating buffer): only attention is narrowed, so every cache path (prefix
-cache, batches, speculation's trims) works unchanged, at the memory cost of a global layer.
+transformers' `sliding_window_overlay` has it: kv_idx > q_idx - window). A windowed layer's cache
+drops the columns no query can see any more (`kv_cache.py`: its buffers start at a later column,
+`base`; the same layout as a global layer's otherwise), so the masks here are built over every column
+as for a global layer and attention right-aligns them to the keys the cache returns
+(`llama.Attention`); the ragged decode step's rows move down by `base` (`RaggedRows.placed`).
 
 Every mask the engine hands a layer says which cache columns each query sees, and those are exactly
 its own sequence's positions 0..p, in column order: padding, holes of a verify step and bucketed spare
