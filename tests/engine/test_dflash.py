@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +28,8 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from engines import closed_after_test
+from reference import load_hf_model, make_hf_checkpoint, randomize
 from safetensors.numpy import load_file, save_file
 
 from mlxq.jobs.schema import GenerateRequest, GenerateResult
@@ -44,7 +46,6 @@ from mlxq.worker.engine.speculation.dflash import (
 from mlxq.worker.engine.speculation.draft_model import DraftMismatch, DraftTarget, load_draft
 from mlxq.worker.engine.speculation.policy import DraftPolicy
 from mlxq.worker.engine.text.tokenizer import Tokenizer
-from tests.reference import load_hf_model, make_hf_checkpoint, randomize
 
 try:  # the reference: the parity tests need it; the batch tests run without it
     import dflash.model as dflash_model
@@ -223,21 +224,9 @@ def test_a_draft_that_does_not_fit_or_asks_for_more_is_refused_clearly(
         load_draft(edited(architectures=["DFlash2DraftModel"]), bound)
 
 
-_made: list[Engine] = []
-
-
-@pytest.fixture(autouse=True)
-def _close_engines() -> Iterator[None]:
-    yield
-    while _made:
-        _made.pop().close()
-
-
 def _engine(model: Path, **options: Any) -> Engine:
     settings: dict[str, Any] = {"prefill_chunk": 16, "prefix_cache_bytes": 0, "dtype": "float32", **options}
-    engine = Engine.load(str(model), EngineOptions(**settings))
-    _made.append(engine)
-    return engine
+    return closed_after_test(Engine.load(str(model), EngineOptions(**settings)))
 
 
 def _drafting(model: Path, **options: Any) -> Engine:

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from engines import closed_after_test
 
 from mlxq.jobs.schema import GenerateRequest, GenerateResult
 from mlxq.worker.engine import Engine, EngineOptions
@@ -39,20 +39,10 @@ def other_draft(tmp_path_factory: pytest.TempPathFactory) -> Path:
     )
 
 
-_made: list[Engine] = []
-
-
-@pytest.fixture(autouse=True)
-def _close_engines() -> Iterator[None]:
-    yield
-    while _made:
-        _made.pop().close()
-
-
 def _engine(model: Path, **options: Any) -> Engine:
-    engine = Engine.load(str(model), EngineOptions(prefill_chunk=16, prefix_cache_bytes=0, **options))
-    _made.append(engine)
-    return engine
+    return closed_after_test(
+        Engine.load(str(model), EngineOptions(prefill_chunk=16, prefix_cache_bytes=0, **options))
+    )
 
 
 def _drafting(model: Path, **options: Any) -> Engine:

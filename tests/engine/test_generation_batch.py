@@ -9,12 +9,13 @@ and whenever they join or leave.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 import pytest
+from engines import closed_after_test
 
 from mlxq.jobs.errors import ContextTooLong, InvalidRequest
 from mlxq.jobs.schema import GenerateRequest, GenerateResult
@@ -35,21 +36,8 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_random_checkpoint(tmp_path_factory.mktemp("tiny"), {"max_position_embeddings": 512})
 
 
-_made: list[Engine] = []
-
-
 def _engine(model_dir: Path, **options: Any) -> Engine:
-    engine = Engine.load(str(model_dir), EngineOptions(prefill_chunk=16, **options))
-    _made.append(engine)
-    return engine
-
-
-@pytest.fixture(autouse=True)
-def _close_engines() -> Iterator[None]:
-    """A launcher's thread and stream do not outlive the test that made them."""
-    yield
-    while _made:
-        _made.pop().close()
+    return closed_after_test(Engine.load(str(model_dir), EngineOptions(prefill_chunk=16, **options)))
 
 
 @pytest.fixture

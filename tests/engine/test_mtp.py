@@ -14,13 +14,15 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
+from engines import closed_after_test
+from reference import load_hf_model, make_hf_checkpoint
 from safetensors.torch import load_file, save_file
 from transformers import DeepseekV3ForCausalLM
 from transformers.cache_utils import MtpCache
@@ -36,7 +38,6 @@ from mlxq.worker.engine.speculation.policy import DraftPolicy
 from mlxq.worker.engine.text.tokenizer import Tokenizer
 from mlxq.worker.modelfiles.tiny_model import write_random_checkpoint
 from tests.engine.test_models import DEEPSEEK_V3
-from tests.reference import load_hf_model, make_hf_checkpoint
 
 PROMPT = "The capital of France is Paris. "
 
@@ -175,21 +176,9 @@ def agreeing(reference: tuple[Path, Any, Any], tmp_path_factory: pytest.TempPath
     return _narrowed(reference, tmp_path_factory.mktemp("agreeing"), 100.0)
 
 
-_made: list[Engine] = []
-
-
-@pytest.fixture(autouse=True)
-def _close_engines() -> Iterator[None]:
-    yield
-    while _made:
-        _made.pop().close()
-
-
 def _engine(model: Path, **options: Any) -> Engine:
     settings: dict[str, Any] = {"prefill_chunk": 16, "prefix_cache_bytes": 0, "dtype": "float32", **options}
-    engine = Engine.load(str(model), EngineOptions(**settings))
-    _made.append(engine)
-    return engine
+    return closed_after_test(Engine.load(str(model), EngineOptions(**settings)))
 
 
 def _run(engine: Engine, requests: list[GenerateRequest], max_sequences: int) -> list[GenerateResult]:

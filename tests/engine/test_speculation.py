@@ -10,13 +10,13 @@ distribution plain steps draw from (a chi-square test over many seeded draws).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 import numpy as np
 import pytest
+from engines import closed_after_test
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -43,20 +43,10 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_random_checkpoint(tmp_path_factory.mktemp("tiny"), {"max_position_embeddings": 512})
 
 
-_made: list[Engine] = []
-
-
-@pytest.fixture(autouse=True)
-def _close_engines() -> Iterator[None]:
-    yield
-    while _made:
-        _made.pop().close()
-
-
 def _engine(model_dir: Path, **options: Any) -> Engine:
-    engine = Engine.load(str(model_dir), EngineOptions(prefill_chunk=16, prefix_cache_bytes=0, **options))
-    _made.append(engine)
-    return engine
+    return closed_after_test(
+        Engine.load(str(model_dir), EngineOptions(prefill_chunk=16, prefix_cache_bytes=0, **options))
+    )
 
 
 @pytest.fixture

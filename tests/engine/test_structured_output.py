@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import jsonschema
 import mlx.core as mx
 import pytest
+from engines import closed_after_test
 
 from mlxq.jobs.errors import InvalidRequest
 from mlxq.jobs.schema import GenerateRequest, GenerateResult
@@ -75,20 +75,10 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_random_checkpoint(tmp_path_factory.mktemp("tiny"), {"max_position_embeddings": 1024})
 
 
-_made: list[Engine] = []
-
-
 def _engine(model_dir: Path, **options: Any) -> Engine:
-    engine = Engine.load(str(model_dir), EngineOptions(prefill_chunk=64, dtype="float32", **options))
-    _made.append(engine)
-    return engine
-
-
-@pytest.fixture(autouse=True)
-def _close_engines() -> Iterator[None]:
-    yield
-    while _made:
-        _made.pop().close()
+    return closed_after_test(
+        Engine.load(str(model_dir), EngineOptions(prefill_chunk=64, dtype="float32", **options))
+    )
 
 
 @pytest.fixture

@@ -11,13 +11,13 @@ and scoring. Memory: the windowed layers' buffers stay within their bound howeve
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 import numpy as np
 import pytest
+from engines import closed_after_test
 from reference import hf_greedy, hf_logits, load_hf_model, make_hf_checkpoint, rel_err
 
 from mlxq.jobs.schema import GenerateRequest, ScoreRequest
@@ -75,21 +75,9 @@ def hf(folder: Path) -> Any:
     return load_hf_model(folder)
 
 
-_made: list[Engine] = []
-
-
-@pytest.fixture(autouse=True)
-def _close_engines() -> Iterator[None]:
-    yield
-    while _made:
-        _made.pop().close()
-
-
 def _engine(folder: Path, **options: Any) -> Engine:
     settings: dict[str, Any] = {"prefill_chunk": 64, "prefix_cache_bytes": 0, **options}
-    engine = Engine.load(str(folder), EngineOptions(**settings))
-    _made.append(engine)
-    return engine
+    return closed_after_test(Engine.load(str(folder), EngineOptions(**settings)))
 
 
 def _ids(model: Model, n: int, seed: int = 0) -> list[int]:
