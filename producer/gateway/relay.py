@@ -156,7 +156,7 @@ async def _pieces(client: AsyncClient, ctx: Context, from_id: str, fresh: bool) 
     if ctx.kind != "chat" and from_id != START_ID:  # a resumed completion: its offsets go on
         offset = await _characters_before(client.connection, ctx.job_id, from_id)
     try:
-        async for item in client.job(ctx.job_id).stream(from_id=from_id, fresh=fresh):
+        async for item in client.job(ctx.job_id).stream(from_id=from_id, fresh=fresh, whole_reads=True):
             event = item.event
             if isinstance(event, TokenEvent):
                 if not event.text and not event.logprobs:
