@@ -4,9 +4,10 @@ Two figures, with a private redis-server and real `mlxq serve` and `mlxq worker`
 
 - added latency to the first token: the same greedy request, taking turns, through mlxq's `AsyncClient`
   (enqueue, then XREAD of the job's stream until the first token) and through the gateway (HTTP POST
-  with `stream: true` until the first SSE chunk with text). p50/p99 of each and of the difference of
-  each pair. The tiny random model keeps the worker's own time small, not zero: the difference is
-  what the gateway adds.
+  with `stream: true` until the first SSE chunk with text), each answer read to its end so that every
+  round starts with the worker idle and the HTTP connection kept alive (`--hang-up`: the clients leave
+  at the first token instead). p50/p99 of each and of the difference of each pair. The tiny random
+  model keeps the worker's own time small, not zero: the difference is what the gateway adds.
 - submissions/s: concurrent streaming POSTs from a lean load generator (raw asyncio HTTP/1.1, one
   connection each, its own CPU per request reported), each counted when the gateway answers with its
   headers (the job is enqueued by then), to a model advertised in Redis the way a worker advertises
@@ -89,7 +90,14 @@ def _up(url: str) -> bool:
         return False
 
 
-async def first_token(redis_url: str, gateway: str, token: str, model: str, rounds: int) -> dict[str, Any]:
+async def first_token(
+    redis_url: str, gateway: str, token: str, model: str, rounds: int, hang_up: bool = False
+) -> dict[str, Any]:
+    """Paired first-token times, direct and through the gateway. Each answer is read to its end (the
+    clock stops at its first token), so every round starts with the worker idle and the HTTP
+    connection kept alive, as an OpenAI client that reads its answers has it; `hang_up`: each client
+    leaves at its first token instead (a new HTTP connection a round, the worker still finishing the
+    previous round's job when the next is sent)."""
     prompt = [{"role": "user", "content": "Say something."}]
     body = {"model": model, "messages": prompt, "max_tokens": 2, "temperature": 0.0, "stream": True}
     headers = {"authorization": f"Bearer {token}"}
@@ -99,27 +107,36 @@ async def first_token(redis_url: str, gateway: str, token: str, model: str, roun
         for i in range(rounds + 1):  # the first round warms up and is dropped
             t0 = time.perf_counter()
             job = await client.submit_generate(messages=prompt, max_tokens=2, temperature=0.0)
+            d = None
             async for _ in job.text_deltas(timeout=60):
-                break
-            d = time.perf_counter() - t0
+                d = d or time.perf_counter() - t0
+                if hang_up:
+                    break
             t0 = time.perf_counter()
+            g = None
             async with http.stream("POST", f"{gateway}/v1/chat/completions", json=body, headers=headers) as r:
                 async for line in r.aiter_lines():
-                    if line.startswith("data: {") and json.loads(line[6:])["choices"][0]["delta"].get(
-                        "content"
-                    ):
-                        break
-            g = time.perf_counter() - t0
+                    if g is None and line.startswith("data: {") and _has_text(line):
+                        g = time.perf_counter() - t0
+                        if hang_up:
+                            break
+            if d is None or g is None:
+                raise RuntimeError("an answer ended with no text")
             if i:
                 direct.append(d * 1000)
                 through.append(g * 1000)
     added = [g - d for g, d in zip(through, direct, strict=True)]
     return {
         "rounds": rounds,
+        "hang_up": hang_up,
         "direct_ms": {"p50": _pct(direct, 0.5), "p99": _pct(direct, 0.99)},
         "gateway_ms": {"p50": _pct(through, 0.5), "p99": _pct(through, 0.99)},
         "added_ms": {"p50": _pct(added, 0.5), "p99": _pct(added, 0.99), "mean": statistics.fmean(added)},
     }
+
+
+def _has_text(line: str) -> bool:
+    return bool(json.loads(line[6:])["choices"][0]["delta"].get("content"))
 
 
 async def submissions(port: int, token: str, total: int, concurrency: int) -> dict[str, Any]:
@@ -209,7 +226,7 @@ def _compare(args: Any, redis_url: str, token: str, model: str, folder: Path) ->
             )
             try:
                 _wait(lambda: _up(url), f"{name} gateway up")
-                first = asyncio.run(first_token(redis_url, url, token, model, args.rounds))
+                first = asyncio.run(first_token(redis_url, url, token, model, args.rounds, args.hang_up))
                 runs[name].append({"first_token": first, **_measure_submissions(gateway, port, token, args)})
             finally:
                 gateway.terminate()
@@ -240,6 +257,12 @@ def main(argv: list[str] | None = None) -> int:
         "measured for submissions/s in turns, so a shared host's load falls on both alike",
     )
     parser.add_argument("--turns", type=int, default=3, help="turns of each gateway with --compare [3]")
+    parser.add_argument(
+        "--hang-up",
+        action="store_true",
+        help="first-token rounds: each client leaves at its first token (a new HTTP connection a round, "
+        "the worker still busy with the previous job) instead of reading its answer to the end",
+    )
     args = parser.parse_args(argv)
     from mlxq.worker.modelfiles.tiny_model import write_random_checkpoint
 
@@ -274,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
             _wait(lambda: conn.hget("mlxq:worker:bench-worker", "model"), "worker up")
             _wait(lambda: _up(gateway_url), "gateway up")
             model = model_dir.name
-            first = asyncio.run(first_token(redis_url, gateway_url, token, model, args.rounds))
+            first = asyncio.run(first_token(redis_url, gateway_url, token, model, args.rounds, args.hang_up))
             sub = _measure_submissions(gateway, 18431, token, args)
             gateway.terminate()
             gateway.wait(30)
