@@ -106,24 +106,39 @@ async def first_token(
     lean_through: list[float] = []
     lean = _LeanStream(gateway, token, body)
     async with AsyncClient(redis_url, queue=QUEUE) as client, httpx.AsyncClient(timeout=60.0) as http:
-        for i in range(rounds + 1):  # the first round warms up and is dropped
+
+        async def via_client() -> float | None:
             t0 = time.perf_counter()
             job = await client.submit_generate(messages=prompt, max_tokens=2, temperature=0.0)
-            d = None
+            first = None
             async for _ in job.text_deltas(timeout=60):
-                d = d or time.perf_counter() - t0
+                first = first or time.perf_counter() - t0
                 if hang_up:
                     break
+            return first
+
+        async def via_httpx() -> float | None:
             t0 = time.perf_counter()
-            g = None
+            first = None
             async with http.stream("POST", f"{gateway}/v1/chat/completions", json=body, headers=headers) as r:
                 async for line in r.aiter_lines():
-                    if g is None and line.startswith("data: {") and _has_text(line):
-                        g = time.perf_counter() - t0
+                    if first is None and line.startswith("data: {") and _has_text(line):
+                        first = time.perf_counter() - t0
                         if hang_up:
                             break
-            g_lean = await lean.first_text(hang_up)
-            if d is None or g is None:
+            return first
+
+        async def via_lean() -> float | None:
+            return await lean.first_text(hang_up)
+
+        paths = [via_client, via_httpx, via_lean]
+        for i in range(rounds + 1):  # the first round warms up and is dropped
+            times: dict[Any, float | None] = {}
+            for k in range(3):  # the order turns each round: no path always follows the same one
+                path = paths[(i + k) % 3]
+                times[path] = await path()
+            d, g, g_lean = times[via_client], times[via_httpx], times[via_lean]
+            if d is None or g is None or g_lean is None:
                 raise RuntimeError("an answer ended with no text")
             if i:
                 direct.append(d * 1000)
