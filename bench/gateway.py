@@ -33,6 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -91,20 +92,19 @@ def _up(url: str) -> bool:
 
 
 async def first_token(
-    redis_url: str, gateway: str, token: str, model: str, rounds: int, hang_up: bool = False
-) -> dict[str, Any]:
-    """Paired first-token times, direct and through the gateway. Each answer is read to its end (the
-    clock stops at its first token), so every round starts with the worker idle and the HTTP
-    connection kept alive, as an OpenAI client that reads its answers has it; `hang_up`: each client
-    leaves at its first token instead (a new HTTP connection a round, the worker still finishing the
-    previous round's job when the next is sent)."""
+    redis_url: str, gateways: dict[str, str], token: str, model: str, rounds: int, hang_up: bool = False
+) -> dict[str, dict[str, Any]]:
+    """Paired first-token times, direct and through each gateway in `gateways` (name: URL), with httpx
+    and with the lean client, every path once a round, the order turning each round so that no path
+    always follows the same one (and, with two gateways, both see the host's load of the moment).
+    Each answer is read to its end (the clock stops at its first token), so every round starts with
+    the worker idle and the HTTP connection kept alive, as an OpenAI client that reads its answers
+    has it; `hang_up`: each client leaves at its first token instead (a new HTTP connection a round,
+    the worker still finishing the previous round's job when the next is sent)."""
     prompt = [{"role": "user", "content": "Say something."}]
     body = {"model": model, "messages": prompt, "max_tokens": 2, "temperature": 0.0, "stream": True}
     headers = {"authorization": f"Bearer {token}"}
-    direct: list[float] = []
-    through: list[float] = []
-    lean_through: list[float] = []
-    lean = _LeanStream(gateway, token, body)
+    leans = {name: _LeanStream(url, token, body) for name, url in gateways.items()}
     async with AsyncClient(redis_url, queue=QUEUE) as client, httpx.AsyncClient(timeout=60.0) as http:
 
         async def via_client() -> float | None:
@@ -117,49 +117,66 @@ async def first_token(
                     break
             return first
 
-        async def via_httpx() -> float | None:
-            t0 = time.perf_counter()
-            first = None
-            async with http.stream("POST", f"{gateway}/v1/chat/completions", json=body, headers=headers) as r:
-                async for line in r.aiter_lines():
-                    if first is None and line.startswith("data: {") and _has_text(line):
-                        first = time.perf_counter() - t0
-                        if hang_up:
-                            break
-            return first
+        def via_httpx(url: str) -> Callable[[], Awaitable[float | None]]:
+            async def run() -> float | None:
+                t0 = time.perf_counter()
+                first = None
+                async with http.stream("POST", f"{url}/v1/chat/completions", json=body, headers=headers) as r:
+                    async for line in r.aiter_lines():
+                        if first is None and line.startswith("data: {") and _has_text(line):
+                            first = time.perf_counter() - t0
+                            if hang_up:
+                                break
+                return first
 
-        async def via_lean() -> float | None:
-            return await lean.first_text(hang_up)
+            return run
 
-        paths = [via_client, via_httpx, via_lean]
+        def via_lean(lean: _LeanStream) -> Callable[[], Awaitable[float | None]]:
+            async def run() -> float | None:
+                return await lean.first_text(hang_up)
+
+            return run
+
+        paths: dict[tuple[str, str], Callable[[], Awaitable[float | None]]] = {("", "direct"): via_client}
+        for name, url in gateways.items():
+            paths[(name, "httpx")] = via_httpx(url)
+            paths[(name, "lean")] = via_lean(leans[name])
+        order = list(paths)
+        times: dict[tuple[str, str], list[float]] = {path: [] for path in order}
         for i in range(rounds + 1):  # the first round warms up and is dropped
-            times: dict[Any, float | None] = {}
-            for k in range(3):  # the order turns each round: no path always follows the same one
-                path = paths[(i + k) % 3]
-                times[path] = await path()
-            d, g, g_lean = times[via_client], times[via_httpx], times[via_lean]
-            if d is None or g is None or g_lean is None:
-                raise RuntimeError("an answer ended with no text")
-            if i:
-                direct.append(d * 1000)
-                through.append(g * 1000)
-                lean_through.append(g_lean * 1000)
-    await lean.close()
-    added = [g - d for g, d in zip(through, direct, strict=True)]
-    added_lean = [g - d for g, d in zip(lean_through, direct, strict=True)]
-    return {
-        "rounds": rounds,
-        "hang_up": hang_up,
-        "direct_ms": {"p50": _pct(direct, 0.5), "p99": _pct(direct, 0.99)},
-        "gateway_ms": {"p50": _pct(through, 0.5), "p99": _pct(through, 0.99)},
-        "added_ms": {"p50": _pct(added, 0.5), "p99": _pct(added, 0.99), "mean": statistics.fmean(added)},
-        "lean_gateway_ms": {"p50": _pct(lean_through, 0.5), "p99": _pct(lean_through, 0.99)},
-        "added_lean_client_ms": {
-            "p50": _pct(added_lean, 0.5),
-            "p99": _pct(added_lean, 0.99),
-            "mean": statistics.fmean(added_lean),
-        },
-    }
+            for k in range(len(order)):
+                path = order[(i + k) % len(order)]
+                took = await paths[path]()
+                if took is None:
+                    raise RuntimeError("an answer ended with no text")
+                if i:
+                    times[path].append(took * 1000)
+    for lean in leans.values():
+        await lean.close()
+    direct = times[("", "direct")]
+    out = {}
+    for name in gateways:
+        through, lean_through = times[(name, "httpx")], times[(name, "lean")]
+        added = [g - d for g, d in zip(through, direct, strict=True)]
+        added_lean = [g - d for g, d in zip(lean_through, direct, strict=True)]
+        out[name] = {
+            "rounds": rounds,
+            "hang_up": hang_up,
+            "direct_ms": {"p50": _pct(direct, 0.5), "p99": _pct(direct, 0.99)},
+            "gateway_ms": {"p50": _pct(through, 0.5), "p99": _pct(through, 0.99)},
+            "added_ms": {"p50": _pct(added, 0.5), "p99": _pct(added, 0.99), "mean": statistics.fmean(added)},
+            "lean_gateway_ms": {"p50": _pct(lean_through, 0.5), "p99": _pct(lean_through, 0.99)},
+            "added_lean_client_ms": {
+                "p50": _pct(added_lean, 0.5),
+                "p99": _pct(added_lean, 0.99),
+                "mean": statistics.fmean(added_lean),
+            },
+        }
+    return out
+
+
+def _has_text(line: str) -> bool:
+    return bool(json.loads(line[6:])["choices"][0]["delta"].get("content"))
 
 
 class _LeanStream:
@@ -211,10 +228,6 @@ class _LeanStream:
         if self.conn is not None:
             self.conn[1].close()
             self.conn = None
-
-
-def _has_text(line: str) -> bool:
-    return bool(json.loads(line[6:])["choices"][0]["delta"].get("content"))
 
 
 async def submissions(port: int, token: str, total: int, concurrency: int) -> dict[str, Any]:
@@ -290,23 +303,32 @@ def _machine() -> str:
 
 
 def _compare(args: Any, redis_url: str, token: str, model: str, folder: Path) -> dict[str, Any]:
-    """Both figures for this checkout's gateway and `args.compare`'s, taking turns."""
+    """Both figures for this checkout's gateway and `args.compare`'s: each turn runs both gateways at
+    once, their first-token paths taking turns round by round, then each one's submissions/s (the
+    order changing each turn)."""
     trees = {"this": ROOT, "compared": args.compare.resolve()}
+    ports = {"this": 18432, "compared": 18433}
+    urls = {name: f"http://127.0.0.1:{port}" for name, port in ports.items()}
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in trees}
-    port = 18432
-    url = f"http://127.0.0.1:{port}"
     for turn in range(args.turns):
-        for name, root in trees.items():
-            gateway = _spawn(
-                ["--redis-url", redis_url, "serve", "--port", str(port), "--log-level", "warning"],
+        gateways = {
+            name: _spawn(
+                ["--redis-url", redis_url, "serve", "--port", str(ports[name]), "--log-level", "warning"],
                 folder / f"gateway-{name}-{turn}.log",
                 root,
             )
-            try:
-                _wait(lambda: _up(url), f"{name} gateway up")
-                first = asyncio.run(first_token(redis_url, url, token, model, args.rounds, args.hang_up))
-                runs[name].append({"first_token": first, **_measure_submissions(gateway, port, token, args)})
-            finally:
+            for name, root in trees.items()
+        }
+        try:
+            for name, url in urls.items():
+                _wait(lambda url=url: _up(url), f"{name} gateway up")
+            first = asyncio.run(first_token(redis_url, urls, token, model, args.rounds, args.hang_up))
+            names = list(trees)[:: 1 if turn % 2 == 0 else -1]
+            for name in names:
+                sub = _measure_submissions(gateways[name], ports[name], token, args)
+                runs[name].append({"first_token": first[name], **sub})
+        finally:
+            for gateway in gateways.values():
                 gateway.terminate()
                 gateway.wait(30)
     summary = []
@@ -377,7 +399,9 @@ def main(argv: list[str] | None = None) -> int:
             _wait(lambda: conn.hget("mlxq:worker:bench-worker", "model"), "worker up")
             _wait(lambda: _up(gateway_url), "gateway up")
             model = model_dir.name
-            first = asyncio.run(first_token(redis_url, gateway_url, token, model, args.rounds, args.hang_up))
+            first = asyncio.run(
+                first_token(redis_url, {"this": gateway_url}, token, model, args.rounds, args.hang_up)
+            )["this"]
             sub = _measure_submissions(gateway, 18431, token, args)
             gateway.terminate()
             gateway.wait(30)
