@@ -28,6 +28,7 @@ import asyncio
 import json
 import os
 import platform
+import random
 import statistics
 import subprocess
 import sys
@@ -95,8 +96,8 @@ async def first_token(
     redis_url: str, gateways: dict[str, str], token: str, model: str, rounds: int, hang_up: bool = False
 ) -> dict[str, dict[str, Any]]:
     """Paired first-token times, direct and through each gateway in `gateways` (name: URL), with httpx
-    and with the lean client, every path once a round, the order turning each round so that no path
-    always follows the same one (and, with two gateways, both see the host's load of the moment).
+    and with the lean client, every path once a round in a shuffled order, so that no path always
+    follows the same one (and, with two gateways, both see the host's load of the moment).
     Each answer is read to its end (the clock stops at its first token), so every round starts with
     the worker idle and the HTTP connection kept alive, as an OpenAI client that reads its answers
     has it; `hang_up`: each client leaves at its first token instead (a new HTTP connection a round,
@@ -143,9 +144,10 @@ async def first_token(
             paths[(name, "lean")] = via_lean(leans[name])
         order = list(paths)
         times: dict[tuple[str, str], list[float]] = {path: [] for path in order}
+        shuffle = random.Random(33).shuffle  # a new order each round, the same in every run
         for i in range(rounds + 1):  # the first round warms up and is dropped
-            for k in range(len(order)):
-                path = order[(i + k) % len(order)]
+            shuffle(order)
+            for path in order:
                 took = await paths[path]()
                 if took is None:
                     raise RuntimeError("an answer ended with no text")
