@@ -91,7 +91,7 @@ class AsyncJobHandle(Generic[R]):
     ) -> AsyncIterator[StreamItem]:
         """The job's events from `from_id`, ending after `done` or `error` (as `JobHandle.stream`).
         `fresh`: the caller has just enqueued the job, so the first read waits at once, briefly, and runs
-        to its end (as with `whole_reads`).
+        to its end whatever becomes of the caller (as `whole_reads` has every read do).
         `whole_reads`: every blocking read runs to its end even if the caller is cancelled meanwhile
         (at most `READ_BLOCK_MS`), for a relay whose own client may leave at any moment: a Redis reply
         cut off costs its connection, and the next command on it a reconnect (TCP, `HELLO`)."""
