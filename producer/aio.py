@@ -83,13 +83,20 @@ class AsyncJobHandle(Generic[R]):
         return rq_wire.decode_status(raw)
 
     def stream(
-        self, from_id: str = START_ID, timeout: float | None = None, fresh: bool = False
+        self,
+        from_id: str = START_ID,
+        timeout: float | None = None,
+        fresh: bool = False,
+        whole_reads: bool = False,
     ) -> AsyncIterator[StreamItem]:
         """The job's events from `from_id`, ending after `done` or `error` (as `JobHandle.stream`).
-        `fresh`: the caller has just enqueued the job, so the first read waits at once, briefly, and
-        runs to its end even if the caller is cancelled meanwhile (a Redis reply cut off costs its
-        connection: under clients that hang up at once, a reconnect each)."""
-        return self._follow(Follower(last_id=from_id, deadline=Deadline(timeout), fresh=fresh))
+        `fresh`: the caller has just enqueued the job, so the first read waits at once, briefly, and runs
+        to its end whatever becomes of the caller (as `whole_reads` has every read do).
+        `whole_reads`: every blocking read runs to its end even if the caller is cancelled meanwhile
+        (at most `READ_BLOCK_MS`), for a relay whose own client may leave at any moment: a Redis reply
+        cut off costs its connection, and the next command on it a reconnect (TCP, `HELLO`)."""
+        follower = Follower(last_id=from_id, deadline=Deadline(timeout), fresh=fresh)
+        return self._follow(follower, whole_reads)
 
     async def text_deltas(
         self, timeout: float | None = None, on_restart: Callable[[RestartEvent], None] | None = None
@@ -132,10 +139,10 @@ class AsyncJobHandle(Generic[R]):
 
     # --- internals (JobHandle's, awaited) ----------------------------------------------------------
 
-    async def _follow(self, follower: Follower) -> AsyncIterator[StreamItem]:
+    async def _follow(self, follower: Follower, whole_reads: bool = False) -> AsyncIterator[StreamItem]:
         key = keys.stream_key(self.id)
         while not follower.ended:
-            whole = follower.fresh and follower.first_read()
+            whole = whole_reads or (follower.fresh and follower.first_read())
             read = self._retry(self._conn.xread, {key: follower.last_id}, block=follower.block_ms())
             reply = await (_uncut(read) if whole else read)
             items = follower.accept(decode_xread(reply))

@@ -136,7 +136,9 @@ class OpenAIGenerateKind:
         return self.inner.results(raw)
 
     def record(self, result: GenerateResult, row: BatchLine) -> dict[str, Any]:
-        ctx = Context(row.kind, uuid.uuid4().hex, row.model, int(time.time()), False, "")
+        prompt = row.row.prompt if isinstance(row.row, GenerateRequest) else None
+        chars = (len(prompt),) if row.kind == "completion" and prompt else ()  # where `text_offset` starts
+        ctx = Context(row.kind, uuid.uuid4().hex, row.model, int(time.time()), False, "", prompt_chars=chars)
         return response_line(None, 200, ctx.whole([result]))
 
     def error_record(self, custom_id: str | None, line: int, error: str, ran: bool) -> dict[str, Any]:

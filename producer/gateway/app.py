@@ -178,6 +178,7 @@ class Gateway:
             key.digest,
             siblings=tuple(job.id for job in jobs[1:]),
             per_prompt=t.n,
+            prompt_chars=tuple(c for c in t.prompt_chars for _ in range(t.n)),
         )
         await self._submit(key, jobs, ctx)
         if self.metrics is not None:

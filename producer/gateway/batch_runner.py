@@ -147,8 +147,17 @@ class BatchRunner:
         kind = batches.ENDPOINTS[fields["endpoint"]]
         records = _records(d / "out.jsonl")
         usage = batches.batch_usage(records)
+        prompts = {  # a text prompt's characters: where its completion's `text_offset`s start
+            row["custom_id"]: len(row["prompt"])
+            for row in _records(d / "rows.jsonl")
+            if isinstance(row.get("prompt"), str)
+        }
         out = [
-            json.dumps(batches.output_line(kind, fields["model"], fields["owner"], record))
+            json.dumps(
+                batches.output_line(
+                    kind, fields["model"], fields["owner"], record, prompts.get(record["custom_id"], 0)
+                )
+            )
             for record in records
         ]
         errors = [json.dumps(line) for line in _records(d / "refused.jsonl")]

@@ -166,11 +166,15 @@ def batch_usage(records: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def output_line(kind: Kind, model: str, owner: str, record: dict[str, Any]) -> dict[str, Any]:
-    """A bulk output record (`{custom_id, **GenerateResult}`) as an OpenAI batch output line."""
+def output_line(
+    kind: Kind, model: str, owner: str, record: dict[str, Any], prompt_chars: int = 0
+) -> dict[str, Any]:
+    """A bulk output record (`{custom_id, **GenerateResult}`) as an OpenAI batch output line;
+    `prompt_chars`: its text prompt's characters, where a completion's `text_offset`s start."""
     custom_id = record.pop("custom_id")
     request_id = uuid.uuid4().hex
-    ctx = Context(kind, request_id, model, int(time.time()), False, owner)
+    chars = (prompt_chars,) if prompt_chars else ()
+    ctx = Context(kind, request_id, model, int(time.time()), False, owner, prompt_chars=chars)
     body = ctx.whole([GenerateResult.model_validate(record)])
     return {
         "id": f"batch_req_{request_id}",

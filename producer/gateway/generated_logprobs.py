@@ -4,7 +4,8 @@ A job asked `logprobs: K` computes each token's log-probability under the model 
 alternatives) in the decode step that samples it, so the gateway needs no score job for generated text
 and can stream them: a chat's `choices[].logprobs.content` entries (token text, logprob, UTF-8 bytes,
 `top_logprobs`), a completion's `tokens`/`token_logprobs`/`top_logprobs`/`text_offset` (offsets counted
-from the completion's first character, going on where a resumed stream left off). A token's text is its
+as OpenAI's legacy completions count them, from the prompt's first character: the first generated
+token's is the prompt's length; going on where a resumed stream left off). A token's text is its
 text alone: one that holds part of a character shows U+FFFD there, and its `bytes` are those of that
 text.
 """
@@ -31,8 +32,8 @@ def chat(logprobs: Sequence[GeneratedLogprob]) -> dict[str, Any]:
 
 
 def completion(logprobs: Sequence[GeneratedLogprob], offset: int = 0) -> dict[str, Any]:
-    """A completion choice's (or chunk's) `logprobs`; `offset`: characters of the completion before
-    these tokens."""
+    """A completion choice's (or chunk's) `logprobs`; `offset`: the first token's `text_offset` (the
+    prompt's characters and the completion's before it)."""
     offsets: list[int] = []
     for lp in logprobs:
         offsets.append(offset)

@@ -152,11 +152,11 @@ async def _pieces(client: AsyncClient, ctx: Context, from_id: str, fresh: bool) 
             return
     role_pending = ctx.kind == "chat" and from_id == START_ID
     sent_text = from_id != START_ID
-    offset = 0  # the completion's characters before the next token (logprobs' `text_offset`)
+    offset = ctx.text_start()  # the next token's `text_offset`: after the prompt and the text before it
     if ctx.kind != "chat" and from_id != START_ID:  # a resumed completion: its offsets go on
-        offset = await _characters_before(client.connection, ctx.job_id, from_id)
+        offset += await _characters_before(client.connection, ctx.job_id, from_id)
     try:
-        async for item in client.job(ctx.job_id).stream(from_id=from_id, fresh=fresh):
+        async for item in client.job(ctx.job_id).stream(from_id=from_id, fresh=fresh, whole_reads=True):
             event = item.event
             if isinstance(event, TokenEvent):
                 if not event.text and not event.logprobs:

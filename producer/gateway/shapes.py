@@ -56,6 +56,7 @@ class Context:
     siblings: tuple[str, ...] = ()  # the jobs of choices 1.. (kept with choice 0's, whose id is the answer's)
     answer_job: str | None = None  # a later choice's context: choice 0's job, which names the answer
     per_prompt: int = 1  # choices per prompt (`n`): the jobs are prompt by prompt, n each
+    prompt_chars: tuple[int, ...] = ()  # a completion's: each job's prompt's characters (`text_offset`)
 
     @property
     def id(self) -> str:
@@ -68,9 +69,24 @@ class Context:
 
     def choice(self, index: int) -> Context:
         """The context of choice `index`'s job: the answer's id, the job's own stream."""
-        return replace(self, job_id=self.jobs[index], index=index, siblings=(), answer_job=self.job_id)
+        chars = self.prompt_chars[index : index + 1]
+        return replace(
+            self,
+            job_id=self.jobs[index],
+            index=index,
+            siblings=(),
+            answer_job=self.job_id,
+            prompt_chars=chars,
+        )
+
+    def text_start(self, index: int = 0) -> int:
+        """Where choice `index`'s `text_offset`s start: OpenAI counts them from the prompt's first
+        character, so a completion's first token is at the prompt's length (a prompt of token ids has
+        no text here: its completion's offsets start at 0)."""
+        return self.prompt_chars[index] if index < len(self.prompt_chars) else 0
 
     def fields(self) -> dict[str, str]:
+        chars = {"prompt_chars": ",".join(str(c) for c in self.prompt_chars)} if self.prompt_chars else {}
         return {
             "kind": self.kind,
             "model": self.model,
@@ -79,6 +95,7 @@ class Context:
             "owner": self.owner,
             "siblings": ",".join(self.siblings),
             "n": str(self.per_prompt),
+            **chars,
         }
 
     @classmethod
@@ -95,6 +112,7 @@ class Context:
             raw.get("owner", ""),
             siblings=tuple(j for j in raw.get("siblings", "").split(",") if j),
             per_prompt=int(raw.get("n") or 1),
+            prompt_chars=tuple(int(c) for c in raw.get("prompt_chars", "").split(",") if c),
         )
 
     def _head(self, obj: str) -> dict[str, Any]:
@@ -115,7 +133,7 @@ class Context:
         offset: int = 0,
     ) -> dict[str, Any]:
         """One streamed chunk: a piece of text (with its tokens' logprobs, where the job reports them;
-        `offset`: the completion's characters before them), or the end (`finish_reason`)."""
+        `offset`: the `text_offset` of the first, see `text_start`), or the end (`finish_reason`)."""
         lp = generated_logprobs.of(self.kind, logprobs, offset)
         if self.kind == "chat":
             delta: dict[str, Any] = {"role": "assistant"} if role else {}
@@ -147,7 +165,7 @@ class Context:
                 choice["message"] = {"role": "assistant", "content": result.text, "refusal": None}
             else:
                 choice["text"] = result.text
-            lp = generated_logprobs.of(self.kind, result.logprobs)
+            lp = generated_logprobs.of(self.kind, result.logprobs, self.text_start(index))
             choices.append({**choice, "logprobs": lp, "finish_reason": result.finish_reason})
         obj = "chat.completion" if self.kind == "chat" else "text_completion"
         return {**self._head(obj), "choices": choices, "usage": _summed(counts, self.per_prompt)}

@@ -56,6 +56,7 @@ class Translated:
     n: int = 1
     more: tuple[GenerateRequest, ...] = ()  # the requests of a batch's other prompts (completions)
     logprobs: int | None = None  # a chat's `logprobs: true`: this many alternatives per token
+    prompt_chars: tuple[int, ...] = ()  # a completion's: each prompt's characters (0 for token ids)
 
     @property
     def requests(self) -> tuple[GenerateRequest, ...]:
@@ -272,7 +273,10 @@ def completion(body: dict[str, Any]) -> Translated:
         else _validated(params, p, None)
         for p in prompts
     ]
-    return Translated("completion", model, requests[0], stream, include_usage, n, tuple(requests[1:]))
+    chars = tuple(len(p) if isinstance(p, str) else 0 for p in prompts)  # where `text_offset` starts
+    return Translated(
+        "completion", model, requests[0], stream, include_usage, n, tuple(requests[1:]), prompt_chars=chars
+    )
 
 
 def _completion_logprobs(value: Any) -> int:

@@ -32,7 +32,11 @@ def test_generate_file_answers_openai_batch_lines_in_openais_output_format(
         _line(
             "chat", "/v1/chat/completions", {"messages": CHAT, "max_completion_tokens": 3, "logit_bias": bias}
         ),
-        _line("text", "/v1/completions", {"prompt": "Paris is", "max_tokens": 2, "logit_bias": bias}),
+        _line(
+            "text",
+            "/v1/completions",
+            {"prompt": "Paris is", "max_tokens": 2, "logit_bias": bias, "logprobs": 1},
+        ),
         _line("two", "/v1/chat/completions", {"messages": CHAT, "n": 2}),
         _line("tools", "/v1/chat/completions", {"messages": CHAT, "tools": [{"type": "function"}]}),
     ]
@@ -63,6 +67,10 @@ def test_generate_file_answers_openai_batch_lines_in_openais_output_format(
         text["body"]["object"] == "text_completion"
         and text["body"]["choices"][0]["text"] == want["text"]["text"]
     )
+    lp = text["body"]["choices"][0][
+        "logprobs"
+    ]  # offsets from the prompt's start (OpenAI's legacy completions)
+    assert lp["text_offset"] == [len("Paris is") + len("".join(lp["tokens"][:i])) for i in range(2)]
     errors = read_jsonl(tmp_path / "out.errors.jsonl")
     assert [(e["custom_id"], e["response"]["status_code"]) for e in errors] == [("two", 400), ("tools", 400)]
     assert "`n` > 1" in errors[0]["response"]["body"]["error"]["message"]

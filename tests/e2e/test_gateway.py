@@ -479,12 +479,16 @@ def _batch_lines(model: str, no_eos: dict[int, float], n: int, max_tokens: int) 
     ]
 
 
-def _upload_batch(sdk: openai.OpenAI, lines: list[dict[str, Any]]) -> Any:
+def _upload_batch(
+    sdk: openai.OpenAI, lines: list[dict[str, Any]], endpoint: str = "/v1/chat/completions"
+) -> Any:
     content = "".join(json.dumps(line) + "\n" for line in lines).encode()
     uploaded = sdk.files.create(file=("in.jsonl", content), purpose="batch")
     assert uploaded.bytes == len(content)
     return sdk.batches.create(
-        input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
+        input_file_id=uploaded.id,
+        endpoint=endpoint,  # type: ignore[arg-type]
+        completion_window="24h",
     )
 
 
@@ -697,3 +701,22 @@ def test_a_batch_lines_logprobs_are_the_same_requests_answer_outside_a_batch(
     got = [(t["token"], t["logprob"], [a["token"] for a in t["top_logprobs"]]) for t in content]
     assert len(got) == 6 and [g[0] for g in got] == [w[0] for w in want]
     assert all(abs(g[1] - w[1]) < 1e-4 and g[2] == w[2] for g, w in zip(got, want, strict=True))
+
+
+def test_a_batch_completions_text_offsets_start_after_its_prompt(
+    sdk: openai.OpenAI, model: str, no_eos: dict[int, float]
+) -> None:
+    """A Batch API completions line asking `logprobs` gets the same request's answer outside a batch:
+    `text_offset`s from the prompt's first character (OpenAI's legacy completions)."""
+    prompt = "Count to three."
+    body = {"model": model, "prompt": prompt, "max_tokens": 5, "temperature": 0.0, "logprobs": 1}
+    body["logit_bias"] = _openai_bias(no_eos)
+    line = {"custom_id": "c", "method": "POST", "url": "/v1/completions", "body": body}
+    batch = _wait_batch(sdk, _upload_batch(sdk, [line], "/v1/completions").id, ("completed",))
+    (out,) = _lines_of(sdk, batch.output_file_id)
+    got = out["response"]["body"]["choices"][0]["logprobs"]
+    direct = sdk.completions.create(**body)
+    want = direct.choices[0].logprobs
+    assert want is not None and want.tokens is not None and len(want.tokens) == 5
+    assert got["tokens"] == want.tokens and got["text_offset"] == want.text_offset
+    assert want.text_offset == [len(prompt) + len("".join(want.tokens[:i])) for i in range(5)]

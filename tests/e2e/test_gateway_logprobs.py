@@ -192,10 +192,14 @@ def test_a_generated_completions_logprobs_are_the_models_own(
     assert max(lp.top_logprobs[-1].values()) == pytest.approx(float(np.max(reference[-2])), abs=1e-4)
     assert choice.finish_reason == generated.finish_reason == "length"
     assert got.usage is not None and got.usage.completion_tokens == 6
-    # Without echo: the job reports its tokens' logprobs itself (offsets from the completion's start).
+    # Without echo: the job reports its tokens' logprobs itself; offsets count from the prompt's start
+    # (OpenAI's legacy completions), as the echoed answer's do for the same tokens.
     plain = sdk.completions.create(model=model, prompt=PROMPT, logprobs=0, logit_bias=bias, **settings)
     assert plain.choices[0].text == generated.text and plain.choices[0].logprobs is not None
     assert plain.choices[0].logprobs.token_logprobs == pytest.approx(want[len(prompt_ids) - 1 :], abs=1e-4)
+    offsets = plain.choices[0].logprobs.text_offset or []
+    tokens = plain.choices[0].logprobs.tokens or []
+    assert offsets == [len(PROMPT) + len("".join(tokens[:i])) for i in range(len(tokens))]
 
 
 def test_a_chats_logprobs_are_the_models_own(
@@ -304,14 +308,40 @@ def test_streamed_completion_logprobs_equal_the_whole_answers(
     assert tokens == want.tokens and len(tokens) == 7 and "".join(tokens) == text
     assert logprobs == pytest.approx(want.token_logprobs, abs=1e-6)
     assert [sorted(t) for t in tops] == [sorted(t) for t in want.top_logprobs or []]
-    assert offsets == want.text_offset == [len("".join(tokens[:i])) for i in range(len(tokens))]
+    assert offsets == want.text_offset == [len(PROMPT) + len("".join(tokens[:i])) for i in range(len(tokens))]
+
+
+def test_each_choices_text_offsets_start_after_its_own_prompt(
+    sdk: openai.OpenAI, model: str, no_eos: dict[int, float]
+) -> None:
+    """A batch of prompts with `n: 2`, streamed and not: each choice's `text_offset`s start at its own
+    prompt's length (OpenAI's legacy completions), a prompt of token ids at 0 (the gateway holds no
+    tokenizer to tell its characters), and the streamed chunks put together are the unstreamed answer's."""
+    prompts: list[Any] = ["Hi.", PROMPT, [5, 6, 7]]
+    bias = {str(k): v for k, v in no_eos.items()}
+    settings: dict[str, Any] = {"max_tokens": 4, "temperature": 0.8, "seed": 3, "n": 2, "logit_bias": bias}
+    whole = sdk.completions.create(model=model, prompt=prompts, logprobs=1, **settings)
+    streamed: dict[int, list[int]] = {}
+    for chunk in sdk.completions.create(model=model, prompt=prompts, logprobs=1, stream=True, **settings):
+        for choice in chunk.choices:
+            if choice.logprobs is not None:
+                streamed.setdefault(choice.index, []).extend(choice.logprobs.text_offset or [])
+    starts = [len("Hi."), len(PROMPT), 0]
+    assert sorted(c.index for c in whole.choices) == list(range(6))
+    for choice in whole.choices:
+        lp = choice.logprobs
+        assert lp is not None and lp.tokens is not None and len(lp.tokens) == 4
+        start = starts[choice.index // 2]
+        assert lp.text_offset == [start + len("".join(lp.tokens[:i])) for i in range(4)]
+        assert streamed[choice.index] == lp.text_offset
 
 
 def test_a_resumed_completion_streams_text_offsets_that_go_on(
     gateway: GatewayProcess, key: str, sdk: openai.OpenAI, model: str, no_eos: dict[int, float]
 ) -> None:
     """A client that reconnects with `Last-Event-ID` mid-stream gets the rest of the tokens with their
-    `text_offset` counted from the completion's start, as the unstreamed answer has them."""
+    `text_offset` going on from the prompt's and the sent tokens' characters, as the unstreamed answer
+    has them."""
     bias = {str(k): v for k, v in no_eos.items()}
     body: dict[str, Any] = {"model": model, "prompt": PROMPT, "logprobs": 1, "max_tokens": 12}
     body |= {"temperature": 0.0, "logit_bias": bias}
@@ -351,4 +381,4 @@ def test_a_resumed_completion_streams_text_offsets_that_go_on(
     whole = sdk.completions.create(**body)
     want = whole.choices[0].logprobs
     assert want is not None and want.text_offset is not None and len(want.text_offset) == 12
-    assert offsets == want.text_offset
+    assert offsets == want.text_offset and offsets[0] == len(PROMPT)

@@ -205,6 +205,30 @@ def test_a_fresh_stream_reads_at_once_and_keeps_its_connection_when_cut(
     run_with_client(redis_url, scenario)
 
 
+def test_a_relayed_stream_keeps_its_connection_when_cut_in_a_later_read(
+    redis_url: str, worker_side: WorkerSide
+) -> None:
+    """`whole_reads` (the gateway's relay, whose client may leave at any token): a caller cancelled in
+    a blocking read after its first one leaves the read to end on its own, its connection whole."""
+
+    async def scenario(client: AsyncClient) -> None:
+        handle = await client.submit_generate("Hi")
+        worker_side.tokens(handle.id, "Hel")
+        before = await client.connection.client_id()
+        items = aiter(handle.stream(timeout=10, whole_reads=True))
+        assert (await anext(items)).stream_id  # the first read's token; the next read blocks
+        reading = asyncio.ensure_future(anext(items))
+        await asyncio.sleep(0.05)
+        reading.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await reading
+        worker_side.tokens(handle.id, "lo")  # the cut-off read's answer: it ends, its connection lives
+        await asyncio.sleep(0.2)
+        assert await client.connection.client_id() == before
+
+    run_with_client(redis_url, scenario)
+
+
 def test_the_async_retry_policy_tries_again_on_connection_errors_only() -> None:
     policy = RetryPolicy(attempts=3, initial_wait_s=0.05, max_wait_s=1.0)
     calls: list[float] = []
