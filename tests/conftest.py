@@ -308,3 +308,28 @@ def private_redis(tmp_path: Any) -> Iterator[Any]:
     server.start()
     yield server
     server.stop()
+
+
+# --- worker processes and engines shared by several modules ---------------------------------------------
+
+
+@pytest.fixture
+def worker(model_dir: Any, redis_url: str, tmp_path: Any) -> Iterator[Any]:
+    """A worker process serving the queue `default` with the test module's model and Redis, ready (a
+    module may define its own `worker`)."""
+    from worker_process import WorkerProcess
+
+    w = WorkerProcess(model_dir, redis_url, tmp_path / "worker.log", "--queue", "default")
+    w.wait_ready()
+    yield w
+    w.stop()
+
+
+@pytest.fixture(autouse=True)
+def _close_engines() -> Iterator[None]:
+    """Engines a test loaded through `engines.closed_after_test` (tests/engines.py) are closed when it
+    ends; a test that loaded none imports nothing here (no MLX for the producer tests)."""
+    yield
+    module = sys.modules.get("engines")
+    if module is not None:
+        module.close_engines()

@@ -1,5 +1,6 @@
-"""Engines the engine tests load, closed after each test (`tests/engine/conftest.py`): an engine holds
-a launcher thread's stream and MLX memory, and a test module's engines would otherwise outlive it."""
+"""Engines the engine tests load, closed after each test (`_close_engines` in tests/conftest.py): an
+engine holds a launcher thread's stream and MLX memory, and a module's engines would otherwise outlive
+it."""
 
 from __future__ import annotations
 
