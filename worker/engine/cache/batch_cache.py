@@ -47,7 +47,7 @@ from typing import cast
 import mlx.core as mx
 import numpy as np
 
-from mlxq.worker.engine.cache.kv_cache import KVCache, key_columns, slide_base
+from mlxq.worker.engine.cache.kv_cache import KVCache, drop_oldest, key_columns, slide_base
 
 
 def _pad_columns(a: mx.array, left: int, right: int) -> mx.array:
@@ -180,15 +180,8 @@ class BatchKVCache:
         base = slide_base(self.base, self.end - self._most_holes, self.window, self.step)
         if base == self.base:
             return
-        drop, held = base - self.base, self.end - self.base
-        # The same shape (the dropped steps become spare room), or a step past the held columns where
-        # a long chunk or a joining row left far more.
-        spare = min(self.keys.shape[2], key_columns(held - drop) + self.step) - (held - drop)
-        self.keys, self.values = (
-            mx.concatenate(
-                [a[..., drop:held, :], mx.zeros((*a.shape[:2], spare, a.shape[3]), a.dtype)], axis=2
-            )
-            for a in (self.keys, self.values)
+        self.keys, self.values = drop_oldest(
+            self.keys, self.values, base - self.base, self.end - self.base, self.step
         )
         self.base = base
 

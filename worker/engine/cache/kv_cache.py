@@ -90,15 +90,8 @@ class KVCache:
         base = slide_base(self.base, first, self.window, self.step)
         if base == self.base or self.keys is None or self.values is None:
             return
-        drop, held = base - self.base, self.offset - self.base
-        # The same shape (the dropped steps become spare room), or a step past the held columns where
-        # a long chunk or a joining row left far more.
-        spare = min(self.keys.shape[2], key_columns(held - drop) + self.step) - (held - drop)
-        self.keys, self.values = (
-            mx.concatenate(
-                [a[..., drop:held, :], mx.zeros((*a.shape[:2], spare, a.shape[3]), a.dtype)], axis=2
-            )
-            for a in (self.keys, self.values)
+        self.keys, self.values = drop_oldest(
+            self.keys, self.values, base - self.base, self.offset - self.base, self.step
         )
         self.base = base
 
@@ -182,6 +175,23 @@ def key_columns(total: int) -> int:
     (the extra columns masked) leaves one shape per 256 positions.
     """
     return -(-total // KVCache.step) * KVCache.step
+
+
+def drop_oldest(
+    keys: mx.array, values: mx.array, drop: int, held: int, step: int
+) -> tuple[mx.array, mx.array]:
+    """A windowed layer's buffers without their `drop` oldest columns (of the `held` ones written), in one
+    copy: the same shape (the dropped steps become spare room), or a step past the held columns where a
+    long chunk or a joining row left far more."""
+    kept = held - drop
+    spare = min(keys.shape[2], key_columns(kept) + step) - kept
+
+    def cut(a: mx.array) -> mx.array:
+        return mx.concatenate(
+            [a[..., drop:held, :], mx.zeros((*a.shape[:2], spare, a.shape[3]), a.dtype)], axis=2
+        )
+
+    return cut(keys), cut(values)
 
 
 def held_columns(total: int, window: int | None) -> int:
