@@ -14,11 +14,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from engines import closed_after_test
+from engines import closed_after_test, run_requests
 
 from mlxq.jobs.schema import GenerateRequest, GenerateResult
 from mlxq.worker.engine import Engine, EngineOptions
-from mlxq.worker.engine.generation_batch import Finished, GenerationBatch
 from mlxq.worker.engine.speculation.draft_model import DraftMismatch
 from mlxq.worker.engine.speculation.policy import DraftPolicy
 from mlxq.worker.modelfiles.tiny_model import build_tokenizer, write_random_checkpoint
@@ -51,21 +50,7 @@ def _drafting(model: Path, **options: Any) -> Engine:
 
 
 def _run(engine: Engine, requests: list[GenerateRequest], max_sequences: int) -> list[GenerateResult]:
-    batch = GenerationBatch(engine, max_sequences=max_sequences)
-    done: dict[int, Finished] = {}
-    todo = list(enumerate(requests))
-    while todo or len(batch):
-        if todo and batch.free_slots > 0:
-            i, request = todo.pop(0)
-            batch.admit(str(i), request, lambda _t, _ids: None, lambda: False)
-        for f in batch.step():
-            done[int(f.key)] = f
-    batch.close()
-    results = []
-    for i in range(len(requests)):
-        assert done[i].error is None and done[i].result is not None, done[i].error
-        results.append(done[i].result)
-    return results
+    return run_requests(engine, requests, max_sequences, one_per_step=True)
 
 
 def _requests(engine: Engine) -> list[GenerateRequest]:

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from engines import closed_after_test
+from engines import assert_same_draws, closed_after_test, run_requests
 from reference import load_hf_model, make_hf_checkpoint
 from safetensors.torch import load_file, save_file
 from transformers import DeepseekV3ForCausalLM
@@ -31,7 +31,6 @@ from transformers.modeling_layers import MtpModel
 from mlxq.jobs.schema import GenerateRequest, GenerateResult
 from mlxq.worker.engine import Engine, EngineOptions
 from mlxq.worker.engine.errors import CheckpointError
-from mlxq.worker.engine.generation_batch import Finished, GenerationBatch
 from mlxq.worker.engine.models.loader import load_model
 from mlxq.worker.engine.speculation.mtp import MtpDraft, MtpDrafter, ShiftedCache
 from mlxq.worker.engine.speculation.policy import DraftPolicy
@@ -182,21 +181,7 @@ def _engine(model: Path, **options: Any) -> Engine:
 
 
 def _run(engine: Engine, requests: list[GenerateRequest], max_sequences: int) -> list[GenerateResult]:
-    batch = GenerationBatch(engine, max_sequences=max_sequences)
-    done: dict[int, Finished] = {}
-    todo = list(enumerate(requests))
-    while todo or len(batch):
-        while todo and batch.free_slots > 0:
-            i, request = todo.pop(0)
-            batch.admit(str(i), request, lambda _t, _ids: None, lambda: False)
-        for f in batch.step():
-            done[int(f.key)] = f
-    batch.close()
-    results = []
-    for i in range(len(requests)):
-        assert done[i].error is None and done[i].result is not None, done[i].error
-        results.append(done[i].result)
-    return results
+    return run_requests(engine, requests, max_sequences)
 
 
 GPU_WAYS = {"decode_overlap": True, "pad_shapes": True}  # steps launched on a thread, shapes padded
@@ -260,24 +245,7 @@ def test_sampled_generation_with_the_mtp_drafter_follows_plain_decodings_distrib
         drafted = sum(r.usage.draft_tokens for r in results)
         kept = sum(r.usage.accepted_tokens for r in results)
     assert drafted > n and kept > n // 4, (drafted, kept)  # drafts tested, and often kept
-    for position in range(tokens):
-        counts: dict[int, int] = {}
-        for r in runs[0]:
-            counts[r[position]] = counts.get(r[position], 0) + 1
-        common = sorted(counts, key=lambda t: -counts[t])[:3]
-        table = np.array(
-            [
-                [sum(r[position] == t for r in run) for t in common]
-                + [sum(r[position] not in common for r in run)]
-                for run in runs
-            ],
-            dtype=np.float64,
-        )
-        table = table[:, table.sum(0) > 0]
-        expected = table.sum(1, keepdims=True) * table.sum(0, keepdims=True) / table.sum()
-        stat = float(((table - expected) ** 2 / expected).sum())
-        # chi-square of independence, (columns - 1) degrees of freedom: the 0.1% points of 1..3
-        assert stat < {1: 10.8, 2: 13.8, 3: 16.3}[table.shape[1] - 1], (position, table)
+    assert_same_draws(runs, tokens)
 
 
 def test_a_target_without_an_mtp_layer_it_can_draft_with_is_refused_clearly(
