@@ -442,8 +442,7 @@ class DecodeBatch:
         from now on); `masks_later`: see `SamplerRows.sample`."""
         assert self.rows is not None and self._ahead is not None
         following = self.rows.sample(self._ahead, masks_later=masks_later)
-        self._pending_logprobs = PendingLogprobs()
-        self._pending_logprobs.reset(self.rows.logprobs, len(self.rows))
+        self._new_pending_logprobs()
         return following
 
     def verify_with(
@@ -487,8 +486,7 @@ class DecodeBatch:
             depth = mx.array([len(d) for d in drafts], dtype=mx.int32)
             ids = mx.array([row[1:] for row in fed], dtype=mx.int32)
             kept_drafts, following = self.rows.verify(logits, ids, depth, allowed)
-        self._pending_logprobs = PendingLogprobs()
-        self._pending_logprobs.reset(self.rows.logprobs, len(self.rows))
+        self._new_pending_logprobs()
         mx.async_eval(kept_drafts, following, *self._pending_logprobs.arrays(), *self._taken_with_step())
         if meanwhile is not None:
             meanwhile()
@@ -529,6 +527,13 @@ class DecodeBatch:
         self._copy_rows = list(range(tokens.shape[0]))
         if ahead is not None:
             self.launcher.launch(ahead)
+
+    def _new_pending_logprobs(self) -> None:
+        """The logprobs of the draw just built, for the rows that asked (a new object: the one before may
+        still be read by the step in hand)."""
+        assert self.rows is not None
+        self._pending_logprobs = PendingLogprobs()
+        self._pending_logprobs.reset(self.rows.logprobs, len(self.rows))
 
     def _taken_with_step(self) -> list[mx.array]:
         """What the feature sink made of the forwards built since the last launch (then forgotten)."""
@@ -573,8 +578,7 @@ class DecodeBatch:
         logits = self._forward(pending)
         assert self.rows is not None
         self._pending = self.rows.sample(logits)
-        self._pending_logprobs = PendingLogprobs()  # the old one is still read by the step in hand
-        self._pending_logprobs.reset(self.rows.logprobs, len(self.rows))
+        self._new_pending_logprobs()  # the old one is still read by the step in hand
         return self._pending
 
     def _forward(
