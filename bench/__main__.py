@@ -77,6 +77,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="comma-separated numbers of concurrent jobs for the speculation figure, in place of the "
         "sizes' own",
     )
+    p.add_argument(
+        "--speculation-reps", type=int, help="rotating turns of the speculation figure [the sizes']"
+    )
+    p.add_argument(
+        "--speculation-kinds",
+        help="comma-separated prompt kinds of the speculation figure [copy-heavy,prose]",
+    )
+    p.add_argument(
+        "--speculation-modes",
+        help="comma-separated modes of the speculation figure besides plain (e.g. 'prompt lookup') [all]",
+    )
     p.add_argument("--only", default=",".join(FIGURES), help=f"comma-separated figures [{','.join(FIGURES)}]")
     p.add_argument("--out", default=str(Path(__file__).parent / "results"), help="folder for JSON and tables")
     p.add_argument("--label", help="file name of the results [SIZES-MODEL]")
@@ -135,6 +146,14 @@ def run(args: argparse.Namespace) -> int:
     if args.speculation_jobs:
         jobs = tuple(int(n) for n in args.speculation_jobs.split(","))
         sizes = dataclasses.replace(sizes, speculation_jobs=jobs)
+    if args.speculation_reps:
+        sizes = dataclasses.replace(sizes, speculation_reps=args.speculation_reps)
+    if args.speculation_kinds:
+        kinds = tuple(k.strip() for k in args.speculation_kinds.split(","))
+        sizes = dataclasses.replace(sizes, speculation_kinds=kinds)
+    if args.speculation_modes:
+        modes = tuple(m.strip() for m in args.speculation_modes.split(","))
+        sizes = dataclasses.replace(sizes, speculation_modes=modes)
     only = [f.strip() for f in args.only.split(",") if f.strip()]
     unknown = [f for f in only if f not in FIGURES]
     if unknown:

@@ -48,6 +48,8 @@ class Sizes:
     speculation_jobs: tuple[int, ...] = (1, 8, 64)  # generation jobs at once (`fig_speculation`)
     speculation_tokens: int = 128
     speculation_reps: int = 10  # rotating turns per row (`fig_speculation`), after one that warms up
+    speculation_kinds: tuple[str, ...] = ("copy-heavy", "prose")  # prompt kinds (`fig_speculation`)
+    speculation_modes: tuple[str, ...] = ()  # modes besides plain (`fig_speculation.MODES`); (): all
     logprob_prompt: int = 8192  # prompt logprobs of one prompt this long (`fig_logprobs`)
     logprob_reps: int = 3
     timeout_s: float = 600.0

@@ -43,12 +43,15 @@ from mlxq.jobs.schema import GenerateRequest, GenerateResult
 from mlxq.worker.engine import Engine
 from mlxq.worker.engine.generation_batch import GenerationBatch
 from mlxq.worker.engine.speculation.policy import DraftPolicy
+from mlxq.worker.engine.speculation.verify_clock import VerifyClock
 from mlxq.worker.service import draft_policy
 from mlxq.worker.settings import WorkerSettings
 
 from .common import Bench, median
 
 FORCED = "prompt lookup, forced"  # drafting at every batch size, no gate: acceptance and raw cost
+DFLASH = "DFlash (random)"
+MODES = ("prompt lookup", FORCED, "4-bit draft", DFLASH)  # besides plain, always run
 
 CODE = '''def moving_average(values, window):
     """Average of each run of `window` values."""
@@ -85,25 +88,34 @@ PROSE = [
     "Describe, in a few paragraphs, what a morning at a busy fish market feels like.",
     "Write a letter to a friend about a journey by train through the mountains.",
 ]
+KINDS = {"copy-heavy": COPY_HEAVY, "prose": PROSE}
 
 
 def speculation(b: Bench) -> dict[str, Any]:
     s = b.sizes
-    modes: dict[str, Engine] = {
-        "plain": b.engine,
-        "prompt lookup": _engine(b, "prompt_lookup"),
-        FORCED: _engine(b, "prompt_lookup", forced=True),
-    }
-    draft = _draft_copy(b)
+    wanted = set(s.speculation_modes) if s.speculation_modes else set(MODES)
+    unknown = wanted - set(MODES)
+    if unknown or not set(s.speculation_kinds) <= set(KINDS):
+        raise SystemExit(
+            f"speculation modes are {', '.join(MODES)}; kinds {', '.join(KINDS)}; got "
+            f"{sorted(unknown)} and {list(s.speculation_kinds)}"
+        )
+    modes: dict[str, Engine] = {"plain": b.engine}
+    if "prompt lookup" in wanted:
+        modes["prompt lookup"] = _engine(b, "prompt_lookup")
+    if FORCED in wanted:
+        modes[FORCED] = _engine(b, "prompt_lookup", forced=True)
+    draft = _draft_copy(b) if "4-bit draft" in wanted else None
     if draft is not None:
         modes["4-bit draft"] = _engine(b, "draft_model", str(draft))
-    dflash = _dflash_draft(b)
+    dflash = _dflash_draft(b) if DFLASH in wanted else None
     if dflash is not None:
         always = DraftPolicy(max_batch=1 << 20, min_acceptance=0.0)
-        modes["DFlash (random)"] = _engine(b, "draft_model", str(dflash), policy=always)
+        modes[DFLASH] = _engine(b, "draft_model", str(dflash), policy=always)
     rows: dict[str, Any] = {}
     try:
-        for kind, prompts in (("copy-heavy", COPY_HEAVY), ("prose", PROSE)):
+        for kind in s.speculation_kinds:
+            prompts = KINDS[kind]
             for n in s.speculation_jobs:
                 # every prompt of the kind at least once: fewer jobs than prompts run as several
                 # batches of n jobs one after another
@@ -115,7 +127,7 @@ def speculation(b: Bench) -> dict[str, Any]:
                 taking = {
                     m: e
                     for m, e in modes.items()
-                    if (m != "4-bit draft" or n == 1) and (m != "DFlash (random)" or n <= 8)
+                    if (m != "4-bit draft" or n == 1) and (m != DFLASH or n <= 8)
                 }
                 runs = _rotating(taking, payloads, n, s.speculation_reps)
                 plain_tok_s = median([r["tok_s"] for r in runs["plain"]])
@@ -138,6 +150,8 @@ def speculation(b: Bench) -> dict[str, Any]:
                         "vs_plain_turns": median(ratios),
                         "vs_plain_range": [min(ratios), max(ratios)],
                         "same_tokens": same,
+                        "plain_ms": median([r["plain_ms"] for r in rs]),
+                        "verify": _median_parts([r["verify"] for r in rs]),
                     }
     finally:
         for mode, engine in modes.items():
@@ -150,6 +164,12 @@ def speculation(b: Bench) -> dict[str, Any]:
 
 
 Runs = dict[str, list[dict[str, Any]]]
+
+
+def _median_parts(runs: list[dict[str, float]]) -> dict[str, float]:
+    """Each part of a verify step (ms a step, tokens a step), the median over the runs that took one."""
+    timed = [r for r in runs if r]
+    return {k: median([r[k] for r in timed]) for k in timed[0]} if timed else {}
 
 
 def _rotating(modes: dict[str, Engine], payloads: list[dict[str, Any]], n: int, reps: int) -> Runs:
@@ -222,6 +242,7 @@ def _run(engine: Engine, payloads: list[dict[str, Any]], n: int) -> dict[str, An
     mx.synchronize()
     t0 = time.perf_counter()
     results: dict[str, GenerateResult] = {}
+    verify, steps = VerifyClock(), 0
     for first in range(0, len(payloads), n):
         batch = GenerationBatch(engine, n)
         for i, p in enumerate(payloads[first : first + n], start=first):
@@ -232,6 +253,9 @@ def _run(engine: Engine, payloads: list[dict[str, Any]], n: int) -> dict[str, An
                     raise done.error
                 assert done.result is not None
                 results[done.key] = done.result
+        steps += batch.decode._steps
+        for f in dataclasses.fields(verify):
+            setattr(verify, f.name, getattr(verify, f.name) + getattr(batch.decode.verify_clock, f.name))
         batch.close()
     wall = time.perf_counter() - t0
     res = [results[str(i)] for i in range(len(payloads))]
@@ -240,4 +264,9 @@ def _run(engine: Engine, payloads: list[dict[str, Any]], n: int) -> dict[str, An
         "drafted": sum(r.usage.draft_tokens for r in res),
         "kept": sum(r.usage.accepted_tokens for r in res),
         "tokens": [list(r.token_ids) for r in res],
+        # where a verify step's time goes, and what a plain step costs beside it (the run's wall time
+        # less its verify steps, over its other steps: prefill and admission included)
+        "verify": verify.per_step_ms(),
+        "plain_ms": 1e3 * (wall - verify.total_s) / max(1, steps - verify.steps),
+        "plain_steps": steps - verify.steps,
     }

@@ -216,6 +216,18 @@ def _ratio_range(r: dict[str, Any]) -> str:
     return f"{r['vs_plain_turns']:.2f} ({low:.2f}-{high:.2f})"
 
 
+VERIFY_PARTS = ("read", "draft", "build", "launch", "wait", "trim", "handle")
+
+
+def _verify(_k: str, r: dict[str, Any]) -> str:
+    """A verify step's parts (`VerifyClock`), "-" where the run took none."""
+    v = r.get("verify") or {}
+    if not v:
+        return "-"
+    parts = ", ".join(f"{v[k + '_ms']:.2f}" for k in VERIFY_PARTS)
+    return f"{v['step_ms']:.2f} ({parts}; {v['fed_per_step']:.1f}, {v['given_per_step']:.1f})"
+
+
 SPECULATION: list[Column] = [
     PATH,
     ("tok/s (with prefill)", _get("tok_s", digits=1)),
@@ -224,6 +236,8 @@ SPECULATION: list[Column] = [
     ("kept", _get("kept", digits=0)),
     ("acceptance", lambda _k, r: "-" if r.get("acceptance") is None else f"{r['acceptance']:.0%}"),
     ("tokens as plain", lambda _k, r: "yes" if r.get("same_tokens") else "NO"),
+    ("plain step ms", _get("plain_ms", digits=2)),
+    ("verify step ms (read, draft, build, launch, wait, trim, handle; fed, given a step)", _verify),
 ]
 
 

@@ -556,6 +556,9 @@ def test_rows_leaving_with_holes_wait_for_the_launch_in_flight(
         assert ahead[0] == first[0]
         runs = batch.verify_with(lambda tokens: [ahead[2:5], []], lambda runs: runs)
         assert runs[0] == ahead[1:5] and batch.cache[0].holes[1] == 3
+        clock = batch.verify_clock  # one verify step timed: 2 rows x 4 columns fed, 4 + 1 tokens given
+        assert (clock.steps, clock.fed, clock.given) == (1, 8, 5)
+        assert clock.per_step_ms()["step_ms"] == pytest.approx(1e3 * clock.total_s) and clock.total_s > 0
         batch.step()  # a plain step: the next one is launching when this returns
         assert launcher.busy
         (cache,) = batch.remove([1])

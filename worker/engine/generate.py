@@ -22,6 +22,7 @@ from mlxq.worker.engine.launcher import Launcher
 from mlxq.worker.engine.models.base import Model
 from mlxq.worker.engine.models.layer_taps import LayerTaps
 from mlxq.worker.engine.sampler import Sampler, SamplerRows
+from mlxq.worker.engine.speculation.verify_clock import VerifyClock
 from mlxq.worker.engine.token_logprobs import PendingLogprobs, TokenLogprob
 
 # Release MLX's buffer cache at intervals, not every token: freeing is cheap, reallocating is not.
@@ -263,6 +264,7 @@ class DecodeBatch:
         # With a constrained row: the logits of the forward that feeds `_pending`, launched (see `step_with`)
         self._ahead: mx.array | None = None
         self.critical = CriticalPath()  # the host's time on the constrained steps' critical path
+        self.verify_clock = VerifyClock()  # where the verify steps' time goes
 
     def __len__(self) -> int:
         return len(self.rows) if self.rows is not None else 0
@@ -468,16 +470,19 @@ class DecodeBatch:
         if self._pending is None or self.rows is None:
             raise ValueError("an empty batch has no step to take")
         self._drop_ahead()
+        clock, began = self.verify_clock, time.perf_counter()
         self.quiet()
         self._fresh = False
         tokens = [int(t) for t in cast("list[int]", self._pending.tolist())]
         self._take(tokens)
         self.logprobs = self._pending_logprobs.read(tokens)  # rows asking logprobs draft nothing
+        read = time.perf_counter()
         drafts = self.rows.cut(drafts_for(tokens))
         width = 1 + max(len(d) for d in drafts)
         if self.pad_shapes and width > 1:  # a GPU meets few widths (the columns past the drafts: never kept)
             width = padded_size(width, smallest=1)
         allowed = self.rows.draft_masks(drafts, width) if width > 1 else None
+        drafted = time.perf_counter()
         fed = [[t, *d, *([0] * (width - 1 - len(d)))] for t, d in zip(tokens, drafts, strict=True)]
         logits = self._forward(mx.array(fed, dtype=mx.int32), self.cache[0].mask(width))
         if width == 1:
@@ -487,10 +492,13 @@ class DecodeBatch:
             ids = mx.array([row[1:] for row in fed], dtype=mx.int32)
             kept_drafts, following = self.rows.verify(logits, ids, depth, allowed)
         self._new_pending_logprobs()
+        built = time.perf_counter()
         mx.async_eval(kept_drafts, following, *self._pending_logprobs.arrays(), *self._taken_with_step())
         if meanwhile is not None:
             meanwhile()
+        launched = time.perf_counter()
         kept = [int(k) for k in cast("list[int]", kept_drafts.tolist())]
+        waited = time.perf_counter()
         columns = [width] * self.cache[0].batch  # idle rows keep all: nobody reads them
         for slot, k in zip(self.slots, kept, strict=True):
             columns[slot] = 1 + k
@@ -502,7 +510,19 @@ class DecodeBatch:
         self._stepped()
         if self.rows.constrained:
             self.rows.take_drafts([d[:k] for d, k in zip(drafts, kept, strict=True)])
-        return handle([[t, *d[:k]] for t, d, k in zip(tokens, drafts, kept, strict=True)])
+        trimmed = time.perf_counter()
+        result = handle([[t, *d[:k]] for t, d, k in zip(tokens, drafts, kept, strict=True)])
+        clock.steps += 1
+        clock.fed += len(fed) * width
+        clock.given += len(tokens) + sum(kept)
+        clock.read_s += read - began
+        clock.draft_s += drafted - read
+        clock.build_s += built - drafted
+        clock.launch_s += launched - built
+        clock.wait_s += waited - launched
+        clock.trim_s += trimmed - waited
+        clock.handle_s += time.perf_counter() - trimmed
+        return result
 
     def quiet(self) -> None:
         """Wait until no step is being launched (with a launcher: before evaluating anything else)."""
