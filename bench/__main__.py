@@ -86,7 +86,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument(
         "--speculation-modes",
-        help="comma-separated modes of the speculation figure besides plain (e.g. 'prompt lookup') [all]",
+        help="comma-separated modes of the speculation figure besides plain: lookup, forced, draft, "
+        "dflash [all]",
     )
     p.add_argument("--only", default=",".join(FIGURES), help=f"comma-separated figures [{','.join(FIGURES)}]")
     p.add_argument("--out", default=str(Path(__file__).parent / "results"), help="folder for JSON and tables")

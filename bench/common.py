@@ -49,7 +49,7 @@ class Sizes:
     speculation_tokens: int = 128
     speculation_reps: int = 10  # rotating turns per row (`fig_speculation`), after one that warms up
     speculation_kinds: tuple[str, ...] = ("copy-heavy", "prose")  # prompt kinds (`fig_speculation`)
-    speculation_modes: tuple[str, ...] = ()  # modes besides plain (`fig_speculation.MODES`); (): all
+    speculation_modes: tuple[str, ...] = ()  # short names of modes besides plain (`fig_speculation.MODES`)
     logprob_prompt: int = 8192  # prompt logprobs of one prompt this long (`fig_logprobs`)
     logprob_reps: int = 3
     timeout_s: float = 600.0

@@ -51,7 +51,8 @@ from .common import Bench, median
 
 FORCED = "prompt lookup, forced"  # drafting at every batch size, no gate: acceptance and raw cost
 DFLASH = "DFlash (random)"
-MODES = ("prompt lookup", FORCED, "4-bit draft", DFLASH)  # besides plain, always run
+# the modes besides plain (always run), by the short names `--speculation-modes` takes
+MODES = {"lookup": "prompt lookup", "forced": FORCED, "draft": "4-bit draft", "dflash": DFLASH}
 
 CODE = '''def moving_average(values, window):
     """Average of each run of `window` values."""
@@ -93,8 +94,8 @@ KINDS = {"copy-heavy": COPY_HEAVY, "prose": PROSE}
 
 def speculation(b: Bench) -> dict[str, Any]:
     s = b.sizes
-    wanted = set(s.speculation_modes) if s.speculation_modes else set(MODES)
-    unknown = wanted - set(MODES)
+    unknown = set(s.speculation_modes) - set(MODES)
+    wanted = {MODES[m] for m in s.speculation_modes or MODES if m in MODES}
     if unknown or not set(s.speculation_kinds) <= set(KINDS):
         raise SystemExit(
             f"speculation modes are {', '.join(MODES)}; kinds {', '.join(KINDS)}; got "
