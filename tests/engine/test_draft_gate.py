@@ -17,10 +17,18 @@ class Clock:
         return self.now
 
 
-def _step(gate: DraftGate, clock: Clock, rows: int, kind: StepKind, tokens: int, seconds: float) -> None:
+def _step(
+    gate: DraftGate,
+    clock: Clock,
+    rows: int,
+    kind: StepKind,
+    tokens: int,
+    seconds: float,
+    new_shape: bool = False,
+) -> None:
     gate.begin(rows)
     clock.now += seconds
-    gate.end(kind, tokens)
+    gate.end(kind, tokens, new_shape=new_shape)
 
 
 def _run(
@@ -87,6 +95,26 @@ def test_the_first_plain_step_after_a_verify_is_the_verify_steps_cost() -> None:
     plain, verify = gate.cost(1)
     assert plain == pytest.approx(0.010)
     assert verify is not None and verify > 0.015 / 3
+
+
+def test_verify_steps_of_new_shapes_and_the_plain_steps_after_them_give_no_sample() -> None:
+    clock = Clock()
+    gate = DraftGate(clock=clock, min_samples=2, backoff=8)
+    for _ in range(4):
+        _step(gate, clock, 1, "plain", 1, 0.010)
+    # each verify step meets a new shape (kernels built: 50 ms), then a plain step reads it back; were
+    # they measured, drafting would look 10x dearer than plain decoding and pause
+    for _ in range(6):
+        assert gate.allows(1)
+        _step(gate, clock, 1, "verify", 6, 0.050, new_shape=True)
+        _step(gate, clock, 1, "plain", 1, 0.030)
+    assert gate.cost(1) == (pytest.approx(0.010), None) and gate.paused == 0
+    # the same shapes again: cheap verify steps, measured, and drafting keeps paying
+    for _ in range(4):
+        assert gate.allows(1)
+        _step(gate, clock, 1, "verify", 6, 0.012)
+    plain, verify = gate.cost(1)
+    assert plain == pytest.approx(0.010) and verify == pytest.approx(0.002) and gate.paused == 0
 
 
 def test_a_size_with_only_verify_steps_measures_plain_ones() -> None:

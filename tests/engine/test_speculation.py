@@ -191,6 +191,31 @@ def test_trim_rows_keeps_each_rows_columns_and_a_copy_of_the_buffers_squeezes_th
     assert cache.capacity > cache.end  # room for the next step's write
 
 
+def test_a_verify_forward_reads_whole_steps_of_columns_its_mask_hides_past_the_new_tokens() -> None:
+    cache = BatchKVCache()
+    cache.add(_cache_rows([3, 5]))
+    new = mx.broadcast_to(mx.array([[7.0, 8.0, 9.0]])[:, None, :, None], (2, 2, 3, 4))
+    cache.update_and_fetch(new, new)
+    cache.trim_rows(3, [1, 2])  # holes, as after a verify step
+    end, exact = cache.end, cache.mask(2)
+    assert exact is not None
+    columns = cache.read_whole_steps(2)
+    assert columns == BatchKVCache.step and cache.capacity >= columns
+    keys, values = cache.update_and_fetch(new[:, :, :2], new[:, :, :2])
+    assert keys.shape[2] == values.shape[2] == columns and cache.end == end + 2
+    cache.end = end  # the mask is the one the forward was built with: before its write
+    wide = cache.mask(2, columns)
+    assert wide is not None and wide.shape == (2, 1, 2, columns)
+    assert mx.array_equal(wide[..., : end + 2], exact) and not wide[..., end + 2 :].any().item()
+    cache.read_exactly()
+    cache.end = end + 2
+    assert cache.update_and_fetch(new[:, :, :1], new[:, :, :1])[0].shape[2] == end + 3
+    with pytest.raises(ValueError, match="windowed"):
+        BatchKVCache(window=8).read_whole_steps(1)
+    with pytest.raises(ValueError, match="columns or more"):
+        cache.mask(2, cache.end + 1)
+
+
 def _greedy_requests(engine: Engine) -> list[GenerateRequest]:
     no_eos = _no_eos(engine)
     return [
@@ -459,11 +484,12 @@ def test_speculation_on_other_architectures_gives_plain_decodings_tokens(
         overrides.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
     folder = make_hf_checkpoint(tmp_path / "ckpt", arch, **overrides)
     plain = _engine(folder, dtype="float32")
-    spec = _engine(
+    spec = _engine(  # padded shapes: verify forwards read whole steps of columns (windowed layers: exact)
         folder,
         dtype="float32",
         speculation="prompt_lookup",
         draft_policy=DraftPolicy(min_acceptance=0.0, only_likely=False),
+        pad_shapes=True,
     )
     requests = _greedy_requests(plain)[:4]
     expected, _ = _run(plain, requests, max_sequences=3)
@@ -518,6 +544,34 @@ def test_rows_with_nothing_to_copy_take_plain_steps_rather_than_empty_verify_ste
         empty_verify_steps.clear()
     (every, every_empty), (likely, likely_empty) = counts[False], counts[True]
     assert 0 < likely < every and likely_empty < every_empty / 2, counts
+
+
+def test_padded_batches_squeeze_a_verify_steps_holes_out_at_once_and_decode_the_same(plain: Engine) -> None:
+    """With `pad_shapes` (a GPU) a verify step whose rows kept different numbers of drafts copies the
+    small buffers once, so the plain steps after it need no mask (the ragged kernel serves them); each
+    row's tokens are those it gets alone."""
+    model, vocab = plain.model, plain.model.args.vocab_size
+    prompts = [plain.tokenizer.encode(PROMPT * 2), plain.tokenizer.encode(PROMPT)]
+    alone = []
+    for p in prompts:
+        one, cache = DecodeBatch(model), model.make_cache()
+        one.add([cache], prefill(model, p, cache, 16), [Sampler(vocab, temperature=0.0)])
+        alone.append([one.step()[0] for _ in range(9)])
+    batch = DecodeBatch(model, pad_shapes=True)
+    caches = [model.make_cache() for _ in prompts]
+    logits = mx.concatenate([prefill(model, p, c, chunk=16) for p, c in zip(prompts, caches, strict=True)])
+    batch.add(caches, logits, [Sampler(vocab, temperature=0.0) for _ in prompts])
+    got = [[t] for t in batch.step()]
+    # row 0 drafts the three tokens it gets next (all kept), row 1 none: row 1 would keep holes
+    runs = batch.verify_with(lambda tokens: [alone[0][2:5], []], lambda runs: runs)
+    assert runs[0] == alone[0][1:5] and not batch.cache[0].has_holes
+    for row, run in zip(got, runs, strict=True):
+        row.extend(run)
+    while len(got[0]) < 9 or len(got[1]) < 9:
+        for row, token in zip(got, batch.step(), strict=True):
+            row.append(token)
+    assert [row[:9] for row in got] == alone
+    batch.quiet()
 
 
 def test_rows_leaving_with_holes_wait_for_the_launch_in_flight(

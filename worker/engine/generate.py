@@ -30,6 +30,9 @@ _CLEAR_CACHE_EVERY = 256
 
 T = TypeVar("T")
 
+# Key and value bytes of a batch below which a verify step's holes are squeezed out at once (one copy)
+_SQUEEZE_BYTES = 256 << 20
+
 # Where a decode batch hands the tapped layers' outputs of each forward: each live row's position of
 # its first fed token, and the features (live rows, W, features), rows in row order (`DecodeBatch.taps`);
 # returns the arrays it made of them, computed with the step (nothing lazy piles up over plain steps).
@@ -265,6 +268,8 @@ class DecodeBatch:
         self._ahead: mx.array | None = None
         self.critical = CriticalPath()  # the host's time on the constrained steps' critical path
         self.verify_clock = VerifyClock()  # where the verify steps' time goes
+        self._verify_shapes: set[tuple[int, int, int]] = set()  # (rows, width, key columns) met
+        self.verify_new_shape = False  # the last verify step's shape was met for the first time
 
     def __len__(self) -> int:
         return len(self.rows) if self.rows is not None else 0
@@ -484,7 +489,7 @@ class DecodeBatch:
         allowed = self.rows.draft_masks(drafts, width) if width > 1 else None
         drafted = time.perf_counter()
         fed = [[t, *d, *([0] * (width - 1 - len(d)))] for t, d in zip(tokens, drafts, strict=True)]
-        logits = self._forward(mx.array(fed, dtype=mx.int32), self.cache[0].mask(width))
+        logits = self._verify_forward(mx.array(fed, dtype=mx.int32))
         if width == 1:
             kept_drafts, following = mx.zeros((len(tokens),), dtype=mx.int32), self.rows.sample(logits[:, 0])
         else:
@@ -504,7 +509,7 @@ class DecodeBatch:
             columns[slot] = 1 + k
         for layer in self.cache:
             layer.trim_rows(width, columns)
-        if max(self.cache[0].holes) >= BatchKVCache.step:  # a step's worth wasted: one copy squeezes it
+        if self._squeeze_holes():
             self._compact(self._idle_rows())
         self._pending, self._pending_copy, self._fresh = following, None, True
         self._stepped()
@@ -523,6 +528,40 @@ class DecodeBatch:
         clock.trim_s += trimmed - waited
         clock.handle_s += time.perf_counter() - trimmed
         return result
+
+    def _squeeze_holes(self) -> bool:
+        """Whether to copy the buffers after a verify step to squeeze its holes out: always once a
+        step's worth of columns is wasted; with `pad_shapes` (a GPU) at once while the buffers are
+        small (`_SQUEEZE_BYTES`), since a row with holes needs a mask at every step until it leaves (no
+        ragged kernel: `_step_mask`), dearer over the steps that follow than one small copy."""
+        first = self.cache[0]
+        if not first.has_holes:
+            return False
+        if max(first.holes) >= BatchKVCache.step:
+            return True
+        return self.pad_shapes and sum(layer.nbytes for layer in self.cache) <= _SQUEEZE_BYTES
+
+    def _verify_forward(self, fed: mx.array) -> mx.array:
+        """The logits of a verify step's forward of `fed` (B, W); with `pad_shapes` and W > 1 its
+        attention reads whole steps of the caches (`BatchKVCache.read_whole_steps`: the key lengths a
+        GPU meets change once per 256 columns, not at every step), except in a model with windowed
+        layers. Notes whether, with `pad_shapes` (a GPU), the step's shape (rows, width, key columns) is
+        one the batch met before (`verify_new_shape`: a new one may have built kernels, so its time says
+        nothing of the next; without padding shapes cost nothing to meet)."""
+        width, first = fed.shape[1], self.cache[0]
+        columns = None
+        if self.pad_shapes and width > 1 and self._window is None:
+            columns = first.read_whole_steps(width)
+            for layer in self.cache[1:]:
+                layer.read_whole_steps(width)
+        shape = (first.batch, width, columns if columns is not None else first.end + width)
+        self.verify_new_shape = self.pad_shapes and shape not in self._verify_shapes
+        self._verify_shapes.add(shape)
+        try:
+            return self._forward(fed, first.mask(width, columns))
+        finally:
+            for layer in self.cache:
+                layer.read_exactly()
 
     def quiet(self) -> None:
         """Wait until no step is being launched (with a launcher: before evaluating anything else)."""

@@ -509,7 +509,7 @@ class GenerationBatch:
             self._decode_failed(e, finished)
             return
         if gate is not None and verify:
-            gate.end("verify", self._verified)
+            gate.end("verify", self._verified, new_shape=self.decode.verify_new_shape)
         elif gate is not None:
             gate.end("plain", rows)
         if not leaving:

@@ -80,6 +80,8 @@ class BatchKVCache:
         self._most_holes = 0
         self._hidden: mx.array | None = None  # (B, width <= end) bool, True at holes; None: no holes
         self._holes = mx.zeros((0,), dtype=mx.int32)
+        # A forward that reads whole steps of columns (`read_whole_steps`): the columns it reads
+        self.read_to: int | None = None
 
     @property
     def batch(self) -> int:
@@ -105,20 +107,43 @@ class BatchKVCache:
         """Whether some row has holes (`trim_rows`): attention then needs the mask, not the ragged kernel."""
         return self._hidden is not None
 
-    def mask(self, n: int = 1) -> mx.array | None:
+    def mask(self, n: int = 1, columns: int | None = None) -> mx.array | None:
         """Boolean (B, 1, n, end + n) attention mask for `n` new tokens per row (causal among them);
-        None if no row is padded or has holes (plain causal attention is exact then)."""
-        if not any(self.starts) and self._hidden is None:
+        None if no row is padded or has holes (plain causal attention is exact then). With `columns`
+        (at least end + n: a forward reading whole steps, `read_whole_steps`) the mask is that wide,
+        the columns past the new tokens hidden, and never None."""
+        if columns is None and not any(self.starts) and self._hidden is None:
             return None
-        columns = mx.arange(self.end + n, dtype=mx.int32)
-        visible = columns[None, :] >= self._starts[:, None]
+        total = self.end + n if columns is None else columns
+        if total < self.end + n:
+            raise ValueError(f"a mask of {n} new tokens needs {self.end + n} columns or more, got {total}")
+        columns_at = mx.arange(total, dtype=mx.int32)
+        visible = columns_at[None, :] >= self._starts[:, None]
         if self._hidden is not None:
             hidden = self._hidden
-            visible = visible & ~mx.pad(hidden, [(0, 0), (0, self.end + n - hidden.shape[1])])
-        if n == 1:
+            visible = visible & ~mx.pad(hidden, [(0, 0), (0, total - hidden.shape[1])])
+        if n == 1 and columns is None:
             return visible[:, None, None, :]
-        causal = columns[None, :] <= mx.arange(self.end, self.end + n, dtype=mx.int32)[:, None]
+        causal = columns_at[None, :] <= mx.arange(self.end, self.end + n, dtype=mx.int32)[:, None]
         return (visible[:, None, :] & causal[None])[:, None, :, :]
+
+    def read_whole_steps(self, n: int) -> int:
+        """Before a forward of `n` new tokens per row: make its attention read the buffers up to a whole
+        number of steps (`key_columns`) instead of exactly to the new end, and return that many columns
+        (the forward's mask must hide the ones past each query: `mask(n, columns)`). On MLX's CUDA build
+        attention over several queries builds a plan per key length, many times the step's cost; a
+        verify step's end moves every step, whole steps move it once per 256 columns. A windowed layer
+        keeps exact reads (its buffers start at `base`). `read_exactly` undoes it."""
+        if self.window is not None:
+            raise ValueError("a windowed layer's reads follow its window: it reads exactly")
+        columns = key_columns(self.end + n)
+        self.reserve(columns - self.end)
+        self.read_to = columns
+        return columns
+
+    def read_exactly(self) -> None:
+        """Back to reading exactly the columns written (after the forward of `read_whole_steps`)."""
+        self.read_to = None
 
     def trim_rows(self, written: int, kept: list[int]) -> None:
         """After a forward that wrote `written` columns for every row, row i keeps the first `kept[i]`
@@ -166,10 +191,12 @@ class BatchKVCache:
         self.values[..., start - self.base : self.end - self.base, :] = values
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        """`write`, then return all columns held (a windowed layer's from `base` on)."""
+        """`write`, then return all columns held (a windowed layer's from `base` on), or with
+        `read_whole_steps` the columns up to `read_to` (those past `end` hidden by the mask)."""
         self.write(keys, values)
         assert self.keys is not None and self.values is not None
-        return self.keys[..., : self.end - self.base, :], self.values[..., : self.end - self.base, :]
+        stop = max(self.end, self.read_to or 0) - self.base
+        return self.keys[..., :stop, :], self.values[..., :stop, :]
 
     def _slide(self) -> None:
         """A windowed layer: drop the whole steps of oldest columns no row's next queries see (a row's

@@ -21,7 +21,9 @@ step to compare with (every step drafts), or its latest is `refresh` steps old, 
 are taken after `min_samples` verify steps.
 
 The first plain step after a verify step reads its tokens back before the next step is built (nothing
-was in flight): that cost is the verify step's, and it is counted as such.
+was in flight): that cost is the verify step's, and it is counted as such. A verify step whose shape
+the batch meets for the first time (a GPU may build kernels for it, many times a step's cost) gives no
+sample, nor does the plain step after it: it says nothing of the steps of that shape to come.
 
 Output never changes with the gate: greedy speculation is lossless, and a row's text does not depend on
 which steps drafted.
@@ -90,6 +92,7 @@ class DraftGate:
     _last: StepKind | None = field(default=None, repr=False)
     _began: float | None = field(default=None, repr=False)
     _began_rows: int = field(default=0, repr=False)
+    _unmeasured: bool = field(default=False, repr=False)  # the step before gave no sample (new shape)
     paused: int = 0  # steps at which drafting was refused (reported)
 
     def __post_init__(self) -> None:
@@ -111,13 +114,14 @@ class DraftGate:
         """A decode step of `rows` rows starts now."""
         self._began, self._began_rows = self.clock(), rows
 
-    def end(self, kind: StepKind, tokens: int) -> None:
+    def end(self, kind: StepKind, tokens: int, new_shape: bool = False) -> None:
         """The step begun last ended, a `kind` step that gave `tokens` tokens in all (0: nothing
-        measured, e.g. it failed)."""
+        measured, e.g. it failed); `new_shape`: a verify step of a shape met for the first time."""
         began, self._began = self._began, None
         self._steps += 1
         last, self._last = self._last, kind
-        if began is None or tokens <= 0:
+        unmeasured, self._unmeasured = self._unmeasured, new_shape and kind == "verify"
+        if began is None or tokens <= 0 or self._unmeasured or (unmeasured and kind == "plain"):
             return
         cost = max(self.clock() - began, 0.0) / tokens
         costs = self._costs(self._began_rows)
