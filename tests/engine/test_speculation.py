@@ -666,15 +666,17 @@ def _gated_run(
     engine: Engine, request: GenerateRequest, monkeypatch: pytest.MonkeyPatch, verify_s: float
 ) -> tuple[GenerateResult, int, DraftGate]:
     """One request through a batch whose draft gate reads a fake clock: a plain step takes 0.01 s, a
-    verify step `verify_s`. Returns its result, the verify steps taken and the gate."""
+    verify step `verify_s`. Returns its result, the verify steps taken (that verified drafts) and the
+    gate."""
     now = [0.0]
     verify_steps = [0]
     original_verify, original_step = DecodeBatch.verify_with, DecodeBatch.step_with
 
     def verify(self: DecodeBatch, *args: Any, **kwargs: Any) -> Any:
-        verify_steps[0] += 1
-        now[0] += verify_s
-        return original_verify(self, *args, **kwargs)
+        result = original_verify(self, *args, **kwargs)
+        verify_steps[0] += self.verified  # else nothing was proposed: it took a plain step
+        now[0] += verify_s if self.verified else 0.01
+        return result
 
     def step(self: DecodeBatch, *args: Any, **kwargs: Any) -> Any:
         now[0] += 0.01

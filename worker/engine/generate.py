@@ -270,6 +270,7 @@ class DecodeBatch:
         self.verify_clock = VerifyClock()  # where the verify steps' time goes
         self._verify_shapes: set[tuple[int, int, int]] = set()  # (rows, width, key columns) met
         self.verify_new_shape = False  # the last verify step's shape was met for the first time
+        self.verified = False  # the last `verify_with` verified drafts (else it took a plain step)
 
     def __len__(self) -> int:
         return len(self.rows) if self.rows is not None else 0
@@ -471,7 +472,9 @@ class DecodeBatch:
         drafts before it (`SamplerRows.draft_masks`), and the grammar takes the drafts kept.
 
         Unlike a plain step nothing stays in flight: the drafts of the next step depend on what this
-        one kept. So the next step (plain or verify) starts from tokens already read back."""
+        one kept. So the next step (plain or verify) starts from tokens already read back. Where no row
+        proposes anything after all (a drafter that expected to: `Drafter.may_propose`), the step is a
+        plain one instead, the next launched before the tokens are handled (`verified` says which)."""
         if self._pending is None or self.rows is None:
             raise ValueError("an empty batch has no step to take")
         self._drop_ahead()
@@ -483,6 +486,18 @@ class DecodeBatch:
         self.logprobs = self._pending_logprobs.read(tokens)  # rows asking logprobs draft nothing
         read = time.perf_counter()
         drafts = self.rows.cut(drafts_for(tokens))
+        self.verified = any(drafts)
+        if not self.verified:  # nothing proposed after all: a plain step, launched before the handling
+            following = self._next_step(self._pending)
+            if self.rows.constrained:
+                self._launch_ahead(following)
+            else:
+                self._launch(following)
+            self._stepped()
+            result = handle([[t] for t in tokens])
+            if meanwhile is not None:
+                meanwhile()
+            return result
         width = 1 + max(len(d) for d in drafts)
         if self.pad_shapes and width > 1:  # a GPU meets few widths (the columns past the drafts: never kept)
             width = padded_size(width, smallest=1)

@@ -508,7 +508,7 @@ class GenerationBatch:
                 gate.end("verify" if verify else "plain", 0)
             self._decode_failed(e, finished)
             return
-        if gate is not None and verify:
+        if gate is not None and verify and self.decode.verified:
             gate.end("verify", self._verified, new_shape=self.decode.verify_new_shape)
         elif gate is not None:
             gate.end("plain", rows)
