@@ -687,3 +687,45 @@ def test_the_draft_gate_stops_drafting_where_verify_steps_lose_and_output_is_unc
     assert slow_gate.paused > 0 and slow_verifies < 15  # of ~80 steps: a few probes, then pauses
     assert fast_gate.paused <= 3  # only the plain steps measured for comparison
     assert fast.usage.accepted_tokens > 0 and fast_verifies > slow_verifies
+
+
+def test_the_gate_counts_a_verify_steps_progress_by_the_row_that_took_fewest_tokens(
+    model_dir: Path, plain: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A batch ends with its slowest row: a verify step where one row keeps a copied run and another
+    keeps nothing advanced the batch by one token a row, and that is what the gate is told."""
+    gated = _engine(
+        model_dir,
+        speculation="prompt_lookup",
+        draft_policy=DraftPolicy(min_acceptance=0.0, only_likely=False, gate=True),
+    )
+    no_eos = _no_eos(plain)
+    requests = [
+        GenerateRequest(prompt=PROMPT * 4, max_tokens=40, temperature=0, logit_bias=no_eos),
+        GenerateRequest(prompt="Once upon a time", max_tokens=40, temperature=0, logit_bias=no_eos),
+    ]
+    runs_seen: list[list[list[int]]] = []
+    told: list[tuple[str, int]] = []
+    take_runs, end = GenerationBatch._take_runs, DraftGate.end
+
+    def recorded_runs(self: GenerationBatch, runs: list[list[int]]) -> Any:
+        if self.decode.verified:  # else nothing was proposed: a plain step
+            runs_seen.append([list(r) for r in runs])
+        return take_runs(self, runs)
+
+    def recorded_end(self: DraftGate, kind: Any, tokens: int, new_shape: bool = False) -> None:
+        told.append((kind, tokens))
+        end(self, kind, tokens, new_shape)
+
+    monkeypatch.setattr(GenerationBatch, "_take_runs", recorded_runs)
+    monkeypatch.setattr(DraftGate, "end", recorded_end)
+    gated.draft_gate = DraftGate(min_samples=1000)  # measures, never pauses: every step may draft
+    expected, _ = _run(plain, requests, max_sequences=2)
+    got, _ = _run(gated, requests, max_sequences=2)
+    for i in range(len(requests)):
+        assert _result(expected[i]).token_ids == _result(got[i]).token_ids
+    verified = [tokens for kind, tokens in told if kind == "verify"]
+    assert len(verified) == len(runs_seen) > 0
+    for runs, tokens in zip(runs_seen, verified, strict=True):
+        assert tokens == len(runs) * min(len(run) for run in runs)
+    assert any(max(len(r) for r in runs) > min(len(r) for r in runs) for runs in runs_seen)

@@ -150,7 +150,8 @@ class GenerationBatch:
         self.steps = 0
         self._offers: list[tuple[list[int], list[KVCache]]] = []  # finished requests' caches (`settle`)
         self._ended: list[Finished] = []  # requests ended by a failed launch, for the next `step`
-        self._verified = 0  # tokens the last verify step gave (its rows' runs)
+        # the last verify step's progress as the draft gate counts it: rows x the fewest tokens a row took
+        self._verified = 0
 
     def __len__(self) -> int:
         return len(self.waiting) + (self.prefilling is not None) + len(self.decoding) + len(self._ended)
@@ -584,7 +585,7 @@ class GenerationBatch:
         """After a verify step: each row takes its tokens (its pending one, then the drafts kept), in
         order, as from that many plain steps, up to the one it ends with; returns the rows that end."""
         leaving: list[tuple[int, FinishReason | BaseException]] = []
-        self._verified = sum(len(run) for run in runs)
+        self._verified = len(runs) * min(len(run) for run in runs)
         for i, (seq, run) in enumerate(zip(self.decoding, runs, strict=True)):
             if seq.depth > 0 and seq.speculation is not None:
                 seq.speculation.observe(seq.proposed, len(run) - 1)

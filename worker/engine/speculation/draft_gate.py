@@ -6,8 +6,13 @@ costs against a plain one: that depends on the device, the model, the number of 
 launched and read back before the next; a CPU's forward of k tokens costs k times one; a draft model
 costs a forward a drafted token). So the engine's generation batches measure both kinds as they decode
 (one gate an engine, learnt across its batches, one after another): the seconds a step took per token
-it gave (a plain step one token a row, a verify step each row's pending token and the drafts it kept),
-kept per batch size (rows rounded up to a power of two: a 64-row step and a one-row step cost
+of progress (a plain step one token a row; a verify step as many a row as the row that took fewest:
+its pending token and the drafts it kept). A batch is as far along as its slowest row: a verify step
+where one row copies a long run and the others keep nothing advances the batch by one token a row at
+a verify step's cost, and a batch of jobs that started together ends with its longest one; crediting
+each row's own tokens would let a batch draft where it loses (the rows that copied leave early, the
+others decode on at the same step cost): so drafting in a batch pays only where its rows copy together.
+Costs are kept per batch size (rows rounded up to a power of two: a 64-row step and a one-row step cost
 differently) over the last `window` steps of each kind. A plain step's cost is the least of its
 samples, a verify step's the median of its: a step that met a new shape (kernels built on a GPU) or a
 busy host is far slower than the others, and plain steps are rare in a batch that drafts, so one such
