@@ -13,8 +13,8 @@ from . import api_keys
 # Objects the collector's youngest generation may gain before it runs (CPython's default is 700): a
 # submission leaves a few dozen container objects alive for a while (its tasks, futures, the relay's
 # read in flight), so at the default the collector runs every few dozen submissions and walks the
-# same short-lived objects again and again.
-GC_YOUNG_OBJECTS = 20_000
+# same short-lived objects again and again. Higher costs about as much in all, in longer pauses.
+GC_YOUNG_OBJECTS = 10_000
 
 NEEDS_GATEWAY = (
     "mlxq: the gateway needs its extra (starlette, uvicorn): pip install '.[gateway]' in the mlxq repository"
