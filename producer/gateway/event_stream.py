@@ -10,6 +10,7 @@ the client leaves: one task a stream, and no `asyncio.wait` or `gather` to join 
 from __future__ import annotations
 
 import asyncio
+import sys
 from collections.abc import AsyncIterator, Mapping
 
 from starlette.responses import Response
@@ -46,12 +47,12 @@ class EventStream(Response):
             if not stopped:
                 raise
             stopped = False
-            if sending.uncancel() > 0:  # cancelled from outside as well: that cancellation goes on
+            if _uncancel(sending) > 0:  # cancelled from outside as well: that cancellation goes on
                 raise
         finally:
             streaming = False  # a disconnect seen from now on cancels nothing
             if stopped:  # the frames had ended (or swallowed the cancellation): nothing is left to stop
-                sending.uncancel()
+                _uncancel(sending)
             listening.cancel()
             if listening.done() and not listening.cancelled():
                 listening.exception()  # a receive that failed means the client is gone: nothing to raise
@@ -66,3 +67,11 @@ class EventStream(Response):
 async def _client_gone(receive: Receive) -> None:
     while (await receive())["type"] != "http.disconnect":
         pass
+
+
+def _uncancel(task: asyncio.Task[object]) -> int:
+    """Undo one `cancel()` of `task` and say how many are left; Python 3.10 counts none (a caught
+    `CancelledError` is the end of it there), so there is nothing to undo."""
+    if sys.version_info >= (3, 11):
+        return task.uncancel()
+    return 0

@@ -5,6 +5,7 @@ own error is raised."""
 from __future__ import annotations
 
 import asyncio
+import sys
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -102,7 +103,7 @@ def test_a_client_that_leaves_leaves_the_request_task_uncancelled() -> None:
         task = asyncio.current_task()
         assert task is not None
         await asyncio.sleep(0.01)  # a later await in the same task is not cancelled
-        return task.cancelling(), "went on"
+        return (task.cancelling() if sys.version_info >= (3, 11) else 0), "went on"
 
     assert asyncio.run(request()) == (0, "went on")
 
