@@ -5,6 +5,7 @@ own error is raised."""
 from __future__ import annotations
 
 import asyncio
+import sys
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -84,3 +85,47 @@ def test_the_frames_own_error_is_raised() -> None:
 
     with pytest.raises(RuntimeError, match="the relay broke"):
         asyncio.run(main())
+
+
+def test_a_client_that_leaves_leaves_the_request_task_uncancelled() -> None:
+    """The frames are sent in the request's own task, which the client's leaving cancels: once the
+    response returns, that task goes on as if nothing had been cancelled (the server's code after it)."""
+
+    async def frames() -> AsyncIterator[str]:
+        yield "data: 1\n\n"
+        await asyncio.sleep(3600)
+        yield "data: never\n\n"
+
+    async def request() -> tuple[int, str]:
+        client = Client()
+        client.leave.set()
+        await EventStream(frames(), {})({"type": "http"}, client.receive, client.send)
+        task = asyncio.current_task()
+        assert task is not None
+        await asyncio.sleep(0.01)  # a later await in the same task is not cancelled
+        return (task.cancelling() if sys.version_info >= (3, 11) else 0), "went on"
+
+    assert asyncio.run(request()) == (0, "went on")
+
+
+def test_a_cancellation_from_outside_goes_on_through_the_response() -> None:
+    async def frames() -> AsyncIterator[str]:
+        yield "data: 1\n\n"
+        await asyncio.sleep(3600)
+        yield "data: never\n\n"
+
+    async def main() -> bool:
+        client = Client()
+        answering = asyncio.ensure_future(
+            EventStream(frames(), {})({"type": "http"}, client.receive, client.send)
+        )
+        while len(client.sent) < 2:
+            await asyncio.sleep(0.001)
+        answering.cancel()  # the server shutting down, say
+        try:
+            await answering
+        except asyncio.CancelledError:
+            return True
+        return False
+
+    assert asyncio.run(main())
