@@ -428,14 +428,14 @@ class PrefixScorer:
     def _kv_bytes(self, rows: int, prefix: int, width: int) -> int:
         """Bytes of keys and values a suffix batch of `rows` suffixes of up to `width` tokens on a
         `prefix`-token cache holds beside that cache (with `pad_shapes`, its padding too): the rows' own
-        and, for one layer at a time, each pack's copy of the prefix joined to them (`RowPacks`); or
-        where the prefix is copied per row, `broadcast_batch`'s buffers."""
+        and, packed, for one layer at a time each pack's copy of the prefix joined to them (`RowPacks`;
+        cascaded, none); or where the prefix is copied per row, `broadcast_batch`'s buffers."""
         if self.pad_shapes:
             rows, width = padded_size(rows, smallest=1), padded_size(width)
         if not prefix or not self.model.reads_shared_prefix:
             return rows * key_columns(prefix + width) * self.kv_bytes_per_token
         packs = RowPacks(rows, width, prefix)
-        layer_copies = packs.packs * packs.columns(prefix) // len(self.model.layers)
+        layer_copies = packs.packs * packs.columns(prefix) // len(self.model.layers) if packs.fused else 0
         return (rows * width + layer_copies) * self.kv_bytes_per_token
 
     def _score(self, hidden: mx.array, picks: list[Pick]) -> None:
