@@ -141,7 +141,13 @@ class SharedPrefixRows:
         return out[:b] if n * k > b else out
 
 
-SCORE_BLOCK_BYTES = 1 << 26  # the float32 scores `_cascade` holds at once, rows permitting
+SCORE_BLOCK_BYTES = 1 << 22  # the float32 scores `_cascade` holds at once, rows permitting
+
+
+@mx.compile
+def _shifted_exp(scores: mx.array, top: mx.array) -> mx.array:
+    """exp(scores - top) in one pass over a block of scores, not two."""
+    return mx.exp(scores - top)
 
 
 def _cascade(q: mx.array, k: mx.array, v: mx.array, prefix: KVCache, scale: float) -> mx.array:
@@ -189,7 +195,7 @@ def _cascade_rows(
     own_k = k.astype(f32).transpose(1, 0, 2, 3)[:, None]  # (kv, 1, B, W, d)
     s_own = mx.where(own, qs @ own_k.swapaxes(-1, -2), -mx.inf)  # (kv, g, B, W, W)
     top = mx.maximum(s_prefix.max(axis=-1, keepdims=True), s_own.max(axis=-1, keepdims=True))
-    e_prefix, e_own = mx.exp(s_prefix - top), mx.exp(s_own - top)
+    e_prefix, e_own = _shifted_exp(s_prefix, top), _shifted_exp(s_own, top)
     total = e_prefix.sum(axis=-1, keepdims=True) + e_own.sum(axis=-1, keepdims=True)
     from_prefix = (e_prefix.reshape(kv, g * b * w, held) @ pv[0].astype(f32)).reshape(kv, g, b, w, d)
     from_own = e_own @ v.astype(f32).transpose(1, 0, 2, 3)[:, None]
