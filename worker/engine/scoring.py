@@ -434,7 +434,7 @@ class PrefixScorer:
             rows, width = padded_size(rows, smallest=1), padded_size(width)
         if not prefix or not self.model.reads_shared_prefix:
             return rows * key_columns(prefix + width) * self.kv_bytes_per_token
-        packs = RowPacks(rows, width, prefix)
+        packs = RowPacks(rows, width, prefix, bucket=self.model.bucket_keys)
         layer_copies = packs.packs * packs.columns(prefix) // len(self.model.layers) if packs.fused else 0
         return (rows * width + layer_copies) * self.kv_bytes_per_token
 

@@ -3,13 +3,13 @@
 A suffix batch of the scorer (`scoring.PrefixScorer`) is B rows of up to W own tokens each on top of one
 batch-1 prefix cache of P positions. Copying the prefix into every row (`kv_cache.broadcast_batch`)
 holds B x P columns a layer at once; here each layer's `SharedPrefixRows` keeps the rows' own keys and
-values and reads the prefix's from its batch-1 cache. The rows are packed side by side into a few
-long query blocks ("packs" of `RowPacks.per_pack` rows): a pack's queries attend to [the prefix's
-columns | the pack's own columns] under a mask that shows row r's token i every prefix column (within
-the window, for a windowed layer) and row r's own tokens 0..i. One fused attention call a layer, and
-exact: a hidden column adds exp(-inf) = 0 to its query's softmax.
+values and reads the prefix's from its batch-1 cache, in one of two exact ways chosen by the device.
 
-Two exact ways, by device. Where attention has a fused kernel (a GPU), packing: a pack pays for its own
+Where attention has a fused kernel (a GPU), packing: the rows go side by side into a few long query
+blocks ("packs" of `RowPacks.per_pack` rows); a pack's queries attend to [the prefix's columns | the
+pack's own columns] under a mask that shows row r's token i every prefix column (within the window,
+for a windowed layer) and row r's own tokens 0..i. One fused attention call a layer, and exact: a
+hidden column adds exp(-inf) = 0 to its query's softmax. A pack pays for its own
 block's hidden columns (another row's tokens), so a pack's own columns are kept within about the
 prefix's length (attention reads at most about twice the columns its rows need), and each pack's keys
 are the prefix's joined with its own, a transient copy of one layer's prefix per pack (about one
