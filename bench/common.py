@@ -35,6 +35,7 @@ class Sizes:
     score_own: int = 64
     score_candidates: int = 8
     score_baseline_rows: int = 64  # rows that run one full forward each (a rate: fewer rows on CPU)
+    score_reps: int = 8  # rotating turns of the shared-prefix paths (`fig_score._shared_prefix_turns`)
     cache_prefix: int = 8192
     cache_tail: int = 16
     queue_jobs: int = 5000
@@ -106,6 +107,7 @@ SIZES = {
         score_prefix=64,
         score_own=8,
         score_baseline_rows=4,
+        score_reps=1,
         cache_prefix=256,
         queue_jobs=100,
         queue_jobs_unbatched=50,

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import random
+import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import mlx.core as mx
@@ -124,6 +126,7 @@ def scoring(b: Bench) -> dict[str, Any]:
 
     _engine_alone(b, table)
     _engine_from_ids(b, table)
+    shared_prefix = _shared_prefix_turns(b)
 
     # Through Redis and a long-lived worker (default settings: cross-job batches, prefix cache on).
     w = b.worker()
@@ -163,6 +166,7 @@ def scoring(b: Bench) -> dict[str, Any]:
         "own_tokens": s.score_own,
         "candidates": s.score_candidates,
         "table": table,
+        "shared_prefix": shared_prefix,
     }
 
 
@@ -361,3 +365,99 @@ def _phase_ms(stats: dict[str, str]) -> dict[str, float]:
         }
     )
     return ms
+
+
+@contextmanager
+def _prefix_copied_per_row(model: Any) -> Iterator[None]:
+    """Score rows the way they went before they read the prefix in place: each on its own copy of it
+    (`kv_cache.broadcast_batch`, the way a model whose attention cannot read it in place still goes)."""
+    cls = type(model)
+    original = cls.reads_shared_prefix
+    cls.reads_shared_prefix = property(lambda self: False)
+    try:
+        yield
+    finally:
+        cls.reads_shared_prefix = original
+
+
+def _shared_prefix_turns(b: Bench) -> dict[str, Any]:
+    """Issue 29's cascade target, ratios in one run: the plain-MLX ideal (prefix once, the suffixes in
+    one batch on copies of it), the engine with rows reading the prefix in place, cold (a new prefix)
+    and warm (the same prefix again, new rows: the prefix cache holds it, nothing of it is recomputed),
+    and the engine with a copy of the prefix per row (the old way), in rotating turns on token ids.
+    Each path's peak memory over what was resident, against the bound the target sets: the prefix's
+    keys and values plus the rows' own."""
+    s, engine = b.sizes, b.engine
+    rng = random.Random(11)
+    vocab = engine.model.args.vocab_size
+    cands = list(range(10, 10 + s.score_candidates))
+    reps = s.score_reps
+
+    def fresh() -> list[int]:
+        return [rng.randrange(100, vocab) for _ in range(s.score_prefix)]
+
+    def rows(prefix: list[int]) -> list[tuple[list[int], list[int]]]:
+        return [
+            (prefix + [rng.randrange(100, vocab) for _ in range(s.score_own)], cands)
+            for _ in range(s.score_rows)
+        ]
+
+    def ideal(prefix: list[int]) -> None:
+        own = [ids[len(prefix) :] for ids, _ in rows(prefix)]
+        mx.eval(b.mlxlm.shared_prefix_logits(prefix, own)[:, mx.array(cands)])
+
+    def engine_cold_and_warm(copy: bool) -> tuple[float, float, dict[str, float], dict[str, float]]:
+        prefix = fresh()
+        out = []
+        for job in (rows(prefix), rows(prefix)):  # cold, then warm: the same prefix, new rows
+            with memory() as mem:
+                t0 = time.perf_counter()
+                if copy:
+                    with _prefix_copied_per_row(engine.model):
+                        engine.score_many([job])
+                else:
+                    engine.score_many([job])
+                dt = time.perf_counter() - t0
+            out.append((dt, mem_fields(mem["peak"], mem["active0"])))
+        return out[0][0], out[1][0], out[0][1], out[1][1]
+
+    paths = ["ideal", "in place", "copy per row"]
+    times: dict[str, list[float]] = {
+        k: [] for k in ["ideal", "in place cold", "in place warm", "copy cold", "copy warm"]
+    }
+    mems: dict[str, dict[str, float]] = {}
+    for turn in range(reps + 1):  # the first turn warms every path's shapes up and is dropped
+        order = paths[turn % 3 :] + paths[: turn % 3]
+        for path in order:
+            if path == "ideal":
+                prefix = fresh()
+                with memory() as mem:
+                    t0 = time.perf_counter()
+                    ideal(prefix)
+                    dt = time.perf_counter() - t0
+                if turn:
+                    times["ideal"].append(dt)
+                    mems["ideal"] = mem_fields(mem["peak"], mem["active0"])
+                continue
+            copy = path == "copy per row"
+            cold, warm, mem_cold, mem_warm = engine_cold_and_warm(copy)
+            key = "copy" if copy else "in place"
+            if turn:
+                times[f"{key} cold"].append(cold)
+                times[f"{key} warm"].append(warm)
+                mems[f"{key} cold"], mems[f"{key} warm"] = mem_cold, mem_warm
+    bound = (s.score_prefix + s.score_rows * s.score_own) * engine.kv_bytes_per_token
+    out: dict[str, Any] = {"turns": reps, "kv_bound_mib": round(bound / 2**20, 1), "rows": {}}
+    for key, ts in times.items():
+        rates = [s.score_rows / t for t in ts]
+        paired = [i / t for i, t in zip(times["ideal"], ts, strict=True)]  # over the same turn's ideal
+        over = mems[key]["over_resident_mib"]
+        out["rows"][key] = {
+            "rows_s": statistics.median(rates),
+            "rows_s_range": [min(rates), max(rates)],
+            "x_ideal": statistics.median(paired),
+            "x_ideal_range": [min(paired), max(paired)],
+            **mems[key],
+            "peak_over_kv_bound": over * 2**20 / bound,
+        }
+    return out

@@ -104,9 +104,10 @@ class WorkerSettings(BaseSettings):
     score_kv_bytes: int | None = Field(
         default=None,
         ge=0,
-        description="bytes of keys and values a score batch's suffix rows may hold in copies of the "
-        "prefix they share (each row runs on its own copy); more rows go in further batches; 0: no bound; "
-        "unset: an eighth of MLX's memory limit",
+        description="bytes of keys and values a score batch's suffix rows may hold beside the prefix "
+        "they share (their own, a layer's copy of the prefix per pack of rows; on a model whose rows "
+        "copy the prefix, those copies); more rows go in further batches; 0: no bound; unset: an "
+        "eighth of MLX's memory limit",
     )
     sync_score_phases: bool = Field(
         default=False,

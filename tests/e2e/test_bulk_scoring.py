@@ -246,7 +246,9 @@ def test_an_interrupted_run_leaves_a_clean_prefix_and_a_rerun_completes_it_in_or
     assert (kept.skipped, kept.succeeded, kept.jobs) == (200, 0, 0) and "r5" not in ids(out)
     retried = client.score_dataset(src, out)
     assert (retried.skipped, retried.succeeded, retried.jobs) == (199, 1, 1)
-    assert [strip_cache(r) for r in read_jsonl(out)] == [strip_cache(r) for r in full]
+    # r5 alone now, in a batch before: equal up to float rounding (a batch's rows read their shared
+    # prefix in place, their sums go in another order than a lone row's)
+    assert _close([strip_cache(r) for r in read_jsonl(out)], [strip_cache(r) for r in full])
     assert not errors.exists()
 
 

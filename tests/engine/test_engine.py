@@ -11,10 +11,10 @@ import pytest
 from mlxq.jobs.errors import ContextTooLong, InvalidCandidate, InvalidRequest
 from mlxq.jobs.schema import GenerateRequest, ScoreRequest
 from mlxq.worker.engine import Engine, EngineOptions
-from mlxq.worker.engine.cache.kv_cache import key_columns
 from mlxq.worker.engine.cache.token_match import common_length
 from mlxq.worker.engine.generation_batch import generate
 from mlxq.worker.engine.models import llama
+from mlxq.worker.engine.scoring import PrefixScorer
 from mlxq.worker.modelfiles.tiny_model import write_random_checkpoint
 
 LONG = "The capital of France is Paris. " * 12
@@ -171,8 +171,9 @@ def test_scores_equal_a_full_forward_and_do_not_depend_on_grouping(model_dir: Pa
 def test_a_kv_budget_splits_suffix_batches_and_changes_no_score(
     model_dir: Path, suffix_batches: list[int]
 ) -> None:
-    """Each row of a suffix batch runs on its own copy of the shared prefix: a batch takes only the
-    rows whose copies fit `score_kv_bytes`."""
+    """A suffix batch holds its rows' own keys and values and, a layer at a time, each pack's copy of
+    the shared prefix (`shared_prefix.RowPacks`): a batch takes only the rows whose bytes fit
+    `score_kv_bytes`."""
     rows = [
         {"prompt": LONG + f"Question {i}: the capital is", "candidates": [" a", " the"]} for i in range(12)
     ]
@@ -183,8 +184,10 @@ def test_a_kv_budget_splits_suffix_batches_and_changes_no_score(
 
     ids = [free.tokenizer.encode(str(r["prompt"])) for r in rows]
     shared = min(common_length(ids[0], other) for other in ids[1:])
-    one_row = key_columns(max(map(len, ids))) * free.kv_bytes_per_token  # its copy, prefix and suffix
-    tight = Engine.load(str(model_dir), EngineOptions(prefix_cache_bytes=0, score_kv_bytes=3 * one_row))
+    widths = [len(i) - shared for i in ids]
+    scorer = PrefixScorer(free.model, kv_bytes_per_token=free.kv_bytes_per_token)
+    three = scorer._kv_bytes(3, shared, max(widths))
+    tight = Engine.load(str(model_dir), EngineOptions(prefix_cache_bytes=0, score_kv_bytes=three))
     suffix_batches.clear()
     bounded = tight.score(request)
     assert suffix_batches == [3, 3, 3, 3] and shared > len(ids[0]) // 2

@@ -15,8 +15,9 @@ import pytest
 from mlxq.jobs.errors import OutOfMemory
 from mlxq.jobs.schema import GenerateRequest, ScoreRequest
 from mlxq.worker.engine import Engine, EngineOptions
-from mlxq.worker.engine.cache.kv_cache import key_columns
+from mlxq.worker.engine.cache.token_match import common_length
 from mlxq.worker.engine.generation_batch import GenerationBatch, generate
+from mlxq.worker.engine.scoring import PrefixScorer
 from mlxq.worker.modelfiles.tiny_model import write_random_checkpoint
 
 METAL_OOM = (
@@ -114,8 +115,11 @@ def test_a_score_batch_that_runs_out_of_memory_retries_in_smaller_batches(
     req = ScoreRequest.model_validate({"rows": rows})
     free = Engine.load(str(model_dir))
     expected = [r.logits for r in free.score(req).rows]
-    one_row = key_columns(len(free.tokenizer.encode(str(rows[0]["prompt"])))) * free.kv_bytes_per_token
-    engine = Engine.load(str(model_dir), EngineOptions(prefix_cache_bytes=0, score_kv_bytes=4 * one_row))
+    ids = [free.tokenizer.encode(str(r["prompt"])) for r in rows]
+    shared = min(common_length(ids[0], other) for other in ids[1:])
+    scorer = PrefixScorer(free.model, kv_bytes_per_token=free.kv_bytes_per_token)
+    four = scorer._kv_bytes(4, shared, max(len(i) for i in ids) - shared)  # what a batch of 4 rows holds
+    engine = Engine.load(str(model_dir), EngineOptions(prefix_cache_bytes=0, score_kv_bytes=four))
     suffix_batches.clear()
     _fail(monkeypatch, engine, "hidden", times=1, after=1)  # the first suffix batch (after the prefix)
     got = engine.score(req).rows
@@ -130,7 +134,7 @@ def test_a_score_batch_that_runs_out_of_memory_retries_in_smaller_batches(
         1,
         1,
         1,
-    ]  # the retry's batches hold a quarter of the copies
+    ]  # the retry's batches hold a quarter of the bytes
     for row, want in zip(got, expected, strict=True):
         assert row.logits == pytest.approx(want, rel=1e-5, abs=1e-6)
 

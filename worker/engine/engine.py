@@ -145,7 +145,9 @@ class EngineOptions:
     masks_in_place: bool | None = None  # None: where the device sees host writes (`mask_buffer.py`)
     dense_rows: int | None = None  # quantized layers' dense copies from this many rows (`quantized_rows`)
     idle_prefill_tokens: int | None = None  # None: see `idle_prefill_by_default`
-    score_kv_bytes: int | None = None  # score batches' prefix copies; None: `score_kv_by_default`
+    score_kv_bytes: int | None = (
+        None  # score batches' keys and values beside the prefix; None: `score_kv_by_default`
+    )
     max_prompt_chars: int | None = None  # a prompt's (or a chat's) characters; None: 32 x the context
     max_stop_chars: int = 4096  # characters of a request's stop strings together
     max_stops: int = MAX_STOP_STRINGS  # stop strings of a request (the wire allows at most 16)
@@ -491,13 +493,13 @@ class Engine:
         per kind), so a prefix shared across jobs and across kinds is computed once. A
         row's `cached_tokens` counts input tokens it did not compute itself (shared, or from the cache).
         Out of memory: caches are emptied and the rows scored once more, their suffix batches holding a
-        quarter of the prefix copies (`score_kv_bytes`). `interrupt` is called before every forward
+        quarter of the keys and values (`score_kv_bytes`). `interrupt` is called before every forward
         (`PrefixScorer.score`): what it raises ends the scoring (a job's timeout).
         """
         rows = sum(len(j) for j in jobs)
         kv_bytes = [self.score_kv_bytes]
 
-        def free_and_shrink() -> None:  # the retry's suffix batches: a quarter of the prefix copies
+        def free_and_shrink() -> None:  # the retry's suffix batches: a quarter of the keys and values
             self.free_memory()
             kv_bytes[0] = max(1, (kv_bytes[0] or score_kv_by_default()) // 4)
 

@@ -3,8 +3,9 @@
 Rows (from one job or many, of every kind) go into one radix tree over their model inputs
 (`score_tree`). Walking it depth-first with one batch-1 KV cache, each shared span is computed once
 (extend the cache, recurse, trim back); where a node's children are rows with nothing more in common,
-their suffixes run as one right-padded batch on top of the node's cache. Right padding needs no special
-mask: a real token never attends to a pad that sits after it.
+their suffixes run as one right-padded batch on top of the node's cache, which the rows read in place
+(`cache/shared_prefix.py`: no copy of it per row). Right padding needs no mask of its own: a real
+token never attends to a pad that sits after it.
 
 What a row reads of the positions it runs through belongs to its head (`ScoreHead`, the seam): the
 candidates head here keeps the logits after a prompt's last token (`candidate_scores`); the token head
@@ -29,8 +30,9 @@ import mlx.core as mx
 from mlxq.jobs.errors import InvalidCandidate
 from mlxq.worker.engine.cache.kv_cache import KVCache, broadcast_batch, key_columns
 from mlxq.worker.engine.cache.prefix_cache import PrefixCache
+from mlxq.worker.engine.cache.shared_prefix import RowPacks, SharedPrefixRows
 from mlxq.worker.engine.generate import padded_size
-from mlxq.worker.engine.models.base import Model
+from mlxq.worker.engine.models.base import LayerCache, Model
 from mlxq.worker.engine.score_tree import _Node, build_tree, computed_per_row
 from mlxq.worker.engine.text.tokenizer import Tokenizer
 
@@ -160,10 +162,10 @@ def _row_tokens(
 
 
 def score_kv_by_default() -> int:
-    """A score batch's suffix rows may hold an eighth of MLX's memory limit in KV copies (`PrefixScorer`).
-    Each row copies its shared prefix (rows of 64 tokens on a 2,048-token prefix hold 75 MB each on the
-    Llama-3.2-1B shape and 302 MB on an 8B), so the bound scales with the machine's memory rather than
-    a row count: a large GPU batches all 64 rows of a 1B, a small Mac few of an 8B."""
+    """A score batch's suffix rows may hold an eighth of MLX's memory limit in keys and values
+    (`PrefixScorer._kv_bytes`): their own, and where a model's rows copy their shared prefix (DeepSeek's
+    latent attention) those copies, which are most of it. The bound scales with the machine's memory
+    rather than a row count."""
     return int(mx.get_memory_limit()) // 8
 
 
@@ -224,10 +226,10 @@ class PrefixScorer:
     are padded on the right, and suffix batches to a power-of-two number of rows, so the forwards take
     few distinct shapes.
 
-    A suffix batch runs on a copy of its shared prefix's keys and values per row: with
-    `max_batch_kv_bytes` (and the model's `kv_bytes_per_token`) a batch takes only as many rows as
-    keep those copies, prefix and suffixes, within that many bytes (`score_kv_by_default`): without,
-    64 rows on a 2,048-token prefix held 19 GB at once on an 8B model, which a 32 GB Mac has not got.
+    A suffix batch reads its shared prefix's keys and values where they are (`shared_prefix.py`; a
+    model whose attention cannot, a copy per row: `_batch_cache`): with `max_batch_kv_bytes` (and the
+    model's `kv_bytes_per_token`) a batch takes only as many rows as keep the keys and values it holds
+    beside the prefix's cache within that many bytes (`_kv_bytes`, `score_kv_by_default`).
 
     `interrupt` is called before every forward (each prefill chunk of a span, each suffix batch):
     whatever it raises ends the scoring there (a job's timeout); what was computed so far stays in the
@@ -381,8 +383,7 @@ class PrefixScorer:
                 spans += [[pad]] * (padded_size(len(group), smallest=1) - len(group))
             ids = mx.array([span + [pad] * (width - len(span)) for span in spans], dtype=mx.int32)
             t0 = perf_counter()
-            batch_cache = broadcast_batch(cache, len(spans), width) if cache[0].offset else None
-            hidden = self.model.hidden(ids, cache=batch_cache or self.model.make_cache())
+            hidden = self.model.hidden(ids, cache=self._batch_cache(cache, len(spans), width))
             self._forward_built(hidden, t0)
             picks = [
                 Pick(i, p, b * width + p - depth)
@@ -391,6 +392,19 @@ class PrefixScorer:
                 for p in self._wanted(i, depth, depth + len(n.span))
             ]
             self._score(hidden.reshape(-1, hidden.shape[-1]), picks)
+
+    def _batch_cache(self, cache: list[KVCache], rows: int, width: int) -> Sequence[LayerCache]:
+        """The caches a suffix batch of `rows` rows of `width` tokens runs on over the batch-1 `cache`:
+        fresh ones where there is no prefix; where there is, the prefix read in place
+        (`shared_prefix.SharedPrefixRows`), or for a model whose attention cannot (DeepSeek's latent
+        attention) a copy of it per row (`broadcast_batch`)."""
+        prefix = cache[0].offset
+        if not prefix:
+            return self.model.make_cache()
+        if not self.model.reads_shared_prefix:
+            return broadcast_batch(cache, rows, width)
+        packs = RowPacks(rows, width, prefix, bucket=self.model.bucket_keys)
+        return [SharedPrefixRows(c, packs) for c in cache]
 
     def _batches(self, leaves: list[_Node], prefix: int) -> list[list[_Node]]:
         """Group leaf suffixes (similar lengths together) under the row, padded-token and KV budgets;
@@ -413,10 +427,16 @@ class PrefixScorer:
 
     def _kv_bytes(self, rows: int, prefix: int, width: int) -> int:
         """Bytes of keys and values a suffix batch of `rows` suffixes of up to `width` tokens on a
-        `prefix`-token cache holds (`broadcast_batch`'s buffers; with `pad_shapes`, its padding too)."""
+        `prefix`-token cache holds beside that cache (with `pad_shapes`, its padding too): the rows' own
+        and, packed, for one layer at a time each pack's copy of the prefix joined to them (`RowPacks`;
+        cascaded, none); or where the prefix is copied per row, `broadcast_batch`'s buffers."""
         if self.pad_shapes:
             rows, width = padded_size(rows, smallest=1), padded_size(width)
-        return rows * key_columns(prefix + width) * self.kv_bytes_per_token
+        if not prefix or not self.model.reads_shared_prefix:
+            return rows * key_columns(prefix + width) * self.kv_bytes_per_token
+        packs = RowPacks(rows, width, prefix, bucket=self.model.bucket_keys)
+        layer_copies = packs.packs * packs.columns(prefix) // len(self.model.layers) if packs.fused else 0
+        return (rows * width + layer_copies) * self.kv_bytes_per_token
 
     def _score(self, hidden: mx.array, picks: list[Pick]) -> None:
         """Each row of `hidden` (N, H) that a pick reads goes through the LM head once, at most

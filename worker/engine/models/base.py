@@ -120,6 +120,12 @@ class Model(Protocol):
         """Vocabulary logits (..., vocab) of hidden states (..., hidden)."""
         ...
 
+    @property
+    def reads_shared_prefix(self) -> bool:
+        """Whether score rows may read their shared prefix's keys and values in place
+        (`cache.shared_prefix`) rather than from a copy each (`kv_cache.broadcast_batch`)."""
+        ...
+
     def make_cache(self) -> list[KVCache]:
         """One empty batch-1 cache per layer."""
         ...

@@ -21,6 +21,7 @@ import mlx.nn as nn
 
 from mlxq.worker.engine.cache.batch_cache import BatchKVCache
 from mlxq.worker.engine.cache.kv_cache import KVCache, key_columns
+from mlxq.worker.engine.cache.shared_prefix import SharedPrefixRows
 from mlxq.worker.engine.errors import CheckpointError, UnsupportedArchitecture
 from mlxq.worker.engine.models.base import LayerCache
 from mlxq.worker.engine.models.layer_taps import FINAL, LayerTaps
@@ -213,6 +214,9 @@ class Attention(nn.Module):
             offset = cache.offset if cache is not None else 0
             q = self.rope(q, offset=offset if last is None else offset + last)
             k = self.rope(k, offset=offset)
+            if isinstance(cache, SharedPrefixRows):  # score rows reading one prefix in place
+                out = cache.attend(q, k, v, self.scale)
+                return self.o_proj(out.transpose(0, 2, 1, 3).reshape(b, xq.shape[1], -1))
             if cache is not None and columns is None:  # other cache kinds take no `columns`
                 k, v = cache.update_and_fetch(k, v)
             elif cache is not None:
@@ -540,6 +544,12 @@ class Model(nn.Module):
         for layer in self.layers:
             layer.self_attn.fuse()
             layer.feed_forward.fuse()
+
+    @property
+    def reads_shared_prefix(self) -> bool:
+        """Whether every layer's attention reads a score batch's shared prefix in place
+        (`shared_prefix.SharedPrefixRows`); DeepSeek's latent attention does not."""
+        return all(isinstance(layer.self_attn, Attention) for layer in self.layers)
 
     def make_cache(self) -> list[KVCache]:
         """One empty `KVCache` per layer; a sliding-window layer's drops what its window no longer sees."""
