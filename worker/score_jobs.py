@@ -210,12 +210,12 @@ class ScoreJobs:
                     fail(run, sys.exc_info())
         try:  # every job's result and `done` in one go; a failed write fails them all (RQ may retry)
             with self.phases.timed("write"):
-                self.results.finish_scores([(run.job, result) for run, result in scored])
+                values = self.results.finish_scores([(run.job, result) for run, result in scored])
         except Exception:
             for run, _ in scored:
                 fail(run, sys.exc_info())
             return
-        ended = [(run, result.model_dump(mode="json")) for run, result in scored]
+        ended = [(run, value) for (run, _), value in zip(scored, values, strict=True)]  # as written
         if watch is not None:
             for run, _ in ended:
                 watch.remove(run.job.id)  # no heartbeat may write its started entry back once it ends
