@@ -81,7 +81,9 @@ class ScoreJobs:
         self.pipelined = pipelined  # the next batch taken beside this one, RQ's end on a thread
         self.max_depth = max_depth  # a request's nesting, checked before it is validated
         self.phases = ScorePhases()  # where batches spend their time, for the worker's stats
-        self._aside_tokenizer: Tokenizer | None = None  # the helper thread's (`ScoreAhead`), made once
+        # The helper thread's tokenizer (`ScoreAhead`), cloned here, at the worker's start and on the
+        # engine's thread: a large vocabulary takes a while to rebuild, which the first batch need not wait.
+        self._aside_tokenizer = engine.tokenizer.clone() if claimer is not None and pipelined else None
 
     @property
     def budget(self) -> ClaimBudget | None:
@@ -115,8 +117,6 @@ class ScoreJobs:
         taken ahead and not scored back at the head of their queue untouched: they never ran, as RQ
         puts back a job it is handed to requeue. RQ's end of every batch is done before this returns to
         RQ's loop."""
-        if self._aside_tokenizer is None:  # cloned here: serializing reads the engine's, this thread's
-            self._aside_tokenizer = self.engine.tokenizer.clone()
         tokenizer = self._aside_tokenizer
         ahead = ScoreAhead(self.host, claimer, self.phases, lambda runs: self._prepare(runs, tokenizer))
         finalizer = Finalizer(self._end_aside)
