@@ -166,13 +166,21 @@ def test_a_cold_stop_puts_the_batch_taken_ahead_back_untouched(
         ids = _submit(client, JOBS)
     as_submitted = {job_id: redis_conn.hgetall(keys.rq_job_key(job_id)) for job_id in ids}
     worker = spawn_worker(model_dir, redis_url, "--name", "cold", name="cold", **FAST)
+    finished = Queue("default", connection=redis_conn).finished_job_registry
+    deadline = time.monotonic() + 60
+    while finished.count < 2 * BATCH_JOBS:  # past its first batches: batch after batch taken ahead
+        assert time.monotonic() < deadline, worker.log()
+        time.sleep(0.001)
     running = _taken_ahead(redis_conn, "cold")
-    # Two signal numbers: two of one kind before the worker's handler runs would count as one.
+    # Both signals pending at once (the process paused while they are sent), so the worker handles
+    # them together wherever its loop is; two signal numbers, as two of one kind would count as one.
+    worker.signal(signal.SIGSTOP)
     worker.signal(signal.SIGTERM)
     worker.signal(signal.SIGINT)
+    worker.signal(signal.SIGCONT)
     assert worker.wait(60) == 0, worker.log()
     put_back = re.search(r"requeued jobs started but never run jobs=(\d+) first=(\S+)", worker.log())
-    assert put_back is not None, worker.log()
+    assert put_back is not None, (worker.log(), _statuses(redis_conn, running))
 
     statuses = dict(zip(ids, _statuses(redis_conn, ids), strict=True))
     assert set(statuses.values()) <= {"finished", "queued"}, set(statuses.values())
