@@ -351,15 +351,15 @@ def _phase_ms(stats: dict[str, str]) -> dict[str, float]:
     if not batches:
         return {}
     ms = {phase: 1000 * float(stats.get(f"score_{phase}_s", 0.0)) / batches for phase in SCORE_PHASES}
-    # The overlapped view: claim, start and end done on helper threads, their CPU time (what they can
-    # still take from the batch: the interpreter lock is shared), and how much was hidden (not waited
-    # for by the batches).
+    # The overlapped view: claim, start, tokenize (of batches taken ahead) and end done on helper
+    # threads, their CPU time (what they can still take from the batch: the interpreter lock is shared),
+    # and how much was hidden (not waited for by the batches).
     aside = 1000 * float(stats.get("score_aside_s", 0.0)) / batches
     waited = 1000 * float(stats.get("score_waited_s", 0.0)) / batches
     aside_cpu = 1000 * float(stats.get("score_aside_cpu_s", 0.0)) / batches
     ms.update(
         {
-            "aside (claim, start, end)": aside,
+            "aside (claim, start, tokenize, end)": aside,
             "CPU of aside (thread time)": aside_cpu,
             "hidden of aside": max(aside - waited, 0.0),
         }

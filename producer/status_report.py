@@ -61,7 +61,7 @@ class WorkerHealth:
     score_jobs: int | None = None
     score_rows: int | None = None
     score_phase_s: dict[str, float] = field(default_factory=dict)  # seconds in each phase, all batches
-    score_aside_s: float | None = None  # of claim, start and end: seconds on helper threads
+    score_aside_s: float | None = None  # of claim, start, tokenize and end: seconds on helper threads
     score_aside_cpu_s: float | None = None  # the CPU time of those seconds
     score_waited_s: float | None = None  # seconds the batches waited for that work
     draft_tokens: int | None = None
@@ -319,9 +319,10 @@ def _health_lines(h: WorkerHealth) -> list[str]:
         )
         if h.score_aside_s:
             hidden = max(h.score_aside_s - (h.score_waited_s or 0.0), 0.0)
+            cpu = 1000 * (h.score_aside_cpu_s or 0.0) / h.score_batches
             lines.append(
-                f"score overlap: {1000 * h.score_aside_s / h.score_batches:.2f} ms a batch of claim, start "
-                f"and end beside the batches ({1000 * (h.score_aside_cpu_s or 0.0) / h.score_batches:.2f} "
+                f"score overlap: {1000 * h.score_aside_s / h.score_batches:.2f} ms a batch of claim, start, "
+                f"tokenize and end beside the batches ({cpu:.2f} "
                 f"CPU), {1000 * hidden / h.score_batches:.2f} hidden ({hidden / h.score_aside_s:.0%})"
             )
     if h.memory_active_bytes is not None:

@@ -44,6 +44,11 @@ class JobHost(Protocol):
         """True once a stop was asked for: a running batch takes no more jobs."""
         ...
 
+    def stopping_now(self) -> bool:
+        """True once a second stop signal asked running jobs to end now (a cold stop): jobs taken and
+        started but not yet run go back to their queue (`RqBatches.requeue`)."""
+        ...
+
     def housekeeping(self) -> None:
         """RQ's registry maintenance, when it is due (a batch may run for hours)."""
         ...

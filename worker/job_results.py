@@ -125,28 +125,50 @@ class JobResults:
             self.cache_fields(),
         )
 
-    def finish_scores(self, finished: list[tuple[Job, ScoreResult]]) -> None:
+    def finish_scores(self, finished: list[tuple[Job, ScoreResult]]) -> list[Any]:
         """Write score jobs' attempt counts, results and `done` events (and a `restart` where an earlier
-        attempt wrote the stream) by one script call for them all (`stream_scripts.py`)."""
-        finals = [(job, self._attempt(job), result, _score_done(result)) for job, result in finished]
+        attempt wrote the stream) by one script call for them all (`stream_scripts.py`), and log one
+        line for the batch (a line a job at DEBUG). Returns each result as written (JSON-ready): RQ's
+        end keeps the same value, dumped once."""
+        values = [result.model_dump(mode="json") for _, result in finished]
+        finals = [
+            (job, self._attempt(job), value, _score_done(result))
+            for (job, result), value in zip(finished, values, strict=True)
+        ]
         finish_score_streams(self.conn, finals, self.options)
-        for job, result in finished:
+        for job, _ in finished:
             self.jobs_done += 1
             self._queued_s.pop(job.id, None)
+        if finished and log.isEnabledFor(logging.DEBUG):
+            for job, result in finished:
+                log.debug(
+                    "score done job=%s rows=%d input_tokens=%d cached_tokens=%d",
+                    job.id,
+                    len(result.rows),
+                    result.input_tokens,
+                    result.cached_tokens,
+                )
+        if finished and log.isEnabledFor(logging.INFO):
             log.info(
-                "score done job=%s rows=%d input_tokens=%d cached_tokens=%d%s",
-                job.id,
-                len(result.rows),
-                result.input_tokens,
-                result.cached_tokens,
+                "score done jobs=%d rows=%d input_tokens=%d cached_tokens=%d%s ids=%s",
+                len(finished),
+                sum(len(result.rows) for _, result in finished),
+                sum(result.input_tokens for _, result in finished),
+                sum(result.cached_tokens for _, result in finished),
                 self.cache_fields(),
+                ",".join(job.id for job, _ in finished),
             )
+        return values
 
 
-def _score_done(result: ScoreResult) -> DoneEvent:
-    return DoneEvent(
-        finish_reason="stop",
-        prompt_tokens=result.input_tokens,
-        completion_tokens=0,
-        cached_tokens=result.cached_tokens,
-    )
+# A score job's `done` entry: the same fields every time but its token counts (`_score_done`).
+_SCORE_DONE = DoneEvent(finish_reason="stop", prompt_tokens=0, completion_tokens=0, cached_tokens=0).fields()
+
+
+def _score_done(result: ScoreResult) -> dict[str, str]:
+    """The fields of a score job's `done` entry (`DoneEvent.fields`), without building the event."""
+    return {
+        **_SCORE_DONE,
+        "prompt_tokens": str(result.input_tokens),
+        "cached_tokens": str(result.cached_tokens),
+    }

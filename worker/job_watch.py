@@ -34,7 +34,7 @@ class JobWatch:
 
     def __init__(self, worker: Heartbeats, runs: list[Run], beat_s: float, poll_s: float) -> None:
         self.worker = worker
-        self.runs = list(runs)
+        self.runs = {run.job.id: run for run in runs}  # by job id: a batch removes its jobs one by one
         self.beat_s = beat_s
         self.poll_s = poll_s
         self.cancelled: set[str] = set()
@@ -62,7 +62,7 @@ class JobWatch:
         if not runs:
             return
         with self._lock:
-            self.runs.extend(runs)
+            self.runs.update((run.job.id, run) for run in runs)
         try:
             self._poll_cancels(runs)
         except REDIS_TRANSIENT as e:
@@ -71,12 +71,12 @@ class JobWatch:
     def remove(self, job_id: str) -> None:
         """Stop watching a job that ended."""
         with self._lock:
-            self.runs = [run for run in self.runs if run.job.id != job_id]
+            self.runs.pop(job_id, None)
         self.cancelled.discard(job_id)
 
     def _snapshot(self) -> list[Run]:
         with self._lock:
-            return list(self.runs)
+            return list(self.runs.values())
 
     def _poll_cancels(self, runs: list[Run] | None = None) -> None:
         runs = self._snapshot() if runs is None else runs
@@ -115,7 +115,7 @@ class JobWatch:
                 since_beat += self.poll_s
                 if since_beat >= self.beat_s:
                     with self._lock:  # once `remove` returns, that job gets no more heartbeats
-                        for run in self.runs:
+                        for run in self.runs.values():
                             self.worker.maintain_heartbeats(run.job, run.execution)
                     since_beat = 0.0  # only once beaten: a refused beat is tried again next tick
                 if failing:

@@ -25,6 +25,10 @@ inside Redis, the worker sends one). What is copied, and from where:
   partial result (finish reason `cancelled`) first, then ends here, so RQ, `mlxq status` and
   rq-dashboard count it as canceled, not finished. `succeed`, `succeed_many` and `end_abandoned` send
   such a job here;
+- `requeue`: what RQ's `BaseRegistry.requeue` writes for a job it puts back (the execution ended as
+  `cleanup_execution` ends one, status `queued`, the id pushed at the front of its queue) for jobs a
+  worker started but never ran (a batch taken ahead when a cold stop came), without RQ's `save` of the
+  whole job, which would write the timeout this worker gave it into the job;
 - `end_abandoned`: what `Worker._finalize_success` writes, through RQ's own `handle_job_success`, for a
   job whose worker died after writing its result and `done` but before RQ's end of it (found by
   another worker's maintenance, `maintenance.py`): RQ would fail it as abandoned, or run it again.
@@ -200,6 +204,41 @@ class RqBatches:
         release_slot(job)  # as RQ frees a rate limit's slot when a job ends
         self.worker.log.info("Worker %s: %s: Job canceled (%s)", self.worker.name, job.origin, job.id)
 
+    def requeue(self, runs: list[Run]) -> None:
+        """Put started jobs that never ran back at the head of their queues, in order and untouched: no
+        attempt counted, no retry spent, no stream event, the job hash as its producer left it (the
+        fields the start wrote go, its status is `queued` again); their executions end as RQ's
+        `cleanup_execution` ends one. What `BaseRegistry.requeue` does for a job it is handed, in one
+        MULTI for them all; a rate-limited job keeps its slot (a job in the queue holds one, and it
+        goes straight back there)."""
+        if not runs:
+            return
+        w = self.worker
+
+        def write() -> None:
+            with w.connection.pipeline() as pipe:
+                for run in reversed(runs):  # each pushed at the front: the first ends up first
+                    job = run.job
+                    w.cleanup_execution(job, pipeline=pipe, execution=run.execution)
+                    pipe.hdel(job.key, *_STARTED_FIELDS)
+                    job.set_status(JobStatus.QUEUED, pipeline=pipe)
+                    if job.ttl is not None and job.ttl > 0:  # the start's PERSIST undone (RQ's `cleanup`)
+                        pipe.expire(job.key, job.ttl)
+                    queue = Queue(job.origin, connection=w.connection)
+                    queue.push_job_id(job.id, pipeline=pipe, at_front=True)
+                pipe.execute()
+
+        retrying(self.options)(write)
+        for run in runs:
+            job = run.job
+            job.started_at = job.last_heartbeat = None
+            job.worker_name = None
+            if isinstance(job, BoundedJob) and job.stored_fields is not None:
+                for name in _STARTED_FIELDS:
+                    job.stored_fields.pop(name.encode(), None)
+                job.stored_fields[b"status"] = b"queued"
+        log.warning("requeued jobs started but never run jobs=%d first=%s", len(runs), runs[0].job.id)
+
     def end_abandoned(self, job: Job, queue: Queue, execution: Execution, value: Any) -> None:
         """End `finished`, with `value` as its result, a `started` job whose worker died after writing its
         result: RQ's `_finalize_success` without the callbacks (the allowlist refuses jobs that name one),
@@ -345,6 +384,9 @@ class RqBatches:
             stamp = utcformat(at).encode()
             job.stored_fields.update({b"status": b"finished", b"ended_at": stamp, b"last_heartbeat": stamp})
         self.worker.executions.pop(run.execution.id, None)
+
+
+_STARTED_FIELDS = ("started_at", "last_heartbeat", "worker_name")  # what the start script adds to a job hash
 
 
 def _plain_end(run: Run, value: Any, default_result_ttl: int) -> bool:

@@ -141,6 +141,9 @@ class MlxqWorker(SimpleWorker):
     def stopping(self) -> bool:
         return bool(self._stop_requested or self._force_stop)
 
+    def stopping_now(self) -> bool:
+        return self._force_stop
+
     def housekeeping(self) -> None:
         if self.should_run_maintenance_tasks:
             self.run_maintenance_tasks()

@@ -4,11 +4,12 @@ RQ hands the worker one score job; this claims more queued score jobs up to a ro
 (`ScoreClaimer`), starts them together, tokenizes every job's rows together, puts all rows in one prefix
 tree (the engine computes each shared prefix once, across jobs) and ends each job on its own: a bad job
 fails alone, its batch-mates go on. Pipelined (`MLXQ_SCORE_PIPELINE`, on by default), the next batch is
-claimed and started on a helper thread while one runs (`score_ahead.py`) and RQ's end of a batch is done
-on the finalizer's thread (`finalizer.py`), so that the queue's round trips overlap the model's work and
-batches follow one another without RQ's dequeue between them. A generation batch hands over the score
-jobs it claims between two decode steps (`score_between_steps`). With no claimer
-(`MLXQ_SCORE_BATCH_ROWS=0`) a job is a batch of one.
+claimed, started and tokenized on a helper thread while one runs (`score_ahead.py`, with a tokenizer of
+its own) and RQ's end of a batch is done on the finalizer's thread (`finalizer.py`), so that the queue's
+round trips and the tokenizer overlap the model's work and batches follow one another without RQ's
+dequeue between them; a cold stop puts the batch taken ahead back in its queue untouched. A generation
+batch hands over the score jobs it claims between two decode steps (`score_between_steps`). With no
+claimer (`MLXQ_SCORE_BATCH_ROWS=0`) a job is a batch of one.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import logging
 import sys
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from typing import Any, Protocol
 
 from rq import Queue
@@ -26,6 +28,7 @@ from mlxq.jobs import MAX_NESTING_DEPTH, parse_score
 from mlxq.jobs.errors import InvalidRequest
 from mlxq.jobs.schema import ScoreRequest, ScoreResult
 from mlxq.worker.engine.engine import PreparedRow
+from mlxq.worker.engine.text.tokenizer import Tokenizer
 from mlxq.worker.finalizer import Finalizer
 from mlxq.worker.job_deadline import JobDeadline
 from mlxq.worker.job_host import JobHost
@@ -43,13 +46,15 @@ Prepared = list[PreparedRow]  # one job's rows: tokens of candidates, continuati
 
 
 class ScoringEngine(Protocol):
-    """What scoring needs of the engine: tokenizing and scoring, and the seconds scoring spent in each
-    of its parts so far (`score_seconds`: tree, forward, unembed, device_wait)."""
+    """What scoring needs of the engine: tokenizing (with its tokenizer or, on another thread, a clone
+    of it) and scoring, and the seconds scoring spent in each of its parts so far (`score_seconds`:
+    tree, forward, unembed, device_wait)."""
 
     score_seconds: dict[str, float]
+    tokenizer: Tokenizer
 
     def score_tokens_many(
-        self, requests: Sequence[ScoreRequest]
+        self, requests: Sequence[ScoreRequest], tokenizer: Tokenizer | None = None
     ) -> list[list[PreparedRow] | InvalidRequest]: ...
 
     def score_many(
@@ -76,6 +81,9 @@ class ScoreJobs:
         self.pipelined = pipelined  # the next batch taken beside this one, RQ's end on a thread
         self.max_depth = max_depth  # a request's nesting, checked before it is validated
         self.phases = ScorePhases()  # where batches spend their time, for the worker's stats
+        # The helper thread's tokenizer (`ScoreAhead`), cloned here, at the worker's start and on the
+        # engine's thread: a large vocabulary takes a while to rebuild, which the first batch need not wait.
+        self._aside_tokenizer = engine.tokenizer.clone() if claimer is not None and pipelined else None
 
     @property
     def budget(self) -> ClaimBudget | None:
@@ -103,34 +111,41 @@ class ScoreJobs:
         self._run_pipelined(Taken(runs, {}, last=False), queue, self.claimer)
 
     def _run_pipelined(self, taken: Taken, queue: Queue, claimer: ScoreClaimer) -> None:
-        """Score batch after batch: while one is scored, the next is taken (claimed and started) on the
-        helper thread. A stop request (warm shutdown) takes nothing more; what was taken is scored.
-        Whatever stops the loop otherwise fails the jobs taken ahead and not scored, as RQ fails the
-        job it ran. RQ's end of every batch is done before this returns to RQ's loop."""
-        ahead = ScoreAhead(self.host, claimer, self.phases)
+        """Score batch after batch: while one is scored, the next is taken (claimed, started and
+        tokenized) on the helper thread. A stop request (warm shutdown) takes nothing more; what was
+        taken is scored. A cold stop (`stopping_now`), or whatever else stops the loop, puts the jobs
+        taken ahead and not scored back at the head of their queue untouched: they never ran, as RQ
+        puts back a job it is handed to requeue. RQ's end of every batch is done before this returns to
+        RQ's loop."""
+        tokenizer = self._aside_tokenizer
+        ahead = ScoreAhead(self.host, claimer, self.phases, lambda runs: self._prepare(runs, tokenizer))
         finalizer = Finalizer(self._end_aside)
+        following: Future[Taken] | None = None
         with self.host.watching(taken.runs) as watch:
             try:
-                while taken.runs:
+                while taken.runs and not self.host.stopping_now():
                     batch = taken
                     taken = Taken()
-                    following = None
                     if not batch.last and not self.host.stopping():
                         following = ahead.take(queue, watch)
                     try:
-                        self.score(batch.runs, batch.deadlines, watch, finalizer)
+                        self.score(batch.runs, batch.deadlines, watch, finalizer, batch.prepared)
                     finally:
                         if following is not None:
                             with self.phases.waiting():
                                 taken = following.result()
+                            following = None
                     self.host.housekeeping()
                     self.host.progress(0)  # the worker's stats (and score phases), now and then
-            except BaseException as e:
-                for run in taken.runs:
-                    watch.remove(run.job.id)
-                    self.host.batches.fail_with(run, e)
-                raise
             finally:
+                try:
+                    if following is not None:  # the stop broke in while this thread waited for it
+                        taken = following.result()
+                    for run in taken.runs:
+                        watch.remove(run.job.id)
+                    self.host.batches.requeue(taken.runs)
+                except Exception:  # left started: abandoned-job recovery finds them when heartbeats lapse
+                    log.exception("could not requeue the score batch taken ahead jobs=%d", len(taken.runs))
                 ahead.close()
                 with self.phases.waiting():
                     finalizer.close()  # every job scored here has ended through RQ too
@@ -152,10 +167,12 @@ class ScoreJobs:
         deadlines: dict[str, JobDeadline] | None = None,
         watch: JobWatch | None = None,
         finalizer: Finalizer | None = None,
+        prepared: list[Prepared | Exception] | None = None,
     ) -> None:
         """Score started jobs together; each one ends (finished or failed) through RQ, and leaves `watch`
         when it does. Each job's deadline runs from its start (`deadlines`, where it was taken ahead)
-        or from here: tokenizing its rows counts, and it is checked before every forward. With a
+        or from here: tokenizing its rows counts, and it is checked before every forward. Their rows
+        are tokenized here unless `prepared` (tokenized ahead, one entry a run) holds them. With a
         `finalizer`, RQ's end of the finished jobs is done on its thread, after their results and
         `done` events are written here."""
         deadlines = {run.job.id: (deadlines or {}).get(run.job.id) or JobDeadline.of(run.job) for run in runs}
@@ -166,8 +183,9 @@ class ScoreJobs:
             self.host.batches.fail(run, exc_info)
 
         ready: list[tuple[Run, Prepared]] = []
-        with self.phases.timed("tokenize"):
-            prepared = self._prepare(runs)
+        if prepared is None:
+            with self.phases.timed("tokenize"):
+                prepared = self._prepare(runs)
         for run, rows in zip(runs, prepared, strict=True):
             if not isinstance(rows, Exception) and deadlines[run.job.id].passed():
                 rows = deadlines[run.job.id].exceeded()
@@ -192,12 +210,12 @@ class ScoreJobs:
                     fail(run, sys.exc_info())
         try:  # every job's result and `done` in one go; a failed write fails them all (RQ may retry)
             with self.phases.timed("write"):
-                self.results.finish_scores([(run.job, result) for run, result in scored])
+                values = self.results.finish_scores([(run.job, result) for run, result in scored])
         except Exception:
             for run, _ in scored:
                 fail(run, sys.exc_info())
             return
-        ended = [(run, result.model_dump(mode="json")) for run, result in scored]
+        ended = [(run, value) for (run, _), value in zip(scored, values, strict=True)]  # as written
         if watch is not None:
             for run, _ in ended:
                 watch.remove(run.job.id)  # no heartbeat may write its started entry back once it ends
@@ -249,21 +267,24 @@ class ScoreJobs:
             break
         return results, timed_out
 
-    def _prepare(self, runs: list[Run]) -> list[Prepared | Exception]:
-        """Each run's tokenized rows, or its own error (validation, limits, a bad candidate)."""
+    def _prepare(self, runs: list[Run], tokenizer: Tokenizer | None = None) -> list[Prepared | Exception]:
+        """Each run's tokenized rows, or its own error (validation, limits, a bad candidate); with
+        `tokenizer`, a clone of the engine's for a thread of its own (the engine's otherwise)."""
         try:
-            return self._prepare_together([run.job.args[0] for run in runs])
+            return self._prepare_together([run.job.args[0] for run in runs], tokenizer)
         except Exception:  # not a job's own error (those come back in its place): each job alone
             log.exception("preparing a score batch failed; preparing its jobs one by one jobs=%d", len(runs))
         out: list[Prepared | Exception] = []
         for run in runs:
             try:
-                out.extend(self._prepare_together([run.job.args[0]]))
+                out.extend(self._prepare_together([run.job.args[0]], tokenizer))
             except Exception as e:
                 out.append(e)
         return out
 
-    def _prepare_together(self, payloads: list[Any]) -> list[Prepared | Exception]:
+    def _prepare_together(
+        self, payloads: list[Any], tokenizer: Tokenizer | None = None
+    ) -> list[Prepared | Exception]:
         """Validate score jobs' payloads and tokenize their rows together; a bad job's own error stands
         in its place."""
         parsed: list[ScoreRequest | Exception] = []
@@ -272,7 +293,8 @@ class ScoreJobs:
                 parsed.append(parse_score(payload, self.max_depth))
             except Exception as e:
                 parsed.append(e)
-        prepared = iter(self.engine.score_tokens_many([p for p in parsed if isinstance(p, ScoreRequest)]))
+        requests = [p for p in parsed if isinstance(p, ScoreRequest)]
+        prepared = iter(self.engine.score_tokens_many(requests, tokenizer))
         return [p if isinstance(p, Exception) else next(prepared) for p in parsed]
 
 

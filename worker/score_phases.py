@@ -10,12 +10,13 @@ runs forwards and heads lazily (so it holds the device time of both). No wait is
 the engine's debug setting `MLXQ_SYNC_SCORE_PHASES` waits for each forward and head, so that their
 device time counts as `forward` and `unembed` (and the batch is slower).
 
-A pipelined worker (`ScoreJobs`, `MLXQ_SCORE_PIPELINE`) claims and starts the next batch on a helper
-thread while this one is tokenized, scored and written, and ends finished jobs through RQ on the
+A pipelined worker (`ScoreJobs`, `MLXQ_SCORE_PIPELINE`) claims, starts and tokenizes the next batch on
+a helper thread while this one is scored and written, and ends finished jobs through RQ on the
 finalizer's thread: those phases keep their time here, and are also added to `aside` (time spent beside
 the batch, off the main thread). What the main thread spent waiting for them (the next batch not yet
 taken when this one was done, the finalizer's last ends before the worker goes back to RQ) is `waited`:
-`aside - waited` is how much of the claim, start and end was hidden behind the batches' own work
+`aside - waited` is how much of the claim, start, tokenize and end was hidden behind the batches' own
+work
 (the stats fields `score_aside_s` and `score_waited_s`, shown by `mlxq status` and the `queue`
 benchmark). Hidden is not free: the helper threads share the interpreter lock with the batch, so the
 CPU time of the work aside (`aside_cpu`, the threads' own CPU clock) is what it can still take from
@@ -40,10 +41,10 @@ from mlxq.jobs.keys import SCORE_PHASES as PHASES
 
 class ScorePhases:
     """Seconds spent in each phase of score batches since the worker started, and how many batches,
-    jobs and rows went through; of the claim, start and end, the seconds spent on helper threads beside
-    the batches (`aside`, and the CPU time of it, `aside_cpu`) and those the main thread waited for
-    them (`waited`). Phases may be timed
-    from the batch's helper threads: the sums are added under a lock."""
+    jobs and rows went through; of the claim, start, tokenize and end, the seconds spent on helper
+    threads beside the batches (`aside`, and the CPU time of it, `aside_cpu`) and those the main thread
+    waited for them (`waited`). Phases may be timed from the batch's helper threads: the sums are added
+    under a lock."""
 
     def __init__(
         self, clock: Callable[[], float] = perf_counter, cpu_clock: Callable[[], float] = thread_time

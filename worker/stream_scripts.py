@@ -19,13 +19,14 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Sequence
+from functools import lru_cache
 from typing import Any
 
 import redis
 from rq.job import Job
 
 from mlxq.jobs import keys
-from mlxq.jobs.schema import DoneEvent, RestartEvent, ScoreResult
+from mlxq.jobs.schema import RestartEvent
 from mlxq.worker.server_script import ServerScript
 from mlxq.worker.stream_writer import StreamOptions, retrying
 
@@ -69,7 +70,9 @@ return written
 
 FINISH_SCORES = ServerScript(_FINISH_SCORES)
 
-ScoreFinal = tuple[Job, int, ScoreResult, DoneEvent]  # a job, its attempt, its result, its `done`
+# A job, its attempt, its result as JSON-ready data (`model_dump(mode="json")`, as RQ's end keeps it too)
+# and its `done` entry's fields.
+ScoreFinal = tuple[Job, int, Any, dict[str, str]]
 
 
 def finish_score_streams(conn: redis.Redis, finals: Sequence[ScoreFinal], options: StreamOptions) -> None:
@@ -79,13 +82,13 @@ def finish_score_streams(conn: redis.Redis, finals: Sequence[ScoreFinal], option
         return
     names: list[str] = []
     args: list[Any] = [0, options.maxlen, options.ttl_s, options.result_ttl_s]
-    for job, attempt, result, done in finals:
+    for job, attempt, value, done in finals:
         names += [job.key, keys.stream_key(job.id), keys.result_key(job.id)]
         args += [
             job.serializer.dumps(job.meta),  # as `job.save_meta()` writes it
-            _flat(RestartEvent(attempt=attempt).fields()),
-            _flat(done.fields()),
-            json.dumps(result.model_dump(mode="json")),
+            _restart(attempt),
+            _flat(done),
+            json.dumps(value),
         ]
 
     def send() -> None:
@@ -93,6 +96,12 @@ def finish_score_streams(conn: redis.Redis, finals: Sequence[ScoreFinal], option
         conn.evalsha(FINISH_SCORES.sha, len(names), *names, *args)
 
     retrying(options)(FINISH_SCORES.run, conn, send)
+
+
+@lru_cache(maxsize=64)
+def _restart(attempt: int) -> str:
+    """A `restart` entry's fields, flat (`_flat`): the same few attempts again and again."""
+    return _flat(RestartEvent(attempt=attempt).fields())
 
 
 def _flat(fields: dict[str, str]) -> str:

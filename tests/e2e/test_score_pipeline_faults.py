@@ -6,6 +6,7 @@ left started or claimed."""
 from __future__ import annotations
 
 import json
+import re
 import signal
 import time
 from pathlib import Path
@@ -127,7 +128,9 @@ def test_a_warm_shutdown_scores_the_batch_taken_ahead_and_takes_no_more(
         ids = _submit(client, JOBS)
     worker = spawn_worker(model_dir, redis_url, "--name", "stopping", name="stopping", **FAST)
     running = _taken_ahead(redis_conn, "stopping")
-    already = {j for j, s in zip(ids, _statuses(redis_conn, ids), strict=True) if s == "finished"}
+    # One command, right before the signal: a batch of the tiny model takes a few milliseconds.
+    finished = Queue("default", connection=redis_conn).finished_job_registry.key
+    already = {j.decode() for j in redis_conn.zrange(finished, 0, -1)}
     worker.signal(signal.SIGTERM)
     assert worker.wait(60) == 0, worker.log()
 
@@ -144,6 +147,59 @@ def test_a_warm_shutdown_scores_the_batch_taken_ahead_and_takes_no_more(
     assert Queue("default", connection=redis_conn).count == JOBS - len(done)
 
     # The jobs it left queued are run by the next worker, each once.
+    after = spawn_worker(model_dir, redis_url, "--burst", "--name", "after", name="after", **FAST)
+    assert after.wait(120) == 0, after.log()
+    assert _statuses(redis_conn, ids) == ["finished"] * JOBS
+    for job_id in ids:
+        _finished_once(redis_conn, job_id)
+    _no_job_held(redis_conn)
+
+
+def test_a_cold_stop_puts_the_batch_taken_ahead_back_untouched(
+    tmp_path: Path, model_dir: Path, redis_url: str, redis_conn: redis.Redis, spawn_worker: Any
+) -> None:
+    """Two stop signals at once (a cold stop: the second asks running jobs to end now) while the worker
+    holds a batch taken ahead: what it was scoring ends, the batch taken ahead never runs and goes back
+    to the head of the queue untouched (its job hashes as submitted, no event, no result, no attempt),
+    nothing fails, nothing is left started or claimed; the next worker runs every job once."""
+    with Client(redis_url) as client:
+        ids = _submit(client, JOBS)
+    as_submitted = {job_id: redis_conn.hgetall(keys.rq_job_key(job_id)) for job_id in ids}
+    worker = spawn_worker(model_dir, redis_url, "--name", "cold", name="cold", **FAST)
+    finished = Queue("default", connection=redis_conn).finished_job_registry
+    deadline = time.monotonic() + 60
+    while finished.count < 2 * BATCH_JOBS:  # past its first batches: batch after batch taken ahead
+        assert time.monotonic() < deadline, worker.log()
+        time.sleep(0.001)
+    running = _taken_ahead(redis_conn, "cold")
+    # Both signals pending at once (the process paused while they are sent), so the worker handles
+    # them together wherever its loop is; two signal numbers, as two of one kind would count as one.
+    worker.signal(signal.SIGSTOP)
+    worker.signal(signal.SIGTERM)
+    worker.signal(signal.SIGINT)
+    worker.signal(signal.SIGCONT)
+    assert worker.wait(60) == 0, worker.log()
+    put_back = re.search(r"requeued jobs started but never run jobs=(\d+) first=(\S+)", worker.log())
+    assert put_back is not None, (worker.log(), _statuses(redis_conn, running))
+
+    statuses = dict(zip(ids, _statuses(redis_conn, ids), strict=True))
+    assert set(statuses.values()) <= {"finished", "queued"}, set(statuses.values())
+    queued = [job_id for job_id in ids if statuses[job_id] == "queued"]
+    # Claims take the queue's head in order and the batch taken ahead went back to the head in order:
+    # what finished is the first jobs submitted, the queue the rest in submission order.
+    assert [j for j in ids if statuses[j] == "finished"] == ids[: JOBS - len(queued)]
+    waiting = [j.decode() for j in redis_conn.lrange(Queue("default", connection=redis_conn).key, 0, -1)]
+    assert waiting == queued and waiting[0] == put_back.group(2)
+    assert 0 < int(put_back.group(1)) <= BATCH_JOBS and len(running) > BATCH_JOBS
+    for job_id in queued:  # put back or never taken: as the producer left it
+        assert redis_conn.hgetall(keys.rq_job_key(job_id)) == as_submitted[job_id], job_id
+        assert _events(redis_conn, job_id) == [] and not redis_conn.exists(keys.result_key(job_id))
+    for job_id in ids:
+        if statuses[job_id] == "finished":
+            _finished_once(redis_conn, job_id)
+    _no_job_held(redis_conn)
+    assert Queue("default", connection=redis_conn).failed_job_registry.count == 0
+
     after = spawn_worker(model_dir, redis_url, "--burst", "--name", "after", name="after", **FAST)
     assert after.wait(120) == 0, after.log()
     assert _statuses(redis_conn, ids) == ["finished"] * JOBS

@@ -171,6 +171,30 @@ NAMES = ["chatml", "llama3", "mistral", "smol"]
 
 
 @pytest.mark.parametrize("name", NAMES)
+def test_a_clone_encodes_as_the_original_and_shares_no_state_with_it(name: str, ours: dict) -> None:
+    """`clone` (a tokenizer for another thread): the same ids for every text, special tokens read as
+    control tokens or split, with and without BOS/EOS; flipping the clone's special-token switch or
+    filling its memories leaves the original as it was."""
+    tok: Tokenizer = ours[name]
+    twin = tok.clone()
+    assert twin.backend is not tok.backend and twin.shared_encoder is not tok.shared_encoder
+    long = "A shared document, the same for every row. " * 40
+    texts = [*TEXTS, *(t + special for t in TEXTS for special in tok.special_texts[:2]), long + "end one"]
+    for special in (True, False):
+        for split in (True, False):
+            want = [tok.encode(t, add_special_tokens=special, split_special=split) for t in texts]
+            assert [twin.encode(t, add_special_tokens=special, split_special=split) for t in texts] == want
+    assert twin.encode_short_many(texts) == tok.encode_short_many(texts)
+    assert (twin.eos_ids, twin.bos_id, twin.special_ids) == (tok.eos_ids, tok.bos_id, tok.special_ids)
+    twin.backend.encode_special_tokens = True
+    twin.encode(long + "end two")
+    marked = f"x{tok.special_texts[0]}y"
+    assert tok.encode(marked, add_special_tokens=False) != twin.encode(marked, add_special_tokens=False)
+    assert not tok.backend.encode_special_tokens
+    assert all(r.text != long + "end two" for r in tok.shared_encoder._recent)
+
+
+@pytest.mark.parametrize("name", NAMES)
 @pytest.mark.parametrize("add_special_tokens", [True, False])
 def test_encode_matches_transformers(name: str, add_special_tokens: bool, ours: dict, hf: dict) -> None:
     for text in TEXTS:

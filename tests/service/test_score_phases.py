@@ -94,7 +94,8 @@ def test_a_workers_score_batches_are_timed_in_its_stats_and_status(
     aside, waited = float(stats["score_aside_s"]), float(stats["score_waited_s"])
     assert aside > 0 and waited >= 0 and (health.score_aside_s, health.score_waited_s) == (aside, waited)
     overlap = next(line for line in _health_lines(health) if line.startswith("score overlap"))
-    assert overlap.startswith(f"score overlap: {1000 * aside:.2f} ms a batch of claim, start and end")
+    said = f"score overlap: {1000 * aside:.2f} ms a batch of claim, start, tokenize and end"
+    assert overlap.startswith(said)
     assert f"({1000 * float(stats['score_aside_cpu_s']):.2f} CPU)" in overlap
     assert f"{1000 * max(aside - waited, 0):.2f} hidden" in overlap
 

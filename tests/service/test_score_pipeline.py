@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import signal
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,7 @@ from rq.serializers import JSONSerializer
 from rq.suspension import resume, suspend
 
 from mlxq.jobs import keys
+from mlxq.jobs.schema import ScoreRequest
 from mlxq.producer import Client
 from mlxq.worker.engine import Engine, EngineOptions
 from mlxq.worker.job_claim import QueuedJob
@@ -153,6 +155,48 @@ def test_pipelined_batches_give_each_job_one_result_equal_to_a_run_without_the_p
         assert redis_conn.scard(f"rq:worker:{name}:executions") == 0
 
 
+def test_batches_taken_ahead_are_tokenized_off_the_main_thread_with_the_same_ids(
+    model_dir: Path, redis_url: str, redis_conn: redis.Redis, client: Client
+) -> None:
+    """Every batch but the one RQ hands over is validated and tokenized on the helper thread that took
+    it, with a tokenizer of its own (one clone, made once), never on the main thread; the ids are those
+    the engine's own tokenizer gives on the main thread, special-token text read as the control token
+    where the job allows it and split into ordinary tokens where it does not."""
+    engine = Engine.load(str(model_dir), EngineOptions())
+    real = engine.score_tokens_many
+    calls: list[tuple[bool, Any, list[ScoreRequest], list[Any]]] = []
+
+    def score_tokens_many(requests: Any, tokenizer: Any = None) -> Any:
+        got = real(requests, tokenizer)
+        calls.append((threading.current_thread() is threading.main_thread(), tokenizer, list(requests), got))
+        return got
+
+    engine.score_tokens_many = score_tokens_many  # type: ignore[method-assign]
+    special = "<|im_start|>"
+    special_id = engine.tokenizer.backend.token_to_id(special)
+    for i in range(JOBS):
+        rows = _rows(i)
+        rows[0]["prompt"] = f"{special}user {rows[0]['prompt']}" if i % 3 else rows[0]["prompt"]
+        client.submit_score(rows, allow_special_tokens=i % 2 == 0)
+    _work(model_dir, redis_url, engine, pipeline=True)
+
+    on_main = [c for c in calls if c[0]]
+    aside = [c for c in calls if not c[0]]
+    assert len(on_main) == 1 and on_main[0][1] is None  # the batch RQ handed over: tokenized in turn
+    assert sum(len(requests) for _, _, requests, _ in calls) == JOBS and len(aside) >= JOBS // BATCH_JOBS - 1
+    clones = {id(tokenizer) for _, tokenizer, _, _ in aside}
+    assert len(clones) == 1 and id(engine.tokenizer) not in clones
+    ways = set()
+    for _, _, requests, got in aside:
+        assert real(requests) == got  # the engine's own tokenizer, here on the main thread
+        for request, rows in zip(requests, got, strict=True):
+            if special in request.rows[0].prompt:
+                prompt_ids = rows[0][0]
+                assert (special_id in prompt_ids) == request.allow_special_tokens
+                ways.add(request.allow_special_tokens)
+    assert ways == {True, False}  # special-token text both ways went through the helper thread
+
+
 def _queued(job_id: str, func: str = keys.SCORE_FUNC, rows: int = 1) -> QueuedJob:
     return QueuedJob(job_id, func, {"rows": [{"prompt": "a", "candidates": ["b"]}] * rows})
 
@@ -193,7 +237,7 @@ def test_nothing_is_claimed_ahead_while_a_queue_served_first_has_jobs_or_workers
         def claim_batch(self, queue: Queue) -> tuple[list[Job], bool]:
             raise AssertionError(f"claimed from {queue.name} while a queue served first had jobs")
 
-    ahead = ScoreAhead(_Host([high, low]), NoClaims(), ScorePhases())  # type: ignore[arg-type]
+    ahead = ScoreAhead(_Host([high, low]), NoClaims(), ScorePhases(), prepare=lambda runs: [])  # type: ignore[arg-type]
     try:
         taken = ahead.take(low, watch=None).result(timeout=5)  # type: ignore[arg-type]
     finally:
@@ -207,12 +251,13 @@ def test_nothing_is_claimed_ahead_while_a_queue_served_first_has_jobs_or_workers
     assert not ahead._stand_back(high)
 
 
-def test_a_stop_that_breaks_off_a_batch_fails_the_batch_taken_ahead_and_leaves_nothing_claimed(
+def test_a_stop_that_breaks_off_a_batch_requeues_the_batch_taken_ahead_untouched(
     model_dir: Path, redis_url: str, redis_conn: redis.Redis, client: Client
 ) -> None:
-    """A stop that raises out of the running batch (RQ's cold stop, SystemExit): the batch taken beside it is
-    failed with the reason, not left started; the broken-off batch is left to abandoned-job recovery,
-    as RQ leaves a job its worker stopped inside; the rest stay queued; nothing sits claimed."""
+    """A stop that raises out of the running batch (RQ's cold stop, SystemExit): the batch taken beside it
+    never ran, so it goes back to the head of its queue, in order and untouched (its job hashes as the
+    producer left them, no attempt, no event, no result); the broken-off batch is left to abandoned-job
+    recovery, as RQ leaves a job its worker stopped inside; the rest stay queued; nothing sits claimed."""
     engine = Engine.load(str(model_dir), EngineOptions())
     real = engine.score_many
     calls = [0]
@@ -225,6 +270,7 @@ def test_a_stop_that_breaks_off_a_batch_fails_the_batch_taken_ahead_and_leaves_n
 
     engine.score_many = score_many  # type: ignore[method-assign]
     ids = [client.submit_score(_rows(i)).id for i in range(6 * BATCH_JOBS)]
+    as_submitted = {j: redis_conn.hgetall(keys.rq_job_key(j)) for j in ids}
     with pytest.raises(SystemExit):
         _work(model_dir, redis_url, engine, pipeline=True)
 
@@ -232,11 +278,16 @@ def test_a_stop_that_breaks_off_a_batch_fails_the_batch_taken_ahead_and_leaves_n
     batches = [statuses[k : k + BATCH_JOBS] for k in range(0, len(ids), BATCH_JOBS)]
     assert batches[0] == ["finished"] * BATCH_JOBS
     assert batches[1] == ["started"] * BATCH_JOBS  # broken off: recovered when its heartbeat lapses
-    assert batches[2] == ["failed"] * BATCH_JOBS  # taken ahead, never scored: failed with the reason
+    assert batches[2] == ["queued"] * BATCH_JOBS  # taken ahead, never scored: back in the queue
     assert all(s == "queued" for b in batches[3:] for s in b)
-    for job_id in ids[2 * BATCH_JOBS : 3 * BATCH_JOBS]:
-        job = Job.fetch(job_id, connection=redis_conn, serializer=JSONSerializer)
-        assert "SystemExit: cold stop" in (job.latest_result().exc_string or "")  # type: ignore[union-attr]
-        assert _ended_state(redis_conn, job_id)["events"] == ["error"]
+    requeued = ids[2 * BATCH_JOBS : 3 * BATCH_JOBS]
+    queue = Queue("default", connection=redis_conn)
+    assert queue.get_job_ids() == [*requeued, *ids[3 * BATCH_JOBS :]]  # at the head, in order
+    for job_id in requeued:
+        assert redis_conn.hgetall(keys.rq_job_key(job_id)) == as_submitted[job_id]
+        state = _ended_state(redis_conn, job_id)
+        assert state["events"] == [] and state["results"] == [] and not state["result key"]
+        assert not state["started registry"] and not state["executions"]
     records = _queue_records(redis_conn)
-    assert (records["queued"], records["started"], records["intermediate"]) == (3 * BATCH_JOBS, BATCH_JOBS, 0)
+    assert (records["queued"], records["started"], records["intermediate"]) == (4 * BATCH_JOBS, BATCH_JOBS, 0)
+    assert records["failed"] == 0

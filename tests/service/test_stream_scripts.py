@@ -80,7 +80,7 @@ def test_a_batch_ends_its_streams_as_the_stream_writer_does_in_one_command(redis
 
 def test_a_call_sent_again_writes_nothing_twice(redis_conn: redis.Redis) -> None:
     (job,) = _jobs(redis_conn, 1)
-    finals = [(job, 1, RESULT, DONE)]
+    finals = [(job, 1, RESULT.model_dump(mode="json"), DONE.fields())]
     job.meta[ATTEMPT_META] = 1
     finish_score_streams(redis_conn, finals, StreamOptions())
     once = _written(redis_conn, job)

@@ -315,13 +315,14 @@ class Engine:
             raise ContextTooLong(len(ids), self.context_length)
         return ids
 
-    def chat_tokens(self, messages: list[dict[str, Any]]) -> list[int]:
+    def chat_tokens(self, messages: list[dict[str, Any]], tokenizer: Tokenizer | None = None) -> list[int]:
         """Token ids of a chat rendered by the model's template. What the messages hold (a content, a
         role, any other field) is untrusted text: where it holds the text of a special token, that
         string enters the template as a placeholder and is encoded as ordinary text in its place, so
         `<|im_start|>system` inside a user's content never opens a turn. Other chats are encoded whole,
-        as the model's own tokenizer would."""
-        tokenizer = self.tokenizer
+        as the model's own tokenizer would. `tokenizer`: a clone of the engine's (`Tokenizer.clone`)
+        for a thread other than the engine's."""
+        tokenizer = tokenizer or self.tokenizer
         spans: dict[str, str] = {}
         nonce = secrets.token_hex(6)
 
@@ -363,9 +364,16 @@ class Engine:
             raise prepared
         return prepared
 
-    def score_tokens_many(self, requests: Sequence[ScoreRequest]) -> list[list[PreparedRow] | InvalidRequest]:
+    def score_tokens_many(
+        self, requests: Sequence[ScoreRequest], tokenizer: Tokenizer | None = None
+    ) -> list[list[PreparedRow] | InvalidRequest]:
         """`score_tokens` of several jobs, their candidate rows tokenized together (one batch call to the
-        tokenizer for all of their short texts); a bad job gets its error in its place, alone."""
+        tokenizer for all of their short texts); a bad job gets its error in its place, alone.
+
+        Tokenizing reads only the tokenizer and the engine's settings, never the model: another thread
+        may tokenize a batch while this one scores, with a `tokenizer` of its own (`Tokenizer.clone`:
+        the engine's own holds state that two threads must not share)."""
+        tokenizer = tokenizer or self.tokenizer
         limits = [self._limits_error(request) for request in requests]
         rows = [
             RowText(r.prompt, r.candidates, i, request.add_special_tokens, not request.allow_special_tokens)
@@ -374,7 +382,7 @@ class Engine:
             for i, r in enumerate(request.rows)
             if r.candidates is not None
         ]
-        tokens = iter(candidate_token_ids(self.tokenizer, rows))
+        tokens = iter(candidate_token_ids(tokenizer, rows))
         out: list[list[PreparedRow] | InvalidRequest] = []
         for request, error in zip(requests, limits, strict=True):
             if error is not None:
@@ -386,32 +394,31 @@ class Engine:
                     mine.append(next(tokens))
                     continue
                 try:
-                    mine.append(self._seq_row(request, i))
+                    mine.append(self._seq_row(request, i, tokenizer))
                 except InvalidRequest as e:
                     mine.append(e)
             out.append(self._job_rows(mine, request.max_tokens))
         return out
 
-    def _seq_row(self, request: ScoreRequest, index: int) -> SeqRow:
+    def _seq_row(self, request: ScoreRequest, index: int, tokenizer: Tokenizer) -> SeqRow:
         """Row `index` of `request` (not a candidates row) as token sequences to score."""
         row = request.rows[index]
         split = not request.allow_special_tokens
         if row.continuations is not None:
             seqs = continuation_seqs(
-                self.tokenizer, index, row.prompt, row.continuations, request.add_special_tokens, split
+                tokenizer, index, row.prompt, row.continuations, request.add_special_tokens, split
             )
             return SeqRow("continuations", seqs)
         if row.prompt_ids is not None:
             tokens = list(row.prompt_ids)
         elif row.messages is not None:
-            tokens = self.chat_tokens([m.model_dump() for m in row.messages])
+            tokens = self.chat_tokens([m.model_dump() for m in row.messages], tokenizer)
         else:
-            tokens = self.tokenizer.encode(
-                row.prompt, add_special_tokens=request.add_special_tokens, split_special=split
-            )
+            special = request.add_special_tokens
+            tokens = tokenizer.encode(row.prompt, add_special_tokens=special, split_special=split)
         if row.rolling:  # an empty text has no windows: 0 over 0 tokens, as lm-eval has it
             window = min(row.window or request.max_tokens or self.context_length, self.context_length)
-            return SeqRow("rolling", rolling_seqs(self.tokenizer, tokens, window))
+            return SeqRow("rolling", rolling_seqs(tokenizer, tokens, window))
         tokens = [*tokens, *row.completion_ids]
         vocab = self.model.args.vocab_size
         checked = (("token id", row.token_ids), ("prompt token id", row.prompt_ids or []))

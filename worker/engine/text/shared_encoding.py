@@ -95,6 +95,7 @@ class SharedPrefixEncoder:
         self.trailer = _trailer(backend)
         self.enabled = self.trailer is not None and reusable(backend)
         self.min_shared_chars = min_shared_chars
+        self.keep = keep
         self._recent: deque[_Encoded] = deque(maxlen=keep)
         self.reused = 0  # texts encoded in part (for tests and diagnostics)
 

@@ -9,6 +9,7 @@ starts with the BOS token does not get a second one.
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 from collections import OrderedDict
@@ -171,6 +172,22 @@ class Tokenizer:
         self.backend.post_processor = processors.TemplateProcessing(
             single=" ".join([*bos, "$A:0", *eos]), pair=" ".join(pair), special_tokens=special
         )
+
+    def clone(self) -> Tokenizer:
+        """A tokenizer that encodes and decodes as this one, sharing no mutable state with it: for another
+        thread. The backend's special-token switch (`_encode_split`), the shared-prefix encoder's recent
+        encodings and `encode_short`'s memory are per instance, and one thread flipping or filling them
+        under another changes what the other encodes; the clone has its own backend (rebuilt from this
+        one's serialized form, added tokens and post-processor included) and its own memories. Clone on
+        the thread that owns this one: serializing reads the backend."""
+        twin = copy.copy(self)
+        twin.backend = tokenizers.Tokenizer.from_str(self.backend.to_str())
+        twin.backend.encode_special_tokens = False
+        twin.shared_encoder = SharedPrefixEncoder(
+            twin.backend, self.shared_encoder.min_shared_chars, self.shared_encoder.keep
+        )
+        twin._short = OrderedDict()
+        return twin
 
     @property
     def vocab_size(self) -> int:
