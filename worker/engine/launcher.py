@@ -25,19 +25,21 @@ second's stream from two launch threads (on CUDA: a graph capture failing with
 
 The launcher's thread needs the GIL twice a launch (to start the call, and to return from it), while
 the loop's thread is mostly Python: with Python's default switch interval (5 ms) a waiting thread may
-wait that long for the GIL, about a whole step. A `Launcher` lowers the process's interval to
-`SWITCH_INTERVAL_S` while it exists (`close` puts the old one back).
+wait that long for the GIL, about a whole step. A `Launcher` lowers the process's interval while it
+exists (`switch_interval.py`; `close` lets go of it).
 """
 
 from __future__ import annotations
 
-import sys
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import mlx.core as mx
 
-SWITCH_INTERVAL_S = 0.0001
+from mlxq.worker.engine import switch_interval
+from mlxq.worker.engine.switch_interval import SWITCH_INTERVAL_S
+
+__all__ = ["SWITCH_INTERVAL_S", "Launcher", "acquire", "release"]
 
 
 class Launcher:
@@ -54,8 +56,7 @@ class Launcher:
         self._previous = mx.default_stream(device)
         self.stream = mx.new_thread_unsafe_stream(device)
         mx.set_default_stream(self.stream)
-        self._switch_interval = sys.getswitchinterval()
-        sys.setswitchinterval(min(self._switch_interval, SWITCH_INTERVAL_S))
+        switch_interval.lower()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="mlxq-launch")
         self._in_flight: Future[None] | None = None
 
@@ -100,7 +101,7 @@ class Launcher:
             self.wait()
         finally:
             self._pool.shutdown(wait=True)
-            sys.setswitchinterval(self._switch_interval)
+            switch_interval.restore()
             if self.here:
                 mx.set_default_stream(self._previous)
 
