@@ -414,11 +414,13 @@ class DecodeBatch:
         read, logprobs = self._readable(pending), self._pending_logprobs
         ahead = self.masks_in_place and rows.constrained
         began = built = time.perf_counter()
+        if self.taps and self.launcher is not None:  # a feature sink may evaluate (a drafter catching up):
+            self.launcher.wait_tokens()  # not while the draw is launched (as before its forward was)
         if ahead:
             following = self._draw(masks_later=True)
             forward: mx.array | None = self._forward(following)
             built = time.perf_counter()
-        tokens = read()  # with a launcher: the draw's own launch has ended
+        tokens = read()  # with a launcher: once the draw's own launch ended
         got = time.perf_counter()
         self._take(tokens)
         self.logprobs = logprobs.read(tokens)
@@ -535,8 +537,9 @@ class DecodeBatch:
         """Start computing `tokens` (and the step behind them), then `ahead` (the forward that feeds
         them, in a constrained batch). With a launcher they are read back later from the copy
         `Launcher.launch_tokens` makes (it says why), each live row at its place in it; `ahead` is a
-        launch of its own, so the copy can be read while it is being launched (as a free batch reads
-        its tokens while the next step launches)."""
+        launch of its own, right behind theirs on the launcher's thread, so this thread goes on at
+        once (it does not wait for the draw's launch) and the copy can be read while `ahead` is
+        being launched (as a free batch reads its tokens while the next step launches)."""
         logprobs = self._pending_logprobs.arrays()  # read back with the tokens: no sync of their own
         logprobs.extend(self._taken_with_step())
         if self.launcher is None:
@@ -545,10 +548,8 @@ class DecodeBatch:
             else:
                 mx.async_eval(tokens, *logprobs, ahead)
             return
-        self._pending_copy = self.launcher.launch_tokens(tokens, *logprobs)
+        self._pending_copy = self.launcher.launch_tokens(tokens, *logprobs, then=ahead)
         self._copy_rows = list(range(tokens.shape[0]))
-        if ahead is not None:
-            self.launcher.launch(ahead)
 
     def _new_pending_logprobs(self) -> None:
         """The logprobs of the draw just built, for the rows that asked (a new object: the one before may
@@ -587,8 +588,13 @@ class DecodeBatch:
         copy, rows = self._pending_copy, self._copy_rows
         if self.launcher is None or copy is None:
             return lambda: [int(t) for t in cast("list[int]", pending.tolist())]
+        launch = self.launcher.tokens_launch  # the one that made the copy
 
         def read() -> list[int]:
+            error = launch.exception() if launch is not None else None  # no copy read before it ended
+            if error is not None:
+                self.quiet()  # raises it where it is still in flight
+                raise error
             values = cast("list[int]", copy.tolist())
             return [int(values[i]) for i in rows]
 
