@@ -185,17 +185,28 @@ STRUCTURED: list[Column] = [
     ("vs unconstrained", _get("vs_unconstrained", digits=2)),
     ("all reps' decode tok/s", lambda _k, r: ", ".join(f"{x:,.0f}" for x in r["all_decode_tok_s"] if x)),
     ("tok/s (with prefill)", _get("tok_s", digits=0)),
-    ("host ms/step: critical (take, draw, forward, launch; read; built ahead)", lambda _k, r: _host_ms(r)),
+    (
+        "host ms/step: serial; critical (take, handle, draw, forward, launch; read; built ahead;"
+        " masks beside)",
+        lambda _k, r: _host_ms(r),
+    ),
 ]
 
 
 def _host_ms(r: dict[str, Any]) -> str:
-    """A constrained row's critical path per step (`fig_structured`), "-" where none was timed."""
+    """A constrained row's host work per step (`fig_structured`): the loop thread's serial work, then
+    the critical path with its parts; "-" where none was timed. Results from before `handle`, `masks`
+    and `host` were timed show "?" for them."""
     ms = r.get("host_ms_per_step") or {}
     if not ms:
         return "-"
-    parts = ", ".join(f"{ms[k]:.2f}" for k in ("take_ms", "draw_ms", "forward_ms", "launch_ms"))
-    return f"{ms['critical_ms']:.2f} ({parts}; {ms['read_ms']:.2f}; {ms.get('ahead_ms', 0.0):.2f})"
+
+    def part(key: str) -> str:
+        return f"{ms[key]:.2f}" if key in ms else "?"
+
+    parts = ", ".join(part(k) for k in ("take_ms", "handle_ms", "draw_ms", "forward_ms", "launch_ms"))
+    tail = f"{part('read_ms')}; {part('ahead_ms')}; {part('masks_ms')}"
+    return f"{part('host_ms')}; {part('critical_ms')} ({parts}; {tail})"
 
 
 LOGPROBS: list[Column] = [

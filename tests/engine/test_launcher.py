@@ -76,6 +76,44 @@ def test_a_failed_launch_raises_at_the_next_wait_once(monkeypatch: pytest.Monkey
         launcher.close()
 
 
+def test_a_forward_launched_behind_the_tokens_does_not_hold_the_caller(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`launch_tokens(..., then=forward)`: both launches go to the launcher's thread, one after the
+    other, and the caller returns before either ends; `tokens_launch` says when the copy may be read,
+    `wait` waits for both."""
+    started, release = threading.Event(), threading.Event()
+    order: list[int] = []
+
+    class Held:
+        def __getattr__(self, name: str) -> object:
+            return getattr(mx, name)
+
+        def async_eval(self, *arrays: mx.array) -> None:
+            order.append(arrays[0].size)
+            started.set()
+            release.wait(5)
+            mx.async_eval(*arrays)
+
+    monkeypatch.setattr(launcher_module, "mx", Held())
+    launcher = Launcher()
+    try:
+        tokens = mx.arange(4)
+        forward = mx.concatenate([tokens, tokens[:2]]) * 10  # fed by the tokens
+        copy = launcher.launch_tokens(tokens, then=forward)
+        assert started.wait(5)  # the tokens' launch runs (held) while the caller goes on
+        first = launcher.tokens_launch
+        assert first is not None and not first.done() and launcher.busy
+        release.set()
+        first.result(5)
+        assert copy.tolist() == [0, 1, 2, 3]
+        launcher.wait()
+        assert not launcher.busy and order == [4, 6] and forward.tolist() == [0, 10, 20, 30, 0, 10]
+    finally:
+        release.set()
+        launcher.close()
+
+
 def test_an_mlx_without_thread_unsafe_streams_gets_no_launcher_by_default_and_a_clear_error_if_asked(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -4,9 +4,10 @@ Owns the one place mlxq touches the constrained-decoding library (llguidance, th
 extra): `ConstraintCompiler` builds the library's tokenizer from the model's own `tokenizer.json`
 once per engine and compiles a request's JSON schema, regex or Lark grammar into a `Constraint`
 (its own matcher state); `fill_mask_rows` writes the allowed-token bitmasks of a batch's constrained
-rows, on the host, while the device runs a step. The sampler applies the masks (`sampler.py`); the
-decode batch decides when they are computed (`generate.py`). A constraint that cannot be compiled is
-the request's `InvalidRequest`, raised at admission, before any token.
+rows, on the host, while the device runs a step, or starts writing them on a thread of its own
+(`start_mask_rows`) while the decode loop handles the step's tokens. The sampler applies the masks
+(`sampler.py`); the decode batch decides when they are computed (`generate.py`). A constraint that
+cannot be compiled is the request's `InvalidRequest`, raised at admission, before any token.
 
 A grammar that is complete allows only EOS; a constraint whose matcher stopped (complete, and the
 model has no EOS the grammar may end with) says so through `stopped`, and the row ends with `stop`.
@@ -15,7 +16,9 @@ model has no EOS the grammar may end with) says so through `stopped`, and the ro
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -29,6 +32,7 @@ from mlxq.jobs.schema import (
     ResponseFormat,
     TextFormat,
 )
+from mlxq.worker.engine import switch_interval
 
 if TYPE_CHECKING:
     import llguidance
@@ -62,12 +66,14 @@ class Constraint:
     """One request's position in its grammar: what it allows next, advanced one token at a time.
 
     A token the grammar does not allow (or a grammar that fails on the way) leaves the error in
-    `error`: the row it belongs to ends with it, its batch-mates go on."""
+    `error`: the row it belongs to ends with it, its batch-mates go on. `error`, `taken` and
+    `stopped_at` are plain fields, set on the decode loop's thread only: while a mask thread computes
+    with the matcher (`start_mask_rows`), the loop reads them and never the matcher."""
 
-    def __init__(self, matcher: llguidance.LLMatcher, what: str, executor: llguidance.LLExecutor) -> None:
+    def __init__(self, matcher: llguidance.LLMatcher, what: str, workers: MaskWorkers) -> None:
         self.matcher = matcher
         self.what = what  # e.g. "json_schema 'person'", for messages
-        self.executor = executor  # its engine's pool of mask threads (`fill_mask_rows`)
+        self.workers = workers  # its engine's threads that compute masks (`fill_mask_rows`)
         self.error: ConstraintViolated | None = None
         self.taken = 0  # tokens taken
         self.stopped_at: int | None = None  # tokens taken when the grammar was complete
@@ -118,21 +124,83 @@ def fill_mask_rows(out: np.ndarray, rows: Sequence[tuple[int, Constraint]]) -> N
     or failed allows everything (it ends before its next token is used). Rows not listed are left as
     they are. Several rows are computed in parallel on the library's threads (it releases the GIL):
     on a GPU host a step of 64 rows lasts about as long as 64 masks computed one after another
-    would."""
-    live = [(c.matcher, i) for i, c in rows if c.error is None and not c.matcher.is_stopped()]
+    would. A grammar that fails computing its mask keeps the error (`Constraint.error`)."""
+    live = _live_rows(out, rows)
+    _note_failures(live, _compute_masks(out, live))
+
+
+def start_mask_rows(out: np.ndarray, rows: Sequence[tuple[int, Constraint]]) -> MaskWork:
+    """`fill_mask_rows` on the rows' mask thread (`MaskWorkers`), returned at once: the caller's thread
+    does other work meanwhile (the library computes with the GIL released), touching neither `out`
+    nor these rows' matchers (two threads on one matcher: the library's borrow errors), then calls
+    `MaskWork.join`, which notes the grammars that failed. Which rows are done is read here."""
+    work = MaskWork(_live_rows(out, rows))
+    if work.live:
+        work.start(out)
+    return work
+
+
+class MaskWork:
+    """Masks being written on the mask thread (`start_mask_rows`); `seconds`: how long the thread
+    computed them (read after `join`)."""
+
+    def __init__(self, live: list[tuple[int, Constraint]]) -> None:
+        self.live = live
+        self.seconds = 0.0
+        self._future: Future[list[int]] | None = None
+
+    def start(self, out: np.ndarray) -> None:
+        self._future = self.live[0][1].workers.submit(self._compute, out)
+
+    def _compute(self, out: np.ndarray) -> list[int]:
+        began = time.perf_counter()
+        try:
+            return _compute_masks(out, self.live)
+        finally:
+            self.seconds = time.perf_counter() - began
+
+    def join(self) -> None:
+        """Wait for the masks; each row whose grammar failed computing its mask keeps the error, as
+        `fill_mask_rows` does (noted on this thread). Raises what the computation raised."""
+        future, self._future = self._future, None
+        if future is not None:
+            _note_failures(self.live, future.result())
+
+
+def _live_rows(out: np.ndarray, rows: Sequence[tuple[int, Constraint]]) -> list[tuple[int, Constraint]]:
+    """The rows whose grammar goes on; a done one's row of `out` allows everything."""
+    live = []
     for i, c in rows:
         if c.error is not None or c.matcher.is_stopped():
             out[i] = -1
+        else:
+            live.append((i, c))
+    return live
+
+
+def _compute_masks(out: np.ndarray, live: Sequence[tuple[int, Constraint]]) -> list[int]:
+    """The masks of `live` rows written into `out`; returns the rows whose grammar failed (their row
+    then allows everything). Touches the matchers and `out` only, never a constraint's fields: it may
+    run on the mask thread."""
     if len(live) > 1:
-        executor = rows[0][1].executor
-        executor.unsafe_compute_mask_ptr(live, out.ctypes.data, out.shape[1] * 4, out.shape[0])
+        executor = live[0][1].workers.executor
+        pairs = [(c.matcher, i) for i, c in live]
+        executor.unsafe_compute_mask_ptr(pairs, out.ctypes.data, out.shape[1] * 4, out.shape[0])
     elif live:
-        matcher, i = live[0]
-        matcher.unsafe_compute_mask_ptr(out[i].ctypes.data, out.shape[1] * 4)
-    for i, c in rows:
-        if c.error is None and c.matcher.is_error():
+        i, c = live[0]
+        c.matcher.unsafe_compute_mask_ptr(out[i].ctypes.data, out.shape[1] * 4)
+    failed = [i for i, c in live if c.matcher.is_error()]
+    for i in failed:
+        out[i] = -1
+    return failed
+
+
+def _note_failures(live: Sequence[tuple[int, Constraint]], failed: Iterable[int]) -> None:
+    """Each grammar of `failed` rows keeps its error."""
+    failed = set(failed)
+    for i, c in live:
+        if i in failed and c.error is None:
             c.error = ConstraintViolated(f"the {c.what} failed: {c.matcher.get_error()}")
-            out[i] = -1
 
 
 def fill_draft_masks(
@@ -165,16 +233,48 @@ def fill_draft_masks(
     return out
 
 
+class MaskWorkers:
+    """An engine's threads that compute masks: the library's pool (several rows in parallel) and one
+    thread of mlxq's from which a step's masks are computed while the decode loop does other work
+    (`start_mask_rows`), made at its first use. While that thread exists the process's GIL switch
+    interval is lowered (`switch_interval.py`): else it could wait for the GIL, to start computing,
+    until the loop's thread waits on it."""
+
+    def __init__(self, executor: llguidance.LLExecutor) -> None:
+        self.executor = executor
+        self._thread: ThreadPoolExecutor | None = None
+
+    def submit(self, fn: Any, *args: Any) -> Future[Any]:
+        if self._thread is None:
+            self._thread = ThreadPoolExecutor(1, thread_name_prefix="mlxq-masks")
+            switch_interval.lower()
+        return self._thread.submit(fn, *args)
+
+    def close(self) -> None:
+        """Stop the thread (a later use makes another)."""
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            thread.shutdown(wait=True)
+            switch_interval.restore()
+
+
 class ConstraintCompiler:
     """An engine's compiler of `response_format`s: the library's view of the tokenizer, built on the
-    first constrained request (it reads the whole vocabulary) and kept."""
+    first constrained request (it reads the whole vocabulary) and kept.
 
-    def __init__(self, tokenizer: tokenizers.Tokenizer, vocab_size: int, eos_ids: Iterable[int]) -> None:
+    `limits` (the library's `LLParserLimits`; None: its defaults) bounds each grammar's work: a
+    grammar that exceeds them fails, ending its row with the error (tests tighten them to make a
+    grammar fail while a mask is computed)."""
+
+    def __init__(
+        self, tokenizer: tokenizers.Tokenizer, vocab_size: int, eos_ids: Iterable[int], limits: Any = None
+    ) -> None:
         self._hf_tokenizer = tokenizer
         self.vocab_size = vocab_size  # the model's logits' width (may exceed the tokenizer's)
         self._eos_ids = sorted(eos_ids)
+        self.limits = limits
         self._tokenizer: llguidance.LLTokenizer | None = None
-        self._executor: llguidance.LLExecutor | None = None  # threads that compute masks, made with it
+        self._workers: MaskWorkers | None = None  # threads that compute masks, made with it
 
     @property
     def words(self) -> int:
@@ -190,8 +290,13 @@ class ConstraintCompiler:
                 )
             except Exception as e:
                 raise InvalidRequest(f"this model's tokenizer cannot be used to constrain output: {e}") from e
-            self._executor = llg.LLExecutor()
+            self._workers = MaskWorkers(llg.LLExecutor())
         return self._tokenizer
+
+    def close(self) -> None:
+        """Stop the mask thread, if one was made (a later constrained step makes another)."""
+        if self._workers is not None:
+            self._workers.close()
 
     def compile(self, fmt: ResponseFormat | None) -> Constraint | None:
         """The constraint of a request's `response_format` (None for plain text); `InvalidRequest`
@@ -201,11 +306,11 @@ class ConstraintCompiler:
         llg = _llguidance()
         tokenizer = self._library_tokenizer()
         what, grammar = _grammar(llg, fmt)
-        matcher = llg.LLMatcher(tokenizer, grammar, log_level=0)
+        matcher = llg.LLMatcher(tokenizer, grammar, log_level=0, limits=self.limits)
         if matcher.is_error():
             raise InvalidRequest(f"response_format: the {what} cannot be compiled: {matcher.get_error()}")
-        assert self._executor is not None  # made with the tokenizer
-        return Constraint(matcher, what, self._executor)
+        assert self._workers is not None  # made with the tokenizer
+        return Constraint(matcher, what, self._workers)
 
 
 def _grammar(llg: Any, fmt: ResponseFormat) -> tuple[str, str]:

@@ -6,6 +6,12 @@ device may wait on the host. `DecodeBatch` times that stretch of each such step 
 parts, and the graphs it built before the read-back (where the masks are written in place:
 `mask_buffer.py`), so a benchmark can say where a step's time goes (`bench/fig_structured.py`). Free
 batches take no such step and record nothing.
+
+Where the masks are written in place, the tokens are handled between the read-back and the launch,
+while the mask thread computes the masks: `handle` is then on the critical path and `draw` is only
+the wait for the masks past it (`masks`, the thread's own time, overlaps both); else the tokens are
+handled after the launch. `host_ms` (`per_step_ms`) sums the loop thread's work a step, in either
+order: with the device waiting on the host, a step lasts at least that long.
 """
 
 from __future__ import annotations
@@ -22,12 +28,18 @@ class CriticalPath:
     read_s: float = 0.0  # waiting for the tokens (the device still computing their draw): not host work
     critical_s: float = 0.0  # tokens read back -> the next draw and forward launched (the parts below)
     take_s: float = 0.0  # the grammars taking the tokens
-    draw_s: float = 0.0  # the masks computed and the draw's graph built (or the masks written)
+    handle_s: float = 0.0  # the tokens handled (text, stop strings, sinks): before the launch in place
+    draw_s: float = 0.0  # the masks computed and the draw's graph built (in place: waiting for the masks)
     forward_s: float = 0.0  # the next forward's graph built (0 where built before the read-back)
     launch_s: float = 0.0  # the launch (with a launcher: waiting for the forward before it, handing over)
+    masks_s: float = 0.0  # in place: the mask thread computing the masks, beside `handle` (not summed)
 
     def per_step_ms(self) -> dict[str, float]:
-        """Each part in milliseconds a step; empty when no step was timed."""
+        """Each part in milliseconds a step, and `host_ms`: the loop thread's work (all but `read`,
+        `critical` and `masks`); empty when no step was timed."""
         if not self.steps:
             return {}
-        return {f.name[:-2] + "_ms": 1e3 * getattr(self, f.name) / self.steps for f in fields(self)[1:]}
+        out = {f.name[:-2] + "_ms": 1e3 * getattr(self, f.name) / self.steps for f in fields(self)[1:]}
+        serial = ("ahead_ms", "take_ms", "handle_ms", "draw_ms", "forward_ms", "launch_ms")
+        out["host_ms"] = sum(out[k] for k in serial)
+        return out

@@ -287,10 +287,11 @@ class Engine:
 
     def close(self) -> None:
         """Let go of the launcher, if one was taken (the last engine of its thread stops it: see
-        `launchers.release`); a later batch takes one again."""
+        `launchers.release`), and stop the mask thread; a later batch takes them again."""
         held, self._launcher = self._launcher, None
         if held is not None:
             launchers.release(held)
+        self.constraints.close()
 
     def prompt_tokens(self, request: GenerateRequest) -> list[int]:
         """Token ids for a request: raw `prompt` encoded (special-token text as text unless the request

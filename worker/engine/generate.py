@@ -7,6 +7,7 @@ own sampler; its cache layout (left padding, per-row RoPE offsets) is explained 
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Sequence
 from typing import TypeVar, cast
@@ -219,8 +220,9 @@ class DecodeBatch:
 
     With `masks_in_place` (where the backend lets the host write an evaluated array's memory:
     `mask_buffer.host_writes_seen`) that draw and forward are built before the tokens are read back,
-    the draw reading the rows' mask buffer, and only the grammars' work and the launch follow the
-    read-back (`_step_ahead`).
+    the draw reading the rows' mask buffer, and only the grammars' work, with the tokens handled
+    while the masks are computed on a thread of their own, and the launch follow the read-back
+    (`_step_ahead`).
 
     With `taps` (decoder layer indices) and `features`, every forward the batch builds (plain, ahead
     or verify) also collects those layers' outputs (`layer_taps.py`) and hands them to `features`
@@ -395,33 +397,53 @@ class DecodeBatch:
         for its token of this step; the forward that feeds that token does not: it was launched right
         after the draw (`_ahead`). So the tokens are read back while that forward computes (with a
         launcher, while it is still being launched), the grammars take them, and the next draw (their
-        masks) and the forward fed by it are launched; only then are the tokens handled and
-        `meanwhile` run, while the device computes. Between the read-back and that launch the device
-        may wait on the host: that stretch is timed (`critical`). With `masks_in_place` the draw and
-        the forward are built before the read-back, while the device computes (the rows are those of
-        this step: rows join and leave between steps), and after it the masks are written into the
-        buffer the draw reads; else they are built after it, the masks computed as the draw is built.
-        A batch whose constrained rows all left draws from the forward ahead once more and is a free
-        batch again."""
+        masks) and the forward fed by it are launched; `meanwhile` runs after that launch, while the
+        device computes. Between the read-back and that launch the device may wait on the host: that
+        stretch is timed (`critical`).
+
+        With `masks_in_place` the draw and the forward are built before the read-back, while the
+        device computes (the rows are those of this step: rows join and leave between steps). After
+        it the masks are computed on the mask thread into the buffer the draw reads while this thread
+        handles the tokens (no MLX: text, stop strings, sinks); both done, the draw is launched. So a
+        step's host work is the longer of the two, not their sum. While the masks are computed the
+        grammars are the mask thread's alone: `handle` reads what the grammars took (`Constraint`'s
+        plain fields), and a grammar that fails computing its mask (found at the join) ends its row
+        with the error at this token (`GenerationBatch`), as found before handling.
+
+        Else the draw and the forward are built after the read-back, the masks computed as the draw
+        is built, and the tokens handled after the launch. A batch whose constrained rows all left
+        draws from the forward ahead once more and is a free batch again."""
         # rows join only through `add`/`start` (a fresh step follows, which launches the forward ahead)
         assert self.rows is not None and self._ahead is not None
         clock, rows = self.critical, self.rows
         read, logprobs = self._readable(pending), self._pending_logprobs
         ahead = self.masks_in_place and rows.constrained
         began = built = time.perf_counter()
+        if self.taps and self.launcher is not None:  # a feature sink may evaluate (a drafter catching up):
+            self.launcher.wait_tokens()  # not while the draw is launched (as before its forward was)
         if ahead:
             following = self._draw(masks_later=True)
             forward: mx.array | None = self._forward(following)
             built = time.perf_counter()
-        tokens = read()  # with a launcher: the draw's own launch has ended
+        tokens = read()  # with a launcher: once the draw's own launch ended
         got = time.perf_counter()
         self._take(tokens)
         self.logprobs = logprobs.read(tokens)
         taken = time.perf_counter()
         if ahead:
-            rows.write_masks()
+            masks = rows.start_masks()
+            try:
+                result = handle(tokens)
+            except BaseException:
+                with contextlib.suppress(Exception):  # no thread may be left on the grammars
+                    masks.join()
+                raise
+            handled = time.perf_counter()
+            masks.join()
+            clock.masks_s += masks.seconds
             drawn = formed = time.perf_counter()
         else:
+            handled = taken
             following = self._draw(masks_later=False)
             drawn = time.perf_counter()
             forward = self._forward(following) if rows.constrained else None
@@ -429,15 +451,17 @@ class DecodeBatch:
         self._pending, self._ahead = following, forward
         self._launch(following, forward)
         launched = time.perf_counter()
+        if not ahead:
+            result = handle(tokens)
         clock.steps += 1
         clock.ahead_s += built - began
         clock.read_s += got - built
         clock.take_s += taken - got
-        clock.draw_s += drawn - taken
+        clock.handle_s += handled - taken if ahead else time.perf_counter() - launched
+        clock.draw_s += drawn - handled
         clock.forward_s += formed - drawn
         clock.launch_s += launched - formed
         clock.critical_s += launched - got
-        result = handle(tokens)
         if meanwhile is not None:
             meanwhile()
         return result
@@ -572,8 +596,9 @@ class DecodeBatch:
         """Start computing `tokens` (and the step behind them), then `ahead` (the forward that feeds
         them, in a constrained batch). With a launcher they are read back later from the copy
         `Launcher.launch_tokens` makes (it says why), each live row at its place in it; `ahead` is a
-        launch of its own, so the copy can be read while it is being launched (as a free batch reads
-        its tokens while the next step launches)."""
+        launch of its own, right behind theirs on the launcher's thread, so this thread goes on at
+        once (it does not wait for the draw's launch) and the copy can be read while `ahead` is
+        being launched (as a free batch reads its tokens while the next step launches)."""
         logprobs = self._pending_logprobs.arrays()  # read back with the tokens: no sync of their own
         logprobs.extend(self._taken_with_step())
         if self.launcher is None:
@@ -582,10 +607,8 @@ class DecodeBatch:
             else:
                 mx.async_eval(tokens, *logprobs, ahead)
             return
-        self._pending_copy = self.launcher.launch_tokens(tokens, *logprobs)
+        self._pending_copy = self.launcher.launch_tokens(tokens, *logprobs, then=ahead)
         self._copy_rows = list(range(tokens.shape[0]))
-        if ahead is not None:
-            self.launcher.launch(ahead)
 
     def _new_pending_logprobs(self) -> None:
         """The logprobs of the draw just built, for the rows that asked (a new object: the one before may
@@ -624,8 +647,13 @@ class DecodeBatch:
         copy, rows = self._pending_copy, self._copy_rows
         if self.launcher is None or copy is None:
             return lambda: [int(t) for t in cast("list[int]", pending.tolist())]
+        launch = self.launcher.tokens_launch  # the one that made the copy
 
         def read() -> list[int]:
+            error = launch.exception() if launch is not None else None  # no copy read before it ended
+            if error is not None:
+                self.quiet()  # raises it where it is still in flight
+                raise error
             values = cast("list[int]", copy.tolist())
             return [int(values[i]) for i in rows]
 

@@ -513,6 +513,7 @@ class GenerationBatch:
             gate.end("verify", self._verified, new_shape=self.decode.verify_new_shape)
         elif gate is not None:
             gate.end("plain", rows)
+        leaving = self._failed_grammars(leaving)
         if not leaving:
             return
         caches = self.decode.remove([i for i, _ in leaving])
@@ -526,6 +527,25 @@ class GenerationBatch:
         self.decoding = [s for i, s in enumerate(self.decoding) if i not in gone]
         if not self.decoding:  # the step launched for them is not needed: no launch outlives the rows
             self.quiet()
+
+    def _failed_grammars(
+        self, leaving: list[tuple[int, FinishReason | BaseException]]
+    ) -> list[tuple[int, FinishReason | BaseException]]:
+        """`leaving`, with every row whose grammar failed ending with that error: a grammar that fails
+        computing its next mask on the mask thread is found once the row handled its token
+        (`DecodeBatch._step_ahead`), and its row ends at that token as one whose grammar failed before
+        it was handled (`_take_one`: the error comes first) does."""
+        if self.decode.rows is None or not self.decode.rows.constrained:
+            return leaving
+        failed = {
+            i: c.error
+            for i, seq in enumerate(self.decoding)
+            if (c := seq.sampler.constraint) is not None and c.error is not None
+        }
+        if not failed:
+            return leaving
+        outcomes: dict[int, FinishReason | BaseException] = {**dict(leaving), **failed}
+        return sorted(outcomes.items(), key=lambda item: item[0])
 
     def _decode_failed(self, error: Exception, finished: list[Finished]) -> None:
         log.exception("batched decode step failed rows=%d", len(self.decoding), exc_info=error)

@@ -25,19 +25,21 @@ second's stream from two launch threads (on CUDA: a graph capture failing with
 
 The launcher's thread needs the GIL twice a launch (to start the call, and to return from it), while
 the loop's thread is mostly Python: with Python's default switch interval (5 ms) a waiting thread may
-wait that long for the GIL, about a whole step. A `Launcher` lowers the process's interval to
-`SWITCH_INTERVAL_S` while it exists (`close` puts the old one back).
+wait that long for the GIL, about a whole step. A `Launcher` lowers the process's interval while it
+exists (`switch_interval.py`; `close` lets go of it).
 """
 
 from __future__ import annotations
 
-import sys
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import mlx.core as mx
 
-SWITCH_INTERVAL_S = 0.0001
+from mlxq.worker.engine import switch_interval
+from mlxq.worker.engine.switch_interval import SWITCH_INTERVAL_S
+
+__all__ = ["SWITCH_INTERVAL_S", "Launcher", "acquire", "release"]
 
 
 class Launcher:
@@ -54,10 +56,10 @@ class Launcher:
         self._previous = mx.default_stream(device)
         self.stream = mx.new_thread_unsafe_stream(device)
         mx.set_default_stream(self.stream)
-        self._switch_interval = sys.getswitchinterval()
-        sys.setswitchinterval(min(self._switch_interval, SWITCH_INTERVAL_S))
+        switch_interval.lower()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="mlxq-launch")
-        self._in_flight: Future[None] | None = None
+        self._in_flight: list[Future[None]] = []  # launches submitted, run one after another
+        self.tokens_launch: Future[None] | None = None  # the launch of the latest `launch_tokens`
 
     @property
     def here(self) -> bool:
@@ -67,31 +69,45 @@ class Launcher:
     def launch(self, *arrays: mx.array) -> None:
         """Start launching `arrays` on the launcher's thread, once the launch before it has ended."""
         self.wait()
-        self._in_flight = self._pool.submit(mx.async_eval, *arrays)
+        self._in_flight = [self._pool.submit(mx.async_eval, *arrays)]
 
-    def launch_tokens(self, tokens: mx.array, *with_them: mx.array) -> mx.array:
+    def launch_tokens(self, tokens: mx.array, *with_them: mx.array, then: mx.array | None = None) -> mx.array:
         """Launch a decode step's sampled `tokens`; returns a copy made in the same launch, to read them
         back from. The tokens themselves are an input of the next step, whose launch is running when
         they are read, and reading an array (MLX's `wait`) changes its state under that launch (it
-        crashed the CPU build in tests); nothing later takes the copy as input."""
+        crashed the CPU build in tests); nothing later takes the copy as input.
+
+        `then` (a constrained step's forward, fed by the tokens) is launched right behind them, on the
+        launcher's thread, while this thread goes on: it must not read the copy before its launch ended
+        (`tokens_launch`), and `wait` waits for both."""
         copy = tokens.astype(mx.int32)
         self.launch(tokens, copy, *with_them)
+        self.tokens_launch = self._in_flight[0]
+        if then is not None:
+            self._in_flight.append(self._pool.submit(mx.async_eval, then))
         return copy
+
+    def wait_tokens(self) -> None:
+        """Return once the latest `launch_tokens`' own launch ended (`then` may still be launching);
+        its error, if any, is raised by `wait`."""
+        if self.tokens_launch is not None:
+            wait([self.tokens_launch])
 
     def wait(self) -> None:
         """Return once no launch is in flight; raises a failed launch's error (once)."""
-        in_flight, self._in_flight = self._in_flight, None
-        if in_flight is None:
+        in_flight, self._in_flight = self._in_flight, []
+        if not in_flight:
             return
         try:
-            in_flight.result()
+            for launch in in_flight:
+                launch.result()
         except BaseException:
-            wait([in_flight])  # interrupted (a signal handler's exception): let the launch end first
+            wait(in_flight)  # interrupted, or a launch before another failed: let them all end first
             raise
 
     @property
     def busy(self) -> bool:
-        return self._in_flight is not None
+        return bool(self._in_flight)
 
     def close(self) -> None:
         """Wait for the last launch and stop the thread; on the creating thread, its default stream is
@@ -100,7 +116,7 @@ class Launcher:
             self.wait()
         finally:
             self._pool.shutdown(wait=True)
-            sys.setswitchinterval(self._switch_interval)
+            switch_interval.restore()
             if self.here:
                 mx.set_default_stream(self._previous)
 

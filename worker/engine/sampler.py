@@ -12,7 +12,8 @@ tokens the grammar allows are masked with -inf after the penalties, before greed
 masks are computed on the host once every constrained row took its token of the step before
 (`SamplerRows.take`): as the draw is built (`SamplerRows.sample`), or, where the draw was built
 before (`masks_later`, reading the rows' `MaskBuffer`), written into its memory before it is
-launched (`SamplerRows.write_masks`). Rows without a constraint are untouched.
+launched (`SamplerRows.write_masks`, or on the mask thread: `SamplerRows.start_masks`). Rows without a
+constraint are untouched.
 A verify step masks each position of a constrained row with its grammar after the drafts before it
 (`SamplerRows.cut` first drops the drafts the grammar does not allow).
 """
@@ -29,7 +30,13 @@ from typing import Protocol
 import mlx.core as mx
 import numpy as np
 
-from mlxq.worker.engine.constraint import Constraint, fill_draft_masks, fill_mask_rows
+from mlxq.worker.engine.constraint import (
+    Constraint,
+    MaskWork,
+    fill_draft_masks,
+    fill_mask_rows,
+    start_mask_rows,
+)
 from mlxq.worker.engine.mask_buffer import MaskBuffer
 from mlxq.worker.engine.token_logprobs import StepLogprobs, step_logprobs
 
@@ -512,6 +519,13 @@ class SamplerRows:
         before it was read back (`mask_buffer.py` says why)."""
         assert self._mask_buffer is not None, "no draw reads a mask buffer"
         fill_mask_rows(self._mask_buffer.host, self._constrained_rows())
+
+    def start_masks(self) -> MaskWork:
+        """`write_masks` on the mask thread (`constraint.start_mask_rows`): returns at once; until its
+        `join`, nothing may touch these rows' grammars (`take`, `cut`, ...) nor the buffer, while a
+        constraint's plain fields (`Constraint.error`, `complete_after`) may be read."""
+        assert self._mask_buffer is not None, "no draw reads a mask buffer"
+        return start_mask_rows(self._mask_buffer.host, self._constrained_rows())
 
     def _constrained_rows(self) -> list[tuple[int, Constraint]]:
         return [(i, c) for i in self._constrained if (c := self.samplers[i].constraint) is not None]
