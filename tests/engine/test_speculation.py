@@ -371,9 +371,9 @@ def test_holes_of_a_steps_worth_are_squeezed_out_and_decoding_goes_on_the_same(
     squeezed = []
     original = BatchKVCache._squeezed
 
-    def spy(self: BatchKVCache, index: mx.array, live: int) -> tuple[mx.array, mx.array, list[int]]:
+    def spy(self: BatchKVCache, index: mx.array, live: int, like: BatchKVCache | None = None) -> Any:
         squeezed.append(live)
-        return original(self, index, live)
+        return original(self, index, live, like)
 
     monkeypatch.setattr(BatchKVCache, "step", 4)
     monkeypatch.setattr(BatchKVCache, "_squeezed", spy)
@@ -544,6 +544,34 @@ def test_rows_with_nothing_to_copy_take_plain_steps_rather_than_empty_verify_ste
         empty_verify_steps.clear()
     (every, every_empty), (likely, likely_empty) = counts[False], counts[True]
     assert 0 < likely < every and likely_empty < every_empty / 2, counts
+
+
+def test_padded_batches_squeeze_a_verify_steps_holes_out_at_once_and_decode_the_same(plain: Engine) -> None:
+    """With `pad_shapes` (a GPU) a verify step whose rows kept different numbers of drafts copies the
+    small buffers once, so the plain steps after it need no mask (the ragged kernel serves them); each
+    row's tokens are those it gets alone."""
+    model, vocab = plain.model, plain.model.args.vocab_size
+    prompts = [plain.tokenizer.encode(PROMPT * 2), plain.tokenizer.encode(PROMPT)]
+    alone = []
+    for p in prompts:
+        one, cache = DecodeBatch(model), model.make_cache()
+        one.add([cache], prefill(model, p, cache, 16), [Sampler(vocab, temperature=0.0)])
+        alone.append([one.step()[0] for _ in range(9)])
+    batch = DecodeBatch(model, pad_shapes=True)
+    caches = [model.make_cache() for _ in prompts]
+    logits = mx.concatenate([prefill(model, p, c, chunk=16) for p, c in zip(prompts, caches, strict=True)])
+    batch.add(caches, logits, [Sampler(vocab, temperature=0.0) for _ in prompts])
+    got = [[t] for t in batch.step()]
+    # row 0 drafts the three tokens it gets next (all kept), row 1 none: row 1 would keep holes
+    runs = batch.verify_with(lambda tokens: [alone[0][2:5], []], lambda runs: runs)
+    assert runs[0] == alone[0][1:5] and not batch.cache[0].has_holes
+    for row, run in zip(got, runs, strict=True):
+        row.extend(run)
+    while len(got[0]) < 9 or len(got[1]) < 9:
+        for row, token in zip(got, batch.step(), strict=True):
+            row.append(token)
+    assert [row[:9] for row in got] == alone
+    batch.quiet()
 
 
 def test_rows_leaving_with_holes_wait_for_the_launch_in_flight(

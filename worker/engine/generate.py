@@ -31,6 +31,9 @@ _CLEAR_CACHE_EVERY = 256
 
 T = TypeVar("T")
 
+# Key and value bytes of a batch below which a verify step's holes are squeezed out at once (one copy)
+_SQUEEZE_BYTES = 256 << 20
+
 # Where a decode batch hands the tapped layers' outputs of each forward: each live row's position of
 # its first fed token, and the features (live rows, W, features), rows in row order (`DecodeBatch.taps`);
 # returns the arrays it made of them, computed with the step (nothing lazy piles up over plain steps).
@@ -545,7 +548,7 @@ class DecodeBatch:
             columns[slot] = 1 + k
         for layer in self.cache:
             layer.trim_rows(width, columns)
-        if max(self.cache[0].holes) >= BatchKVCache.step:  # a step's worth wasted: one copy squeezes it
+        if self._squeeze_holes():
             self._compact(self._idle_rows())
         self._pending, self._pending_copy, self._fresh = following, None, True
         self._stepped()
@@ -564,6 +567,18 @@ class DecodeBatch:
         clock.trim_s += trimmed - waited
         clock.handle_s += time.perf_counter() - trimmed
         return result
+
+    def _squeeze_holes(self) -> bool:
+        """Whether to copy the buffers after a verify step to squeeze its holes out: always once a
+        step's worth of columns is wasted; with `pad_shapes` (a GPU) at once while the buffers are
+        small (`_SQUEEZE_BYTES`), since a row with holes needs a mask at every step until it leaves (no
+        ragged kernel: `_step_mask`), dearer over the steps that follow than one small copy."""
+        first = self.cache[0]
+        if not first.has_holes:
+            return False
+        if max(first.holes) >= BatchKVCache.step:
+            return True
+        return self.pad_shapes and sum(layer.nbytes for layer in self.cache) <= _SQUEEZE_BYTES
 
     def _verify_forward(self, fed: mx.array) -> mx.array:
         """The logits of a verify step's forward of `fed` (B, W); with `pad_shapes` and W > 1 its
@@ -773,8 +788,9 @@ class DecodeBatch:
 
     def _compact(self, idle: list[int]) -> None:
         """One copy of the buffers: the live rows first (in row order), then the buffer rows `idle`."""
+        first = self.cache[0]
         for layer in self.cache:
-            layer.keep(self.slots, idle)
+            layer.keep(self.slots, idle, like=None if layer is first else first)
         self._set_slots(list(range(len(self.slots))))
 
     def _pad(self) -> None:

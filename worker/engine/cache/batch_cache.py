@@ -78,10 +78,15 @@ class BatchKVCache:
         self._aligned = True
         self.holes: list[int] = []  # per row: columns after its start it does not own (`trim_rows`)
         self._most_holes = 0
-        self._hidden: mx.array | None = None  # (B, width <= end) bool, True at holes; None: no holes
+        # (B, width <= end) bool, True at holes; None: no holes. Kept on the host: it is made from host
+        # ints, and reading it back from the device (a copy squeezing holes out) would wait for the step
+        # in flight, once a layer
+        self._hidden: np.ndarray | None = None
         self._holes = mx.zeros((0,), dtype=mx.int32)
         # A forward that reads whole steps of columns (`read_whole_steps`): the columns it reads
         self.read_to: int | None = None
+        # The latest plan for squeezing holes out (`_squeezed`), which the batch's other layers reuse
+        self._plan: tuple[tuple[tuple[int, ...], int, int, int], mx.array, list[int], int, int] | None = None
 
     @property
     def batch(self) -> int:
@@ -121,7 +126,7 @@ class BatchKVCache:
         visible = columns_at[None, :] >= self._starts[:, None]
         if self._hidden is not None:
             hidden = self._hidden
-            visible = visible & ~mx.pad(hidden, [(0, 0), (0, total - hidden.shape[1])])
+            visible = visible & ~mx.array(np.pad(hidden, [(0, 0), (0, total - hidden.shape[1])]))
         if n == 1 and columns is None:
             return visible[:, None, None, :]
         causal = columns_at[None, :] <= mx.arange(self.end, self.end + n, dtype=mx.int32)[:, None]
@@ -157,10 +162,10 @@ class BatchKVCache:
         self.end = first + most
         if all(k == most for k in kept):
             return
-        columns = mx.arange(self.end, dtype=mx.int32)[None, :]
-        new = columns >= first + mx.array(kept, dtype=mx.int32)[:, None]
+        columns = np.arange(self.end, dtype=np.int32)[None, :]
+        new = columns >= first + np.array(kept, dtype=np.int32)[:, None]
         if self._hidden is not None:
-            new = new | mx.pad(self._hidden, [(0, 0), (0, self.end - self._hidden.shape[1])])
+            new = new | np.pad(self._hidden, [(0, 0), (0, self.end - self._hidden.shape[1])])
         self._hidden = new
         self.holes = [h + most - k for h, k in zip(self.holes, kept, strict=True)]
         self._most_holes = max(self.holes)
@@ -269,7 +274,7 @@ class BatchKVCache:
         self.values = mx.concatenate(parts_v, axis=0)
         hidden = self._hidden
         if hidden is not None:  # the rows there keep their holes, shifted by the new left padding
-            hidden = mx.pad(hidden, [(0, len(rows)), (grow, new_end - grow - hidden.shape[1])])
+            hidden = np.pad(hidden, [(0, len(rows)), (grow, new_end - grow - hidden.shape[1])])
         self._set(starts, new_end, [*self.holes, *([0] * len(rows))], hidden)
 
     def adopt(self, prefilled: PrefillRowsCache, rows: int) -> bool:
@@ -312,11 +317,12 @@ class BatchKVCache:
                 ]
             )
             buffer[index, :, self.end - self.base - width : self.end - self.base, :] = block
-        starts, holes, hidden = list(self.starts), list(self.holes), self._hidden
+        starts, holes = list(self.starts), list(self.holes)
+        hidden = None if self._hidden is None else self._hidden.copy()
         for slot, row in zip(slots, rows, strict=True):
             starts[slot], holes[slot] = self.end - row.offset, 0
         if hidden is not None:
-            hidden[index] = mx.zeros((len(slots), hidden.shape[1]), dtype=mx.bool_)
+            hidden[slots] = False
         self._set(starts, self.end, holes, hidden)
         return True
 
@@ -336,7 +342,7 @@ class BatchKVCache:
         self.keys, self.values = (
             mx.concatenate([a, mx.zeros((n, *a.shape[1:]), a.dtype)]) for a in (self.keys, self.values)
         )
-        hidden = None if self._hidden is None else mx.pad(self._hidden, [(0, n), (0, 0)])
+        hidden = None if self._hidden is None else np.pad(self._hidden, [(0, n), (0, 0)])
         self._set([*self.starts, *([self.end] * n)], self.end, [*self.holes, *([0] * n)], hidden)
 
     def row(self, i: int) -> KVCache:
@@ -348,7 +354,7 @@ class BatchKVCache:
         values = self.values[i : i + 1, :, lo - self.base : self.end - self.base, :]
         dropped = lo - s
         if self.holes[i] and self._hidden is not None:
-            hidden = cast("list[bool]", self._hidden[i].tolist())
+            hidden = cast("list[bool]", self._hidden[i].tolist())  # numpy: no evaluation
             dropped -= sum(hidden[s : min(lo, len(hidden))])
             own = mx.array(
                 [c - lo for c in range(lo, self.end) if c >= len(hidden) or not hidden[c]], dtype=mx.int32
@@ -356,10 +362,14 @@ class BatchKVCache:
             keys, values = keys[:, :, own, :], values[:, :, own, :]
         return KVCache.from_state(keys, values, base=dropped, window=self.window)
 
-    def keep(self, rows: list[int], padding: list[int] | None = None) -> None:
+    def keep(
+        self, rows: list[int], padding: list[int] | None = None, like: BatchKVCache | None = None
+    ) -> None:
         """Keep only `rows` (in this order), then the rows `padding` as padding rows (their tokens masked,
         as `add_padding`'s: reusing rows saves a copy); trim the whole steps of left padding `rows` all
-        share."""
+        share. `like`: another layer of the same batch that just kept the same rows, whose plan for
+        squeezing holes out this one reuses (the layers of a batch hold the same columns; worked out
+        once, not once a layer)."""
         padding = padding or []
         if not rows:
             self.keys = self.values = None
@@ -369,7 +379,7 @@ class BatchKVCache:
         assert self.keys is not None and self.values is not None
         index = mx.array([*rows, *padding], dtype=mx.int32)
         if any(self.holes[i] for i in rows):  # copied anyway: the rows' holes squeezed out on the way
-            self.keys, self.values, starts, self.base = self._squeezed(index, len(rows))
+            self.keys, self.values, starts, self.base = self._squeezed(index, len(rows), like)
             padding_starts = starts[len(rows) :]
             starts = starts[: len(rows)]
             trim = min(starts) // self.step * self.step
@@ -386,7 +396,9 @@ class BatchKVCache:
         end = self.end - trim
         self._set([*(s - trim for s in starts), *(s - trim for s in padding_starts)], end)
 
-    def _squeezed(self, index: mx.array, live: int) -> tuple[mx.array, mx.array, list[int], int]:
+    def _squeezed(
+        self, index: mx.array, live: int, like: BatchKVCache | None = None
+    ) -> tuple[mx.array, mx.array, list[int], int]:
         """Buffers holding the rows `index` (the first `live` of them rows, the rest padding) with every
         row's own columns right-aligned at `end`, its holes gone (one gather), spare room to a whole
         step after `end`; each row's first column; and the buffers' first column.
@@ -397,9 +409,27 @@ class BatchKVCache:
         window and a rollback: each held that many own columns from `base` on)."""
         assert self.keys is not None and self.values is not None and self._hidden is not None
         picked = cast("list[int]", index.tolist())
+        key = (tuple(picked), live, self.end, self.base)
+        plan = like._plan if like is not None and self.window is None and like.window is None else None
+        if plan is None or plan[0] != key:
+            plan = (key, *self._squeeze_plan(picked, live))
+        self._plan = plan
+        _, gather, starts, base, spare = plan
+        out = []
+        for buffer in (self.keys, self.values):
+            rows = buffer[index, :, : self.end - self.base, :]
+            shape = (*rows.shape[:2], self.end - base, rows.shape[3])
+            picked_columns = mx.take_along_axis(rows, mx.broadcast_to(gather, shape), axis=2)
+            out.append(_pad_columns(picked_columns, 0, spare))
+        return out[0], out[1], starts, base
+
+    def _squeeze_plan(self, picked: list[int], live: int) -> tuple[mx.array, list[int], int, int]:
+        """`_squeezed`'s gather of buffer columns (rows, 1, columns, 1), each row's first column, the
+        buffers' first column and the spare room after `end` (host work only)."""
+        assert self._hidden is not None
         hidden = np.zeros((len(picked), self.end), dtype=bool)
         width = min(self._hidden.shape[1], self.end)
-        hidden[:, :width] = np.array(self._hidden[index, :width])
+        hidden[:, :width] = self._hidden[picked, :width]
         owned, starts = [], []
         base = self.base
         for n, row in enumerate(picked):
@@ -418,16 +448,10 @@ class BatchKVCache:
             columns[n, self.end - base - len(held) :] = held
         gather = mx.array(columns)[:, None, :, None]
         spare = key_columns(self.end - base + 1) - (self.end - base)
-        out = []
-        for buffer in (self.keys, self.values):
-            rows = buffer[index, :, : self.end - self.base, :]
-            shape = (*rows.shape[:2], self.end - base, rows.shape[3])
-            picked_columns = mx.take_along_axis(rows, mx.broadcast_to(gather, shape), axis=2)
-            out.append(_pad_columns(picked_columns, 0, spare))
-        return out[0], out[1], starts, base
+        return gather, starts, base, spare
 
     def _set(
-        self, starts: list[int], end: int, holes: list[int] | None = None, hidden: mx.array | None = None
+        self, starts: list[int], end: int, holes: list[int] | None = None, hidden: np.ndarray | None = None
     ) -> None:
         """The rows' first columns and the common end; `holes` (each row's count) with `hidden`, the
         (B, width) mask of where they are; none by default."""
