@@ -14,8 +14,8 @@ import mlx.core as mx
 from mlxq.jobs.schema import GenerateRequest
 from mlxq.worker.engine import Engine
 from mlxq.worker.engine.cache.prefix_cache import PrefixCache
-from mlxq.worker.engine.generate import prefill
 from mlxq.worker.engine.generation_batch import generate
+from mlxq.worker.engine.prefill import prefill
 
 from .common import Bench, median, mem_fields, memory, phase_timers, worker_memory
 from .queue_client import cleanup, enqueue, follow

@@ -22,10 +22,12 @@ from mlxq.jobs.schema import GenerateRequest, GenerateResult
 from mlxq.worker.engine import Engine, EngineOptions
 from mlxq.worker.engine.cache.batch_cache import BatchKVCache
 from mlxq.worker.engine.cache.kv_cache import KVCache, key_columns
-from mlxq.worker.engine.generate import DecodeBatch, padded_size, padded_width, prefill, prefill_rows
+from mlxq.worker.engine.decode_batch import DecodeBatch
 from mlxq.worker.engine.generation_batch import Finished, GenerationBatch, generate
 from mlxq.worker.engine.models import llama
+from mlxq.worker.engine.prefill import prefill, prefill_rows
 from mlxq.worker.engine.sampler import Sampler
+from mlxq.worker.engine.shapes import padded_size, padded_width
 from mlxq.worker.modelfiles.tiny_model import write_random_checkpoint
 
 PROMPT = "The capital of France is Paris. "

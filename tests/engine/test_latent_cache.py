@@ -26,10 +26,11 @@ from reference import (
 
 from mlxq.jobs.schema import GenerateRequest, ScoreRequest
 from mlxq.worker.engine import Engine, EngineOptions
-from mlxq.worker.engine.generate import DecodeBatch, prefill, prefill_rows
+from mlxq.worker.engine.decode_batch import DecodeBatch
 from mlxq.worker.engine.generation_batch import generate
 from mlxq.worker.engine.models import deepseek
 from mlxq.worker.engine.models.loader import load_model, save_quantized
+from mlxq.worker.engine.prefill import prefill, prefill_rows
 from mlxq.worker.engine.sampler import Sampler
 
 # Latent 24 wide, RoPE key 8: 32 features a token and layer, where expanded keys and values would take

@@ -117,7 +117,7 @@ def test_a_forward_launched_behind_the_tokens_does_not_hold_the_caller(
 def test_an_mlx_without_thread_unsafe_streams_gets_no_launcher_by_default_and_a_clear_error_if_asked(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    import mlxq.worker.engine.generate as generate_module
+    import mlxq.worker.engine.device as device_module
 
     class OldMlx:  # MLX before 0.32
         __version__ = "0.31.1"
@@ -128,9 +128,9 @@ def test_an_mlx_without_thread_unsafe_streams_gets_no_launcher_by_default_and_a_
             return getattr(mx, name)
 
     monkeypatch.setattr(launcher_module, "mx", OldMlx())
-    monkeypatch.setattr(generate_module, "mx", OldMlx())
-    monkeypatch.setattr(generate_module, "on_cuda", lambda: True)
-    assert not generate_module.overlap_by_default()
+    monkeypatch.setattr(device_module, "mx", OldMlx())
+    monkeypatch.setattr(device_module, "on_cuda", lambda: True)
+    assert not device_module.overlap_by_default()
     wanted = r"MLX 0\.32 or newer, this is 0\.31\.1.*MLXQ_DECODE_OVERLAP=false"
     with pytest.raises(RuntimeError, match=wanted):
         Launcher()

@@ -22,11 +22,12 @@ from safetensors.numpy import load_file, save_file
 
 from mlxq.jobs.schema import GenerateRequest, ScoreRequest
 from mlxq.worker.engine import Engine, EngineOptions
+from mlxq.worker.engine.decode_batch import DecodeBatch
 from mlxq.worker.engine.errors import CheckpointError
-from mlxq.worker.engine.generate import DecodeBatch, prefill
 from mlxq.worker.engine.generation_batch import GenerationBatch, generate
 from mlxq.worker.engine.models import build_model, deepseek, llama, moe
 from mlxq.worker.engine.models.loader import load_model, save_quantized
+from mlxq.worker.engine.prefill import prefill
 from mlxq.worker.engine.sampler import Sampler
 from mlxq.worker.modelfiles.tiny_model import write_random_checkpoint
 

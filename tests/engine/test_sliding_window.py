@@ -18,10 +18,11 @@ import pytest
 
 from mlxq.worker.engine.cache.batch_cache import BatchKVCache
 from mlxq.worker.engine.cache.kv_cache import KVCache
-from mlxq.worker.engine.generate import DecodeBatch, prefill
+from mlxq.worker.engine.decode_batch import DecodeBatch
 from mlxq.worker.engine.models import llama
 from mlxq.worker.engine.models.loader import load_model
 from mlxq.worker.engine.models.window import WindowMasks, keys_read, window_mask
+from mlxq.worker.engine.prefill import prefill
 from mlxq.worker.engine.ragged_attention import RaggedRows, decode_attention
 from mlxq.worker.engine.sampler import Sampler
 

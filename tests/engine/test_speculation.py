@@ -25,8 +25,9 @@ from mlxq.worker.engine import Engine, EngineOptions
 from mlxq.worker.engine import launcher as launchers
 from mlxq.worker.engine.cache.batch_cache import BatchKVCache
 from mlxq.worker.engine.cache.kv_cache import KVCache
-from mlxq.worker.engine.generate import DecodeBatch, prefill
+from mlxq.worker.engine.decode_batch import DecodeBatch
 from mlxq.worker.engine.generation_batch import Finished, GenerationBatch, generate
+from mlxq.worker.engine.prefill import prefill
 from mlxq.worker.engine.sampler import Sampler, SamplerRows
 from mlxq.worker.engine.speculation.draft_gate import DraftGate
 from mlxq.worker.engine.speculation.policy import DraftPolicy, RowSpeculation

@@ -324,7 +324,7 @@ def _allowed_greedy(engine: Engine, prompt: list[int], regex: str, steps: int) -
 
     from mlxq.jobs.schema import RegexFormat
     from mlxq.worker.engine.constraint import fill_masks
-    from mlxq.worker.engine.generate import prefill
+    from mlxq.worker.engine.prefill import prefill
 
     constraint = engine.constraints.compile(RegexFormat(type="regex", regex=regex))
     assert constraint is not None

@@ -25,10 +25,11 @@ from mlxq.worker.engine import Engine, EngineOptions
 from mlxq.worker.engine.cache.batch_cache import BatchKVCache
 from mlxq.worker.engine.cache.kv_cache import ROLLBACK, KVCache, held_columns, key_columns
 from mlxq.worker.engine.cache.prefix_cache import PrefixCache
-from mlxq.worker.engine.generate import DecodeBatch, prefill
+from mlxq.worker.engine.decode_batch import DecodeBatch
 from mlxq.worker.engine.generation_batch import Finished, GenerationBatch, generate
 from mlxq.worker.engine.models.base import Model
 from mlxq.worker.engine.models.loader import load_model
+from mlxq.worker.engine.prefill import prefill
 from mlxq.worker.engine.ragged_attention import RaggedRows, decode_attention
 from mlxq.worker.engine.sampler import Sampler
 from mlxq.worker.engine.scoring import CandidateHead, PrefixScorer

@@ -47,3 +47,28 @@ def memory_figures() -> dict[str, int | str]:
         "peak_memory_bytes": mx.get_peak_memory(),
         "memory_cache_bytes": mx.get_cache_memory(),
     }
+
+
+def pad_shapes_by_default() -> bool:
+    """Whether to pad shapes (`padded_size`): on a GPU yes; on a CPU a new shape costs nothing, padding
+    would only add work."""
+    return mx.default_device().type == mx.DeviceType.gpu
+
+
+def idle_prefill_by_default(chunk: int) -> int:
+    """Prompt tokens a generation batch's step may prefill while none of its requests decodes (a burst of new
+    jobs; `GenerationBatch._prefill`). On a GPU 8 chunks: one forward of many rows costs far less per token
+    than several of a chunk each (`bench/README.md`), and nothing streams meanwhile. On a CPU one chunk, as
+    while requests decode: the forward is bound by arithmetic there, and the first prompts' tokens come
+    sooner."""
+    return 8 * chunk if mx.default_device().type == mx.DeviceType.gpu else chunk
+
+
+def overlap_by_default() -> bool:
+    """Whether a decode batch's steps launch on a thread of their own (`DecodeBatch`'s `launcher`): on a
+    GPU, where the launch is host work (with the GIL released) and a batched step is bound by it. Not
+    on the CPU: there `async_eval` returns only when the step is nearly computed, and a second thread
+    made steps slower (`bench/README.md`, what the engine's defaults rest on). Not on Metal by default
+    either: not measured there, and MLX's launch is cheaper. It needs MLX 0.32
+    (`mx.new_thread_unsafe_stream`)."""
+    return on_cuda() and hasattr(mx, "new_thread_unsafe_stream")

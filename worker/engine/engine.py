@@ -40,13 +40,14 @@ from mlxq.worker.engine import launcher as launchers
 from mlxq.worker.engine.cache.kv_cache import KVCache, held_columns
 from mlxq.worker.engine.cache.prefix_cache import PrefixCache
 from mlxq.worker.engine.constraint import ConstraintCompiler
-from mlxq.worker.engine.device import memory_figures, on_gpu
-from mlxq.worker.engine.eval_tokens import continuation_seqs, rolling_seqs
-from mlxq.worker.engine.generate import (
+from mlxq.worker.engine.device import (
     idle_prefill_by_default,
+    memory_figures,
+    on_gpu,
     overlap_by_default,
     pad_shapes_by_default,
 )
+from mlxq.worker.engine.eval_tokens import continuation_seqs, rolling_seqs
 from mlxq.worker.engine.launcher import Launcher
 from mlxq.worker.engine.mask_buffer import host_writes_seen
 from mlxq.worker.engine.memory_guard import with_memory_retry
@@ -140,8 +141,8 @@ class EngineOptions:
     prefix_cache_bytes: int = 1 << 30  # 0 turns the prefix cache off
     max_score_rows: int = 64
     max_score_candidates: int = 26
-    pad_shapes: bool | None = None  # None: on a GPU only (see `generate.padded_size`)
-    decode_overlap: bool | None = None  # None: MLX's CUDA build only (`generate.overlap_by_default`)
+    pad_shapes: bool | None = None  # None: on a GPU only (see `shapes.padded_size`)
+    decode_overlap: bool | None = None  # None: MLX's CUDA build only (`device.overlap_by_default`)
     masks_in_place: bool | None = None  # None: where the device sees host writes (`mask_buffer.py`)
     dense_rows: int | None = None  # quantized layers' dense copies from this many rows (`quantized_rows`)
     idle_prefill_tokens: int | None = None  # None: see `idle_prefill_by_default`

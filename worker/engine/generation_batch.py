@@ -42,16 +42,12 @@ from mlxq.jobs.schema import FinishReason, GenerateRequest, GenerateResult
 from mlxq.worker.engine.cache.batch_cache import BatchKVCache, PrefillRowsCache
 from mlxq.worker.engine.cache.kv_cache import KVCache, key_columns
 from mlxq.worker.engine.cache.token_match import common_length
+from mlxq.worker.engine.decode_batch import DecodeBatch
 from mlxq.worker.engine.engine import Engine, GenerationClock, TextRun, TokenSink
-from mlxq.worker.engine.generate import (
-    ChunkedPrefill,
-    DecodeBatch,
-    padded_size,
-    padded_width,
-    prefill_rows_layers,
-)
 from mlxq.worker.engine.memory_guard import is_out_of_memory, with_memory_retry
+from mlxq.worker.engine.prefill import ChunkedPrefill, prefill_rows_layers
 from mlxq.worker.engine.sampler import Sampler
+from mlxq.worker.engine.shapes import padded_size, padded_width
 from mlxq.worker.engine.speculation.drafter import FeatureReader
 from mlxq.worker.engine.speculation.policy import RowSpeculation
 from mlxq.worker.engine.speculation.row_tokens import RowTokens

@@ -31,9 +31,9 @@ from mlxq.jobs.errors import InvalidCandidate
 from mlxq.worker.engine.cache.kv_cache import KVCache, broadcast_batch, key_columns
 from mlxq.worker.engine.cache.prefix_cache import PrefixCache
 from mlxq.worker.engine.cache.shared_prefix import RowPacks, SharedPrefixRows
-from mlxq.worker.engine.generate import padded_size
 from mlxq.worker.engine.models.base import LayerCache, Model
 from mlxq.worker.engine.score_tree import _Node, build_tree, computed_per_row
+from mlxq.worker.engine.shapes import padded_size
 from mlxq.worker.engine.text.tokenizer import Tokenizer
 
 # The parts of a score batch's engine time `PrefixScorer` (and the engine's candidate scoring) times.
@@ -222,7 +222,7 @@ class PrefixScorer:
 
     With a `PrefixCache`, a top-level span starts from the longest cached prefix that ends before any
     position a row under it needs, and every span computed on the batch-1 path is offered back to the
-    cache for later jobs. With `pad_shapes` (GPUs: see `generate.padded_size`) spans and suffix batches
+    cache for later jobs. With `pad_shapes` (GPUs: see `shapes.padded_size`) spans and suffix batches
     are padded on the right, and suffix batches to a power-of-two number of rows, so the forwards take
     few distinct shapes.
 

@@ -2,7 +2,7 @@
 
 The first forward of a new input shape builds its kernels (on a GPU many times the forward itself), so
 without this a worker's first jobs pay for every shape they meet. `warm_up` runs, on made-up prompts:
-- a prefill of each width a prompt chunk is padded to (`generate.padded_width`, up to `prefill_chunk`;
+- a prefill of each width a prompt chunk is padded to (`shapes.padded_width`, up to `prefill_chunk`;
   without padding, a short prompt and a whole chunk), each prompt its own so none is a cached prefix of
   another;
 - one sequence decoding past the KV cache's first steps (with padding: attention reads whole cache steps,
@@ -28,8 +28,8 @@ from mlxq.jobs.schema import GenerateRequest
 from mlxq.worker.engine.cache.kv_cache import KVCache
 from mlxq.worker.engine.cache.prefix_cache import PrefixCache
 from mlxq.worker.engine.engine import Engine, PreparedRow
-from mlxq.worker.engine.generate import padded_width
 from mlxq.worker.engine.generation_batch import GenerationBatch
+from mlxq.worker.engine.shapes import padded_width
 
 log = logging.getLogger(__name__)
 

@@ -25,10 +25,10 @@ from typing import Protocol, cast
 import mlx.core as mx
 
 from mlxq.worker.engine.cache.kv_cache import KVCache
-from mlxq.worker.engine.generate import prefill
 from mlxq.worker.engine.models import supported_architectures
 from mlxq.worker.engine.models.base import Model
 from mlxq.worker.engine.models.loader import load_config, load_model
+from mlxq.worker.engine.prefill import prefill
 from mlxq.worker.engine.speculation.drafter import Drafter
 from mlxq.worker.engine.text.tokenizer import Tokenizer
 

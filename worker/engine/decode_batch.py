@@ -1,8 +1,9 @@
-"""Token-level generation: chunked prefill, then decode with one step in flight, alone or batched.
+"""The decode loop: many sequences decoded in one forward per step, one step in flight.
 
 Yields token ids only; text, stop strings, streaming and Redis live one layer up (`engine.py`,
-`generation_batch.py`). `DecodeBatch` decodes many sequences in one forward per step, each row with its
-own sampler; its cache layout (left padding, per-row RoPE offsets) is explained in `batch_cache.py`.
+`generation_batch.py`); prompts come in through `prefill.py`. `DecodeBatch` decodes many sequences in
+one forward per step, each row with its own sampler; its cache layout (left padding, per-row RoPE
+offsets) is explained in `batch_cache.py`.
 """
 
 from __future__ import annotations
@@ -15,14 +16,14 @@ from typing import TypeVar, cast
 import mlx.core as mx
 
 from mlxq.worker.engine import ragged_attention
-from mlxq.worker.engine.cache.batch_cache import BatchKVCache, PrefillRowsCache, prefill_mask
+from mlxq.worker.engine.cache.batch_cache import BatchKVCache, PrefillRowsCache
 from mlxq.worker.engine.cache.kv_cache import KVCache
 from mlxq.worker.engine.critical_path import CriticalPath
-from mlxq.worker.engine.device import on_cuda
 from mlxq.worker.engine.launcher import Launcher
 from mlxq.worker.engine.models.base import Model
 from mlxq.worker.engine.models.layer_taps import LayerTaps
 from mlxq.worker.engine.sampler import Sampler, SamplerRows
+from mlxq.worker.engine.shapes import padded_size
 from mlxq.worker.engine.speculation.verify_clock import VerifyClock
 from mlxq.worker.engine.token_logprobs import PendingLogprobs, TokenLogprob
 
@@ -38,155 +39,6 @@ _SQUEEZE_BYTES = 256 << 20
 # its first fed token, and the features (live rows, W, features), rows in row order (`DecodeBatch.taps`);
 # returns the arrays it made of them, computed with the step (nothing lazy piles up over plain steps).
 FeatureSink = Callable[[list[int], mx.array], list[mx.array]]
-
-
-def padded_size(n: int, smallest: int = 16) -> int:
-    """`n` rounded up to one of a few sizes: powers of two from `smallest` to 512, then multiples of 512.
-
-    On a GPU (MLX's CUDA build above all) the first forward of a new input shape builds its kernels, many
-    times the forward itself (`bench/README.md`, what the engine's defaults rest on). Padding prompt
-    chunks and batch sizes to a few sizes makes a worker meet each shape once in its life, not once per
-    prompt length.
-    """
-    if n <= smallest:
-        return smallest
-    if n <= 512:
-        return 1 << (n - 1).bit_length()
-    return -(-n // 512) * 512
-
-
-def padded_width(n: int) -> int:
-    """A prompt chunk's width rounded up as `padded_size` does, with 192 and 384 also allowed: a forward's
-    compute grows with its width, and halfway sizes pad a 130-token prompt to 192 instead of 256 columns
-    (two shapes more for a worker to meet once; below 128 columns a forward costs its launch more than
-    its width)."""
-    size = padded_size(n)
-    if 128 < n <= 384 and 4 * n <= 3 * size:
-        return 3 * size // 4
-    return size
-
-
-def pad_shapes_by_default() -> bool:
-    """Whether to pad shapes (`padded_size`): on a GPU yes; on a CPU a new shape costs nothing, padding
-    would only add work."""
-    return mx.default_device().type == mx.DeviceType.gpu
-
-
-def idle_prefill_by_default(chunk: int) -> int:
-    """Prompt tokens a generation batch's step may prefill while none of its requests decodes (a burst of new
-    jobs; `GenerationBatch._prefill`). On a GPU 8 chunks: one forward of many rows costs far less per token
-    than several of a chunk each (`bench/README.md`), and nothing streams meanwhile. On a CPU one chunk, as
-    while requests decode: the forward is bound by arithmetic there, and the first prompts' tokens come
-    sooner."""
-    return 8 * chunk if mx.default_device().type == mx.DeviceType.gpu else chunk
-
-
-def overlap_by_default() -> bool:
-    """Whether a decode batch's steps launch on a thread of their own (`DecodeBatch`'s `launcher`): on a
-    GPU, where the launch is host work (with the GIL released) and a batched step is bound by it. Not
-    on the CPU: there `async_eval` returns only when the step is nearly computed, and a second thread
-    made steps slower (`bench/README.md`, what the engine's defaults rest on). Not on Metal by default
-    either: not measured there, and MLX's launch is cheaper. It needs MLX 0.32
-    (`mx.new_thread_unsafe_stream`)."""
-    return on_cuda() and hasattr(mx, "new_thread_unsafe_stream")
-
-
-def prefill(
-    model: Model,
-    tokens: Sequence[int],
-    cache: list[KVCache],
-    chunk: int,
-    pad_shapes: bool = False,
-) -> mx.array:
-    """Run `tokens` through the model into `cache` in chunks; return the last position's logits (1, V).
-
-    The cache state is evaluated after every chunk so a long prompt never builds one huge graph.
-    `pad_shapes`: see `ChunkedPrefill`.
-    """
-    run = ChunkedPrefill(model, tokens, cache, chunk, pad_shapes)
-    while (logits := run.advance()) is None:
-        pass
-    return logits
-
-
-class ChunkedPrefill:
-    """A prompt's prefill, one chunk per `advance`, so other work (a batch's decode steps) runs between.
-
-    With `pad_shapes` the last chunk is padded on the right to a `padded_width`, and the padding's keys
-    and values are trimmed off the cache afterwards: causal attention never lets a real token see a
-    later one, so the result is the same while the forward's shape is one of a few.
-    """
-
-    def __init__(
-        self, model: Model, tokens: Sequence[int], cache: list[KVCache], chunk: int, pad_shapes: bool = False
-    ) -> None:
-        if not tokens:
-            raise ValueError("prefill needs at least one token")
-        self.model = model
-        self.cache = cache
-        self.chunk = chunk
-        self.pad_shapes = pad_shapes
-        self._ids = mx.array(list(tokens), dtype=mx.int32)[None]
-        self.done = 0  # tokens in the cache so far
-
-    def advance(self) -> mx.array | None:
-        """Compute the next chunk; after the last one, return the last position's logits (1, V)."""
-        n = self._ids.shape[1]
-        if n - self.done > self.chunk:
-            self.model(self._ids[:, self.done : self.done + self.chunk], cache=self.cache)
-            mx.eval([c.state for c in self.cache])
-            self.done += self.chunk
-            return None
-        last = self._ids[:, self.done :]
-        real = last.shape[1]
-        pad = padded_width(real) - real if self.pad_shapes else 0
-        if pad:
-            last = mx.concatenate([last, mx.zeros((1, pad), dtype=mx.int32)], axis=1)
-        hidden = self.model.hidden(last, cache=self.cache, last=real - 1)  # (1, 1, H): the final layer
-        for layer in self.cache:  # computes only the last real position (all positions' keys/values)
-            layer.trim(pad)
-        self.done = n
-        return self.model.logits(hidden[:, -1, :])
-
-
-def prefill_rows(
-    model: Model, rows: Sequence[tuple[Sequence[int], list[KVCache]]], pad_shapes: bool = False
-) -> tuple[list[list[KVCache]], mx.array]:
-    """`prefill_rows_layers`, with each row's batch-1 cache (`PrefillRowsCache.row_cache`)."""
-    layers, logits = prefill_rows_layers(model, rows, pad_shapes)
-    return [[layer.row_cache(i) for layer in layers] for i in range(len(rows))], logits
-
-
-def prefill_rows_layers(
-    model: Model, rows: Sequence[tuple[Sequence[int], list[KVCache]]], pad_shapes: bool = False
-) -> tuple[list[PrefillRowsCache], mx.array]:
-    """Prefill several prompts in one forward: each row is its new tokens and its batch-1 cache (a
-    cached prefix, or empty). Returns the forward's caches, one per layer, holding every row's prefix
-    and new tokens (`PrefillRowsCache.row_cache` gives a row's own), and the
-    (B, vocab) logits of each row's last token. A row's result is what `prefill` gives it alone (the
-    layout and masking are in `PrefillRowsCache`). Meant for prompts that fit one chunk each.
-
-    `pad_shapes`: the forward's rows and cached columns are each rounded up to a `padded_size`, its width
-    to a `padded_width` (rows of padding, masked columns), so a GPU meets few shapes."""
-    if not rows or any(not tokens for tokens, _ in rows):
-        raise ValueError("prefill_rows needs rows with at least one new token each")
-    new = [len(tokens) for tokens, _ in rows]
-    caches_in = [cache for _, cache in rows]
-    width, end = max(new), max(c[0].offset if c else 0 for c in caches_in)
-    if pad_shapes:
-        width, end = padded_width(width), padded_size(end) if end else 0
-        extra = padded_size(len(rows), smallest=1) - len(rows)
-        new += [1] * extra  # a padding row: one token that sees only itself
-        caches_in += [model.make_cache() for _ in range(extra)]
-    layers = [
-        PrefillRowsCache([cache[n] for cache in caches_in], new, width, end) for n in range(len(model.layers))
-    ]
-    padded = [[0] * (width - len(t)) + list(t) for t, _ in rows]
-    padded += [[0] * width for _ in range(len(new) - len(rows))]
-    ids = mx.array(padded, dtype=mx.int32)
-    hidden = model.hidden(ids, cache=layers, mask=prefill_mask(layers[0]), last=width - 1)
-    logits = model.logits(hidden[: len(rows), -1, :])
-    return layers, logits
 
 
 class DecodeBatch:
