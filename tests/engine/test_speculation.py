@@ -16,7 +16,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 import pytest
-from engines import closed_after_test
+from engines import assert_same_draws, closed_after_test
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -347,21 +347,7 @@ def test_sampled_generation_with_speculation_follows_plain_decodings_distributio
         runs.append([_result(done[i]).token_ids for i in range(n)])
         accepted = sum(_result(f).usage.accepted_tokens for f in done.values())
     assert accepted > n // 4  # the drafts were tested, and often kept
-    for position in range(tokens):
-        # counts of each likely token and of the rest, with and without speculation
-        table = np.array(
-            [
-                [sum(r[position] == t for r in run) for t in likely]
-                + [sum(r[position] not in likely for r in run)]
-                for run in runs
-            ],
-            dtype=np.float64,
-        )
-        table = table[:, table.sum(0) > 0]
-        expected = table.sum(1, keepdims=True) * table.sum(0, keepdims=True) / table.sum()
-        stat = float(((table - expected) ** 2 / expected).sum())
-        # chi-square of independence, (columns - 1) degrees of freedom: 16.3 is the 0.1% point of 3
-        assert stat < 16.3, (position, table)
+    assert_same_draws(runs, tokens)  # with and without speculation: one distribution at each position
 
 
 def test_holes_of_a_steps_worth_are_squeezed_out_and_decoding_goes_on_the_same(

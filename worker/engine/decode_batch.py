@@ -227,11 +227,7 @@ class DecodeBatch:
             if ends_all is not None and ends_all(result):
                 self._pending = None  # nothing more to feed: every row leaves
                 return result
-            following = self._next_step(pending)
-            if self.rows is not None and self.rows.constrained:
-                self._launch_ahead(following)
-            else:
-                self._launch(following)
+            self._launch_next(pending)
         elif self._ahead is not None:
             result = self._step_ahead(pending, handle, meanwhile)
         else:
@@ -364,11 +360,7 @@ class DecodeBatch:
         drafts = self.rows.cut(drafts_for(tokens))
         self.verified = any(drafts)
         if not self.verified:  # nothing proposed after all: a plain step, launched before the handling
-            following = self._next_step(self._pending)
-            if self.rows.constrained:
-                self._launch_ahead(following)
-            else:
-                self._launch(following)
+            self._launch_next(self._pending)
             self._stepped()
             result = handle([[t] for t in tokens])
             if meanwhile is not None:
@@ -447,7 +439,8 @@ class DecodeBatch:
                 layer.read_whole_steps(width)
         shape = (first.batch, width, columns if columns is not None else first.end + width)
         self.verify_new_shape = self.pad_shapes and shape not in self._verify_shapes
-        self._verify_shapes.add(shape)
+        if self.pad_shapes:  # unpadded, every step's shape is new: nothing worth keeping
+            self._verify_shapes.add(shape)
         try:
             return self._forward(fed, first.mask(width, columns))
         finally:
@@ -488,6 +481,15 @@ class DecodeBatch:
         """What the feature sink made of the forwards built since the last launch (then forgotten)."""
         made, self._with_step = self._with_step, []
         return made
+
+    def _launch_next(self, pending: mx.array) -> None:
+        """Build and launch the step that feeds `pending` (read back already: nothing in flight), with
+        the forward ahead of it where a row is constrained."""
+        following = self._next_step(pending)
+        if self.rows is not None and self.rows.constrained:
+            self._launch_ahead(following)
+        else:
+            self._launch(following)
 
     def _launch_ahead(self, tokens: mx.array) -> None:
         """Launch a constrained batch's drawn `tokens`, then the forward that feeds them (`_ahead`)."""

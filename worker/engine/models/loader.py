@@ -157,6 +157,17 @@ def load_model(path: str | Path, dtype: str | None = None) -> tuple[Model, dict[
     return model, config
 
 
+def load_module(module: nn.Module, weights: dict[str, mx.array], what: str) -> None:
+    """Load `weights` into `module` (every parameter, nothing else), computed and in eval mode; a
+    `CheckpointError` naming `what` (e.g. "the DFlash draft in FOLDER") where some are missing or extra."""
+    try:
+        module.load_weights(list(weights.items()), strict=True)
+    except ValueError as e:
+        raise CheckpointError(f"{what} lacks weights it needs: {e}") from e
+    mx.eval(module.parameters())
+    module.eval()
+
+
 def _quantize_like(model: nn.Module, weights: dict[str, mx.array], quantization: dict[str, Any]) -> None:
     """Swap in quantized layers exactly where the checkpoint has `<path>.scales` (mlx-lm's convention)."""
     group_size, bits = quantization.get("group_size"), quantization.get("bits")

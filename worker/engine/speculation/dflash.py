@@ -45,7 +45,7 @@ from mlxq.worker.engine.errors import CheckpointError
 from mlxq.worker.engine.models import llama
 from mlxq.worker.engine.models.base import Model
 from mlxq.worker.engine.models.layer_taps import LayerTaps
-from mlxq.worker.engine.models.loader import load_config
+from mlxq.worker.engine.models.loader import load_config, load_module
 from mlxq.worker.engine.models.rope import make_rope
 from mlxq.worker.engine.speculation.draft_model import DraftMismatch, DraftTarget, register_draft
 
@@ -303,12 +303,7 @@ class DFlashDraft:
             loaded = cast("dict[str, mx.array]", mx.load(str(f)))
             weights.update({k: v.astype(dtype) for k, v in loaded.items() if "rotary_emb" not in k})
         model = DFlashModel(config)
-        try:
-            model.load_weights(list(weights.items()), strict=True)
-        except ValueError as e:
-            raise CheckpointError(f"the DFlash draft in {folder} lacks weights it needs: {e}") from e
-        mx.eval(model.parameters())  # type: ignore[no-untyped-call]  # mlx.nn.Module is unannotated
-        model.eval()
+        load_module(model, weights, f"the DFlash draft in {folder}")
         return cls(model, target.model, folder, target.prefill_chunk)
 
 

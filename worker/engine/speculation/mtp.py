@@ -40,7 +40,7 @@ from mlxq.worker.engine.errors import CheckpointError
 from mlxq.worker.engine.models import deepseek, llama, moe
 from mlxq.worker.engine.models.base import Model
 from mlxq.worker.engine.models.layer_taps import FINAL
-from mlxq.worker.engine.models.loader import load_config
+from mlxq.worker.engine.models.loader import load_config, load_module
 
 log = logging.getLogger(__name__)
 
@@ -164,12 +164,7 @@ class MtpDraft:
             name = rest if rest.startswith(own) else f"block.{rest}"
             renamed[name] = value.astype(dtype) if mx.issubdtype(value.dtype, mx.floating) else value
         layer = MtpLayer(args)
-        try:
-            layer.load_weights(list(renamed.items()), strict=True)
-        except ValueError as e:
-            raise CheckpointError(f"the MTP layer in {folder} ({prefix}*) lacks weights it needs: {e}") from e
-        mx.eval(layer.parameters())  # type: ignore[no-untyped-call]  # mlx.nn.Module is unannotated
-        layer.eval()
+        load_module(layer, renamed, f"the MTP layer in {folder} ({prefix}*)")
         return cls(layer, target, folder, prefill_chunk)
 
 
