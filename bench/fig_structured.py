@@ -16,16 +16,16 @@ least 90% of the free one.
 (`worker/engine/critical_path.py`), the median over repetitions. "serial" is the loop thread's work a
 step (all its parts but the waits for the device): where the device waits on the host, a step lasts
 at least that. "critical" is the host's time from reading a step's tokens back to the launch of the
-next draw and the forward it feeds, which the device may wait on; "take" (the grammars), "handle"
-(the tokens' text, stop strings and sinks), "draw" (the masks and the draw's graph), "forward" (its
-graph) and "launch" are its parts, "launch" being, with a launcher (a GPU), the wait for the forward
-before to be launched and the draw's own launch (the forward's launch runs on while the loop goes
-on); "read" is the wait for the tokens (the device still computing). Where the masks are written in
-place (`worker/engine/mask_buffer.py`: the engine's check, or `MLXQ_MASKS_IN_PLACE`) the draw and the
-forward are built before the read-back ("built ahead", off the critical path), the masks are computed
-on the mask thread while the tokens are handled ("masks beside": the thread's time, overlapping
-"handle"; "draw" is then the wait for them past "handle"), and "forward" is 0. In the plain order
-"handle" follows the launch (off the critical path) and "masks beside" is 0. On the CPU `async_eval`
+next draw and the forward it feeds, which the device may wait on; "take" (the grammars), "built" (the
+next draw's and forward's graphs, where the masks are written in place), "handle" (the tokens' text,
+stop strings and sinks), "draw" (the masks and the draw's graph), "forward" (its graph) and "launch"
+are its parts, "launch" being, with a launcher (a GPU), the wait for the forward before to be launched
+and the draw's own launch (the forward's launch runs on while the loop goes on); "read" is the wait
+for the tokens (the device still computing). Where the masks are written in place
+(`worker/engine/mask_buffer.py`: the engine's check, or `MLXQ_MASKS_IN_PLACE`) the masks are computed
+on the mask thread while the graphs are built and the tokens handled ("masks beside": the thread's
+time; "draw" is then the wait for them past "handle"), and "forward" is 0. In the plain order "built"
+is 0, "handle" follows the launch (off the critical path) and "masks beside" is 0. On the CPU `async_eval`
 returns only once much of the step is computed, so "launch" holds compute there.
 """
 

@@ -426,10 +426,12 @@ def test_the_critical_path_is_timed_on_constrained_steps_only(model_dir: Path, o
             continue
         assert 0 < decode.critical.steps < steps
         parts = times["take_ms"] + times["draw_ms"] + times["forward_ms"] + times["launch_ms"]
-        parts += times["handle_ms"]  # in place (this CPU's default): handled before the launch
-        assert engine.masks_in_place and 0 < parts <= times["critical_ms"] * 1.001 + 1e-6
-        serial = parts + times["ahead_ms"]
-        assert times["host_ms"] == pytest.approx(serial) and times["host_ms"] > times["critical_ms"]
+        # in place (this CPU's default): the graphs built and the tokens handled before the launch,
+        # beside the masks
+        parts += times["ahead_ms"] + times["handle_ms"]
+        assert engine.masks_in_place and times["ahead_ms"] > 0 and times["forward_ms"] == 0
+        assert 0 < parts <= times["critical_ms"] * 1.001 + 1e-6
+        assert times["host_ms"] == pytest.approx(parts)
 
 
 # A free number in a schema: greedy on noise repeats a digit, so prompt lookup drafts and some drafts are

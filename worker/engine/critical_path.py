@@ -3,15 +3,14 @@
 A constrained row's next draw needs its mask, and its mask needs the token the step before drew: so
 between reading a step's tokens back and launching the next draw (with the forward fed by it), the
 device may wait on the host. `DecodeBatch` times that stretch of each such step here, split into its
-parts, and the graphs it built before the read-back (where the masks are written in place:
-`mask_buffer.py`), so a benchmark can say where a step's time goes (`bench/fig_structured.py`). Free
-batches take no such step and record nothing.
+parts, so a benchmark can say where a step's time goes (`bench/fig_structured.py`). Free batches take
+no such step and record nothing.
 
-Where the masks are written in place, the tokens are handled between the read-back and the launch,
-while the mask thread computes the masks: `handle` is then on the critical path and `draw` is only
-the wait for the masks past it (`masks`, the thread's own time, overlaps both); else the tokens are
-handled after the launch. `host_ms` (`per_step_ms`) sums the loop thread's work a step, in either
-order: with the device waiting on the host, a step lasts at least that long.
+Where the masks are written in place (`mask_buffer.py`), the draw and the forward are built (`ahead`)
+and the tokens handled between the read-back and the launch, while the mask thread computes the masks:
+`draw` is then only the wait for the masks past them (`masks`, the thread's own time, overlaps both);
+else the tokens are handled after the launch. `host_ms` (`per_step_ms`) sums the loop thread's work a
+step, in either order: with the device waiting on the host, a step lasts at least that long.
 """
 
 from __future__ import annotations
@@ -24,7 +23,7 @@ class CriticalPath:
     """Seconds summed over `steps` constrained steps (`DecodeBatch`'s steps with a forward ahead)."""
 
     steps: int = 0
-    ahead_s: float = 0.0  # the next draw and forward built before the read-back: off the critical path
+    ahead_s: float = 0.0  # in place: the next draw and forward built, beside the masks
     read_s: float = 0.0  # waiting for the tokens (the device still computing their draw): not host work
     critical_s: float = 0.0  # tokens read back -> the next draw and forward launched (the parts below)
     take_s: float = 0.0  # the grammars taking the tokens
@@ -32,7 +31,7 @@ class CriticalPath:
     draw_s: float = 0.0  # the masks computed and the draw's graph built (in place: waiting for the masks)
     forward_s: float = 0.0  # the next forward's graph built (0 where built before the read-back)
     launch_s: float = 0.0  # the launch (with a launcher: waiting for the forward before it, handing over)
-    masks_s: float = 0.0  # in place: the mask thread computing the masks, beside `handle` (not summed)
+    masks_s: float = 0.0  # in place: the mask thread computing the masks, beside `ahead` and `handle`
 
     def per_step_ms(self) -> dict[str, float]:
         """Each part in milliseconds a step, and `host_ms`: the loop thread's work (all but `read`,

@@ -252,14 +252,17 @@ class DecodeBatch:
         device computes. Between the read-back and that launch the device may wait on the host: that
         stretch is timed (`critical`).
 
-        With `masks_in_place` the draw and the forward are built before the read-back, while the
-        device computes (the rows are those of this step: rows join and leave between steps). After
-        it the masks are computed on the mask thread into the buffer the draw reads while this thread
-        handles the tokens (no MLX: text, stop strings, sinks); both done, the draw is launched. So a
-        step's host work is the longer of the two, not their sum. While the masks are computed the
-        grammars are the mask thread's alone: `handle` reads what the grammars took (`Constraint`'s
-        plain fields), and a grammar that fails computing its mask (found at the join) ends its row
-        with the error at this token (`GenerationBatch`), as found before handling.
+        With `masks_in_place`, after the read-back the masks are computed on the mask thread into the
+        buffer the draw reads, while this thread builds the draw and the forward fed by it (building
+        reads no data; the rows are those of this step: rows join and leave between steps) and then
+        handles the tokens (no MLX: text, stop strings, sinks); both done, the draw is launched. So the
+        masks cost the step nothing while they take less than the build and the handling. (Built before
+        the read-back, while the device computes, the graphs would leave the critical path but the
+        masks would join the host's serial work a step, and a batch of many constrained rows on a GPU
+        is bound by that serial work: `bench/README.md`.) While the masks are computed the grammars are
+        the mask thread's alone: `handle` reads what the grammars took (`Constraint`'s plain fields),
+        and a grammar that fails computing its mask (found at the join) ends its row with the error at
+        this token (`GenerationBatch`), as found before handling.
 
         Else the draw and the forward are built after the read-back, the masks computed as the draw
         is built, and the tokens handled after the launch. A batch whose constrained rows all left
@@ -269,21 +272,20 @@ class DecodeBatch:
         clock, rows = self.critical, self.rows
         read, logprobs = self._readable(pending), self._pending_logprobs
         ahead = self.masks_in_place and rows.constrained
-        began = built = time.perf_counter()
+        began = time.perf_counter()
         if self.taps and self.launcher is not None:  # a feature sink may evaluate (a drafter catching up):
             self.launcher.wait_tokens()  # not while the draw is launched (as before its forward was)
-        if ahead:
-            following = self._draw(masks_later=True)
-            forward: mx.array | None = self._forward(following)
-            built = time.perf_counter()
         tokens = read()  # with a launcher: once the draw's own launch ended
         got = time.perf_counter()
         self._take(tokens)
         self.logprobs = logprobs.read(tokens)
-        taken = time.perf_counter()
+        taken = built = time.perf_counter()
         if ahead:
             masks = rows.start_masks()
             try:
+                following = self._draw(masks_later=True)
+                forward: mx.array | None = self._forward(following)
+                built = time.perf_counter()
                 result = handle(tokens)
             except BaseException:
                 with contextlib.suppress(Exception):  # no thread may be left on the grammars
@@ -305,10 +307,10 @@ class DecodeBatch:
         if not ahead:
             result = handle(tokens)
         clock.steps += 1
-        clock.ahead_s += built - began
-        clock.read_s += got - built
+        clock.ahead_s += built - taken
+        clock.read_s += got - began
         clock.take_s += taken - got
-        clock.handle_s += handled - taken if ahead else time.perf_counter() - launched
+        clock.handle_s += handled - built if ahead else time.perf_counter() - launched
         clock.draw_s += drawn - handled
         clock.forward_s += formed - drawn
         clock.launch_s += launched - formed

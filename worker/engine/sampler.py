@@ -506,9 +506,7 @@ class SamplerRows:
         everything: one `where` for the batch, no scatter of rows): the masks computed now, or,
         `later`, read from the rows' `MaskBuffer` when the draw is evaluated (`write_masks` first)."""
         if later:
-            if self._mask_buffer is None:
-                self._mask_buffer = MaskBuffer(len(self.samplers), _words(self.vocab_size))
-            return mx.where(_allowed_bits(self._mask_buffer.array, x.shape[-1]), x, _NEG_INF)
+            return mx.where(_allowed_bits(self._buffer().array, x.shape[-1]), x, _NEG_INF)
         masks = np.full((x.shape[0], _words(self.vocab_size)), -1, dtype=np.int32)
         fill_mask_rows(masks, self._constrained_rows())
         return mx.where(_allowed(masks, x.shape[-1]), x, _NEG_INF)
@@ -523,9 +521,15 @@ class SamplerRows:
     def start_masks(self) -> MaskWork:
         """`write_masks` on the mask thread (`constraint.start_mask_rows`): returns at once; until its
         `join`, nothing may touch these rows' grammars (`take`, `cut`, ...) nor the buffer, while a
-        constraint's plain fields (`Constraint.error`, `complete_after`) may be read."""
-        assert self._mask_buffer is not None, "no draw reads a mask buffer"
-        return start_mask_rows(self._mask_buffer.host, self._constrained_rows())
+        constraint's plain fields (`Constraint.error`, `complete_after`) may be read. The draw that
+        reads the masks may be built meanwhile (`sample` with `masks_later`): building reads no data."""
+        return start_mask_rows(self._buffer().host, self._constrained_rows())
+
+    def _buffer(self) -> MaskBuffer:
+        """These rows' `MaskBuffer`, made at its first use."""
+        if self._mask_buffer is None:
+            self._mask_buffer = MaskBuffer(len(self.samplers), _words(self.vocab_size))
+        return self._mask_buffer
 
     def _constrained_rows(self) -> list[tuple[int, Constraint]]:
         return [(i, c) for i in self._constrained if (c := self.samplers[i].constraint) is not None]
