@@ -26,6 +26,9 @@ import logging
 import mlx.core as mx
 import numpy as np
 
+from mlxq.worker.engine.device import on_cuda
+from mlxq.worker.engine.host_pages import HostPages
+
 log = logging.getLogger(__name__)
 
 
@@ -41,6 +44,8 @@ class MaskBuffer:
         self.host = np.asarray(memoryview(self.array)).view(np.int32)  # type: ignore[arg-type]
         if self.host.shape != (rows, words) or not self.host.flags.writeable:
             raise RuntimeError("an MLX array's memory is not writable through a numpy view here")
+        # on CUDA the pages stay on the host, read by the device in place (`host_pages.py` says why)
+        self.pages = HostPages(self, self.host.ctypes.data, self.host.nbytes) if on_cuda() else None
 
 
 @functools.cache
