@@ -16,16 +16,13 @@ least 90% of the free one.
 (`worker/engine/critical_path.py`), the median over repetitions. "serial" is the loop thread's work a
 step (all its parts but the waits for the device): where the device waits on the host, a step lasts
 at least that. "critical" is the host's time from reading a step's tokens back to the launch of the
-next draw and the forward it feeds, which the device may wait on; "take" (the grammars), "built" (the
-next draw's and forward's graphs, where the masks are written in place), "handle" (the tokens' text,
-stop strings and sinks), "draw" (the masks and the draw's graph), "forward" (its graph) and "launch"
-are its parts, "launch" being, with a launcher (a GPU), the wait for the forward before to be launched
-and the draw's own launch (the forward's launch runs on while the loop goes on); "read" is the wait
-for the tokens (the device still computing). Where the masks are written in place
-(`worker/engine/mask_buffer.py`: the engine's check, or `MLXQ_MASKS_IN_PLACE`) the masks are computed
-on the mask thread while the graphs are built and the tokens handled ("masks beside": the thread's
-time; "draw" is then the wait for them past "handle"), and "forward" is 0. In the plain order "built"
-is 0, "handle" follows the launch (off the critical path) and "masks beside" is 0. On the CPU `async_eval`
+next draw and the forward it feeds, which the device may wait on; "take" (the grammars), "draw" (the
+draw's graph; in the plain order with the masks), "forward" (its graph), "join" (where the masks are
+written in place, `worker/engine/mask_buffer.py`: the wait for the mask thread past the graphs) and
+"launch" are its parts, "launch" being, with a launcher (a GPU), the wait for the forward before to be
+launched and the draw's own launch (the forward's launch runs on while the loop goes on). "handle"
+(the tokens' text, stop strings and sinks) follows the launch; "read" is the wait for the tokens (the
+device still computing); "masks beside" is the mask thread's own time. On the CPU `async_eval`
 returns only once much of the step is computed, so "launch" holds compute there.
 """
 

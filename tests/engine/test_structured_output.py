@@ -425,12 +425,11 @@ def test_the_critical_path_is_timed_on_constrained_steps_only(model_dir: Path, o
             assert decode.critical.steps == 0 and times == {}
             continue
         assert 0 < decode.critical.steps < steps
-        parts = times["take_ms"] + times["draw_ms"] + times["forward_ms"] + times["launch_ms"]
-        # in place (this CPU's default): the graphs built and the tokens handled before the launch,
-        # beside the masks
-        parts += times["ahead_ms"] + times["handle_ms"]
-        assert engine.masks_in_place and times["ahead_ms"] > 0 and times["forward_ms"] == 0
+        parts = times["take_ms"] + times["draw_ms"] + times["forward_ms"] + times["join_ms"]
+        parts += times["launch_ms"]
+        assert engine.masks_in_place and times["forward_ms"] > 0 and times["masks_ms"] > 0
         assert 0 < parts <= times["critical_ms"] * 1.001 + 1e-6
+        parts += times["handle_ms"]  # after the launch
         assert times["host_ms"] == pytest.approx(parts)
 
 
@@ -608,11 +607,10 @@ def test_masks_written_in_place_with_verify_steps_change_no_token(
     )
 
 
-def test_with_masks_in_place_the_forward_leaves_the_critical_path(model_dir: Path) -> None:
-    """Built before the read-back, the draw and the forward are timed apart (`ahead`); after the
-    read-back only the grammars, the tokens handled beside the masks' writing (on the mask thread,
-    timed apart: `masks`) and the launch remain. In the plain order the tokens are handled after the
-    launch."""
+def test_with_masks_in_place_the_masks_are_computed_beside_the_graphs(model_dir: Path) -> None:
+    """In place, the mask thread computes the masks (timed apart: `masks`) while the draw and the
+    forward are built, and the loop thread waits for it past them (`join`); in the plain order the
+    masks are computed within the draw. Either way the tokens are handled after the launch."""
     requests = [_request(prompt="Scores:", max_tokens=40, response_format=json_schema(SCORES))] * 2
     for in_place in (False, True):
         engine = _engine(model_dir, prefix_cache_bytes=0, masks_in_place=in_place)
@@ -624,13 +622,13 @@ def test_with_masks_in_place_the_forward_leaves_the_critical_path(model_dir: Pat
         batch.close()
         times = batch.decode.critical.per_step_ms()
         assert batch.decode.critical.steps > 0
-        assert times["handle_ms"] > 0
-        critical = times["take_ms"] + times["draw_ms"] + times["forward_ms"] + times["launch_ms"]
+        assert times["handle_ms"] > 0 and times["forward_ms"] > 0
+        critical = times["take_ms"] + times["draw_ms"] + times["forward_ms"] + times["join_ms"]
+        critical += times["launch_ms"]
         if in_place:
-            assert times["ahead_ms"] > 0 and times["forward_ms"] == 0.0 and times["masks_ms"] > 0
-            critical += times["handle_ms"]
+            assert times["masks_ms"] > 0
         else:
-            assert times["ahead_ms"] == 0.0 and times["forward_ms"] > 0 and times["masks_ms"] == 0.0
+            assert times["join_ms"] == 0.0 and times["masks_ms"] == 0.0
         assert critical <= times["critical_ms"] * 1.001 + 1e-6
 
 

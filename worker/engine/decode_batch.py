@@ -252,20 +252,17 @@ class DecodeBatch:
         device computes. Between the read-back and that launch the device may wait on the host: that
         stretch is timed (`critical`).
 
-        With `masks_in_place`, after the read-back the masks are computed on the mask thread into the
-        buffer the draw reads, while this thread builds the draw and the forward fed by it (building
-        reads no data; the rows are those of this step: rows join and leave between steps) and then
-        handles the tokens (no MLX: text, stop strings, sinks); both done, the draw is launched. So the
-        masks cost the step nothing while they take less than the build and the handling. (Built before
-        the read-back, while the device computes, the graphs would leave the critical path but the
-        masks would join the host's serial work a step, and a batch of many constrained rows on a GPU
-        is bound by that serial work: `bench/README.md`.) While the masks are computed the grammars are
-        the mask thread's alone: `handle` reads what the grammars took (`Constraint`'s plain fields),
-        and a grammar that fails computing its mask (found at the join) ends its row with the error at
-        this token (`GenerationBatch`), as found before handling.
-
-        Else the draw and the forward are built after the read-back, the masks computed as the draw
-        is built, and the tokens handled after the launch. A batch whose constrained rows all left
+        After the read-back the grammars take the tokens, the draw and the forward fed by it are
+        built and launched, and then the tokens are handled (text, stop strings, sinks) while the
+        device computes. With `masks_in_place` the masks are computed on the mask thread into the
+        buffer the draw reads while this thread builds the graphs (building reads no data; the rows
+        are those of this step: rows join and leave between steps), so they cost the step nothing
+        while they take less than the build; else they are computed as the draw is built. (Built
+        before the read-back, while the device computes, the graphs would leave the critical path but
+        the masks would join the host's serial work a step, and a batch of many constrained rows on a
+        GPU is bound by that: `bench/README.md`.) A grammar that fails computing its mask (found at
+        the join) ends its row with the error at this token (`GenerationBatch`), as one found while
+        taking the token does. A batch whose constrained rows all left
         draws from the forward ahead once more and is a free batch again."""
         # rows join only through `add`/`start` (a fresh step follows, which launches the forward ahead)
         assert self.rows is not None and self._ahead is not None
@@ -279,41 +276,35 @@ class DecodeBatch:
         got = time.perf_counter()
         self._take(tokens)
         self.logprobs = logprobs.read(tokens)
-        taken = built = time.perf_counter()
-        if ahead:
-            masks = rows.start_masks()
-            try:
-                following = self._draw(masks_later=True)
-                forward: mx.array | None = self._forward(following)
-                built = time.perf_counter()
-                result = handle(tokens)
-            except BaseException:
-                with contextlib.suppress(Exception):  # no thread may be left on the grammars
-                    masks.join()
-                raise
-            handled = time.perf_counter()
-            masks.join()
-            clock.masks_s += masks.seconds
-            drawn = formed = time.perf_counter()
-        else:
-            handled = taken
-            following = self._draw(masks_later=False)
+        taken = time.perf_counter()
+        masks = rows.start_masks() if ahead else None
+        try:
+            following = self._draw(masks_later=ahead)
             drawn = time.perf_counter()
             forward = self._forward(following) if rows.constrained else None
             formed = time.perf_counter()
+        except BaseException:
+            if masks is not None:
+                with contextlib.suppress(Exception):  # no thread may be left on the grammars
+                    masks.join()
+            raise
+        joined = formed
+        if masks is not None:
+            masks.join()
+            clock.masks_s += masks.seconds
+            joined = time.perf_counter()
         self._pending, self._ahead = following, forward
         self._launch(following, forward)
         launched = time.perf_counter()
-        if not ahead:
-            result = handle(tokens)
+        result = handle(tokens)
         clock.steps += 1
-        clock.ahead_s += built - taken
         clock.read_s += got - began
         clock.take_s += taken - got
-        clock.handle_s += handled - built if ahead else time.perf_counter() - launched
-        clock.draw_s += drawn - handled
+        clock.draw_s += drawn - taken
         clock.forward_s += formed - drawn
-        clock.launch_s += launched - formed
+        clock.join_s += joined - formed
+        clock.launch_s += launched - joined
+        clock.handle_s += time.perf_counter() - launched
         clock.critical_s += launched - got
         if meanwhile is not None:
             meanwhile()
