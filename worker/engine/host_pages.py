@@ -52,6 +52,20 @@ class _Driver:
             lib.cuMemAdvise.argtypes = [ctypes.c_uint64, ctypes.c_size_t, ctypes.c_int, ctypes.c_int]
         lib.cuPointerGetAttribute.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint64]
 
+    def current(self, device: int) -> None:
+        """Make `device`'s primary context (the one MLX's runtime calls use) current on this thread,
+        where none is: driver calls need one."""
+        ctx = ctypes.c_void_p()
+        if self._lib.cuCtxGetCurrent(ctypes.byref(ctx)) == 0 and ctx.value:
+            return
+        handle = ctypes.c_int()
+        if self._lib.cuDeviceGet(ctypes.byref(handle), device) != 0:
+            raise OSError(f"cuDeviceGet({device}) failed")
+        if self._lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), handle) != 0:
+            raise OSError("cuDevicePrimaryCtxRetain failed")
+        if self._lib.cuCtxSetCurrent(ctx) != 0:
+            raise OSError("cuCtxSetCurrent failed")
+
     def managed(self, pointer: int) -> bool:
         value = ctypes.c_uint(0)
         return self._lib.cuPointerGetAttribute(ctypes.byref(value), _IS_MANAGED, pointer) == 0 and bool(
@@ -93,9 +107,13 @@ class HostPages:
     def __init__(self, owner: Any, pointer: int, nbytes: int, device: int = 0) -> None:
         self.advised = False
         driver = _the_driver()
-        if driver is None or not driver.managed(pointer):
+        if driver is None:
             return
         try:
+            driver.current(device)
+            if not driver.managed(pointer):
+                log.info("host-resident mask buffer: not managed memory, left as it is")
+                return
             driver.advise(pointer, nbytes, _SET_PREFERRED_LOCATION, None)
             driver.advise(pointer, nbytes, _SET_ACCESSED_BY, device)
         except OSError as e:
