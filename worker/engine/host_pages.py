@@ -111,9 +111,13 @@ class HostPages:
             return
         try:
             driver.current(device)
-            if not driver.managed(pointer):
-                log.info("host-resident mask buffer: not managed memory, left as it is")
-                return
+        except OSError as e:
+            log.info("host-resident mask buffer: not advised (%s)", e)
+            return
+        if not driver.managed(pointer):
+            log.info("host-resident mask buffer: not managed memory, left as it is")
+            return
+        try:
             driver.advise(pointer, nbytes, _SET_PREFERRED_LOCATION, None)
             driver.advise(pointer, nbytes, _SET_ACCESSED_BY, device)
         except OSError as e:
