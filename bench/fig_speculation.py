@@ -4,8 +4,9 @@ The same chat prompts run in the engine's `GenerationBatch` (in this process, no
 per way of decoding:
 - plain: no drafting;
 - prompt lookup: drafts copied from the job's own text (`MLXQ_SPECULATION=prompt_lookup`), under the
-  worker's default policy (no drafting above `MLXQ_DRAFT_MAX_BATCH` rows; the draft gate measures plain
-  and verify steps and pauses drafting where it loses): what a user gets, judged by the targets;
+  worker's default policy (no drafting above `MLXQ_DRAFT_MAX_BATCH` rows; the draft gate weighs what
+  drafting gains the batch against plain decoding and pauses it where it loses): what a user gets,
+  judged by the targets (the gate is the engine's, so it has learnt from the turns before);
 - prompt lookup, forced: drafting at every batch size, no gate: how often drafts are kept and what a
   verify step costs where the worker would not draft (not judged by the targets);
 - 4-bit draft: the model's own 4-bit copy drafts (`draft_model`, default policy; skipped for an already

@@ -153,8 +153,8 @@ class WorkerSettings(BaseSettings):
     )
     draft_gate: bool = Field(
         default=True,
-        description="a batch measures what its plain and verify steps cost a token and drafts only where "
-        "verify steps give tokens faster (off: the acceptance policy alone decides)",
+        description="a batch measures what drafting gains it against plain decoding and drafts only while "
+        "that pays (off: the acceptance policy alone decides)",
     )
     max_nesting_depth: int = Field(
         default=MAX_NESTING_DEPTH,

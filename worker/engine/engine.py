@@ -212,8 +212,8 @@ class Engine:
         # Structured output (`response_format`): the grammar library's tokenizer, built at first use.
         self.constraints = ConstraintCompiler(tokenizer.backend, model.args.vocab_size, tokenizer.eos_ids)
         self.draft: DraftSource | None = None  # speculation "draft_model": loaded by `load_draft`
-        # What plain and verify steps cost a token on this engine (`draft_gate.py`), where it drafts and the
-        # policy asks for it: learnt across the generation batches it runs, one after another.
+        # What drafting gains this engine's batches against plain decoding (`draft_gate.py`), where it
+        # drafts and the policy asks for it: learnt across the generation batches it runs, one after another.
         drafting = options.speculation != "off" and options.draft_policy.gate
         self.draft_gate = DraftGate() if drafting else None
 

@@ -87,6 +87,7 @@ class _Sequence:
     depth: int = 0  # tokens it may draft at this step
     proposed: int = 0  # tokens its drafter proposed at this step
     reader: FeatureReader | None = None  # its drafter, where it reads the target's hidden states
+    ahead: int = 0  # tokens it is ahead of the batch's slowest row (the draft gate's progress)
 
     @property
     def budget(self) -> int:
@@ -146,8 +147,8 @@ class GenerationBatch:
         self.steps = 0
         self._offers: list[tuple[list[int], list[KVCache]]] = []  # finished requests' caches (`settle`)
         self._ended: list[Finished] = []  # requests ended by a failed launch, for the next `step`
-        # the last verify step's progress as the draft gate counts it: rows x the fewest tokens a row took
-        self._verified = 0
+        # the last decode step's progress as the draft gate counts it: rows x what the slowest row gained
+        self._progress = 0
 
     def __len__(self) -> int:
         return len(self.waiting) + (self.prefilling is not None) + len(self.decoding) + len(self._ended)
@@ -486,13 +487,13 @@ class GenerationBatch:
     # --- decoding -----------------------------------------------------------------------------
 
     def _decode_step(self, finished: list[Finished], background: Callable[[], None] | None) -> None:
-        gate, rows = self.engine.draft_gate, len(self.decoding)
+        gate = self.engine.draft_gate
         if gate is not None:
-            gate.begin(rows)
+            gate.begin(len(self.decoding))
         verify = self._speculating()
+        self._progress = 0
         try:
             if verify:
-                self._verified = 0
                 leaving = self.decode.verify_with(self._drafts, self._take_runs, meanwhile=background)
             else:
                 leaving = self.decode.step_with(
@@ -505,11 +506,16 @@ class GenerationBatch:
                 gate.end("verify" if verify else "plain", 0)
             self._decode_failed(e, finished)
             return
-        if gate is not None and verify and self.decode.verified:
-            gate.end("verify", self._verified, new_shape=self.decode.verify_new_shape)
-        elif gate is not None:
-            gate.end("plain", rows)
-        leaving = self._failed_grammars(leaving)
+        verified = verify and self.decode.verified
+        self._leave(self._failed_grammars(leaving), finished)
+        if gate is not None:  # rows leaving (their caches cut out) are part of the step's cost
+            new_shape = verified and self.decode.verify_new_shape
+            gate.end("verify" if verified else "plain", self._progress, new_shape=new_shape)
+
+    def _leave(
+        self, leaving: list[tuple[int, FinishReason | BaseException]], finished: list[Finished]
+    ) -> None:
+        """The rows that ended at this step leave the batch with their results or errors."""
         if not leaving:
             return
         caches = self.decode.remove([i for i, _ in leaving])
@@ -601,15 +607,18 @@ class GenerationBatch:
         """After a verify step: each row takes its tokens (its pending one, then the drafts kept), in
         order, as from that many plain steps, up to the one it ends with; returns the rows that end."""
         leaving: list[tuple[int, FinishReason | BaseException]] = []
-        self._verified = len(runs) * min(len(run) for run in runs)
+        gains: list[int] = []
         for i, (seq, run) in enumerate(zip(self.decoding, runs, strict=True)):
             if seq.depth > 0 and seq.speculation is not None:
                 seq.speculation.observe(seq.proposed, len(run) - 1)
+            gains.append(len(run))
             for j, token in enumerate(run):  # rows asking logprobs draft nothing: theirs is the first
                 outcome = self._take_one(seq, token, self.decode.logprobs.get(i) if j == 0 else None)
                 if outcome is not None:
                     leaving.append((i, outcome))
+                    gains[-1] = j + 1
                     break
+        self._count_progress(gains)
         return leaving
 
     def _take_tokens(self, tokens: list[int]) -> list[tuple[int, FinishReason | BaseException]]:
@@ -620,7 +629,23 @@ class GenerationBatch:
             outcome = self._take_one(seq, token, self.decode.logprobs.get(i))
             if outcome is not None:
                 leaving.append((i, outcome))
+        self._count_progress([1] * len(tokens))
         return leaving
+
+    def _count_progress(self, gains: list[int]) -> None:
+        """The step's progress as the draft gate counts it: the rows times what the batch's slowest row
+        gained (`gains`: the tokens each row took, in row order). A batch of jobs that started together
+        ends with its slowest one, so a row's tokens ahead of it count only once every row has them
+        (each row's lead is kept from step to step); a row that joins starts level with the slowest,
+        and when the slowest leaves, its batch-mates' leads over it are not counted."""
+        if self.engine.draft_gate is None:
+            return
+        before = min(seq.ahead for seq in self.decoding)
+        reached = [seq.ahead + gain for seq, gain in zip(self.decoding, gains, strict=True)]
+        after = min(reached)
+        for seq, at in zip(self.decoding, reached, strict=True):
+            seq.ahead = at - after
+        self._progress = len(self.decoding) * (after - before)
 
     def _take_one(
         self, seq: _Sequence, token: int, logprob: TokenLogprob | None = None

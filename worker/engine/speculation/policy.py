@@ -32,9 +32,9 @@ class DraftPolicy:
     in flight (off: every row the policy lets draft takes verify steps, as the verify step's tests
     want); `max_run`: most tokens a cheap drafter (prompt lookup) proposes while its proposals keep
     being kept whole (its row's cap; `max_depth` still bounds a row's first and partly kept proposals);
-    `gate`: a batch also measures what its plain and verify steps cost a token and drafts only where
-    verify steps give tokens faster (`draft_gate.py`; the worker's default, off here so the verify
-    step's tests see the steps they ask for whatever the machine's speed)."""
+    `gate`: a batch also measures what drafting gains it against plain decoding and drafts only while
+    that pays (`draft_gate.py`; the worker's default, off here so the verify step's tests see the
+    steps they ask for whatever the machine's speed)."""
 
     max_depth: int = 4
     max_batch: int = 8
