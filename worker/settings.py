@@ -137,9 +137,9 @@ class WorkerSettings(BaseSettings):
     draft_model: str | None = Field(
         default=None, description="the draft model's folder; unset: a draft/ folder beside the model's files"
     )
-    draft_max_tokens: int = Field(default=4, ge=0, le=64, description="most draft tokens a row takes a step")
+    draft_max_tokens: int = Field(default=8, ge=0, le=64, description="most draft tokens a row takes a step")
     draft_step_tokens: int = Field(
-        default=15,
+        default=31,
         ge=0,
         le=64,
         description="most tokens prompt lookup drafts a step while its drafts keep being kept whole "

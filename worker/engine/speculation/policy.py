@@ -36,13 +36,13 @@ class DraftPolicy:
     that pays (`draft_gate.py`; the worker's default, off here so the verify step's tests see the
     steps they ask for whatever the machine's speed)."""
 
-    max_depth: int = 4
+    max_depth: int = 8
     max_batch: int = 8
     min_acceptance: float = 0.3
     smoothing: float = 0.3
     retry_every: int = 16
     only_likely: bool = True
-    max_run: int = 15
+    max_run: int = 31
     gate: bool = False
 
     def __post_init__(self) -> None:
