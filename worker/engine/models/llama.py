@@ -24,7 +24,7 @@ from mlxq.worker.engine.cache.kv_cache import KVCache, key_columns
 from mlxq.worker.engine.cache.shared_prefix import SharedPrefixRows
 from mlxq.worker.engine.errors import CheckpointError, UnsupportedArchitecture
 from mlxq.worker.engine.models.base import LayerCache
-from mlxq.worker.engine.models.layer_taps import FINAL, LayerTaps
+from mlxq.worker.engine.models.layer_taps import FINAL, LayerSink
 from mlxq.worker.engine.models.quantized_rows import FusedDenseRows, fuse_dense_rows
 from mlxq.worker.engine.models.rope import make_rope
 from mlxq.worker.engine.models.window import WindowMasks
@@ -435,7 +435,7 @@ class LlamaModel(nn.Module):
         cache: Sequence[LayerCache] | None = None,
         mask: mx.array | RaggedRows | None = None,
         last: int | None = None,
-        taps: LayerTaps | None = None,
+        taps: LayerSink | None = None,
     ) -> mx.array:
         h = self.embed(inputs)
         layer_mask: Mask = mask
@@ -492,13 +492,13 @@ class Model(nn.Module):
         inputs: mx.array,
         cache: Sequence[LayerCache] | None = None,
         mask: mx.array | RaggedRows | None = None,
-        taps: LayerTaps | None = None,
+        taps: LayerSink | None = None,
     ) -> mx.array:
         """Logits (B, L, vocab) for int32 token ids (B, L).
 
         `mask=None` is causal over the cache's positions plus these L; an explicit mask (boolean, True =
-        attend, or additive) must broadcast to (B, heads, L, offset + L). `taps`: collects the outputs
-        of the layers it lists (any but the last: `layer_taps.py`).
+        attend, or additive) must broadcast to (B, heads, L, offset + L). `taps` is handed the
+        output of every layer but the last as it is built (`layer_taps.py`).
         """
         return self.logits(self.hidden(inputs, cache=cache, mask=mask, taps=taps))
 
@@ -508,7 +508,7 @@ class Model(nn.Module):
         cache: Sequence[LayerCache] | None = None,
         mask: mx.array | RaggedRows | None = None,
         last: int | None = None,
-        taps: LayerTaps | None = None,
+        taps: LayerSink | None = None,
     ) -> mx.array:
         """Final normed hidden states (B, L, hidden_size); same arguments as `__call__`.
 
