@@ -417,7 +417,14 @@ def _bucketed_keys(
     if columns == offset + n:
         return None
     visible = mx.arange(columns)[None, :] <= mx.arange(offset, offset + n)[:, None]
-    return columns, mx.where(visible, mx.array(0, dtype), mx.array(-mx.inf, dtype))[None, None]
+    return columns, additive_mask(visible, dtype)[None, None]
+
+
+def additive_mask(visible: mx.array, dtype: mx.Dtype) -> mx.array:
+    """A boolean mask (True: attend) as the additive one attention takes: 0 where it attends, -inf
+    elsewhere, in `dtype`. MLX's fused attention on CUDA takes no boolean mask: given one, it converts it
+    in every layer (a kernel, and its launch, each), where a forward converts it once here."""
+    return mx.where(visible, mx.array(0, dtype), mx.array(-mx.inf, dtype))
 
 
 class LlamaModel(nn.Module):
@@ -457,7 +464,9 @@ class LlamaModel(nn.Module):
     ) -> mx.array:
         h = self.embed(inputs)
         layer_mask: Mask = mask
-        if isinstance(mask, mx.array) and mx.issubdtype(mask.dtype, mx.floating) and mask.dtype != h.dtype:
+        if isinstance(mask, mx.array) and mask.dtype == mx.bool_:
+            layer_mask = additive_mask(mask, h.dtype)
+        elif isinstance(mask, mx.array) and mx.issubdtype(mask.dtype, mx.floating) and mask.dtype != h.dtype:
             layer_mask = mask.astype(h.dtype)  # SDPA refuses an additive mask wider than its output
         elif mask is None and inputs.shape[1] > 1:
             # MLX's "causal" aligns the last query with the last key, so it is right with a cache offset.
