@@ -33,7 +33,8 @@ class ForwardPieces:
     launcher), then the rest (`launch`). Passes every layer's output on to `taps` (a drafter's layer
     taps, where the forward has them: `passing`)."""
 
-    def __init__(self, launcher: Launcher | None, layers: int, pieces: int = PIECES) -> None:
+    def __init__(self, launcher: Launcher | None, layers: int, pieces: int | None = None) -> None:
+        pieces = PIECES if pieces is None else pieces
         if pieces < 1:
             raise ValueError(f"a forward is launched in 1 piece or more, got {pieces}")
         self.launcher = launcher
