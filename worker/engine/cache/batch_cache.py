@@ -82,6 +82,7 @@ class BatchKVCache:
         # ints, and reading it back from the device (a copy squeezing holes out) would wait for the step
         # in flight, once a layer
         self._hidden: np.ndarray | None = None
+        self._holes = mx.zeros((0,), dtype=mx.int32)
         # A forward that reads whole steps of columns (`read_whole_steps`): the columns it reads
         self.read_to: int | None = None
         # The latest plan for squeezing holes out (`_squeezed`), which the batch's other layers reuse
@@ -102,8 +103,9 @@ class BatchKVCache:
         when no row is padded (all rows the same length: RoPE's scalar path, as for one sequence)."""
         if self._aligned:
             return self.end
-        # from the host's own counts: no subtraction for the device to run, in every layer of a forward
-        return mx.array(self.lengths, dtype=mx.int32)
+        if self._hidden is None:
+            return self.end - self._starts
+        return self.end - self._starts - self._holes
 
     @property
     def has_holes(self) -> bool:
@@ -167,6 +169,7 @@ class BatchKVCache:
         self._hidden = new
         self.holes = [h + most - k for h, k in zip(self.holes, kept, strict=True)]
         self._most_holes = max(self.holes)
+        self._holes = mx.array(self.holes, dtype=mx.int32)
         self._aligned = False
 
     def reserve(self, n: int) -> None:
@@ -457,6 +460,7 @@ class BatchKVCache:
         self.holes = holes if holes is not None and any(holes) else [0] * len(starts)
         self._most_holes = max(self.holes, default=0)  # a windowed layer's `_slide` reads it every write
         self._hidden = hidden if any(self.holes) else None
+        self._holes = mx.array(self.holes, dtype=mx.int32)
         self._aligned = not any(starts) and self._hidden is None
 
     @property
