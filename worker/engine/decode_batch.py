@@ -16,7 +16,7 @@ from typing import TypeVar, cast
 import mlx.core as mx
 
 from mlxq.worker.engine import ragged_attention
-from mlxq.worker.engine.cache.batch_cache import BatchKVCache, PrefillRowsCache
+from mlxq.worker.engine.cache.batch_cache import BatchKVCache, PrefillRowsCache, one_offset
 from mlxq.worker.engine.cache.kv_cache import KVCache
 from mlxq.worker.engine.critical_path import CriticalPath
 from mlxq.worker.engine.forward_pieces import ForwardPieces
@@ -557,7 +557,8 @@ class DecodeBatch:
         taps = LayerTaps(self.taps) if self.taps else None
         lengths = self.cache[0].lengths if taps else []  # before the forward: each row's first position
         sink = taps if pieces is None else pieces.passing(taps)
-        logits = self.model(fed, cache=self.cache, mask=mask, taps=sink)
+        with one_offset(self.cache):
+            logits = self.model(fed, cache=self.cache, mask=mask, taps=sink)
         if taps is not None:
             assert self.features is not None
             if pieces is not None:  # a feature sink may evaluate (a drafter catching up): not beside them
