@@ -63,8 +63,9 @@ class DecodeBatch:
     thread reads the step before back, handles its tokens and builds the next step: on a GPU a batched step is
     bound by the host (graph building and MLX's launch, C++ that releases the GIL, each take longer than the
     device's work), so the Python (building, text, stop strings, streams) runs in time that was lost, and a
-    step costs about its launch. This thread calls `quiet()` before it evaluates anything else. Either way,
-    the first step after rows joined reads their first tokens back before it builds the next step (see
+    step costs about its launch; a verify step's forward is launched in pieces as it is built
+    (`forward_pieces.py`). This thread calls `quiet()` before it evaluates anything else. Either way, the
+    first step after rows joined reads their first tokens back before it builds the next step (see
     `step_with`).
 
     A batch holding a constrained row keeps one forward ahead instead (`_ahead`): its pending tokens
