@@ -9,6 +9,7 @@ import mlx.core as mx
 import pytest
 
 import mlxq.worker.engine.launcher as launcher_module
+from mlxq.worker.engine.forward_pieces import ForwardPieces
 from mlxq.worker.engine.launcher import SWITCH_INTERVAL_S, Launcher
 
 
@@ -112,6 +113,76 @@ def test_a_forward_launched_behind_the_tokens_does_not_hold_the_caller(
     finally:
         release.set()
         launcher.close()
+
+
+def test_a_forward_launched_in_pieces_is_built_on_while_each_piece_launches(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`ForwardPieces`: every `every` layers the output built so far is queued on the launcher's thread
+    and the caller goes on building on it (the first launch is held until the whole forward is
+    built); the launches run one at a time, in order, and the result is the forward's."""
+    started, release = threading.Event(), threading.Event()
+    launched: list[tuple[int, ...]] = []
+    running, most = [0], [0]
+
+    class Held:
+        def __getattr__(self, name: str) -> object:
+            return getattr(mx, name)
+
+        def async_eval(self, *arrays: mx.array) -> None:
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+            launched.append(arrays[0].shape)
+            started.set()
+            release.wait(5)
+            mx.async_eval(*arrays)
+            running[0] -= 1
+
+    monkeypatch.setattr(launcher_module, "mx", Held())
+    launcher = Launcher()
+    try:
+        pieces = ForwardPieces(launcher, layers=6, pieces=3)  # pieces end after layers 1 and 3
+        h = mx.arange(4, dtype=mx.float32)
+        for layer in range(5):  # a forward hands on every layer's output but the last one's
+            h = h * 2 + layer
+            pieces.take(layer, h)
+        assert started.wait(5) and launched == [(4,)]  # the first piece is held; the second queued
+        out = (h * 2 + 5).sum()  # the last layer and what is built on it
+        pieces.launch(out)
+        assert launcher.busy and pieces.launched == 3
+        release.set()
+        pieces.wait()
+        assert launched == [(4,), (4,), ()] and most[0] == 1 and not launcher.busy
+        assert out.item() == sum(64 * h0 + 57 for h0 in range(4))  # 57: the sum of i * 2^(5 - i)
+    finally:
+        release.set()
+        launcher.close()
+
+
+def test_a_forward_without_a_launcher_is_launched_whole_on_the_calling_thread(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import mlxq.worker.engine.forward_pieces as pieces_module
+
+    calls: list[str] = []
+
+    class Noted:
+        def __getattr__(self, name: str) -> object:
+            return getattr(mx, name)
+
+        def async_eval(self, *arrays: mx.array) -> None:
+            calls.append(threading.current_thread().name)
+            mx.async_eval(*arrays)
+
+    monkeypatch.setattr(pieces_module, "mx", Noted())
+    pieces = ForwardPieces(None, layers=4, pieces=4)
+    h = mx.ones(3)
+    for layer in range(3):
+        h = h + layer
+        pieces.take(layer, h)
+    pieces.launch(h)
+    pieces.wait()
+    assert calls == [threading.current_thread().name] and h.tolist() == [4.0] * 3
 
 
 def test_an_mlx_without_thread_unsafe_streams_gets_no_launcher_by_default_and_a_clear_error_if_asked(

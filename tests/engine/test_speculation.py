@@ -27,6 +27,7 @@ from mlxq.worker.engine.cache.batch_cache import BatchKVCache
 from mlxq.worker.engine.cache.kv_cache import KVCache
 from mlxq.worker.engine.decode_batch import DecodeBatch
 from mlxq.worker.engine.generation_batch import Finished, GenerationBatch, generate
+from mlxq.worker.engine.launcher import Launcher
 from mlxq.worker.engine.prefill import prefill
 from mlxq.worker.engine.sampler import Sampler, SamplerRows
 from mlxq.worker.engine.speculation.draft_gate import DraftGate
@@ -606,6 +607,55 @@ def test_rows_leaving_with_holes_wait_for_the_launch_in_flight(
         assert busy_when_read == [False] * len(model.layers)  # each layer's columns, read once it ended
         assert cache[0].offset == len(prompts[1]) + 3  # its prompt, then one token a step
         batch.quiet()
+    finally:
+        launchers.release(launcher)
+
+
+def test_a_verify_forward_launched_in_pieces_decodes_as_one_launched_whole(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With a launcher (`decode_overlap`: a GPU's default) a verify step's forward is launched in pieces
+    as its layers are built (`forward_pieces.py`): each on the launcher's thread behind the one before,
+    the next layers built on it meanwhile, nothing read before all ended. Its tokens are those of the
+    forward launched whole (no launcher) and of plain decoding."""
+    engine = _engine(write_random_checkpoint(tmp_path / "deep", {"num_hidden_layers": 4}))
+    model, vocab = engine.model, engine.model.args.vocab_size
+    prompt = engine.tokenizer.encode(PROMPT * 2)
+    one, cache = DecodeBatch(model), model.make_cache()
+    one.add([cache], prefill(model, prompt, cache, 16), [Sampler(vocab, temperature=0.0)])
+    alone = [one.step()[0] for _ in range(12)]
+    launched: list[int] = []  # the first array of each piece: its dimensions
+    original = Launcher.launch_behind
+
+    def recorded(self: Launcher, *arrays: mx.array) -> None:
+        launched.append(arrays[0].ndim)
+        original(self, *arrays)
+
+    monkeypatch.setattr(Launcher, "launch_behind", recorded)
+    launcher = launchers.acquire()
+    try:
+        runs, busy = {}, []
+        # after the pending token: two drafts the target agrees with, then one it does not
+        drafts = [[*alone[2:4], (alone[4] + 1) % vocab]]
+
+        def handled(run: list[list[int]]) -> list[list[int]]:
+            busy.append(launcher.busy)  # the kept tokens are read once every piece's launch ended
+            return run
+
+        for way, held in (("whole", None), ("pieces", launcher)):
+            batch, cache = DecodeBatch(model, launcher=held), model.make_cache()
+            batch.add([cache], prefill(model, prompt, cache, 16), [Sampler(vocab, temperature=0.0)])
+            got = batch.step()
+            run = batch.verify_with(lambda _tokens: drafts, handled)
+            assert run == [alone[1:4]]
+            got += run[0]
+            while len(got) < len(alone):
+                got += batch.step()
+            batch.quiet()
+            runs[way] = got[: len(alone)]
+        assert runs["whole"] == runs["pieces"] == alone
+        # layers 0-2 (the last layer's output is the last piece's), then the kept counts and the rest
+        assert launched == [3, 3, 3, 1] and busy == [False, False]
     finally:
         launchers.release(launcher)
 

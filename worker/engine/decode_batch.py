@@ -16,9 +16,10 @@ from typing import TypeVar, cast
 import mlx.core as mx
 
 from mlxq.worker.engine import ragged_attention
-from mlxq.worker.engine.cache.batch_cache import BatchKVCache, PrefillRowsCache
+from mlxq.worker.engine.cache.batch_cache import BatchKVCache, PrefillRowsCache, one_offset
 from mlxq.worker.engine.cache.kv_cache import KVCache
 from mlxq.worker.engine.critical_path import CriticalPath
+from mlxq.worker.engine.forward_pieces import ForwardPieces
 from mlxq.worker.engine.launcher import Launcher
 from mlxq.worker.engine.models.base import Model
 from mlxq.worker.engine.models.layer_taps import LayerTaps
@@ -62,8 +63,9 @@ class DecodeBatch:
     thread reads the step before back, handles its tokens and builds the next step: on a GPU a batched step is
     bound by the host (graph building and MLX's launch, C++ that releases the GIL, each take longer than the
     device's work), so the Python (building, text, stop strings, streams) runs in time that was lost, and a
-    step costs about its launch. This thread calls `quiet()` before it evaluates anything else. Either way,
-    the first step after rows joined reads their first tokens back before it builds the next step (see
+    step costs about its launch; a verify step's forward is launched in pieces as it is built
+    (`forward_pieces.py`). This thread calls `quiet()` before it evaluates anything else. Either way, the
+    first step after rows joined reads their first tokens back before it builds the next step (see
     `step_with`).
 
     A batch holding a constrained row keeps one forward ahead instead (`_ahead`): its pending tokens
@@ -365,7 +367,8 @@ class DecodeBatch:
         allowed = self.rows.draft_masks(drafts, width) if width > 1 else None
         drafted = time.perf_counter()
         fed = [[t, *d, *([0] * (width - 1 - len(d)))] for t, d in zip(tokens, drafts, strict=True)]
-        logits = self._verify_forward(mx.array(fed, dtype=mx.int32))
+        pieces = ForwardPieces(self.launcher, len(self.cache))  # launched as it is built, with a launcher
+        logits = self._verify_forward(mx.array(fed, dtype=mx.int32), pieces)
         if width == 1:
             kept_drafts, following = mx.zeros((len(tokens),), dtype=mx.int32), self.rows.sample(logits[:, 0])
         else:
@@ -374,9 +377,10 @@ class DecodeBatch:
             kept_drafts, following = self.rows.verify(logits, ids, depth, allowed)
         self._new_pending_logprobs()
         built = time.perf_counter()
-        mx.async_eval(kept_drafts, following, *self._pending_logprobs.arrays(), *self._taken_with_step())
+        pieces.launch(kept_drafts, following, *self._pending_logprobs.arrays(), *self._taken_with_step())
         if meanwhile is not None:
             meanwhile()
+        pieces.wait()
         launched = time.perf_counter()
         kept = [int(k) for k in cast("list[int]", kept_drafts.tolist())]
         waited = time.perf_counter()
@@ -393,16 +397,8 @@ class DecodeBatch:
             self.rows.take_drafts([d[:k] for d, k in zip(drafts, kept, strict=True)])
         trimmed = time.perf_counter()
         result = handle([[t, *d[:k]] for t, d, k in zip(tokens, drafts, kept, strict=True)])
-        clock.steps += 1
-        clock.fed += len(fed) * width
-        clock.given += len(tokens) + sum(kept)
-        clock.read_s += read - began
-        clock.draft_s += drafted - read
-        clock.build_s += built - drafted
-        clock.launch_s += launched - built
-        clock.wait_s += waited - launched
-        clock.trim_s += trimmed - waited
-        clock.handle_s += time.perf_counter() - trimmed
+        marks = (began, read, drafted, built, launched, waited, trimmed, time.perf_counter())
+        clock.note(len(fed) * width, len(tokens) + sum(kept), marks)
         return result
 
     def _squeeze_holes(self) -> bool:
@@ -417,13 +413,14 @@ class DecodeBatch:
             return True
         return self.pad_shapes and sum(layer.nbytes for layer in self.cache) <= _SQUEEZE_BYTES
 
-    def _verify_forward(self, fed: mx.array) -> mx.array:
-        """The logits of a verify step's forward of `fed` (B, W); with `pad_shapes` and W > 1 its
-        attention reads whole steps of the caches (`BatchKVCache.read_whole_steps`: the key lengths a
-        GPU meets change once per 256 columns, not at every step), except in a model with windowed
-        layers. Notes whether, with `pad_shapes` (a GPU), the step's shape (rows, width, key columns) is
-        one the batch met before (`verify_new_shape`: a new one may have built kernels, so its time says
-        nothing of the next; without padding shapes cost nothing to meet)."""
+    def _verify_forward(self, fed: mx.array, pieces: ForwardPieces) -> mx.array:
+        """The logits of a verify step's forward of `fed` (B, W), its layers launched in `pieces` as
+        they are built (`forward_pieces.py`); with `pad_shapes` and W > 1 its attention reads whole
+        steps of the caches (`BatchKVCache.read_whole_steps`: the key lengths a GPU meets change once
+        per 256 columns, not at every step), except in a model with windowed layers. Notes whether,
+        with `pad_shapes` (a GPU), the step's shape (rows, width, key columns) is one the batch met
+        before (`verify_new_shape`: a new one may have built kernels, so its time says nothing of the
+        next; without padding shapes cost nothing to meet)."""
         width, first = fed.shape[1], self.cache[0]
         columns = None
         if self.pad_shapes and width > 1 and self._window is None:
@@ -435,7 +432,7 @@ class DecodeBatch:
         if self.pad_shapes:  # unpadded, every step's shape is new: nothing worth keeping
             self._verify_shapes.add(shape)
         try:
-            return self._forward(fed, first.mask(width, columns))
+            return self._forward(fed, first.mask(width, columns), pieces)
         finally:
             for layer in self.cache:
                 layer.read_exactly()
@@ -531,11 +528,14 @@ class DecodeBatch:
         return self._pending
 
     def _forward(
-        self, pending: mx.array, mask: mx.array | ragged_attention.RaggedRows | None = None
+        self,
+        pending: mx.array,
+        mask: mx.array | ragged_attention.RaggedRows | None = None,
+        pieces: ForwardPieces | None = None,
     ) -> mx.array:
         """The logits of the forward that feeds `pending` (not evaluated yet): (live rows, vocab) for one
         token per row (B,) with the step's own mask; (live rows, W, vocab) for W tokens per row (B, W)
-        with `mask` (`BatchKVCache.mask(W)`)."""
+        with `mask` (`BatchKVCache.mask(W)`). `pieces`: launches the layers as they are built."""
         one = pending.ndim == 1
         fed = pending[:, None] if one else pending
         if one:
@@ -546,13 +546,15 @@ class DecodeBatch:
             fed = scattered
         elif self._idle:
             fed = mx.concatenate([fed, mx.zeros((self._idle, fed.shape[1]), dtype=fed.dtype)])
-        if not self.taps:
-            logits = self.model(fed, cache=self.cache, mask=mask)
-        else:
-            lengths = self.cache[0].lengths  # before the forward: each row's position of its first token
-            taps = LayerTaps(self.taps)
-            logits = self.model(fed, cache=self.cache, mask=mask, taps=taps)
+        taps = LayerTaps(self.taps) if self.taps else None
+        lengths = self.cache[0].lengths if taps else []  # before the forward: each row's first position
+        sink = taps if pieces is None else pieces.passing(taps)
+        with one_offset(self.cache):
+            logits = self.model(fed, cache=self.cache, mask=mask, taps=sink)
+        if taps is not None:
             assert self.features is not None
+            if pieces is not None:  # a feature sink may evaluate (a drafter catching up): not beside them
+                pieces.wait()
             made = self.features([lengths[s] for s in self.slots], self._live(taps.features()))
             self._with_step.extend(made)
         if one:

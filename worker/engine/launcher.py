@@ -12,7 +12,8 @@ was made; the launcher's thread can only evaluate ops of a stream any thread may
 creates it (the loop's thread, which must be the one that builds the steps): every op made there,
 whatever module makes it (a sampler's bias, a prefill), goes on that one stream, as all went on the
 thread's own default stream before. MLX leaves it to the caller that two threads never evaluate on it
-at once. The rule here: one launch is in flight at most, and the loop's thread calls `wait()` before it
+at once. The rule here: launches run one at a time, on the launcher's one thread (`launch` waits for
+the one before; `launch_behind` queues behind it), and the loop's thread calls `wait()` before it
 evaluates, reads back or frees anything itself (a prefill, an offer to the prefix cache, a score
 batch, `mx.clear_cache`). Building graphs needs no wait: it only adds nodes that point at the
 in-flight step's outputs.
@@ -70,6 +71,12 @@ class Launcher:
         """Start launching `arrays` on the launcher's thread, once the launch before it has ended."""
         self.wait()
         self._in_flight = [self._pool.submit(mx.async_eval, *arrays)]
+
+    def launch_behind(self, *arrays: mx.array) -> None:
+        """Queue a launch of `arrays` behind those in flight, without waiting for them: the pieces of
+        one forward, each built on the lazy outputs of the one before while that one launches
+        (`forward_pieces.py`)."""
+        self._in_flight.append(self._pool.submit(mx.async_eval, *arrays))
 
     def launch_tokens(self, tokens: mx.array, *with_them: mx.array, then: mx.array | None = None) -> mx.array:
         """Launch a decode step's sampled `tokens`; returns a copy made in the same launch, to read them

@@ -42,6 +42,8 @@ with `base` its dropped positions).
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import cast
 
 import mlx.core as mx
@@ -85,6 +87,8 @@ class BatchKVCache:
         self._holes = mx.zeros((0,), dtype=mx.int32)
         # A forward that reads whole steps of columns (`read_whole_steps`): the columns it reads
         self.read_to: int | None = None
+        # A forward's RoPE offsets, made once for all the batch's layers (`one_offset`)
+        self._offset: mx.array | int | None = None
         # The latest plan for squeezing holes out (`_squeezed`), which the batch's other layers reuse
         self._plan: tuple[tuple[tuple[int, ...], int, int, int], mx.array, list[int], int, int] | None = None
 
@@ -101,6 +105,8 @@ class BatchKVCache:
     def offset(self) -> mx.array | int:
         """Per-row position of the next token (the row's own length): RoPE's offset vector; a plain int
         when no row is padded (all rows the same length: RoPE's scalar path, as for one sequence)."""
+        if self._offset is not None:
+            return self._offset
         if self._aligned:
             return self.end
         if self._hidden is None:
@@ -562,3 +568,18 @@ def prefill_mask(cache: PrefillRowsCache) -> mx.array | None:
     # NaN keys/values poison even the rows that mask them (0 * NaN).
     visible = cached | own | (columns == query)
     return visible[:, None, :, :]
+
+
+@contextmanager
+def one_offset(layers: Sequence[BatchKVCache]) -> Iterator[None]:
+    """Within, every layer of a batch reads the first one's RoPE offsets (the rows' lengths, the same in
+    every layer) as one array, where each layer would subtract its own: a kernel a layer on a GPU. For
+    one forward: each layer reads them before it writes its columns."""
+    offset = layers[0].offset
+    for layer in layers:
+        layer._offset = offset
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer._offset = None

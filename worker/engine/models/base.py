@@ -16,7 +16,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from mlxq.worker.engine.cache.kv_cache import KVCache
-from mlxq.worker.engine.models.layer_taps import LayerTaps
+from mlxq.worker.engine.models.layer_taps import LayerSink
 from mlxq.worker.engine.ragged_attention import RaggedRows
 
 
@@ -99,10 +99,10 @@ class Model(Protocol):
         inputs: mx.array,
         cache: Sequence[LayerCache],
         mask: mx.array | RaggedRows | None = None,
-        taps: LayerTaps | None = None,
+        taps: LayerSink | None = None,
     ) -> mx.array:
         """Logits (B, L, vocab) for int32 token ids (B, L), writing their keys/values into `cache`;
-        `taps` collects the outputs of the decoder layers it lists (`layer_taps.py`)."""
+        `taps` is handed each decoder layer's output as it is built (`layer_taps.py`)."""
         ...
 
     def hidden(
@@ -111,7 +111,7 @@ class Model(Protocol):
         cache: Sequence[LayerCache],
         mask: mx.array | None = None,
         last: int | None = None,
-        taps: LayerTaps | None = None,
+        taps: LayerSink | None = None,
     ) -> mx.array:
         """Final normed hidden states (B, L, hidden), or with `last` that position's only (B, 1, hidden)."""
         ...

@@ -3,17 +3,27 @@
 A drafter that reads the target's own hidden states (DFlash's context features: `speculation/dflash.py`)
 asks a forward for the outputs of a few decoder layers: the forward is passed a `LayerTaps` naming them
 and fills it as it goes. A forward given none does nothing more than before (one comparison per layer).
+A forward hands each layer's output to any `LayerSink`: a verify step's forward launched in pieces as
+it is built (`forward_pieces.py`) is one.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Protocol
 
 import mlx.core as mx
 
 # The final norm's output (the hidden states the LM head reads, transformers' `hidden_states[-1]`), as a
 # layer `LayerTaps` may list; taken only from forwards computing every position (no `last`).
 FINAL = -1
+
+
+class LayerSink(Protocol):
+    """What a forward hands the residual stream after each decoder layer but the last (and, computing
+    every position, the final norm's output as `FINAL`), lazy, as it builds them."""
+
+    def take(self, layer: int, hidden: mx.array) -> None: ...
 
 
 class LayerTaps:

@@ -24,7 +24,7 @@ from mlxq.worker.engine.cache.kv_cache import KVCache, key_columns
 from mlxq.worker.engine.cache.shared_prefix import SharedPrefixRows
 from mlxq.worker.engine.errors import CheckpointError, UnsupportedArchitecture
 from mlxq.worker.engine.models.base import LayerCache
-from mlxq.worker.engine.models.layer_taps import FINAL, LayerTaps
+from mlxq.worker.engine.models.layer_taps import FINAL, LayerSink
 from mlxq.worker.engine.models.quantized_rows import FusedDenseRows, fuse_dense_rows
 from mlxq.worker.engine.models.rope import make_rope
 from mlxq.worker.engine.models.window import WindowMasks
@@ -185,10 +185,48 @@ class Attention(nn.Module):
         """Attention output for every position, or with `last` for that position only (keys and values of
         every position still go into the cache). `columns`: read that many cache columns (the mask
         hides the ones past each query; see `kv_cache.key_columns`)."""
-        b, n, _ = x.shape
+        b = x.shape[0]
         if isinstance(mask, RaggedRows) and self._one_matmul(x):
             assert isinstance(cache, BatchKVCache) and last is None
             return self._ragged_step(x, mask, cache)
+        offset: int | mx.array = 0
+        if isinstance(mask, RaggedRows):  # a decode step of left-padded rows: see ragged_attention.py
+            offset = mask.positions
+        elif cache is not None:
+            offset = cache.offset
+        if last is None and self._one_matmul(x):
+            qk, v = self._rotated(x, offset)
+            q, k = qk[:, : self.n_heads], qk[:, self.n_heads :]
+        else:
+            q, k, v = self._projected(x, last)
+            q = self.rope(q, offset=offset if last is None else offset + last)
+            k = self.rope(k, offset=offset)
+        if isinstance(mask, RaggedRows):
+            assert isinstance(cache, BatchKVCache) and last is None
+            cache.write(k, v)  # the kernel reads the buffers themselves
+            assert cache.keys is not None and cache.values is not None
+            rows = mask.placed(cache.base, cache.capacity)
+            out = decode_attention(q, cache.keys, cache.values, rows, self.scale)
+        elif isinstance(cache, SharedPrefixRows):  # score rows reading one prefix in place
+            out = cache.attend(q, k, v, self.scale)
+        else:
+            if cache is not None and columns is None:  # other cache kinds take no `columns`
+                k, v = cache.update_and_fetch(k, v)
+            elif cache is not None:
+                assert isinstance(cache, KVCache)  # `columns` come with batch-1 caches (`_bucketed_keys`)
+                k, v = cache.update_and_fetch(k, v, columns)
+            if isinstance(mask, mx.array) and mask.shape[-1] < k.shape[2]:  # a window's band (`window.py`)
+                k, v = k[..., -mask.shape[-1] :, :], v[..., -mask.shape[-1] :, :]
+            elif isinstance(mask, mx.array) and mask.shape[-1] > k.shape[2]:
+                # A windowed cache's buffers start past position 0 (`kv_cache.py`): masks are built over
+                # every position, and both end at the last one.
+                mask = mask[..., -k.shape[2] :]
+            out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(b, q.shape[2], -1))
+
+    def _projected(self, x: mx.array, last: int | None) -> tuple[mx.array, mx.array, mx.array]:
+        """q (of position `last` alone, if given), k and v as (B, heads, L, head_dim), not rotated."""
+        b, n, _ = x.shape
         xq = x if last is None else x[:, last : last + 1]
         if self.qkv_proj is not None:  # fused (`fuse`): one matmul, then views of its columns
             nq, nkv = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
@@ -202,34 +240,7 @@ class Attention(nn.Module):
         v = v.reshape(b, n, self.n_kv_heads, self.head_dim).transpose(0, 2, 1, 3)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3)
-        if isinstance(mask, RaggedRows):  # a decode step of left-padded rows: see ragged_attention.py
-            assert isinstance(cache, BatchKVCache) and last is None
-            q, k = self.rope(q, offset=mask.positions), self.rope(k, offset=mask.positions)
-            cache.write(k, v)  # the kernel reads the buffers themselves
-            assert cache.keys is not None and cache.values is not None
-            rows = mask.placed(cache.base, cache.capacity)
-            out = decode_attention(q, cache.keys, cache.values, rows, self.scale)
-        else:
-            offset = cache.offset if cache is not None else 0
-            q = self.rope(q, offset=offset if last is None else offset + last)
-            k = self.rope(k, offset=offset)
-            if isinstance(cache, SharedPrefixRows):  # score rows reading one prefix in place
-                out = cache.attend(q, k, v, self.scale)
-                return self.o_proj(out.transpose(0, 2, 1, 3).reshape(b, xq.shape[1], -1))
-            if cache is not None and columns is None:  # other cache kinds take no `columns`
-                k, v = cache.update_and_fetch(k, v)
-            elif cache is not None:
-                assert isinstance(cache, KVCache)  # `columns` come with batch-1 caches (`_bucketed_keys`)
-                k, v = cache.update_and_fetch(k, v, columns)
-            if isinstance(mask, mx.array) and mask.shape[-1] < k.shape[2]:  # a window's band (`window.py`)
-                k, v = k[..., -mask.shape[-1] :, :], v[..., -mask.shape[-1] :, :]
-            elif isinstance(mask, mx.array) and mask.shape[-1] > k.shape[2]:
-                # A windowed cache's buffers start past position 0 (`kv_cache.py`): masks are built over
-                # every position, and both end at the last one.
-                mask = mask[..., -k.shape[2] :]
-            out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
-        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(b, xq.shape[1], -1))
+        return q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3), v
 
     def _one_matmul(self, x: mx.array) -> bool:
         """Whether q, k and v come out of one array here (`fuse`d, no per-head norms between)."""
@@ -237,17 +248,24 @@ class Attention(nn.Module):
         apart = isinstance(proj, FusedDenseRows) and proj.apart(x)
         return proj is not None and not self.qk_norm and not apart
 
-    def _ragged_step(self, x: mx.array, rows: RaggedRows, cache: BatchKVCache) -> mx.array:
-        """A decode step of left-padded rows (`ragged_attention.py`) with q and k rotated together: one
-        RoPE over their heads side by side, where two would launch twice (a decode step is bound by
-        the host's launch of its ops on a GPU); the kernel reads the queries from the same array."""
+    def _rotated(self, x: mx.array, offset: int | mx.array) -> tuple[mx.array, mx.array]:
+        """Every position's q and k heads side by side, (B, heads + kv heads, L, head_dim), rotated by
+        one RoPE where two would launch twice (a GPU's decode and verify steps are bound by the host's
+        launch of their ops), and v; from one matmul (`_one_matmul`)."""
         assert self.qkv_proj is not None
         b, n, _ = x.shape
         h, hkv, d = self.n_heads, self.n_kv_heads, self.head_dim
         out = self.qkv_proj(x)
         qk = out[..., : (h + hkv) * d].reshape(b, n, h + hkv, d).transpose(0, 2, 1, 3)
         v = out[..., (h + hkv) * d :].reshape(b, n, hkv, d).transpose(0, 2, 1, 3)
-        qk = self.rope(qk, offset=rows.positions)
+        return self.rope(qk, offset=offset), v
+
+    def _ragged_step(self, x: mx.array, rows: RaggedRows, cache: BatchKVCache) -> mx.array:
+        """A decode step of left-padded rows (`ragged_attention.py`) with q and k rotated together
+        (`_rotated`); the kernel reads the queries from the same array."""
+        b, n, _ = x.shape
+        h = self.n_heads
+        qk, v = self._rotated(x, rows.positions)
         cache.write(qk[:, h:], v)  # the kernel reads the buffers themselves
         assert cache.keys is not None and cache.values is not None
         placed = rows.placed(cache.base, cache.capacity)
@@ -399,7 +417,14 @@ def _bucketed_keys(
     if columns == offset + n:
         return None
     visible = mx.arange(columns)[None, :] <= mx.arange(offset, offset + n)[:, None]
-    return columns, mx.where(visible, mx.array(0, dtype), mx.array(-mx.inf, dtype))[None, None]
+    return columns, additive_mask(visible, dtype)[None, None]
+
+
+def additive_mask(visible: mx.array, dtype: mx.Dtype) -> mx.array:
+    """A boolean mask (True: attend) as the additive one attention takes: 0 where it attends, -inf
+    elsewhere, in `dtype`. MLX's fused attention on CUDA takes no boolean mask: given one, it converts it
+    in every layer (a kernel, and its launch, each), where a forward converts it once here."""
+    return mx.where(visible, mx.array(0, dtype), mx.array(-mx.inf, dtype))
 
 
 class LlamaModel(nn.Module):
@@ -435,11 +460,13 @@ class LlamaModel(nn.Module):
         cache: Sequence[LayerCache] | None = None,
         mask: mx.array | RaggedRows | None = None,
         last: int | None = None,
-        taps: LayerTaps | None = None,
+        taps: LayerSink | None = None,
     ) -> mx.array:
         h = self.embed(inputs)
         layer_mask: Mask = mask
-        if isinstance(mask, mx.array) and mx.issubdtype(mask.dtype, mx.floating) and mask.dtype != h.dtype:
+        if isinstance(mask, mx.array) and mask.dtype == mx.bool_:
+            layer_mask = additive_mask(mask, h.dtype)
+        elif isinstance(mask, mx.array) and mx.issubdtype(mask.dtype, mx.floating) and mask.dtype != h.dtype:
             layer_mask = mask.astype(h.dtype)  # SDPA refuses an additive mask wider than its output
         elif mask is None and inputs.shape[1] > 1:
             # MLX's "causal" aligns the last query with the last key, so it is right with a cache offset.
@@ -492,13 +519,13 @@ class Model(nn.Module):
         inputs: mx.array,
         cache: Sequence[LayerCache] | None = None,
         mask: mx.array | RaggedRows | None = None,
-        taps: LayerTaps | None = None,
+        taps: LayerSink | None = None,
     ) -> mx.array:
         """Logits (B, L, vocab) for int32 token ids (B, L).
 
         `mask=None` is causal over the cache's positions plus these L; an explicit mask (boolean, True =
-        attend, or additive) must broadcast to (B, heads, L, offset + L). `taps`: collects the outputs
-        of the layers it lists (any but the last: `layer_taps.py`).
+        attend, or additive) must broadcast to (B, heads, L, offset + L). `taps` is handed the
+        output of every layer but the last as it is built (`layer_taps.py`).
         """
         return self.logits(self.hidden(inputs, cache=cache, mask=mask, taps=taps))
 
@@ -508,7 +535,7 @@ class Model(nn.Module):
         cache: Sequence[LayerCache] | None = None,
         mask: mx.array | RaggedRows | None = None,
         last: int | None = None,
-        taps: LayerTaps | None = None,
+        taps: LayerSink | None = None,
     ) -> mx.array:
         """Final normed hidden states (B, L, hidden_size); same arguments as `__call__`.
 

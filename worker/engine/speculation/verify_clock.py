@@ -10,7 +10,9 @@ in the engine reads it.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
+from itertools import pairwise
 
 
 @dataclass
@@ -23,10 +25,18 @@ class VerifyClock:
     read_s: float = 0.0  # the step before finished and its pending tokens read back
     draft_s: float = 0.0  # the drafters' proposals (and a constrained row's cut and masks)
     build_s: float = 0.0  # the forward's and the verification's graphs built
-    launch_s: float = 0.0  # their launch (`async_eval`) and `meanwhile`
+    launch_s: float = 0.0  # their launch past the build (with a launcher, pieces launched while it was
+    # built: `forward_pieces.py`) and `meanwhile`
     wait_s: float = 0.0  # waiting for the device: the kept counts read back
     trim_s: float = 0.0  # the caches cut back to what each row kept
     handle_s: float = 0.0  # the rows taking their tokens (text, stop strings, streams)
+
+    def note(self, fed: int, given: int, marks: Sequence[float]) -> None:
+        """One verify step: the columns it fed, the tokens it gave, and `marks`, the time it began, then
+        the times its parts ended, in the order of the fields above."""
+        self.steps, self.fed, self.given = self.steps + 1, self.fed + fed, self.given + given
+        for part, (start, end) in zip(fields(self)[3:], pairwise(marks), strict=True):
+            setattr(self, part.name, getattr(self, part.name) + end - start)
 
     @property
     def total_s(self) -> float:
