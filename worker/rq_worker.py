@@ -13,6 +13,7 @@ maintenance) goes on while Redis restarts instead of quitting.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterator
@@ -379,11 +380,20 @@ class MlxqWorker(SimpleWorker):
             pipe.delete(queue.intermediate_queue.get_first_seen_key(job.id))
             pipe.execute()
 
+    def handle_warm_shutdown_request(self) -> None:
+        """RQ's log line of a warm stop, written from the signal handler: where the signal landed in
+        the middle of another write to stderr, logging's write re-enters the stream and raises
+        (RuntimeError, also from its own error report), which would unwind RQ's handler before it
+        records the stop, and the worker would go on as if never asked. The line is lost instead."""
+        with contextlib.suppress(RuntimeError):
+            super().handle_warm_shutdown_request()  # type: ignore[no-untyped-call]  # RQ leaves it unannotated
+
     def request_force_stop(self, signum: int, frame: Any) -> None:
         """Second SIGTERM/SIGINT: cancel the running job cleanly (it ends `cancelled`), then exit."""
         if self._watch is not None and not self._force_stop:
-            log.warning("second stop signal: cancelling jobs=%s", ",".join(self._watch.job_ids()))
-            self._force_stop = True
+            self._force_stop = True  # before the log line: a write re-entering stderr must not lose it
+            with contextlib.suppress(RuntimeError):
+                log.warning("second stop signal: cancelling jobs=%s", ",".join(self._watch.job_ids()))
             return
         super().request_force_stop(signum, frame)
 

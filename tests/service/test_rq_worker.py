@@ -4,6 +4,8 @@ never started (put back, not failed). Many jobs started and ended together: `tes
 
 from __future__ import annotations
 
+import logging
+import signal
 import time
 import zlib
 from typing import Any
@@ -16,10 +18,12 @@ from redis_server import CuttableProxy
 from rq import Queue
 from rq.job import Job
 from rq.serializers import JSONSerializer
+from rq.worker import WorkerStatus
 
 from mlxq.jobs import keys
 from mlxq.worker import rq_worker
 from mlxq.worker.job_claim import JobClaimer
+from mlxq.worker.job_watch import JobWatch
 from mlxq.worker.rq_worker import MlxqWorker
 from mlxq.worker.stream_writer import StreamOptions
 
@@ -246,3 +250,38 @@ def test_the_command_channel_lets_a_done_worker_exit_at_once(redis_conn: redis.R
     started = time.monotonic()
     w.unsubscribe()
     assert time.monotonic() - started < 10  # was sleep_time, 60 s
+
+
+class _ReenteredStderr(logging.Handler):
+    """A log handler whose write fails as a stream's does when a signal handler's log line lands in
+    the middle of another write to it (and logging's own error report fails the same way)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        raise RuntimeError("reentrant call inside <_io.BufferedWriter name='<stderr>'>")
+
+
+def test_a_stop_signal_landing_mid_write_to_stderr_still_stops_the_worker(redis_conn: redis.Redis) -> None:
+    """RQ's warm-stop handler logs before it records the stop: a log write that re-enters stderr must
+    not unwind it (the worker would go on as if never asked); a second signal cancels all the same."""
+    w = MlxqWorker(["signals"], connection=redis_conn, stream_options=StreamOptions())
+    w.set_state(WorkerStatus.BUSY)
+    rq_log, ours = logging.getLogger("rq.worker"), logging.getLogger(rq_worker.__name__)
+    failing = _ReenteredStderr()
+    levels = (rq_log.level, ours.level)
+    before = (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM))
+    for logger in (rq_log, ours):
+        logger.addHandler(failing)
+        logger.setLevel(logging.INFO)
+    try:
+        w.request_stop(signal.SIGTERM, None)
+        assert w._stop_requested
+        assert signal.getsignal(signal.SIGTERM) == w.request_force_stop
+        w._watch = JobWatch(w, [], beat_s=10.0, poll_s=0.1)
+        w.request_force_stop(signal.SIGTERM, None)  # the second signal: cancel the running jobs
+        assert w._force_stop
+    finally:
+        for logger, level in zip((rq_log, ours), levels, strict=True):
+            logger.removeHandler(failing)
+            logger.setLevel(level)
+        signal.signal(signal.SIGINT, before[0])
+        signal.signal(signal.SIGTERM, before[1])
