@@ -76,10 +76,8 @@ class DecodeBatch:
     is dropped (its column trimmed) before rows join or a verify step.
 
     With `masks_in_place` (where the backend lets the host write an evaluated array's memory:
-    `mask_buffer.host_writes_seen`) that draw and forward are built before the tokens are read back,
-    the draw reading the rows' mask buffer, and only the grammars' work, with the tokens handled
-    while the masks are computed on a thread of their own, and the launch follow the read-back
-    (`_step_ahead`).
+    `mask_buffer.host_writes_seen`) the draw reads the rows' mask buffer, which the masks are written
+    into on a thread of their own while this thread builds that draw and forward (`_step_ahead`).
 
     With `taps` (decoder layer indices) and `features`, every forward the batch builds (plain, ahead
     or verify) also collects those layers' outputs (`layer_taps.py`) and hands them to `features`
@@ -249,28 +247,25 @@ class DecodeBatch:
         """A step of a batch with a constrained row. A row's next draw waits for its mask, which waits
         for its token of this step; the forward that feeds that token does not: it was launched right
         after the draw (`_ahead`). So the tokens are read back while that forward computes (with a
-        launcher, while it is still being launched), the grammars take them, and the next draw (their
-        masks) and the forward fed by it are launched; `meanwhile` runs after that launch, while the
-        device computes. Between the read-back and that launch the device may wait on the host: that
-        stretch is timed (`critical`).
+        launcher, while it is still being launched), the grammars take them, the next draw and the
+        forward fed by it are built and launched, and then the tokens are handled (text, stop strings,
+        sinks) and `meanwhile` runs, while the device computes. Between the read-back and that launch
+        the device may wait on the host: that stretch is timed (`critical`).
 
-        After the read-back the grammars take the tokens, the draw and the forward fed by it are
-        built and launched, and then the tokens are handled (text, stop strings, sinks) while the
-        device computes. With `masks_in_place` the masks are computed on the mask thread into the
-        buffer the draw reads while this thread builds the graphs (building reads no data; the rows
-        are those of this step: rows join and leave between steps), so they cost the step nothing
-        while they take less than the build; else they are computed as the draw is built. (Built
-        before the read-back, while the device computes, the graphs would leave the critical path but
-        the masks would join the host's serial work a step, and a batch of many constrained rows on a
-        GPU is bound by that: `bench/README.md`.) A grammar that fails computing its mask (found at
-        the join) ends its row with the error at this token (`GenerationBatch`), as one found while
-        taking the token does. A batch whose constrained rows all left
-        draws from the forward ahead once more and is a free batch again."""
+        With `masks_in_place` the masks are computed on the mask thread into the buffer the draw reads
+        while this thread builds the graphs (building reads no data; the rows are those of this step:
+        rows join and leave between steps), so they cost the step nothing while they take less than
+        the build; else they are computed as the draw is built. (Built before the read-back, while the
+        device computes, the graphs would leave the critical path but the masks would join the host's
+        serial work a step, which bounds a GPU batch of many constrained rows: `bench/README.md`.) A
+        grammar that fails computing its mask (found at the join) ends its row with the error at this
+        token (`GenerationBatch`), as one found while taking the token does. A batch whose constrained
+        rows all left draws from the forward ahead once more and is a free batch again."""
         # rows join only through `add`/`start` (a fresh step follows, which launches the forward ahead)
         assert self.rows is not None and self._ahead is not None
         clock, rows = self.critical, self.rows
         read, logprobs = self._readable(pending), self._pending_logprobs
-        ahead = self.masks_in_place and rows.constrained
+        in_place = self.masks_in_place and rows.constrained
         began = time.perf_counter()
         if self.taps and self.launcher is not None:  # a feature sink may evaluate (a drafter catching up):
             self.launcher.wait_tokens()  # not while the draw is launched (as before its forward was)
@@ -279,9 +274,9 @@ class DecodeBatch:
         self._take(tokens)
         self.logprobs = logprobs.read(tokens)
         taken = time.perf_counter()
-        masks = rows.start_masks() if ahead else None
+        masks = rows.start_masks() if in_place else None
         try:
-            following = self._draw(masks_later=ahead)
+            following = self._draw(masks_later=in_place)
             drawn = time.perf_counter()
             forward = self._forward(following) if rows.constrained else None
             formed = time.perf_counter()
