@@ -22,7 +22,10 @@ written in place, `worker/engine/mask_buffer.py`: the wait for the mask thread p
 "launch" are its parts, "launch" being, with a launcher (a GPU), the wait for the forward before to be
 launched and the draw's own launch (the forward's launch runs on while the loop goes on). "handle"
 (the tokens' text, stop strings and sinks) follows the launch; "read" is the wait for the tokens (the
-device still computing); "masks beside" is the mask thread's own time. On the CPU `async_eval`
+device still computing); "masks beside" is the mask thread's own time; "forward launch" (with a
+launcher) is how long the launcher's thread took to launch the forward behind each draw (MLX's CUDA
+build returns from a launch only while the host is a few ops ahead of the device: about a forward's
+device time means it was launched at the device's pace). On the CPU `async_eval`
 returns only once much of the step is computed, so "launch" holds compute there.
 """
 

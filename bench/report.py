@@ -186,7 +186,8 @@ STRUCTURED: list[Column] = [
     ("all reps' decode tok/s", lambda _k, r: ", ".join(f"{x:,.0f}" for x in r["all_decode_tok_s"] if x)),
     ("tok/s (with prefill)", _get("tok_s", digits=0)),
     (
-        "host ms/step: serial; critical (take, draw, forward, join, launch; handle; read; masks beside)",
+        "host ms/step: serial; critical (take, draw, forward, join, launch; handle; read; masks beside;"
+        " forward launch)",
         lambda _k, r: _host_ms(r),
     ),
 ]
@@ -205,7 +206,7 @@ def _host_ms(r: dict[str, Any]) -> str:
 
     keys = ("take_ms", "draw_ms", "forward_ms", "join_ms", "launch_ms")
     parts = ", ".join(part(k) for k in keys)
-    tail = f"{part('handle_ms')}; {part('read_ms')}; {part('masks_ms')}"
+    tail = f"{part('handle_ms')}; {part('read_ms')}; {part('masks_ms')}; {part('forward_launch_ms')}"
     return f"{part('host_ms')}; {part('critical_ms')} ({parts}; {tail})"
 
 

@@ -32,10 +32,11 @@ class CriticalPath:
     launch_s: float = 0.0  # the launch (with a launcher: waiting for the forward before it, handing over)
     handle_s: float = 0.0  # the tokens handled (text, stop strings, sinks), after the launch
     masks_s: float = 0.0  # in place: the mask thread computing the masks, beside `draw` and `forward`
+    forward_launch_s: float = 0.0  # with a launcher: the forward's launch behind the draw (its thread)
 
     def per_step_ms(self) -> dict[str, float]:
         """Each part in milliseconds a step, and `host_ms`: the loop thread's work (all but `read`,
-        `critical` and `masks`); empty when no step was timed."""
+        `critical`, `masks` and `forward_launch`); empty when no step was timed."""
         if not self.steps:
             return {}
         out = {f.name[:-2] + "_ms": 1e3 * getattr(self, f.name) / self.steps for f in fields(self)[1:]}

@@ -120,6 +120,7 @@ class DecodeBatch:
         self._steps = 0
         # With a constrained row: the logits of the forward that feeds `_pending`, launched (see `step_with`)
         self._ahead: mx.array | None = None
+        self._then_seen = launcher.then_s if launcher is not None else 0.0  # `critical.forward_launch_s`
         self.critical = CriticalPath()  # the host's time on the constrained steps' critical path
         self.verify_clock = VerifyClock()  # where the verify steps' time goes
         self._verify_shapes: set[tuple[int, int, int]] = set()  # (rows, width, key columns) met
@@ -295,6 +296,10 @@ class DecodeBatch:
         launched = time.perf_counter()
         result = handle(tokens)
         clock.steps += 1
+        if self.launcher is not None:  # the forwards launched behind a draw since the last step (ended:
+            then_s = self.launcher.then_s  # `_launch` waited for every launch before its own)
+            clock.forward_launch_s += then_s - self._then_seen
+            self._then_seen = then_s
         clock.read_s += got - began
         clock.take_s += taken - got
         clock.draw_s += drawn - taken

@@ -33,6 +33,7 @@ exists (`switch_interval.py`; `close` lets go of it).
 from __future__ import annotations
 
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import mlx.core as mx
@@ -61,6 +62,7 @@ class Launcher:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="mlxq-launch")
         self._in_flight: list[Future[None]] = []  # launches submitted, run one after another
         self.tokens_launch: Future[None] | None = None  # the launch of the latest `launch_tokens`
+        self.then_s = 0.0  # seconds the `then` launches of `launch_tokens` took, summed (its thread's)
 
     @property
     def here(self) -> bool:
@@ -91,8 +93,18 @@ class Launcher:
         self.launch(tokens, copy, *with_them)
         self.tokens_launch = self._in_flight[0]
         if then is not None:
-            self._in_flight.append(self._pool.submit(mx.async_eval, then))
+            self._in_flight.append(self._pool.submit(self._timed_then, then))
         return copy
+
+    def _timed_then(self, array: mx.array) -> None:
+        """Launch a `then` forward, adding the time its launch took to `then_s` (on MLX's CUDA build
+        a launch returns only while the host is a few ops ahead of the device: a long one means the
+        forward was launched at the device's pace)."""
+        began = time.perf_counter()
+        try:
+            mx.async_eval(array)
+        finally:
+            self.then_s += time.perf_counter() - began
 
     def wait_tokens(self) -> None:
         """Return once the latest `launch_tokens`' own launch ended (`then` may still be launching);
