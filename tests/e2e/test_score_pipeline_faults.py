@@ -147,12 +147,7 @@ def test_a_warm_shutdown_scores_the_batch_taken_ahead_and_takes_no_more(
     assert Queue("default", connection=redis_conn).count == JOBS - len(done)
 
     # The jobs it left queued are run by the next worker, each once.
-    after = spawn_worker(model_dir, redis_url, "--burst", "--name", "after", name="after", **FAST)
-    assert after.wait(120) == 0, after.log()
-    assert _statuses(redis_conn, ids) == ["finished"] * JOBS
-    for job_id in ids:
-        _finished_once(redis_conn, job_id)
-    _no_job_held(redis_conn)
+    _next_worker_runs_each_once(model_dir, redis_url, redis_conn, spawn_worker, ids)
 
 
 def test_a_cold_stop_puts_the_batch_taken_ahead_back_untouched(
@@ -200,6 +195,13 @@ def test_a_cold_stop_puts_the_batch_taken_ahead_back_untouched(
     _no_job_held(redis_conn)
     assert Queue("default", connection=redis_conn).failed_job_registry.count == 0
 
+    _next_worker_runs_each_once(model_dir, redis_url, redis_conn, spawn_worker, ids)
+
+
+def _next_worker_runs_each_once(
+    model_dir: Path, redis_url: str, redis_conn: redis.Redis, spawn_worker: Any, ids: list[str]
+) -> None:
+    """A fresh burst worker runs every job left queued: then each job finished exactly once, none held."""
     after = spawn_worker(model_dir, redis_url, "--burst", "--name", "after", name="after", **FAST)
     assert after.wait(120) == 0, after.log()
     assert _statuses(redis_conn, ids) == ["finished"] * JOBS

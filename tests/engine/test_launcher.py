@@ -13,6 +13,20 @@ from mlxq.worker.engine.forward_pieces import ForwardPieces
 from mlxq.worker.engine.launcher import SWITCH_INTERVAL_S, Launcher
 
 
+class _NotedMx:
+    """`mlx.core` for a module under test, noting the thread of each `async_eval` into `threads`."""
+
+    def __init__(self, threads: list[str]) -> None:
+        self.threads = threads
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(mx, name)
+
+    def async_eval(self, *arrays: mx.array) -> None:
+        self.threads.append(threading.current_thread().name)
+        mx.async_eval(*arrays)
+
+
 def test_ops_made_on_the_creating_thread_launch_on_the_launchers_and_close_puts_back_what_it_changed(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -20,15 +34,7 @@ def test_ops_made_on_the_creating_thread_launch_on_the_launchers_and_close_puts_
     stream = mx.default_stream(mx.default_device())
     threads: list[str] = []
 
-    class Noted:
-        def __getattr__(self, name: str) -> object:
-            return getattr(mx, name)
-
-        def async_eval(self, *arrays: mx.array) -> None:
-            threads.append(threading.current_thread().name)
-            mx.async_eval(*arrays)
-
-    monkeypatch.setattr(launcher_module, "mx", Noted())
+    monkeypatch.setattr(launcher_module, "mx", _NotedMx(threads))
     launcher = Launcher()
     try:
         assert launcher.here and sys.getswitchinterval() == pytest.approx(min(switch, SWITCH_INTERVAL_S))
@@ -166,15 +172,7 @@ def test_a_forward_without_a_launcher_is_launched_whole_on_the_calling_thread(
 
     calls: list[str] = []
 
-    class Noted:
-        def __getattr__(self, name: str) -> object:
-            return getattr(mx, name)
-
-        def async_eval(self, *arrays: mx.array) -> None:
-            calls.append(threading.current_thread().name)
-            mx.async_eval(*arrays)
-
-    monkeypatch.setattr(pieces_module, "mx", Noted())
+    monkeypatch.setattr(pieces_module, "mx", _NotedMx(calls))
     pieces = ForwardPieces(None, layers=4, pieces=4)
     h = mx.ones(3)
     for layer in range(3):
