@@ -18,13 +18,11 @@ from typing import Any, Generic, TextIO, TypeVar
 import redis
 import redis.asyncio
 from rq import Retry
-from rq.results import Result
 
 from mlxq.jobs import keys
 from mlxq.jobs.replication import AsyncReplicas, NotReplicated, Replicas, unreplicated_warning
 from mlxq.jobs.schema import (
     ChatMessage,
-    DoneEvent,
     ErrorEvent,
     GenerateRequest,
     GenerateResult,
@@ -35,23 +33,19 @@ from mlxq.jobs.schema import (
     TokenEvent,
 )
 
-from . import bulk, cancellation, job_state, payload, rq_wire
+from . import bulk, cancellation, job_reads, payload, rq_wire
 from .bulk_files import BulkSource, BulkSummary
 from .connection import RetryPolicy, connect, connect_async, replica_acks
-from .errors import JobFailed, JobNotFound, RedisFull
+from .errors import RedisFull
 from .eviction_check import EvictionCheck
 from .job_state import CancelOutcome
-from .queue_check import QueueCheck, aexplain_timeout
+from .queue_check import QueueCheck
 from .settings import ProducerSettings
 from .tail import (
-    RESULT_GRACE_S,
-    RESULT_POLL_S,
     START_ID,
     Deadline,
     Follower,
     StreamItem,
-    decode_xread,
-    newest,
 )
 from .tenant import Tenant
 
@@ -76,11 +70,7 @@ class AsyncJobHandle(Generic[R]):
 
     async def status(self) -> str:
         """RQ's status (`queued`, `started`, `finished`, `failed`, `canceled`, ...) or `missing`."""
-        try:
-            raw = await self._retry(self._conn.hget, keys.rq_job_key(self.id), "status")
-        except redis.ResponseError as e:
-            return rq_wire.status_after(e)
-        return rq_wire.decode_status(raw)
+        return await job_reads.arun(job_reads.status(self.id), self._call)
 
     def stream(
         self,
@@ -96,7 +86,7 @@ class AsyncJobHandle(Generic[R]):
         (at most `READ_BLOCK_MS`), for a relay whose own client may leave at any moment: a Redis reply
         cut off costs its connection, and the next command on it a reconnect (TCP, `HELLO`)."""
         follower = Follower(last_id=from_id, deadline=Deadline(timeout), fresh=fresh)
-        return self._follow(follower, whole_reads)
+        return job_reads.aitems(job_reads.follow(self.id, follower, whole_reads), self._call)
 
     async def text_deltas(
         self, timeout: float | None = None, on_restart: Callable[[RestartEvent], None] | None = None
@@ -109,22 +99,11 @@ class AsyncJobHandle(Generic[R]):
             elif isinstance(event, RestartEvent) and on_restart is not None:
                 on_restart(event)
             elif isinstance(event, ErrorEvent):
-                raise await self._error_event_failure(event)
+                raise await job_reads.arun(job_reads.event_failure(self.id, event), self._call)
 
     async def result(self, timeout: float | None = None) -> R:
         """Wait for the job to end and return its validated result; `JobFailed` if it failed."""
-        deadline = Deadline(timeout)
-        raw = await self._retry(self._conn.get, keys.result_key(self.id))
-        if raw is not None:
-            return self._parse(raw)
-        last_id, end = newest(await self._retry(self._conn.xrevrange, keys.stream_key(self.id), count=1))
-        if end is not None:
-            return await self._conclude(end)
-        follower = Follower(last_id=last_id, deadline=deadline)
-        async for item in self._follow(follower):
-            if item.terminal:
-                return await self._conclude(item)
-        return await self._fetch_result(wait_s=0.0)
+        return await job_reads.arun(job_reads.result(self.id, self._parse, timeout), self._call)
 
     async def cancel(self) -> CancelOutcome:
         """Cancel the job: RQ cancels it if it is still waiting; a running job is asked to stop."""
@@ -137,64 +116,10 @@ class AsyncJobHandle(Generic[R]):
             return await asyncio.to_thread(self._client.retry.call, cancellation.rq_cancel, sync, self.id)
         return steps.outcome
 
-    # --- internals (JobHandle's, awaited) ----------------------------------------------------------
-
-    async def _follow(self, follower: Follower, whole_reads: bool = False) -> AsyncIterator[StreamItem]:
-        key = keys.stream_key(self.id)
-        while not follower.ended:
-            whole = whole_reads or (follower.fresh and follower.first_read())
-            read = self._retry(self._conn.xread, {key: follower.last_id}, block=follower.block_ms())
-            reply = await (_uncut(read) if whole else read)
-            items = follower.accept(decode_xread(reply))
-            for item in items:
-                yield item
-            if not follower.ended and follower.status_due(bool(items)):
-                status = await self.status()
-                if status in job_state.ENDED:
-                    rest = await self._retry(self._conn.xread, {key: follower.last_id})
-                    for item in follower.accept(decode_xread(rest)):
-                        yield item
-                    if not follower.ended:
-                        await self._ended_without_event(status)
-                        return
-            if not follower.ended:
-                try:
-                    follower.deadline.check(f"job {self.id}")
-                except TimeoutError as e:
-                    raise await aexplain_timeout(self._conn, self.id, e) from None
-
-    async def _ended_without_event(self, status: str) -> None:
-        if status in job_state.UNSUCCESSFUL:
-            raise job_state.failure(self.id, status, await self._failure_text())
-        if status == job_state.MISSING and not await self._retry(self._conn.exists, keys.result_key(self.id)):
-            raise JobNotFound(self.id)
-
-    async def _conclude(self, item: StreamItem) -> R:
-        if isinstance(item.event, ErrorEvent):
-            raise await self._error_event_failure(item.event)
-        assert isinstance(item.event, DoneEvent)
-        return await self._fetch_result(wait_s=RESULT_GRACE_S)
-
-    async def _fetch_result(self, wait_s: float) -> R:
-        deadline = Deadline(wait_s)
-        while True:
-            raw = await self._retry(self._conn.get, keys.result_key(self.id))
-            found = raw if raw is not None else rq_wire.return_value(await self._latest_rq_result())
-            if found is not None:
-                return self._parse(found)
-            if deadline.expired():
-                raise JobNotFound(self.id)
-            await asyncio.sleep(RESULT_POLL_S)
-
-    async def _latest_rq_result(self) -> Result | None:
-        entries = await self._retry(self._conn.xrevrange, rq_wire.results_key(self.id), count=1)
-        return rq_wire.latest_result(self.id, entries)
-
-    async def _failure_text(self) -> str | None:
-        return rq_wire.failure_text(await self._latest_rq_result())
-
-    async def _error_event_failure(self, event: ErrorEvent) -> JobFailed:
-        return job_state.event_failure(self.id, event.message, await self._failure_text())
+    async def _call(self, call: job_reads.Call) -> Any:
+        """A read's Redis command, under the client's retry policy; a `whole` one run to its end."""
+        command = self._retry(getattr(self._conn, call.method), *call.args, **call.kwargs)
+        return await (_uncut(command) if call.whole else command)
 
 
 async def _uncut(command: Awaitable[T]) -> T:

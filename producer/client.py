@@ -9,20 +9,17 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Generic, TextIO, TypeVar
 
 import redis
 from rq import Retry
-from rq.results import Result
 
 from mlxq.jobs import keys
 from mlxq.jobs.replication import NotReplicated, Replicas, unreplicated_warning
 from mlxq.jobs.schema import (
     ChatMessage,
-    DoneEvent,
     ErrorEvent,
     GenerateRequest,
     GenerateResult,
@@ -33,23 +30,19 @@ from mlxq.jobs.schema import (
     TokenEvent,
 )
 
-from . import bulk, cancellation, job_state, payload, rq_wire
+from . import bulk, cancellation, job_reads, payload, rq_wire
 from .bulk_files import BulkSource, BulkSummary
 from .connection import RetryPolicy, connect, replica_acks
-from .errors import JobFailed, JobNotFound, RedisFull
+from .errors import RedisFull
 from .eviction_check import EvictionCheck
 from .job_state import CancelOutcome
-from .queue_check import QueueCheck, explain_timeout
+from .queue_check import QueueCheck
 from .settings import ProducerSettings
 from .tail import (
-    RESULT_GRACE_S,
-    RESULT_POLL_S,
     START_ID,
     Deadline,
     Follower,
     StreamItem,
-    decode_xread,
-    newest,
 )
 from .tenant import Tenant
 
@@ -73,11 +66,7 @@ class JobHandle(Generic[R]):
 
     def status(self) -> str:
         """RQ's status (`queued`, `started`, `finished`, `failed`, `canceled`, ...) or `missing`."""
-        try:
-            raw = self._retry(self._conn.hget, keys.rq_job_key(self.id), "status")
-        except redis.ResponseError as e:
-            return rq_wire.status_after(e)
-        return rq_wire.decode_status(raw)
+        return job_reads.run(job_reads.status(self.id), self._call)
 
     def stream(self, from_id: str = START_ID, timeout: float | None = None) -> Iterator[StreamItem]:
         """The job's events (token, restart, then done or error) from `from_id`; ends after the last one.
@@ -85,7 +74,8 @@ class JobHandle(Generic[R]):
         Save an item's `stream_id` to resume later from there. Raises `JobFailed` if RQ reports the job
         failed, stopped or canceled without a terminal event, `TimeoutError` after `timeout` seconds.
         """
-        return self._follow(Follower(last_id=from_id, deadline=Deadline(timeout)))
+        follower = Follower(last_id=from_id, deadline=Deadline(timeout))
+        return job_reads.items(job_reads.follow(self.id, follower), self._call)
 
     def text_deltas(
         self, timeout: float | None = None, on_restart: Callable[[RestartEvent], None] | None = None
@@ -102,87 +92,22 @@ class JobHandle(Generic[R]):
             elif isinstance(event, RestartEvent) and on_restart is not None:
                 on_restart(event)
             elif isinstance(event, ErrorEvent):
-                raise self._error_event_failure(event)
+                raise job_reads.run(job_reads.event_failure(self.id, event), self._call)
 
     def result(self, timeout: float | None = None) -> R:
         """Wait for the job to end and return its validated result; `JobFailed` if it failed.
 
         A job cancelled while running ends normally, with `finish_reason == "cancelled"`.
         """
-        deadline = Deadline(timeout)
-        raw = self._retry(self._conn.get, keys.result_key(self.id))
-        if raw is not None:
-            return self._parse(raw)
-        last_id, end = newest(self._retry(self._conn.xrevrange, keys.stream_key(self.id), count=1))
-        if end is not None:
-            return self._conclude(end)
-        follower = Follower(last_id=last_id, deadline=deadline)
-        for item in self._follow(follower):
-            if item.terminal:
-                return self._conclude(item)
-        return self._fetch_result(wait_s=0.0)
+        return job_reads.run(job_reads.result(self.id, self._parse, timeout), self._call)
 
     def cancel(self) -> CancelOutcome:
         """Cancel the job: RQ cancels it if it is still waiting; a running job is asked to stop."""
         return cancellation.cancel_job(self._conn, self._client.retry, self.id)
 
-    # --- internals ---------------------------------------------------------------------------------
-
-    def _follow(self, follower: Follower) -> Iterator[StreamItem]:
-        key = keys.stream_key(self.id)
-        while not follower.ended:
-            reply = self._retry(self._conn.xread, {key: follower.last_id}, block=follower.block_ms())
-            items = follower.accept(decode_xread(reply))
-            yield from items
-            if not follower.ended and follower.status_due(bool(items)):
-                status = self.status()
-                if status in job_state.ENDED:
-                    # The worker writes its last event before RQ's status changes: read what is left.
-                    rest = self._retry(self._conn.xread, {key: follower.last_id})
-                    yield from follower.accept(decode_xread(rest))
-                    if not follower.ended:
-                        self._ended_without_event(status)
-                        return
-            if not follower.ended:
-                try:
-                    follower.deadline.check(f"job {self.id}")
-                except TimeoutError as e:
-                    raise explain_timeout(self._conn, self.id, e) from None
-
-    def _ended_without_event(self, status: str) -> None:
-        """The job is over but its stream has no terminal event: RQ says why (or it all expired)."""
-        if status in job_state.UNSUCCESSFUL:
-            raise job_state.failure(self.id, status, self._failure_text())
-        if status == job_state.MISSING and not self._retry(self._conn.exists, keys.result_key(self.id)):
-            raise JobNotFound(self.id)
-
-    def _conclude(self, item: StreamItem) -> R:
-        if isinstance(item.event, ErrorEvent):
-            raise self._error_event_failure(item.event)
-        assert isinstance(item.event, DoneEvent)
-        return self._fetch_result(wait_s=RESULT_GRACE_S)
-
-    def _fetch_result(self, wait_s: float) -> R:
-        """The result key, else RQ's return value; looked for up to `wait_s` seconds."""
-        deadline = Deadline(wait_s)
-        while True:
-            raw = self._retry(self._conn.get, keys.result_key(self.id))
-            found = raw if raw is not None else rq_wire.return_value(self._latest_rq_result())
-            if found is not None:
-                return self._parse(found)
-            if deadline.expired():
-                raise JobNotFound(self.id)
-            time.sleep(RESULT_POLL_S)
-
-    def _latest_rq_result(self) -> Result | None:
-        entries = self._retry(self._conn.xrevrange, rq_wire.results_key(self.id), count=1)
-        return rq_wire.latest_result(self.id, entries)
-
-    def _failure_text(self) -> str | None:
-        return rq_wire.failure_text(self._latest_rq_result())
-
-    def _error_event_failure(self, event: ErrorEvent) -> JobFailed:
-        return job_state.event_failure(self.id, event.message, self._failure_text())
+    def _call(self, call: job_reads.Call) -> Any:
+        """A read's Redis command, under the client's retry policy."""
+        return self._retry(getattr(self._conn, call.method), *call.args, **call.kwargs)
 
 
 class Client:

@@ -16,10 +16,6 @@ import redis
 import redis.asyncio
 from rq.job import JobStatus
 
-from mlxq.jobs import keys
-
-from . import rq_wire
-
 log = logging.getLogger("mlxq.producer")
 
 LOOK_EVERY_S = 60.0
@@ -77,27 +73,3 @@ class QueueCheck:
     def _say(queue: str, workers: int) -> None:
         if workers == 0:
             log.warning("%s", unserved_warning(queue))
-
-
-def explain_timeout(conn: redis.Redis, job_id: str, error: TimeoutError) -> TimeoutError:
-    """`error`, or a TimeoutError that also says the job is still queued where no worker serves it."""
-    try:
-        status, origin = conn.hmget(keys.rq_job_key(job_id), ["status", "origin"])
-        queue = origin.decode() if isinstance(origin, bytes) else None
-        workers = int(conn.scard(workers_key(queue))) if queue is not None else 0
-    except redis.RedisError:
-        return error
-    note = waiting_note(job_id, rq_wire.decode_status(status), queue, workers)
-    return TimeoutError(f"{error}; {note}") if note else error
-
-
-async def aexplain_timeout(conn: redis.asyncio.Redis, job_id: str, error: TimeoutError) -> TimeoutError:
-    """`explain_timeout` on an asyncio client."""
-    try:
-        status, origin = await conn.hmget(keys.rq_job_key(job_id), ["status", "origin"])
-        queue = origin.decode() if isinstance(origin, bytes) else None
-        workers = int(await conn.scard(workers_key(queue))) if queue is not None else 0
-    except redis.RedisError:
-        return error
-    note = waiting_note(job_id, rq_wire.decode_status(status), queue, workers)
-    return TimeoutError(f"{error}; {note}") if note else error

@@ -136,6 +136,22 @@ def test_async_failures_and_timeouts(
     run_with_client(redis_url, check)
 
 
+def test_the_async_handle_reads_a_job_key_of_another_type_as_missing(
+    redis_url: str, redis_conn: redis.Redis
+) -> None:
+    """Redis's WRONGTYPE reply to the status read is handled by the read it was made for (the steps of
+    `job_reads`, driven on asyncio), as the sync handle handles it."""
+    redis_conn.set(keys.rq_job_key("not-a-hash"), "x")
+
+    async def scenario(client: AsyncClient) -> str:
+        handle = client.job("not-a-hash")
+        with pytest.raises(JobNotFound):
+            await handle.result(timeout=0.5)
+        return await handle.status()
+
+    assert run_with_client(redis_url, scenario) == "missing"
+
+
 def test_async_cancel(redis_url: str, redis_conn: redis.Redis, worker_side: WorkerSide) -> None:
     async def scenario(client: AsyncClient) -> str:
         queued = await client.submit_generate("Hi")
