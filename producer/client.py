@@ -1,8 +1,9 @@
 """The sync producer: `Client` submits jobs, `JobHandle` follows one (stream, result, status, cancel).
 
 Only the Redis calls are made here; what they mean is shared with the async client (`aio`): job hashes
-and RQ's records in `rq_wire`, requests and results in `payload`, stream reading in `tail`, RQ's statuses
-and failures in `job_state`, cancelling in `cancellation`, per-job options in `ProducerSettings`.
+and RQ's records in `rq_wire`, requests and results in `payload`, a job's reads (status, events, result)
+as steps in `job_reads` (which this handle drives on redis-py), RQ's statuses and failures in
+`job_state`, cancelling in `cancellation`, per-job options in `ProducerSettings`.
 """
 
 from __future__ import annotations
