@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -24,7 +24,6 @@ from mlxq.jobs.schema import (
     MAX_STOP_STRINGS,
     ContinuationScore,
     FinishReason,
-    GeneratedLogprob,
     GenerateRequest,
     GenerateResult,
     PromptLogprobs,
@@ -32,7 +31,6 @@ from mlxq.jobs.schema import (
     ScoredRow,
     ScoreRequest,
     ScoreResult,
-    Timings,
     TopLogprob,
     Usage,
 )
@@ -48,6 +46,7 @@ from mlxq.worker.engine.device import (
     pad_shapes_by_default,
 )
 from mlxq.worker.engine.eval_tokens import continuation_seqs, rolling_seqs
+from mlxq.worker.engine.generation_clock import GenerationClock
 from mlxq.worker.engine.launcher import Launcher
 from mlxq.worker.engine.mask_buffer import host_writes_seen
 from mlxq.worker.engine.memory_guard import with_memory_retry
@@ -77,12 +76,11 @@ from mlxq.worker.engine.speculation.draft_model import (
 from mlxq.worker.engine.speculation.mtp import MtpDraft
 from mlxq.worker.engine.speculation.policy import DraftPolicy, RowSpeculation
 from mlxq.worker.engine.speculation.prompt_lookup import PromptLookup
-from mlxq.worker.engine.text.detokenizer import IncrementalDetokenizer
-from mlxq.worker.engine.text.stop_strings import StopStringMatcher
 from mlxq.worker.engine.text.token_texts import piece as token_piece
 from mlxq.worker.engine.text.token_texts import token_texts
 from mlxq.worker.engine.text.tokenizer import Tokenizer
-from mlxq.worker.engine.token_logprobs import TokenLogprob, as_generated
+from mlxq.worker.engine.text_run import TextRun
+from mlxq.worker.engine.token_logprobs import TokenLogprob
 from mlxq.worker.engine.token_scoring import TokenHead, TokenScores, TokenSeq
 
 log = logging.getLogger(__name__)
@@ -112,20 +110,6 @@ class PromptAsk:
 
 
 PreparedRow = RowTokens | SeqRow
-
-
-class TokenSink(Protocol):
-    """Receives generated text as it becomes safe to show; `ids` are the tokens behind it."""
-
-    def __call__(self, text: str, ids: list[int]) -> None: ...
-
-
-@runtime_checkable
-class LogprobSink(Protocol):
-    """A sink that also takes the logprobs of the tokens behind its next text, just before it (where
-    the request asked for logprobs)."""
-
-    def logprobs(self, items: list[GeneratedLogprob]) -> None: ...
 
 
 # Drafters a worker may decode with (`EngineOptions.speculation`): "draft_model" covers every draft
@@ -728,101 +712,6 @@ class Engine:
             timings=clock.timings(len(prompt) - n_cached, len(run.ids)),
             logprobs=run.logprobs,
         )
-
-
-class GenerationClock:
-    """When a generation started, finished its prefill and produced its first token."""
-
-    def __init__(self) -> None:
-        self.start = time.perf_counter()
-        self.prefill_end: float | None = None
-        self.first_token: float | None = None
-
-    def prefilled(self) -> None:
-        self.prefill_end = time.perf_counter()
-
-    def token(self) -> None:
-        if self.first_token is None:
-            self.first_token = time.perf_counter()
-
-    def timings(self, prefill_tokens: int, generated: int) -> Timings:
-        end = time.perf_counter()
-        prefill_end = self.prefill_end if self.prefill_end is not None else end
-        first = self.first_token if self.first_token is not None else end
-        decode_s = end - first
-        return Timings(
-            ttft_s=None if self.first_token is None else self.first_token - self.start,
-            prefill_s=prefill_end - self.start,
-            decode_s=decode_s,
-            total_s=end - self.start,
-            prefill_tokens_per_s=prefill_tokens / max(prefill_end - self.start, 1e-9),
-            decode_tokens_per_s=(generated - 1) / decode_s if generated > 1 and decode_s > 0 else None,
-        )
-
-
-class TextRun:
-    """Per-request text state: detokenizer, stop strings, what was emitted."""
-
-    def __init__(
-        self, tokenizer: Tokenizer, stops: list[str], sink: TokenSink, logprobs: bool = False
-    ) -> None:
-        self.detok = IncrementalDetokenizer(tokenizer)
-        # one per generated token, where the request asked; those behind the text not emitted yet
-        self.logprobs: list[GeneratedLogprob] | None = [] if logprobs else None
-        self._pending_logprobs: list[GeneratedLogprob] = []
-        self._text_of = lambda token: token_piece(tokenizer, token)
-        self.stops = StopStringMatcher(stops) if stops else None
-        self.sink = sink
-        self.ids: list[int] = []
-        self._pending: list[int] = []  # ids whose text is not emitted yet
-        self._parts: list[str] = []
-
-    @property
-    def text(self) -> str:
-        return "".join(self._parts)
-
-    def _emit(self, text: str) -> None:
-        if text or self._pending:
-            self._parts.append(text)
-            if self._pending_logprobs and isinstance(self.sink, LogprobSink):
-                self.sink.logprobs(self._pending_logprobs)
-            self._pending_logprobs = []
-            self.sink(text, self._pending)
-            self._pending = []
-
-    def add(self, token: int, logprob: TokenLogprob | None = None) -> bool:
-        """Take one token (with its logprob, where asked); returns True when a stop string was completed."""
-        self.ids.append(token)
-        if self.logprobs is not None and logprob is not None:
-            generated = as_generated(logprob, self._text_of)
-            self.logprobs.append(generated)
-            self._pending_logprobs.append(generated)
-        self._pending.append(token)
-        delta = self.detok.add(token)
-        if self.stops is None:
-            self._emit(delta)
-            return False
-        safe, stopped = self.stops.feed(delta)
-        self._emit(safe)
-        return stopped
-
-    def finish(self, reason: FinishReason) -> FinishReason:
-        """Release held-back text at the end (nothing after a stop string is ever shown).
-
-        Returns the final finish reason: `stop` if the released tail itself completes a stop string
-        (e.g. the last bytes of a character, or a longer stop that could still have matched).
-        """
-        if reason == "stop" and self.stops is not None:
-            self._emit("")
-            return reason
-        tail = self.detok.flush()
-        if self.stops is not None:
-            safe, hit = self.stops.feed(tail)
-            tail = safe if hit else safe + self.stops.flush()
-            if self.stops.stopped:
-                reason = "stop"
-        self._emit(tail)
-        return reason
 
 
 def _prompt_logprobs(

@@ -43,7 +43,8 @@ from mlxq.worker.engine.cache.batch_cache import BatchKVCache, PrefillRowsCache
 from mlxq.worker.engine.cache.kv_cache import KVCache, key_columns
 from mlxq.worker.engine.cache.token_match import common_length
 from mlxq.worker.engine.decode_batch import DecodeBatch
-from mlxq.worker.engine.engine import Engine, GenerationClock, TextRun, TokenSink
+from mlxq.worker.engine.engine import Engine
+from mlxq.worker.engine.generation_clock import GenerationClock
 from mlxq.worker.engine.memory_guard import is_out_of_memory, with_memory_retry
 from mlxq.worker.engine.prefill import ChunkedPrefill, prefill_rows_layers
 from mlxq.worker.engine.sampler import Sampler
@@ -51,6 +52,7 @@ from mlxq.worker.engine.shapes import padded_size, padded_width
 from mlxq.worker.engine.speculation.drafter import FeatureReader
 from mlxq.worker.engine.speculation.policy import RowSpeculation
 from mlxq.worker.engine.speculation.row_tokens import RowTokens
+from mlxq.worker.engine.text_run import TextRun, TokenSink
 from mlxq.worker.engine.token_logprobs import TokenLogprob
 
 log = logging.getLogger(__name__)
