@@ -12,6 +12,7 @@ takes tokens out; nothing here imports it.
 
 from __future__ import annotations
 
-from mlxq.worker.engine.engine import Engine, EngineOptions
+from mlxq.worker.engine.engine import Engine
+from mlxq.worker.engine.engine_options import EngineOptions
 
 __all__ = ["Engine", "EngineOptions"]
