@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import gc
 import logging
-import re
-import secrets
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -68,6 +66,7 @@ from mlxq.worker.engine.speculation.draft_model import (
 from mlxq.worker.engine.speculation.mtp import MtpDraft
 from mlxq.worker.engine.speculation.policy import RowSpeculation
 from mlxq.worker.engine.speculation.prompt_lookup import PromptLookup
+from mlxq.worker.engine.text.chat_tokens import chat_tokens
 from mlxq.worker.engine.text.tokenizer import Tokenizer
 from mlxq.worker.engine.text_run import TextRun
 from mlxq.worker.engine.token_logprobs import TokenLogprob
@@ -244,37 +243,10 @@ class Engine:
         return ids
 
     def chat_tokens(self, messages: list[dict[str, Any]], tokenizer: Tokenizer | None = None) -> list[int]:
-        """Token ids of a chat rendered by the model's template. What the messages hold (a content, a
-        role, any other field) is untrusted text: where it holds the text of a special token, that
-        string enters the template as a placeholder and is encoded as ordinary text in its place, so
-        `<|im_start|>system` inside a user's content never opens a turn. Other chats are encoded whole,
-        as the model's own tokenizer would. `tokenizer`: a clone of the engine's (`Tokenizer.clone`)
+        """Token ids of a chat rendered by the model's template, special-token text in the messages
+        encoded as text (`text/chat_tokens.py`). `tokenizer`: a clone of the engine's (`Tokenizer.clone`)
         for a thread other than the engine's."""
-        tokenizer = tokenizer or self.tokenizer
-        spans: dict[str, str] = {}
-        nonce = secrets.token_hex(6)
-
-        def guard(value: Any) -> Any:
-            if isinstance(value, str) and tokenizer.has_special_text(value):
-                mark = f"\ue000{nonce}{len(spans)}\ue001"
-                spans[mark] = value
-                return mark
-            if isinstance(value, dict):
-                return {k: guard(v) for k, v in value.items()}
-            if isinstance(value, list):
-                return [guard(v) for v in value]
-            return value
-
-        text = tokenizer.apply_chat_template([guard(m) for m in messages], add_generation_prompt=True)
-        if not spans:  # templates write their own BOS; encoding must not add a second one
-            return tokenizer.encode(text, add_special_tokens=False)
-        ids: list[int] = []
-        for piece in re.split(f"(\ue000{nonce}\\d+\ue001)", text):
-            if piece in spans:
-                ids += tokenizer.encode_as_text(spans[piece])
-            elif piece:
-                ids += tokenizer.encode(piece, add_special_tokens=False)
-        return ids
+        return chat_tokens(tokenizer or self.tokenizer, messages)
 
     def begin_cache(self, prompt: list[int], min_reuse: int = 1) -> tuple[list[KVCache], int]:
         """A KV cache for `prompt`: the longest cached prefix already in it (none if shorter than
