@@ -139,7 +139,6 @@ class Engine:
             self.context_length,
             self.max_prompt_chars,
             model.args.vocab_size,
-            self.chat_tokens,
         )
 
     @classmethod

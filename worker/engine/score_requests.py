@@ -9,9 +9,8 @@ while the engine scores the one before.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from mlxq.jobs.errors import ContextTooLong, InvalidRequest
 from mlxq.jobs.schema import (
@@ -25,13 +24,11 @@ from mlxq.jobs.schema import (
 from mlxq.worker.engine.engine_options import EngineOptions
 from mlxq.worker.engine.eval_tokens import continuation_seqs, rolling_seqs
 from mlxq.worker.engine.scoring import RowText, RowTokens, candidate_token_ids
+from mlxq.worker.engine.text.chat_tokens import chat_tokens
 from mlxq.worker.engine.text.token_texts import piece as token_piece
 from mlxq.worker.engine.text.token_texts import token_texts
 from mlxq.worker.engine.text.tokenizer import Tokenizer
 from mlxq.worker.engine.token_scoring import TokenScores, TokenSeq
-
-# A chat's token ids, rendered by the model's template with a tokenizer (`Engine.chat_tokens`).
-ChatTokens = Callable[[list[dict[str, Any]], Tokenizer | None], list[int]]
 
 
 @dataclass(frozen=True)
@@ -71,14 +68,12 @@ class ScoreRequests:
         context_length: int,
         max_prompt_chars: int,
         vocab_size: int,
-        chat_tokens: ChatTokens,
     ) -> None:
         self.tokenizer = tokenizer
         self.options = options
         self.context_length = context_length
         self.max_prompt_chars = max_prompt_chars
         self.vocab_size = vocab_size
-        self.chat_tokens = chat_tokens
 
     def score_tokens(self, request: ScoreRequest) -> list[PreparedRow]:
         """Per row: its tokens, validated (prompts are never truncated; rolling texts are windowed)."""
@@ -135,7 +130,7 @@ class ScoreRequests:
         if row.prompt_ids is not None:
             tokens = list(row.prompt_ids)
         elif row.messages is not None:
-            tokens = self.chat_tokens([m.model_dump() for m in row.messages], tokenizer)
+            tokens = chat_tokens(tokenizer, [m.model_dump() for m in row.messages])
         else:
             special = request.add_special_tokens
             tokens = tokenizer.encode(row.prompt, add_special_tokens=special, split_special=split)
