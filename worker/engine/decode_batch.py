@@ -1,6 +1,6 @@
 """The decode loop: many sequences decoded in one forward per step, one step in flight.
 
-Yields token ids only; text, stop strings, streaming and Redis live one layer up (`engine.py`,
+Yields token ids only; text, stop strings, streaming and Redis live one layer up (`text_run.py`,
 `generation_batch.py`); prompts come in through `prefill.py`. `DecodeBatch` decodes many sequences in
 one forward per step, each row with its own sampler; its cache layout (left padding, per-row RoPE
 offsets) is explained in `batch_cache.py`.
