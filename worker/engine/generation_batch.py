@@ -508,10 +508,10 @@ class GenerationBatch:
                 gate.end("verify" if verify else "plain", 0)
             self._decode_failed(e, finished)
             return
-        verified = verify and self.decode.verified
+        verified = verify and self.decode.verify_step.verified
         self._leave(self._failed_grammars(leaving), finished)
         if gate is not None:  # rows leaving (their caches cut out) are part of the step's cost
-            new_shape = verified and self.decode.verify_new_shape
+            new_shape = verified and self.decode.verify_step.new_shape
             gate.end("verify" if verified else "plain", self._progress, new_shape=new_shape)
 
     def _leave(
