@@ -1,8 +1,9 @@
 """A generation's text as it becomes safe to show: per request, the detokenizer, the stop strings, the
 tokens and logprobs behind the text not emitted yet, and the sink that takes what is emitted.
 
-It knows nothing of Redis: the sink is the stream writer in a worker, a list in tests. The generation
-batch (`generation_batch.py`) feeds each request's tokens here, one at a time.
+It knows nothing of Redis: the sink is the stream writer in a worker, a list in tests. A generation
+batch (`generation_batch.py`) hands each request's tokens here one at a time, through
+`Engine.finish_reason_after`.
 """
 
 from __future__ import annotations
