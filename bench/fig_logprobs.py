@@ -9,7 +9,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from mlxq.worker.engine.engine import SeqRow
+from mlxq.worker.engine.score_requests import SeqRow
 from mlxq.worker.engine.token_scoring import TokenSeq
 
 from .common import Bench, mem_fields, memory

@@ -257,7 +257,7 @@ def _run(engine: Engine, payloads: list[dict[str, Any]], n: int) -> dict[str, An
                 results[done.key] = done.result
         steps += batch.decode._steps
         for f in dataclasses.fields(verify):
-            setattr(verify, f.name, getattr(verify, f.name) + getattr(batch.decode.verify_clock, f.name))
+            setattr(verify, f.name, getattr(verify, f.name) + getattr(batch.decode.verify_step.clock, f.name))
         batch.close()
     wall = time.perf_counter() - t0
     res = [results[str(i)] for i in range(len(payloads))]

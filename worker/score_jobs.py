@@ -27,7 +27,7 @@ from rq.timeouts import JobTimeoutException
 from mlxq.jobs import MAX_NESTING_DEPTH, parse_score
 from mlxq.jobs.errors import InvalidRequest
 from mlxq.jobs.schema import ScoreRequest, ScoreResult
-from mlxq.worker.engine.engine import PreparedRow
+from mlxq.worker.engine.score_requests import PreparedRow
 from mlxq.worker.engine.text.tokenizer import Tokenizer
 from mlxq.worker.finalizer import Finalizer
 from mlxq.worker.job_deadline import JobDeadline

@@ -21,7 +21,7 @@ from mlxq.jobs.replication import Replicas, default_replica_acks
 from mlxq.worker.bounded_job import BoundedJob
 from mlxq.worker.engine import Engine, EngineOptions
 from mlxq.worker.engine.device import limit_buffer_cache
-from mlxq.worker.engine.generation_batch import batch_kv_by_default
+from mlxq.worker.engine.prefill_plan import batch_kv_by_default
 from mlxq.worker.engine.speculation.policy import DraftPolicy
 from mlxq.worker.engine.warm_up import WarmUpShapes, batch_sizes, warm_up
 from mlxq.worker.generation_jobs import BatchOptions, GenerationJobs

@@ -38,7 +38,7 @@ def test_rows_come_back_in_order_with_what_each_request_gives_alone(
     no_eos: dict[int, float],
     tmp_path: Path,
 ) -> None:
-    from mlxq.worker.engine.engine import Engine, EngineOptions
+    from mlxq.worker.engine import Engine, EngineOptions
 
     rows: list[dict[str, Any]] = [
         {"custom_id": f"p{i}", "prompt": f"Question {i}: the capital of France is"} for i in range(12)

@@ -79,7 +79,7 @@ def test_a_few_hundred_rows_wait_under_backpressure_then_match_one_row_scores_in
     redis_conn: redis.Redis,
     tmp_path: Path,
 ) -> None:
-    from mlxq.worker.engine.engine import Engine, EngineOptions
+    from mlxq.worker.engine import Engine, EngineOptions
 
     data = rows(300)
     src, out = write_jsonl(tmp_path / "in.jsonl", data), tmp_path / "out.jsonl"

@@ -258,7 +258,7 @@ def test_jobs_tokenized_together_keep_their_own_rows_and_errors(model_dir: Path)
 def test_a_stop_string_completed_by_the_final_flush_still_stops(engine: Engine) -> None:
     # Two stops, one inside the other: "cd" alone is held while "abcdef" could still match; at the end
     # the held text is released up to "cd" and the finish reason is `stop`.
-    from mlxq.worker.engine.engine import TextRun
+    from mlxq.worker.engine.text_run import TextRun
 
     emitted: list[str] = []
     run = TextRun(engine.tokenizer, ["abcdef", "cd"], lambda t, i: emitted.append(t))

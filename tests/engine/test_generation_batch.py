@@ -556,7 +556,7 @@ def test_short_prompts_start_together_and_a_shared_prefix_is_computed_once(
 
 def test_prompts_prefilled_together_reuse_a_cached_prefix_only_from_32_tokens(model_dir: Path) -> None:
     """Splicing a short cached prefix into a rows forward costs more than computing it (see
-    `_SHARED_MIN`): a prompt sharing a few cached tokens starts from scratch, one sharing a long
+    `prefill_plan.SHARED_MIN`): a prompt sharing a few cached tokens starts from scratch, one sharing a long
     prefix reuses it; both generate what they generate alone."""
     engine = _engine(model_dir, prefix_cache_bytes=1 << 24)
     first = PROMPT * 12

@@ -598,7 +598,7 @@ def test_rows_leaving_with_holes_wait_for_the_launch_in_flight(
         assert ahead[0] == first[0]
         runs = batch.verify_with(lambda tokens: [ahead[2:5], []], lambda runs: runs)
         assert runs[0] == ahead[1:5] and batch.cache[0].holes[1] == 3
-        clock = batch.verify_clock  # one verify step timed: 2 rows x 4 columns fed, 4 + 1 tokens given
+        clock = batch.verify_step.clock  # one verify step timed: 2 rows x 4 columns fed, 4 + 1 tokens given
         assert (clock.steps, clock.fed, clock.given) == (1, 8, 5)
         assert clock.per_step_ms()["step_ms"] == pytest.approx(1e3 * clock.total_s) and clock.total_s > 0
         batch.step()  # a plain step: the next one is launching when this returns
@@ -711,8 +711,8 @@ def _gated_run(
 
     def verify(self: DecodeBatch, *args: Any, **kwargs: Any) -> Any:
         result = original_verify(self, *args, **kwargs)
-        verify_steps[0] += self.verified  # else nothing was proposed: it took a plain step
-        now[0] += verify_s if self.verified else 0.01
+        verify_steps[0] += self.verify_step.verified  # else nothing was proposed: it took a plain step
+        now[0] += verify_s if self.verify_step.verified else 0.01
         return result
 
     def step(self: DecodeBatch, *args: Any, **kwargs: Any) -> Any:

@@ -21,9 +21,9 @@ from engines import closed_after_test
 from mlxq.jobs.errors import InvalidRequest
 from mlxq.jobs.schema import GenerateRequest, GenerateResult
 from mlxq.worker.engine import Engine, EngineOptions
-from mlxq.worker.engine.engine import TokenSink
 from mlxq.worker.engine.generation_batch import Finished, GenerationBatch, generate
 from mlxq.worker.engine.sampler import Sampler, SamplerRows
+from mlxq.worker.engine.text_run import TokenSink
 from mlxq.worker.modelfiles.tiny_model import write_random_checkpoint
 
 pytest.importorskip("llguidance")

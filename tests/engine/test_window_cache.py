@@ -427,7 +427,7 @@ def test_the_batch_kv_budget_counts_a_windowed_layer_at_most_its_window_and_slac
     """Rows that may reach 3,000 positions: a budget of two such rows as the windowed caches hold them
     seats two, where counting every layer's every column (as before) would seat one."""
     engine = _engine(folder)
-    columns = key_columns(20 + 3000 + BatchKVCache.step)  # what `GenerationBatch._fits` counts a row at
+    columns = key_columns(20 + 3000 + BatchKVCache.step)  # what `PrefillPlan.fits` counts a row at
     row = engine.kv_bytes(columns)
     windows = model.model.windows
     assert row == sum(held_columns(columns, w) for w in windows) * engine.kv_bytes_per_token // len(windows)

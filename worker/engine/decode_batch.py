@@ -1,6 +1,6 @@
 """The decode loop: many sequences decoded in one forward per step, one step in flight.
 
-Yields token ids only; text, stop strings, streaming and Redis live one layer up (`engine.py`,
+Yields token ids only; text, stop strings, streaming and Redis live one layer up (`text_run.py`,
 `generation_batch.py`); prompts come in through `prefill.py`. `DecodeBatch` decodes many sequences in
 one forward per step, each row with its own sampler; its cache layout (left padding, per-row RoPE
 offsets) is explained in `batch_cache.py`.
@@ -25,16 +25,13 @@ from mlxq.worker.engine.models.base import Model
 from mlxq.worker.engine.models.layer_taps import LayerTaps
 from mlxq.worker.engine.sampler import Sampler, SamplerRows
 from mlxq.worker.engine.shapes import padded_size
-from mlxq.worker.engine.speculation.verify_clock import VerifyClock
 from mlxq.worker.engine.token_logprobs import PendingLogprobs, TokenLogprob
+from mlxq.worker.engine.verify_step import VerifyStep
 
 # Release MLX's buffer cache at intervals, not every token: freeing is cheap, reallocating is not.
 _CLEAR_CACHE_EVERY = 256
 
 T = TypeVar("T")
-
-# Key and value bytes of a batch below which a verify step's holes are squeezed out at once (one copy)
-_SQUEEZE_BYTES = 256 << 20
 
 # Where a decode batch hands the tapped layers' outputs of each forward: each live row's position of
 # its first fed token, and the features (live rows, W, features), rows in row order (`DecodeBatch.taps`);
@@ -122,10 +119,8 @@ class DecodeBatch:
         self._ahead: mx.array | None = None
         self._then_seen = launcher.then_s if launcher is not None else 0.0  # `critical.forward_launch_s`
         self.critical = CriticalPath()  # the host's time on the constrained steps' critical path
-        self.verify_clock = VerifyClock()  # where the verify steps' time goes
-        self._verify_shapes: set[tuple[int, int, int]] = set()  # (rows, width, key columns) met
-        self.verify_new_shape = False  # the last verify step's shape was met for the first time
-        self.verified = False  # the last `verify_with` verified drafts (else it took a plain step)
+        # The verify steps' shapes met, their drafts' acceptance and their time (`verify_with`)
+        self.verify_step = VerifyStep(pad_shapes, self._window)
 
     def __len__(self) -> int:
         return len(self.rows) if self.rows is not None else 0
@@ -330,7 +325,7 @@ class DecodeBatch:
         gives each row's draft tokens (any number, [] for a plain step), and one forward feeds every row
         its pending token and drafts (rows padded to the longest with columns they do not keep). Each
         row keeps the drafts the target agrees with (`SamplerRows.verify`), its cache trimmed to them
-        (`BatchKVCache.trim_rows`), and the token after them is its next pending one. `handle` gets each
+        (`VerifyStep.keep`), and the token after them is its next pending one. `handle` gets each
         row's tokens of the step, in row order: its pending token, then the drafts it kept; returns what
         `handle` returns. `meanwhile` runs while the forward computes.
 
@@ -341,11 +336,14 @@ class DecodeBatch:
         Unlike a plain step nothing stays in flight: the drafts of the next step depend on what this
         one kept. So the next step (plain or verify) starts from tokens already read back. Where no row
         proposes anything after all (a drafter that expected to: `Drafter.may_propose`), the step is a
-        plain one instead, the next launched before the tokens are handled (`verified` says which)."""
+        plain one instead, the next launched before the tokens are handled (`verify_step.verified` says
+        which). The verify step's own parts (the forward's width, the key columns it reads, the caches
+        cut back to the drafts kept, its shapes met and its time) are the `VerifyStep`'s."""
         if self._pending is None or self.rows is None:
             raise ValueError("an empty batch has no step to take")
         self._drop_ahead()
-        clock, began = self.verify_clock, time.perf_counter()
+        step = self.verify_step
+        clock, began = step.clock, time.perf_counter()
         self.quiet()
         self._fresh = False
         tokens = [int(t) for t in cast("list[int]", self._pending.tolist())]
@@ -353,17 +351,15 @@ class DecodeBatch:
         self.logprobs = self._pending_logprobs.read(tokens)  # rows asking logprobs draft nothing
         read = time.perf_counter()
         drafts = self.rows.cut(drafts_for(tokens))
-        self.verified = any(drafts)
-        if not self.verified:  # nothing proposed after all: a plain step, launched before the handling
+        step.verified = any(drafts)
+        if not step.verified:  # nothing proposed after all: a plain step, launched before the handling
             self._launch_next(self._pending)
             self._stepped()
             result = handle([[t] for t in tokens])
             if meanwhile is not None:
                 meanwhile()
             return result
-        width = 1 + max(len(d) for d in drafts)
-        if self.pad_shapes and width > 1:  # a GPU meets few widths (the columns past the drafts: never kept)
-            width = padded_size(width, smallest=1)
+        width = step.width(drafts)
         allowed = self.rows.draft_masks(drafts, width) if width > 1 else None
         drafted = time.perf_counter()
         fed = [[t, *d, *([0] * (width - 1 - len(d)))] for t, d in zip(tokens, drafts, strict=True)]
@@ -384,12 +380,7 @@ class DecodeBatch:
         launched = time.perf_counter()
         kept = [int(k) for k in cast("list[int]", kept_drafts.tolist())]
         waited = time.perf_counter()
-        columns = [width] * self.cache[0].batch  # idle rows keep all: nobody reads them
-        for slot, k in zip(self.slots, kept, strict=True):
-            columns[slot] = 1 + k
-        for layer in self.cache:
-            layer.trim_rows(width, columns)
-        if self._squeeze_holes():
+        if step.keep(self.cache, self.slots, kept, width):  # holes squeezed out
             self._compact(self._idle_rows())
         self._pending, self._pending_copy, self._fresh = following, None, True
         self._stepped()
@@ -401,38 +392,14 @@ class DecodeBatch:
         clock.note(len(fed) * width, len(tokens) + sum(kept), marks)
         return result
 
-    def _squeeze_holes(self) -> bool:
-        """Whether to copy the buffers after a verify step to squeeze its holes out: always once a
-        step's worth of columns is wasted; with `pad_shapes` (a GPU) at once while the buffers are
-        small (`_SQUEEZE_BYTES`), since a row with holes needs a mask at every step until it leaves (no
-        ragged kernel: `_step_mask`), dearer over the steps that follow than one small copy."""
-        first = self.cache[0]
-        if not first.has_holes:
-            return False
-        if max(first.holes) >= BatchKVCache.step:
-            return True
-        return self.pad_shapes and sum(layer.nbytes for layer in self.cache) <= _SQUEEZE_BYTES
-
     def _verify_forward(self, fed: mx.array, pieces: ForwardPieces) -> mx.array:
         """The logits of a verify step's forward of `fed` (B, W), its layers launched in `pieces` as
-        they are built (`forward_pieces.py`); with `pad_shapes` and W > 1 its attention reads whole
-        steps of the caches (`BatchKVCache.read_whole_steps`: the key lengths a GPU meets change once
-        per 256 columns, not at every step), except in a model with windowed layers. Notes whether,
-        with `pad_shapes` (a GPU), the step's shape (rows, width, key columns) is one the batch met
-        before (`verify_new_shape`: a new one may have built kernels, so its time says nothing of the
-        next; without padding shapes cost nothing to meet)."""
-        width, first = fed.shape[1], self.cache[0]
-        columns = None
-        if self.pad_shapes and width > 1 and self._window is None:
-            columns = first.read_whole_steps(width)
-            for layer in self.cache[1:]:
-                layer.read_whole_steps(width)
-        shape = (first.batch, width, columns if columns is not None else first.end + width)
-        self.verify_new_shape = self.pad_shapes and shape not in self._verify_shapes
-        if self.pad_shapes:  # unpadded, every step's shape is new: nothing worth keeping
-            self._verify_shapes.add(shape)
+        they are built (`forward_pieces.py`); its attention reads the key columns the verify step says
+        (`VerifyStep.read_columns`: whole steps of the caches on a GPU)."""
+        width = fed.shape[1]
+        columns = self.verify_step.read_columns(self.cache, width)
         try:
-            return self._forward(fed, first.mask(width, columns), pieces)
+            return self._forward(fed, self.cache[0].mask(width, columns), pieces)
         finally:
             for layer in self.cache:
                 layer.read_exactly()

@@ -1,39 +1,32 @@
 """The engine: one loaded model with its tokenizer, turning requests into tokens, text and scores.
 
-It knows nothing of Redis or RQ. Generation reports progress through a `TokenSink` (the stream writer
-in a worker, a list in tests) and checks a `cancelled` callable between prefill chunks and tokens.
+It loads the model, prepares generation requests (prompt tokens, limits, sampler, drafter) and runs
+score batches; a score request's rows are prepared by the `ScoreRequests` it composes
+(`score_requests.py`). It knows nothing of Redis or RQ. A generation reports progress through a
+`TokenSink` (`text_run.py`: the stream writer in a worker, a list in tests) and checks a `cancelled`
+callable between prefill chunks and tokens (`generation_batch.py` drives it).
 """
 
 from __future__ import annotations
 
 import gc
 import logging
-import re
-import secrets
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
 
 from mlxq.jobs.errors import ContextTooLong, InvalidRequest
 from mlxq.jobs.schema import (
-    MAX_STOP_STRINGS,
-    ContinuationScore,
     FinishReason,
-    GeneratedLogprob,
     GenerateRequest,
     GenerateResult,
-    PromptLogprobs,
-    RollingScore,
     ScoredRow,
     ScoreRequest,
     ScoreResult,
-    Timings,
-    TopLogprob,
     Usage,
 )
 from mlxq.worker.engine import launcher as launchers
@@ -47,7 +40,8 @@ from mlxq.worker.engine.device import (
     overlap_by_default,
     pad_shapes_by_default,
 )
-from mlxq.worker.engine.eval_tokens import continuation_seqs, rolling_seqs
+from mlxq.worker.engine.engine_options import SPECULATION_KINDS, EngineOptions
+from mlxq.worker.engine.generation_clock import GenerationClock
 from mlxq.worker.engine.launcher import Launcher
 from mlxq.worker.engine.mask_buffer import host_writes_seen
 from mlxq.worker.engine.memory_guard import with_memory_retry
@@ -55,14 +49,12 @@ from mlxq.worker.engine.models.base import Model
 from mlxq.worker.engine.models.loader import default_dtype, load_model, parse_dtype, resolve_model_path
 from mlxq.worker.engine.models.quantized_rows import default_max_bytes, dense_rows_by_default, use_dense_rows
 from mlxq.worker.engine.sampler import Sampler
+from mlxq.worker.engine.score_requests import PreparedRow, ScoreRequests, SeqRow, prompt_logprobs, seq_result
 from mlxq.worker.engine.scoring import (
     SCORE_ENGINE_PHASES,
     CandidateHead,
     PrefixScorer,
-    RowText,
-    RowTokens,
     candidate_scores,
-    candidate_token_ids,
     score_kv_by_default,
 )
 from mlxq.worker.engine.speculation import dflash  # noqa: F401  # registers the DFlash draft kind
@@ -75,88 +67,15 @@ from mlxq.worker.engine.speculation.draft_model import (
     load_draft,
 )
 from mlxq.worker.engine.speculation.mtp import MtpDraft
-from mlxq.worker.engine.speculation.policy import DraftPolicy, RowSpeculation
+from mlxq.worker.engine.speculation.policy import RowSpeculation
 from mlxq.worker.engine.speculation.prompt_lookup import PromptLookup
-from mlxq.worker.engine.text.detokenizer import IncrementalDetokenizer
-from mlxq.worker.engine.text.stop_strings import StopStringMatcher
-from mlxq.worker.engine.text.token_texts import piece as token_piece
-from mlxq.worker.engine.text.token_texts import token_texts
+from mlxq.worker.engine.text.chat_tokens import chat_tokens
 from mlxq.worker.engine.text.tokenizer import Tokenizer
-from mlxq.worker.engine.token_logprobs import TokenLogprob, as_generated
-from mlxq.worker.engine.token_scoring import TokenHead, TokenScores, TokenSeq
+from mlxq.worker.engine.text_run import TextRun
+from mlxq.worker.engine.token_logprobs import TokenLogprob
+from mlxq.worker.engine.token_scoring import TokenHead
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class SeqRow:
-    """A prepared score row of a kind scored token by token (`TokenHead`): continuations (a
-    sequence each), rolling windows, or one prompt."""
-
-    kind: str  # "continuations" | "rolling" | "prompt_logprobs"
-    seqs: list[TokenSeq]
-    prompt: PromptAsk | None = None  # a prompt_logprobs row's prompt and extras
-
-
-@dataclass(frozen=True)
-class PromptAsk:
-    """A prompt_logprobs row's tokens and what it asks besides their log-probabilities: `top_k`
-    alternatives, token texts, and the token after the prompt (its sequence then ends in a placeholder
-    token whose position gives that next token's alternatives)."""
-
-    tokens: list[int]
-    top_k: int
-    chosen: bool
-    texts: bool
-    next_token: bool
-
-
-PreparedRow = RowTokens | SeqRow
-
-
-class TokenSink(Protocol):
-    """Receives generated text as it becomes safe to show; `ids` are the tokens behind it."""
-
-    def __call__(self, text: str, ids: list[int]) -> None: ...
-
-
-@runtime_checkable
-class LogprobSink(Protocol):
-    """A sink that also takes the logprobs of the tokens behind its next text, just before it (where
-    the request asked for logprobs)."""
-
-    def logprobs(self, items: list[GeneratedLogprob]) -> None: ...
-
-
-# Drafters a worker may decode with (`EngineOptions.speculation`): "draft_model" covers every draft
-# folder kind (a causal LM, DFlash); "mtp" is the target checkpoint's own MTP layer.
-SPECULATION_KINDS = ("off", "prompt_lookup", "draft_model", "mtp")
-
-
-@dataclass(frozen=True)
-class EngineOptions:
-    dtype: str | None = None  # None: float32 on CPU, the checkpoint's dtype on a GPU
-    prefill_chunk: int = 2048
-    max_context: int | None = None
-    prefix_cache_bytes: int = 1 << 30  # 0 turns the prefix cache off
-    max_score_rows: int = 64
-    max_score_candidates: int = 26
-    pad_shapes: bool | None = None  # None: on a GPU only (see `shapes.padded_size`)
-    decode_overlap: bool | None = None  # None: MLX's CUDA build only (`device.overlap_by_default`)
-    masks_in_place: bool | None = None  # None: where the device sees host writes (`mask_buffer.py`)
-    dense_rows: int | None = None  # quantized layers' dense copies from this many rows (`quantized_rows`)
-    idle_prefill_tokens: int | None = None  # None: see `idle_prefill_by_default`
-    score_kv_bytes: int | None = (
-        None  # score batches' keys and values beside the prefix; None: `score_kv_by_default`
-    )
-    max_prompt_chars: int | None = None  # a prompt's (or a chat's) characters; None: 32 x the context
-    max_stop_chars: int = 4096  # characters of a request's stop strings together
-    max_stops: int = MAX_STOP_STRINGS  # stop strings of a request (the wire allows at most 16)
-    max_messages: int = 256  # messages of one chat
-    speculation: str = "off"  # one of SPECULATION_KINDS (`speculation/`)
-    draft_model: str | None = None  # the draft's folder; None: a `draft/` folder beside the model's files
-    draft_policy: DraftPolicy = field(default_factory=DraftPolicy)
-    sync_score_phases: bool = False  # debug: wait for each scoring forward and head (`PrefixScorer`)
 
 
 class Engine:
@@ -216,6 +135,14 @@ class Engine:
         # drafts and the policy asks for it: learnt across the generation batches it runs, one after another.
         drafting = options.speculation != "off" and options.draft_policy.gate
         self.draft_gate = DraftGate() if drafting else None
+        # Score requests' limits checked and their rows tokenized (`score_requests.py`): no model needed.
+        self.score_requests = ScoreRequests(
+            tokenizer,
+            options,
+            self.context_length,
+            self.max_prompt_chars,
+            model.args.vocab_size,
+        )
 
     @classmethod
     def load(cls, model: str, options: EngineOptions | None = None) -> Engine:
@@ -318,37 +245,10 @@ class Engine:
         return ids
 
     def chat_tokens(self, messages: list[dict[str, Any]], tokenizer: Tokenizer | None = None) -> list[int]:
-        """Token ids of a chat rendered by the model's template. What the messages hold (a content, a
-        role, any other field) is untrusted text: where it holds the text of a special token, that
-        string enters the template as a placeholder and is encoded as ordinary text in its place, so
-        `<|im_start|>system` inside a user's content never opens a turn. Other chats are encoded whole,
-        as the model's own tokenizer would. `tokenizer`: a clone of the engine's (`Tokenizer.clone`)
+        """Token ids of a chat rendered by the model's template, special-token text in the messages
+        encoded as text (`text/chat_tokens.py`). `tokenizer`: a clone of the engine's (`Tokenizer.clone`)
         for a thread other than the engine's."""
-        tokenizer = tokenizer or self.tokenizer
-        spans: dict[str, str] = {}
-        nonce = secrets.token_hex(6)
-
-        def guard(value: Any) -> Any:
-            if isinstance(value, str) and tokenizer.has_special_text(value):
-                mark = f"\ue000{nonce}{len(spans)}\ue001"
-                spans[mark] = value
-                return mark
-            if isinstance(value, dict):
-                return {k: guard(v) for k, v in value.items()}
-            if isinstance(value, list):
-                return [guard(v) for v in value]
-            return value
-
-        text = tokenizer.apply_chat_template([guard(m) for m in messages], add_generation_prompt=True)
-        if not spans:  # templates write their own BOS; encoding must not add a second one
-            return tokenizer.encode(text, add_special_tokens=False)
-        ids: list[int] = []
-        for piece in re.split(f"(\ue000{nonce}\\d+\ue001)", text):
-            if piece in spans:
-                ids += tokenizer.encode_as_text(spans[piece])
-            elif piece:
-                ids += tokenizer.encode(piece, add_special_tokens=False)
-        return ids
+        return chat_tokens(tokenizer or self.tokenizer, messages)
 
     def begin_cache(self, prompt: list[int], min_reuse: int = 1) -> tuple[list[KVCache], int]:
         """A KV cache for `prompt`: the longest cached prefix already in it (none if shorter than
@@ -360,134 +260,15 @@ class Engine:
     # --- scoring --------------------------------------------------------------------------------
 
     def score_tokens(self, request: ScoreRequest) -> list[PreparedRow]:
-        """Per row: its tokens, validated (prompts are never truncated; rolling texts are windowed)."""
-        prepared = self.score_tokens_many([request])[0]
-        if isinstance(prepared, Exception):
-            raise prepared
-        return prepared
+        """Per row: its tokens, validated (`ScoreRequests.score_tokens`)."""
+        return self.score_requests.score_tokens(request)
 
     def score_tokens_many(
         self, requests: Sequence[ScoreRequest], tokenizer: Tokenizer | None = None
     ) -> list[list[PreparedRow] | InvalidRequest]:
-        """`score_tokens` of several jobs, their candidate rows tokenized together (one batch call to the
-        tokenizer for all of their short texts); a bad job gets its error in its place, alone.
-
-        Tokenizing reads only the tokenizer and the engine's settings, never the model: another thread
-        may tokenize a batch while this one scores, with a `tokenizer` of its own (`Tokenizer.clone`:
-        the engine's own holds state that two threads must not share)."""
-        tokenizer = tokenizer or self.tokenizer
-        limits = [self._limits_error(request) for request in requests]
-        rows = [
-            RowText(r.prompt, r.candidates, i, request.add_special_tokens, not request.allow_special_tokens)
-            for request, error in zip(requests, limits, strict=True)
-            if error is None
-            for i, r in enumerate(request.rows)
-            if r.candidates is not None
-        ]
-        tokens = iter(candidate_token_ids(tokenizer, rows))
-        out: list[list[PreparedRow] | InvalidRequest] = []
-        for request, error in zip(requests, limits, strict=True):
-            if error is not None:
-                out.append(error)
-                continue
-            mine: list[PreparedRow | InvalidRequest] = []
-            for i, r in enumerate(request.rows):
-                if r.candidates is not None:
-                    mine.append(next(tokens))
-                    continue
-                try:
-                    mine.append(self._seq_row(request, i, tokenizer))
-                except InvalidRequest as e:
-                    mine.append(e)
-            out.append(self._job_rows(mine, request.max_tokens))
-        return out
-
-    def _seq_row(self, request: ScoreRequest, index: int, tokenizer: Tokenizer) -> SeqRow:
-        """Row `index` of `request` (not a candidates row) as token sequences to score."""
-        row = request.rows[index]
-        split = not request.allow_special_tokens
-        if row.continuations is not None:
-            seqs = continuation_seqs(
-                tokenizer, index, row.prompt, row.continuations, request.add_special_tokens, split
-            )
-            return SeqRow("continuations", seqs)
-        if row.prompt_ids is not None:
-            tokens = list(row.prompt_ids)
-        elif row.messages is not None:
-            tokens = self.chat_tokens([m.model_dump() for m in row.messages], tokenizer)
-        else:
-            special = request.add_special_tokens
-            tokens = tokenizer.encode(row.prompt, add_special_tokens=special, split_special=split)
-        if row.rolling:  # an empty text has no windows: 0 over 0 tokens, as lm-eval has it
-            window = min(row.window or request.max_tokens or self.context_length, self.context_length)
-            return SeqRow("rolling", rolling_seqs(tokenizer, tokens, window))
-        tokens = [*tokens, *row.completion_ids]
-        vocab = self.model.args.vocab_size
-        checked = (("token id", row.token_ids), ("prompt token id", row.prompt_ids or []))
-        for what, ids in (*checked, ("completion token id", row.completion_ids)):
-            for t in ids:
-                if t >= vocab:
-                    raise InvalidRequest(f"row {index}: {what} {t} is not in the vocabulary (0..{vocab - 1})")
-        if not tokens:
-            raise InvalidRequest(f"row {index}: the prompt is empty (it encodes to no tokens)")
-        ask = PromptAsk(tokens, row.top_logprobs, bool(row.token_ids), row.token_texts, row.next_token)
-        if row.next_token:  # a placeholder after the prompt: its position's alternatives are the next token's
-            seq = TokenSeq([*tokens, 0], 1, max(row.top_logprobs, 1), tuple(row.token_ids))
-            return SeqRow("prompt_logprobs", [seq], ask)
-        if len(tokens) < 2:
-            return SeqRow("prompt_logprobs", [], ask)  # one token: nothing before it, no logprob
-        return SeqRow("prompt_logprobs", [TokenSeq(tokens, 1, row.top_logprobs, tuple(row.token_ids))], ask)
-
-    def _job_rows(
-        self, rows: list[PreparedRow | InvalidRequest], max_tokens: int | None
-    ) -> list[PreparedRow] | InvalidRequest:
-        """A job's tokenized rows, or the error of its first bad row. Each row's input to the model (a
-        prompt; a prompt with a continuation; a rolling window) must have 1..`max_tokens` tokens (the
-        model's context when None, and never more)."""
-        good: list[PreparedRow] = []
-        for i, row in enumerate(rows):
-            if isinstance(row, InvalidRequest):
-                return row
-            n = len(row[0]) if isinstance(row, tuple) else max((len(s.inputs) for s in row.seqs), default=0)
-            if max_tokens is not None and n > max_tokens:
-                what = "the prompt is" if isinstance(row, tuple) else "its longest sequence puts"
-                return InvalidRequest(
-                    f"row {i}: {what} {n} tokens through the model, more than max_tokens={max_tokens} "
-                    "(a score prompt is never truncated)"
-                )
-            limit = self.context_length - 1 if isinstance(row, tuple) else self.context_length
-            if n > limit:
-                return ContextTooLong(n, self.context_length)
-            good.append(row)
-        return good
-
-    def _limits_error(self, request: ScoreRequest) -> InvalidRequest | None:
-        """The job's error where it has more rows, candidates or prompt characters than this worker
-        takes, else None."""
-        if len(request.rows) > self.options.max_score_rows:
-            return InvalidRequest(
-                f"the score job has {len(request.rows)} rows; this worker takes at most "
-                f"{self.options.max_score_rows} per job (MLXQ_MAX_SCORE_ROWS): split it into several jobs"
-            )
-        if request.max_tokens is not None and request.max_tokens > self.context_length:
-            return InvalidRequest(
-                f"max_tokens={request.max_tokens} is more than the model's context "
-                f"of {self.context_length} tokens"
-            )
-        for i, row in enumerate(request.rows):
-            chars = self.max_prompt_chars * (8 if row.rolling else 1)
-            if len(row.prompt) > chars:
-                return InvalidRequest(
-                    f"row {i}'s prompt has {len(row.prompt)} characters; this worker takes at most "
-                    f"{chars} (MLXQ_MAX_PROMPT_CHARS{', x8 for a rolling row' if row.rolling else ''})"
-                )
-            many = len(row.candidates or row.continuations or [])
-            if many > self.options.max_score_candidates:
-                return InvalidRequest(
-                    f"row {i} has {many} {row.kind}; this worker takes at most "
-                    f"{self.options.max_score_candidates} (MLXQ_MAX_SCORE_CANDIDATES)"
-                )
-        return None
+        """`score_tokens` of several jobs, a bad job's error in its place (`ScoreRequests.score_tokens_many`:
+        another thread may call it with a `tokenizer` of its own)."""
+        return self.score_requests.score_tokens_many(requests, tokenizer)
 
     def score(self, request: ScoreRequest) -> ScoreResult:
         """Score one request's rows (shared prefixes computed once)."""
@@ -557,9 +338,9 @@ class Engine:
             n = len(row.seqs)
             row_scores, row_computed = tokens.scores[at : at + n], per_seq[at : at + n]
             if row.prompt is not None:
-                scored[i] = _prompt_logprobs(row.prompt, row_scores, row_computed, self.tokenizer)
+                scored[i] = prompt_logprobs(row.prompt, row_scores, row_computed, self.tokenizer)
             else:
-                scored[i] = _seq_result(row, row_scores, row_computed)
+                scored[i] = seq_result(row, row_scores, row_computed)
             at += n
         out, start = [], 0
         for job in jobs:
@@ -728,154 +509,3 @@ class Engine:
             timings=clock.timings(len(prompt) - n_cached, len(run.ids)),
             logprobs=run.logprobs,
         )
-
-
-class GenerationClock:
-    """When a generation started, finished its prefill and produced its first token."""
-
-    def __init__(self) -> None:
-        self.start = time.perf_counter()
-        self.prefill_end: float | None = None
-        self.first_token: float | None = None
-
-    def prefilled(self) -> None:
-        self.prefill_end = time.perf_counter()
-
-    def token(self) -> None:
-        if self.first_token is None:
-            self.first_token = time.perf_counter()
-
-    def timings(self, prefill_tokens: int, generated: int) -> Timings:
-        end = time.perf_counter()
-        prefill_end = self.prefill_end if self.prefill_end is not None else end
-        first = self.first_token if self.first_token is not None else end
-        decode_s = end - first
-        return Timings(
-            ttft_s=None if self.first_token is None else self.first_token - self.start,
-            prefill_s=prefill_end - self.start,
-            decode_s=decode_s,
-            total_s=end - self.start,
-            prefill_tokens_per_s=prefill_tokens / max(prefill_end - self.start, 1e-9),
-            decode_tokens_per_s=(generated - 1) / decode_s if generated > 1 and decode_s > 0 else None,
-        )
-
-
-class TextRun:
-    """Per-request text state: detokenizer, stop strings, what was emitted."""
-
-    def __init__(
-        self, tokenizer: Tokenizer, stops: list[str], sink: TokenSink, logprobs: bool = False
-    ) -> None:
-        self.detok = IncrementalDetokenizer(tokenizer)
-        # one per generated token, where the request asked; those behind the text not emitted yet
-        self.logprobs: list[GeneratedLogprob] | None = [] if logprobs else None
-        self._pending_logprobs: list[GeneratedLogprob] = []
-        self._text_of = lambda token: token_piece(tokenizer, token)
-        self.stops = StopStringMatcher(stops) if stops else None
-        self.sink = sink
-        self.ids: list[int] = []
-        self._pending: list[int] = []  # ids whose text is not emitted yet
-        self._parts: list[str] = []
-
-    @property
-    def text(self) -> str:
-        return "".join(self._parts)
-
-    def _emit(self, text: str) -> None:
-        if text or self._pending:
-            self._parts.append(text)
-            if self._pending_logprobs and isinstance(self.sink, LogprobSink):
-                self.sink.logprobs(self._pending_logprobs)
-            self._pending_logprobs = []
-            self.sink(text, self._pending)
-            self._pending = []
-
-    def add(self, token: int, logprob: TokenLogprob | None = None) -> bool:
-        """Take one token (with its logprob, where asked); returns True when a stop string was completed."""
-        self.ids.append(token)
-        if self.logprobs is not None and logprob is not None:
-            generated = as_generated(logprob, self._text_of)
-            self.logprobs.append(generated)
-            self._pending_logprobs.append(generated)
-        self._pending.append(token)
-        delta = self.detok.add(token)
-        if self.stops is None:
-            self._emit(delta)
-            return False
-        safe, stopped = self.stops.feed(delta)
-        self._emit(safe)
-        return stopped
-
-    def finish(self, reason: FinishReason) -> FinishReason:
-        """Release held-back text at the end (nothing after a stop string is ever shown).
-
-        Returns the final finish reason: `stop` if the released tail itself completes a stop string
-        (e.g. the last bytes of a character, or a longer stop that could still have matched).
-        """
-        if reason == "stop" and self.stops is not None:
-            self._emit("")
-            return reason
-        tail = self.detok.flush()
-        if self.stops is not None:
-            safe, hit = self.stops.feed(tail)
-            tail = safe if hit else safe + self.stops.flush()
-            if self.stops.stopped:
-                reason = "stop"
-        self._emit(tail)
-        return reason
-
-
-def _prompt_logprobs(
-    ask: PromptAsk, results: list[TokenScores], computed: list[int], tokenizer: Tokenizer
-) -> ScoredRow:
-    """A prompt_logprobs row's answer, with the texts and the next token where it asked for them."""
-    piece = (lambda t: token_piece(tokenizer, t)) if ask.texts else None
-    texts, offsets = token_texts(tokenizer, ask.tokens) if ask.texts else (None, None)
-    r = results[0] if results else TokenScores()
-    n = len(ask.tokens) - 1  # scored prompt tokens; a `next_token` row's last scored slot is the placeholder
-
-    def tops(top: list[tuple[int, float]], k: int) -> list[TopLogprob]:
-        return [TopLogprob(id=t, logprob=lp, text=piece(t) if piece else None) for t, lp in top[:k]]
-
-    inputs = len(ask.tokens) - 1 + (1 if ask.next_token else 0)
-    return ScoredRow(
-        prompt_logprobs=PromptLogprobs(
-            tokens=ask.tokens[1:],
-            token_logprobs=r.logprobs[:n],
-            top_logprobs=[tops(top, ask.top_k) for top in r.top[:n]] if ask.top_k else [],
-            chosen_logprobs=r.chosen[:n] if ask.chosen else [],
-            first_token=ask.tokens[0] if ask.texts or ask.next_token else None,
-            texts=texts,
-            offsets=offsets,
-            next_top=tops(r.top[n], max(ask.top_k, 1)) if ask.next_token else None,
-            next_ends=r.top[n][0][0] in tokenizer.eos_ids if ask.next_token else None,
-        ),
-        input_tokens=inputs,
-        cached_tokens=inputs - sum(computed),
-    )
-
-
-def _seq_result(row: SeqRow, results: list[TokenScores], computed: list[int]) -> ScoredRow:
-    """A token-by-token row's answer from its sequences' scores."""
-    inputs = sum(len(s.inputs) for s in row.seqs)
-    cached = inputs - sum(computed)
-    if row.kind == "continuations":
-        conts = [
-            ContinuationScore(
-                logprob=sum(r.logprobs),
-                is_greedy=all(r.greedy),
-                token_logprobs=r.logprobs,
-                tokens=s.tokens[s.first :],
-            )
-            for s, r in zip(row.seqs, results, strict=True)
-        ]
-        return ScoredRow(continuations=conts, input_tokens=inputs, cached_tokens=cached)
-    if row.kind == "rolling":
-        total = sum(sum(r.logprobs) for r in results)
-        n = sum(len(r.logprobs) for r in results)
-        return ScoredRow(
-            rolling=RollingScore(logprob=total, tokens=n, windows=len(results)),
-            input_tokens=inputs,
-            cached_tokens=cached,
-        )
-    raise ValueError(f"not a row scored token by token: {row.kind!r}")

@@ -9,7 +9,8 @@ A `GenerationBatch` holds up to `max_sequences` requests in three stages:
   forward where the prompts allow, else several launched back to back and waited for once. Prompts
   are offered back to the prefix cache as soon as they are computed, and a prompt sharing a long
   uncached prefix with one being prefilled waits for the next forward, so batch-mates with the same
-  prefix (a system prompt) compute it once;
+  prefix (a system prompt) compute it once. Which waiting requests start, and which together, is the
+  batch's `PrefillPlan`'s (`prefill_plan.py`); the batch launches the forwards and joins the rows;
 - decoding: every decoding request is a row of one `DecodeBatch`: one forward per step for all rows,
   each row with its own sampler, stop strings, token budget and cancel check.
 
@@ -39,27 +40,22 @@ import mlx.core as mx
 
 from mlxq.jobs.errors import OutOfMemory
 from mlxq.jobs.schema import FinishReason, GenerateRequest, GenerateResult
-from mlxq.worker.engine.cache.batch_cache import BatchKVCache, PrefillRowsCache
-from mlxq.worker.engine.cache.kv_cache import KVCache, key_columns
-from mlxq.worker.engine.cache.token_match import common_length
+from mlxq.worker.engine.cache.batch_cache import PrefillRowsCache
+from mlxq.worker.engine.cache.kv_cache import KVCache
 from mlxq.worker.engine.decode_batch import DecodeBatch
-from mlxq.worker.engine.engine import Engine, GenerationClock, TextRun, TokenSink
+from mlxq.worker.engine.engine import Engine
+from mlxq.worker.engine.generation_clock import GenerationClock
 from mlxq.worker.engine.memory_guard import is_out_of_memory, with_memory_retry
 from mlxq.worker.engine.prefill import ChunkedPrefill, prefill_rows_layers
+from mlxq.worker.engine.prefill_plan import SHARED_MIN, PrefillPlan
 from mlxq.worker.engine.sampler import Sampler
-from mlxq.worker.engine.shapes import padded_size, padded_width
 from mlxq.worker.engine.speculation.drafter import FeatureReader
 from mlxq.worker.engine.speculation.policy import RowSpeculation
 from mlxq.worker.engine.speculation.row_tokens import RowTokens
+from mlxq.worker.engine.text_run import TextRun, TokenSink
 from mlxq.worker.engine.token_logprobs import TokenLogprob
 
 log = logging.getLogger(__name__)
-
-# Prompts sharing at least this many uncached tokens are not prefilled in one forward (see `_prefill`);
-# prompts prefilled together reuse a cached prefix only from this many tokens on: splicing a prefix into
-# a rows forward (left-padded cached parts, a mask instead of plain causal attention) costs more than
-# computing a short one (`bench/README.md`, what the engine's defaults rest on).
-_SHARED_MIN = 32
 
 
 @dataclass
@@ -122,15 +118,6 @@ class _Launched:
         return self.logits[mx.array(self.rows, dtype=mx.int32)]
 
 
-def batch_kv_by_default() -> int:
-    """A generation batch's buffers may hold a quarter of MLX's memory limit in keys and values. The bound
-    scales with the machine, not with a fixed size: a model's KV per token spans ~30x across the
-    families served (Gemma 3 4B's 34 layers of 256-wide heads hold 4x a Llama-3.2-1B's per token), so a
-    fixed budget that admits 64 rows of one model would admit a quarter of them of another on the same
-    GPU, and newcomers would wait for seats while memory sits free."""
-    return int(mx.get_memory_limit()) // 4
-
-
 class GenerationBatch:
     """Requests decoded together on one engine; see the module docstring."""
 
@@ -139,7 +126,7 @@ class GenerationBatch:
             raise ValueError(f"max_sequences must be >= 1, got {max_sequences}")
         self.engine = engine
         self.max_sequences = max_sequences
-        self.kv_budget_bytes = kv_budget_bytes  # 0: no limit
+        self.plan = PrefillPlan(engine, kv_budget_bytes)  # which waiting requests start, which together
         self.waiting: list[_Sequence] = []
         self.prefilling: _Sequence | None = None
         self.decoding: list[_Sequence] = []  # in the order of the decode batch's rows
@@ -253,21 +240,7 @@ class GenerationBatch:
         if self._ended:  # not expected: `len` counts them, so the caller steps until `step` returns them
             log.warning("a generation batch closed with %d ended requests not taken", len(self._ended))
 
-    # --- admission ----------------------------------------------------------------------------
-
-    def _fits(self, seq: _Sequence, joining: list[_Sequence] | None = None) -> bool:
-        """Whether `seq` may start (beside `joining`, starting with it): the decode batch's buffers at
-        the rows' longest stay within the budget (padding rows, less than a step of shared left
-        padding and the spare room to a whole step included: see `batch_cache.py`; a sliding-window
-        layer's buffers hold at most its window and slack, however long the rows)."""
-        active = [*self.decoding, *([self.prefilling] if self.prefilling else []), *(joining or [])]
-        if not active or self.kv_budget_bytes <= 0:
-            return True
-        rows = [*active, seq]
-        n = padded_size(len(rows), smallest=1) if self.engine.pad_shapes else len(rows)  # padding rows too
-        columns = key_columns(max(s.longest for s in rows) + BatchKVCache.step)
-        need = n * self.engine.kv_bytes(columns)  # sliding-window layers: their window's columns
-        return need <= self.kv_budget_bytes
+    # --- prefill ------------------------------------------------------------------------------
 
     def _drop_cancelled_waiting(self, finished: list[Finished]) -> None:
         for seq in list(self.waiting):
@@ -287,12 +260,6 @@ class GenerationBatch:
             finished.append(self._finish(seq, "cancelled", None))
         return not stop
 
-    def _cached(self, seq: _Sequence) -> int:
-        """Prompt tokens of `seq` the prefix cache would give it now."""
-        if self.engine.prefix_cache is None:
-            return 0
-        return self.engine.prefix_cache.peek(seq.prompt, _SHARED_MIN)
-
     def _prefill(self, finished: list[Finished]) -> None:
         """About one prefill chunk of tokens: the next chunk of a long prompt, or several short prompts
         together in one forward. With no request decoding (a burst of new jobs: no stream waits on this
@@ -309,7 +276,8 @@ class GenerationBatch:
         spent = 0
         while spent < budget:
             joining = [s for run in launched for s in run.seqs]
-            group, cost, long = self._next_group(joining, budget - spent)
+            active = [*self.decoding, *([self.prefilling] if self.prefilling else [])]
+            group, cost, long = self.plan.next_group(self.waiting, active, joining, budget - spent)
             if long is not None:  # alone, one chunk per step (this step's first one)
                 self._start_prefill(long, finished)
                 if self.prefilling is not None:
@@ -325,48 +293,6 @@ class GenerationBatch:
         if launched:
             self._join_launched(launched, finished)
 
-    def _next_group(
-        self, joining: list[_Sequence], limit: int
-    ) -> tuple[list[_Sequence], int, _Sequence | None]:
-        """Waiting prompts to prefill together in one forward of at most `limit` tokens (taken off
-        `waiting`), beside `joining` (prefilled this step, not decoding yet); the tokens that forward
-        computes; and, when the group would be the step's first and the next prompt prefills alone,
-        that prompt instead (taken off `waiting`)."""
-        chunk = self.engine.options.prefill_chunk
-        group: list[_Sequence] = []
-        group_cached: list[int] = []
-        width = 0
-        while self.waiting and self._fits(self.waiting[0], [*joining, *group]):
-            seq = self.waiting[0]
-            cached = self._cached(seq)
-            new = len(seq.prompt) - cached
-            # A long prompt goes alone, one chunk per step; so does one with a long cached prefix: its
-            # prefill then writes into the cache the prefix cache gave it, where a rows forward would
-            # copy that prefix three times (stacked, extended, split back) to add a few tokens.
-            if new > chunk or cached > chunk:
-                if not group and not joining:
-                    return [], 0, self.waiting.pop(0)
-                break
-            if group and self._prefill_cost(len(group) + 1, max(width, new)) > limit:
-                break
-            # A prompt sharing a long uncached prefix with a batch-mate waits for the next forward: it
-            # then finds that prefix in the prefix cache instead of computing it again.
-            if any(
-                common_length(seq.prompt, m.prompt) >= max(cached, c) + _SHARED_MIN
-                for m, c in zip(group, group_cached, strict=True)
-            ):
-                break
-            group.append(self.waiting.pop(0))
-            group_cached.append(cached)
-            width = max(width, new)
-        return group, self._prefill_cost(len(group), width), None
-
-    def _prefill_cost(self, rows: int, width: int) -> int:
-        """Tokens a forward of `rows` prompts of `width` new tokens computes (with shape padding)."""
-        if self.engine.pad_shapes:
-            return padded_size(rows, smallest=1) * padded_width(width)
-        return rows * width
-
     def _launch_group(self, group: list[_Sequence], finished: list[Finished], sync: bool) -> _Launched | None:
         """One forward for `group`'s prompts (waited for with `sync`, else only launched), each prompt
         offered to the prefix cache; None when none of them can start."""
@@ -375,7 +301,7 @@ class GenerationBatch:
             if not self._goes_on(seq, finished):  # a burst's later forwards: checked before each
                 continue
             try:
-                seq.cache, seq.n_cached = self.engine.begin_cache(seq.prompt, _SHARED_MIN)
+                seq.cache, seq.n_cached = self.engine.begin_cache(seq.prompt, SHARED_MIN)
                 ready.append(seq)
             except Exception as e:
                 finished.append(Finished(seq.key, error=e))
@@ -506,10 +432,10 @@ class GenerationBatch:
                 gate.end("verify" if verify else "plain", 0)
             self._decode_failed(e, finished)
             return
-        verified = verify and self.decode.verified
+        verified = verify and self.decode.verify_step.verified
         self._leave(self._failed_grammars(leaving), finished)
         if gate is not None:  # rows leaving (their caches cut out) are part of the step's cost
-            new_shape = verified and self.decode.verify_new_shape
+            new_shape = verified and self.decode.verify_step.new_shape
             gate.end("verify" if verified else "plain", self._progress, new_shape=new_shape)
 
     def _leave(

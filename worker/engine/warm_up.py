@@ -27,8 +27,9 @@ from dataclasses import dataclass
 from mlxq.jobs.schema import GenerateRequest
 from mlxq.worker.engine.cache.kv_cache import KVCache
 from mlxq.worker.engine.cache.prefix_cache import PrefixCache
-from mlxq.worker.engine.engine import Engine, PreparedRow
+from mlxq.worker.engine.engine import Engine
 from mlxq.worker.engine.generation_batch import GenerationBatch
+from mlxq.worker.engine.score_requests import PreparedRow
 from mlxq.worker.engine.shapes import padded_width
 
 log = logging.getLogger(__name__)

@@ -1,0 +1,84 @@
+"""A decode batch's verify steps (speculative decoding): the shapes they meet, what they keep, their time.
+
+`DecodeBatch.verify_with` runs a verify step: one forward feeds every row its pending token and its
+drafts, each row keeps the drafts the target agrees with, and its cache is cut back to them. The batch
+keeps its rows, pending tokens and launches; a `VerifyStep` it composes owns what is the verify step's
+alone: the width of its forward, the key columns its attention reads, the shapes met so far (a new one
+may have built kernels), whether the last step verified drafts at all, the caches cut back to the
+drafts kept and whether the holes this leaves are squeezed out at once, and its timing (`clock`).
+"""
+
+from __future__ import annotations
+
+from mlxq.worker.engine.cache.batch_cache import BatchKVCache
+from mlxq.worker.engine.shapes import padded_size
+from mlxq.worker.engine.speculation.verify_clock import VerifyClock
+
+# Key and value bytes of a batch below which a verify step's holes are squeezed out at once (one copy)
+_SQUEEZE_BYTES = 256 << 20
+
+
+class VerifyStep:
+    """The verify steps of one decode batch: their shapes met, their drafts' acceptance, their time.
+
+    `pad_shapes`: the batch pads shapes (a GPU); `window`: the model's smallest sliding window (None
+    where no layer slides)."""
+
+    def __init__(self, pad_shapes: bool, window: int | None) -> None:
+        self.pad_shapes = pad_shapes
+        self._window = window
+        self.clock = VerifyClock()  # where the verify steps' time goes
+        self._shapes: set[tuple[int, int, int]] = set()  # (rows, width, key columns) met
+        self.new_shape = False  # the last verify step's shape was met for the first time
+        self.verified = False  # the last `verify_with` verified drafts (else it took a plain step)
+
+    def width(self, drafts: list[list[int]]) -> int:
+        """Columns the forward feeds each row: its pending token and the longest row's drafts; with
+        `pad_shapes` a power of two (a GPU meets few widths; the columns past the drafts: never kept)."""
+        width = 1 + max(len(d) for d in drafts)
+        if self.pad_shapes and width > 1:
+            width = padded_size(width, smallest=1)
+        return width
+
+    def read_columns(self, cache: list[BatchKVCache], width: int) -> int | None:
+        """The key columns the forward of `width` columns reads: with `pad_shapes` and a width over 1,
+        whole steps of the caches (`BatchKVCache.read_whole_steps`: the key lengths a GPU meets change
+        once per 256 columns, not at every step; the layers then read so until `read_exactly`), except
+        in a model with windowed layers; else None (exactly what they hold). Notes whether, with
+        `pad_shapes` (a GPU), the step's shape (rows, width, key columns) is one the batch met before
+        (`new_shape`: a new one may have built kernels, so its time says nothing of the next; without
+        padding shapes cost nothing to meet)."""
+        first = cache[0]
+        columns = None
+        if self.pad_shapes and width > 1 and self._window is None:
+            columns = first.read_whole_steps(width)
+            for layer in cache[1:]:
+                layer.read_whole_steps(width)
+        shape = (first.batch, width, columns if columns is not None else first.end + width)
+        self.new_shape = self.pad_shapes and shape not in self._shapes
+        if self.pad_shapes:  # unpadded, every step's shape is new: nothing worth keeping
+            self._shapes.add(shape)
+        return columns
+
+    def keep(self, cache: list[BatchKVCache], slots: list[int], kept: list[int], width: int) -> bool:
+        """Cut each live row's caches (its buffer row in `slots`) back to its pending token and the
+        `kept` drafts of the `width` columns fed (idle rows keep all: nobody reads them); returns
+        whether to copy the buffers now to squeeze the holes out (`squeeze_holes`)."""
+        columns = [width] * cache[0].batch
+        for slot, k in zip(slots, kept, strict=True):
+            columns[slot] = 1 + k
+        for layer in cache:
+            layer.trim_rows(width, columns)
+        return self.squeeze_holes(cache)
+
+    def squeeze_holes(self, cache: list[BatchKVCache]) -> bool:
+        """Whether to copy the buffers after a verify step to squeeze its holes out: always once a
+        step's worth of columns is wasted; with `pad_shapes` (a GPU) at once while the buffers are
+        small (`_SQUEEZE_BYTES`), since a row with holes needs a mask at every step until it leaves (no
+        ragged kernel: `DecodeBatch._step_mask`), dearer over the steps that follow than one small copy."""
+        first = cache[0]
+        if not first.has_holes:
+            return False
+        if max(first.holes) >= BatchKVCache.step:
+            return True
+        return self.pad_shapes and sum(layer.nbytes for layer in cache) <= _SQUEEZE_BYTES
