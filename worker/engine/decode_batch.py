@@ -128,7 +128,7 @@ class DecodeBatch:
     def add(self, caches: list[list[KVCache]], logits: mx.array, samplers: list[Sampler]) -> None:
         """New last rows: their prefilled batch-1 caches, the (k, V) logits their first tokens are sampled
         from, and their samplers. They go into idle buffer rows where those suffice (no copy of the
-        buffers), else the buffers are copied once for all of them."""
+        buffers), else the buffers are copied once for all of them (`RowPlacement.join`)."""
         if not caches:
             return
         self._drop_ahead()
@@ -138,19 +138,13 @@ class DecodeBatch:
             self._pending_logprobs.reset(joining.logprobs, len(samplers))
         else:
             self._pending_logprobs.extend(joining.logprobs, len(samplers))
-        placement = self.placement
-        if not placement.join_in_place(caches):
-            if placement.idle or placement.index is not None:  # live rows first, in row order
-                placement.compact([])
-            for n, layer in enumerate(self.cache):
-                layer.add([cache[n] for cache in caches])
-            placement.set_slots(list(range(len(self) + len(samplers))))
+        self.placement.join(caches)  # placed first: counted there before `rows` takes their samplers
         self._pending = tokens if self._pending is None else mx.concatenate([self._pending, tokens])
         if self.rows is None:
             self.rows = joining
         else:
             self.rows.extend(joining)
-        self.placement.pad()
+        assert len(self.rows) == self.placement.placed, "one prefilled cache for each sampler"
         self._fresh = True
         self._launch(self._pending)
 
@@ -166,8 +160,7 @@ class DecodeBatch:
         self.rows = SamplerRows(samplers, logits.shape[-1])
         self._pending = self.rows.sample(logits)
         self._pending_logprobs.reset(self.rows.logprobs, len(samplers))
-        self.placement.set_slots(list(range(len(samplers))))
-        self.placement.pad()
+        self.placement.adopt(len(samplers))
         self._fresh = True
         self._launch(self._pending)
         return True
@@ -562,6 +555,5 @@ class DecodeBatch:
             if self._ahead is not None:
                 self._ahead = self._ahead[index]
         self._copy_rows = [self._copy_rows[i] for i in keep] if self._pending_copy is not None else []
-        self.placement.set_slots([slots[i] for i in keep])
-        self.placement.pad()
+        self.placement.keep(keep)
         return caches

@@ -6,7 +6,12 @@ is, and a row that joins takes an idle row when one is free, so the batch's live
 its samplers, pending tokens and results) are not always the buffers' first rows in that order. A
 `RowPlacement` the batch composes owns that map (`slots`; `index`, the same as an array, for a
 forward's scatter and gather), the idle rows, and the copies of the buffers that change it: writing
-newcomers into idle rows, compacting the live rows to the front, padding to a power of two.
+newcomers into idle rows or appending them, compacting the live rows to the front, padding to a
+power of two. Each verb that places rows (`join`, `adopt`, `keep`) fits the buffers to them after.
+
+The placement counts the rows it has placed (`placed`), not the batch's rows: rows joining are placed
+first (`join`), and the batch takes their samplers and pending tokens after, so within
+`DecodeBatch.add` the placement counts them before the batch does; everywhere else the two agree.
 """
 
 from __future__ import annotations
@@ -28,6 +33,11 @@ class RowPlacement:
         self.pad_shapes = pad_shapes
         self.slots: list[int] = []  # each live row's row of the buffers, in row order
         self.index: mx.array | None = None  # `slots` as an array; None while slots are 0..B-1
+
+    @property
+    def placed(self) -> int:
+        """Live rows placed in the buffers (`slots`): ahead of the batch's own count while rows join."""
+        return len(self.slots)
 
     @property
     def idle(self) -> int:
@@ -55,7 +65,33 @@ class RowPlacement:
         """The live rows of a forward's output (buffer rows first), in row order."""
         return rows[: len(self.slots)] if self.index is None else rows[self.index]
 
-    def join_in_place(self, caches: list[list[KVCache]]) -> bool:
+    def join(self, caches: list[list[KVCache]]) -> None:
+        """Place joining rows, last in row order, from their prefilled batch-1 `caches` (each a list of
+        layers): into idle buffer rows where those suffice (`_join_in_place`: no copy of the buffers),
+        else by one copy of the buffers for all of them, after the live rows (compacted first where
+        idle rows or a scatter lie among them); then fit the buffers. The placement counts them from
+        here (`placed`): the batch takes their samplers after."""
+        if not self._join_in_place(caches):
+            if self.idle or self.index is not None:  # live rows first, in row order
+                self.compact([])
+            for n, layer in enumerate(self.cache):
+                layer.add([cache[n] for cache in caches])
+            self._set_slots(list(range(len(self.slots) + len(caches))))
+        self._pad()
+
+    def adopt(self, rows: int) -> None:
+        """The buffers' first `rows` rows hold the live rows, in row order (a batch started on a rows
+        prefill's buffers: `BatchKVCache.adopt`); then fit the buffers."""
+        self._set_slots(list(range(rows)))
+        self._pad()
+
+    def keep(self, rows: list[int]) -> None:
+        """Only the live rows `rows` (their places in row order) stay, in that order; the others'
+        buffer rows become idle rows; then fit the buffers (compacted only when the batch can shrink)."""
+        self._set_slots([self.slots[i] for i in rows])
+        self._pad()
+
+    def _join_in_place(self, caches: list[list[KVCache]]) -> bool:
         """Put joining rows into idle buffer rows (padding, or rows that left) when there are enough
         and none is longer than the batch's rows: each layer writes the newcomers' columns, and the
         buffers are not copied. False when they must be added by copying the buffers."""
@@ -68,10 +104,10 @@ class RowPlacement:
         for n, layer in enumerate(self.cache):
             taken = layer.put(targets, [cache[n] for cache in caches])
             assert taken, "the layers of a batch took the same rows"
-        self.set_slots([*self.slots, *targets])
+        self._set_slots([*self.slots, *targets])
         return True
 
-    def set_slots(self, slots: list[int]) -> None:
+    def _set_slots(self, slots: list[int]) -> None:
         self.slots = slots
         contiguous = slots == list(range(len(slots)))
         self.index = None if contiguous else mx.array(slots, dtype=mx.int32)
@@ -81,9 +117,9 @@ class RowPlacement:
         first = self.cache[0]
         for layer in self.cache:
             layer.keep(self.slots, idle, like=None if layer is first else first)
-        self.set_slots(list(range(len(self.slots))))
+        self._set_slots(list(range(len(self.slots))))
 
-    def pad(self) -> None:
+    def _pad(self) -> None:
         """Fit the buffers to the live rows: with `pad_shapes` a power-of-two number of rows, idle rows
         kept until the live ones fit a smaller power of two; without, exactly the live rows."""
         live, rows = len(self.slots), self.cache[0].batch
