@@ -1,10 +1,11 @@
 """The engine: one loaded model with its tokenizer, turning requests into tokens, text and scores.
 
-It loads the model, prepares generation requests (prompt tokens, limits, sampler, drafter) and runs
-score batches; a score request's rows are prepared by the `ScoreRequests` it composes
-(`score_requests.py`). It knows nothing of Redis or RQ. A generation reports progress through a
-`TokenSink` (`text_run.py`: the stream writer in a worker, a list in tests) and checks a `cancelled`
-callable between prefill chunks and tokens (`generation_batch.py` drives it).
+It loads the model, prepares generation requests (prompt tokens, limits, sampler) and runs score
+batches; a score request's rows are prepared by the `ScoreRequests` it composes (`score_requests.py`),
+and its speculation (the draft loaded, each request's drafter) is the `DraftChoice` it composes
+(`speculation/draft_choice.py`). It knows nothing of Redis or RQ. A generation reports progress
+through a `TokenSink` (`text_run.py`: the stream writer in a worker, a list in tests) and checks a
+`cancelled` callable between prefill chunks and tokens (`generation_batch.py` drives it).
 """
 
 from __future__ import annotations
