@@ -83,8 +83,9 @@ class Engine:
         self.name = name
         self.options = options
         # Its speculation: the kind checked, its draft (loaded by `load`), each request's drafter
+        target = DraftTarget(model, tokenizer, options.dtype, options.prefill_chunk)
         self.draft_choice = DraftChoice(
-            options, DraftTarget(model, tokenizer, options.dtype, options.prefill_chunk)
+            options.speculation, options.draft_policy, options.draft_model, target
         )
         own = model.args.max_position_embeddings  # config.json's, or less where the model says (LongRoPE)
         self.context_length = min(own, options.max_context) if options.max_context else own
