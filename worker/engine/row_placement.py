@@ -91,6 +91,13 @@ class RowPlacement:
         self._set_slots([self.slots[i] for i in rows])
         self._pad()
 
+    def compact(self, idle: list[int]) -> None:
+        """One copy of the buffers: the live rows first (in row order), then the buffer rows `idle`."""
+        first = self.cache[0]
+        for layer in self.cache:
+            layer.keep(self.slots, idle, like=None if layer is first else first)
+        self._set_slots(list(range(len(self.slots))))
+
     def _join_in_place(self, caches: list[list[KVCache]]) -> bool:
         """Put joining rows into idle buffer rows (padding, or rows that left) when there are enough
         and none is longer than the batch's rows: each layer writes the newcomers' columns, and the
@@ -111,13 +118,6 @@ class RowPlacement:
         self.slots = slots
         contiguous = slots == list(range(len(slots)))
         self.index = None if contiguous else mx.array(slots, dtype=mx.int32)
-
-    def compact(self, idle: list[int]) -> None:
-        """One copy of the buffers: the live rows first (in row order), then the buffer rows `idle`."""
-        first = self.cache[0]
-        for layer in self.cache:
-            layer.keep(self.slots, idle, like=None if layer is first else first)
-        self._set_slots(list(range(len(self.slots))))
 
     def _pad(self) -> None:
         """Fit the buffers to the live rows: with `pad_shapes` a power-of-two number of rows, idle rows
