@@ -326,8 +326,8 @@ def test_the_features_a_batch_hands_its_rows_are_those_of_the_rows_tokens(
         draft_policy=DraftPolicy(min_acceptance=0.0, max_batch=2, only_likely=False),
         **ways,
     )
-    assert isinstance(spec.draft, DFlashDraft)
-    draft = spec.draft
+    assert isinstance(spec.draft_choice.draft, DFlashDraft)
+    draft = spec.draft_choice.draft
     checked: list[int] = []
     propose = DFlashDrafter.propose
 

@@ -646,23 +646,23 @@ def test_rows_that_leave_a_padded_batch_stay_idle_until_it_can_shrink(engine: En
         join(b, prompts[:6])
     steps = [(plain.step(), padded.step()) for _ in range(2)]
     left = [(plain.remove([1]), padded.remove([1]))]
-    assert (len(padded), padded.cache[0].batch, padded.slots) == (5, 8, [0, 2, 3, 4, 5])
+    assert (len(padded), padded.cache[0].batch, padded.placement.slots) == (5, 8, [0, 2, 3, 4, 5])
     steps += [(plain.step(), padded.step()) for _ in range(2)]
     left.append((plain.remove([3]), padded.remove([3])))  # 4 live rows fit 4: compacted
-    assert (len(padded), padded.cache[0].batch, padded.slots) == (4, 4, [0, 1, 2, 3])
+    assert (len(padded), padded.cache[0].batch, padded.placement.slots) == (4, 4, [0, 1, 2, 3])
     steps += [(plain.step(), padded.step()) for _ in range(2)]
     left.append((plain.remove([2]), padded.remove([2])))
-    assert (padded.cache[0].batch, padded.slots) == (4, [0, 1, 3])
+    assert (padded.cache[0].batch, padded.placement.slots) == (4, [0, 1, 3])
     steps += [(plain.step(), padded.step()) for _ in range(2)]
     keys_before = padded.cache[0].keys
     for b in (plain, padded):
         join(b, prompts[:1])  # fits the idle row: written there, the buffers not copied
-    assert (len(padded), padded.cache[0].batch, padded.slots) == (4, 4, [0, 1, 3, 2])
+    assert (len(padded), padded.cache[0].batch, padded.placement.slots) == (4, 4, [0, 1, 3, 2])
     assert padded.cache[0].keys.shape == keys_before.shape  # type: ignore[union-attr]
     steps += [(plain.step(), padded.step()) for _ in range(2)]
     for b in (plain, padded):
         join(b, prompts[6:])  # no idle row left: the buffers grow to 8 rows, in row order
-    assert (len(padded), padded.cache[0].batch, padded.slots) == (6, 8, [0, 1, 2, 3, 4, 5])
+    assert (len(padded), padded.cache[0].batch, padded.placement.slots) == (6, 8, [0, 1, 2, 3, 4, 5])
     steps += [(plain.step(), padded.step()) for _ in range(3)]
     bad = [i for i, (a, b) in enumerate(steps) if a != b]
     assert not bad, (bad, [steps[i] for i in bad])

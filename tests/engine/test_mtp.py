@@ -204,8 +204,8 @@ def test_greedy_generation_with_the_mtp_drafter_is_plain_decodings_and_its_conte
     ]
     policy = DraftPolicy(min_acceptance=0.0, max_batch=2, only_likely=False)
     spec = _engine(narrowed, speculation="mtp", draft_policy=policy, **ways)
-    assert isinstance(spec.draft, MtpDraft) and spec.draft_taps == (-1,)
-    draft = spec.draft
+    assert isinstance(spec.draft_choice.draft, MtpDraft) and spec.draft_taps == (-1,)
+    draft = spec.draft_choice.draft
     checked: list[int] = []
     propose = MtpDrafter.propose
 

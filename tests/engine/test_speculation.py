@@ -30,7 +30,9 @@ from mlxq.worker.engine.generation_batch import Finished, GenerationBatch, gener
 from mlxq.worker.engine.launcher import Launcher
 from mlxq.worker.engine.prefill import prefill
 from mlxq.worker.engine.sampler import Sampler, SamplerRows
+from mlxq.worker.engine.speculation.draft_choice import DraftChoice
 from mlxq.worker.engine.speculation.draft_gate import DraftGate
+from mlxq.worker.engine.speculation.draft_model import DraftTarget
 from mlxq.worker.engine.speculation.policy import DraftPolicy, RowSpeculation
 from mlxq.worker.engine.speculation.prompt_lookup import PromptLookup
 from mlxq.worker.engine.speculation.row_tokens import RowTokens
@@ -154,6 +156,35 @@ def test_the_policy_follows_acceptance_and_stops_drafting_in_large_batches() -> 
     assert (row.drafted, row.kept) == (18, 2)
     with pytest.raises(ValueError, match="min_acceptance"):
         DraftPolicy(min_acceptance=2.0)
+
+
+def test_the_draft_choice_gives_drafters_only_to_rows_that_may_draft(plain: Engine) -> None:
+    """`DraftChoice.speculation_for`: prompt lookup's cap is the larger of the policy's depth and run,
+    cut by the job's own; no drafter where the job asks none, the sampler has penalties or the row
+    reports logprobs, nor with speculation off. An unknown kind is refused when the choice is made;
+    a draft kind whose draft was never loaded, when a request asks for a drafter."""
+    target = DraftTarget(plain.model, plain.tokenizer)
+    policy = DraftPolicy(max_depth=4, max_run=16)
+    lookup = DraftChoice("prompt_lookup", policy, None, target)
+    request = GenerateRequest(prompt=PROMPT, max_tokens=8)
+    row = lookup.speculation_for(request, Sampler(10))
+    assert row is not None and isinstance(row.drafter, PromptLookup) and row.cap == 16
+    capped = lookup.speculation_for(request.model_copy(update={"max_draft_tokens": 3}), Sampler(10))
+    assert capped is not None and capped.cap == 3
+    reporting = Sampler(10)
+    reporting.logprobs = 2
+    for request_, sampler in (
+        (request.model_copy(update={"max_draft_tokens": 0}), Sampler(10)),
+        (request, Sampler(10, repetition_penalty=1.3)),
+        (request, reporting),
+    ):
+        assert lookup.speculation_for(request_, sampler) is None
+    assert DraftChoice("off", policy, None, target).speculation_for(request, Sampler(10)) is None
+    assert lookup.taps == ()
+    with pytest.raises(ValueError, match="unknown speculation kind 'lookup'"):
+        DraftChoice("lookup", policy, None, target)
+    with pytest.raises(ValueError, match="speculation mtp: the engine has no draft"):
+        DraftChoice("mtp", policy, None, target).speculation_for(request, Sampler(10))
 
 
 def _cache_rows(lengths: list[int], heads: int = 2, dim: int = 4) -> list[KVCache]:

@@ -23,8 +23,8 @@ from mlxq.worker.engine.forward_pieces import ForwardPieces
 from mlxq.worker.engine.launcher import Launcher
 from mlxq.worker.engine.models.base import Model
 from mlxq.worker.engine.models.layer_taps import LayerTaps
+from mlxq.worker.engine.row_placement import RowPlacement
 from mlxq.worker.engine.sampler import Sampler, SamplerRows
-from mlxq.worker.engine.shapes import padded_size
 from mlxq.worker.engine.token_logprobs import PendingLogprobs, TokenLogprob
 from mlxq.worker.engine.verify_step import VerifyStep
 
@@ -51,7 +51,8 @@ class DecodeBatch:
     kernels, far dearer than a step). A row that leaves then becomes an idle row where it is, like a padding
     row, and a row that joins takes an idle row when one is free (no longer than the batch's rows): the
     buffers are copied only when the live rows fit a smaller power of two or newcomers find no room, not at
-    every departure and arrival. `slots` maps each live row to its row of the buffers.
+    every departure and arrival. Which buffer row holds each live row is the `placement`'s
+    (`row_placement.py`).
 
     With `ragged_kernel` (default: where it runs, MLX's CUDA build) rows of different lengths attend through
     `ragged_attention.decode_attention` instead of MLX's attention with a mask.
@@ -112,8 +113,7 @@ class DecodeBatch:
         # `_launch`), and each live row's place in it.
         self._pending_copy: mx.array | None = None
         self._copy_rows: list[int] = []
-        self.slots: list[int] = []  # each live row's row of the buffers, in row order
-        self._slot_index: mx.array | None = None  # `slots` as an array; None while slots are 0..B-1
+        self.placement = RowPlacement(self.cache, pad_shapes)  # which buffer row holds each live row
         self._steps = 0
         # With a constrained row: the logits of the forward that feeds `_pending`, launched (see `step_with`)
         self._ahead: mx.array | None = None
@@ -125,20 +125,10 @@ class DecodeBatch:
     def __len__(self) -> int:
         return len(self.rows) if self.rows is not None else 0
 
-    @property
-    def _idle(self) -> int:
-        """Rows of the buffers that hold no live row: padding, and rows whose request left."""
-        return self.cache[0].batch - len(self)
-
-    def _idle_rows(self) -> list[int]:
-        """Those rows, in buffer order."""
-        taken = set(self.slots)
-        return [r for r in range(self.cache[0].batch) if r not in taken]
-
     def add(self, caches: list[list[KVCache]], logits: mx.array, samplers: list[Sampler]) -> None:
         """New last rows: their prefilled batch-1 caches, the (k, V) logits their first tokens are sampled
         from, and their samplers. They go into idle buffer rows where those suffice (no copy of the
-        buffers), else the buffers are copied once for all of them."""
+        buffers), else the buffers are copied once for all of them (`RowPlacement.join`)."""
         if not caches:
             return
         self._drop_ahead()
@@ -148,18 +138,13 @@ class DecodeBatch:
             self._pending_logprobs.reset(joining.logprobs, len(samplers))
         else:
             self._pending_logprobs.extend(joining.logprobs, len(samplers))
-        if not self._join_in_place(caches):
-            if self._idle or self._slot_index is not None:  # live rows first, in row order
-                self._compact([])
-            for n, layer in enumerate(self.cache):
-                layer.add([cache[n] for cache in caches])
-            self._set_slots(list(range(len(self) + len(samplers))))
+        self.placement.join(caches)  # placed first: counted there before `rows` takes their samplers
         self._pending = tokens if self._pending is None else mx.concatenate([self._pending, tokens])
         if self.rows is None:
             self.rows = joining
         else:
             self.rows.extend(joining)
-        self._pad()
+        assert len(self.rows) == self.placement.placed, "one prefilled cache for each sampler"
         self._fresh = True
         self._launch(self._pending)
 
@@ -175,8 +160,7 @@ class DecodeBatch:
         self.rows = SamplerRows(samplers, logits.shape[-1])
         self._pending = self.rows.sample(logits)
         self._pending_logprobs.reset(self.rows.logprobs, len(samplers))
-        self._set_slots(list(range(len(samplers))))
-        self._pad()
+        self.placement.adopt(len(samplers))
         self._fresh = True
         self._launch(self._pending)
         return True
@@ -380,8 +364,8 @@ class DecodeBatch:
         launched = time.perf_counter()
         kept = [int(k) for k in cast("list[int]", kept_drafts.tolist())]
         waited = time.perf_counter()
-        if step.keep(self.cache, self.slots, kept, width):  # holes squeezed out
-            self._compact(self._idle_rows())
+        if step.keep(self.cache, self.placement.slots, kept, width):  # holes squeezed out
+            self.placement.compact(self.placement.idle_rows())
         self._pending, self._pending_copy, self._fresh = following, None, True
         self._stepped()
         if self.rows.constrained:
@@ -507,12 +491,7 @@ class DecodeBatch:
         fed = pending[:, None] if one else pending
         if one:
             mask = self._step_mask()
-        if self._slot_index is not None:  # live rows scattered among idle ones
-            scattered = mx.zeros((self.cache[0].batch, fed.shape[1]), dtype=fed.dtype)
-            scattered[self._slot_index] = fed
-            fed = scattered
-        elif self._idle:
-            fed = mx.concatenate([fed, mx.zeros((self._idle, fed.shape[1]), dtype=fed.dtype)])
+        fed = self.placement.spread(fed)
         taps = LayerTaps(self.taps) if self.taps else None
         lengths = self.cache[0].lengths if taps else []  # before the forward: each row's first position
         sink = taps if pieces is None else pieces.passing(taps)
@@ -522,15 +501,13 @@ class DecodeBatch:
             assert self.features is not None
             if pieces is not None:  # a feature sink may evaluate (a drafter catching up): not beside them
                 pieces.wait()
-            made = self.features([lengths[s] for s in self.slots], self._live(taps.features()))
+            made = self.features(
+                [lengths[s] for s in self.placement.slots], self.placement.live(taps.features())
+            )
             self._with_step.extend(made)
         if one:
             logits = logits[:, -1, :]
-        return self._live(logits)
-
-    def _live(self, rows: mx.array) -> mx.array:
-        """The live rows of a forward's output (buffer rows first), in row order."""
-        return rows[: len(self)] if self._slot_index is None else rows[self._slot_index]
+        return self.placement.live(logits)
 
     def _stepped(self) -> None:
         self._steps += 1
@@ -559,7 +536,8 @@ class DecodeBatch:
         flight (a plain step may follow a verify step) ends first, as for any evaluation between steps."""
         if self.cache[0].has_holes:
             self.quiet()
-        caches = [[layer.row(self.slots[i]) for layer in self.cache] for i in rows]
+        slots = self.placement.slots
+        caches = [[layer.row(slots[i]) for layer in self.cache] for i in rows]
         if self._ahead is not None:  # the forward ahead fed a token they never handled
             for cache in caches:
                 for layer_cache in cache:
@@ -577,45 +555,5 @@ class DecodeBatch:
             if self._ahead is not None:
                 self._ahead = self._ahead[index]
         self._copy_rows = [self._copy_rows[i] for i in keep] if self._pending_copy is not None else []
-        self._set_slots([self.slots[i] for i in keep])
-        self._pad()
+        self.placement.keep(keep)
         return caches
-
-    def _join_in_place(self, caches: list[list[KVCache]]) -> bool:
-        """Put joining rows into idle buffer rows (padding, or rows that left) when there are enough
-        and none is longer than the batch's rows: each layer writes the newcomers' columns, and the
-        buffers are not copied. False when they must be added by copying the buffers."""
-        idle = self._idle_rows()
-        if len(idle) < len(caches):
-            return False
-        targets = idle[: len(caches)]
-        if not all(layer.can_put([cache[n] for cache in caches]) for n, layer in enumerate(self.cache)):
-            return False  # longer than the batch's rows, or (windowed layers) holding too few columns
-        for n, layer in enumerate(self.cache):
-            taken = layer.put(targets, [cache[n] for cache in caches])
-            assert taken, "the layers of a batch took the same rows"
-        self._set_slots([*self.slots, *targets])
-        return True
-
-    def _set_slots(self, slots: list[int]) -> None:
-        self.slots = slots
-        contiguous = slots == list(range(len(slots)))
-        self._slot_index = None if contiguous else mx.array(slots, dtype=mx.int32)
-
-    def _compact(self, idle: list[int]) -> None:
-        """One copy of the buffers: the live rows first (in row order), then the buffer rows `idle`."""
-        first = self.cache[0]
-        for layer in self.cache:
-            layer.keep(self.slots, idle, like=None if layer is first else first)
-        self._set_slots(list(range(len(self.slots))))
-
-    def _pad(self) -> None:
-        """Fit the buffers to the live rows: with `pad_shapes` a power-of-two number of rows, idle rows
-        kept until the live ones fit a smaller power of two; without, exactly the live rows."""
-        live, rows = len(self), self.cache[0].batch
-        want = padded_size(live, smallest=1) if self.pad_shapes and live else live
-        if rows > want:
-            self._compact(self._idle_rows()[: want - live])
-        elif rows < want:
-            for layer in self.cache:
-                layer.add_padding(want - rows)

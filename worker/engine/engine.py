@@ -1,10 +1,11 @@
 """The engine: one loaded model with its tokenizer, turning requests into tokens, text and scores.
 
-It loads the model, prepares generation requests (prompt tokens, limits, sampler, drafter) and runs
-score batches; a score request's rows are prepared by the `ScoreRequests` it composes
-(`score_requests.py`). It knows nothing of Redis or RQ. A generation reports progress through a
-`TokenSink` (`text_run.py`: the stream writer in a worker, a list in tests) and checks a `cancelled`
-callable between prefill chunks and tokens (`generation_batch.py` drives it).
+It loads the model, prepares generation requests (prompt tokens, limits, sampler) and runs score
+batches; a score request's rows are prepared by the `ScoreRequests` it composes (`score_requests.py`),
+and its speculation (the draft loaded, each request's drafter) is the `DraftChoice` it composes
+(`speculation/draft_choice.py`). It knows nothing of Redis or RQ. A generation reports progress
+through a `TokenSink` (`text_run.py`: the stream writer in a worker, a list in tests) and checks a
+`cancelled` callable between prefill chunks and tokens (`generation_batch.py` drives it).
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from mlxq.worker.engine.device import (
     overlap_by_default,
     pad_shapes_by_default,
 )
-from mlxq.worker.engine.engine_options import SPECULATION_KINDS, EngineOptions
+from mlxq.worker.engine.engine_options import EngineOptions
 from mlxq.worker.engine.generation_clock import GenerationClock
 from mlxq.worker.engine.launcher import Launcher
 from mlxq.worker.engine.mask_buffer import host_writes_seen
@@ -57,18 +58,10 @@ from mlxq.worker.engine.scoring import (
     candidate_scores,
     score_kv_by_default,
 )
-from mlxq.worker.engine.speculation import dflash  # noqa: F401  # registers the DFlash draft kind
+from mlxq.worker.engine.speculation.draft_choice import DraftChoice
 from mlxq.worker.engine.speculation.draft_gate import DraftGate
-from mlxq.worker.engine.speculation.draft_model import (
-    DraftMismatch,
-    DraftSource,
-    DraftTarget,
-    draft_folder,
-    load_draft,
-)
-from mlxq.worker.engine.speculation.mtp import MtpDraft
+from mlxq.worker.engine.speculation.draft_model import DraftTarget
 from mlxq.worker.engine.speculation.policy import RowSpeculation
-from mlxq.worker.engine.speculation.prompt_lookup import PromptLookup
 from mlxq.worker.engine.text.chat_tokens import chat_tokens
 from mlxq.worker.engine.text.tokenizer import Tokenizer
 from mlxq.worker.engine.text_run import TextRun
@@ -89,10 +82,11 @@ class Engine:
         self.config = config
         self.name = name
         self.options = options
-        if options.speculation not in SPECULATION_KINDS:
-            raise ValueError(
-                f"unknown speculation kind {options.speculation!r}: expected one of {list(SPECULATION_KINDS)}"
-            )
+        # Its speculation: the kind checked, its draft (loaded by `load`), each request's drafter
+        target = DraftTarget(model, tokenizer, options.dtype, options.prefill_chunk)
+        self.draft_choice = DraftChoice(
+            options.speculation, options.draft_policy, options.draft_model, target
+        )
         own = model.args.max_position_embeddings  # config.json's, or less where the model says (LongRoPE)
         self.context_length = min(own, options.max_context) if options.max_context else own
         self.prefix_cache = (
@@ -130,7 +124,6 @@ class Engine:
             self.masks_in_place = options.masks_in_place
         # Structured output (`response_format`): the grammar library's tokenizer, built at first use.
         self.constraints = ConstraintCompiler(tokenizer.backend, model.args.vocab_size, tokenizer.eos_ids)
-        self.draft: DraftSource | None = None  # speculation "draft_model": loaded by `load_draft`
         # What drafting gains this engine's batches against plain decoding (`draft_gate.py`), where it
         # drafts and the policy asks for it: learnt across the generation batches it runs, one after another.
         drafting = options.speculation != "off" and options.draft_policy.gate
@@ -161,11 +154,7 @@ class Engine:
         net.fuse()  # fewer matmuls per layer (see `models.llama._fuse_linears`)
         tokenizer = Tokenizer.from_dir(path)
         engine = cls(net, tokenizer, config, Path(model).name if Path(model).exists() else model, options)
-        if options.speculation == "draft_model":
-            engine.load_draft(path)
-        elif options.speculation == "mtp":
-            engine.draft = MtpDraft.load(path, engine.model, options.prefill_chunk)
-            log.info("MTP layer loaded path=%s", path)
+        engine.draft_choice.load(path)
         log.info(
             "model loaded path=%s arch=%s device=%s seconds=%.2f pad_shapes=%s decode_overlap=%s "
             "masks_in_place=%s idle_prefill_tokens=%d score_kv_bytes=%d",
@@ -428,54 +417,18 @@ class Engine:
         return prompt, max_tokens, sampler
 
     def load_draft(self, target: Path) -> None:
-        """Load the draft model speculation "draft_model" drafts with: the folder the options name, else
-        the `draft/` folder beside the target's files (`target`); a clear error when there is none or it
-        does not fit the target."""
-        folder = draft_folder(target, self.options.draft_model)
-        if folder is None:
-            raise DraftMismatch(
-                f"speculation draft_model needs a draft model: a draft/ folder in {target} or a folder "
-                "named by MLXQ_DRAFT_MODEL"
-            )
-        bound = DraftTarget(self.model, self.tokenizer, self.options.dtype, self.options.prefill_chunk)
-        self.draft = load_draft(folder, bound)
-        log.info("draft model loaded path=%s kind=%s", folder, type(self.draft).__name__)
+        """Load the draft model speculation "draft_model" drafts with (`DraftChoice.load_draft`)."""
+        self.draft_choice.load_draft(target)
 
     @property
     def draft_taps(self) -> tuple[int, ...]:
-        """The target layers whose outputs this worker's drafters read (a DFlash draft's; `DecodeBatch`)."""
-        if self.options.speculation not in ("draft_model", "mtp") or self.draft is None:
-            return ()
-        return self.draft.taps
+        """The target layers whose outputs this worker's drafters read (`DraftChoice.taps`)."""
+        return self.draft_choice.taps
 
     def speculation_for(self, request: GenerateRequest, sampler: Sampler) -> RowSpeculation | None:
-        """A request's drafter and its depth cap, or None where it decodes plainly: speculation off on
-        this worker or for the job (`max_draft_tokens` 0), a sampler whose draws depend on the tokens
-        before them through penalties (speculative sampling could not keep such a row's distribution
-        exact), or a row that reports logprobs (they are taken at a step's first position only): such
-        rows take plain steps. A constrained row drafts: its drafts are checked against its grammar
-        (`DecodeBatch.verify_with`). Prompt lookup's cap may exceed `max_depth` (`max_run`: its drafts
-        cost no forward), and so may a DFlash draft's, up to its block (a proposal costs one forward of
-        the draft whatever its length); a draft model's may not; an MTP layer drafts one token."""
-        kind = self.options.speculation
-        policy = self.options.draft_policy
-        # prompt lookup's drafts cost no forward: a copied run may grow past max_depth (DraftPolicy.max_run)
-        cap = max(policy.max_depth, policy.max_run) if kind == "prompt_lookup" else policy.max_depth
-        if request.max_draft_tokens is not None:
-            cap = min(cap, request.max_draft_tokens)
-        if kind == "off" or cap <= 0 or sampler.penalized or sampler.logprobs is not None:
-            return None  # a row reporting logprobs takes plain steps: its logprobs are of position 0
-        if kind == "prompt_lookup":
-            return RowSpeculation(PromptLookup(), policy, cap)
-        if kind in ("draft_model", "mtp"):
-            if self.draft is None:
-                raise ValueError(f"speculation {kind}: the engine has no draft (`load_draft`, MTP layer)")
-            if self.draft.max_depth is not None:  # a DFlash block (one forward, its size), one MTP layer
-                cap = min(max(policy.max_depth, policy.max_run), self.draft.max_depth)
-                if request.max_draft_tokens is not None:
-                    cap = min(cap, request.max_draft_tokens)
-            return RowSpeculation(self.draft.drafter(), policy, cap)
-        raise ValueError(f"unknown speculation kind {kind!r}: expected one of {list(SPECULATION_KINDS)}")
+        """A request's drafter and its depth cap, or None where it decodes plainly
+        (`DraftChoice.speculation_for`)."""
+        return self.draft_choice.speculation_for(request, sampler)
 
     def finish_reason_after(
         self, run: TextRun, token: int, cancelled: Callable[[], bool], logprob: TokenLogprob | None = None

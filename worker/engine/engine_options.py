@@ -1,7 +1,7 @@
 """The options an engine is loaded with (`EngineOptions`; a worker fills them from its settings): the
 dtype, the context and the prefill chunk, the prefix cache's and the score batches' bytes, the limits on
 a request's size, the device paths (shape padding, decode overlap, masks in place, dense rows) and
-speculation (`SPECULATION_KINDS`, the draft model, the draft policy)."""
+speculation (its kind, the draft model, the draft policy: `speculation/draft_choice.py`)."""
 
 from __future__ import annotations
 
@@ -9,10 +9,6 @@ from dataclasses import dataclass, field
 
 from mlxq.jobs.schema import MAX_STOP_STRINGS
 from mlxq.worker.engine.speculation.policy import DraftPolicy
-
-# Drafters a worker may decode with (`EngineOptions.speculation`): "draft_model" covers every draft
-# folder kind (a causal LM, DFlash); "mtp" is the target checkpoint's own MTP layer.
-SPECULATION_KINDS = ("off", "prompt_lookup", "draft_model", "mtp")
 
 
 @dataclass(frozen=True)
@@ -35,7 +31,7 @@ class EngineOptions:
     max_stop_chars: int = 4096  # characters of a request's stop strings together
     max_stops: int = MAX_STOP_STRINGS  # stop strings of a request (the wire allows at most 16)
     max_messages: int = 256  # messages of one chat
-    speculation: str = "off"  # one of SPECULATION_KINDS (`speculation/`)
+    speculation: str = "off"  # one of SPECULATION_KINDS (`speculation/draft_choice.py`)
     draft_model: str | None = None  # the draft's folder; None: a `draft/` folder beside the model's files
     draft_policy: DraftPolicy = field(default_factory=DraftPolicy)
     sync_score_phases: bool = False  # debug: wait for each scoring forward and head (`PrefixScorer`)
