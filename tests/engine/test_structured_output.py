@@ -634,6 +634,35 @@ def test_with_masks_in_place_the_masks_are_computed_beside_the_graphs(model_dir:
         assert critical <= times["critical_ms"] * 1.001 + 1e-6
 
 
+def test_without_a_launcher_the_forward_ahead_is_evaluated_apart_from_the_tokens_it_follows(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """MLX marks the arrays of one `async_eval` ready together: a constrained step evaluating its drawn
+    tokens with the forward ahead could read them back only once that forward had computed. Without
+    a launcher (the CPU) each evaluation of a forward ahead holds it alone, and the answers are the
+    schema's."""
+    import mlxq.worker.engine.decode_batch as decode_module
+
+    calls: list[list[mx.array]] = []
+
+    class Noted:
+        def __getattr__(self, name: str) -> object:
+            return getattr(mx, name)
+
+        def async_eval(self, *arrays: mx.array) -> None:
+            calls.append(list(arrays))
+            mx.async_eval(*arrays)
+
+    monkeypatch.setattr(decode_module, "mx", Noted())
+    engine = _engine(model_dir, prefix_cache_bytes=0, decode_overlap=False)
+    request = _request(prompt="Scores:", max_tokens=60, temperature=0, response_format=json_schema(SCORES))
+    finished = _batch(engine, [request, request.model_copy(update={"prompt": "Marks:"})])
+    aheads = [c for c in calls if any(a.ndim == 2 for a in c)]  # a forward's (rows, vocab) logits
+    assert aheads and all(len(c) == 1 for c in aheads)
+    for f in finished:
+        jsonschema.validate(json.loads(_result(f).text), SCORES)
+
+
 def test_the_engine_checks_once_whether_masks_can_be_written_in_place(
     model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -395,18 +395,20 @@ class DecodeBatch:
 
     def _launch(self, tokens: mx.array, ahead: mx.array | None = None) -> None:
         """Start computing `tokens` (and the step behind them), then `ahead` (the forward that feeds
-        them, in a constrained batch). With a launcher they are read back later from the copy
-        `Launcher.launch_tokens` makes (it says why), each live row at its place in it; `ahead` is a
-        launch of its own, right behind theirs on the launcher's thread, so this thread goes on at
-        once (it does not wait for the draw's launch) and the copy can be read while `ahead` is
+        them, in a constrained batch). `ahead` is always an evaluation of its own: MLX marks every
+        array of one `async_eval` ready only once all of them are, so evaluated together the tokens
+        could be read back only after the forward ahead had computed, and the grammars' work and the
+        next draw's build would wait for it instead of running beside it. With a launcher they are read
+        back later from the copy `Launcher.launch_tokens` makes (it says why), each live row at its
+        place in it; `ahead` is launched right behind them on the launcher's thread, so this thread goes
+        on at once (it does not wait for the draw's launch) and the copy can be read while `ahead` is
         being launched (as a free batch reads its tokens while the next step launches)."""
         logprobs = self._pending_logprobs.arrays()  # read back with the tokens: no sync of their own
         logprobs.extend(self._taken_with_step())
         if self.launcher is None:
-            if ahead is None:
-                mx.async_eval(tokens, *logprobs)
-            else:
-                mx.async_eval(tokens, *logprobs, ahead)
+            mx.async_eval(tokens, *logprobs)
+            if ahead is not None:
+                mx.async_eval(ahead)
             return
         self._pending_copy = self.launcher.launch_tokens(tokens, *logprobs, then=ahead)
         self._copy_rows = list(range(tokens.shape[0]))
