@@ -46,6 +46,18 @@ return moved
 """
 
 
+# Each key's hash, as HGETALL gives it (false for a key that holds no hash): one call for the hashes
+# of a look where a pipeline of HGETALLs has the client pack, send and parse one command a job.
+_READ = """
+local hashes = {}
+for i, key in ipairs(KEYS) do
+  local ok, fields = pcall(redis.call, 'HGETALL', key)
+  hashes[i] = ok and fields
+end
+return hashes
+"""
+
+
 @dataclass(frozen=True)
 class QueuedJob:
     """A queued job as stored by RQ's JSON serializer: an mlxq function and its one argument."""
@@ -87,6 +99,7 @@ class JobClaimer:
         self.dead_letters = dead_letters  # where a claimed job RQ cannot read goes (else: left for RQ)
         self.scan = scan  # queued ids looked at per claim
         self._move = conn.register_script(_MOVE)
+        self._read_hashes = conn.register_script(_READ)
         # Parsed `data` of the ids seen at the head of the queue last time: a queued job's data does
         # not change, and with a backlog most of the window is the same from one claim to the next
         # (a generation batch claims every few steps; each look read and parsed 128 jobs).
@@ -129,18 +142,15 @@ class JobClaimer:
         fresh: dict[str, dict[bytes, bytes]] = {}
         if not new:
             return fresh
-        pipe = self.conn.pipeline(transaction=False)
-        for job_id in new:
-            pipe.hgetall(keys.rq_job_key(job_id))
-        for job_id, fields in zip(new, pipe.execute(raise_on_error=False), strict=True):
-            if isinstance(fields, REDIS_TRANSIENT):
-                raise fields
-            if isinstance(fields, dict):
-                self._seen[job_id] = parse_queued(job_id, fields.get(b"data"), fields.get(b"origin"), queue)
-                if fields:
-                    fresh[job_id] = fields
-            else:  # WRONGTYPE: not a hash
+        for job_id, flat in zip(new, self._read_hashes(keys=[keys.rq_job_key(i) for i in new]), strict=True):
+            if flat is None:  # WRONGTYPE: not a hash
                 self._seen[job_id] = None
+                continue
+            pairs = iter(flat)
+            fields = dict(zip(pairs, pairs, strict=True))
+            self._seen[job_id] = parse_queued(job_id, fields.get(b"data"), fields.get(b"origin"), queue)
+            if fields:
+                fresh[job_id] = fields
         return fresh
 
     def _fetch(self, ids: list[str], queue: Queue, fresh: dict[str, dict[bytes, bytes]]) -> list[Job]:
