@@ -16,7 +16,7 @@ import json
 import re
 import zlib
 from collections.abc import Callable
-from datetime import datetime, timezone
+from datetime import datetime
 from functools import lru_cache
 from typing import Any, ClassVar
 
@@ -65,19 +65,19 @@ def _json_list(value: bytes) -> Any:
 
 
 # The form RQ writes its dates in (`rq.utils.utcformat`).
-_RQ_DATE = re.compile(rb"(\d{4})-(\d{2})-(\d{2})T(\d{2}):(\d{2}):(\d{2})\.(\d{6})Z")
+# Hours 00-23 only: ISO 8601's 24:00, which some Pythons' `fromisoformat` takes, goes to RQ's parser.
+_RQ_DATE = re.compile(rb"\d{4}-\d{2}-\d{2}T(?:[01]\d|2[0-3]):\d{2}:\d{2}\.\d{6}Z")
 
 
 def _date(value: bytes) -> datetime:
     """A date field checked as RQ's `str_to_date` reads it: the form RQ writes by a pattern and the
     calendar's ranges (`strptime` costs several times more, and RQ's restore parses the field again),
     any other form by RQ's own parser, so that the same values pass."""
-    m = _RQ_DATE.fullmatch(value)
-    if m is None:
+    if _RQ_DATE.fullmatch(value) is None:
         return str_to_date(value)
-    year, month, day, hour, minute, second, micro = (int(g) for g in m.groups())
-    # datetime checks the calendar (a 30 February raises ValueError, as strptime does)
-    return datetime(year, month, day, hour, minute, second, micro, tzinfo=timezone.utc)
+    # ISO 8601 in RQ's form (UTC, `Z`); the calendar is checked (a 30 February raises ValueError, as
+    # strptime does)
+    return datetime.fromisoformat(value.decode())
 
 
 _DATES = ("created_at", "enqueued_at", "started_at", "ended_at", "last_heartbeat")  # RQ's job dates
@@ -197,15 +197,16 @@ class BoundedJob(Job):
         for name, _ in dates:
             setattr(self, name, parsed[name])
         self.stored_fields = fields
-        payload, stored = self._data, fields.get(b"data", b"")
-        self._payload_read = payload if isinstance(payload, bytes) and stored[:2] == _RQ_ZLIB else None
+        payload, stored = self.data, fields.get(b"data", b"")
+        inflated = payload != stored  # else RQ read it as it is (not zlib, or a broken stream)
+        self._payload_read = payload if inflated and stored[:2] == _RQ_ZLIB else None
         return restored
 
     def payload_as_rq_stores_it(self) -> bool:
         """Whether the job's payload is the one read from its hash, where it was stored compressed as
         RQ stores one (zlib at its default level): RQ's save would write it back compressed again,
         the same bytes where this worker's zlib made them, else the same payload."""
-        return self._payload_read is not None and self._data is self._payload_read
+        return self._payload_read is not None and self.data is self._payload_read
 
 
 _RQ_ZLIB = b"\x78\x9c"  # the header of a zlib stream at the default level, as RQ's `to_dict` writes one
