@@ -3,7 +3,8 @@
 RQ hands a worker one job at a time. To batch, we look at the next ids waiting in a queue, let a
 `pick` callback choose among the well-formed mlxq jobs there (score jobs up to a row budget, generation
 jobs up to free batch slots), and move each chosen id from the queue to RQ's intermediate list in one
-Lua call (exactly where RQ's own dequeue puts a job it pops). A job another worker took meanwhile is
+Lua call (exactly where RQ's own dequeue puts a job it pops). The hashes a look reads come back from
+one script call too (`_READ`), not a pipeline of one command a job. A job another worker took meanwhile is
 simply not there to move; a job we moved but never started (we were killed) is found by a worker's
 maintenance and put back at the head of its queue (`Maintenance.requeue_stuck`).
 So nothing is run twice and nothing is lost. The caller then starts each

@@ -15,7 +15,10 @@ inside Redis, the worker sends one). What is copied, and from where:
   `finished`, registries, TTLs, execution record, the worker's counters), for every job: one HSET a
   job where RQ sends three, of the fields whose stored value changes where RQ rewrites them all (the
   end's times and status, a timeout the worker set, a field a producer left out), no EXPIRE of a
-  dependents or dependencies set that does not exist. The script checks each dependents set as it
+  dependents or dependencies set that does not exist. What RQ's `to_dict` saves is computed here
+  (`saved_fields`) but for the payload: one stored as RQ stores it is not compressed again to be
+  compared (a zlib stream set up for every job), it stays as stored; RQ's `Job OK` log line is one
+  line a queue naming every job. The script checks each dependents set as it
   ends the job (RQ WATCHes them): nothing runs between the check and the writes, so a job that has
   a dependent is never ended there. It, a job with repeats left or another TTL, and every job when
   the call fails for good, ends through RQ itself;
@@ -134,13 +137,18 @@ class RqBatches:
 
         retrying(self.options)(rq_scripts.START.run, w.connection, start)
         stamp = utcformat(at).encode()
+        started = {
+            b"last_heartbeat": stamp,
+            b"started_at": stamp,
+            b"worker_name": w.name.encode(),
+            b"status": b"started",
+        }
         for run in runs:  # what RQ's `prepare_for_execution` sets on the job, as the script wrote it
             job = run.job
             job.worker_name, job.last_heartbeat, job.started_at = w.name, at, at
             job._status = JobStatus.STARTED
             if isinstance(job, BoundedJob) and job.stored_fields is not None:
-                started = {b"last_heartbeat": stamp, b"started_at": stamp, b"worker_name": w.name.encode()}
-                job.stored_fields.update({**started, b"status": b"started"})
+                job.stored_fields.update(started)
             w.executions[run.execution.id] = run.execution
         return runs
 
