@@ -26,4 +26,5 @@ load = os.getloadavg()[0]
 out = queue_overhead(b)
 for name, row in out["table"].items():
     keep = {k: row[k] for k in ("jobs", "finished", "jobs_s", "batches", "ms_per_job_outside_mlx")}
-    print(json.dumps({"label": label, "pass": name, "load": load, **keep, "phases": row["score_phase_ms_per_batch"]}))
+    phases = row["score_phase_ms_per_batch"]
+    print(json.dumps({"label": label, "pass": name, "load": load, **keep, "phases": phases}))
