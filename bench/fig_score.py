@@ -357,6 +357,15 @@ def _phase_ms(stats: dict[str, str]) -> dict[str, float]:
     aside = 1000 * float(stats.get("score_aside_s", 0.0)) / batches
     waited = 1000 * float(stats.get("score_waited_s", 0.0)) / batches
     aside_cpu = 1000 * float(stats.get("score_aside_cpu_s", 0.0)) / batches
+    # The CPU time of each phase timed on its thread (the worker's thread clock): apart from its
+    # waits on Redis, the cores and the interpreter lock, which this host's load moves.
+    ms.update(
+        {
+            f"{phase} CPU": 1000 * float(stats[f"score_{phase}_cpu_s"]) / batches
+            for phase in SCORE_PHASES
+            if f"score_{phase}_cpu_s" in stats
+        }
+    )
     ms.update(
         {
             "aside (claim, start, tokenize, end)": aside,

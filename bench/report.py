@@ -140,13 +140,15 @@ def _phases_by_pass(table: dict[str, Any]) -> str:
     passes = [(k, r[key]) for k, r in table.items() if r.get(key)]
     if not passes:
         return ""
-    phases = list(passes[0][1])
+    phases = list(dict.fromkeys(p for _, ms in passes for p in ms))  # a pass may lack some (no claim)
     lines = [
         "\nA score batch's phases as the worker times them (ms a batch):\n",
         "| phase | " + " | ".join(k for k, _ in passes) + " |",
         "| --- |" + " ---: |" * len(passes),
     ]
-    lines += [f"| {p} | " + " | ".join(f"{ms[p]:.2f}" for _, ms in passes) + " |" for p in phases]
+    lines += [
+        f"| {p} | " + " | ".join(f"{ms[p]:.2f}" if p in ms else "" for _, ms in passes) + " |" for p in phases
+    ]
     return "\n".join(lines)
 
 

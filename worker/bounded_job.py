@@ -16,10 +16,12 @@ import json
 import re
 import zlib
 from collections.abc import Callable
-from datetime import datetime, timezone
+from datetime import datetime
+from functools import lru_cache
 from typing import Any, ClassVar
 
 from rq.job import Job, JobStatus
+from rq.serializers import resolve_serializer
 from rq.utils import parse_timeout, str_to_date
 
 
@@ -63,22 +65,23 @@ def _json_list(value: bytes) -> Any:
 
 
 # The form RQ writes its dates in (`rq.utils.utcformat`).
-_RQ_DATE = re.compile(rb"(\d{4})-(\d{2})-(\d{2})T(\d{2}):(\d{2}):(\d{2})\.(\d{6})Z")
+# Hours 00-23 only: ISO 8601's 24:00, which some Pythons' `fromisoformat` takes, goes to RQ's parser.
+_RQ_DATE = re.compile(rb"\d{4}-\d{2}-\d{2}T(?:[01]\d|2[0-3]):\d{2}:\d{2}\.\d{6}Z")
 
 
 def _date(value: bytes) -> datetime:
     """A date field checked as RQ's `str_to_date` reads it: the form RQ writes by a pattern and the
     calendar's ranges (`strptime` costs several times more, and RQ's restore parses the field again),
     any other form by RQ's own parser, so that the same values pass."""
-    m = _RQ_DATE.fullmatch(value)
-    if m is None:
+    if _RQ_DATE.fullmatch(value) is None:
         return str_to_date(value)
-    year, month, day, hour, minute, second, micro = (int(g) for g in m.groups())
-    # datetime checks the calendar (a 30 February raises ValueError, as strptime does)
-    return datetime(year, month, day, hour, minute, second, micro, tzinfo=timezone.utc)
+    # ISO 8601 in RQ's form (UTC, `Z`); the calendar is checked (a 30 February raises ValueError, as
+    # strptime does)
+    return datetime.fromisoformat(value.decode())
 
 
 _DATES = ("created_at", "enqueued_at", "started_at", "ended_at", "last_heartbeat")  # RQ's job dates
+_DATE_KEYS = [(name, name.encode()) for name in _DATES]
 
 
 def _flag(value: bytes) -> bool:
@@ -129,17 +132,32 @@ _FIELDS: list[tuple[str, Callable[[bytes], Any], str]] = [
 
 def field_problem(fields: dict[bytes, bytes], max_payload_bytes: int) -> str | None:
     """The first field of a job hash this worker will not read, named with what it expects; else None."""
+    return _checked(fields, max_payload_bytes)[0]
+
+
+_FIELD_KEYS = [(name.encode(), name, parse, expected) for name, parse, expected in _FIELDS]
+
+
+def _checked(fields: dict[bytes, bytes], max_payload_bytes: int) -> tuple[str | None, dict[str, Any]]:
+    """`field_problem`, and the values of the fields it parsed by name (the dates among them are what
+    the job holds once restored)."""
     if not fields.get(b"origin"):  # RQ would end the job in registries of a queue named ""
-        return "field 'origin' is missing: it must name the job's queue"
-    for name, parse, expected in _FIELDS:
-        value = fields.get(name.encode())
+        return "field 'origin' is missing: it must name the job's queue", {}
+    parsed: dict[str, Any] = {}
+    for key, name, parse, expected in _FIELD_KEYS:
+        value = fields.get(key)
         if not value:
             continue
         try:
-            parse(value)
+            parsed[name] = parse(value)
         except Exception:
-            return f"field {name!r} is {value[:60].decode(errors='replace')!r}, not {expected}"
-    return payload_size_error(fields.get(b"data"), max_payload_bytes)
+            return f"field {name!r} is {value[:60].decode(errors='replace')!r}, not {expected}", parsed
+    return payload_size_error(fields.get(b"data"), max_payload_bytes), parsed
+
+
+@lru_cache(maxsize=8)
+def _serializer(serializer: Any) -> Any:
+    return resolve_serializer(serializer)
 
 
 class BoundedJob(Job):
@@ -150,19 +168,45 @@ class BoundedJob(Job):
     # The hash as read, field by field: a batch's end (`rq_batches`) writes back only the fields whose
     # value RQ's end would change, where RQ rewrites the whole hash. None: not read from a hash.
     stored_fields: dict[bytes, bytes] | None = None
+    _payload_read: bytes | None = None  # the payload as restored, where stored in RQ's form
+
+    def __init__(self, id: str | None = None, connection: Any = None, serializer: Any = None) -> None:
+        # RQ resolves the serializer for every job it makes, checking it against its Protocol at
+        # runtime (most of making one); a worker reads every job with the same one: resolved once.
+        super().__init__(id, connection=connection)
+        try:
+            self.serializer = _serializer(serializer)
+        except TypeError:  # not hashable: resolved as RQ resolves it
+            self.serializer = resolve_serializer(serializer)
 
     def restore(self, raw_data: Any) -> Any:
-        fields = {k.encode() if isinstance(k, str) else k: v for k, v in dict(raw_data).items()}
-        fields = {k: v.encode() if isinstance(v, str) else v for k, v in fields.items()}
-        problem = field_problem(fields, self.max_payload_bytes)
+        fields = {
+            k.encode() if isinstance(k, str) else k: v.encode() if isinstance(v, str) else v
+            for k, v in dict(raw_data).items()
+        }
+        problem, parsed = _checked(fields, self.max_payload_bytes)
         if problem is not None:
             raise UnreadableJob(problem)
         # RQ's restore parses dates with strptime; they are read here (checked above, so they parse)
         # and left out of what it reads, which then leaves them unset, and set as it would set them.
-        dates = {name: _date(fields[name.encode()]) for name in _DATES if fields.get(name.encode())}
-        skip = {name.encode() for name in dates}
-        restored = super().restore({k: v for k, v in fields.items() if k not in skip})
-        for name, value in dates.items():
-            setattr(self, name, value)
+        dates = [(name, key) for name, key in _DATE_KEYS if name in parsed]
+        undated = fields.copy()
+        for _, key in dates:
+            del undated[key]
+        restored = super().restore(undated)
+        for name, _ in dates:
+            setattr(self, name, parsed[name])
         self.stored_fields = fields
+        payload, stored = self.data, fields.get(b"data", b"")
+        inflated = payload != stored  # else RQ read it as it is (not zlib, or a broken stream)
+        self._payload_read = payload if inflated and stored[:2] == _RQ_ZLIB else None
         return restored
+
+    def payload_as_rq_stores_it(self) -> bool:
+        """Whether the job's payload is the one read from its hash, where it was stored compressed as
+        RQ stores one (zlib at its default level): RQ's save would write it back compressed again,
+        the same bytes where this worker's zlib made them, else the same payload."""
+        return self._payload_read is not None and self.data is self._payload_read
+
+
+_RQ_ZLIB = b"\x78\x9c"  # the header of a zlib stream at the default level, as RQ's `to_dict` writes one

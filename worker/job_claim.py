@@ -3,7 +3,8 @@
 RQ hands a worker one job at a time. To batch, we look at the next ids waiting in a queue, let a
 `pick` callback choose among the well-formed mlxq jobs there (score jobs up to a row budget, generation
 jobs up to free batch slots), and move each chosen id from the queue to RQ's intermediate list in one
-Lua call (exactly where RQ's own dequeue puts a job it pops). A job another worker took meanwhile is
+Lua call (exactly where RQ's own dequeue puts a job it pops). The hashes a look reads come back from
+one script call too (`_READ`), not a pipeline of one command a job. A job another worker took meanwhile is
 simply not there to move; a job we moved but never started (we were killed) is found by a worker's
 maintenance and put back at the head of its queue (`Maintenance.requeue_stuck`).
 So nothing is run twice and nothing is lost. The caller then starts each
@@ -43,6 +44,18 @@ if #moved > 0 then
   redis.call('RPUSH', KEYS[2], unpack(moved))
 end
 return moved
+"""
+
+
+# Each key's hash, as HGETALL gives it (false for a key that holds no hash): one call for the hashes
+# of a look where a pipeline of HGETALLs has the client pack, send and parse one command a job.
+_READ = """
+local hashes = {}
+for i, key in ipairs(KEYS) do
+  local ok, fields = pcall(redis.call, 'HGETALL', key)
+  hashes[i] = ok and fields
+end
+return hashes
 """
 
 
@@ -87,6 +100,7 @@ class JobClaimer:
         self.dead_letters = dead_letters  # where a claimed job RQ cannot read goes (else: left for RQ)
         self.scan = scan  # queued ids looked at per claim
         self._move = conn.register_script(_MOVE)
+        self._read_hashes = conn.register_script(_READ)
         # Parsed `data` of the ids seen at the head of the queue last time: a queued job's data does
         # not change, and with a backlog most of the window is the same from one claim to the next
         # (a generation batch claims every few steps; each look read and parsed 128 jobs).
@@ -129,18 +143,15 @@ class JobClaimer:
         fresh: dict[str, dict[bytes, bytes]] = {}
         if not new:
             return fresh
-        pipe = self.conn.pipeline(transaction=False)
-        for job_id in new:
-            pipe.hgetall(keys.rq_job_key(job_id))
-        for job_id, fields in zip(new, pipe.execute(raise_on_error=False), strict=True):
-            if isinstance(fields, REDIS_TRANSIENT):
-                raise fields
-            if isinstance(fields, dict):
-                self._seen[job_id] = parse_queued(job_id, fields.get(b"data"), fields.get(b"origin"), queue)
-                if fields:
-                    fresh[job_id] = fields
-            else:  # WRONGTYPE: not a hash
+        for job_id, flat in zip(new, self._read_hashes(keys=[keys.rq_job_key(i) for i in new]), strict=True):
+            if flat is None:  # WRONGTYPE: not a hash
                 self._seen[job_id] = None
+                continue
+            pairs = iter(flat)
+            fields = dict(zip(pairs, pairs, strict=True))
+            self._seen[job_id] = parse_queued(job_id, fields.get(b"data"), fields.get(b"origin"), queue)
+            if fields:
+                fresh[job_id] = fields
         return fresh
 
     def _fetch(self, ids: list[str], queue: Queue, fresh: dict[str, dict[bytes, bytes]]) -> list[Job]:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from datetime import timezone
+from datetime import datetime, timezone
 from typing import Any
 
 import redis
@@ -58,13 +58,14 @@ class JobResults:
         open_streams(self.conn, list(zip(writers, attempts, strict=True)), self.options, also=save_meta)
         return writers
 
-    def _attempt(self, job: Job) -> int:
-        """Count one more attempt of `job` in its meta (saved by the caller); note its time in the queue."""
+    def _attempt(self, job: Job, at: datetime | None = None) -> int:
+        """Count one more attempt of `job` in its meta (saved by the caller); note its time in the queue
+        (until `at`: now, or the time of a batch's writes)."""
         attempt = int(job.meta.get(ATTEMPT_META, 0)) + 1
         job.meta[ATTEMPT_META] = attempt
         if job.enqueued_at is not None:
             enqueued = job.enqueued_at.replace(tzinfo=job.enqueued_at.tzinfo or timezone.utc)
-            self._queued_s[job.id] = max(0.0, (now() - enqueued).total_seconds())
+            self._queued_s[job.id] = max(0.0, ((at or now()) - enqueued).total_seconds())
         return attempt
 
     def forget(self, job_id: str) -> None:
@@ -131,8 +132,9 @@ class JobResults:
         line for the batch (a line a job at DEBUG). Returns each result as written (JSON-ready): RQ's
         end keeps the same value, dumped once."""
         values = [result.model_dump(mode="json") for _, result in finished]
+        at = now()
         finals = [
-            (job, self._attempt(job), value, _score_done(result))
+            (job, self._attempt(job, at), value, _score_done(result))
             for (job, result), value in zip(finished, values, strict=True)
         ]
         finish_score_streams(self.conn, finals, self.options)

@@ -15,7 +15,10 @@ inside Redis, the worker sends one). What is copied, and from where:
   `finished`, registries, TTLs, execution record, the worker's counters), for every job: one HSET a
   job where RQ sends three, of the fields whose stored value changes where RQ rewrites them all (the
   end's times and status, a timeout the worker set, a field a producer left out), no EXPIRE of a
-  dependents or dependencies set that does not exist. The script checks each dependents set as it
+  dependents or dependencies set that does not exist. What RQ's `to_dict` saves is computed here
+  (`saved_fields`) but for the payload: one stored as RQ stores it is not compressed again to be
+  compared (a zlib stream set up for every job), it stays as stored; RQ's `Job OK` log line is one
+  line a queue naming every job. The script checks each dependents set as it
   ends the job (RQ WATCHes them): nothing runs between the check and the writes, so a job that has
   a dependent is never ended there. It, a job with repeats left or another TTL, and every job when
   the call fails for good, ends through RQ itself;
@@ -42,11 +45,15 @@ against RQ's own version of each step.
 
 from __future__ import annotations
 
+import json
 import logging
 import sys
+import zlib
 from base64 import b64encode
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
+from functools import lru_cache
 from typing import Any
 from uuid import uuid4
 
@@ -130,13 +137,18 @@ class RqBatches:
 
         retrying(self.options)(rq_scripts.START.run, w.connection, start)
         stamp = utcformat(at).encode()
+        started = {
+            b"last_heartbeat": stamp,
+            b"started_at": stamp,
+            b"worker_name": w.name.encode(),
+            b"status": b"started",
+        }
         for run in runs:  # what RQ's `prepare_for_execution` sets on the job, as the script wrote it
             job = run.job
             job.worker_name, job.last_heartbeat, job.started_at = w.name, at, at
             job._status = JobStatus.STARTED
             if isinstance(job, BoundedJob) and job.stored_fields is not None:
-                started = {b"last_heartbeat": stamp, b"started_at": stamp, b"worker_name": w.name.encode()}
-                job.stored_fields.update({**started, b"status": b"started"})
+                job.stored_fields.update(started)
             w.executions[run.execution.id] = run.execution
         return runs
 
@@ -290,15 +302,24 @@ class RqBatches:
                 if ok:  # after the commit, as RQ does: a rate limit's slot, webhooks
                     release_slot(run.job)
                     run.job.send_webhooks(JobStatus.FINISHED)
-                    self.worker.log.info(
-                        "Worker %s: %s: Job OK (%s)", self.worker.name, run.job.origin, run.job.id
-                    )
+            self._log_ok([run.job for (run, _), ok in zip(together, done, strict=True) if ok])
             alone.extend(item for item, ok in zip(together, done, strict=True) if not ok)
         for run, value in alone:
             try:
                 self.succeed(run, value)
             except Exception:
                 self.fail(run, sys.exc_info())
+
+    def _log_ok(self, jobs: list[Job]) -> None:
+        """RQ's `Job OK` line, one a queue for the jobs ended together, naming each (a line a job,
+        through RQ's handler, costs the batch about as much as the job's end itself)."""
+        by_origin: dict[str, list[str]] = {}
+        for job in jobs:
+            by_origin.setdefault(job.origin, []).append(job.id)
+        for origin, ids in by_origin.items():
+            self.worker.log.info(
+                "Worker %s: %s: Jobs OK (%d): %s", self.worker.name, origin, len(ids), " ".join(ids)
+            )
 
     def _end_together(self, ended: list[Ended]) -> list[bool]:
         """End jobs with no dependents, each as RQ's `handle_job_success` ends one, by one script call
@@ -339,6 +360,7 @@ class RqBatches:
         keys = [w.key, ended[0][0].execution.worker_executions_key, q.started_job_registry.key]
         keys.append(q.finished_job_registry.key)
         args: list[Any] = [w.name, at.timestamp(), current_timestamp()]
+        date_text = lru_cache(maxsize=8)(utcformat)  # the batch's start and end, shared by its jobs
         for run, value in ended:
             job, execution = run.job, run.execution
             ttl = job.get_result_ttl(w.default_result_ttl)
@@ -347,7 +369,7 @@ class RqBatches:
             keys.append(ExecutionRegistry.key_template.format(job.id))
             returned = b64encode(job.serializer.dumps(value)).decode()
             working = (at - (job.started_at or at)).total_seconds()
-            fields = self._changed_fields(job, at)
+            fields = self._changed_fields(job, at, date_text)
             args += [
                 job.id,
                 execution.id,
@@ -361,17 +383,23 @@ class RqBatches:
                 args += [name, field]
         return keys, args
 
-    def _changed_fields(self, job: Job, at: datetime) -> dict[str, Any]:
+    def _changed_fields(
+        self, job: Job, at: datetime, date_text: Callable[[datetime], str] = utcformat
+    ) -> dict[str, Any]:
         """The job-hash fields RQ's end writes (`job.to_dict()`, as `_handle_success` saves it, with
-        status `finished`), less those the hash already holds with the same value: RQ rewrites every
-        field; the script writes only what changes (the end's times and status, a timeout the worker
-        set). A job not read from a hash gets them all."""
+        status `finished`: `saved_fields`), less those the hash already holds with the same value: RQ
+        rewrites every field; the script writes only what changes (the end's times and status, a
+        timeout the worker set). A job not read from a hash gets them all. The payload (`data`) is
+        left as stored where it is the one read and was stored as RQ's own zlib form of it
+        (`BoundedJob.payload_as_rq_stores_it`): RQ would write it back compressed again, a zlib
+        stream set up for every job, to the same bytes."""
         job.ended_at = at
         job.last_heartbeat = at  # RQ's `job.heartbeat(...)`
         job._status = JobStatus.FINISHED
-        fields = job.to_dict(include_meta=False, include_result=False)
-        fields["status"] = JobStatus.FINISHED.value
         stored = job.stored_fields if isinstance(job, BoundedJob) else None
+        as_stored = isinstance(job, BoundedJob) and job.payload_as_rq_stores_it()
+        fields = saved_fields(job, with_data=not as_stored, date_text=date_text)
+        fields["status"] = JobStatus.FINISHED.value
         if stored is None:
             return fields
         return {k: v for k, v in fields.items() if stored.get(k.encode()) != wire(v)}
@@ -387,6 +415,64 @@ class RqBatches:
 
 
 _STARTED_FIELDS = ("started_at", "last_heartbeat", "worker_name")  # what the start script adds to a job hash
+
+
+def saved_fields(
+    job: Job, with_data: bool = True, date_text: Callable[[datetime], str] = utcformat
+) -> dict[str, Any]:
+    """What RQ's `Job.to_dict(include_meta=False, include_result=False)` makes of `job`, the fields its
+    end saves, computed here because RQ's compresses the payload again for every job (`with_data`:
+    with it, compressed as RQ compresses it). Each field as RQ writes it: dates in its text form,
+    empty text for an unset name or time, optional fields only when set (some when not None, some
+    when truthy, as RQ tests them). `date_text`: RQ's `utcformat`, or a memory of it for dates jobs
+    share. `tests/service/test_rq_batches.py` holds it against RQ's own."""
+    fields: dict[str, Any] = {"created_at": date_text(job.created_at or now())}
+    if with_data:
+        fields["data"] = zlib.compress(job.data)
+    fields.update(
+        {
+            "success_callback_name": job._success_callback_name or "",
+            "failure_callback_name": job._failure_callback_name or "",
+            "stopped_callback_name": job._stopped_callback_name or "",
+            "started_at": date_text(job.started_at) if job.started_at else "",
+            "ended_at": date_text(job.ended_at) if job.ended_at else "",
+            "last_heartbeat": date_text(job.last_heartbeat) if job.last_heartbeat else "",
+            "worker_name": job.worker_name or "",
+            "group_id": job.group_id or "",
+        }
+    )
+    unless_none: dict[str, Any] = {
+        "number_of_retries": job.number_of_retries,
+        "retries_left": job.retries_left,
+        "retry_intervals": None if job.retry_intervals is None else json.dumps(job.retry_intervals),
+        "enqueue_at_front_on_retry": int(job.enqueue_at_front_on_retry) or None,
+        "origin": job.origin or None,
+        "description": job.description,
+        "enqueued_at": None if job.enqueued_at is None else date_text(job.enqueued_at),
+        "repeats_left": job.repeats_left,
+        "repeat_intervals": None if job.repeat_intervals is None else json.dumps(job.repeat_intervals),
+        "rate_limit_key": job.rate_limit_key or None,
+        "rate_limit_concurrency": job.rate_limit_concurrency or None,
+        "timeout": job.timeout,
+        "success_callback_timeout": job._success_callback_timeout,
+        "failure_callback_timeout": job._failure_callback_timeout,
+        "stopped_callback_timeout": job._stopped_callback_timeout,
+        "webhooks": json.dumps([w.to_dict() for w in job.webhooks]) if job.webhooks else None,
+        "result_ttl": job.result_ttl,
+        "failure_ttl": job.failure_ttl,
+    }
+    fields.update({k: v for k, v in unless_none.items() if v is not None})
+    fields["status"] = job._status
+    if job._dependency_ids:
+        fields["dependency_id"] = job._dependency_ids[0]
+        fields["dependency_ids"] = json.dumps(job._dependency_ids)
+    if job.ttl:
+        fields["ttl"] = job.ttl
+    if job.allow_dependency_failures is not None:
+        fields["allow_dependency_failures"] = int(job.allow_dependency_failures)
+    if job.enqueue_at_front is not None:
+        fields["enqueue_at_front"] = int(job.enqueue_at_front)
+    return fields
 
 
 def _plain_end(run: Run, value: Any, default_result_ttl: int) -> bool:

@@ -40,11 +40,11 @@ from mlxq.jobs.keys import SCORE_PHASES as PHASES
 
 
 class ScorePhases:
-    """Seconds spent in each phase of score batches since the worker started, and how many batches,
-    jobs and rows went through; of the claim, start, tokenize and end, the seconds spent on helper
-    threads beside the batches (`aside`, and the CPU time of it, `aside_cpu`) and those the main thread
-    waited for them (`waited`). Phases may be timed from the batch's helper threads: the sums are added
-    under a lock."""
+    """Seconds spent in each phase of score batches since the worker started (and, of the phases timed
+    here, their CPU time on the thread that ran them), and how many batches, jobs and rows went
+    through; of the claim, start, tokenize and end, the seconds spent on helper threads beside the
+    batches (`aside`, and the CPU time of it, `aside_cpu`) and those the main thread waited for them
+    (`waited`). Phases may be timed from the batch's helper threads: the sums are added under a lock."""
 
     def __init__(
         self, clock: Callable[[], float] = perf_counter, cpu_clock: Callable[[], float] = thread_time
@@ -53,6 +53,9 @@ class ScorePhases:
         self._cpu_clock = cpu_clock  # the calling thread's CPU time
         self._lock = threading.Lock()
         self.seconds = dict.fromkeys(PHASES, 0.0)
+        # The CPU time of each timed phase, on the thread that ran it: what a phase costs the host,
+        # apart from its waits on Redis, the device and the interpreter lock (which move with the load).
+        self.cpu_seconds: dict[str, float] = {}
         self.aside = 0.0
         self.aside_cpu = 0.0
         self.waited = 0.0
@@ -66,14 +69,15 @@ class ScorePhases:
         `aside`: the block runs on a helper thread beside a batch, its time counts in `aside` too."""
         if phase not in self.seconds:
             raise ValueError(f"unknown score phase {phase!r}; phases: {', '.join(PHASES)}")
-        started, cpu = self._clock(), self._cpu_clock() if aside else 0.0
+        started, cpu = self._clock(), self._cpu_clock()
         try:
             yield
         finally:
             spent = self._clock() - started
-            cpu = self._cpu_clock() - cpu if aside else 0.0
+            cpu = self._cpu_clock() - cpu
             with self._lock:
                 self.seconds[phase] += spent
+                self.cpu_seconds[phase] = self.cpu_seconds.get(phase, 0.0) + cpu
                 if aside:
                     self.aside += spent
                     self.aside_cpu += cpu
@@ -109,8 +113,8 @@ class ScorePhases:
             self.rows += rows
 
     def fields(self) -> dict[str, str]:
-        """The worker stats hash's score fields (docs/operations.md): counts, seconds per phase, and
-        seconds aside (and their CPU time) and waited for."""
+        """The worker stats hash's score fields (docs/operations.md): counts, seconds per phase (and the
+        CPU time of each phase timed here), and seconds aside (and their CPU time) and waited for."""
         with self._lock:
             if not self.batches:
                 return {}
@@ -120,6 +124,7 @@ class ScorePhases:
                 "score_rows": str(self.rows),
             }
             out.update({f"score_{phase}_s": f"{s:.6f}" for phase, s in self.seconds.items()})
+            out.update({f"score_{phase}_cpu_s": f"{s:.6f}" for phase, s in self.cpu_seconds.items()})
             out.update(
                 {
                     "score_aside_s": f"{self.aside:.6f}",

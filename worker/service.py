@@ -7,6 +7,7 @@ worker (`MlxqWorker`, the `JobHost`), `JobResults` (streams and result keys), `S
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import socket
@@ -184,6 +185,11 @@ class WorkerService:
         metrics = self._start_metrics()
         self.worker.evictions.check(force=True)  # warned of at once, and in the first stats
         self.stats.publish()
+        # What start-up made (the model's modules, the tokenizer, imported code) lives as long as the
+        # worker: the collector's full passes need not walk it (each took tens of milliseconds, on
+        # whichever thread allocated at the time: a score batch's helper, say). Its garbage goes first.
+        gc.collect()
+        gc.freeze()
         try:
             self.worker.work(
                 burst=burst,
@@ -192,6 +198,7 @@ class WorkerService:
                 dequeue_strategy=_DEQUEUE_STRATEGY[self.settings.queue_order],
             )
         finally:
+            gc.unfreeze()  # collected as anything else again, for a process that goes on without it
             if metrics is not None:
                 metrics.stop()
             self.stats.remove()

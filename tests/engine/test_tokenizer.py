@@ -419,3 +419,16 @@ def test_split_special_encodes_special_token_text_as_transformers_split_special_
     for text in texts:
         ids = tok.encode(text, add_special_tokens, split_special=True)
         assert not (set(ids) & tok.special_ids) - plain, text
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_special_token_text_is_found_wherever_a_substring_test_finds_it(name: str, ours: dict) -> None:
+    """`has_special_text` (one pattern search) says what testing each special token's text as a
+    substring says: in the middle, at either end, cut short, overlapping, or none."""
+    tok: Tokenizer = ours[name]
+    specials = tok.special_texts
+    texts = [*TEXTS, *(f"a{s}b" for s in specials), *(s[:-1] for s in specials), specials[-1] + specials[0]]
+    texts += ["<|im_start", "|>", "<s", "</s>x", "[INST]", "<" + specials[0]]
+    found = [tok.has_special_text(t) for t in texts]
+    assert found == [any(s in t for s in specials) for t in texts]
+    assert any(found) and not all(found)

@@ -73,3 +73,30 @@ def test_a_restored_job_has_the_dates_rqs_restore_gives() -> None:
             assert ours.created_at == rqs.created_at
         else:  # both "now" (RQ's restore sets a missing creation time to the time of reading)
             assert ours.created_at is not None and rqs.created_at is not None
+
+
+class _Unhashable(dict):  # type: ignore[type-arg]
+    """A serializer object that cannot be a key (a dict with the two methods RQ asks for)."""
+
+    @staticmethod
+    def dumps(value: object) -> bytes:
+        return JSONSerializer.dumps(value)
+
+    @staticmethod
+    def loads(value: bytes) -> object:
+        return JSONSerializer.loads(value)
+
+
+def test_a_jobs_serializer_is_resolved_as_rq_resolves_it() -> None:
+    """`BoundedJob` resolves its serializer once for all jobs (RQ checks it against its Protocol for
+    each): the same serializer comes out, and a bad one fails as RQ's `Job` fails with it."""
+    conn = redis.Redis()  # making a job reads nothing from Redis
+    unhashable = _Unhashable()
+    for serializer in (JSONSerializer, "rq.serializers.JSONSerializer", None, unhashable):
+        ours = BoundedJob("a", connection=conn, serializer=serializer)
+        assert ours.serializer is Job("a", connection=conn, serializer=serializer).serializer
+    for bad in (object(), "no_such_module.Serializer"):
+        with pytest.raises(Exception) as rqs:  # whatever RQ raises: the same here
+            Job("a", connection=conn, serializer=bad)
+        with pytest.raises(type(rqs.value)):
+            BoundedJob("a", connection=conn, serializer=bad)

@@ -4,16 +4,21 @@ transaction instead of several round trips per job; dependents and repeats as RQ
 
 from __future__ import annotations
 
+import logging
 import time
+import zlib
 from typing import Any
 
 import pytest
 import redis
-from rq import Queue, Repeat
-from rq.job import Job
+from rq import Callback, Queue, Repeat, Retry
+from rq.job import Dependency, Job, JobStatus
+from rq.rate_limit import RateLimit
 from rq.registry import CanceledJobRegistry
 from rq.results import Result
 from rq.serializers import JSONSerializer
+from rq.utils import now
+from rq.webhook import Webhook
 
 from mlxq.jobs import keys
 from mlxq.worker import rq_batches
@@ -337,3 +342,79 @@ def test_an_end_sent_again_ends_no_job_twice_and_a_server_without_the_scripts_is
         assert [r.return_value for r in Result.all(run.job, serializer=JSONSerializer)] == [value]
         assert run.job.get_status(refresh=True) == "finished"
     assert int(redis_conn.hget(w.key, "successful_job_count") or 0) == 3
+
+
+def test_the_fields_a_batch_end_saves_are_those_of_rqs_to_dict(redis_conn: redis.Redis) -> None:
+    """`saved_fields` (what RQ's end saves of a job, computed without compressing its payload again)
+    against RQ's own `Job.to_dict`, for jobs with and without each optional field RQ writes, as enqueued,
+    read back from their hashes, and as a batch leaves them once started and ended."""
+    q = Queue("fields", connection=redis_conn, serializer=JSONSerializer)
+    plain = q.enqueue_call(keys.SCORE_FUNC, args=(ROW,))
+    full = q.enqueue_call(
+        keys.SCORE_FUNC,
+        args=(ROW,),
+        timeout=30,
+        result_ttl=60,
+        failure_ttl=90,
+        ttl=600,
+        description="",
+        meta={"a": 1},
+        retry=Retry(max=2, interval=[1, 2]),
+        repeat=Repeat(times=2, interval=[5]),
+        on_success=Callback("mlxq.jobs.keys.rq_job_key", timeout=7),
+        on_failure=Callback("mlxq.jobs.keys.rq_job_key", timeout=8),
+        on_stopped=Callback("mlxq.jobs.keys.rq_job_key", timeout=9),
+        rate_limit=RateLimit("tenant", 3),
+        webhooks=[Webhook("https://example.com/hook", "finished")],
+    )
+    dependent = q.enqueue_call(
+        keys.SCORE_FUNC, args=(ROW,), depends_on=Dependency(jobs=[plain], allow_failure=True)
+    )
+    jobs: list[Job] = [plain, full, dependent]
+    jobs += [BoundedJob.fetch(j.id, connection=redis_conn, serializer=JSONSerializer) for j in jobs]
+    odd = BoundedJob.fetch(plain.id, connection=redis_conn, serializer=JSONSerializer)
+    odd.group_id, odd.enqueue_at_front_on_retry, odd.number_of_retries = "g", True, 1
+    odd.worker_name, odd.started_at, odd.ended_at, odd.last_heartbeat = "w", now(), now(), now()
+    odd.retries_left, odd.enqueue_at_front, odd.allow_dependency_failures = 0, False, False
+    odd._status = JobStatus.FINISHED
+    for job in [*jobs, odd]:
+        rqs = job.to_dict(include_meta=False, include_result=False)
+        assert rq_batches.saved_fields(job) == rqs
+        assert rq_batches.saved_fields(job, with_data=False) == {k: v for k, v in rqs.items() if k != "data"}
+
+
+def test_a_batch_end_leaves_a_payload_stored_as_rq_stores_it_and_writes_another_as_rqs_end_does(
+    redis_conn: redis.Redis,
+) -> None:
+    """A payload RQ compressed is left as stored (RQ's end would write the same bytes); one a producer
+    stored uncompressed is written compressed, as RQ's own end of the same job writes it."""
+    q = Queue("payloads", connection=redis_conn, serializer=JSONSerializer)
+    w = MlxqWorker([q], connection=redis_conn, stream_options=StreamOptions())
+    w.register_birth()
+    jobs = [q.enqueue_call(keys.SCORE_FUNC, args=(ROW,)) for _ in range(3)]
+    stored = redis_conn.hget(jobs[0].key, "data")
+    for job in jobs[1:]:  # as a producer that does not compress writes it
+        redis_conn.hset(job.key, "data", zlib.decompress(stored))
+    for _ in jobs:
+        redis_conn.lmove(q.key, q.intermediate_queue_key, "LEFT", "RIGHT")
+    read = [BoundedJob.fetch(j.id, connection=redis_conn, serializer=JSONSerializer) for j in jobs]
+    assert [j.payload_as_rq_stores_it() for j in read] == [True, False, False]
+    rq_end, *together = w.batches.start(read, q)
+    w.batches.succeed(rq_end, {"n": 0})  # RQ's own end
+    w.batches.succeed_many([(run, {"n": 1}) for run in together])
+    assert redis_conn.hget(jobs[0].key, "data") == stored  # RQ's end: its own compression, the same bytes
+    assert redis_conn.hget(jobs[1].key, "data") == stored and redis_conn.hget(jobs[2].key, "data") == stored
+    assert [j.get_status(refresh=True) for j in jobs] == ["finished"] * 3
+
+
+def test_jobs_ended_together_are_logged_by_id_in_one_line_a_queue(
+    redis_conn: redis.Redis, caplog: pytest.LogCaptureFixture
+) -> None:
+    q = Queue("logged", connection=redis_conn, serializer=JSONSerializer)
+    w = MlxqWorker([q], connection=redis_conn, stream_options=StreamOptions())
+    w.register_birth()
+    ended = _started(w, q, 3)
+    with caplog.at_level(logging.INFO, logger=w.log.name):
+        w.batches.succeed_many(ended)
+    lines = [r.getMessage() for r in caplog.records if "Jobs OK" in r.getMessage()]
+    assert lines == [f"Worker {w.name}: logged: Jobs OK (3): " + " ".join(run.job.id for run, _ in ended)]

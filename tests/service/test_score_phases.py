@@ -48,6 +48,7 @@ def test_work_done_aside_counts_in_its_phase_and_aside_and_what_was_waited_for_a
         cpu[0] += 0.125  # the rest of it waited on Redis
     with phases.timed("claim"):  # the first batch's claim, on the main thread
         now[0] += 0.125
+        cpu[0] += 0.0625
     with phases.timed("end", aside=True):
         now[0] += 0.5
         cpu[0] += 0.25
@@ -58,6 +59,9 @@ def test_work_done_aside_counts_in_its_phase_and_aside_and_what_was_waited_for_a
     assert (fields["score_claim_s"], fields["score_end_s"]) == ("0.375000", "0.500000")
     assert (fields["score_aside_s"], fields["score_waited_s"]) == ("0.750000", "0.062500")
     assert fields["score_aside_cpu_s"] == "0.375000"
+    # each timed phase's CPU time, aside or not; none for a phase not timed here (the engine's parts)
+    assert (fields["score_claim_cpu_s"], fields["score_end_cpu_s"]) == ("0.187500", "0.250000")
+    assert "score_forward_cpu_s" not in fields and "score_write_cpu_s" not in fields
 
 
 def test_a_workers_score_batches_are_timed_in_its_stats_and_status(

@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import json
 import logging
+import re
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from functools import cached_property
@@ -289,9 +290,18 @@ class Tokenizer:
         characters are all that can join what follows it into one."""
         return max((len(t) for t in self.special_texts), default=0)
 
+    @cached_property
+    def _special_text_pattern(self) -> re.Pattern[str] | None:
+        """One search for the text of any special token (a model may have hundreds: Llama 3 reserves
+        256, and a score job's rows are looked at several times each)."""
+        if not self.special_texts:
+            return None
+        return re.compile("|".join(re.escape(t) for t in self.special_texts))
+
     def has_special_text(self, text: str) -> bool:
         """Whether `text` holds the text of a special token (`<|im_start|>`, say)."""
-        return any(special in text for special in self.special_texts)
+        pattern = self._special_text_pattern
+        return pattern is not None and pattern.search(text) is not None
 
     def encode_as_text(self, text: str) -> list[int]:
         """Ids of `text` with the text of special tokens encoded as ordinary text, never as control
