@@ -68,8 +68,8 @@ class DecodeBatch:
 
     A batch holding a constrained row keeps one forward ahead instead (`_ahead`): its pending tokens
     are already being fed while they are read back, so the draw that needs their grammars' masks and
-    the forward after it are launched together (with a launcher, one launch after the other), and the
-    tokens are handled while that forward computes (`_step_ahead`). The cache then holds one token
+    the forward after it are launched one right after the other (two evaluations: see `_launch`), and
+    the tokens are read back and handled while that forward computes (`_step_ahead`). The cache then holds one token
     past those handled: a leaving row's cache is cut back to its own (`remove`), and the forward ahead
     is dropped (its column trimmed) before rows join or a verify step.
 
