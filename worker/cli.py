@@ -82,16 +82,19 @@ def configure_logging(level: str) -> None:
         level=level, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s %(message)s"
     )
     for handler in logging.getLogger().handlers:
-        handler.addFilter(RqLines())
+        if not any(isinstance(f, RqLines) for f in handler.filters):  # called again: one filter a handler
+            handler.addFilter(RqLines())
 
 
 class RqLines(logging.Filter):
     """RQ's own log lines as mlxq writes its lines, `key=value`: RQ's sentence becomes `msg="..."`
-    (quoted as JSON), so one parser reads every line of a worker's log."""
+    (quoted as JSON), so one parser reads every line of a worker's log. The record is rewritten once,
+    however many handlers with this filter it passes (each would otherwise quote it again)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if record.name == "rq" or record.name.startswith("rq."):
+        if (record.name == "rq" or record.name.startswith("rq.")) and not getattr(record, "mlxq_line", False):
             record.msg, record.args = "msg=" + json.dumps(record.getMessage(), ensure_ascii=False), ()
+            record.mlxq_line = True
         return True
 
 

@@ -3,6 +3,7 @@ level), RQ's log lines as `key=value` like mlxq's, and a job's expected failure 
 
 from __future__ import annotations
 
+import io
 import logging
 import sys
 from pathlib import Path
@@ -10,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from mlxq.producer import Client, JobFailed
-from mlxq.worker.cli import RqLines, main
+from mlxq.worker.cli import RqLines, configure_logging, main
 from mlxq.worker.service import WorkerService
 from mlxq.worker.settings import WorkerSettings
 
@@ -53,6 +54,23 @@ def test_rq_lines_are_key_value() -> None:
     assert record.getMessage() == 'msg="Worker w1: done, quitting"'
     ours = logging.LogRecord("worker.rq_worker", logging.INFO, __file__, 1, "job=%s", ("a",), None)
     assert RqLines().filter(ours) and ours.getMessage() == "job=a"
+
+
+def test_an_rq_line_is_quoted_once_whatever_handlers_and_setups_it_meets(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Two handlers on the root logger, and logging set up twice: each handler writes RQ's sentence
+    quoted once (the filter rewrites a record in place, and every handler's filter sees the same one)."""
+    root = logging.getLogger()
+    streams = [io.StringIO(), io.StringIO()]
+    handlers = [logging.StreamHandler(stream) for stream in streams]
+    monkeypatch.setattr(root, "handlers", handlers)
+    monkeypatch.setattr(root, "level", logging.INFO)
+    configure_logging("INFO")
+    configure_logging("INFO")
+    assert all(sum(isinstance(f, RqLines) for f in h.filters) == 1 for h in handlers)
+    logging.getLogger("rq.worker").info("Worker %s: %s", "w1", "Jobs OK (2): a b")
+    assert [s.getvalue() for s in streams] == ['msg="Worker w1: Jobs OK (2): a b"\n'] * 2
 
 
 def test_an_expected_job_failure_is_a_warning_line(

@@ -69,9 +69,9 @@ class DecodeBatch:
     A batch holding a constrained row keeps one forward ahead instead (`_ahead`): its pending tokens
     are already being fed while they are read back, so the draw that needs their grammars' masks and
     the forward after it are launched one right after the other (two evaluations: see `_launch`), and
-    the tokens are read back and handled while that forward computes (`_step_ahead`). The cache then holds one token
-    past those handled: a leaving row's cache is cut back to its own (`remove`), and the forward ahead
-    is dropped (its column trimmed) before rows join or a verify step.
+    the tokens are read back and handled while that forward computes (`_step_ahead`). The cache then
+    holds one token past those handled: a leaving row's cache is cut back to its own (`remove`), and
+    the forward ahead is dropped (its column trimmed) before rows join or a verify step.
 
     With `masks_in_place` (where the backend lets the host write an evaluated array's memory:
     `mask_buffer.host_writes_seen`) the draw reads the rows' mask buffer, which the masks are written
