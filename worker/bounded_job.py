@@ -16,7 +16,7 @@ import json
 import re
 import zlib
 from collections.abc import Callable
-from datetime import datetime
+from datetime import datetime, timezone
 from functools import lru_cache
 from typing import Any, ClassVar
 
@@ -76,8 +76,8 @@ def _date(value: bytes) -> datetime:
     if _RQ_DATE.fullmatch(value) is None:
         return str_to_date(value)
     # ISO 8601 in RQ's form (UTC, `Z`); the calendar is checked (a 30 February raises ValueError, as
-    # strptime does)
-    return datetime.fromisoformat(value.decode())
+    # strptime does). The `Z` is cut off first: `fromisoformat` takes it from Python 3.11 on only.
+    return datetime.fromisoformat(value[:-1].decode()).replace(tzinfo=timezone.utc)
 
 
 _DATES = ("created_at", "enqueued_at", "started_at", "ended_at", "last_heartbeat")  # RQ's job dates
