@@ -60,9 +60,7 @@ def _job_state(job: Job) -> dict[str, Any]:
 def test_jobs_started_together_are_started_as_rq_starts_one_by_one_script_call(
     redis_conn: redis.Redis,
 ) -> None:
-    q = Queue("starts", connection=redis_conn, serializer=JSONSerializer)
-    w = MlxqWorker([q], connection=redis_conn, stream_options=StreamOptions())
-    w.register_birth()
+    q, w = _born_worker(redis_conn, "starts")
     jobs = [q.enqueue_call(keys.SCORE_FUNC, args=(ROW,)) for _ in range(6)]
     for _ in jobs:  # taken from the queue, as RQ's dequeue (BLMOVE) leaves them
         redis_conn.lmove(q.key, q.intermediate_queue_key, "LEFT", "RIGHT")
@@ -81,6 +79,14 @@ def test_jobs_started_together_are_started_as_rq_starts_one_by_one_script_call(
     assert execution.id
     assert redis_conn.llen(q.intermediate_queue_key) == 0
     assert w.get_state() == "busy"
+
+
+def _born_worker(redis_conn: redis.Redis, queue: str) -> tuple[Queue, MlxqWorker]:
+    """A queue of JSON-serialized jobs and a registered worker serving it."""
+    q = Queue(queue, connection=redis_conn, serializer=JSONSerializer)
+    w = MlxqWorker([q], connection=redis_conn, stream_options=StreamOptions())
+    w.register_birth()
+    return q, w
 
 
 def _started(w: MlxqWorker, q: Queue, n: int, sparse: bool = False, **enqueue: Any) -> list[tuple[Run, Any]]:
@@ -136,9 +142,7 @@ _PER_JOB = {"created_at", "started_at", "ended_at", "last_heartbeat", "enqueued_
 
 
 def test_jobs_ended_together_are_ended_as_rq_ends_one_by_one_script_call(redis_conn: redis.Redis) -> None:
-    q = Queue("ends", connection=redis_conn, serializer=JSONSerializer)
-    w = MlxqWorker([q], connection=redis_conn, stream_options=StreamOptions())
-    w.register_birth()
+    q, w = _born_worker(redis_conn, "ends")
     (alone, *_), together = _started(w, q, 1), _started(w, q, 21, sparse=True)
     w.batches.succeed(*alone)  # RQ's own end of one job
     before = _commands(redis_conn, ("exec", "watch", "evalsha"))
@@ -160,9 +164,7 @@ def test_jobs_ended_together_are_ended_as_rq_ends_one_by_one_script_call(redis_c
 def test_a_job_with_a_dependent_or_repeats_ends_through_rq_and_its_dependent_is_enqueued(
     redis_conn: redis.Redis,
 ) -> None:
-    q = Queue("ends", connection=redis_conn, serializer=JSONSerializer)
-    w = MlxqWorker([q], connection=redis_conn, stream_options=StreamOptions())
-    w.register_birth()
+    q, w = _born_worker(redis_conn, "ends")
     plain, parent = _started(w, q, 2)
     (repeating,) = _started(w, q, 1, repeat=Repeat(times=1))
     child = q.enqueue_call(keys.SCORE_FUNC, args=(ROW,), depends_on=parent[0].job)
@@ -179,9 +181,7 @@ def test_a_dependent_added_while_jobs_end_together_is_not_lost(
     """RQ's race: a job gets a dependent after its dependents were read, before the commit. The commit
     fails (the dependents set is watched) and starts over; the job then ends through RQ, which enqueues
     the dependent."""
-    q = Queue("ends", connection=redis_conn, serializer=JSONSerializer)
-    w = MlxqWorker([q], connection=redis_conn, stream_options=StreamOptions())
-    w.register_birth()
+    q, w = _born_worker(redis_conn, "ends")
     ended = _started(w, q, 3)
     children: list[Job] = []
     real_now = rq_batches.now
@@ -201,9 +201,7 @@ def test_a_dependent_added_while_jobs_end_together_is_not_lost(
 def test_a_job_whose_end_fails_fails_with_the_reason_and_the_others_finish(
     redis_conn: redis.Redis, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    q = Queue("ends", connection=redis_conn, serializer=JSONSerializer)
-    w = MlxqWorker([q], connection=redis_conn, stream_options=StreamOptions())
-    w.register_birth()
+    q, w = _born_worker(redis_conn, "ends")
     good, bad, other = _started(w, q, 3)
 
     def cannot_save(*args: Any, **kwargs: Any) -> None:
@@ -265,9 +263,7 @@ def test_a_job_cancelled_while_it_ran_ends_as_rqs_cancel_ends_a_job(redis_conn: 
     """A running job its producer cancelled ends `canceled` with the records RQ's `Job.cancel` writes,
     plus the end of its execution: alone, among jobs ended together, and when another worker ends it
     after its own worker died. The others in the batch finish as before."""
-    q = Queue("cancels", connection=redis_conn, serializer=JSONSerializer)
-    w = MlxqWorker([q], connection=redis_conn, stream_options=StreamOptions())
-    w.register_birth()
+    q, w = _born_worker(redis_conn, "cancels")
     (reference_run, _), (alone, _), (in_batch, _), (finishing, value) = _started(w, q, 4)
     reference_run.job.cancel()  # RQ's own cancel, then the worker's end of the execution
     with redis_conn.pipeline() as pipe:
@@ -307,9 +303,7 @@ def test_a_batch_starts_and_ends_each_job_in_fewer_commands_than_rq_and_leaves_t
     (the tests above) without RQ's repeated writes of one field or one key: 8 + 11 a job run inside
     Redis, and a few for the batch; the worker sends one script call for each (and its own state and
     heartbeat beside the start's)."""
-    q = Queue("costs", connection=redis_conn, serializer=JSONSerializer)
-    w = MlxqWorker([q], connection=redis_conn, stream_options=StreamOptions())
-    w.register_birth()
+    q, w = _born_worker(redis_conn, "costs")
     n = 40
     jobs = [q.enqueue_call(keys.SCORE_FUNC, args=(ROW,)) for _ in range(n)]
     for _ in jobs:
@@ -332,9 +326,7 @@ def test_an_end_sent_again_ends_no_job_twice_and_a_server_without_the_scripts_is
     """The end script sent a second time (its reply lost on the way, `retrying` sends it again) leaves
     one result a job and counts each job once; a server that lost its scripts (a restart, SCRIPT
     FLUSH) is sent them again and the batch goes on."""
-    q = Queue("again", connection=redis_conn, serializer=JSONSerializer)
-    w = MlxqWorker([q], connection=redis_conn, stream_options=StreamOptions())
-    w.register_birth()
+    q, w = _born_worker(redis_conn, "again")
     redis_conn.script_flush()
     ended = _started(w, q, 3)
     assert w.batches._end_together(ended) == [True] * 3
@@ -389,9 +381,7 @@ def test_a_batch_end_leaves_a_payload_stored_as_rq_stores_it_and_writes_another_
 ) -> None:
     """A payload RQ compressed is left as stored (RQ's end would write the same bytes); one a producer
     stored uncompressed is written compressed, as RQ's own end of the same job writes it."""
-    q = Queue("payloads", connection=redis_conn, serializer=JSONSerializer)
-    w = MlxqWorker([q], connection=redis_conn, stream_options=StreamOptions())
-    w.register_birth()
+    q, w = _born_worker(redis_conn, "payloads")
     jobs = [q.enqueue_call(keys.SCORE_FUNC, args=(ROW,)) for _ in range(3)]
     stored = redis_conn.hget(jobs[0].key, "data")
     for job in jobs[1:]:  # as a producer that does not compress writes it
@@ -411,9 +401,7 @@ def test_a_batch_end_leaves_a_payload_stored_as_rq_stores_it_and_writes_another_
 def test_jobs_ended_together_are_logged_by_id_in_one_line_a_queue(
     redis_conn: redis.Redis, caplog: pytest.LogCaptureFixture
 ) -> None:
-    q = Queue("logged", connection=redis_conn, serializer=JSONSerializer)
-    w = MlxqWorker([q], connection=redis_conn, stream_options=StreamOptions())
-    w.register_birth()
+    q, w = _born_worker(redis_conn, "logged")
     ended = _started(w, q, 3)
     with caplog.at_level(logging.INFO, logger=w.log.name):
         w.batches.succeed_many(ended)
