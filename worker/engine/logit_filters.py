@@ -51,7 +51,7 @@ def apply_min_p(logits: mx.array, min_p: float) -> mx.array:
 
 # Row-wise forms of the filters: one parameter per row, (B, 1) (or (1, 1) for all rows), so a batch whose
 # rows sample with different settings filters all of them in one graph. A row's "off" value leaves it as
-# it is (see `_RowParams`).
+# it is (see `sampler.RowParams`).
 
 
 def top_k_rows(logits: mx.array, k: mx.array, k_max: int) -> mx.array:
@@ -95,7 +95,7 @@ def apply_repetition_penalty(
 ) -> mx.array:
     """transformers' repetition penalty: each token seen in `history_ids` has a positive logit divided by
     `penalty` and a negative one multiplied by it (once per token, however often it was seen)."""
-    _check_repetition_penalty(penalty)
+    check_repetition_penalty(penalty)
     ids = history_ids if isinstance(history_ids, mx.array) else mx.array(list(history_ids), dtype=mx.int32)
     if penalty == 1.0 or ids.size == 0:
         return logits
@@ -110,8 +110,8 @@ def apply_presence_frequency_penalty(
 
     `counts` holds each token's occurrences so far, shape (vocab,) or (B, vocab).
     """
-    _check_finite("presence_penalty", presence)
-    _check_finite("frequency_penalty", frequency)
+    check_finite("presence_penalty", presence)
+    check_finite("frequency_penalty", frequency)
     if presence == 0.0 and frequency == 0.0:
         return logits
     counts = counts.astype(logits.dtype)
@@ -122,10 +122,12 @@ def apply_logit_bias(logits: mx.array, bias: Mapping[int, float]) -> mx.array:
     """Add `bias[token]` to each listed token's logit (OpenAI's `logit_bias`)."""
     if not bias:
         return logits
-    return logits + _dense_bias(bias, logits.shape[-1]).astype(logits.dtype)
+    return logits + dense_bias(bias, logits.shape[-1]).astype(logits.dtype)
 
 
-def _dense_bias(bias: Mapping[int, float], vocab_size: int) -> mx.array:
+def dense_bias(bias: Mapping[int, float], vocab_size: int) -> mx.array:
+    """`bias` as a dense (vocab,) float32 array; a token outside the vocabulary or a non-finite value
+    raises `ValueError`."""
     _check_logit_bias(bias, vocab_size)
     ids = mx.array(list(bias.keys()), dtype=mx.int32)
     return (
@@ -133,12 +135,14 @@ def _dense_bias(bias: Mapping[int, float], vocab_size: int) -> mx.array:
     )
 
 
-def _check_finite(name: str, value: float) -> None:
+def check_finite(name: str, value: float) -> None:
+    """Raise `ValueError` naming `name` unless `value` is finite."""
     if not math.isfinite(value):
         raise ValueError(f"{name} must be a finite number, got {value}")
 
 
-def _check_repetition_penalty(penalty: float) -> None:
+def check_repetition_penalty(penalty: float) -> None:
+    """Raise `ValueError` unless `penalty` is finite and > 0."""
     if not (penalty > 0 and math.isfinite(penalty)):
         raise ValueError(f"repetition_penalty must be a finite number > 0 (1 turns it off), got {penalty}")
 
@@ -149,4 +153,4 @@ def _check_logit_bias(bias: Mapping[int, float], vocab_size: int) -> None:
             raise ValueError(
                 f"logit_bias token {token!r} is not an id of this model's vocabulary (0..{vocab_size - 1})"
             )
-        _check_finite(f"logit_bias[{token}]", value)
+        check_finite(f"logit_bias[{token}]", value)

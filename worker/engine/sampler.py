@@ -17,10 +17,10 @@ import mlx.core as mx
 
 from mlxq.worker.engine.constraint import Constraint
 from mlxq.worker.engine.logit_filters import (
-    _check_finite,
-    _check_repetition_penalty,
-    _dense_bias,
     apply_presence_frequency_penalty,
+    check_finite,
+    check_repetition_penalty,
+    dense_bias,
     min_p_rows,
     penalize_tokens,
     top_k_rows,
@@ -73,15 +73,15 @@ class Sampler:
         constraint: Constraint | None = None,
     ) -> None:
         _validate(vocab_size, temperature, top_p, top_k, min_p)
-        _check_repetition_penalty(repetition_penalty)
-        _check_finite("presence_penalty", presence_penalty)
-        _check_finite("frequency_penalty", frequency_penalty)
+        check_repetition_penalty(repetition_penalty)
+        check_finite("presence_penalty", presence_penalty)
+        check_finite("frequency_penalty", frequency_penalty)
         self.temperature, self.top_p, self.top_k, self.min_p = temperature, top_p, top_k, min_p
         self.repetition_penalty = repetition_penalty
         self.presence_penalty, self.frequency_penalty = presence_penalty, frequency_penalty
         self.seed = int.from_bytes(os.urandom(8), "little") if seed is None else int(seed)
         self._key = mx.random.key(self.seed % 2**64)
-        self._bias = _dense_bias(logit_bias, vocab_size) if logit_bias else None
+        self._bias = dense_bias(logit_bias, vocab_size) if logit_bias else None
         penalized = repetition_penalty != 1.0 or presence_penalty != 0.0 or frequency_penalty != 0.0
         self._counts = mx.zeros((vocab_size,), dtype=mx.float32) if penalized else None
         self._prompt_seen: mx.array | None = None
@@ -89,8 +89,8 @@ class Sampler:
             ids = mx.array(list(prompt), dtype=mx.int32)
             self._prompt_seen = mx.zeros((vocab_size,), dtype=mx.int32).at[ids].add(1) > 0
         self._observed = 0  # generated tokens counted so far
-        self.row = _RowParams.of(self, vocab_size)
-        self._row_arrays: _RowArrays | None = None  # built at the first draw
+        self.row = RowParams.of(self, vocab_size)
+        self._row_arrays: RowArrays | None = None  # built at the first draw
         self.constraint = constraint  # structured output: the tokens its grammar allows
         self.logprobs: int | None = None  # alternatives its tokens' logprobs carry; None: none asked
 
@@ -149,7 +149,7 @@ class Sampler:
         if self.greedy:
             return mx.argmax(logits, axis=-1)
         if self._row_arrays is None:
-            self._row_arrays = _RowArrays([self.row])
+            self._row_arrays = RowArrays([self.row])
         tokens, keys = draw_rows(logits, self._row_arrays, self._key[None])
         self._key = keys[0]
         return tokens
@@ -203,7 +203,7 @@ def stack_bias(samplers: Sequence[Sampler], vocab_size: int) -> mx.array | None:
 
 
 @dataclass(frozen=True)
-class _RowParams:
+class RowParams:
     """A sampler's settings as the row-wise filters take them (an "off" value keeps every logit)."""
 
     inv_temperature: float  # 1 / temperature; 1.0 for a greedy sampler (it never draws)
@@ -212,7 +212,7 @@ class _RowParams:
     log_min_p: float  # -inf when min-p is off
 
     @classmethod
-    def of(cls, s: Sampler, vocab_size: int) -> _RowParams:
+    def of(cls, s: Sampler, vocab_size: int) -> RowParams:
         return cls(
             inv_temperature=1.0 / s.temperature if s.temperature > 0 else 1.0,
             top_k=s.top_k if s.top_k < vocab_size else 0,
@@ -221,11 +221,11 @@ class _RowParams:
         )
 
 
-class _RowArrays:
+class RowArrays:
     """The settings of a batch's rows as (B, 1) arrays, built once per change of the rows; a filter no
     row uses is None (and skipped)."""
 
-    def __init__(self, rows: Sequence[_RowParams]) -> None:
+    def __init__(self, rows: Sequence[RowParams]) -> None:
         self.inv_temperature = _column([r.inv_temperature for r in rows], mx.float32)
         self.top_k_max = max(r.top_k for r in rows)
         self.top_k = _column([r.top_k for r in rows], mx.int32) if self.top_k_max else None
@@ -239,23 +239,25 @@ def _column(values: Sequence[float], dtype: mx.Dtype) -> mx.array:
     return mx.array(list(values), dtype=dtype)[:, None]
 
 
-def _split_keys(keys: mx.array) -> mx.array:
-    return mx.vmap(mx.random.split)(keys)  # (B, 2) -> (B, 2, 2): each row's key split as it is alone
+def split_keys(keys: mx.array) -> mx.array:
+    """(B, 2) PRNG keys split in two, (B, 2, 2): each row's key split as it is alone."""
+    return mx.vmap(mx.random.split)(keys)
 
 
-def _categorical(keys: mx.array, logits: mx.array) -> mx.array:
+def categorical(keys: mx.array, logits: mx.array) -> mx.array:
+    """One draw per row of (B, vocab) `logits`, each with its row's key of (B, 2) `keys`: (B,) tokens."""
     return mx.vmap(lambda key, row: mx.random.categorical(row, key=key))(keys, logits)
 
 
-def draw_rows(logits: mx.array, rows: _RowArrays, keys: mx.array) -> tuple[mx.array, mx.array]:
+def draw_rows(logits: mx.array, rows: RowArrays, keys: mx.array) -> tuple[mx.array, mx.array]:
     """One draw per row of (B, vocab) logits with its own settings (temperature, top-k, top-p, min-p, in
     that order) and PRNG key: the (B,) tokens and the (B, 2) keys of the next draw. Row i's token depends
     on its own logits, settings and key only, so a sampler draws the same alone (B = 1)."""
-    pairs = _split_keys(keys)
-    return _categorical(pairs[:, 1], filter_rows(logits, rows)), pairs[:, 0]
+    pairs = split_keys(keys)
+    return categorical(pairs[:, 1], filter_rows(logits, rows)), pairs[:, 0]
 
 
-def filter_rows(logits: mx.array, rows: _RowArrays, repeat: int = 1) -> mx.array:
+def filter_rows(logits: mx.array, rows: RowArrays, repeat: int = 1) -> mx.array:
     """(B * repeat, vocab) logits scaled and filtered by each row's settings (temperature, top-k, top-p,
     min-p): the logits a row draws from. With `repeat`, rows come in runs of `repeat` (a verify step's
     positions of one row), each run with its row's settings."""

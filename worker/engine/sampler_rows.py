@@ -29,12 +29,12 @@ from mlxq.worker.engine.constraint import (
 )
 from mlxq.worker.engine.mask_buffer import MaskBuffer
 from mlxq.worker.engine.sampler import (
+    RowArrays,
     Sampler,
-    _categorical,
-    _RowArrays,
-    _split_keys,
+    categorical,
     draw_rows,
     filter_rows,
+    split_keys,
     stack_bias,
 )
 from mlxq.worker.engine.token_logprobs import StepLogprobs, step_logprobs
@@ -97,7 +97,7 @@ class SamplerRows:
         self._penalized_set = frozenset(self._penalized)
         greedy = [s.greedy for s in samplers]
         self._any_greedy = any(greedy)
-        self._arrays = None if all(greedy) else _RowArrays([s.row for s in samplers])
+        self._arrays = None if all(greedy) else RowArrays([s.row for s in samplers])
         mixed = self._any_greedy and self._arrays is not None
         self._greedy_mask = mx.array(greedy) if mixed else None
         self._constrained = [i for i, s in enumerate(samplers) if s.constraint is not None]
@@ -243,10 +243,10 @@ class SamplerRows:
             return kept, following
         assert self._keys is not None
         filtered = filter_rows(x.reshape(b * width, vocab), self._arrays, width).reshape(b, width, vocab)
-        pairs = _split_keys(self._keys)
+        pairs = split_keys(self._keys)
         self._keys = pairs[:, 0]
         # the next token drawn with the key `sample` would use; the acceptance tests with one split off it
-        tests = _split_keys(pairs[:, 1])[:, 0]
+        tests = split_keys(pairs[:, 1])[:, 0]
         uniform = mx.vmap(lambda key: mx.random.uniform(shape=(width - 1,), key=key))(tests)
         probs = mx.softmax(filtered[:, :-1, :], axis=-1)
         ok = (uniform < mx.take_along_axis(probs, drafts[..., None], axis=-1)[..., 0]) & live
@@ -256,7 +256,7 @@ class SamplerRows:
         at = mx.take_along_axis(filtered, kept[:, None, None], axis=1)[:, 0, :]  # (B, vocab)
         rejected = mx.take_along_axis(drafts, mx.minimum(kept, width - 2)[:, None], axis=1)
         drop = (mx.arange(vocab, dtype=mx.int32)[None, :] == rejected) & (kept < depth)[:, None]
-        following = _categorical(pairs[:, 1], mx.where(drop, _NEG_INF, at))
+        following = categorical(pairs[:, 1], mx.where(drop, _NEG_INF, at))
         if target is not None and self._greedy_mask is not None:
             greedy_next = mx.take_along_axis(target, kept[:, None], axis=1)[:, 0]
             following = mx.where(self._greedy_mask, greedy_next, following)
