@@ -222,27 +222,39 @@ class SamplerRows:
         `allowed` (B, W, vocab) bool (`draft_masks`): the tokens each position's grammar allows,
         applied after the penalties as in `sample`, so a constrained row's drafts (which its grammar
         allows) are kept and replaced under the distribution its plain steps draw from."""
-        b, width, vocab = logits.shape
+        x = self._verify_logits(logits, allowed)
+        live = mx.arange(x.shape[1] - 1, dtype=mx.int32)[None, :] < depth[:, None]
+        if self._arrays is None:  # every row greedy
+            target = mx.argmax(x, axis=-1)  # (B, W)
+            kept = _leading((target[:, :-1] == drafts) & live)
+            following = mx.take_along_axis(target, kept[:, None], axis=1)[:, 0]
+        else:
+            kept, following = self._verify_draws(x, drafts, depth, live, self._arrays)
+        self._observe_penalized(following)
+        self._note_logprobs(logits[:, 0, :], following)  # rows asking logprobs draft nothing
+        return kept, following
+
+    def _verify_logits(self, logits: mx.array, allowed: mx.array | None) -> mx.array:
+        """A verify step's (B, W, vocab) logits with the rows' logit biases, the penalized rows' first
+        position processed as `sample` processes it (they draft nothing), and `allowed` applied."""
         x = logits if self._bias is None else logits.astype(mx.float32) + self._bias[:, None, :]
-        if self._penalized:  # their first position as `sample` processes it (they draft nothing)
+        if self._penalized:
             first = x[:, 0, :].astype(mx.float32)
             own = [self.samplers[i].process_logits(logits[i : i + 1, 0, :]) for i in self._penalized]
             first[mx.array(self._penalized, dtype=mx.int32)] = mx.concatenate(own)
             x = mx.concatenate([first[:, None, :], x[:, 1:, :].astype(mx.float32)], axis=1)
         if allowed is not None:
             x = mx.where(allowed, x, _NEG_INF)
-        live = mx.arange(width - 1, dtype=mx.int32)[None, :] < depth[:, None]
-        target = mx.argmax(x, axis=-1) if self._any_greedy else None  # (B, W)
-        greedy_ok = None if target is None else (target[:, :-1] == drafts) & live
-        if self._arrays is None:
-            assert target is not None and greedy_ok is not None
-            kept = _leading(greedy_ok)
-            following = mx.take_along_axis(target, kept[:, None], axis=1)[:, 0]
-            self._observe_penalized(following)
-            self._note_logprobs(logits[:, 0, :], following)  # rows asking logprobs draft nothing
-            return kept, following
+        return x
+
+    def _verify_draws(
+        self, x: mx.array, drafts: mx.array, depth: mx.array, live: mx.array, rows: RowArrays
+    ) -> tuple[mx.array, mx.array]:
+        """`verify`'s kept counts and following tokens where some row draws (`rows`, the rows' settings),
+        from its processed logits `x`; greedy rows (`_greedy_mask`) keep and continue by their argmax."""
         assert self._keys is not None
-        filtered = filter_rows(x.reshape(b * width, vocab), self._arrays, width).reshape(b, width, vocab)
+        b, width, vocab = x.shape
+        filtered = filter_rows(x.reshape(b * width, vocab), rows, width).reshape(b, width, vocab)
         pairs = split_keys(self._keys)
         self._keys = pairs[:, 0]
         # the next token drawn with the key `sample` would use; the acceptance tests with one split off it
@@ -250,18 +262,18 @@ class SamplerRows:
         uniform = mx.vmap(lambda key: mx.random.uniform(shape=(width - 1,), key=key))(tests)
         probs = mx.softmax(filtered[:, :-1, :], axis=-1)
         ok = (uniform < mx.take_along_axis(probs, drafts[..., None], axis=-1)[..., 0]) & live
-        if greedy_ok is not None and self._greedy_mask is not None:
-            ok = mx.where(self._greedy_mask[:, None], greedy_ok, ok)
+        greedy = self._greedy_mask
+        target = None if greedy is None else mx.argmax(x, axis=-1)  # (B, W)
+        if greedy is not None and target is not None:
+            ok = mx.where(greedy[:, None], (target[:, :-1] == drafts) & live, ok)
         kept = _leading(ok)
         at = mx.take_along_axis(filtered, kept[:, None, None], axis=1)[:, 0, :]  # (B, vocab)
         rejected = mx.take_along_axis(drafts, mx.minimum(kept, width - 2)[:, None], axis=1)
         drop = (mx.arange(vocab, dtype=mx.int32)[None, :] == rejected) & (kept < depth)[:, None]
         following = categorical(pairs[:, 1], mx.where(drop, _NEG_INF, at))
-        if target is not None and self._greedy_mask is not None:
+        if greedy is not None and target is not None:
             greedy_next = mx.take_along_axis(target, kept[:, None], axis=1)[:, 0]
-            following = mx.where(self._greedy_mask, greedy_next, following)
-        self._observe_penalized(following)
-        self._note_logprobs(logits[:, 0, :], following)  # rows asking logprobs draft nothing
+            following = mx.where(greedy, greedy_next, following)
         return kept, following
 
     def _observe_penalized(self, tokens: mx.array) -> None:
