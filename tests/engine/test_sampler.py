@@ -8,9 +8,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlxq.worker.engine.sampler import (
-    Sampler,
-    SamplerRows,
+from mlxq.worker.engine.logit_filters import (
     apply_logit_bias,
     apply_min_p,
     apply_presence_frequency_penalty,
@@ -22,6 +20,8 @@ from mlxq.worker.engine.sampler import (
     top_k_rows,
     top_p_rows,
 )
+from mlxq.worker.engine.sampler import Sampler
+from mlxq.worker.engine.sampler_rows import SamplerRows
 
 V = 64
 

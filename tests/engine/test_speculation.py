@@ -29,7 +29,8 @@ from mlxq.worker.engine.decode_batch import DecodeBatch
 from mlxq.worker.engine.generation_batch import Finished, GenerationBatch, generate
 from mlxq.worker.engine.launcher import Launcher
 from mlxq.worker.engine.prefill import prefill
-from mlxq.worker.engine.sampler import Sampler, SamplerRows
+from mlxq.worker.engine.sampler import Sampler
+from mlxq.worker.engine.sampler_rows import SamplerRows
 from mlxq.worker.engine.speculation.draft_choice import DraftChoice
 from mlxq.worker.engine.speculation.draft_gate import DraftGate
 from mlxq.worker.engine.speculation.draft_model import DraftTarget

@@ -22,7 +22,8 @@ from mlxq.jobs.errors import InvalidRequest
 from mlxq.jobs.schema import GenerateRequest, GenerateResult
 from mlxq.worker.engine import Engine, EngineOptions
 from mlxq.worker.engine.generation_batch import Finished, GenerationBatch, generate
-from mlxq.worker.engine.sampler import Sampler, SamplerRows
+from mlxq.worker.engine.sampler import Sampler
+from mlxq.worker.engine.sampler_rows import SamplerRows
 from mlxq.worker.engine.text_run import TokenSink
 from mlxq.worker.modelfiles.tiny_model import write_random_checkpoint
 
@@ -287,7 +288,8 @@ def test_the_mask_keeps_exactly_the_allowed_tokens_of_a_vocabulary_wider_than_th
     import mlx.core as mx
 
     from mlxq.jobs.schema import RegexFormat
-    from mlxq.worker.engine.sampler import Sampler, SamplerRows
+    from mlxq.worker.engine.sampler import Sampler
+    from mlxq.worker.engine.sampler_rows import SamplerRows
 
     engine = _engine(write_random_checkpoint(tmp_path, {"vocab_size": 400}), prefix_cache_bytes=0)
     assert engine.tokenizer.vocab_size < 400 == engine.model.args.vocab_size

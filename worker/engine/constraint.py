@@ -6,7 +6,7 @@ once per engine and compiles a request's JSON schema, regex or Lark grammar into
 (its own matcher state); `fill_mask_rows` writes the allowed-token bitmasks of a batch's constrained
 rows, on the host, while the device runs a step, or starts writing them on a thread of its own
 (`start_mask_rows`) while the decode loop handles the step's tokens. The sampler applies the masks
-(`sampler.py`); the decode batch decides when they are computed (`decode_batch.py`). A constraint that
+(`sampler_rows.py`); the decode batch decides when they are computed (`decode_batch.py`). A constraint that
 cannot be compiled is the request's `InvalidRequest`, raised at admission, before any token.
 
 A grammar that is complete allows only EOS; a constraint whose matcher stopped (complete, and the

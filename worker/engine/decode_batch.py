@@ -24,7 +24,8 @@ from mlxq.worker.engine.launcher import Launcher
 from mlxq.worker.engine.models.base import Model
 from mlxq.worker.engine.models.layer_taps import LayerTaps
 from mlxq.worker.engine.row_placement import RowPlacement
-from mlxq.worker.engine.sampler import Sampler, SamplerRows
+from mlxq.worker.engine.sampler import Sampler
+from mlxq.worker.engine.sampler_rows import SamplerRows
 from mlxq.worker.engine.token_logprobs import PendingLogprobs, TokenLogprob
 from mlxq.worker.engine.verify_step import VerifyStep
 
