@@ -26,9 +26,9 @@ from ..settings import ProducerSettings
 from ..tail import START_ID
 from .file_commands import _bulk_arguments, cmd_generate_file, cmd_score_file
 from .job_commands import cmd_cancel, cmd_generate, cmd_result, cmd_status, cmd_tail
-from .rendering import _failed
-from .sampling_options import _sampling_arguments
-from .worker_commands import NEEDS_MLX, _split_worker_command, run_worker_command
+from .rendering import print_failure
+from .sampling_options import add_sampling_arguments
+from .worker_commands import NEEDS_MLX, run_worker_command, split_worker_command
 
 __all__ = ["NEEDS_MLX", "build_parser", "main"]
 
@@ -54,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("prompt")
     gen.add_argument("--chat", action="store_true", help="send the prompt as a user message (chat template)")
     gen.add_argument("--system", help="system message (implies --chat)")
-    _sampling_arguments(gen)
+    add_sampling_arguments(gen)
     gen.add_argument("--queue", help="queue name [MLXQ_QUEUE, default: default]")
     gen.add_argument("--timeout", type=float, help="give up (and cancel the job) after this many seconds")
     gen.add_argument("--json", action="store_true", help="print the final result as JSON, not the text")
@@ -107,7 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
         help='JSONL: {"custom_id": ..., "prompt": ... | "messages": [...], options...} per line; '
         "or OpenAI Batch API request lines; a line's own options win over the flags",
     )
-    _sampling_arguments(gen_file)
+    add_sampling_arguments(gen_file)
     _bulk_arguments(gen_file)
 
     acl = sub.add_parser("tenant-acl", help="print the users.acl line of a tenant's producer user")
@@ -161,7 +161,7 @@ def _quiet_stdout() -> None:
 def main(argv: list[str] | None = None) -> int:
     """Run `mlxq` with `argv` (default: the process's arguments); returns the exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    delegated = _split_worker_command(argv)
+    delegated = split_worker_command(argv)
     if delegated is not None:
         return run_worker_command(*delegated)
     args = build_parser().parse_args(argv)
@@ -186,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"mlxq: {e}", file=sys.stderr)
         return 2
     except errors.JobFailed as e:
-        return _failed(e)
+        return print_failure(e)
     except (JobNotFound, TimeoutError) as e:
         print(f"mlxq: {e}", file=sys.stderr)
         return 1

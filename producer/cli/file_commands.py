@@ -13,7 +13,7 @@ from typing import Any
 
 from ..bulk_files import BulkSummary
 from ..client import Client
-from .sampling_options import _sampling_params
+from .sampling_options import sampling_params
 
 
 def _bulk_arguments(p: argparse.ArgumentParser) -> None:
@@ -52,7 +52,7 @@ def cmd_score_file(client: Client, args: argparse.Namespace) -> int:
 
 def cmd_generate_file(client: Client, args: argparse.Namespace) -> int:
     """Exit codes as `score-file`'s."""
-    defaults = _sampling_params(args)
+    defaults = sampling_params(args)
     return _bulk_run(
         args,
         lambda common: client.generate_dataset(

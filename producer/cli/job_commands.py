@@ -14,12 +14,12 @@ from .. import status_report
 from ..client import Client, JobHandle
 from ..errors import JobFailed
 from ..job_state import CancelOutcome
-from .rendering import _failed, _print_json, format_stats, render_stream
-from .sampling_options import _sampling_params
+from .rendering import format_stats, print_failure, print_json, render_stream
+from .sampling_options import sampling_params
 
 
 def _generate_params(args: argparse.Namespace) -> dict[str, Any]:
-    params = _sampling_params(args)
+    params = sampling_params(args)
     if args.chat or args.system is not None:
         system = [{"role": "system", "content": args.system}] if args.system is not None else []
         params["messages"] = [*system, {"role": "user", "content": args.prompt}]
@@ -38,7 +38,7 @@ def cmd_generate(client: Client, args: argparse.Namespace) -> int:
         else:
             end = render_stream(handle.stream(timeout=args.timeout), sys.stdout, sys.stderr)
             if end is not None and isinstance(end.event, ErrorEvent):
-                return _failed(JobFailed(handle.id, end.event.message))
+                return print_failure(JobFailed(handle.id, end.event.message))
             result = handle.result(timeout=args.timeout)
     except KeyboardInterrupt:
         outcome = handle.cancel()
@@ -49,7 +49,7 @@ def cmd_generate(client: Client, args: argparse.Namespace) -> int:
         print(f"mlxq: {e}; job cancel: {outcome.value}", file=sys.stderr)
         return 1
     if args.json:
-        _print_json(result.model_dump(mode="json"), sys.stdout)
+        print_json(result.model_dump(mode="json"), sys.stdout)
     print(format_stats(result), file=sys.stderr)
     return 0
 
@@ -67,7 +67,7 @@ def cmd_tail(client: Client, args: argparse.Namespace) -> int:
     if end is not None:
         print(f"[last id {end.stream_id}]", file=sys.stderr)
         if isinstance(end.event, ErrorEvent):
-            return _failed(JobFailed(handle.id, end.event.message))
+            return print_failure(JobFailed(handle.id, end.event.message))
         if isinstance(end.event, DoneEvent):
             print(f"finish={end.event.finish_reason} tokens={end.event.completion_tokens}", file=sys.stderr)
     return 0
@@ -76,7 +76,7 @@ def cmd_tail(client: Client, args: argparse.Namespace) -> int:
 def cmd_status(client: Client, args: argparse.Namespace) -> int:
     report = client.retry.call(status_report.collect, client.connection, args.queues)
     if args.json:
-        _print_json(report.as_dict(), sys.stdout)
+        print_json(report.as_dict(), sys.stdout)
     else:
         print(status_report.render(report))
     return 0
@@ -96,5 +96,5 @@ def cmd_cancel(client: Client, args: argparse.Namespace) -> int:
 
 def cmd_result(client: Client, args: argparse.Namespace) -> int:
     handle: JobHandle[GenerateResult | ScoreResult] = client.job(args.job_id)
-    _print_json(handle.result(timeout=args.timeout).model_dump(mode="json"), sys.stdout)
+    print_json(handle.result(timeout=args.timeout).model_dump(mode="json"), sys.stdout)
     return 0

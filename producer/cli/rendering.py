@@ -45,7 +45,7 @@ def render_stream(items: Iterable[StreamItem], out: TextIO, err: TextIO) -> Stre
     return None
 
 
-def _print_json(value: Any, out: TextIO) -> None:
+def print_json(value: Any, out: TextIO) -> None:
     """JSON for a person: objects indented, a list of numbers or strings on one line (token ids)."""
     out.write(_json_text(value, "") + "\n")
 
@@ -62,6 +62,7 @@ def _json_text(value: Any, indent: str) -> str:
     return json.dumps(value, ensure_ascii=False)
 
 
-def _failed(e: errors.JobFailed) -> int:
+def print_failure(e: errors.JobFailed) -> int:
+    """Say why a job failed; its exit code, 1."""
     print(f"mlxq: job {e.job_id} failed: {e.reason}", file=sys.stderr)
     return 1

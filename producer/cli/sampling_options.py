@@ -9,7 +9,8 @@ from pathlib import Path
 from typing import Any
 
 
-def _sampling_arguments(p: argparse.ArgumentParser) -> None:
+def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
+    """The sampling flags and the mutually exclusive output constraints (`response_format`)."""
     p.add_argument("--max-tokens", type=int)
     p.add_argument("--temperature", type=float)
     p.add_argument("--top-p", type=float)
@@ -95,7 +96,8 @@ def _grammar_file(path: str) -> dict[str, Any]:
     return {"type": "grammar", "grammar": _read_text(path)}
 
 
-def _sampling_params(args: argparse.Namespace) -> dict[str, Any]:
+def sampling_params(args: argparse.Namespace) -> dict[str, Any]:
+    """The request parameters that the flags of `add_sampling_arguments` set (a flag not given: not sent)."""
     given = {
         "max_tokens": args.max_tokens,
         "temperature": args.temperature,

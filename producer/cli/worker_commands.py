@@ -14,7 +14,7 @@ NEEDS_MLX = (
 )
 
 
-def _split_worker_command(argv: list[str]) -> tuple[list[str], str | None] | None:
+def split_worker_command(argv: list[str]) -> tuple[list[str], str | None] | None:
     """`[worker|import-gguf, ...]` and the global --redis-url, if argv runs one of those; else None."""
     i, redis_url = 0, None
     while i < len(argv) and argv[i].startswith("-"):
