@@ -13,7 +13,44 @@ from typing import Any
 
 from ..bulk_files import BulkSummary
 from ..client import Client
-from .sampling_options import sampling_params
+from .sampling_options import add_sampling_arguments, sampling_params
+
+
+def add_parsers(
+    sub: argparse._SubParsersAction[argparse.ArgumentParser], after: argparse.ArgumentParser
+) -> None:
+    """`score-file` and `generate-file`; `after`: the connection options."""
+    score = sub.add_parser(
+        "score-file", parents=[after], help="score a JSONL file of rows in bulk (resumable)"
+    )
+    score.add_argument(
+        "input",
+        help='JSONL: {"custom_id": ..., "prompt": ..., "candidates": [...]} per line; or OpenAI Batch API '
+        "lines of POST /v1/completions with echo/logprobs",
+    )
+    score.add_argument("--rows-per-job", type=int, default=16, help="rows per score job (1..64) [16]")
+    score.add_argument(
+        "--max-tokens",
+        type=int,
+        help="each row's tokens through the model must be 1..N (never truncated) [the model's context]",
+    )
+    score.add_argument(
+        "--allow-special-tokens",
+        action="store_true",
+        help="encode special-token text in the rows as control tokens (default: as plain text)",
+    )
+    _bulk_arguments(score)
+
+    gen_file = sub.add_parser(
+        "generate-file", parents=[after], help="generate for a JSONL file of prompts in bulk (resumable)"
+    )
+    gen_file.add_argument(
+        "input",
+        help='JSONL: {"custom_id": ..., "prompt": ... | "messages": [...], options...} per line; '
+        "or OpenAI Batch API request lines; a line's own options win over the flags",
+    )
+    add_sampling_arguments(gen_file)
+    _bulk_arguments(gen_file)
 
 
 def _bulk_arguments(p: argparse.ArgumentParser) -> None:
@@ -103,3 +140,6 @@ def _first_sigint_stops(stop: threading.Event) -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+COMMANDS = {"score-file": cmd_score_file, "generate-file": cmd_generate_file}

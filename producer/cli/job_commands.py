@@ -14,8 +14,42 @@ from .. import status_report
 from ..client import Client, JobHandle
 from ..errors import JobFailed
 from ..job_state import CancelOutcome
+from ..tail import START_ID
 from .rendering import format_stats, print_failure, print_json, render_stream
-from .sampling_options import sampling_params
+from .sampling_options import add_sampling_arguments, sampling_params
+
+
+def add_parsers(
+    sub: argparse._SubParsersAction[argparse.ArgumentParser], after: argparse.ArgumentParser
+) -> None:
+    """`generate`, `tail`, `status`, `cancel`, `result`; `after`: the connection options."""
+    gen = sub.add_parser("generate", parents=[after], help="submit a generation job and stream its text")
+    gen.add_argument("prompt")
+    gen.add_argument("--chat", action="store_true", help="send the prompt as a user message (chat template)")
+    gen.add_argument("--system", help="system message (implies --chat)")
+    add_sampling_arguments(gen)
+    gen.add_argument("--queue", help="queue name [MLXQ_QUEUE, default: default]")
+    gen.add_argument("--timeout", type=float, help="give up (and cancel the job) after this many seconds")
+    gen.add_argument("--json", action="store_true", help="print the final result as JSON, not the text")
+
+    tail = sub.add_parser("tail", parents=[after], help="print a job's stream")
+    tail.add_argument("job_id")
+    tail.add_argument("--from", dest="from_id", default=START_ID, help="resume after this stream id")
+    tail.add_argument("--timeout", type=float)
+    tail.add_argument("--json", action="store_true", help="one JSON object per event, with its id")
+
+    status = sub.add_parser("status", parents=[after], help="queues and workers")
+    status.add_argument("--queue", action="append", dest="queues", help="only this queue (repeatable)")
+    status.add_argument("--json", action="store_true")
+
+    cancel = sub.add_parser(
+        "cancel", parents=[after], help="cancel a job (queued: never runs; running: stops)"
+    )
+    cancel.add_argument("job_id")
+
+    result = sub.add_parser("result", parents=[after], help="wait for a job's result and print it as JSON")
+    result.add_argument("job_id")
+    result.add_argument("--timeout", type=float)
 
 
 def _generate_params(args: argparse.Namespace) -> dict[str, Any]:
@@ -98,3 +132,12 @@ def cmd_result(client: Client, args: argparse.Namespace) -> int:
     handle: JobHandle[GenerateResult | ScoreResult] = client.job(args.job_id)
     print_json(handle.result(timeout=args.timeout).model_dump(mode="json"), sys.stdout)
     return 0
+
+
+COMMANDS = {
+    "generate": cmd_generate,
+    "tail": cmd_tail,
+    "status": cmd_status,
+    "cancel": cmd_cancel,
+    "result": cmd_result,
+}

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import os
 import sys
@@ -12,6 +13,18 @@ NEEDS_MLX = (
     "mlxq: the worker needs MLX: in the mlxq repository (or with its wheel), pip install '.[cpu]' on Linux, "
     "'.[worker]' on macOS (README: Install)"
 )
+
+
+def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    # Listed for --help only: main() hands these to worker.cli before parsing.
+    sub.add_parser("worker", help="run a worker (needs MLX; see `mlxq worker --help`)", add_help=False)
+    sub.add_parser("import-gguf", help="convert a GGUF file to a model folder (needs MLX)", add_help=False)
+    sub.add_parser(
+        "eval",
+        help="run lm-evaluation-harness with `--model mlxq` through the queue (the `eval` extra); "
+        "every lm-eval flag is passed through",
+        add_help=False,
+    )
 
 
 def split_worker_command(argv: list[str]) -> tuple[list[str], str | None] | None:
