@@ -100,9 +100,11 @@ def test_the_queue_service_reaches_mlx_only_through_the_engine() -> None:
 
 def test_the_producer_dispatches_to_the_worker_cli_only_when_asked() -> None:
     """`producer.cli` hands `worker` and `import-gguf` to `worker.cli`, imported inside the call."""
-    tree = ast.parse((ROOT / "producer" / "cli.py").read_text())
+    trees = [ast.parse(path.read_text()) for path in _sources("producer/cli")]
+    assert trees
     top = {
         alias.name if isinstance(node, ast.Import) else node.module
+        for tree in trees
         for node in tree.body
         if isinstance(node, ast.Import | ast.ImportFrom)
         for alias in node.names
