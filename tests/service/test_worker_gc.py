@@ -32,14 +32,17 @@ def test_start_up_objects_are_frozen_while_the_worker_works_and_given_back_after
             frozen.append(gc.get_freeze_count())
 
     saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    before, thresholds = gc.get_freeze_count(), gc.get_threshold()
+    gc.set_threshold(50)  # the collector surely passes while three jobs run, however the host's timing
     gc.callbacks.append(note)
     try:
         service = WorkerService.start(settings, engine=Engine.load(str(model_dir), EngineOptions()))
         assert service.work(burst=True) == 0
     finally:
         gc.callbacks.remove(note)
+        gc.set_threshold(*thresholds)
         for sig, handler in saved.items():
             signal.signal(sig, handler)
     assert [len(job.result(timeout=5).rows) for job in jobs] == [1, 1, 1]
-    assert max(frozen) > 0  # the collector ran while the worker worked, start-up's objects left out
-    assert gc.get_freeze_count() == 0
+    assert max(frozen) > before  # the collector ran while the worker worked, start-up's objects left out
+    assert gc.get_freeze_count() == before
