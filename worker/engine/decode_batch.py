@@ -8,7 +8,6 @@ offsets) is explained in `batch_cache.py`.
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections.abc import Callable, Sequence
 from typing import TypeVar, cast
@@ -18,7 +17,7 @@ import mlx.core as mx
 from mlxq.worker.engine import ragged_attention
 from mlxq.worker.engine.cache.batch_cache import BatchKVCache, PrefillRowsCache, one_offset
 from mlxq.worker.engine.cache.kv_cache import KVCache
-from mlxq.worker.engine.critical_path import CriticalPath
+from mlxq.worker.engine.forward_ahead import ForwardAhead
 from mlxq.worker.engine.forward_pieces import ForwardPieces
 from mlxq.worker.engine.launcher import Launcher
 from mlxq.worker.engine.models.base import Model
@@ -66,7 +65,7 @@ class DecodeBatch:
     first step after rows joined reads their first tokens back before it builds the next step (see
     `step_with`).
 
-    A batch holding a constrained row keeps one forward ahead instead (`_ahead`): its pending tokens
+    A batch holding a constrained row keeps one forward ahead instead (`ahead`): its pending tokens
     are already being fed while they are read back, so the draw that needs their grammars' masks and
     the forward after it are launched one right after the other (two evaluations: see `_launch`), and
     the tokens are read back and handled while that forward computes (`_step_ahead`). The cache then
@@ -75,7 +74,7 @@ class DecodeBatch:
 
     With `masks_in_place` (where the backend lets the host write an evaluated array's memory:
     `mask_buffer.host_writes_seen`) the draw reads the rows' mask buffer, which the masks are written
-    into on a thread of their own while this thread builds that draw and forward (`_step_ahead`).
+    into on a thread of their own while this thread builds that draw and forward (`ForwardAhead.build`).
 
     With `taps` (decoder layer indices) and `features`, every forward the batch builds (plain, ahead
     or verify) also collects those layers' outputs (`layer_taps.py`) and hands them to `features`
@@ -100,7 +99,6 @@ class DecodeBatch:
         self._with_step: list[mx.array] = []  # what `features` made of the forward being built
         self.pad_shapes = pad_shapes
         self.launcher = launcher
-        self.masks_in_place = masks_in_place
         self.ragged_kernel = ragged_attention.available() if ragged_kernel is None else ragged_kernel
         self._window = min((w for w in model.model.windows if w is not None), default=None)
         self.cache = [BatchKVCache(window) for window in model.model.windows]
@@ -115,10 +113,8 @@ class DecodeBatch:
         self._copy_rows: list[int] = []
         self.placement = RowPlacement(self.cache, pad_shapes)  # which buffer row holds each live row
         self._steps = 0
-        # With a constrained row: the logits of the forward that feeds `_pending`, launched (see `step_with`)
-        self._ahead: mx.array | None = None
-        self._then_seen = launcher.then_s if launcher is not None else 0.0  # `critical.forward_launch_s`
-        self.critical = CriticalPath()  # the host's time on the constrained steps' critical path
+        # With a constrained row: the forward that feeds `_pending`, launched, and its time (see `step_with`)
+        self.ahead = ForwardAhead(launcher, masks_in_place)
         # The verify steps' shapes met, their drafts' acceptance and their time (`verify_with`)
         self.verify_step = VerifyStep(pad_shapes, self._window)
 
@@ -131,7 +127,7 @@ class DecodeBatch:
         buffers), else the buffers are copied once for all of them (`RowPlacement.join`)."""
         if not caches:
             return
-        self._drop_ahead()
+        self.ahead.drop(self.cache)
         joining = SamplerRows(samplers, logits.shape[-1])
         tokens = joining.sample(logits)
         if self._pending is None:
@@ -189,7 +185,7 @@ class DecodeBatch:
         returns only once a lone row's step is nearly computed, for the whole next step). That step
         takes no next step when `ends_all` says every row ends with them (a 1-token job).
 
-        With a constrained row the forward that feeds the pending tokens is already launched (`_ahead`):
+        With a constrained row the forward that feeds the pending tokens is already launched (`ahead`):
         see `_step_ahead`."""
         if self._pending is None:
             raise ValueError("an empty batch has no step to take")
@@ -208,7 +204,7 @@ class DecodeBatch:
                 self._pending = None  # nothing more to feed: every row leaves
                 return result
             self._launch_next(pending)
-        elif self._ahead is not None:
+        elif self.ahead.logits is not None:
             result = self._step_ahead(pending, handle, meanwhile)
         else:
             read, logprobs = self._readable(pending), self._pending_logprobs
@@ -226,26 +222,16 @@ class DecodeBatch:
     ) -> T:
         """A step of a batch with a constrained row. A row's next draw waits for its mask, which waits
         for its token of this step; the forward that feeds that token does not: it was launched right
-        after the draw (`_ahead`). So the tokens are read back while that forward computes (with a
+        after the draw (`ahead`). So the tokens are read back while that forward computes (with a
         launcher, while it is still being launched), the grammars take them, the next draw and the
-        forward fed by it are built and launched, and then the tokens are handled (text, stop strings,
+        forward fed by it are built and launched (`ForwardAhead.build`: with `masks_in_place` the
+        masks on the mask thread meanwhile), and then the tokens are handled (text, stop strings,
         sinks) and `meanwhile` runs, while the device computes. Between the read-back and that launch
-        the device may wait on the host: that stretch is timed (`critical`).
-
-        With `masks_in_place` the masks are computed on the mask thread into the buffer the draw reads
-        while this thread builds the graphs (building reads no data; the rows are those of this step:
-        rows join and leave between steps), so they cost the step nothing while they take less than
-        the build; else they are computed as the draw is built. (Built before the read-back, while the
-        device computes, the graphs would leave the critical path but the masks would join the host's
-        serial work a step, which bounds a GPU batch of many constrained rows: `bench/README.md`.) A
-        grammar that fails computing its mask (found at the join) ends its row with the error at this
-        token (`GenerationBatch`), as one found while taking the token does. A batch whose constrained
-        rows all left draws from the forward ahead once more and is a free batch again."""
+        the device may wait on the host: that stretch is timed (`ForwardAhead.critical`)."""
         # rows join only through `add`/`start` (a fresh step follows, which launches the forward ahead)
-        assert self.rows is not None and self._ahead is not None
-        clock, rows = self.critical, self.rows
+        assert self.rows is not None and self.ahead.logits is not None
+        ahead, rows = self.ahead, self.rows
         read, logprobs = self._readable(pending), self._pending_logprobs
-        in_place = self.masks_in_place and rows.constrained
         began = time.perf_counter()
         if self.taps and self.launcher is not None:  # a feature sink may evaluate (a drafter catching up):
             self.launcher.wait_tokens()  # not while the draw is launched (as before its forward was)
@@ -254,48 +240,21 @@ class DecodeBatch:
         self._take(tokens)
         self.logprobs = logprobs.read(tokens)
         taken = time.perf_counter()
-        masks = rows.start_masks() if in_place else None
-        try:
-            following = self._draw(masks_later=in_place)
-            drawn = time.perf_counter()
-            forward = self._forward(following) if rows.constrained else None
-            formed = time.perf_counter()
-        except BaseException:
-            if masks is not None:
-                with contextlib.suppress(Exception):  # no thread may be left on the grammars
-                    masks.join()
-            raise
-        joined = formed
-        if masks is not None:
-            masks.join()
-            clock.masks_s += masks.seconds
-            joined = time.perf_counter()
-        self._pending, self._ahead = following, forward
-        self._launch(following, forward)
+        following, built = ahead.build(rows, self._draw, self._forward)
+        self._pending = following
+        self._launch(following, ahead.logits)
         launched = time.perf_counter()
         result = handle(tokens)
-        clock.steps += 1
-        if self.launcher is not None:  # the forwards launched behind a draw since the last step (ended:
-            then_s = self.launcher.then_s  # `_launch` waited for every launch before its own)
-            clock.forward_launch_s += then_s - self._then_seen
-            self._then_seen = then_s
-        clock.read_s += got - began
-        clock.take_s += taken - got
-        clock.draw_s += drawn - taken
-        clock.forward_s += formed - drawn
-        clock.join_s += joined - formed
-        clock.launch_s += launched - joined
-        clock.handle_s += time.perf_counter() - launched
-        clock.critical_s += launched - got
+        ahead.note((began, got, taken, *built, launched))
         if meanwhile is not None:
             meanwhile()
         return result
 
-    def _draw(self, masks_later: bool) -> mx.array:
-        """Build the next draw from the forward ahead's logits, with its logprobs (`_pending_logprobs`
+    def _draw(self, logits: mx.array, masks_later: bool) -> mx.array:
+        """Build the next draw from the forward ahead's `logits`, with its logprobs (`_pending_logprobs`
         from now on); `masks_later`: see `SamplerRows.sample`."""
-        assert self.rows is not None and self._ahead is not None
-        following = self.rows.sample(self._ahead, masks_later=masks_later)
+        assert self.rows is not None
+        following = self.rows.sample(logits, masks_later=masks_later)
         self._new_pending_logprobs()
         return following
 
@@ -325,7 +284,7 @@ class DecodeBatch:
         cut back to the drafts kept, its shapes met and its time) are the `VerifyStep`'s."""
         if self._pending is None or self.rows is None:
             raise ValueError("an empty batch has no step to take")
-        self._drop_ahead()
+        self.ahead.drop(self.cache)
         step = self.verify_step
         clock, began = step.clock, time.perf_counter()
         self.quiet()
@@ -435,18 +394,9 @@ class DecodeBatch:
             self._launch(following)
 
     def _launch_ahead(self, tokens: mx.array) -> None:
-        """Launch a constrained batch's drawn `tokens`, then the forward that feeds them (`_ahead`)."""
-        self._ahead = self._forward(tokens)
-        self._launch(tokens, self._ahead)
-
-    def _drop_ahead(self) -> None:
-        """Forget the forward launched ahead: every row's cache loses the column it wrote, and the
-        pending tokens are again fed by nothing (before rows join, or a verify step)."""
-        if self._ahead is None:
-            return
-        self._ahead = None
-        for layer in self.cache:
-            layer.trim_rows(1, [0] * layer.batch)
+        """Launch a constrained batch's drawn `tokens`, then the forward that feeds them (`ahead`)."""
+        self.ahead.logits = self._forward(tokens)
+        self._launch(tokens, self.ahead.logits)
 
     def _take(self, tokens: list[int]) -> None:
         """Constrained rows take this step's tokens (before they are handled: a row whose grammar is
@@ -540,7 +490,7 @@ class DecodeBatch:
             self.quiet()
         slots = self.placement.slots
         caches = [[layer.row(slots[i]) for layer in self.cache] for i in rows]
-        if self._ahead is not None:  # the forward ahead fed a token they never handled
+        if self.ahead.logits is not None:  # the forward ahead fed a token they never handled
             for cache in caches:
                 for layer_cache in cache:
                     layer_cache.trim(1)
@@ -550,12 +500,12 @@ class DecodeBatch:
             self.rows.select(keep)
         self._pending_logprobs.select(keep)
         if not keep or self._pending is None:
-            self._pending = self._ahead = None
+            self._pending = self.ahead.logits = None
         else:
             index = mx.array(keep, dtype=mx.int32)
             self._pending = self._pending[index]
-            if self._ahead is not None:
-                self._ahead = self._ahead[index]
+            if self.ahead.logits is not None:
+                self.ahead.logits = self.ahead.logits[index]
         self._copy_rows = [self._copy_rows[i] for i in keep] if self._pending_copy is not None else []
         self.placement.keep(keep)
         return caches
