@@ -15,13 +15,13 @@ from typing import TypeVar, cast
 import mlx.core as mx
 
 from mlxq.worker.engine import ragged_attention
-from mlxq.worker.engine.cache.batch_cache import BatchKVCache, PrefillRowsCache, one_offset
+from mlxq.worker.engine.batch_forward import BatchForward, FeatureSink
+from mlxq.worker.engine.cache.batch_cache import BatchKVCache, PrefillRowsCache
 from mlxq.worker.engine.cache.kv_cache import KVCache
 from mlxq.worker.engine.forward_ahead import ForwardAhead
 from mlxq.worker.engine.forward_pieces import ForwardPieces
 from mlxq.worker.engine.launcher import Launcher
 from mlxq.worker.engine.models.base import Model
-from mlxq.worker.engine.models.layer_taps import LayerTaps
 from mlxq.worker.engine.row_placement import RowPlacement
 from mlxq.worker.engine.sampler import Sampler, SamplerRows
 from mlxq.worker.engine.token_logprobs import PendingLogprobs, TokenLogprob
@@ -31,11 +31,6 @@ from mlxq.worker.engine.verify_step import VerifyStep
 _CLEAR_CACHE_EVERY = 256
 
 T = TypeVar("T")
-
-# Where a decode batch hands the tapped layers' outputs of each forward: each live row's position of
-# its first fed token, and the features (live rows, W, features), rows in row order (`DecodeBatch.taps`);
-# returns the arrays it made of them, computed with the step (nothing lazy piles up over plain steps).
-FeatureSink = Callable[[list[int], mx.array], list[mx.array]]
 
 
 class DecodeBatch:
@@ -53,8 +48,8 @@ class DecodeBatch:
     every departure and arrival. Which buffer row holds each live row is the `placement`'s
     (`row_placement.py`).
 
-    With `ragged_kernel` (default: where it runs, MLX's CUDA build) rows of different lengths attend through
-    `ragged_attention.decode_attention` instead of MLX's attention with a mask.
+    The forward itself (the step's mask or the ragged kernel's rows, the buffer rows, the tapped layers'
+    outputs handed to `features`) is the `forward`'s (`batch_forward.py`).
 
     With `launcher` (`launcher.py`: a GPU's default) each step is launched on a thread of its own while this
     thread reads the step before back, handles its tokens and builds the next step: on a GPU a batched step is
@@ -74,14 +69,7 @@ class DecodeBatch:
 
     With `masks_in_place` (where the backend lets the host write an evaluated array's memory:
     `mask_buffer.host_writes_seen`) the draw reads the rows' mask buffer, which the masks are written
-    into on a thread of their own while this thread builds that draw and forward (`ForwardAhead.build`).
-
-    With `taps` (decoder layer indices) and `features`, every forward the batch builds (plain, ahead
-    or verify) also collects those layers' outputs (`layer_taps.py`) and hands them to `features`
-    with each live row's position of the first token it feeds: a drafter reading the target's hidden
-    states (DFlash) follows its row with them. A forward that is dropped or whose drafts are not kept
-    is followed by one feeding the same positions again, so a reader keeps, of what it was handed,
-    what the latest forward at each position gave."""
+    into on a thread of their own while this thread builds that draw and forward (`ForwardAhead.build`)."""
 
     def __init__(
         self,
@@ -93,13 +81,10 @@ class DecodeBatch:
         taps: Sequence[int] = (),
         features: FeatureSink | None = None,
     ) -> None:
-        self.model = model
         self.taps = tuple(taps) if features is not None else ()
-        self.features = features
-        self._with_step: list[mx.array] = []  # what `features` made of the forward being built
         self.pad_shapes = pad_shapes
         self.launcher = launcher
-        self.ragged_kernel = ragged_attention.available() if ragged_kernel is None else ragged_kernel
+        kernel = ragged_attention.available() if ragged_kernel is None else ragged_kernel
         self._window = min((w for w in model.model.windows if w is not None), default=None)
         self.cache = [BatchKVCache(window) for window in model.model.windows]
         self.rows: SamplerRows | None = None  # the live rows' samplers, in row order
@@ -112,6 +97,10 @@ class DecodeBatch:
         self._pending_copy: mx.array | None = None
         self._copy_rows: list[int] = []
         self.placement = RowPlacement(self.cache, pad_shapes)  # which buffer row holds each live row
+        # The forwards over the caches (the step's mask, the buffer rows, the taps)
+        self.forward = BatchForward(
+            model, self.cache, self.placement, kernel, self._window, self.taps, features
+        )
         self._steps = 0
         # With a constrained row: the forward that feeds `_pending`, launched, and its time (see `step_with`)
         self.ahead = ForwardAhead(launcher, masks_in_place)
@@ -240,7 +229,7 @@ class DecodeBatch:
         self._take(tokens)
         self.logprobs = logprobs.read(tokens)
         taken = time.perf_counter()
-        following, built = ahead.build(rows, self._draw, self._forward)
+        following, built = ahead.build(rows, self._draw, self.forward.logits)
         self._pending = following
         self._launch(following, ahead.logits)
         launched = time.perf_counter()
@@ -316,7 +305,9 @@ class DecodeBatch:
             kept_drafts, following = self.rows.verify(logits, ids, depth, allowed)
         self._new_pending_logprobs()
         built = time.perf_counter()
-        pieces.launch(kept_drafts, following, *self._pending_logprobs.arrays(), *self._taken_with_step())
+        pieces.launch(
+            kept_drafts, following, *self._pending_logprobs.arrays(), *self.forward.taken_with_step()
+        )
         if meanwhile is not None:
             meanwhile()
         pieces.wait()
@@ -342,7 +333,7 @@ class DecodeBatch:
         width = fed.shape[1]
         columns = self.verify_step.read_columns(self.cache, width)
         try:
-            return self._forward(fed, self.cache[0].mask(width, columns), pieces)
+            return self.forward.logits(fed, self.cache[0].mask(width, columns), pieces)
         finally:
             for layer in self.cache:
                 layer.read_exactly()
@@ -363,7 +354,7 @@ class DecodeBatch:
         on at once (it does not wait for the draw's launch) and the copy can be read while `ahead` is
         being launched (as a free batch reads its tokens while the next step launches)."""
         logprobs = self._pending_logprobs.arrays()  # read back with the tokens: no sync of their own
-        logprobs.extend(self._taken_with_step())
+        logprobs.extend(self.forward.taken_with_step())
         if self.launcher is None:
             mx.async_eval(tokens, *logprobs)
             if ahead is not None:
@@ -379,11 +370,6 @@ class DecodeBatch:
         self._pending_logprobs = PendingLogprobs()
         self._pending_logprobs.reset(self.rows.logprobs, len(self.rows))
 
-    def _taken_with_step(self) -> list[mx.array]:
-        """What the feature sink made of the forwards built since the last launch (then forgotten)."""
-        made, self._with_step = self._with_step, []
-        return made
-
     def _launch_next(self, pending: mx.array) -> None:
         """Build and launch the step that feeds `pending` (read back already: nothing in flight), with
         the forward ahead of it where a row is constrained."""
@@ -395,7 +381,7 @@ class DecodeBatch:
 
     def _launch_ahead(self, tokens: mx.array) -> None:
         """Launch a constrained batch's drawn `tokens`, then the forward that feeds them (`ahead`)."""
-        self.ahead.logits = self._forward(tokens)
+        self.ahead.logits = self.forward.logits(tokens)
         self._launch(tokens, self.ahead.logits)
 
     def _take(self, tokens: list[int]) -> None:
@@ -424,61 +410,17 @@ class DecodeBatch:
     def _next_step(self, pending: mx.array) -> mx.array:
         """Build the step that feeds `pending` (one token per live row); returns the tokens it samples,
         which become the pending ones (not evaluated yet)."""
-        logits = self._forward(pending)
+        logits = self.forward.logits(pending)
         assert self.rows is not None
         self._pending = self.rows.sample(logits)
         self._new_pending_logprobs()  # the old one is still read by the step in hand
         return self._pending
-
-    def _forward(
-        self,
-        pending: mx.array,
-        mask: mx.array | ragged_attention.RaggedRows | None = None,
-        pieces: ForwardPieces | None = None,
-    ) -> mx.array:
-        """The logits of the forward that feeds `pending` (not evaluated yet): (live rows, vocab) for one
-        token per row (B,) with the step's own mask; (live rows, W, vocab) for W tokens per row (B, W)
-        with `mask` (`BatchKVCache.mask(W)`). `pieces`: launches the layers as they are built."""
-        one = pending.ndim == 1
-        fed = pending[:, None] if one else pending
-        if one:
-            mask = self._step_mask()
-        fed = self.placement.spread(fed)
-        taps = LayerTaps(self.taps) if self.taps else None
-        lengths = self.cache[0].lengths if taps else []  # before the forward: each row's first position
-        sink = taps if pieces is None else pieces.passing(taps)
-        with one_offset(self.cache):
-            logits = self.model(fed, cache=self.cache, mask=mask, taps=sink)
-        if taps is not None:
-            assert self.features is not None
-            if pieces is not None:  # a feature sink may evaluate (a drafter catching up): not beside them
-                pieces.wait()
-            made = self.features(
-                [lengths[s] for s in self.placement.slots], self.placement.live(taps.features())
-            )
-            self._with_step.extend(made)
-        if one:
-            logits = logits[:, -1, :]
-        return self.placement.live(logits)
 
     def _stepped(self) -> None:
         self._steps += 1
         if self._steps % _CLEAR_CACHE_EVERY == 0:
             self.quiet()
             mx.clear_cache()
-
-    def _step_mask(self) -> mx.array | ragged_attention.RaggedRows | None:
-        """What a step's attention needs of the rows' lengths: nothing when all rows are as long, else
-        a mask, or with the ragged kernel each row's first column (the buffers made long enough first,
-        so the forward's writes keep them in place). Rows past a sliding window take the kernel even
-        when all are as long: a windowed layer would need a mask (`window.py`)."""
-        first = self.cache[0]
-        slides = self._window is not None and first.end + 1 > self._window
-        if not self.ragged_kernel or first.has_holes or not (any(first.starts) or slides):
-            return first.mask()
-        for layer in self.cache:
-            layer.reserve(1)
-        return ragged_attention.RaggedRows(first._starts, first.end + 1, first.capacity)
 
     def remove(self, rows: list[int]) -> list[list[KVCache]]:
         """Drop `rows`; return each one's batch-1 cache (exactly its tokens), in the order given. Their
