@@ -294,15 +294,8 @@ class DecodeBatch:
         width = step.width(drafts)
         allowed = self.rows.draft_masks(drafts, width) if width > 1 else None
         drafted = time.perf_counter()
-        fed = [[t, *d, *([0] * (width - 1 - len(d)))] for t, d in zip(tokens, drafts, strict=True)]
         pieces = ForwardPieces(self.launcher, len(self.cache))  # launched as it is built, with a launcher
-        logits = self._verify_forward(mx.array(fed, dtype=mx.int32), pieces)
-        if width == 1:
-            kept_drafts, following = mx.zeros((len(tokens),), dtype=mx.int32), self.rows.sample(logits[:, 0])
-        else:
-            depth = mx.array([len(d) for d in drafts], dtype=mx.int32)
-            ids = mx.array([row[1:] for row in fed], dtype=mx.int32)
-            kept_drafts, following = self.rows.verify(logits, ids, depth, allowed)
+        kept_drafts, following = self._verify_forward(tokens, drafts, width, allowed, pieces)
         self._new_pending_logprobs()
         built = time.perf_counter()
         pieces.launch(
@@ -323,20 +316,37 @@ class DecodeBatch:
         trimmed = time.perf_counter()
         result = handle([[t, *d[:k]] for t, d, k in zip(tokens, drafts, kept, strict=True)])
         marks = (began, read, drafted, built, launched, waited, trimmed, time.perf_counter())
-        clock.note(len(fed) * width, len(tokens) + sum(kept), marks)
+        clock.note(len(tokens) * width, len(tokens) + sum(kept), marks)
         return result
 
-    def _verify_forward(self, fed: mx.array, pieces: ForwardPieces) -> mx.array:
-        """The logits of a verify step's forward of `fed` (B, W), its layers launched in `pieces` as
-        they are built (`forward_pieces.py`); its attention reads the key columns the verify step says
-        (`VerifyStep.read_columns`: whole steps of the caches on a GPU)."""
-        width = fed.shape[1]
+    def _verify_forward(
+        self,
+        tokens: list[int],
+        drafts: list[list[int]],
+        width: int,
+        allowed: mx.array | None,
+        pieces: ForwardPieces,
+    ) -> tuple[mx.array, mx.array]:
+        """A verify step's forward and its verification (lazy): each row's pending token and drafts
+        (`tokens`, `drafts`) fed in `width` columns (padded with columns no row keeps), its layers
+        launched in `pieces` as they are built (`forward_pieces.py`), its attention reading the key
+        columns the verify step says (`VerifyStep.read_columns`: whole steps of the caches on a GPU);
+        returns the drafts each row keeps (`allowed`: the constrained rows' masks) and its next token."""
+        assert self.rows is not None
+        fed = [[t, *d, *([0] * (width - 1 - len(d)))] for t, d in zip(tokens, drafts, strict=True)]
         columns = self.verify_step.read_columns(self.cache, width)
         try:
-            return self.forward.logits(fed, self.cache[0].mask(width, columns), pieces)
+            logits = self.forward.logits(
+                mx.array(fed, dtype=mx.int32), self.cache[0].mask(width, columns), pieces
+            )
         finally:
             for layer in self.cache:
                 layer.read_exactly()
+        if width == 1:
+            return mx.zeros((len(tokens),), dtype=mx.int32), self.rows.sample(logits[:, 0])
+        depth = mx.array([len(d) for d in drafts], dtype=mx.int32)
+        ids = mx.array([row[1:] for row in fed], dtype=mx.int32)
+        return self.rows.verify(logits, ids, depth, allowed)
 
     def quiet(self) -> None:
         """Wait until no step is being launched (with a launcher: before evaluating anything else)."""
