@@ -60,12 +60,13 @@ class DecodeBatch:
     first step after rows joined reads their first tokens back before it builds the next step (see
     `step_with`).
 
-    A batch holding a constrained row keeps one forward ahead instead (`ahead`): its pending tokens
-    are already being fed while they are read back, so the draw that needs their grammars' masks and
-    the forward after it are launched one right after the other (two evaluations: see `_launch`), and
-    the tokens are read back and handled while that forward computes (`_step_ahead`). The cache then
-    holds one token past those handled: a leaving row's cache is cut back to its own (`remove`), and
-    the forward ahead is dropped (its column trimmed) before rows join or a verify step.
+    A batch holding a constrained row keeps one forward ahead instead (`ahead`, `forward_ahead.py`): its
+    pending tokens are already being fed while they are read back, so the draw that needs their
+    grammars' masks and the forward after it are launched one right after the other (two evaluations:
+    see `_launch`), and the tokens are read back and handled while that forward computes
+    (`_step_ahead`). The cache then holds one token past those handled: a leaving row's cache is cut
+    back to its own (`remove`), and the forward ahead is dropped (its column trimmed) before rows join
+    or a verify step.
 
     With `masks_in_place` (where the backend lets the host write an evaluated array's memory:
     `mask_buffer.host_writes_seen`) the draw reads the rows' mask buffer, which the masks are written

@@ -12,7 +12,9 @@ A `GenerationBatch` holds up to `max_sequences` requests in three stages:
   prefix (a system prompt) compute it once. Which waiting requests start, and which together, is the
   batch's `PrefillPlan`'s (`prefill_plan.py`); the batch launches the forwards and joins the rows;
 - decoding: every decoding request is a row of one `DecodeBatch`: one forward per step for all rows,
-  each row with its own sampler, stop strings, token budget and cancel check.
+  each row with its own sampler, stop strings, token budget and cancel check. With speculative
+  decoding, which rows draft at a step, their drafts and the step's progress as the draft gate counts
+  it are the batch's `BatchDrafts`' (`batch_drafts.py`).
 
 A request leaves the moment it finishes (EOS, stop string, length, cancel, or an error of its own) with
 its `GenerateResult` or exception in a `Finished`; its row is dropped and a newcomer takes its place,
