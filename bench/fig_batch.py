@@ -116,7 +116,7 @@ def _engine(b: Bench, payloads: list[dict[str, Any]]) -> Run:
         [list(r.token_ids) for r in res],
         *_window(arrivals, all_started or end, end),
         # a constrained batch's host time on the critical path, ms a step (none for free batches)
-        phases=batch.decode.critical.per_step_ms(),
+        phases=batch.decode.ahead.critical.per_step_ms(),
     )
 
 

@@ -422,11 +422,11 @@ def test_the_critical_path_is_timed_on_constrained_steps_only(model_dir: Path, o
             batch.step()
             steps += 1
         batch.close()
-        times = decode.critical.per_step_ms()
+        times = decode.ahead.critical.per_step_ms()
         if not timed:
-            assert decode.critical.steps == 0 and times == {}
+            assert decode.ahead.critical.steps == 0 and times == {}
             continue
-        assert 0 < decode.critical.steps < steps
+        assert 0 < decode.ahead.critical.steps < steps
         parts = times["take_ms"] + times["draw_ms"] + times["forward_ms"] + times["join_ms"]
         parts += times["launch_ms"]
         assert engine.masks_in_place and times["forward_ms"] > 0 and times["masks_ms"] > 0
@@ -624,8 +624,8 @@ def test_with_masks_in_place_the_masks_are_computed_beside_the_graphs(model_dir:
         while len(batch):
             batch.step()
         batch.close()
-        times = batch.decode.critical.per_step_ms()
-        assert batch.decode.critical.steps > 0
+        times = batch.decode.ahead.critical.per_step_ms()
+        assert batch.decode.ahead.critical.steps > 0
         assert times["handle_ms"] > 0 and times["forward_ms"] > 0
         critical = times["take_ms"] + times["draw_ms"] + times["forward_ms"] + times["join_ms"]
         critical += times["launch_ms"]

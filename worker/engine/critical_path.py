@@ -2,9 +2,9 @@
 
 A constrained row's next draw needs its mask, and its mask needs the token the step before drew: so
 between reading a step's tokens back and launching the next draw (with the forward fed by it), the
-device may wait on the host. `DecodeBatch` times that stretch of each such step here, split into its
-parts, so a benchmark can say where a step's time goes (`bench/fig_structured.py`). Free batches take
-no such step and record nothing.
+device may wait on the host. A decode batch's `ForwardAhead` times that stretch of each such step
+here, split into its parts, so a benchmark can say where a step's time goes (`bench/fig_structured.py`).
+Free batches take no such step and record nothing.
 
 Where the masks are written in place (`mask_buffer.py`), the mask thread computes them while the
 loop thread builds the draw and the forward (`masks`, the thread's own time, overlaps `draw` and

@@ -8,7 +8,6 @@ offsets) is explained in `batch_cache.py`.
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections.abc import Callable, Sequence
 from typing import TypeVar, cast
@@ -16,13 +15,13 @@ from typing import TypeVar, cast
 import mlx.core as mx
 
 from mlxq.worker.engine import ragged_attention
-from mlxq.worker.engine.cache.batch_cache import BatchKVCache, PrefillRowsCache, one_offset
+from mlxq.worker.engine.batch_forward import BatchForward, FeatureSink
+from mlxq.worker.engine.cache.batch_cache import BatchKVCache, PrefillRowsCache
 from mlxq.worker.engine.cache.kv_cache import KVCache
-from mlxq.worker.engine.critical_path import CriticalPath
+from mlxq.worker.engine.forward_ahead import ForwardAhead
 from mlxq.worker.engine.forward_pieces import ForwardPieces
 from mlxq.worker.engine.launcher import Launcher
 from mlxq.worker.engine.models.base import Model
-from mlxq.worker.engine.models.layer_taps import LayerTaps
 from mlxq.worker.engine.row_placement import RowPlacement
 from mlxq.worker.engine.sampler import Sampler
 from mlxq.worker.engine.sampler_rows import SamplerRows
@@ -33,11 +32,6 @@ from mlxq.worker.engine.verify_step import VerifyStep
 _CLEAR_CACHE_EVERY = 256
 
 T = TypeVar("T")
-
-# Where a decode batch hands the tapped layers' outputs of each forward: each live row's position of
-# its first fed token, and the features (live rows, W, features), rows in row order (`DecodeBatch.taps`);
-# returns the arrays it made of them, computed with the step (nothing lazy piles up over plain steps).
-FeatureSink = Callable[[list[int], mx.array], list[mx.array]]
 
 
 class DecodeBatch:
@@ -55,8 +49,8 @@ class DecodeBatch:
     every departure and arrival. Which buffer row holds each live row is the `placement`'s
     (`row_placement.py`).
 
-    With `ragged_kernel` (default: where it runs, MLX's CUDA build) rows of different lengths attend through
-    `ragged_attention.decode_attention` instead of MLX's attention with a mask.
+    The forward itself (the step's mask or the ragged kernel's rows, the buffer rows, the tapped layers'
+    outputs handed to `features`) is the `forward`'s (`batch_forward.py`).
 
     With `launcher` (`launcher.py`: a GPU's default) each step is launched on a thread of its own while this
     thread reads the step before back, handles its tokens and builds the next step: on a GPU a batched step is
@@ -67,23 +61,17 @@ class DecodeBatch:
     first step after rows joined reads their first tokens back before it builds the next step (see
     `step_with`).
 
-    A batch holding a constrained row keeps one forward ahead instead (`_ahead`): its pending tokens
-    are already being fed while they are read back, so the draw that needs their grammars' masks and
-    the forward after it are launched one right after the other (two evaluations: see `_launch`), and
-    the tokens are read back and handled while that forward computes (`_step_ahead`). The cache then
-    holds one token past those handled: a leaving row's cache is cut back to its own (`remove`), and
-    the forward ahead is dropped (its column trimmed) before rows join or a verify step.
+    A batch holding a constrained row keeps one forward ahead instead (`ahead`, `forward_ahead.py`): its
+    pending tokens are already being fed while they are read back, so the draw that needs their
+    grammars' masks and the forward after it are launched one right after the other (two evaluations:
+    see `_launch`), and the tokens are read back and handled while that forward computes
+    (`_step_ahead`). The cache then holds one token past those handled: a leaving row's cache is cut
+    back to its own (`remove`), and the forward ahead is dropped (its column trimmed) before rows join
+    or a verify step.
 
     With `masks_in_place` (where the backend lets the host write an evaluated array's memory:
     `mask_buffer.host_writes_seen`) the draw reads the rows' mask buffer, which the masks are written
-    into on a thread of their own while this thread builds that draw and forward (`_step_ahead`).
-
-    With `taps` (decoder layer indices) and `features`, every forward the batch builds (plain, ahead
-    or verify) also collects those layers' outputs (`layer_taps.py`) and hands them to `features`
-    with each live row's position of the first token it feeds: a drafter reading the target's hidden
-    states (DFlash) follows its row with them. A forward that is dropped or whose drafts are not kept
-    is followed by one feeding the same positions again, so a reader keeps, of what it was handed,
-    what the latest forward at each position gave."""
+    into on a thread of their own while this thread builds that draw and forward (`ForwardAhead.build`)."""
 
     def __init__(
         self,
@@ -95,14 +83,10 @@ class DecodeBatch:
         taps: Sequence[int] = (),
         features: FeatureSink | None = None,
     ) -> None:
-        self.model = model
         self.taps = tuple(taps) if features is not None else ()
-        self.features = features
-        self._with_step: list[mx.array] = []  # what `features` made of the forward being built
         self.pad_shapes = pad_shapes
         self.launcher = launcher
-        self.masks_in_place = masks_in_place
-        self.ragged_kernel = ragged_attention.available() if ragged_kernel is None else ragged_kernel
+        kernel = ragged_attention.available() if ragged_kernel is None else ragged_kernel
         self._window = min((w for w in model.model.windows if w is not None), default=None)
         self.cache = [BatchKVCache(window) for window in model.model.windows]
         self.rows: SamplerRows | None = None  # the live rows' samplers, in row order
@@ -115,11 +99,13 @@ class DecodeBatch:
         self._pending_copy: mx.array | None = None
         self._copy_rows: list[int] = []
         self.placement = RowPlacement(self.cache, pad_shapes)  # which buffer row holds each live row
+        # The forwards over the caches (the step's mask, the buffer rows, the taps)
+        self.forward = BatchForward(
+            model, self.cache, self.placement, kernel, self._window, self.taps, features
+        )
         self._steps = 0
-        # With a constrained row: the logits of the forward that feeds `_pending`, launched (see `step_with`)
-        self._ahead: mx.array | None = None
-        self._then_seen = launcher.then_s if launcher is not None else 0.0  # `critical.forward_launch_s`
-        self.critical = CriticalPath()  # the host's time on the constrained steps' critical path
+        # With a constrained row: the forward that feeds `_pending`, launched, and its time (see `step_with`)
+        self.ahead = ForwardAhead(launcher, masks_in_place)
         # The verify steps' shapes met, their drafts' acceptance and their time (`verify_with`)
         self.verify_step = VerifyStep(pad_shapes, self._window)
 
@@ -132,7 +118,7 @@ class DecodeBatch:
         buffers), else the buffers are copied once for all of them (`RowPlacement.join`)."""
         if not caches:
             return
-        self._drop_ahead()
+        self.ahead.drop(self.cache)
         joining = SamplerRows(samplers, logits.shape[-1])
         tokens = joining.sample(logits)
         if self._pending is None:
@@ -190,7 +176,7 @@ class DecodeBatch:
         returns only once a lone row's step is nearly computed, for the whole next step). That step
         takes no next step when `ends_all` says every row ends with them (a 1-token job).
 
-        With a constrained row the forward that feeds the pending tokens is already launched (`_ahead`):
+        With a constrained row the forward that feeds the pending tokens is already launched (`ahead`):
         see `_step_ahead`."""
         if self._pending is None:
             raise ValueError("an empty batch has no step to take")
@@ -209,7 +195,7 @@ class DecodeBatch:
                 self._pending = None  # nothing more to feed: every row leaves
                 return result
             self._launch_next(pending)
-        elif self._ahead is not None:
+        elif self.ahead.logits is not None:
             result = self._step_ahead(pending, handle, meanwhile)
         else:
             read, logprobs = self._readable(pending), self._pending_logprobs
@@ -227,26 +213,16 @@ class DecodeBatch:
     ) -> T:
         """A step of a batch with a constrained row. A row's next draw waits for its mask, which waits
         for its token of this step; the forward that feeds that token does not: it was launched right
-        after the draw (`_ahead`). So the tokens are read back while that forward computes (with a
+        after the draw (`ahead`). So the tokens are read back while that forward computes (with a
         launcher, while it is still being launched), the grammars take them, the next draw and the
-        forward fed by it are built and launched, and then the tokens are handled (text, stop strings,
+        forward fed by it are built and launched (`ForwardAhead.build`: with `masks_in_place` the
+        masks on the mask thread meanwhile), and then the tokens are handled (text, stop strings,
         sinks) and `meanwhile` runs, while the device computes. Between the read-back and that launch
-        the device may wait on the host: that stretch is timed (`critical`).
-
-        With `masks_in_place` the masks are computed on the mask thread into the buffer the draw reads
-        while this thread builds the graphs (building reads no data; the rows are those of this step:
-        rows join and leave between steps), so they cost the step nothing while they take less than
-        the build; else they are computed as the draw is built. (Built before the read-back, while the
-        device computes, the graphs would leave the critical path but the masks would join the host's
-        serial work a step, which bounds a GPU batch of many constrained rows: `bench/README.md`.) A
-        grammar that fails computing its mask (found at the join) ends its row with the error at this
-        token (`GenerationBatch`), as one found while taking the token does. A batch whose constrained
-        rows all left draws from the forward ahead once more and is a free batch again."""
+        the device may wait on the host: that stretch is timed (`ForwardAhead.critical`)."""
         # rows join only through `add`/`start` (a fresh step follows, which launches the forward ahead)
-        assert self.rows is not None and self._ahead is not None
-        clock, rows = self.critical, self.rows
+        assert self.rows is not None and self.ahead.logits is not None
+        ahead, rows = self.ahead, self.rows
         read, logprobs = self._readable(pending), self._pending_logprobs
-        in_place = self.masks_in_place and rows.constrained
         began = time.perf_counter()
         if self.taps and self.launcher is not None:  # a feature sink may evaluate (a drafter catching up):
             self.launcher.wait_tokens()  # not while the draw is launched (as before its forward was)
@@ -255,48 +231,21 @@ class DecodeBatch:
         self._take(tokens)
         self.logprobs = logprobs.read(tokens)
         taken = time.perf_counter()
-        masks = rows.start_masks() if in_place else None
-        try:
-            following = self._draw(masks_later=in_place)
-            drawn = time.perf_counter()
-            forward = self._forward(following) if rows.constrained else None
-            formed = time.perf_counter()
-        except BaseException:
-            if masks is not None:
-                with contextlib.suppress(Exception):  # no thread may be left on the grammars
-                    masks.join()
-            raise
-        joined = formed
-        if masks is not None:
-            masks.join()
-            clock.masks_s += masks.seconds
-            joined = time.perf_counter()
-        self._pending, self._ahead = following, forward
-        self._launch(following, forward)
+        following, built = ahead.build(rows, self._draw, self.forward.logits)
+        self._pending = following
+        self._launch(following, ahead.logits)
         launched = time.perf_counter()
         result = handle(tokens)
-        clock.steps += 1
-        if self.launcher is not None:  # the forwards launched behind a draw since the last step (ended:
-            then_s = self.launcher.then_s  # `_launch` waited for every launch before its own)
-            clock.forward_launch_s += then_s - self._then_seen
-            self._then_seen = then_s
-        clock.read_s += got - began
-        clock.take_s += taken - got
-        clock.draw_s += drawn - taken
-        clock.forward_s += formed - drawn
-        clock.join_s += joined - formed
-        clock.launch_s += launched - joined
-        clock.handle_s += time.perf_counter() - launched
-        clock.critical_s += launched - got
+        ahead.note((began, got, taken, *built, launched))
         if meanwhile is not None:
             meanwhile()
         return result
 
-    def _draw(self, masks_later: bool) -> mx.array:
-        """Build the next draw from the forward ahead's logits, with its logprobs (`_pending_logprobs`
+    def _draw(self, logits: mx.array, masks_later: bool) -> mx.array:
+        """Build the next draw from the forward ahead's `logits`, with its logprobs (`_pending_logprobs`
         from now on); `masks_later`: see `SamplerRows.sample`."""
-        assert self.rows is not None and self._ahead is not None
-        following = self.rows.sample(self._ahead, masks_later=masks_later)
+        assert self.rows is not None
+        following = self.rows.sample(logits, masks_later=masks_later)
         self._new_pending_logprobs()
         return following
 
@@ -326,7 +275,7 @@ class DecodeBatch:
         cut back to the drafts kept, its shapes met and its time) are the `VerifyStep`'s."""
         if self._pending is None or self.rows is None:
             raise ValueError("an empty batch has no step to take")
-        self._drop_ahead()
+        self.ahead.drop(self.cache)
         step = self.verify_step
         clock, began = step.clock, time.perf_counter()
         self.quiet()
@@ -347,18 +296,13 @@ class DecodeBatch:
         width = step.width(drafts)
         allowed = self.rows.draft_masks(drafts, width) if width > 1 else None
         drafted = time.perf_counter()
-        fed = [[t, *d, *([0] * (width - 1 - len(d)))] for t, d in zip(tokens, drafts, strict=True)]
         pieces = ForwardPieces(self.launcher, len(self.cache))  # launched as it is built, with a launcher
-        logits = self._verify_forward(mx.array(fed, dtype=mx.int32), pieces)
-        if width == 1:
-            kept_drafts, following = mx.zeros((len(tokens),), dtype=mx.int32), self.rows.sample(logits[:, 0])
-        else:
-            depth = mx.array([len(d) for d in drafts], dtype=mx.int32)
-            ids = mx.array([row[1:] for row in fed], dtype=mx.int32)
-            kept_drafts, following = self.rows.verify(logits, ids, depth, allowed)
+        kept_drafts, following = self._verify_forward(tokens, drafts, width, allowed, pieces)
         self._new_pending_logprobs()
         built = time.perf_counter()
-        pieces.launch(kept_drafts, following, *self._pending_logprobs.arrays(), *self._taken_with_step())
+        pieces.launch(
+            kept_drafts, following, *self._pending_logprobs.arrays(), *self.forward.taken_with_step()
+        )
         if meanwhile is not None:
             meanwhile()
         pieces.wait()
@@ -374,20 +318,37 @@ class DecodeBatch:
         trimmed = time.perf_counter()
         result = handle([[t, *d[:k]] for t, d, k in zip(tokens, drafts, kept, strict=True)])
         marks = (began, read, drafted, built, launched, waited, trimmed, time.perf_counter())
-        clock.note(len(fed) * width, len(tokens) + sum(kept), marks)
+        clock.note(len(tokens) * width, len(tokens) + sum(kept), marks)
         return result
 
-    def _verify_forward(self, fed: mx.array, pieces: ForwardPieces) -> mx.array:
-        """The logits of a verify step's forward of `fed` (B, W), its layers launched in `pieces` as
-        they are built (`forward_pieces.py`); its attention reads the key columns the verify step says
-        (`VerifyStep.read_columns`: whole steps of the caches on a GPU)."""
-        width = fed.shape[1]
+    def _verify_forward(
+        self,
+        tokens: list[int],
+        drafts: list[list[int]],
+        width: int,
+        allowed: mx.array | None,
+        pieces: ForwardPieces,
+    ) -> tuple[mx.array, mx.array]:
+        """A verify step's forward and its verification (lazy): each row's pending token and drafts
+        (`tokens`, `drafts`) fed in `width` columns (padded with columns no row keeps), its layers
+        launched in `pieces` as they are built (`forward_pieces.py`), its attention reading the key
+        columns the verify step says (`VerifyStep.read_columns`: whole steps of the caches on a GPU);
+        returns the drafts each row keeps (`allowed`: the constrained rows' masks) and its next token."""
+        assert self.rows is not None
+        fed = [[t, *d, *([0] * (width - 1 - len(d)))] for t, d in zip(tokens, drafts, strict=True)]
         columns = self.verify_step.read_columns(self.cache, width)
         try:
-            return self._forward(fed, self.cache[0].mask(width, columns), pieces)
+            logits = self.forward.logits(
+                mx.array(fed, dtype=mx.int32), self.cache[0].mask(width, columns), pieces
+            )
         finally:
             for layer in self.cache:
                 layer.read_exactly()
+        if width == 1:
+            return mx.zeros((len(tokens),), dtype=mx.int32), self.rows.sample(logits[:, 0])
+        depth = mx.array([len(d) for d in drafts], dtype=mx.int32)
+        ids = mx.array([row[1:] for row in fed], dtype=mx.int32)
+        return self.rows.verify(logits, ids, depth, allowed)
 
     def quiet(self) -> None:
         """Wait until no step is being launched (with a launcher: before evaluating anything else)."""
@@ -405,7 +366,7 @@ class DecodeBatch:
         on at once (it does not wait for the draw's launch) and the copy can be read while `ahead` is
         being launched (as a free batch reads its tokens while the next step launches)."""
         logprobs = self._pending_logprobs.arrays()  # read back with the tokens: no sync of their own
-        logprobs.extend(self._taken_with_step())
+        logprobs.extend(self.forward.taken_with_step())
         if self.launcher is None:
             mx.async_eval(tokens, *logprobs)
             if ahead is not None:
@@ -421,11 +382,6 @@ class DecodeBatch:
         self._pending_logprobs = PendingLogprobs()
         self._pending_logprobs.reset(self.rows.logprobs, len(self.rows))
 
-    def _taken_with_step(self) -> list[mx.array]:
-        """What the feature sink made of the forwards built since the last launch (then forgotten)."""
-        made, self._with_step = self._with_step, []
-        return made
-
     def _launch_next(self, pending: mx.array) -> None:
         """Build and launch the step that feeds `pending` (read back already: nothing in flight), with
         the forward ahead of it where a row is constrained."""
@@ -436,18 +392,9 @@ class DecodeBatch:
             self._launch(following)
 
     def _launch_ahead(self, tokens: mx.array) -> None:
-        """Launch a constrained batch's drawn `tokens`, then the forward that feeds them (`_ahead`)."""
-        self._ahead = self._forward(tokens)
-        self._launch(tokens, self._ahead)
-
-    def _drop_ahead(self) -> None:
-        """Forget the forward launched ahead: every row's cache loses the column it wrote, and the
-        pending tokens are again fed by nothing (before rows join, or a verify step)."""
-        if self._ahead is None:
-            return
-        self._ahead = None
-        for layer in self.cache:
-            layer.trim_rows(1, [0] * layer.batch)
+        """Launch a constrained batch's drawn `tokens`, then the forward that feeds them (`ahead`)."""
+        self.ahead.logits = self.forward.logits(tokens)
+        self._launch(tokens, self.ahead.logits)
 
     def _take(self, tokens: list[int]) -> None:
         """Constrained rows take this step's tokens (before they are handled: a row whose grammar is
@@ -475,61 +422,17 @@ class DecodeBatch:
     def _next_step(self, pending: mx.array) -> mx.array:
         """Build the step that feeds `pending` (one token per live row); returns the tokens it samples,
         which become the pending ones (not evaluated yet)."""
-        logits = self._forward(pending)
+        logits = self.forward.logits(pending)
         assert self.rows is not None
         self._pending = self.rows.sample(logits)
         self._new_pending_logprobs()  # the old one is still read by the step in hand
         return self._pending
-
-    def _forward(
-        self,
-        pending: mx.array,
-        mask: mx.array | ragged_attention.RaggedRows | None = None,
-        pieces: ForwardPieces | None = None,
-    ) -> mx.array:
-        """The logits of the forward that feeds `pending` (not evaluated yet): (live rows, vocab) for one
-        token per row (B,) with the step's own mask; (live rows, W, vocab) for W tokens per row (B, W)
-        with `mask` (`BatchKVCache.mask(W)`). `pieces`: launches the layers as they are built."""
-        one = pending.ndim == 1
-        fed = pending[:, None] if one else pending
-        if one:
-            mask = self._step_mask()
-        fed = self.placement.spread(fed)
-        taps = LayerTaps(self.taps) if self.taps else None
-        lengths = self.cache[0].lengths if taps else []  # before the forward: each row's first position
-        sink = taps if pieces is None else pieces.passing(taps)
-        with one_offset(self.cache):
-            logits = self.model(fed, cache=self.cache, mask=mask, taps=sink)
-        if taps is not None:
-            assert self.features is not None
-            if pieces is not None:  # a feature sink may evaluate (a drafter catching up): not beside them
-                pieces.wait()
-            made = self.features(
-                [lengths[s] for s in self.placement.slots], self.placement.live(taps.features())
-            )
-            self._with_step.extend(made)
-        if one:
-            logits = logits[:, -1, :]
-        return self.placement.live(logits)
 
     def _stepped(self) -> None:
         self._steps += 1
         if self._steps % _CLEAR_CACHE_EVERY == 0:
             self.quiet()
             mx.clear_cache()
-
-    def _step_mask(self) -> mx.array | ragged_attention.RaggedRows | None:
-        """What a step's attention needs of the rows' lengths: nothing when all rows are as long, else
-        a mask, or with the ragged kernel each row's first column (the buffers made long enough first,
-        so the forward's writes keep them in place). Rows past a sliding window take the kernel even
-        when all are as long: a windowed layer would need a mask (`window.py`)."""
-        first = self.cache[0]
-        slides = self._window is not None and first.end + 1 > self._window
-        if not self.ragged_kernel or first.has_holes or not (any(first.starts) or slides):
-            return first.mask()
-        for layer in self.cache:
-            layer.reserve(1)
-        return ragged_attention.RaggedRows(first._starts, first.end + 1, first.capacity)
 
     def remove(self, rows: list[int]) -> list[list[KVCache]]:
         """Drop `rows`; return each one's batch-1 cache (exactly its tokens), in the order given. Their
@@ -541,7 +444,7 @@ class DecodeBatch:
             self.quiet()
         slots = self.placement.slots
         caches = [[layer.row(slots[i]) for layer in self.cache] for i in rows]
-        if self._ahead is not None:  # the forward ahead fed a token they never handled
+        if self.ahead.logits is not None:  # the forward ahead fed a token they never handled
             for cache in caches:
                 for layer_cache in cache:
                     layer_cache.trim(1)
@@ -551,12 +454,12 @@ class DecodeBatch:
             self.rows.select(keep)
         self._pending_logprobs.select(keep)
         if not keep or self._pending is None:
-            self._pending = self._ahead = None
+            self._pending = self.ahead.logits = None
         else:
             index = mx.array(keep, dtype=mx.int32)
             self._pending = self._pending[index]
-            if self._ahead is not None:
-                self._ahead = self._ahead[index]
+            if self.ahead.logits is not None:
+                self.ahead.logits = self.ahead.logits[index]
         self._copy_rows = [self._copy_rows[i] for i in keep] if self._pending_copy is not None else []
         self.placement.keep(keep)
         return caches

@@ -12,7 +12,9 @@ A `GenerationBatch` holds up to `max_sequences` requests in three stages:
   prefix (a system prompt) compute it once. Which waiting requests start, and which together, is the
   batch's `PrefillPlan`'s (`prefill_plan.py`); the batch launches the forwards and joins the rows;
 - decoding: every decoding request is a row of one `DecodeBatch`: one forward per step for all rows,
-  each row with its own sampler, stop strings, token budget and cancel check.
+  each row with its own sampler, stop strings, token budget and cancel check. With speculative
+  decoding, which rows draft at a step, their drafts and the step's progress as the draft gate counts
+  it are the batch's `BatchDrafts`' (`batch_drafts.py`).
 
 A request leaves the moment it finishes (EOS, stop string, length, cancel, or an error of its own) with
 its `GenerateResult` or exception in a `Finished`; its row is dropped and a newcomer takes its place,
@@ -34,12 +36,14 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import cast
 
 import mlx.core as mx
 
 from mlxq.jobs.errors import OutOfMemory
 from mlxq.jobs.schema import FinishReason, GenerateRequest, GenerateResult
+from mlxq.worker.engine.batch_drafts import BatchDrafts
 from mlxq.worker.engine.cache.batch_cache import PrefillRowsCache
 from mlxq.worker.engine.cache.kv_cache import KVCache
 from mlxq.worker.engine.decode_batch import DecodeBatch
@@ -134,8 +138,7 @@ class GenerationBatch:
         self.steps = 0
         self._offers: list[tuple[list[int], list[KVCache]]] = []  # finished requests' caches (`settle`)
         self._ended: list[Finished] = []  # requests ended by a failed launch, for the next `step`
-        # the last decode step's progress as the draft gate counts it: rows x what the slowest row gained
-        self._progress = 0
+        self.drafts = BatchDrafts(engine)  # which rows draft at a step, their drafts, the step's progress
 
     def __len__(self) -> int:
         return len(self.waiting) + (self.prefilling is not None) + len(self.decoding) + len(self._ended)
@@ -416,11 +419,12 @@ class GenerationBatch:
         gate = self.engine.draft_gate
         if gate is not None:
             gate.begin(len(self.decoding))
-        verify = self._speculating()
-        self._progress = 0
+        verify = self.decode.rows is not None and self.drafts.speculating(self.decoding)
+        self.drafts.progress = 0
         try:
             if verify:
-                leaving = self.decode.verify_with(self._drafts, self._take_runs, meanwhile=background)
+                drafts_for = partial(self.drafts.propose, self.decoding)
+                leaving = self.decode.verify_with(drafts_for, self._take_runs, meanwhile=background)
             else:
                 leaving = self.decode.step_with(
                     self._take_tokens,
@@ -436,7 +440,7 @@ class GenerationBatch:
         self._leave(self._failed_grammars(leaving), finished)
         if gate is not None:  # rows leaving (their caches cut out) are part of the step's cost
             new_shape = verified and self.decode.verify_step.new_shape
-            gate.end("verify" if verified else "plain", self._progress, new_shape=new_shape)
+            gate.end("verify" if verified else "plain", self.drafts.progress, new_shape=new_shape)
 
     def _leave(
         self, leaving: list[tuple[int, FinishReason | BaseException]], finished: list[Finished]
@@ -493,42 +497,6 @@ class GenerationBatch:
             "or use a worker with more memory"
         )
 
-    def _speculating(self) -> bool:
-        """Whether this step verifies drafts: some row drafts (its policy's depth, set here for
-        `_drafts`) and its drafter expects to have something to propose (`Drafter.may_propose`, asked
-        before the row's pending token is known). A worker without speculation checks nothing."""
-        if self.engine.options.speculation == "off" or self.decode.rows is None:
-            return False
-        n, any_depth = len(self.decoding), False
-        if self.engine.draft_gate is not None and not self.engine.draft_gate.allows(n):
-            for seq in self.decoding:  # drafting loses here now: a plain step (acceptances unchanged)
-                seq.depth = 0
-            return False
-        for seq in self.decoding:
-            spec = seq.speculation
-            seq.depth = spec.depth(n, seq.budget) if spec is not None and spec.wants(n, seq.budget) else 0
-            if (
-                seq.depth
-                and spec is not None
-                and spec.policy.only_likely
-                and not spec.drafter.may_propose(RowTokens(seq.prompt, seq.run.ids))
-            ):
-                seq.depth = 0  # nothing to copy now: no verify step for it (its acceptance unchanged)
-            any_depth = any_depth or seq.depth > 0
-        return any_depth
-
-    def _drafts(self, tokens: list[int]) -> list[list[int]]:
-        """Each row's draft tokens after its pending token (`tokens`, one per row, in row order)."""
-        drafts: list[list[int]] = []
-        for seq, token in zip(self.decoding, tokens, strict=True):
-            if seq.depth <= 0 or seq.speculation is None:
-                drafts.append([])
-                continue
-            proposed = seq.speculation.drafter.propose(RowTokens(seq.prompt, seq.run.ids, token), seq.depth)
-            drafts.append(proposed[: seq.depth])
-            seq.proposed = len(drafts[-1])
-        return drafts
-
     def _take_runs(self, runs: list[list[int]]) -> list[tuple[int, FinishReason | BaseException]]:
         """After a verify step: each row takes its tokens (its pending one, then the drafts kept), in
         order, as from that many plain steps, up to the one it ends with; returns the rows that end."""
@@ -544,7 +512,7 @@ class GenerationBatch:
                     leaving.append((i, outcome))
                     gains[-1] = j + 1
                     break
-        self._count_progress(gains)
+        self.drafts.count_progress(self.decoding, gains)
         return leaving
 
     def _take_tokens(self, tokens: list[int]) -> list[tuple[int, FinishReason | BaseException]]:
@@ -555,23 +523,8 @@ class GenerationBatch:
             outcome = self._take_one(seq, token, self.decode.logprobs.get(i))
             if outcome is not None:
                 leaving.append((i, outcome))
-        self._count_progress([1] * len(tokens))
+        self.drafts.count_progress(self.decoding, [1] * len(tokens))
         return leaving
-
-    def _count_progress(self, gains: list[int]) -> None:
-        """The step's progress as the draft gate counts it: the rows times what the batch's slowest row
-        gained (`gains`: the tokens each row took, in row order). A batch of jobs that started together
-        ends with its slowest one, so a row's tokens ahead of it count only once every row has them
-        (each row's lead is kept from step to step); a row that joins starts level with the slowest,
-        and when the slowest leaves, its batch-mates' leads over it are not counted."""
-        if self.engine.draft_gate is None:
-            return
-        before = min(seq.ahead for seq in self.decoding)
-        reached = [seq.ahead + gain for seq, gain in zip(self.decoding, gains, strict=True)]
-        after = min(reached)
-        for seq, at in zip(self.decoding, reached, strict=True):
-            seq.ahead = at - after
-        self._progress = len(self.decoding) * (after - before)
 
     def _take_one(
         self, seq: _Sequence, token: int, logprob: TokenLogprob | None = None

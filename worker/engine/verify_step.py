@@ -75,7 +75,7 @@ class VerifyStep:
         """Whether to copy the buffers after a verify step to squeeze its holes out: always once a
         step's worth of columns is wasted; with `pad_shapes` (a GPU) at once while the buffers are
         small (`_SQUEEZE_BYTES`), since a row with holes needs a mask at every step until it leaves (no
-        ragged kernel: `DecodeBatch._step_mask`), dearer over the steps that follow than one small copy."""
+        ragged kernel: `BatchForward._step_mask`), dearer over the steps that follow than one small copy."""
         first = cache[0]
         if not first.has_holes:
             return False
