@@ -20,7 +20,7 @@ import mlx.core as mx
 from mlxq.worker.engine.cache.batch_cache import BatchKVCache
 from mlxq.worker.engine.critical_path import CriticalPath
 from mlxq.worker.engine.launcher import Launcher
-from mlxq.worker.engine.sampler import SamplerRows
+from mlxq.worker.engine.sampler_rows import SamplerRows
 
 
 class ForwardAhead:
