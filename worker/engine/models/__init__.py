@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mlxq.worker.engine.errors import UnsupportedArchitecture
-from mlxq.worker.engine.models import deepseek, gemma3, llama, moe, phi3
+from mlxq.worker.engine.models import deepseek, gemma3, llama, model_args, moe, phi3
 from mlxq.worker.engine.models.base import Model
 
 
@@ -55,11 +55,11 @@ def build_model(config: dict[str, Any]) -> Model:
     return arch.model(arch.args.from_dict({**config, **arch.switches}))
 
 
-register("LlamaForCausalLM", llama.ModelArgs, llama.Model)
+register("LlamaForCausalLM", model_args.ModelArgs, llama.Model)
 # Mistral is Llama's layout; its sliding window (when set) narrows every layer's attention (window.py).
-register("MistralForCausalLM", llama.ModelArgs, llama.Model)
-register("Qwen2ForCausalLM", llama.ModelArgs, llama.Model, qkv_bias=True)
-register("Qwen3ForCausalLM", llama.ModelArgs, llama.Model, qk_norm=True)
+register("MistralForCausalLM", model_args.ModelArgs, llama.Model)
+register("Qwen2ForCausalLM", model_args.ModelArgs, llama.Model, qkv_bias=True)
+register("Qwen3ForCausalLM", model_args.ModelArgs, llama.Model, qk_norm=True)
 # Mixtral always renormalises its top-k weights, and its experts are intermediate_size wide.
 register(
     "MixtralForCausalLM",
