@@ -2,7 +2,8 @@
 
 `build_model(config)` picks the class and its switches from the registry and returns an uninitialised
 model (random weights); `loader.load_model` fills it from a checkpoint. A new architecture is a
-module with `ModelArgs` (with `from_dict`) and `Model`, plus one `register(...)` line below.
+module with `ModelArgs` (with `from_dict`) and `Model`, plus one `register(...)` line below; the Llama
+family's `ModelArgs` is in `model_args.py`, which the others extend.
 """
 
 from __future__ import annotations

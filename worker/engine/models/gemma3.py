@@ -96,7 +96,7 @@ class ModelArgs(model_args.ModelArgs):
         return args
 
     def local_rope_settings(self) -> tuple[float, dict[str, Any] | None]:
-        """The local layers' RoPE base and scaling (`llama.rope_settings`'s normalised form)."""
+        """The local layers' RoPE base and scaling (`model_args.rope_settings`'s normalised form)."""
         theta, scaling, _ = model_args.rope_settings({"rope_parameters": self.local_rope or {}})
         return theta, scaling
 

@@ -1,11 +1,17 @@
 """The Llama family: Llama 2/3.x, SmolLM, TinyLlama, Mistral, Qwen2 (QKV bias) and Qwen3 (Q/K norm).
 
-These differ only in two switches, so one file holds them all: `qkv_bias` (Qwen2 always has biases on
+These differ only in two switches, so one model holds them all: `qkv_bias` (Qwen2 always has biases on
 q/k/v, never on o) and `qk_norm` (Qwen3 RMS-normalises each head of q and k before RoPE). Module
 attribute names equal the Hugging Face checkpoint keys, so weights load without a mapping table.
 A config's sliding window (Mistral, Phi-3, Qwen2's `layer_types`) narrows the attention of the layers it
-applies to (`layer_windows`, `window.py`); their caches drop what the window no longer sees
+applies to (`model_args.layer_windows`, `window.py`); their caches drop what the window no longer sees
 (`kv_cache.py`).
+
+This file holds the model itself: the decoder block, the stack of them and the causal LM on top
+(`TransformerBlock`, `LlamaModel`, `Model`), which the other architectures extend. Its parts live beside
+it: the config (`model_args.py`), the attention (`attention.py`), the SwiGLU feed-forward (`mlp.py`),
+projections fused into one matmul (`fused_linear.py`) and the masks a forward hands its layers
+(`masks.py`).
 """
 
 from __future__ import annotations
