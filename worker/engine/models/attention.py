@@ -13,7 +13,7 @@ from mlxq.worker.engine.cache.batch_cache import BatchKVCache
 from mlxq.worker.engine.cache.kv_cache import KVCache
 from mlxq.worker.engine.cache.shared_prefix import SharedPrefixRows
 from mlxq.worker.engine.models.base import LayerCache
-from mlxq.worker.engine.models.fused_linear import _fuse_linears, _fused_outputs
+from mlxq.worker.engine.models.fused_linear import fuse_linears, fused_outputs
 from mlxq.worker.engine.models.masks import Mask
 from mlxq.worker.engine.models.model_args import ModelArgs
 from mlxq.worker.engine.models.quantized_rows import FusedDenseRows
@@ -45,9 +45,9 @@ class Attention(nn.Module):
         self.qkv_proj: nn.Module | None = None  # set by `fuse`, in place of q_proj, k_proj and v_proj
 
     def fuse(self) -> None:
-        """Compute q, k and v with one matmul (`_fuse_linears`), if their projections are plain."""
+        """Compute q, k and v with one matmul (`fuse_linears`), if their projections are plain."""
         if self.qkv_proj is None:
-            self.qkv_proj = _fuse_linears(self, ["q_proj", "k_proj", "v_proj"])
+            self.qkv_proj = fuse_linears(self, ["q_proj", "k_proj", "v_proj"])
 
     def __call__(
         self,
@@ -88,7 +88,7 @@ class Attention(nn.Module):
             if cache is not None and columns is None:  # other cache kinds take no `columns`
                 k, v = cache.update_and_fetch(k, v)
             elif cache is not None:
-                assert isinstance(cache, KVCache)  # `columns` come with batch-1 caches (`_bucketed_keys`)
+                assert isinstance(cache, KVCache)  # `columns` come with batch-1 caches (`bucketed_keys`)
                 k, v = cache.update_and_fetch(k, v, columns)
             if isinstance(mask, mx.array) and mask.shape[-1] < k.shape[2]:  # a window's band (`window.py`)
                 k, v = k[..., -mask.shape[-1] :, :], v[..., -mask.shape[-1] :, :]
@@ -105,7 +105,7 @@ class Attention(nn.Module):
         xq = x if last is None else x[:, last : last + 1]
         if self.qkv_proj is not None:  # fused (`fuse`): one matmul, then views of its columns
             nq, nkv = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
-            q, k, v = _fused_outputs(self.qkv_proj, x, (nq, nq + nkv, nq + 2 * nkv))
+            q, k, v = fused_outputs(self.qkv_proj, x, (nq, nq + nkv, nq + 2 * nkv))
             if last is not None:
                 q = q[:, last : last + 1]
         else:

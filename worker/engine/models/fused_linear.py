@@ -10,8 +10,8 @@ import mlx.nn as nn
 from mlxq.worker.engine.models.quantized_rows import FusedDenseRows, fuse_dense_rows
 
 
-def _fused_outputs(proj: nn.Module, x: mx.array, ends: tuple[int, ...]) -> list[mx.array]:
-    """A fused projection's outputs (`_fuse_linears`), each ending at its column in `ends`: views of one
+def fused_outputs(proj: nn.Module, x: mx.array, ends: tuple[int, ...]) -> list[mx.array]:
+    """A fused projection's outputs (`fuse_linears`), each ending at its column in `ends`: views of one
     matmul's columns, or for few rows a dense-rows one's parts apart (a lone step launches no
     concatenation). On the decode path: no more Python than the slices themselves."""
     if isinstance(proj, FusedDenseRows) and proj.apart(x):
@@ -20,7 +20,7 @@ def _fused_outputs(proj: nn.Module, x: mx.array, ends: tuple[int, ...]) -> list[
     return [out[..., a:b] for a, b in zip((0, *ends[:-1]), ends, strict=True)]
 
 
-def _fuse_linears(module: nn.Module, names: list[str]) -> nn.Module | None:
+def fuse_linears(module: nn.Module, names: list[str]) -> nn.Module | None:
     """One `nn.Linear` computing the named projections of `module` side by side (weights, and biases if
     they have them, concatenated along the outputs), which it then drops; None, and nothing changed,
     if any of them is not a plain `nn.Linear` (quantized) or only some have a bias.

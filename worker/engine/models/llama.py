@@ -25,7 +25,7 @@ from mlxq.worker.engine.cache.kv_cache import KVCache
 from mlxq.worker.engine.models.attention import Attention
 from mlxq.worker.engine.models.base import LayerCache
 from mlxq.worker.engine.models.layer_taps import FINAL, LayerSink
-from mlxq.worker.engine.models.masks import Mask, _bucketed_keys, _mask_for_one_query, additive_mask
+from mlxq.worker.engine.models.masks import Mask, additive_mask, bucketed_keys, mask_for_one_query
 from mlxq.worker.engine.models.mlp import MLP
 from mlxq.worker.engine.models.model_args import ModelArgs
 from mlxq.worker.engine.models.window import WindowMasks
@@ -119,7 +119,7 @@ class LlamaModel(nn.Module):
             layer_mask = "causal"
         caches: list[LayerCache | None] = list(cache) if cache is not None else [None] * len(self.layers)
         columns = None
-        if self.bucket_keys and mask is None and (bucketed := _bucketed_keys(inputs, caches, h.dtype)):
+        if self.bucket_keys and mask is None and (bucketed := bucketed_keys(inputs, caches, h.dtype)):
             columns, layer_mask = bucketed
         masks = WindowMasks(layer_mask, inputs.shape[1], caches[0], self.windows)
         layers = zip(self.layers[:-1], caches[:-1], self.windows[:-1], strict=True)
@@ -129,7 +129,7 @@ class LlamaModel(nn.Module):
                 taps.take(i, h)
         layer_mask = masks(self.windows[-1])
         if last is not None:
-            layer_mask = _mask_for_one_query(layer_mask, last, inputs.shape[1], caches[-1])
+            layer_mask = mask_for_one_query(layer_mask, last, inputs.shape[1], caches[-1])
         h = self.layers[-1](h, layer_mask, caches[-1], last, columns)
         out: mx.array = self.norm(h)
         if taps is not None and last is None:
@@ -211,7 +211,7 @@ class Model(nn.Module):
         return self.model.layers
 
     def fuse(self) -> None:
-        """Fuse each layer's q/k/v and gate/up projections (see `_fuse_linears`); the output is the same
+        """Fuse each layer's q/k/v and gate/up projections (see `fuse_linears`); the output is the same
         up to the order of floating-point sums. The engine does it once the weights are in (a fused
         model's parameters no longer have the checkpoint's names)."""
         for layer in self.layers:

@@ -1,6 +1,6 @@
 """The masks a Llama-family forward hands its layers (`Mask`): a boolean mask made additive once a
-forward (`additive_mask`), one query's row of it (`_mask_for_one_query`) and bucketed key columns over
-a cached prefix (`_bucketed_keys`). A sliding window narrows each of them (`window.py`).
+forward (`additive_mask`), one query's row of it (`mask_for_one_query`) and bucketed key columns over
+a cached prefix (`bucketed_keys`). A sliding window narrows each of them (`window.py`).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from mlxq.worker.engine.ragged_attention import RaggedRows
 Mask = mx.array | str | RaggedRows | None
 
 
-def _mask_for_one_query(mask: Mask, last: int, n: int, cache: LayerCache | None) -> Mask:
+def mask_for_one_query(mask: Mask, last: int, n: int, cache: LayerCache | None) -> Mask:
     """The mask of query `last` alone (of `n` new positions): its row of an explicit mask; for causal
     attention nothing when it is the last position (it sees every key), else the keys up to its own."""
     if isinstance(mask, mx.array):
@@ -29,7 +29,7 @@ def _mask_for_one_query(mask: Mask, last: int, n: int, cache: LayerCache | None)
     return mx.arange(offset + n) <= offset + last
 
 
-def _bucketed_keys(
+def bucketed_keys(
     inputs: mx.array, caches: Sequence[LayerCache | None], dtype: mx.Dtype
 ) -> tuple[int, mx.array] | None:
     """For L new positions on top of a cached prefix: the cache columns to read (`key_columns`) and the

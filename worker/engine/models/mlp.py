@@ -9,7 +9,7 @@ from functools import partial
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlxq.worker.engine.models.fused_linear import _fuse_linears, _fused_outputs
+from mlxq.worker.engine.models.fused_linear import fuse_linears, fused_outputs
 from mlxq.worker.engine.models.model_args import ModelArgs
 
 
@@ -32,14 +32,14 @@ class MLP(nn.Module):
         self.gate_up_proj: nn.Module | None = None  # set by `fuse`, in place of gate_proj and up_proj
 
     def fuse(self) -> None:
-        """Compute gate and up with one matmul (`_fuse_linears`), if their projections are plain."""
+        """Compute gate and up with one matmul (`fuse_linears`), if their projections are plain."""
         if self.gate_up_proj is None:
-            self.gate_up_proj = _fuse_linears(self, ["gate_proj", "up_proj"])
+            self.gate_up_proj = fuse_linears(self, ["gate_proj", "up_proj"])
 
     def __call__(self, x: mx.array) -> mx.array:
         if self.gate_up_proj is not None:
             inter = self.intermediate_size
-            gate, up = _fused_outputs(self.gate_up_proj, x, (inter, 2 * inter))
+            gate, up = fused_outputs(self.gate_up_proj, x, (inter, 2 * inter))
             return self.down_proj(self.gated(gate, up))
         return self.down_proj(self.gated(self.gate_proj(x), self.up_proj(x)))
 

@@ -9,7 +9,7 @@ as for a global layer and attention right-aligns them to the keys the cache retu
 
 Every mask the engine hands a layer says which cache columns each query sees, and those are exactly
 its own sequence's positions 0..p, in column order: padding, holes of a verify step and bucketed spare
-columns are hidden (`batch_cache.py`, `masks._bucketed_keys`). So the window needs no positions: a
+columns are hidden (`batch_cache.py`, `masks.bucketed_keys`). So the window needs no positions: a
 visible key's distance to the query is the count of visible columns from it to the query, minus one,
 and the window keeps the visible columns where that count is at most W. One rule for rows prefills,
 decode masks, verify masks and the scorer's masks; plain causal attention (no mask) gets the band
