@@ -24,7 +24,7 @@ from mlxq.worker.engine.cache.batch_cache import BatchKVCache
 from mlxq.worker.engine.cache.kv_cache import KVCache, key_columns
 from mlxq.worker.engine.decode_batch import DecodeBatch
 from mlxq.worker.engine.generation_batch import Finished, GenerationBatch, generate
-from mlxq.worker.engine.models import llama
+from mlxq.worker.engine.models import attention, llama
 from mlxq.worker.engine.prefill import prefill, prefill_rows
 from mlxq.worker.engine.sampler import Sampler
 from mlxq.worker.engine.shapes import padded_size, padded_width
@@ -684,13 +684,13 @@ def test_the_ragged_attention_path_decodes_what_the_mask_path_decodes(
     ids = engine.tokenizer.encode(PROMPT * 60)
     prompts = [ids[:n] for n in (40, 120, 250)]
     calls = []
-    original = llama.decode_attention
+    original = attention.decode_attention
 
     def counted(*a: Any, **k: Any) -> mx.array:  # (heads in the array handed over, query heads)
         calls.append((a[0].shape[1], k["heads"]))
         return original(*a, **k)
 
-    monkeypatch.setattr(llama, "decode_attention", counted)
+    monkeypatch.setattr(attention, "decode_attention", counted)
 
     def start(kernel: bool) -> DecodeBatch:
         batch = DecodeBatch(model, pad_shapes=pad, ragged_kernel=kernel)

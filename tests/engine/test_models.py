@@ -25,8 +25,9 @@ from mlxq.worker.engine import Engine, EngineOptions
 from mlxq.worker.engine.cache.kv_cache import broadcast_batch, copy_cache
 from mlxq.worker.engine.errors import CheckpointError, UnsupportedArchitecture
 from mlxq.worker.engine.models import build_model, supported_architectures
-from mlxq.worker.engine.models.llama import Attention, ModelArgs
+from mlxq.worker.engine.models.attention import Attention
 from mlxq.worker.engine.models.loader import load_model
+from mlxq.worker.engine.models.model_args import ModelArgs
 from mlxq.worker.modelfiles.tiny_model import write_random_checkpoint
 
 LLAMA3_ROPE = {

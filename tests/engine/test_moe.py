@@ -25,7 +25,7 @@ from mlxq.worker.engine import Engine, EngineOptions
 from mlxq.worker.engine.decode_batch import DecodeBatch
 from mlxq.worker.engine.errors import CheckpointError
 from mlxq.worker.engine.generation_batch import GenerationBatch, generate
-from mlxq.worker.engine.models import build_model, deepseek, llama, moe
+from mlxq.worker.engine.models import attention, build_model, deepseek, moe
 from mlxq.worker.engine.models.loader import load_model, save_quantized
 from mlxq.worker.engine.prefill import prefill
 from mlxq.worker.engine.sampler import Sampler
@@ -294,7 +294,7 @@ def test_the_ragged_decode_path_decodes_what_the_mask_path_decodes(
     engine = Engine.load(str(batched_dir), EngineOptions(prefix_cache_bytes=0))
     model = engine.model
     calls: list[int] = []
-    for module, name in ((llama, "decode_attention"), (deepseek, "ragged_mask")):
+    for module, name in ((attention, "decode_attention"), (deepseek, "ragged_mask")):
         original = getattr(module, name)
 
         def counted(*a: Any, _original: Any = original, **k: Any) -> mx.array:

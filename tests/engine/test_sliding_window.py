@@ -19,7 +19,7 @@ import pytest
 from mlxq.worker.engine.cache.batch_cache import BatchKVCache
 from mlxq.worker.engine.cache.kv_cache import KVCache
 from mlxq.worker.engine.decode_batch import DecodeBatch
-from mlxq.worker.engine.models import llama
+from mlxq.worker.engine.models import attention
 from mlxq.worker.engine.models.loader import load_model
 from mlxq.worker.engine.models.window import WindowMasks, keys_read, window_mask
 from mlxq.worker.engine.prefill import prefill
@@ -136,7 +136,7 @@ def test_one_row_past_the_window_decodes_through_the_ragged_step(
         calls.append(1)
         return decode_attention(*a, **k)
 
-    monkeypatch.setattr(llama, "decode_attention", counted)
+    monkeypatch.setattr(attention, "decode_attention", counted)
     ids = prompt_ids(folder)
     assert len(ids) > 8
 

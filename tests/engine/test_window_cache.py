@@ -108,7 +108,7 @@ def test_chunked_prefill_past_the_window_gives_transformers_logits(
 ) -> None:
     """Chunks smaller and larger than the window: each chunk's queries see the window - 1 positions
     before them, dropped columns or not; `bucketed`: keys read in whole steps, a mask over every
-    column (`llama._bucketed_keys`), right-aligned to the windowed layers' held ones."""
+    column (`masks.bucketed_keys`), right-aligned to the windowed layers' held ones."""
     ids = _ids(model, LONG)
     cache = model.make_cache()
     model.bucket_keys = bucketed

@@ -151,7 +151,7 @@ class Engine:
                 use_dense_rows(net, dense_rows_by_default(), dtype, default_max_bytes())
             elif options.dense_rows:  # set: kept whatever they take
                 use_dense_rows(net, options.dense_rows, dtype)
-        net.fuse()  # fewer matmuls per layer (see `models.llama._fuse_linears`)
+        net.fuse()  # fewer matmuls per layer (see `models.fused_linear.fuse_linears`)
         tokenizer = Tokenizer.from_dir(path)
         engine = cls(net, tokenizer, config, Path(model).name if Path(model).exists() else model, options)
         engine.draft_choice.load(path)

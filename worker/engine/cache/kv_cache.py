@@ -11,7 +11,7 @@ A sliding-window layer's cache (`window` set) keeps only the columns a query can
 stored after RoPE, so a column carries its position and dropping older ones changes nothing for the
 rest: the cache's buffers start at position `base` (the count of positions dropped), `offset` stays
 the sequence's length, and attention reads the buffers from `base` on (masks are built over positions
-0..offset and right-aligned to the keys: `llama.Attention`). Why not a rotating buffer (mlx-lm's
+0..offset and right-aligned to the keys: `attention.Attention`). Why not a rotating buffer (mlx-lm's
 `RotatingKVCache`)? Its columns are out of position order once it wraps, so every mask, the ragged
 decode kernel, the batch's left padding and holes, the prefix cache and speculation's rollbacks would
 each need a second layout. Here the layout is the same as a global layer's, cut on the left: before a

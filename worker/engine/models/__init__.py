@@ -2,7 +2,8 @@
 
 `build_model(config)` picks the class and its switches from the registry and returns an uninitialised
 model (random weights); `loader.load_model` fills it from a checkpoint. A new architecture is a
-module with `ModelArgs` (with `from_dict`) and `Model`, plus one `register(...)` line below.
+module with `ModelArgs` (with `from_dict`) and `Model`, plus one `register(...)` line below; the Llama
+family's `ModelArgs` is in `model_args.py`, which the others extend.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mlxq.worker.engine.errors import UnsupportedArchitecture
-from mlxq.worker.engine.models import deepseek, gemma3, llama, moe, phi3
+from mlxq.worker.engine.models import deepseek, gemma3, llama, model_args, moe, phi3
 from mlxq.worker.engine.models.base import Model
 
 
@@ -55,11 +56,11 @@ def build_model(config: dict[str, Any]) -> Model:
     return arch.model(arch.args.from_dict({**config, **arch.switches}))
 
 
-register("LlamaForCausalLM", llama.ModelArgs, llama.Model)
+register("LlamaForCausalLM", model_args.ModelArgs, llama.Model)
 # Mistral is Llama's layout; its sliding window (when set) narrows every layer's attention (window.py).
-register("MistralForCausalLM", llama.ModelArgs, llama.Model)
-register("Qwen2ForCausalLM", llama.ModelArgs, llama.Model, qkv_bias=True)
-register("Qwen3ForCausalLM", llama.ModelArgs, llama.Model, qk_norm=True)
+register("MistralForCausalLM", model_args.ModelArgs, llama.Model)
+register("Qwen2ForCausalLM", model_args.ModelArgs, llama.Model, qkv_bias=True)
+register("Qwen3ForCausalLM", model_args.ModelArgs, llama.Model, qk_norm=True)
 # Mixtral always renormalises its top-k weights, and its experts are intermediate_size wide.
 register(
     "MixtralForCausalLM",

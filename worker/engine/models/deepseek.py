@@ -36,14 +36,14 @@ import mlx.nn as nn
 from mlxq.worker.engine.cache.batch_cache import BatchKVCache
 from mlxq.worker.engine.cache.kv_cache import KVCache
 from mlxq.worker.engine.errors import CheckpointError
-from mlxq.worker.engine.models import llama, moe
+from mlxq.worker.engine.models import llama, masks, mlp, model_args, moe
 from mlxq.worker.engine.models.base import LayerCache
 from mlxq.worker.engine.models.rope import make_rope, yarn_mscale
 from mlxq.worker.engine.ragged_attention import RaggedRows
 
 
 @dataclass
-class ModelArgs(llama.ModelArgs):
+class ModelArgs(model_args.ModelArgs):
     """The Llama family's fields plus MLA's and the experts'. `n_kv_heads` (1) and `head_dim`
     (kv_lora_rank) describe the cache's keys, the latent; config.json's `head_dim` (transformers writes
     the RoPE width there) is not read."""
@@ -153,7 +153,7 @@ class LatentAttention(nn.Module):
     def __call__(
         self,
         x: mx.array,
-        mask: llama.Mask,
+        mask: masks.Mask,
         cache: LayerCache | None,
         last: int | None = None,
         columns: int | None = None,
@@ -167,7 +167,7 @@ class LatentAttention(nn.Module):
         compressed = self.kv_a_proj_with_mqa(x)
         latent = self.kv_a_layernorm(compressed[..., : self.latent]).reshape(b, 1, n, self.latent)
         k_pe = compressed[..., self.latent :].reshape(b, 1, n, self.rope_dim)
-        visible: llama.Mask = mask
+        visible: masks.Mask = mask
         if isinstance(mask, RaggedRows):  # a decode step of left-padded rows: see ragged_attention.py
             assert isinstance(cache, BatchKVCache) and last is None
             q_pe, k_pe = self.rope(q_pe, offset=mask.positions), self.rope(k_pe, offset=mask.positions)
@@ -218,7 +218,7 @@ def ragged_mask(rows: RaggedRows) -> mx.array:
     return (mx.arange(rows.end)[None, :] >= rows.starts[:, None])[:, None, None, :]
 
 
-def _masked_scores(scores: mx.array, mask: llama.Mask) -> mx.array:
+def _masked_scores(scores: mx.array, mask: masks.Mask) -> mx.array:
     """(B, H, L, T) scores with the layer's mask applied: hidden columns -inf (boolean or "causal"
     masks: the last query aligned with the last key, as MLX's attention aligns it) or added (additive
     masks), as an additive mask for MLX's attention."""
@@ -273,7 +273,7 @@ class DeepseekMoE(nn.Module):
         self.switch_mlp = moe.SwitchGLU(args.hidden_size, args.moe_intermediate_size, args.n_routed_experts)
         if args.n_shared_experts:
             width = args.moe_intermediate_size * args.n_shared_experts
-            self.shared_experts = llama.MLP(dataclasses.replace(args, intermediate_size=width))
+            self.shared_experts = mlp.MLP(dataclasses.replace(args, intermediate_size=width))
         self.args = args
 
     def fuse(self) -> None:
@@ -304,7 +304,7 @@ class DeepseekMoE(nn.Module):
 def _feed_forward(args: ModelArgs, layer: int) -> tuple[str, nn.Module]:
     if args.n_routed_experts and layer >= args.first_k_dense_replace:
         return "mlp", DeepseekMoE(args)
-    return "mlp", llama.MLP(args)
+    return "mlp", mlp.MLP(args)
 
 
 class Model(moe.Model):

@@ -26,7 +26,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from mlxq.worker.engine.errors import CheckpointError, UnsupportedArchitecture
-from mlxq.worker.engine.models import llama
+from mlxq.worker.engine.models import attention, llama, masks, mlp, model_args
 from mlxq.worker.engine.models.base import LayerCache
 from mlxq.worker.engine.models.rope import make_rope
 
@@ -34,7 +34,7 @@ ACTIVATIONS = ("gelu_pytorch_tanh",)
 
 
 @dataclass
-class ModelArgs(llama.ModelArgs):
+class ModelArgs(model_args.ModelArgs):
     """The Llama family's fields with Gemma 3's defaults (transformers' `Gemma3TextConfig`: a
     multimodal config's `text_config` writes only what differs from them), plus its own."""
 
@@ -96,8 +96,8 @@ class ModelArgs(llama.ModelArgs):
         return args
 
     def local_rope_settings(self) -> tuple[float, dict[str, Any] | None]:
-        """The local layers' RoPE base and scaling (`llama.rope_settings`'s normalised form)."""
-        theta, scaling, _ = llama.rope_settings({"rope_parameters": self.local_rope or {}})
+        """The local layers' RoPE base and scaling (`model_args.rope_settings`'s normalised form)."""
+        theta, scaling, _ = model_args.rope_settings({"rope_parameters": self.local_rope or {}})
         return theta, scaling
 
 
@@ -113,7 +113,7 @@ class RMSNorm(nn.Module):
         return mx.fast.rms_norm(x, 1.0 + self.weight, self.eps)
 
 
-class Attention(llama.Attention):
+class Attention(attention.Attention):
     """The Llama family's attention with Gemma's q/k norms, scale, and the RoPE of the layer's kind."""
 
     def __init__(self, args: ModelArgs, layer: int) -> None:
@@ -133,7 +133,7 @@ def _geglu(gate: mx.array, up: mx.array) -> mx.array:
     return nn.gelu_approx(gate) * up  # type: ignore[no-any-return]  # mlx.nn.gelu_approx is unannotated
 
 
-class MLP(llama.MLP):
+class MLP(mlp.MLP):
     """The gated MLP with GELU (tanh approximation) in place of SiLU."""
 
     def gated(self, gate: mx.array, up: mx.array) -> mx.array:
@@ -156,7 +156,7 @@ class TransformerBlock(nn.Module):
     def __call__(
         self,
         x: mx.array,
-        mask: llama.Mask,
+        mask: masks.Mask,
         cache: LayerCache | None,
         last: int | None = None,
         columns: int | None = None,

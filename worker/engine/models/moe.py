@@ -28,7 +28,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from mlxq.worker.engine.errors import CheckpointError
-from mlxq.worker.engine.models import llama
+from mlxq.worker.engine.models import llama, mlp, model_args
 
 # From how many (token, expert) pairs a forward sorts them by expert before its gathered matmuls: below,
 # a decode step of a few rows, sorting would cost more launches than it saves reads.
@@ -39,7 +39,7 @@ _QUANT_DEFAULTS = {"affine": (64, 4), "mxfp4": (32, 4), "nvfp4": (16, 4), "mxfp8
 
 
 @dataclass
-class ModelArgs(llama.ModelArgs):
+class ModelArgs(model_args.ModelArgs):
     """The Llama family's fields plus the experts'; the registry sets `feed_forward_name` and, for
     Mixtral, `norm_topk_prob` (Mixtral always renormalises; transformers' Qwen3-MoE default is off)."""
 
@@ -229,7 +229,7 @@ class SparseMoeBlock(nn.Module):
 def _feed_forward(args: ModelArgs, layer: int) -> tuple[str, nn.Module]:
     if args.sparse(layer):
         return args.feed_forward_name, SparseMoeBlock(args)
-    return args.feed_forward_name, llama.MLP(args)
+    return args.feed_forward_name, mlp.MLP(args)
 
 
 # One expert's projection as transformers and the original checkpoints name it, and its stacked name.

@@ -15,11 +15,11 @@ from typing import Any
 import mlx.core as mx
 
 from mlxq.worker.engine.errors import CheckpointError
-from mlxq.worker.engine.models import llama
+from mlxq.worker.engine.models import llama, model_args
 
 
 @dataclass
-class ModelArgs(llama.ModelArgs):
+class ModelArgs(model_args.ModelArgs):
     """The Llama family's fields; Phi-3's old RoPE type names read as LongRoPE."""
 
     @classmethod

@@ -84,7 +84,7 @@ class DenseRowsEmbedding(nn.QuantizedEmbedding):
 
 
 class FusedDenseRows(nn.Module):
-    """Dense-rows projections of one input side by side (q/k/v, gate/up), as `models.llama` fuses plain
+    """Dense-rows projections of one input side by side (q/k/v, gate/up), as `fused_linear.py` fuses plain
     ones: many rows in one matmul by their dense copies concatenated (a batched step launches as few
     matmuls as the dense model's); few rows (`apart`) through each part's quantized kernel."""
 

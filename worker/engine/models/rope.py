@@ -88,7 +88,7 @@ def longrope(dims: int, base: float, scaling: dict[str, Any]) -> RoPE:
     frequencies divided by `short_factor`, rotated features scaled by the attention factor (from the
     config, else sqrt(1 + ln(factor) / ln(original context))). Past the original context transformers
     switches to `long_factor` for new positions only; the model's context is capped there instead
-    (`llama.ModelArgs`), so every position is computed as the reference computes it."""
+    (`model_args.ModelArgs`), so every position is computed as the reference computes it."""
     original = float(scaling["original_max_position_embeddings"])
     factor = float(scaling.get("factor") or float(scaling["max_position_embeddings"]) / original)
     magnitude = scaling.get("attention_factor")

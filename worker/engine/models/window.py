@@ -5,11 +5,11 @@ transformers' `sliding_window_overlay` has it: kv_idx > q_idx - window). A windo
 drops the columns no query can see any more (`kv_cache.py`: its buffers start at a later column,
 `base`; the same layout as a global layer's otherwise), so the masks here are built over every column
 as for a global layer and attention right-aligns them to the keys the cache returns
-(`llama.Attention`); the ragged decode step's rows move down by `base` (`RaggedRows.placed`).
+(`attention.Attention`); the ragged decode step's rows move down by `base` (`RaggedRows.placed`).
 
 Every mask the engine hands a layer says which cache columns each query sees, and those are exactly
 its own sequence's positions 0..p, in column order: padding, holes of a verify step and bucketed spare
-columns are hidden (`batch_cache.py`, `llama._bucketed_keys`). So the window needs no positions: a
+columns are hidden (`batch_cache.py`, `masks.bucketed_keys`). So the window needs no positions: a
 visible key's distance to the query is the count of visible columns from it to the query, minus one,
 and the window keeps the visible columns where that count is at most W. One rule for rows prefills,
 decode masks, verify masks and the scorer's masks; plain causal attention (no mask) gets the band
@@ -42,7 +42,7 @@ def window_mask(mask: Mask, n: int, total: int, window: int) -> Mask:
         if total <= window:
             return mask  # no query is further than the window from any key
         # Only the last n + window - 1 columns are seen by any query: the band covers those alone,
-        # and attention reads only as many keys as its mask has columns (`llama.Attention`).
+        # and attention reads only as many keys as its mask has columns (`attention.Attention`).
         width = min(total, n + window - 1)
         columns = mx.arange(total - width, total, dtype=mx.int32)[None, :]
         queries = mx.arange(total - n, total, dtype=mx.int32)[:, None]

@@ -42,7 +42,7 @@ from mlx.utils import tree_flatten
 
 from mlxq.worker.engine.cache.kv_cache import KVCache
 from mlxq.worker.engine.errors import CheckpointError
-from mlxq.worker.engine.models import llama
+from mlxq.worker.engine.models import mlp, model_args
 from mlxq.worker.engine.models.base import Model
 from mlxq.worker.engine.models.layer_taps import LayerTaps
 from mlxq.worker.engine.models.loader import load_config, load_module
@@ -72,7 +72,7 @@ class DFlashConfig:
     """A DFlash draft's config.json (a Qwen3 config plus `num_target_layers` and `dflash_config`;
     a DFlash setting is read from `dflash_config`, else from the top level, as the package does)."""
 
-    args: llama.ModelArgs
+    args: model_args.ModelArgs
     num_target_layers: int
     target_layers: tuple[int, ...]
     block_size: int
@@ -98,7 +98,7 @@ class DFlashConfig:
                 f"this DFlash draft needs what mlxq does not implement: {', '.join(unsupported)}"
             )
         try:
-            args = llama.ModelArgs.from_dict({**config, "layer_types": None, "sliding_window": None})
+            args = model_args.ModelArgs.from_dict({**config, "layer_types": None, "sliding_window": None})
             num_target_layers = int(config["num_target_layers"])
         except (KeyError, TypeError, ValueError) as e:
             raise CheckpointError(f"a DFlash draft config lacks or misreads {e}") from e
@@ -126,7 +126,7 @@ class DFlashAttention(nn.Module):
     """A draft layer's attention: queries from the block, keys and values from the cached context and
     the block (Qwen3's q/k norms, then RoPE at the tokens' positions)."""
 
-    def __init__(self, args: llama.ModelArgs) -> None:
+    def __init__(self, args: model_args.ModelArgs) -> None:
         super().__init__()  # type: ignore[no-untyped-call]  # mlx.nn.Module.__init__ is unannotated
         assert args.head_dim is not None
         self.n_heads, self.n_kv_heads = args.num_attention_heads, args.n_kv_heads
@@ -172,10 +172,10 @@ class DFlashAttention(nn.Module):
 class DFlashLayer(nn.Module):
     """Pre-norm residual block: `DFlashAttention` then Qwen3's SwiGLU MLP."""
 
-    def __init__(self, args: llama.ModelArgs) -> None:
+    def __init__(self, args: model_args.ModelArgs) -> None:
         super().__init__()  # type: ignore[no-untyped-call]  # mlx.nn.Module.__init__ is unannotated
         self.self_attn = DFlashAttention(args)
-        self.mlp = llama.MLP(args)
+        self.mlp = mlp.MLP(args)
         self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
 
@@ -395,7 +395,7 @@ def write_random_draft(
     the machinery costs (a benchmark's), never what DFlash gains. `layers` draft layers read
     `target_layers` (default: the package's choice, as many as the draft has layers); weights are
     normal with `std`, norms one; the mask token is the vocabulary's last id."""
-    target_args = llama.ModelArgs.from_dict(target_config)
+    target_args = model_args.ModelArgs.from_dict(target_config)
     n_target = target_args.num_hidden_layers
     taps = list(target_layers) if target_layers is not None else default_target_layers(n_target, layers)
     if any(not 0 <= i < n_target - 1 for i in taps):

@@ -37,7 +37,7 @@ import mlx.nn as nn
 
 from mlxq.worker.engine.cache.kv_cache import KVCache
 from mlxq.worker.engine.errors import CheckpointError
-from mlxq.worker.engine.models import deepseek, llama, moe
+from mlxq.worker.engine.models import deepseek, llama, model_args, moe
 from mlxq.worker.engine.models.base import Model
 from mlxq.worker.engine.models.layer_taps import FINAL
 from mlxq.worker.engine.models.loader import load_config, load_module
@@ -69,7 +69,7 @@ class ShiftedCache:
 class SharedHead(nn.Module):
     """The checkpoint's `shared_head`: its norm (its head is the target's LM head)."""
 
-    def __init__(self, args: llama.ModelArgs) -> None:
+    def __init__(self, args: model_args.ModelArgs) -> None:
         super().__init__()  # type: ignore[no-untyped-call]  # mlx.nn.Module.__init__ is unannotated
         self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
 

@@ -1,0 +1,148 @@
+"""The Llama family's attention (`Attention`): grouped-query attention with RoPE over a layer's cache.
+
+Qwen2's q/k/v biases and Qwen3's per-head q/k norms are switches of its config (`model_args.py`); its
+q/k/v projections fuse into one matmul (`fused_linear.py`); Gemma 3's attention extends it (`gemma3.py`).
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from mlxq.worker.engine.cache.batch_cache import BatchKVCache
+from mlxq.worker.engine.cache.kv_cache import KVCache
+from mlxq.worker.engine.cache.shared_prefix import SharedPrefixRows
+from mlxq.worker.engine.models.base import LayerCache
+from mlxq.worker.engine.models.fused_linear import fuse_linears, fused_outputs
+from mlxq.worker.engine.models.masks import Mask
+from mlxq.worker.engine.models.model_args import ModelArgs
+from mlxq.worker.engine.models.quantized_rows import FusedDenseRows
+from mlxq.worker.engine.models.rope import make_rope
+from mlxq.worker.engine.ragged_attention import RaggedRows, decode_attention
+
+
+class Attention(nn.Module):
+    """Grouped-query attention with RoPE; positions continue from the layer's cache offset."""
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]  # mlx.nn.Module.__init__ is unannotated
+        assert args.head_dim is not None
+        self.n_heads = args.num_attention_heads
+        self.n_kv_heads = args.n_kv_heads
+        self.head_dim = args.head_dim
+        self.scale = args.head_dim**-0.5
+        h, qkv_bias = args.hidden_size, args.attention_bias or args.qkv_bias
+        self.q_proj = nn.Linear(h, self.n_heads * self.head_dim, bias=qkv_bias)
+        self.k_proj = nn.Linear(h, self.n_kv_heads * self.head_dim, bias=qkv_bias)
+        self.v_proj = nn.Linear(h, self.n_kv_heads * self.head_dim, bias=qkv_bias)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, h, bias=args.attention_bias)
+        if args.qk_norm:
+            self.q_norm = nn.RMSNorm(self.head_dim, eps=args.rms_norm_eps)
+            self.k_norm = nn.RMSNorm(self.head_dim, eps=args.rms_norm_eps)
+        self.qk_norm = args.qk_norm
+        rotated = int(self.head_dim * args.partial_rotary_factor)
+        self.rope = make_rope(rotated, args.rope_theta, args.rope_scaling)
+        self.qkv_proj: nn.Module | None = None  # set by `fuse`, in place of q_proj, k_proj and v_proj
+
+    def fuse(self) -> None:
+        """Compute q, k and v with one matmul (`fuse_linears`), if their projections are plain."""
+        if self.qkv_proj is None:
+            self.qkv_proj = fuse_linears(self, ["q_proj", "k_proj", "v_proj"])
+
+    def __call__(
+        self,
+        x: mx.array,
+        mask: Mask,
+        cache: LayerCache | None,
+        last: int | None = None,
+        columns: int | None = None,
+    ) -> mx.array:
+        """Attention output for every position, or with `last` for that position only (keys and values of
+        every position still go into the cache). `columns`: read that many cache columns (the mask
+        hides the ones past each query; see `kv_cache.key_columns`)."""
+        b = x.shape[0]
+        if isinstance(mask, RaggedRows) and self._one_matmul(x):
+            assert isinstance(cache, BatchKVCache) and last is None
+            return self._ragged_step(x, mask, cache)
+        offset: int | mx.array = 0
+        if isinstance(mask, RaggedRows):  # a decode step of left-padded rows: see ragged_attention.py
+            offset = mask.positions
+        elif cache is not None:
+            offset = cache.offset
+        if last is None and self._one_matmul(x):
+            qk, v = self._rotated(x, offset)
+            q, k = qk[:, : self.n_heads], qk[:, self.n_heads :]
+        else:
+            q, k, v = self._projected(x, last)
+            q = self.rope(q, offset=offset if last is None else offset + last)
+            k = self.rope(k, offset=offset)
+        if isinstance(mask, RaggedRows):
+            assert isinstance(cache, BatchKVCache) and last is None
+            cache.write(k, v)  # the kernel reads the buffers themselves
+            assert cache.keys is not None and cache.values is not None
+            rows = mask.placed(cache.base, cache.capacity)
+            out = decode_attention(q, cache.keys, cache.values, rows, self.scale)
+        elif isinstance(cache, SharedPrefixRows):  # score rows reading one prefix in place
+            out = cache.attend(q, k, v, self.scale)
+        else:
+            if cache is not None and columns is None:  # other cache kinds take no `columns`
+                k, v = cache.update_and_fetch(k, v)
+            elif cache is not None:
+                assert isinstance(cache, KVCache)  # `columns` come with batch-1 caches (`bucketed_keys`)
+                k, v = cache.update_and_fetch(k, v, columns)
+            if isinstance(mask, mx.array) and mask.shape[-1] < k.shape[2]:  # a window's band (`window.py`)
+                k, v = k[..., -mask.shape[-1] :, :], v[..., -mask.shape[-1] :, :]
+            elif isinstance(mask, mx.array) and mask.shape[-1] > k.shape[2]:
+                # A windowed cache's buffers start past position 0 (`kv_cache.py`): masks are built over
+                # every position, and both end at the last one.
+                mask = mask[..., -k.shape[2] :]
+            out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(b, q.shape[2], -1))
+
+    def _projected(self, x: mx.array, last: int | None) -> tuple[mx.array, mx.array, mx.array]:
+        """q (of position `last` alone, if given), k and v as (B, heads, L, head_dim), not rotated."""
+        b, n, _ = x.shape
+        xq = x if last is None else x[:, last : last + 1]
+        if self.qkv_proj is not None:  # fused (`fuse`): one matmul, then views of its columns
+            nq, nkv = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+            q, k, v = fused_outputs(self.qkv_proj, x, (nq, nq + nkv, nq + 2 * nkv))
+            if last is not None:
+                q = q[:, last : last + 1]
+        else:
+            q, k, v = self.q_proj(xq), self.k_proj(x), self.v_proj(x)
+        q = q.reshape(b, xq.shape[1], self.n_heads, self.head_dim)
+        k = k.reshape(b, n, self.n_kv_heads, self.head_dim)
+        v = v.reshape(b, n, self.n_kv_heads, self.head_dim).transpose(0, 2, 1, 3)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3), v
+
+    def _one_matmul(self, x: mx.array) -> bool:
+        """Whether q, k and v come out of one array here (`fuse`d, no per-head norms between)."""
+        proj = self.qkv_proj
+        apart = isinstance(proj, FusedDenseRows) and proj.apart(x)
+        return proj is not None and not self.qk_norm and not apart
+
+    def _rotated(self, x: mx.array, offset: int | mx.array) -> tuple[mx.array, mx.array]:
+        """Every position's q and k heads side by side, (B, heads + kv heads, L, head_dim), rotated by
+        one RoPE where two would launch twice (a GPU's decode and verify steps are bound by the host's
+        launch of their ops), and v; from one matmul (`_one_matmul`)."""
+        assert self.qkv_proj is not None
+        b, n, _ = x.shape
+        h, hkv, d = self.n_heads, self.n_kv_heads, self.head_dim
+        out = self.qkv_proj(x)
+        qk = out[..., : (h + hkv) * d].reshape(b, n, h + hkv, d).transpose(0, 2, 1, 3)
+        v = out[..., (h + hkv) * d :].reshape(b, n, hkv, d).transpose(0, 2, 1, 3)
+        return self.rope(qk, offset=offset), v
+
+    def _ragged_step(self, x: mx.array, rows: RaggedRows, cache: BatchKVCache) -> mx.array:
+        """A decode step of left-padded rows (`ragged_attention.py`) with q and k rotated together
+        (`_rotated`); the kernel reads the queries from the same array."""
+        b, n, _ = x.shape
+        h = self.n_heads
+        qk, v = self._rotated(x, rows.positions)
+        cache.write(qk[:, h:], v)  # the kernel reads the buffers themselves
+        assert cache.keys is not None and cache.values is not None
+        placed = rows.placed(cache.base, cache.capacity)
+        attn = decode_attention(qk, cache.keys, cache.values, placed, self.scale, heads=h)
+        return self.o_proj(attn.transpose(0, 2, 1, 3).reshape(b, n, -1))

@@ -1,0 +1,50 @@
+"""Projections of one input fused into one matmul (a layer's q/k/v, its gate/up), and the fused
+output read apart again.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from mlxq.worker.engine.models.quantized_rows import FusedDenseRows, fuse_dense_rows
+
+
+def fused_outputs(proj: nn.Module, x: mx.array, ends: tuple[int, ...]) -> list[mx.array]:
+    """A fused projection's outputs (`fuse_linears`), each ending at its column in `ends`: views of one
+    matmul's columns, or for few rows a dense-rows one's parts apart (a lone step launches no
+    concatenation). On the decode path: no more Python than the slices themselves."""
+    if isinstance(proj, FusedDenseRows) and proj.apart(x):
+        return [part(x) for part in proj.parts]
+    out = proj(x)
+    return [out[..., a:b] for a, b in zip((0, *ends[:-1]), ends, strict=True)]
+
+
+def fuse_linears(module: nn.Module, names: list[str]) -> nn.Module | None:
+    """One `nn.Linear` computing the named projections of `module` side by side (weights, and biases if
+    they have them, concatenated along the outputs), which it then drops; None, and nothing changed,
+    if any of them is not a plain `nn.Linear` (quantized) or only some have a bias.
+
+    A decode step on a GPU is bound by the host's launch of each op, a matmul's the dearest
+    (`bench/README.md`, what the engine's defaults rest on): fusing q/k/v and gate/up saves three of a
+    layer's seven.
+    Quantized projections with dense copies (`quantized_rows.use_dense_rows`) fuse those copies."""
+    parts = [getattr(module, name) for name in names]
+    if (dense := fuse_dense_rows(parts)) is not None:
+        for name in names:
+            delattr(module, name)
+        return dense
+    if any(type(p) is not nn.Linear for p in parts):
+        return None
+    biased = ["bias" in p for p in parts]
+    if any(biased) and not all(biased):
+        return None
+    weight = mx.concatenate([p.weight for p in parts], axis=0)
+    fused = nn.Linear(weight.shape[1], weight.shape[0], bias=all(biased))
+    fused.weight = weight
+    if all(biased):
+        fused.bias = mx.concatenate([p.bias for p in parts])
+    mx.eval(fused.parameters())
+    for name in names:
+        delattr(module, name)
+    return fused
