@@ -52,7 +52,7 @@ import numpy as np
 from mlxq.worker.engine.cache.kv_cache import KVCache, drop_oldest, key_columns, slide_base
 
 
-def _pad_columns(a: mx.array, left: int, right: int) -> mx.array:
+def pad_columns(a: mx.array, left: int, right: int) -> mx.array:
     """`a` (B, H, T, D) with `left` zero columns before and `right` after."""
     if left == 0 and right == 0:
         return a
@@ -183,8 +183,8 @@ class BatchKVCache:
         assert self.keys is not None and self.values is not None, "add rows before decoding"
         if self.end + n - self.base > self.keys.shape[2]:
             extra = -(-(self.end + n - self.base - self.keys.shape[2]) // self.step) * self.step
-            self.keys = _pad_columns(self.keys, 0, extra)
-            self.values = _pad_columns(self.values, 0, extra)
+            self.keys = pad_columns(self.keys, 0, extra)
+            self.values = pad_columns(self.values, 0, extra)
 
     @property
     def capacity(self) -> int:
@@ -261,7 +261,7 @@ class BatchKVCache:
 
         def part(a: mx.array, first: int) -> mx.array:
             """Columns of a part whose column 0 is the batch's `first`, from `base` to `new_end`."""
-            return _pad_columns(a[..., max(base - first, 0) :, :], max(first - base, 0), spare)
+            return pad_columns(a[..., max(base - first, 0) :, :], max(first - base, 0), spare)
 
         if self.keys is not None and self.values is not None:
             parts_k.append(part(self.keys[..., : self.end - self.base, :], self.base + grow))
@@ -295,8 +295,8 @@ class BatchKVCache:
         width = prefilled.width
         spare = key_columns(width + 1) - width
         self.base = 0
-        self.keys = _pad_columns(prefilled.keys, 0, spare)
-        self.values = _pad_columns(prefilled.values, 0, spare)
+        self.keys = pad_columns(prefilled.keys, 0, spare)
+        self.values = pad_columns(prefilled.values, 0, spare)
         padding = len(prefilled.new) - rows
         self._set([width - n for n in prefilled.new[:rows]] + [width] * padding, width)
         return True
@@ -316,7 +316,7 @@ class BatchKVCache:
         for i, buffer in enumerate((self.keys, self.values)):
             block = mx.concatenate(
                 [
-                    _pad_columns(
+                    pad_columns(
                         r.state[i][:, :, h - (self.end - r.offset + r.base) :], h - (self.end - width), 0
                     )
                     for r, h in zip(rows, held, strict=True)
@@ -426,7 +426,7 @@ class BatchKVCache:
             rows = buffer[index, :, : self.end - self.base, :]
             shape = (*rows.shape[:2], self.end - base, rows.shape[3])
             picked_columns = mx.take_along_axis(rows, mx.broadcast_to(gather, shape), axis=2)
-            out.append(_pad_columns(picked_columns, 0, spare))
+            out.append(pad_columns(picked_columns, 0, spare))
         return out[0], out[1], starts, base
 
     def _squeeze_plan(self, picked: list[int], live: int) -> tuple[mx.array, list[int], int, int]:
@@ -514,7 +514,7 @@ class PrefillRowsCache:
                 shape = (1, like[i].shape[1], self.end - self.base, like[i].shape[3])
                 empty = mx.zeros(shape, like[i].dtype)
                 padded = [
-                    _pad_columns(r.state[i], h - self.base, 0) if r.offset else empty
+                    pad_columns(r.state[i], h - self.base, 0) if r.offset else empty
                     for r, h in zip(rows, held, strict=True)
                 ]
                 return mx.concatenate(padded, axis=0)
