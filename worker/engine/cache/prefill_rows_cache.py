@@ -1,3 +1,9 @@
+"""One layer's keys/values while prompts are prefilled together in one forward, and that forward's mask.
+
+`prefill.prefill_rows_layers` builds one `PrefillRowsCache` a layer and hands each row back its own
+batch-1 cache (`row_cache`); a decode batch may take the buffers over as they are (`BatchKVCache.adopt`).
+"""
+
 from __future__ import annotations
 
 import mlx.core as mx
