@@ -79,7 +79,7 @@ class BatchKVCache:
         # A forward's RoPE offsets, made once for all the batch's layers (`one_offset`)
         self._offset: mx.array | int | None = None
         # The latest plan for squeezing holes out (`_squeezed`), which the batch's other layers reuse
-        self._plan: tuple[tuple[tuple[int, ...], int, int, int], mx.array, list[int], int, int] | None = None
+        self._plan: SqueezePlan | None = None
 
     @property
     def batch(self) -> int:
@@ -406,44 +406,10 @@ class BatchKVCache:
         picked = cast("list[int]", index.tolist())
         key = (tuple(picked), live, self.end, self.base)
         plan = like._plan if like is not None and self.window is None and like.window is None else None
-        if plan is None or plan[0] != key:
-            plan = (key, *self._squeeze_plan(picked, live))
+        if plan is None or plan.made_for != key:
+            plan = SqueezePlan(self._hidden, self.starts, self.end, self.base, picked, live)
         self._plan = plan
-        _, gather, starts, base, spare = plan
-        out = []
-        for buffer in (self.keys, self.values):
-            rows = buffer[index, :, : self.end - self.base, :]
-            shape = (*rows.shape[:2], self.end - base, rows.shape[3])
-            picked_columns = mx.take_along_axis(rows, mx.broadcast_to(gather, shape), axis=2)
-            out.append(pad_columns(picked_columns, 0, spare))
-        return out[0], out[1], starts, base
-
-    def _squeeze_plan(self, picked: list[int], live: int) -> tuple[mx.array, list[int], int, int]:
-        """`_squeezed`'s gather of buffer columns (rows, 1, columns, 1), each row's first column, the
-        buffers' first column and the spare room after `end` (host work only)."""
-        assert self._hidden is not None
-        hidden = np.zeros((len(picked), self.end), dtype=bool)
-        width = min(self._hidden.shape[1], self.end)
-        hidden[:, :width] = self._hidden[picked, :width]
-        owned, starts = [], []
-        base = self.base
-        for n, row in enumerate(picked):
-            first_own = self.starts[row] if n < live else self.end  # a padding row owns nothing
-            own = np.arange(first_own, self.end, dtype=np.int32)[~hidden[n, first_own:]]
-            held = own[own >= self.base] - self.base
-            if len(held) < len(own):
-                base = max(base, self.end - len(held))
-            owned.append(held)
-            starts.append(self.end - len(own))
-        # Buffer columns (from the old `base`) to gather: padding reads column 0, masked.
-        columns = np.zeros((len(picked), self.end - base), dtype=np.int32)
-        for n, held in enumerate(owned):
-            if len(held) > self.end - base:
-                held = held[len(held) - (self.end - base) :]
-            columns[n, self.end - base - len(held) :] = held
-        gather = mx.array(columns)[:, None, :, None]
-        spare = key_columns(self.end - base + 1) - (self.end - base)
-        return gather, starts, base, spare
+        return plan.squeezed(self.keys, index), plan.squeezed(self.values, index), plan.starts, plan.base
 
     def _set(
         self, starts: list[int], end: int, holes: list[int] | None = None, hidden: np.ndarray | None = None
@@ -466,6 +432,48 @@ class BatchKVCache:
 
     def __repr__(self) -> str:
         return f"BatchKVCache(batch={self.batch}, end={self.end}, starts={self.starts})"
+
+
+class SqueezePlan:
+    """How `BatchKVCache._squeezed` copies rows without their holes, worked out on the host from host
+    ints: the buffer columns to gather, each row's first column, the buffers' first column and the
+    spare room after `end`. The layers of a batch hold the same columns: one plan serves them all."""
+
+    def __init__(
+        self, hidden: np.ndarray, starts: list[int], end: int, base: int, picked: list[int], live: int
+    ) -> None:
+        self.made_for = (tuple(picked), live, end, base)
+        self.end, self.old_base = end, base
+        rows_hidden = np.zeros((len(picked), end), dtype=bool)
+        width = min(hidden.shape[1], end)
+        rows_hidden[:, :width] = hidden[picked, :width]
+        owned: list[np.ndarray] = []
+        self.starts: list[int] = []
+        first = base  # the new buffers' first column
+        for n, row in enumerate(picked):
+            first_own = starts[row] if n < live else end  # a padding row owns nothing
+            own = np.arange(first_own, end, dtype=np.int32)[~rows_hidden[n, first_own:]]
+            held = own[own >= base] - base
+            if len(held) < len(own):
+                first = max(first, end - len(held))
+            owned.append(held)
+            self.starts.append(end - len(own))
+        self.base = first
+        # Buffer columns (from the old `base`) to gather: padding reads column 0, masked.
+        columns = np.zeros((len(picked), end - first), dtype=np.int32)
+        for n, held in enumerate(owned):
+            if len(held) > end - first:
+                held = held[len(held) - (end - first) :]
+            columns[n, end - first - len(held) :] = held
+        self.gather = mx.array(columns)[:, None, :, None]  # (rows, 1, columns, 1)
+        self.spare = key_columns(end - first + 1) - (end - first)
+
+    def squeezed(self, buffer: mx.array, index: mx.array) -> mx.array:
+        """The rows `index` of `buffer` (keys or values) without their holes, spare room after `end`."""
+        rows = buffer[index, :, : self.end - self.old_base, :]
+        shape = (*rows.shape[:2], self.end - self.base, rows.shape[3])
+        picked_columns = mx.take_along_axis(rows, mx.broadcast_to(self.gather, shape), axis=2)
+        return pad_columns(picked_columns, 0, self.spare)
 
 
 @contextmanager
