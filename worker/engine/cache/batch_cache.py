@@ -221,26 +221,10 @@ class BatchKVCache:
         A lone row joining an empty batch hands over its buffers when they hold whole steps (a prefill
         wrote them in place, e.g. into the prefix cache's copy of a long cached prefix): no copy; that
         row's cache is left empty, so no two caches share a buffer (see `kv_cache.py`)."""
-        if not rows:
-            return
-        row = rows[0]
-        if (
-            self.keys is None
-            and len(rows) == 1
-            and row.keys is not None
-            and row.values is not None
-            and row.keys.shape[0] == 1
-            and row.offset > 0
-            and row.keys.shape[2] % self.step == 0
-        ):
-            self.keys, self.values, self.base = row.keys, row.values, row.base
-            self._set([0], row.offset)
-            row.keys = row.values = None
-            row.offset = row.base = 0
+        if not rows or self._take_buffers(rows):
             return
         new_end = max(self.end, *(r.offset for r in rows))
         grow = new_end - self.end
-        spare = key_columns(new_end + 1) - new_end  # whole steps, room for the next token
         # Where each part with dropped positions (a windowed layer's) holds its columns from, in the new
         # numbering: the buffers start at the latest, so every row's own columns past it are held.
         held = [self.base + grow] if self.keys is not None and self.base else []
@@ -272,6 +256,26 @@ class BatchKVCache:
         if hidden is not None:  # the rows there keep their holes, shifted by the new left padding
             hidden = np.pad(hidden, [(0, len(rows)), (grow, new_end - grow - hidden.shape[1])])
         self._set(starts, new_end, [*self.holes, *([0] * len(rows))], hidden)
+
+    def _take_buffers(self, rows: list[KVCache]) -> bool:
+        """`add`'s lone row joining an empty batch: take its buffers, when they hold whole steps, and
+        leave its cache empty. False (nothing taken) otherwise."""
+        row = rows[0]
+        if (
+            self.keys is None
+            and len(rows) == 1
+            and row.keys is not None
+            and row.values is not None
+            and row.keys.shape[0] == 1
+            and row.offset > 0
+            and row.keys.shape[2] % self.step == 0
+        ):
+            self.keys, self.values, self.base = row.keys, row.values, row.base
+            self._set([0], row.offset)
+            row.keys = row.values = None
+            row.offset = row.base = 0
+            return True
+        return False
 
     def adopt(self, prefilled: PrefillRowsCache, rows: int) -> bool:
         """Take over the buffers of a rows prefill (`prefill_rows_layers`) as an empty batch's: its
