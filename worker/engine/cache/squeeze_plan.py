@@ -1,3 +1,10 @@
+"""How a decode batch's rows are copied without their holes when its membership changes.
+
+Verify steps leave holes (`BatchKVCache.trim_rows`); `BatchKVCache.keep` squeezes them out of the rows
+it keeps in one gather a buffer. Working out that gather is host work over host ints, and every layer of
+a batch holds the same columns: one `SqueezePlan` serves the batch's global layers.
+"""
+
 from __future__ import annotations
 
 import mlx.core as mx
