@@ -16,7 +16,7 @@ from mlxq.worker.engine.cache.kv_cache import key_columns, pad_columns
 class SqueezePlan:
     """How `BatchKVCache._squeezed` copies rows without their holes, worked out on the host from host
     ints: the buffer columns to gather, each row's first column, the buffers' first column and the
-    spare room after `end`. The layers of a batch hold the same columns: one plan serves them all."""
+    spare room after `end`. The layers of a batch hold the same columns: its global layers share one."""
 
     def __init__(
         self, hidden: np.ndarray, starts: list[int], end: int, base: int, picked: list[int], live: int
