@@ -454,7 +454,7 @@ def test_a_prompt_with_a_long_cached_prefix_prefills_alone_into_the_cached_buffe
     follow_up = history.model_copy(update={"prompt": PROMPT * 5 + "And Berlin?", "max_tokens": 9})
     fresh = _engine(model_dir, prefix_cache_bytes=0, pad_shapes=pad_shapes)
     copies: list[int] = []
-    pad = batch_cache._pad_columns
+    pad = batch_cache.pad_columns
 
     def counted_pad(*args: Any) -> mx.array:
         copies.append(1)
@@ -464,9 +464,9 @@ def test_a_prompt_with_a_long_cached_prefix_prefills_alone_into_the_cached_buffe
         batch = GenerationBatch(engine, max_sequences=2)
         batch.admit("a", request, lambda _t, _ids: None, lambda: False)
         if request is follow_up:  # its few new tokens: prefilled and decoding in the first step, in
-            monkeypatch.setattr(batch_cache, "_pad_columns", counted_pad)  # the prefix cache's buffers,
+            monkeypatch.setattr(batch_cache, "pad_columns", counted_pad)  # the prefix cache's buffers,
             assert not batch.step() and len(batch.decoding) == 1  # which the batch takes over uncopied
-            monkeypatch.setattr(batch_cache, "_pad_columns", pad)
+            monkeypatch.setattr(batch_cache, "pad_columns", pad)
             assert copies == []
             assert batch.decode.cache[0].capacity == key_columns(len(engine.prompt_tokens(request)))
         done = [f for _ in range(50) if len(batch) for f in batch.step()]

@@ -16,8 +16,9 @@ import mlx.core as mx
 
 from mlxq.worker.engine import ragged_attention
 from mlxq.worker.engine.batch_forward import BatchForward, FeatureSink
-from mlxq.worker.engine.cache.batch_cache import BatchKVCache, PrefillRowsCache
+from mlxq.worker.engine.cache.batch_cache import BatchKVCache
 from mlxq.worker.engine.cache.kv_cache import KVCache
+from mlxq.worker.engine.cache.prefill_rows_cache import PrefillRowsCache
 from mlxq.worker.engine.forward_ahead import ForwardAhead
 from mlxq.worker.engine.forward_pieces import ForwardPieces
 from mlxq.worker.engine.launcher import Launcher

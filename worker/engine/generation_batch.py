@@ -44,8 +44,8 @@ import mlx.core as mx
 from mlxq.jobs.errors import OutOfMemory
 from mlxq.jobs.schema import FinishReason, GenerateRequest, GenerateResult
 from mlxq.worker.engine.batch_drafts import BatchDrafts
-from mlxq.worker.engine.cache.batch_cache import PrefillRowsCache
 from mlxq.worker.engine.cache.kv_cache import KVCache
+from mlxq.worker.engine.cache.prefill_rows_cache import PrefillRowsCache
 from mlxq.worker.engine.decode_batch import DecodeBatch
 from mlxq.worker.engine.engine import Engine
 from mlxq.worker.engine.generation_clock import GenerationClock

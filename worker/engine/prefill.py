@@ -11,8 +11,8 @@ from collections.abc import Sequence
 
 import mlx.core as mx
 
-from mlxq.worker.engine.cache.batch_cache import PrefillRowsCache, prefill_mask
 from mlxq.worker.engine.cache.kv_cache import KVCache
+from mlxq.worker.engine.cache.prefill_rows_cache import PrefillRowsCache, prefill_mask
 from mlxq.worker.engine.models.base import Model
 from mlxq.worker.engine.shapes import padded_size, padded_width
 

@@ -49,19 +49,9 @@ from typing import cast
 import mlx.core as mx
 import numpy as np
 
-from mlxq.worker.engine.cache.kv_cache import KVCache, drop_oldest, key_columns, slide_base
-
-
-def _pad_columns(a: mx.array, left: int, right: int) -> mx.array:
-    """`a` (B, H, T, D) with `left` zero columns before and `right` after."""
-    if left == 0 and right == 0:
-        return a
-    b, h, _, d = a.shape
-    parts = [mx.zeros((b, h, left, d), a.dtype)] if left else []
-    parts.append(a)
-    if right:
-        parts.append(mx.zeros((b, h, right, d), a.dtype))
-    return mx.concatenate(parts, axis=2)
+from mlxq.worker.engine.cache.kv_cache import KVCache, drop_oldest, key_columns, pad_columns, slide_base
+from mlxq.worker.engine.cache.prefill_rows_cache import PrefillRowsCache
+from mlxq.worker.engine.cache.squeeze_plan import SqueezePlan
 
 
 class BatchKVCache:
@@ -90,7 +80,7 @@ class BatchKVCache:
         # A forward's RoPE offsets, made once for all the batch's layers (`one_offset`)
         self._offset: mx.array | int | None = None
         # The latest plan for squeezing holes out (`_squeezed`), which the batch's other layers reuse
-        self._plan: tuple[tuple[tuple[int, ...], int, int, int], mx.array, list[int], int, int] | None = None
+        self._plan: SqueezePlan | None = None
 
     @property
     def batch(self) -> int:
@@ -183,8 +173,8 @@ class BatchKVCache:
         assert self.keys is not None and self.values is not None, "add rows before decoding"
         if self.end + n - self.base > self.keys.shape[2]:
             extra = -(-(self.end + n - self.base - self.keys.shape[2]) // self.step) * self.step
-            self.keys = _pad_columns(self.keys, 0, extra)
-            self.values = _pad_columns(self.values, 0, extra)
+            self.keys = pad_columns(self.keys, 0, extra)
+            self.values = pad_columns(self.values, 0, extra)
 
     @property
     def capacity(self) -> int:
@@ -231,26 +221,10 @@ class BatchKVCache:
         A lone row joining an empty batch hands over its buffers when they hold whole steps (a prefill
         wrote them in place, e.g. into the prefix cache's copy of a long cached prefix): no copy; that
         row's cache is left empty, so no two caches share a buffer (see `kv_cache.py`)."""
-        if not rows:
-            return
-        row = rows[0]
-        if (
-            self.keys is None
-            and len(rows) == 1
-            and row.keys is not None
-            and row.values is not None
-            and row.keys.shape[0] == 1
-            and row.offset > 0
-            and row.keys.shape[2] % self.step == 0
-        ):
-            self.keys, self.values, self.base = row.keys, row.values, row.base
-            self._set([0], row.offset)
-            row.keys = row.values = None
-            row.offset = row.base = 0
+        if not rows or self._take_buffers(rows):
             return
         new_end = max(self.end, *(r.offset for r in rows))
         grow = new_end - self.end
-        spare = key_columns(new_end + 1) - new_end  # whole steps, room for the next token
         # Where each part with dropped positions (a windowed layer's) holds its columns from, in the new
         # numbering: the buffers start at the latest, so every row's own columns past it are held.
         held = [self.base + grow] if self.keys is not None and self.base else []
@@ -261,7 +235,7 @@ class BatchKVCache:
 
         def part(a: mx.array, first: int) -> mx.array:
             """Columns of a part whose column 0 is the batch's `first`, from `base` to `new_end`."""
-            return _pad_columns(a[..., max(base - first, 0) :, :], max(first - base, 0), spare)
+            return pad_columns(a[..., max(base - first, 0) :, :], max(first - base, 0), spare)
 
         if self.keys is not None and self.values is not None:
             parts_k.append(part(self.keys[..., : self.end - self.base, :], self.base + grow))
@@ -283,6 +257,26 @@ class BatchKVCache:
             hidden = np.pad(hidden, [(0, len(rows)), (grow, new_end - grow - hidden.shape[1])])
         self._set(starts, new_end, [*self.holes, *([0] * len(rows))], hidden)
 
+    def _take_buffers(self, rows: list[KVCache]) -> bool:
+        """`add`'s lone row joining an empty batch: take its buffers, when they hold whole steps, and
+        leave its cache empty. False (nothing taken) otherwise."""
+        row = rows[0]
+        if (
+            self.keys is None
+            and len(rows) == 1
+            and row.keys is not None
+            and row.values is not None
+            and row.keys.shape[0] == 1
+            and row.offset > 0
+            and row.keys.shape[2] % self.step == 0
+        ):
+            self.keys, self.values, self.base = row.keys, row.values, row.base
+            self._set([0], row.offset)
+            row.keys = row.values = None
+            row.offset = row.base = 0
+            return True
+        return False
+
     def adopt(self, prefilled: PrefillRowsCache, rows: int) -> bool:
         """Take over the buffers of a rows prefill (`prefill_rows_layers`) as an empty batch's: its
         first `rows` rows become this batch's rows, any after them padding rows. No copy of the rows:
@@ -295,8 +289,8 @@ class BatchKVCache:
         width = prefilled.width
         spare = key_columns(width + 1) - width
         self.base = 0
-        self.keys = _pad_columns(prefilled.keys, 0, spare)
-        self.values = _pad_columns(prefilled.values, 0, spare)
+        self.keys = pad_columns(prefilled.keys, 0, spare)
+        self.values = pad_columns(prefilled.values, 0, spare)
         padding = len(prefilled.new) - rows
         self._set([width - n for n in prefilled.new[:rows]] + [width] * padding, width)
         return True
@@ -316,7 +310,7 @@ class BatchKVCache:
         for i, buffer in enumerate((self.keys, self.values)):
             block = mx.concatenate(
                 [
-                    _pad_columns(
+                    pad_columns(
                         r.state[i][:, :, h - (self.end - r.offset + r.base) :], h - (self.end - width), 0
                     )
                     for r, h in zip(rows, held, strict=True)
@@ -417,44 +411,10 @@ class BatchKVCache:
         picked = cast("list[int]", index.tolist())
         key = (tuple(picked), live, self.end, self.base)
         plan = like._plan if like is not None and self.window is None and like.window is None else None
-        if plan is None or plan[0] != key:
-            plan = (key, *self._squeeze_plan(picked, live))
+        if plan is None or plan.made_for != key:
+            plan = SqueezePlan(self._hidden, self.starts, self.end, self.base, picked, live)
         self._plan = plan
-        _, gather, starts, base, spare = plan
-        out = []
-        for buffer in (self.keys, self.values):
-            rows = buffer[index, :, : self.end - self.base, :]
-            shape = (*rows.shape[:2], self.end - base, rows.shape[3])
-            picked_columns = mx.take_along_axis(rows, mx.broadcast_to(gather, shape), axis=2)
-            out.append(_pad_columns(picked_columns, 0, spare))
-        return out[0], out[1], starts, base
-
-    def _squeeze_plan(self, picked: list[int], live: int) -> tuple[mx.array, list[int], int, int]:
-        """`_squeezed`'s gather of buffer columns (rows, 1, columns, 1), each row's first column, the
-        buffers' first column and the spare room after `end` (host work only)."""
-        assert self._hidden is not None
-        hidden = np.zeros((len(picked), self.end), dtype=bool)
-        width = min(self._hidden.shape[1], self.end)
-        hidden[:, :width] = self._hidden[picked, :width]
-        owned, starts = [], []
-        base = self.base
-        for n, row in enumerate(picked):
-            first_own = self.starts[row] if n < live else self.end  # a padding row owns nothing
-            own = np.arange(first_own, self.end, dtype=np.int32)[~hidden[n, first_own:]]
-            held = own[own >= self.base] - self.base
-            if len(held) < len(own):
-                base = max(base, self.end - len(held))
-            owned.append(held)
-            starts.append(self.end - len(own))
-        # Buffer columns (from the old `base`) to gather: padding reads column 0, masked.
-        columns = np.zeros((len(picked), self.end - base), dtype=np.int32)
-        for n, held in enumerate(owned):
-            if len(held) > self.end - base:
-                held = held[len(held) - (self.end - base) :]
-            columns[n, self.end - base - len(held) :] = held
-        gather = mx.array(columns)[:, None, :, None]
-        spare = key_columns(self.end - base + 1) - (self.end - base)
-        return gather, starts, base, spare
+        return plan.squeezed(self.keys, index), plan.squeezed(self.values, index), plan.starts, plan.base
 
     def _set(
         self, starts: list[int], end: int, holes: list[int] | None = None, hidden: np.ndarray | None = None
@@ -477,97 +437,6 @@ class BatchKVCache:
 
     def __repr__(self) -> str:
         return f"BatchKVCache(batch={self.batch}, end={self.end}, starts={self.starts})"
-
-
-class PrefillRowsCache:
-    """One layer's keys/values while several prompts are prefilled in one forward (`prefill_rows`).
-
-    Row i arrives with `cached[i]` tokens already in its batch-1 cache and `new[i]` tokens to compute.
-    The cached parts are left-padded to a common end column E; the forward appends M = max(new) columns
-    for every row, each row's new tokens right-aligned in them (so every row's last token is the last
-    column and one slice gives all rows' last logits). Between a row's cached part and its new tokens sit
-    M - new[i] padding columns: the mask (`prefill_mask`) hides them from the row's real tokens, and
-    `offset` (each row's RoPE position of column E) makes the real tokens' positions continue right
-    after the cached part, exactly as when the row is prefilled alone. `row_cache` then gives each row
-    back its own tokens only, without the padding.
-    A sliding-window layer's cached parts may have dropped their oldest positions (`kv_cache.py`): the
-    buffers then start at column `base`, the first any row holds (the mask, over every column, is
-    right-aligned to them by attention).
-    """
-
-    def __init__(self, rows: list[KVCache], new: list[int], width: int = 0, end: int = 0) -> None:
-        self.cached = [r.offset for r in rows]
-        self.new = new
-        self.end = max(end, *self.cached)  # E
-        self.width = max(width, *new)  # M
-        self.starts = [self.end - c for c in self.cached]
-        self.window = rows[0].window
-        self.dropped = [r.base for r in rows]  # each cached part's positions dropped
-        held = [s + d for s, d in zip(self.starts, self.dropped, strict=True)]
-        self.base = min(held) if any(self.dropped) else 0
-        self.keys: mx.array | None = None
-        self.values: mx.array | None = None
-        if self.end:
-            like = next(r.state for r in rows if r.offset)
-
-            def stacked(i: int) -> mx.array:  # 0: keys, 1: values; an empty row is all padding
-                shape = (1, like[i].shape[1], self.end - self.base, like[i].shape[3])
-                empty = mx.zeros(shape, like[i].dtype)
-                padded = [
-                    _pad_columns(r.state[i], h - self.base, 0) if r.offset else empty
-                    for r, h in zip(rows, held, strict=True)
-                ]
-                return mx.concatenate(padded, axis=0)
-
-            self.keys, self.values = stacked(0), stacked(1)
-        self.offset = mx.array([c - (self.width - n) for c, n in zip(self.cached, new, strict=True)])
-
-    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        """Append the (B, n_kv_heads, M, head_dim) new columns; return all columns."""
-        if keys.shape[2] != self.width:
-            raise ValueError(f"a rows prefill takes its {self.width} columns at once, got {keys.shape[2]}")
-        if self.keys is None or self.values is None:
-            self.keys, self.values = keys, values
-        else:
-            self.keys = mx.concatenate([self.keys, keys], axis=2)
-            self.values = mx.concatenate([self.values, values], axis=2)
-        return self.keys, self.values
-
-    def row_cache(self, i: int) -> KVCache:
-        """Row `i`'s batch-1 cache after the forward: its cached tokens, then its new ones."""
-        assert self.keys is not None and self.values is not None, "run the forward first"
-        first_new = self.end + self.width - self.new[i] - self.base
-        held, end = self.starts[i] + self.dropped[i] - self.base, self.end - self.base
-        parts = []
-        for a in (self.keys, self.values):
-            row = a[i : i + 1]
-            if self.cached[i]:
-                row = mx.concatenate([row[:, :, held:end], row[:, :, first_new:]], axis=2)
-            else:
-                row = row[:, :, first_new:]
-            parts.append(row)
-        keys, values = parts
-        return KVCache.from_state(
-            keys, values, base=self.dropped[i] if self.cached[i] else 0, window=self.window
-        )
-
-
-def prefill_mask(cache: PrefillRowsCache) -> mx.array | None:
-    """Boolean (B, 1, M, E + M) mask of a rows prefill; None when plain causal attention is exact (no
-    row has padding)."""
-    if not any(cache.starts) and all(n == cache.width for n in cache.new):
-        return None
-    e, m = cache.end, cache.width
-    columns = mx.arange(e + m, dtype=mx.int32)[None, None, :]
-    query = mx.arange(m, dtype=mx.int32)[None, :, None] + e  # each query's own column
-    starts = mx.array(cache.starts, dtype=mx.int32)[:, None, None]
-    first_new = mx.array([e + m - n for n in cache.new], dtype=mx.int32)[:, None, None]
-    cached = (columns >= starts) & (columns < e)
-    own = (columns >= first_new) & (columns <= query)
-    # Padding queries see themselves: a query that sees nothing would turn its row into NaNs, and
-    # NaN keys/values poison even the rows that mask them (0 * NaN).
-    visible = cached | own | (columns == query)
-    return visible[:, None, :, :]
 
 
 @contextmanager

@@ -177,6 +177,18 @@ def key_columns(total: int) -> int:
     return -(-total // KVCache.step) * KVCache.step
 
 
+def pad_columns(a: mx.array, left: int, right: int) -> mx.array:
+    """`a` (B, H, T, D) with `left` zero columns before and `right` after."""
+    if left == 0 and right == 0:
+        return a
+    b, h, _, d = a.shape
+    parts = [mx.zeros((b, h, left, d), a.dtype)] if left else []
+    parts.append(a)
+    if right:
+        parts.append(mx.zeros((b, h, right, d), a.dtype))
+    return mx.concatenate(parts, axis=2)
+
+
 def drop_oldest(
     keys: mx.array, values: mx.array, drop: int, held: int, step: int
 ) -> tuple[mx.array, mx.array]:

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from mlxq.worker.engine.cache.batch_cache import PrefillRowsCache
+from mlxq.worker.engine.cache.prefill_rows_cache import PrefillRowsCache
 from mlxq.worker.engine.models.base import LayerCache
 from mlxq.worker.engine.ragged_attention import RaggedRows
 
