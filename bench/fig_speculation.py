@@ -45,6 +45,7 @@ from mlxq.worker.engine import Engine
 from mlxq.worker.engine.generation_batch import GenerationBatch
 from mlxq.worker.engine.speculation.policy import DraftPolicy
 from mlxq.worker.engine.speculation.verify_clock import VerifyClock
+from mlxq.worker.engine.warm_up import WarmUpShapes, warm_verify_steps
 from mlxq.worker.service import draft_policy
 from mlxq.worker.settings import WorkerSettings
 
@@ -202,6 +203,8 @@ def _engine(
     engine = Engine(b.engine.model, b.engine.tokenizer, b.engine.config, b.engine.name, options)
     if kind == "draft_model":
         engine.load_draft(Path(b.model_path))
+    # as a worker's warm-up does: the verify steps' shapes met before the first job (on a GPU)
+    warm_verify_steps(engine, WarmUpShapes(max_sequences=max(b.sizes.speculation_jobs)))
     return engine
 
 

@@ -52,10 +52,12 @@ class BatchDrafts:
     def speculating(self, rows: Sequence[DraftingRow]) -> bool:
         """Whether this step verifies drafts: some row drafts (its policy's depth, set here for
         `propose`) and its drafter expects to have something to propose (`Drafter.may_propose`, asked
-        before the row's pending token is known). A worker without speculation checks nothing."""
-        if self.engine.options.speculation == "off":
-            return False
+        before the row's pending token is known). A worker without speculation checks nothing, nor does
+        a batch larger than the policy lets draft (`DraftPolicy.max_batch`: no row would)."""
+        options = self.engine.options
         n, any_depth = len(rows), False
+        if options.speculation == "off" or n > options.draft_policy.max_batch:
+            return False
         if self.engine.draft_gate is not None and not self.engine.draft_gate.allows(n):
             for seq in rows:  # drafting loses here now: a plain step (acceptances unchanged)
                 seq.depth = 0

@@ -83,6 +83,7 @@ class DecodeBatch:
         masks_in_place: bool = False,
         taps: Sequence[int] = (),
         features: FeatureSink | None = None,
+        verify_shapes: set[tuple[int, int, int]] | None = None,
     ) -> None:
         self.taps = tuple(taps) if features is not None else ()
         self.pad_shapes = pad_shapes
@@ -107,8 +108,9 @@ class DecodeBatch:
         self._steps = 0
         # With a constrained row: the forward that feeds `_pending`, launched, and its time (see `step_with`)
         self.ahead = ForwardAhead(launcher, masks_in_place)
-        # The verify steps' shapes met, their drafts' acceptance and their time (`verify_with`)
-        self.verify_step = VerifyStep(pad_shapes, self._window)
+        # The verify steps' shapes met (`verify_shapes`: an engine's, shared by its batches; None: this
+        # batch's own), their drafts' acceptance and their time (`verify_with`)
+        self.verify_step = VerifyStep(pad_shapes, self._window, verify_shapes)
 
     def __len__(self) -> int:
         return len(self.rows) if self.rows is not None else 0

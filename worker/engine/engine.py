@@ -128,6 +128,10 @@ class Engine:
         # drafts and the policy asks for it: learnt across the generation batches it runs, one after another.
         drafting = options.speculation != "off" and options.draft_policy.gate
         self.draft_gate = DraftGate() if drafting else None
+        # The verify steps' shapes (rows, width, key columns) this engine's forwards met, in any of its
+        # batches or its warm-up (`warm_up.py`): on a GPU the first forward of a shape builds kernels,
+        # so its time says nothing of the steps of that shape to come (`VerifyStep.read_columns`).
+        self.verify_shapes: set[tuple[int, int, int]] = set()
         # Score requests' limits checked and their rows tokenized (`score_requests.py`): no model needed.
         self.score_requests = ScoreRequests(
             tokenizer,

@@ -215,6 +215,7 @@ class GenerationBatch:
             masks_in_place=self.engine.masks_in_place,
             taps=taps,
             features=self._features if taps else None,
+            verify_shapes=self.engine.verify_shapes,
         )
 
     def _features(self, positions: list[int], features: mx.array) -> list[mx.array]:

@@ -22,13 +22,16 @@ class VerifyStep:
     """The verify steps of one decode batch: their shapes met, their drafts' acceptance, their time.
 
     `pad_shapes`: the batch pads shapes (a GPU); `window`: the model's smallest sliding window (None
-    where no layer slides)."""
+    where no layer slides); `shapes_met`: the shapes (rows, width, key columns) met so far, shared by
+    the batches of one engine (the kernels a shape builds outlive the batch); None: this batch's own."""
 
-    def __init__(self, pad_shapes: bool, window: int | None) -> None:
+    def __init__(
+        self, pad_shapes: bool, window: int | None, shapes_met: set[tuple[int, int, int]] | None = None
+    ) -> None:
         self.pad_shapes = pad_shapes
         self._window = window
         self.clock = VerifyClock()  # where the verify steps' time goes
-        self._shapes: set[tuple[int, int, int]] = set()  # (rows, width, key columns) met
+        self._shapes = shapes_met if shapes_met is not None else set()  # (rows, width, key columns) met
         self.new_shape = False  # the last verify step's shape was met for the first time
         self.verified = False  # the last `verify_with` verified drafts (else it took a plain step)
 
@@ -45,7 +48,7 @@ class VerifyStep:
         whole steps of the caches (`BatchKVCache.read_whole_steps`: the key lengths a GPU meets change
         once per 256 columns, not at every step; the layers then read so until `read_exactly`), except
         in a model with windowed layers; else None (exactly what they hold). Notes whether, with
-        `pad_shapes` (a GPU), the step's shape (rows, width, key columns) is one the batch met before
+        `pad_shapes` (a GPU), the step's shape (rows, width, key columns) is one met before
         (`new_shape`: a new one may have built kernels, so its time says nothing of the next; without
         padding shapes cost nothing to meet)."""
         first = cache[0]

@@ -9,7 +9,12 @@ without this a worker's first jobs pay for every shape they meet. `warm_up` runs
   each a shape of its own, `cache.kv_cache.key_columns`);
 - a few decode steps of each batch size a generation batch pads to (up to `max_sequences`);
 - a score batch of rows sharing a prefix, scored twice (the second time its prefix comes from a prefix
-  cache, as a warm job's does), and a lone score row with several candidates at each prefill width.
+  cache, as a warm job's does), and a lone score row with several candidates at each prefill width;
+- with speculative decoding and padded shapes, the verify steps' shapes (`VerifyStep`): each batch size
+  that may draft, each padded width a step may feed (a row's pending token and its drafts), each number
+  of key columns up to `verify_columns` (verify forwards read whole cache steps), a plain step after
+  each. The shapes are noted as met (`Engine.verify_shapes`), so the draft gate judges those steps by
+  their time. A draft model's own forwards are not warmed here.
 
 It leaves nothing behind that changes a result: the engine's prefix cache is set aside while it runs (a
 private cache of the same budget stands in, then is dropped), sampling is greedy, and nothing here
@@ -23,14 +28,16 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
+from typing import Any
 
-from mlxq.jobs.schema import GenerateRequest
+from mlxq.jobs.schema import FinishReason, GenerateRequest
 from mlxq.worker.engine.cache.kv_cache import KVCache
 from mlxq.worker.engine.cache.prefix_cache import PrefixCache
 from mlxq.worker.engine.engine import Engine
 from mlxq.worker.engine.generation_batch import GenerationBatch
 from mlxq.worker.engine.score_requests import PreparedRow
-from mlxq.worker.engine.shapes import padded_width
+from mlxq.worker.engine.shapes import padded_size, padded_width
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +55,7 @@ class WarmUpShapes:
     score_own: int = 8  # tokens each score row has of its own
     decode_positions: int = 2 * KVCache.step + 16  # a lone sequence decodes past this many positions
     lone_row_candidates: int = 8  # candidates of the lone score row
+    verify_columns: int = 4 * KVCache.step  # key columns up to which verify steps are warmed
 
 
 def batch_sizes(max_sequences: int, padded: bool) -> list[int]:
@@ -77,11 +85,9 @@ def prefill_widths(chunk: int, padded: bool) -> list[int]:
 
 def warm_up(engine: Engine, shapes: WarmUpShapes) -> dict[str, float]:
     """Run the warm-up shapes on `engine`; the seconds each part took (`prefill`, `decode`, `batches`,
-    `score`). The engine's prefix cache is untouched."""
+    `score`, and `verify` with speculative decoding on a GPU). The engine's prefix cache is untouched."""
     seconds: dict[str, float] = {}
-    own_cache = engine.prefix_cache
-    engine.prefix_cache = PrefixCache(own_cache.budget_bytes) if own_cache is not None else None
-    try:
+    with _stand_in_prefix_cache(engine):
         room = shapes.decode_tokens + 8
         chunk = max(1, min(engine.options.prefill_chunk, engine.context_length - room))
         salt = iter(range(1_000_000))
@@ -102,9 +108,31 @@ def warm_up(engine: Engine, shapes: WarmUpShapes) -> dict[str, float]:
                 engine.score_many([rows])
             for width in widths:  # a lone row's forward goes through the scorer's own masks and gathers
                 engine.score_many([[_lone_row(engine, width, shapes.lone_row_candidates, next(salt))]])
+        if engine.options.speculation != "off" and engine.pad_shapes:
+            with _timed(seconds, "verify"):
+                _verify_steps(engine, shapes, salt)
+    return seconds
+
+
+def warm_verify_steps(engine: Engine, shapes: WarmUpShapes) -> float:
+    """Only the verify steps' part of `warm_up` (a drafting engine beside warmed ones); its seconds."""
+    started = time.perf_counter()
+    if engine.options.speculation != "off" and engine.pad_shapes:
+        with _stand_in_prefix_cache(engine):
+            _verify_steps(engine, shapes, iter(range(1_000_000)))
+    return time.perf_counter() - started
+
+
+@contextmanager
+def _stand_in_prefix_cache(engine: Engine) -> Iterator[None]:
+    """The engine's prefix cache set aside while warming up: a private one of the same budget stands
+    in (the warm-up's prompts are offered to it), then is dropped."""
+    own_cache = engine.prefix_cache
+    engine.prefix_cache = PrefixCache(own_cache.budget_bytes) if own_cache is not None else None
+    try:
+        yield
     finally:
         engine.prefix_cache = own_cache
-    return seconds
 
 
 @contextmanager
@@ -130,6 +158,63 @@ def _generate(engine: Engine, prompts: list[str], max_tokens: int) -> None:
         batch.settle()
     finally:
         batch.close()
+
+
+def verify_widths(engine: Engine) -> list[int]:
+    """The padded widths a verify step of this engine may feed: a row's pending token and its drafts,
+    up to the policy's most drafted tokens (a prompt lookup run may grow to `max_run`)."""
+    policy = engine.options.draft_policy
+    lookup = engine.options.speculation == "prompt_lookup"
+    most = max(policy.max_depth, policy.max_run) if lookup else policy.max_depth
+    widest = padded_size(1 + most, smallest=1)
+    return [w for w in (1 << i for i in range(1, widest.bit_length())) if w <= widest]
+
+
+def _verify_steps(engine: Engine, shapes: WarmUpShapes, salt: Iterator[int]) -> None:
+    """Verify steps of every shape a drafting batch meets first (see the module docstring): for each
+    batch size and number of key columns, a batch of that many rows whose prompts end in that cache
+    step, then a verify step of each width (every row drafting its pending token again) and a plain
+    step after it. The batch's rows never take these tokens: it is dropped after."""
+    sizes = batch_sizes(min(shapes.max_sequences, engine.options.draft_policy.max_batch), padded=True)
+    widths = verify_widths(engine)
+    bias = {i: -100.0 for i in engine.tokenizer.eos_ids if i < engine.model.args.vocab_size}
+    for n in sizes if widths else []:
+        # the prompts end that far before their cache step's end: the rows' decode steps while the
+        # batch admits them, and every verify step keeping all its drafts, stay inside the step
+        margin = n + sum(widths) + len(widths) + widths[-1] + 8
+        for steps in range(1, shapes.verify_columns // KVCache.step + 1):
+            length = steps * KVCache.step - margin
+            if length <= (steps - 1) * KVCache.step or steps * KVCache.step + margin > engine.context_length:
+                continue
+            batch = GenerationBatch(engine, max_sequences=n)
+            try:
+                for i in range(n):
+                    request = GenerateRequest(
+                        prompt=_prompt(engine, length, next(salt)),
+                        max_tokens=margin,
+                        temperature=0.0,
+                        logit_bias=bias,
+                    )
+                    batch.admit(f"warm-up-{i}", request, lambda text, ids: None, lambda: False)
+                while len(batch.decoding) < n:
+                    for done in batch.step():
+                        if done.error is not None:
+                            raise done.error
+                for width in widths:
+                    batch.decode.verify_with(partial(_repeats, width - 1), _none)
+                    batch.decode.step_with(_none, ends_all=lambda out: False)
+            finally:
+                batch.close()
+
+
+def _repeats(count: int, tokens: list[int]) -> list[list[int]]:
+    """Each row's drafts at a warm-up verify step: its pending token `count` times."""
+    return [[t] * count for t in tokens]
+
+
+def _none(tokens: list[Any]) -> list[tuple[int, FinishReason | BaseException]]:
+    """A warm-up step's handling of its tokens: nobody takes them, no row ends."""
+    return []
 
 
 def _prompt(engine: Engine, tokens: int, salt: int) -> str:
