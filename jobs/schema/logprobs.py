@@ -1,0 +1,30 @@
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import Field, SerializerFunctionWrapHandler, model_serializer
+
+from .strict_model import _Strict, _without_none
+
+
+class TopLogprob(_Strict):
+    """An alternative token; its `text` only where the row asked `token_texts`."""
+
+    id: int
+    logprob: float
+    text: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _text_if_asked(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return _without_none(handler(self), ("text",))
+
+
+class GeneratedLogprob(_Strict):
+    """A generated token's log-probability under the model, its `text` alone (a token that holds part
+    of a character decodes to U+FFFD) and its `top` alternatives (most likely first, each with its
+    text), where the request asked `logprobs`."""
+
+    id: int
+    logprob: float
+    text: str = ""
+    top: list[TopLogprob] = Field(default_factory=list)
