@@ -1,4 +1,6 @@
-"""The gateway's ASGI app (Starlette): OpenAI's routes, each a short function over the parts.
+"""The gateway's ASGI app (Starlette): its routes mounted over one `Gateway` (completions:
+`completion_routes`; the Batch API: `batch_routes`), each answering its errors in OpenAI's shape and
+counted in the metrics, and the lifespan.
 
 Routes: `POST /v1/chat/completions`, `POST /v1/completions`, `GET /v1/models`, `GET /v1/streams/{id}`
 (resume a stream: `Last-Event-ID`), OpenAI's Batch API (`/v1/files`, `/v1/batches`: `batch_routes`,
@@ -27,6 +29,7 @@ from ..errors import JobNotFound
 from ..settings import ProducerSettings
 from .batch_routes import BatchRoutes
 from .batch_runner import BatchRunner
+from .completion_routes import CompletionRoutes
 from .errors import ApiError
 from .gateway import Gateway
 from .metrics import NOT_INSTALLED, GatewayMetrics
@@ -69,14 +72,15 @@ def create_app(
     settings: GatewaySettings | None = None, producer: ProducerSettings | None = None
 ) -> Starlette:
     gateway = Gateway(settings or GatewaySettings(), producer or ProducerSettings())
+    completion_routes = CompletionRoutes(gateway)
     batch_routes = BatchRoutes(gateway)
     metrics = gateway.metrics
 
     async def chat(request: Request) -> Response:
-        return await gateway.generate(request, "chat")
+        return await completion_routes.generate(request, "chat")
 
     async def completions(request: Request) -> Response:
-        return await gateway.generate(request, "completion")
+        return await completion_routes.generate(request, "completion")
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -99,8 +103,8 @@ def create_app(
     routes = [
         route("/v1/chat/completions", "chat", chat, "POST"),
         route("/v1/completions", "completions", completions, "POST"),
-        route("/v1/models", "models", gateway.models, "GET"),
-        route("/v1/streams/{completion_id}", "resume", gateway.resume, "GET"),
+        route("/v1/models", "models", completion_routes.models, "GET"),
+        route("/v1/streams/{completion_id}", "resume", completion_routes.resume, "GET"),
         route("/v1/files", "upload", batch_routes.upload, "POST"),
         route("/v1/files", "files", batch_routes.list_files, "GET"),
         route("/v1/files/{file_id}", "delete_file", batch_routes.delete_file, "DELETE"),

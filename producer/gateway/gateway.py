@@ -1,10 +1,15 @@
+"""The state one gateway process holds (`Gateway`: its Redis client, live models, API keys, metrics)
+and what every route uses of it: the API key check, the JSON body under the size limit, the queue a
+model's jobs go to, jobs submitted under the key's limit with a streamed answer's context (one round
+trip: `submission`) and their results, a failed job as OpenAI's error; and the process's own probes
+(`/health`, `/ready`). The routes live beside it: completions (`completion_routes`) and the Batch API
+(`batch_routes`); `app` mounts them.
+"""
+
 from __future__ import annotations
 
-import asyncio
 import json
-import re
 import time
-from collections.abc import AsyncIterator
 from typing import Any
 
 import redis
@@ -18,19 +23,17 @@ from .. import payload, rq_wire
 from ..aio import AsyncClient
 from ..errors import JobFailed, RedisFull
 from ..settings import ProducerSettings
-from . import api_keys, echo, relay, shapes, translate
+from . import api_keys, shapes, translate
 from . import metrics as gateway_metrics
 from .api_keys import ApiKey
 from .catalog import Catalog
 from .errors import ApiError, bad_request
-from .event_stream import EventStream
 from .files import FileStore
 from .settings import GatewaySettings
 from .submission import Submitter
 
 CONTEXT_PREFIX = "mlxq:gw:stream:"
 _CLIENT_ERRORS = ("InvalidRequest", "ContextTooLong", "InvalidCandidate")
-_STREAM_ID = re.compile(r"\d{1,20}-\d{1,20}")
 
 
 def context_key(job_id: str) -> str:
@@ -190,7 +193,7 @@ class Gateway:
                 code="too_many_jobs",
             )
 
-    async def _result(self, job_id: str) -> GenerateResult | ScoreResult:
+    async def result(self, job_id: str) -> GenerateResult | ScoreResult:
         """A job's result, its failure as OpenAI's error (400 for the request's fault, else 500)."""
         try:
             return await self.client.job(job_id).result(timeout=self.settings.job_timeout_s)
@@ -212,90 +215,17 @@ class Gateway:
                 retry=False,
             ) from None
 
-    async def scored_completion(self, key: ApiKey, body: dict[str, Any]) -> Response:
-        """`POST /v1/completions` with `echo`/`logprobs`: one score job (a choice per prompt), or a
-        generation job and then the score job of its tokens (`echo`)."""
-        ask = echo.parse(body, translate.model_of(body))
-        if ask.generate is None:
-            job_id, result = await self._scored(key, ask.model, ask.request)
-            answer = echo.answer(ask, shapes.completion_id("completion", job_id), int(time.time()), result)
-            return JSONResponse(answer, headers={"x-mlxq-job-id": job_id})
-        ctx = await self.submit(key, ask.generate)
-        generated = await self._result(ctx.job_id)
-        if not isinstance(generated, GenerateResult):
-            raise ApiError(500, f"job {ctx.job_id} returned no generation result", type="server_error")
-        score_id, result = await self._scored(key, ask.model, echo.after(ask, generated))
-        answer = echo.answer_generated(ask, ctx.id, ctx.created, generated, result)
-        return JSONResponse(answer, headers={"x-mlxq-job-id": f"{ctx.job_id},{score_id}"})
-
-    async def _scored(self, key: ApiKey, model: str, request: ScoreRequest) -> tuple[str, ScoreResult]:
+    async def scored(self, key: ApiKey, model: str, request: ScoreRequest) -> tuple[str, ScoreResult]:
         """A score job run to its end, counted against the key's jobs in flight."""
         job = self._job(key, job_keys.SCORE_FUNC, request, await self.route(key, model))
         job_id = job.id
         await self._submit(key, [job], None)
         if self.metrics is not None:
             self.metrics.submitted(model, "completion")
-        result = await self._result(job_id)
+        result = await self.result(job_id)
         if not isinstance(result, ScoreResult):
             raise ApiError(500, f"job {job_id} returned no score result", type="server_error")
         return job_id, result
-
-    async def context(self, key: ApiKey, completion: str) -> shapes.Context:
-        found = shapes.job_id_of(completion)
-        raw = await self.client.connection.hgetall(context_key(found[1])) if found else None
-        if not raw:
-            raise ApiError(
-                404,
-                f"no resumable stream {completion!r} (unknown, or older than {self.settings.stream_ttl_s} s)",
-                code="stream_not_found",
-            )
-        assert found is not None
-        ctx = shapes.Context.from_fields(found[1], {_str(k): _str(v) for k, v in raw.items()})
-        if ctx.owner != key.digest:
-            raise ApiError(
-                404, f"no resumable stream {completion!r} for this API key", code="stream_not_found"
-            )
-        return ctx
-
-    # --- routes ------------------------------------------------------------------------------------
-
-    async def generate(self, request: Request, kind: translate.Kind) -> Response:
-        key = await self.authorize(request)
-        body = await self.body(request)
-        if kind == "completion" and echo.wanted(body):
-            return await self.scored_completion(key, body)
-        t = translate.chat(body) if kind == "chat" else translate.completion(body)
-        ctx = await self.submit(key, t)
-        if t.stream:
-            return _sse(relay.events(self.client, ctx, None, fresh=True), ctx)
-        results = await asyncio.gather(*(self._result(job_id) for job_id in ctx.jobs))
-        generated = [r for r in results if isinstance(r, GenerateResult)]
-        if len(generated) != len(results):
-            raise ApiError(500, f"job {ctx.job_id} returned no generation result", type="server_error")
-        answer = ctx.whole(generated)  # with the logprobs the jobs report, where asked
-        return JSONResponse(answer, headers={"x-mlxq-job-id": ",".join(ctx.jobs)})
-
-    async def resume(self, request: Request) -> Response:
-        key = await self.authorize(request)
-        ctx = await self.context(key, request.path_params["completion_id"])
-        last = request.headers.get("last-event-id") or None
-        if last is not None and not (
-            len(last.split(",")) == len(ctx.jobs) and all(_STREAM_ID.fullmatch(p) for p in last.split(","))
-        ):
-            raise bad_request(
-                f"Last-Event-ID {last!r} is not an id this stream sent (<ms>-<seq>, one per choice)"
-            )
-        return _sse(relay.events(self.client, ctx, last), ctx)
-
-    async def models(self, request: Request) -> Response:
-        key = await self.authorize(request)
-        served = await self.catalog.models()
-        data = [
-            {"id": m, "object": "model", "created": s.created, "owned_by": "mlxq"}
-            for m, s in served.items()
-            if key.allows_model(m) and any(key.allows_queue(q) for q in s.queues)
-        ]
-        return JSONResponse({"object": "list", "data": data})
 
     @property
     def files(self) -> FileStore:
@@ -313,21 +243,7 @@ class Gateway:
         return JSONResponse({"status": "ready", "models": sorted(served)})
 
 
-def _str(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value
-
-
 def _too_large(limit: int) -> ApiError:
     return ApiError(
         413, f"the request body is over this gateway's limit of {limit} bytes", code="request_too_large"
     )
-
-
-def _sse(frames: AsyncIterator[str], ctx: shapes.Context) -> EventStream:
-    headers = {
-        "cache-control": "no-cache",
-        "x-accel-buffering": "no",
-        "x-mlxq-job-id": ctx.job_id,
-        "x-mlxq-resume": f"/v1/streams/{ctx.id}",
-    }
-    return EventStream(frames, headers)
