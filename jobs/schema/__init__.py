@@ -3,6 +3,11 @@
 Any language may produce jobs and read results; these models are the one definition of what crosses
 Redis. Field names follow OpenAI's completions/chat APIs where one exists. Unknown fields are errors,
 so a typo (`max_token`) fails the job instead of being silently ignored.
+
+A module per family, re-exported here, so every reader imports `mlxq.jobs.schema`: `generate_request`
+(with `sampling_params`, `response_format`) and `generate_result`; `score_request` and `score_result`;
+`stream_events`; what several share: `request_text` (`Text`, `ChatMessage`), `logprobs` and
+`strict_model` (the base of them all).
 """
 
 from __future__ import annotations

@@ -1,3 +1,6 @@
+"""A generation job's request (`GenerateRequest`): its prompt (text, chat messages or token ids), its
+budget and stop strings, its sampling settings and output constraint, drafting and logprobs asked."""
+
 from __future__ import annotations
 
 from typing import Annotated
@@ -19,7 +22,7 @@ class GenerateRequest(SamplingParams):
     ordinary text, never as that control token, unless `allow_special_tokens` says the producer wrote
     the control tokens on purpose (a prompt formatted by hand). `add_special_tokens`: the BOS/EOS the
     tokenizer adds around a prompt. Chat `messages` are always encoded as text inside the template.
-    `response_format` constrains the output to JSON (a schema), a regex or a grammar (see above).
+    `response_format` constrains the output to JSON (a schema), a regex or a grammar (`response_format`).
     """
 
     prompt: Text | None = None

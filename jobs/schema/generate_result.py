@@ -1,3 +1,6 @@
+"""What a finished generation job returns (`GenerateResult`): its text, why it ended (`FinishReason`),
+its token ids, token counts (`Usage`) and the worker's timings (`Timings`)."""
+
 from __future__ import annotations
 
 from typing import Any, Literal

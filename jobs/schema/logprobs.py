@@ -1,3 +1,6 @@
+"""Tokens' log-probabilities as results and stream events report them: a generated token's
+(`GeneratedLogprob`) and an alternative token's (`TopLogprob`), which score results use too."""
+
 from __future__ import annotations
 
 from typing import Any

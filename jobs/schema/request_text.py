@@ -1,3 +1,7 @@
+"""Text a request carries (`Text`: prompts, stop strings, candidates; valid Unicode, so no lone
+surrogate reaches a tokenizer) and a chat turn (`ChatMessage`), whose extra fields are checked the same
+way."""
+
 from __future__ import annotations
 
 from typing import Annotated

@@ -1,3 +1,7 @@
+"""Structured output: `response_format` in OpenAI's shape (`text`, `json_object`, `json_schema`), plus
+two mlxq types of the same shape: `regex` and `grammar` (Lark, as llguidance reads it). One field, so a
+request carries at most one constraint."""
+
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
@@ -6,11 +10,6 @@ from pydantic import ConfigDict, Field
 
 from .request_text import Text
 from .strict_model import _Strict
-
-# --- Structured output ---------------------------------------------------------------------------
-# `response_format` in OpenAI's shape (`text`, `json_object`, `json_schema`), plus two mlxq types of the
-# same shape: `regex` and `grammar` (Lark, as llguidance reads it). One field, so a request carries at
-# most one constraint.
 
 
 class TextFormat(_Strict):

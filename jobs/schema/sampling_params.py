@@ -1,3 +1,6 @@
+"""How a generation job draws its tokens (`SamplingParams`): temperature, top-p/top-k/min-p, seed, logit
+bias and penalties, each bounded and finite. `GenerateRequest` extends it."""
+
 from __future__ import annotations
 
 import math

@@ -1,3 +1,6 @@
+"""A score job's request (`ScoreRequest`): rows (`ScoreRow`), each a prompt and one question about it
+(candidates, continuations, rolling log-likelihood or the prompt's own log-probabilities)."""
+
 from __future__ import annotations
 
 from typing import Annotated

@@ -1,3 +1,7 @@
+"""What a finished score job returns (`ScoreResult`): per row (`ScoredRow`) the answer to its question
+(candidate logits, `ContinuationScore`, `RollingScore` or `PromptLogprobs`) and its token counts; each
+row serializes only what its kind asked."""
+
 from __future__ import annotations
 
 from typing import Any

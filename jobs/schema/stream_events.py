@@ -1,3 +1,7 @@
+"""A generation job's stream events (`TokenEvent`, `DoneEvent`, `ErrorEvent`, `RestartEvent`). A Redis
+stream entry is a flat map of strings; each event knows how to become one (`fields`) and come back
+(`parse_event`)."""
+
 from __future__ import annotations
 
 import json
@@ -6,9 +10,6 @@ from typing import Literal
 from .generate_result import FinishReason
 from .logprobs import GeneratedLogprob
 from .strict_model import _Strict
-
-# --- Stream events -------------------------------------------------------------------------------
-# A Redis stream entry is a flat map of strings; each event knows how to become one and come back.
 
 
 class TokenEvent(_Strict):

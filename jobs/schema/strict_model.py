@@ -1,3 +1,6 @@
+"""The base every wire model extends (`_Strict`: unknown fields are errors, instances are frozen) and
+the serializer helper that leaves out optional fields a reader did not ask for (`_without_none`)."""
+
 from __future__ import annotations
 
 from typing import Any
