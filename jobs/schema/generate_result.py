@@ -8,12 +8,12 @@ from typing import Any, Literal
 from pydantic import ConfigDict, SerializerFunctionWrapHandler, model_serializer
 
 from .logprobs import GeneratedLogprob
-from .strict_model import _Strict, _without_none
+from .strict_model import StrictModel, without_none
 
 FinishReason = Literal["stop", "length", "cancelled", "error"]
 
 
-class Usage(_Strict):
+class Usage(StrictModel):
     """Token counts; `draft_tokens`: tokens drafted for speculative decoding, `accepted_tokens`: those of
     them the model kept (each kept one is a completion token that cost no step of its own)."""
 
@@ -24,7 +24,7 @@ class Usage(_Strict):
     accepted_tokens: int = 0
 
 
-class Timings(_Strict):
+class Timings(StrictModel):
     """Seconds, measured in the worker. `ttft_s` is from the job's start to its first token."""
 
     queued_s: float | None = None
@@ -36,7 +36,7 @@ class Timings(_Strict):
     decode_tokens_per_s: float | None = None
 
 
-class GenerateResult(_Strict):
+class GenerateResult(StrictModel):
     """What a finished generation job returns (result key and RQ result); `logprobs` (one per
     completion token) only where the request asked for them."""
 
@@ -51,4 +51,4 @@ class GenerateResult(_Strict):
 
     @model_serializer(mode="wrap")
     def _logprobs_if_asked(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        return _without_none(handler(self), ("logprobs",))
+        return without_none(handler(self), ("logprobs",))

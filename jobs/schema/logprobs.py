@@ -7,10 +7,10 @@ from typing import Any
 
 from pydantic import Field, SerializerFunctionWrapHandler, model_serializer
 
-from .strict_model import _Strict, _without_none
+from .strict_model import StrictModel, without_none
 
 
-class TopLogprob(_Strict):
+class TopLogprob(StrictModel):
     """An alternative token; its `text` only where the row asked `token_texts`."""
 
     id: int
@@ -19,10 +19,10 @@ class TopLogprob(_Strict):
 
     @model_serializer(mode="wrap")
     def _text_if_asked(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        return _without_none(handler(self), ("text",))
+        return without_none(handler(self), ("text",))
 
 
-class GeneratedLogprob(_Strict):
+class GeneratedLogprob(StrictModel):
     """A generated token's log-probability under the model, its `text` alone (a token that holds part
     of a character decodes to U+FFFD) and its `top` alternatives (most likely first, each with its
     text), where the request asked `logprobs`."""

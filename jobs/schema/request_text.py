@@ -8,7 +8,7 @@ from typing import Annotated
 
 from pydantic import AfterValidator, ConfigDict, Field, model_validator
 
-from .strict_model import _Strict
+from .strict_model import StrictModel
 
 
 def _unicode(v: str) -> str:
@@ -40,7 +40,7 @@ def _unicode_values(value: object) -> None:
             _unicode_values(v)
 
 
-class ChatMessage(_Strict):
+class ChatMessage(StrictModel):
     """One turn of a chat: `role` is free-form (system, user, assistant, tool, ...) for the template."""
 
     model_config = ConfigDict(extra="allow", frozen=True)  # templates may read e.g. `name`, `tool_calls`

@@ -9,20 +9,20 @@ from typing import Annotated, Any, Literal
 from pydantic import ConfigDict, Field
 
 from .request_text import Text
-from .strict_model import _Strict
+from .strict_model import StrictModel
 
 
-class TextFormat(_Strict):
+class TextFormat(StrictModel):
     type: Literal["text"]
 
 
-class JsonObjectFormat(_Strict):
+class JsonObjectFormat(StrictModel):
     """Any JSON object."""
 
     type: Literal["json_object"]
 
 
-class JsonSchemaSpec(_Strict):
+class JsonSchemaSpec(StrictModel):
     """OpenAI's `json_schema` object: the schema under `schema` (a JSON Schema document)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, validate_by_name=True, serialize_by_alias=True)
@@ -32,21 +32,21 @@ class JsonSchemaSpec(_Strict):
     strict: bool | None = None
 
 
-class JsonSchemaFormat(_Strict):
+class JsonSchemaFormat(StrictModel):
     """JSON that validates against `json_schema.schema`."""
 
     type: Literal["json_schema"]
     json_schema: JsonSchemaSpec
 
 
-class RegexFormat(_Strict):
+class RegexFormat(StrictModel):
     """Text that matches `regex` whole."""
 
     type: Literal["regex"]
     regex: Text = Field(min_length=1)
 
 
-class GrammarFormat(_Strict):
+class GrammarFormat(StrictModel):
     """Text of the Lark grammar `grammar` (its `start` rule), in llguidance's dialect of Lark."""
 
     type: Literal["grammar"]

@@ -8,7 +8,7 @@ from typing import Annotated
 
 from pydantic import Field, ValidationInfo, field_validator
 
-from .strict_model import _Strict
+from .strict_model import StrictModel
 
 
 def _finite(name: str, value: float) -> float:
@@ -17,7 +17,7 @@ def _finite(name: str, value: float) -> float:
     return value
 
 
-class SamplingParams(_Strict):
+class SamplingParams(StrictModel):
     """Sampling options shared by every generation request."""
 
     temperature: Annotated[float, Field(ge=0.0, le=100.0)] = 1.0

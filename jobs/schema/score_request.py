@@ -8,12 +8,12 @@ from typing import Annotated
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from .request_text import ChatMessage, Text
-from .strict_model import _Strict
+from .strict_model import StrictModel
 
 MAX_TOP_LOGPROBS = 20
 
 
-class ScoreRow(_Strict):
+class ScoreRow(StrictModel):
     """One row of a score job: a `prompt` and exactly one kind of question about it.
 
     - `candidates`: the logit and log-probability of each candidate as the prompt's next token (each
@@ -100,7 +100,7 @@ class ScoreRow(_Strict):
         return "rolling" if self.rolling else "prompt_logprobs"
 
 
-class ScoreRequest(_Strict):
+class ScoreRequest(StrictModel):
     """A scoring job: rows of questions about prompts (see `ScoreRow`).
 
     Rows' prompts and candidates are untrusted text, as a generation job's `prompt` is (see

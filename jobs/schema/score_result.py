@@ -9,23 +9,23 @@ from typing import Any
 from pydantic import ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
 
 from .logprobs import TopLogprob
-from .strict_model import _Strict, _without_none
+from .strict_model import StrictModel, without_none
 
 
-class ContinuationScore(_Strict):
+class ContinuationScore(StrictModel):
     logprob: float  # the sum of `token_logprobs`
     is_greedy: bool  # every token is the argmax after what precedes it
     token_logprobs: list[float]
     tokens: list[int]
 
 
-class RollingScore(_Strict):
+class RollingScore(StrictModel):
     logprob: float  # the whole text's, each token scored once
     tokens: int  # tokens scored (the text's own)
     windows: int
 
 
-class PromptLogprobs(_Strict):
+class PromptLogprobs(StrictModel):
     """Per prompt token from the second: its id, its log-probability, the `top_logprobs` alternatives
     (most likely first) and the log-probabilities of the row's `token_ids`, in their order.
 
@@ -47,10 +47,10 @@ class PromptLogprobs(_Strict):
 
     @model_serializer(mode="wrap")
     def _extras_if_asked(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        return _without_none(handler(self), ("first_token", "texts", "offsets", "next_top", "next_ends"))
+        return without_none(handler(self), ("first_token", "texts", "offsets", "next_top", "next_ends"))
 
 
-class ScoredRow(_Strict):
+class ScoredRow(StrictModel):
     """A row's answer: `logits`/`logprobs` for candidates, else the field named after its kind."""
 
     logits: list[float] = Field(default_factory=list)
@@ -76,7 +76,7 @@ class ScoredRow(_Strict):
         return data
 
 
-class ScoreResult(_Strict):
+class ScoreResult(StrictModel):
     model_config = ConfigDict(extra="forbid", frozen=True, protected_namespaces=())
     rows: list[ScoredRow]
     input_tokens: int

@@ -9,10 +9,10 @@ from typing import Literal
 
 from .generate_result import FinishReason
 from .logprobs import GeneratedLogprob
-from .strict_model import _Strict
+from .strict_model import StrictModel
 
 
-class TokenEvent(_Strict):
+class TokenEvent(StrictModel):
     event: Literal["token"] = "token"
     text: str
     ids: list[int]
@@ -26,7 +26,7 @@ class TokenEvent(_Strict):
         return out
 
 
-class DoneEvent(_Strict):
+class DoneEvent(StrictModel):
     event: Literal["done"] = "done"
     finish_reason: FinishReason
     prompt_tokens: int
@@ -42,7 +42,7 @@ class DoneEvent(_Strict):
         return {k: ("" if v is None else str(v)) for k, v in self.model_dump().items()}
 
 
-class ErrorEvent(_Strict):
+class ErrorEvent(StrictModel):
     event: Literal["error"] = "error"
     message: str
 
@@ -50,7 +50,7 @@ class ErrorEvent(_Strict):
         return {"event": self.event, "message": self.message}
 
 
-class RestartEvent(_Strict):
+class RestartEvent(StrictModel):
     """The job was retried: readers discard the text they have shown so far."""
 
     event: Literal["restart"] = "restart"
