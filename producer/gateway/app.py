@@ -1,4 +1,6 @@
-"""The gateway's ASGI app (Starlette): OpenAI's routes, each a short function over the parts.
+"""The gateway's ASGI app (Starlette): its routes mounted over one `Gateway` (completions:
+`completion_routes`; the Batch API: `batch_routes`), each answering its errors in OpenAI's shape and
+counted in the metrics, and the lifespan.
 
 Routes: `POST /v1/chat/completions`, `POST /v1/completions`, `GET /v1/models`, `GET /v1/streams/{id}`
 (resume a stream: `Last-Event-ID`), OpenAI's Batch API (`/v1/files`, `/v1/batches`: `batch_routes`,
@@ -11,9 +13,7 @@ Every `/v1/` route needs an API key (`Authorization: Bearer sk-mlxq-...`); no ke
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-import re
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -25,331 +25,17 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from mlxq.jobs import keys as job_keys
-from mlxq.jobs.schema import GenerateRequest, GenerateResult, ScoreRequest, ScoreResult
-
-from .. import payload, rq_wire
-from ..aio import AsyncClient
-from ..errors import JobFailed, JobNotFound, RedisFull
+from ..errors import JobNotFound
 from ..settings import ProducerSettings
-from . import api_keys, echo, relay, shapes, translate
-from . import metrics as gateway_metrics
-from .api_keys import ApiKey
 from .batch_routes import BatchRoutes
 from .batch_runner import BatchRunner
-from .catalog import Catalog
-from .errors import ApiError, bad_request
-from .event_stream import EventStream
-from .files import FileStore
+from .completion_routes import CompletionRoutes
+from .errors import ApiError
+from .gateway import Gateway
 from .metrics import NOT_INSTALLED, GatewayMetrics
 from .settings import GatewaySettings
-from .submission import Submitter
 
 log = logging.getLogger(__name__)
-
-CONTEXT_PREFIX = "mlxq:gw:stream:"
-_CLIENT_ERRORS = ("InvalidRequest", "ContextTooLong", "InvalidCandidate")
-_STREAM_ID = re.compile(r"\d{1,20}-\d{1,20}")
-
-
-def context_key(job_id: str) -> str:
-    """The hash a streamed job's chunks are built from (`shapes.Context`), for whichever instance."""
-    return CONTEXT_PREFIX + job_id
-
-
-class Gateway:
-    """The state one gateway process holds: its Redis client and a short-lived cache of live models.
-    Everything else is read from Redis per request, so instances are interchangeable."""
-
-    def __init__(self, settings: GatewaySettings, producer: ProducerSettings) -> None:
-        self.settings = settings
-        if producer.redis_max_connections is None:
-            producer = producer.model_copy(update={"redis_max_connections": settings.redis_connections})
-        self.producer = producer
-        self._client: AsyncClient | None = None
-        self._catalog: Catalog | None = None
-        self._submitter: Submitter | None = None
-        self.keys = api_keys.KeyCache(settings.key_cache_s)
-        self.metrics = gateway_metrics.create()
-
-    @property
-    def client(self) -> AsyncClient:
-        if self._client is None:
-            self._client = AsyncClient(settings=self.producer)
-        return self._client
-
-    @property
-    def submitter(self) -> Submitter:
-        if self._submitter is None:
-            self._submitter = Submitter(self.client)
-        return self._submitter
-
-    @property
-    def catalog(self) -> Catalog:
-        if self._catalog is None:
-            self._catalog = Catalog(self.client.connection, self.settings.models_cache_s)
-        return self._catalog
-
-    async def aclose(self) -> None:
-        if self._client is not None:
-            await self._client.aclose()
-
-    # --- request parts ---------------------------------------------------------------------------
-
-    async def authorize(self, request: Request) -> ApiKey:
-        header = request.headers.get("authorization", "")
-        scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not token.strip():
-            raise ApiError(
-                401,
-                "no API key: send `Authorization: Bearer <key>` (create one with `mlxq api-key create NAME`)",
-                code="invalid_api_key",
-            )
-        key = await self.keys.lookup(self.client.connection, token.strip())
-        if key is None:
-            raise ApiError(401, "this API key is not valid (unknown or revoked)", code="invalid_api_key")
-        return key
-
-    async def body(self, request: Request) -> dict[str, Any]:
-        limit = self.settings.max_body_bytes
-        declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > limit:
-            raise _too_large(limit)
-        data = bytearray()
-        async for part in request.stream():
-            data.extend(part)
-            if len(data) > limit:
-                raise _too_large(limit)
-        try:
-            body = json.loads(data)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise bad_request(f"the body is not JSON: {e}") from None
-        if not isinstance(body, dict):
-            raise bad_request("the body must be a JSON object")
-        return body
-
-    async def route(self, key: ApiKey, model: str) -> str:
-        """The queue a request for `model` goes to, among those the key may use."""
-        served = await self.catalog.models()
-        if model not in served:
-            known = ", ".join(sorted(served)) or "none (no live worker)"
-            raise ApiError(
-                404,
-                f"the model {model!r} is not served by any live worker; known models: {known}",
-                param="model",
-                code="model_not_found",
-            )
-        if not key.allows_model(model):
-            raise ApiError(
-                403,
-                f"API key {key.name!r} may not use model {model!r}",
-                param="model",
-                type="permission_error",
-                code="model_not_allowed",
-            )
-        queues = [q for q in served[model].queues if key.allows_queue(q)]
-        if not queues:
-            raise ApiError(
-                403,
-                f"API key {key.name!r} may not use the queues that serve {model!r} "
-                f"({', '.join(served[model].queues)})",
-                param="model",
-                type="permission_error",
-            )
-        if len(queues) == 1:
-            return queues[0]
-        async with self.client.connection.pipeline(transaction=False) as pipe:
-            for q in queues:  # the shortest backlog among the queues that serve it
-                pipe.llen(job_keys.rq_queue_key(q))
-            lengths = await pipe.execute()
-        return queues[lengths.index(min(lengths))]
-
-    async def submit(self, key: ApiKey, t: translate.Translated) -> shapes.Context:
-        """Enqueue a job per choice, each counted against the key's limit, with the answer's context (for
-        any instance that resumes its stream): one round trip (`submission`)."""
-        queue = await self.route(key, t.model)
-        jobs = [self._job(key, job_keys.GENERATE_FUNC, r, queue) for r in translate.choice_requests(t)]
-        ctx = shapes.Context(
-            t.kind,
-            jobs[0].id,
-            t.model,
-            int(time.time()),
-            t.include_usage,
-            key.digest,
-            siblings=tuple(job.id for job in jobs[1:]),
-            per_prompt=t.n,
-            prompt_chars=tuple(c for c in t.prompt_chars for _ in range(t.n)),
-        )
-        await self._submit(key, jobs, ctx)
-        if self.metrics is not None:
-            self.metrics.submitted(t.model, t.kind)
-        return ctx
-
-    def _job(
-        self, key: ApiKey, func_name: str, request: GenerateRequest | ScoreRequest, queue: str
-    ) -> rq_wire.WireJob:
-        options = self.client.settings.job_options(meta={"api_key": key.name})
-        return self.client.wire_job(func_name, payload.wire_payload(request), options, queue)
-
-    async def _submit(self, key: ApiKey, jobs: list[rq_wire.WireJob], ctx: shapes.Context | None) -> None:
-        """Claim and enqueue `jobs`, or answer 429 (the key's limit) or 503 (Redis is full)."""
-        limit = key.max_jobs or self.settings.max_jobs_per_key
-        where, fields = ("", None) if ctx is None else (context_key(ctx.job_id), ctx.fields())
-        try:
-            busy = await self.submitter.submit(
-                key.digest, limit, jobs, where, fields, self.settings.stream_ttl_s
-            )
-        except RedisFull as e:
-            raise ApiError(503, str(e), type="server_error", code="redis_full") from None
-        if busy is not None:
-            raise ApiError(
-                429,
-                f"API key {key.name!r} has {busy} jobs in flight, its limit is {limit}: wait for one to end",
-                type="rate_limit_error",
-                code="too_many_jobs",
-            )
-
-    async def _result(self, job_id: str) -> GenerateResult | ScoreResult:
-        """A job's result, its failure as OpenAI's error (400 for the request's fault, else 500)."""
-        try:
-            return await self.client.job(job_id).result(timeout=self.settings.job_timeout_s)
-        except JobFailed as e:
-            client_error = any(name in e.details for name in _CLIENT_ERRORS)
-            raise ApiError(
-                400 if client_error else 500,
-                str(e),
-                type="invalid_request_error" if client_error else "server_error",
-                code="job_failed",
-                retry=False,  # the job ran and failed: the SDK's automatic retry would run it again
-            ) from None
-        except TimeoutError as e:
-            raise ApiError(
-                504,
-                f"{e} (the job goes on: its id is {job_id})",
-                type="server_error",
-                code="timeout",
-                retry=False,
-            ) from None
-
-    async def scored_completion(self, key: ApiKey, body: dict[str, Any]) -> Response:
-        """`POST /v1/completions` with `echo`/`logprobs`: one score job (a choice per prompt), or a
-        generation job and then the score job of its tokens (`echo`)."""
-        ask = echo.parse(body, translate.model_of(body))
-        if ask.generate is None:
-            job_id, result = await self._scored(key, ask.model, ask.request)
-            answer = echo.answer(ask, shapes.completion_id("completion", job_id), int(time.time()), result)
-            return JSONResponse(answer, headers={"x-mlxq-job-id": job_id})
-        ctx = await self.submit(key, ask.generate)
-        generated = await self._result(ctx.job_id)
-        if not isinstance(generated, GenerateResult):
-            raise ApiError(500, f"job {ctx.job_id} returned no generation result", type="server_error")
-        score_id, result = await self._scored(key, ask.model, echo.after(ask, generated))
-        answer = echo.answer_generated(ask, ctx.id, ctx.created, generated, result)
-        return JSONResponse(answer, headers={"x-mlxq-job-id": f"{ctx.job_id},{score_id}"})
-
-    async def _scored(self, key: ApiKey, model: str, request: ScoreRequest) -> tuple[str, ScoreResult]:
-        """A score job run to its end, counted against the key's jobs in flight."""
-        job = self._job(key, job_keys.SCORE_FUNC, request, await self.route(key, model))
-        job_id = job.id
-        await self._submit(key, [job], None)
-        if self.metrics is not None:
-            self.metrics.submitted(model, "completion")
-        result = await self._result(job_id)
-        if not isinstance(result, ScoreResult):
-            raise ApiError(500, f"job {job_id} returned no score result", type="server_error")
-        return job_id, result
-
-    async def context(self, key: ApiKey, completion: str) -> shapes.Context:
-        found = shapes.job_id_of(completion)
-        raw = await self.client.connection.hgetall(context_key(found[1])) if found else None
-        if not raw:
-            raise ApiError(
-                404,
-                f"no resumable stream {completion!r} (unknown, or older than {self.settings.stream_ttl_s} s)",
-                code="stream_not_found",
-            )
-        assert found is not None
-        ctx = shapes.Context.from_fields(found[1], {_str(k): _str(v) for k, v in raw.items()})
-        if ctx.owner != key.digest:
-            raise ApiError(
-                404, f"no resumable stream {completion!r} for this API key", code="stream_not_found"
-            )
-        return ctx
-
-    # --- routes ------------------------------------------------------------------------------------
-
-    async def generate(self, request: Request, kind: translate.Kind) -> Response:
-        key = await self.authorize(request)
-        body = await self.body(request)
-        if kind == "completion" and echo.wanted(body):
-            return await self.scored_completion(key, body)
-        t = translate.chat(body) if kind == "chat" else translate.completion(body)
-        ctx = await self.submit(key, t)
-        if t.stream:
-            return _sse(relay.events(self.client, ctx, None, fresh=True), ctx)
-        results = await asyncio.gather(*(self._result(job_id) for job_id in ctx.jobs))
-        generated = [r for r in results if isinstance(r, GenerateResult)]
-        if len(generated) != len(results):
-            raise ApiError(500, f"job {ctx.job_id} returned no generation result", type="server_error")
-        answer = ctx.whole(generated)  # with the logprobs the jobs report, where asked
-        return JSONResponse(answer, headers={"x-mlxq-job-id": ",".join(ctx.jobs)})
-
-    async def resume(self, request: Request) -> Response:
-        key = await self.authorize(request)
-        ctx = await self.context(key, request.path_params["completion_id"])
-        last = request.headers.get("last-event-id") or None
-        if last is not None and not (
-            len(last.split(",")) == len(ctx.jobs) and all(_STREAM_ID.fullmatch(p) for p in last.split(","))
-        ):
-            raise bad_request(
-                f"Last-Event-ID {last!r} is not an id this stream sent (<ms>-<seq>, one per choice)"
-            )
-        return _sse(relay.events(self.client, ctx, last), ctx)
-
-    async def models(self, request: Request) -> Response:
-        key = await self.authorize(request)
-        served = await self.catalog.models()
-        data = [
-            {"id": m, "object": "model", "created": s.created, "owned_by": "mlxq"}
-            for m, s in served.items()
-            if key.allows_model(m) and any(key.allows_queue(q) for q in s.queues)
-        ]
-        return JSONResponse({"object": "list", "data": data})
-
-    @property
-    def files(self) -> FileStore:
-        return FileStore(self.client.connection, self.settings.data_dir)
-
-    async def health(self, request: Request) -> Response:
-        return JSONResponse({"status": "ok"})
-
-    async def ready(self, request: Request) -> Response:
-        try:
-            await self.client.connection.ping()
-            served = await self.catalog.models()
-        except (redis.ConnectionError, redis.TimeoutError, OSError) as e:
-            return JSONResponse({"status": "unavailable", "redis": str(e)}, status_code=503)
-        return JSONResponse({"status": "ready", "models": sorted(served)})
-
-
-def _str(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value
-
-
-def _too_large(limit: int) -> ApiError:
-    return ApiError(
-        413, f"the request body is over this gateway's limit of {limit} bytes", code="request_too_large"
-    )
-
-
-def _sse(frames: AsyncIterator[str], ctx: shapes.Context) -> EventStream:
-    headers = {
-        "cache-control": "no-cache",
-        "x-accel-buffering": "no",
-        "x-mlxq-job-id": ctx.job_id,
-        "x-mlxq-resume": f"/v1/streams/{ctx.id}",
-    }
-    return EventStream(frames, headers)
 
 
 def _answer(handler: Any) -> Any:
@@ -386,14 +72,15 @@ def create_app(
     settings: GatewaySettings | None = None, producer: ProducerSettings | None = None
 ) -> Starlette:
     gateway = Gateway(settings or GatewaySettings(), producer or ProducerSettings())
+    completion_routes = CompletionRoutes(gateway)
     batch_routes = BatchRoutes(gateway)
     metrics = gateway.metrics
 
     async def chat(request: Request) -> Response:
-        return await gateway.generate(request, "chat")
+        return await completion_routes.generate(request, "chat")
 
     async def completions(request: Request) -> Response:
-        return await gateway.generate(request, "completion")
+        return await completion_routes.generate(request, "completion")
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -416,8 +103,8 @@ def create_app(
     routes = [
         route("/v1/chat/completions", "chat", chat, "POST"),
         route("/v1/completions", "completions", completions, "POST"),
-        route("/v1/models", "models", gateway.models, "GET"),
-        route("/v1/streams/{completion_id}", "resume", gateway.resume, "GET"),
+        route("/v1/models", "models", completion_routes.models, "GET"),
+        route("/v1/streams/{completion_id}", "resume", completion_routes.resume, "GET"),
         route("/v1/files", "upload", batch_routes.upload, "POST"),
         route("/v1/files", "files", batch_routes.list_files, "GET"),
         route("/v1/files/{file_id}", "delete_file", batch_routes.delete_file, "DELETE"),

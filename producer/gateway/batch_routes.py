@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 
 
 class GatewayParts(Protocol):
-    """What the Files and Batch routes use of the gateway (`app.Gateway`): its key check, body reading,
+    """What the Files and Batch routes use of the gateway (`gateway.Gateway`): its key check, body reading,
     model routing, Redis client, settings and file store. A Protocol, so this module needs no import of
     the app that mounts it."""
 
