@@ -181,3 +181,52 @@ def _nodes(pc: PrefixCache) -> list[Any]:
         out.append(node)
         stack.extend(node.children.values())
     return out
+
+
+def test_a_long_prefix_split_from_a_short_tail_is_not_copied() -> None:
+    """A prompt repeating a long cached prefix with a new tail splits the node it was offered as: the
+    short tail alone is copied, the prefix keeps its arrays (no copy of it before the new prompt's first
+    token) and is charged all of their bytes. Both branches restore exactly, before and after the old
+    tail is evicted, and the budget counts what MLX holds."""
+    prefix = [random.Random(3).randrange(1, 50) for _ in range(2048)]
+    first, second = [*prefix, 60, 61, 62, 63], [*prefix, 70, 71, 72, 73]
+    pc = PrefixCache(budget_bytes=1 << 24)
+    pc.offer(first, _cache_for(first))
+    cache = _cache_for(second)
+    mx.eval([c.state for c in cache])
+    gc.collect()
+    mx.synchronize()
+    base = mx.get_active_memory()
+    mx.reset_peak_memory()
+    assert pc.offer(second, cache) == 4
+    mx.synchronize()
+    grown = mx.get_peak_memory() - base
+    assert grown < 64 * BYTES_PER_TOKEN, grown  # the new tail, and the old one's copy: not the prefix
+    # The old tail's 4 tokens are held twice (in the prefix's arrays and in their copy), and counted so
+    assert pc.stats.bytes == (len(first) + 4 + 4) * BYTES_PER_TOKEN
+    assert pc.stats.bytes == sum(n.nbytes for n in _nodes(pc))
+    _assert_holds(pc.begin([*first, 0], LAYERS)[0], first)
+    _assert_holds(pc.begin([*second, 0], LAYERS)[0], second)
+    for leaf in [n for n in pc._leaves() if n.span[0] == 60]:
+        pc._remove(leaf)  # the old tail goes; the prefix still restores, charged all its arrays
+    assert pc.stats.bytes == (len(first) + 4) * BYTES_PER_TOKEN
+    _assert_holds(pc.begin([*prefix, 99], LAYERS)[0], prefix)
+    _assert_holds(pc.begin([*second, 0], LAYERS)[0], second)
+    pc.evict_all()
+    assert pc.stats.bytes == 0 and pc.stats.nodes == 0
+
+
+def test_a_split_near_the_start_of_a_span_copies_the_short_head_only() -> None:
+    """The other way round: a prompt sharing only a few tokens of a long span copies those few (the
+    new upper node), the long rest keeps its arrays; both restore exactly."""
+    long = [1, 2, *range(10, 200)]
+    other = [1, 2, 7, 7]
+    pc = PrefixCache(budget_bytes=1 << 24)
+    pc.offer(long, _cache_for(long))
+    assert pc.offer(other, _cache_for(other)) == 2
+    assert pc.stats.bytes == (len(long) + 2 + 2) * BYTES_PER_TOKEN
+    assert pc.stats.bytes == sum(n.nbytes for n in _nodes(pc))
+    _assert_holds(pc.begin([*long, 0], LAYERS)[0], long)
+    _assert_holds(pc.begin([*other, 0], LAYERS)[0], other)
+    pc.evict_all()
+    assert pc.stats.bytes == 0

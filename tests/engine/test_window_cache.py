@@ -280,6 +280,28 @@ def test_a_prefix_longer_than_the_window_restores_and_continues_as_a_cold_run(mo
         assert store.begin(early, len(windows), windows=windows)[1] == 0
 
 
+def test_a_split_keeping_the_long_prefix_s_arrays_restores_as_a_cold_run(model: Model) -> None:
+    """A prompt offered after a stored one it leaves a few tokens before the end splits the stored node
+    there, the long upper part keeping its (windowed layers': held) columns as they were: both prompts
+    then restore and continue as cold runs do."""
+    store = PrefixCache(1 << 30)
+    windows = model.model.windows
+    prompt = _ids(model, LONG, seed=34)
+    other = prompt[:-5] + _ids(model, 12, seed=35)
+    for tokens in (prompt, other):
+        cache = model.make_cache()
+        prefill(model, tokens, cache, chunk=128)
+        store.offer(tokens, cache)
+    assert store.stats.nodes == 3  # the split: the shared prefix, then each prompt's own tail
+    for tokens in (prompt, other):
+        follow = tokens + _ids(model, 20, seed=36)
+        restored, use = store.begin(follow, len(windows), windows=windows)
+        assert use == len(tokens)
+        warm = model(mx.array([follow[use:]], dtype=mx.int32), cache=restored)[0]
+        cold = model(mx.array([follow], dtype=mx.int32))[0, use:]
+        assert rel_err(np.array(warm), np.array(cold)) < 1e-5
+
+
 def test_the_prefix_cache_restores_past_the_window_in_generation(folder: Path, model: Model) -> None:
     warm = _engine(folder, prefix_cache_bytes=1 << 28)
     cold = _engine(folder)

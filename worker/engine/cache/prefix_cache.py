@@ -51,6 +51,10 @@ class CacheStats:
 
 _serials = itertools.count()
 
+# `PrefixCache._split`: a part of a split node at most this fraction of its span is copied alone, the
+# other part keeping views of the node's arrays (the copied part's bytes then held twice while both live).
+_VIEW_SHARE = 8
+
 
 def _nbytes(layers: list[tuple[mx.array, mx.array]]) -> int:
     return sum(int(k.nbytes + v.nbytes) for k, v in layers)
@@ -267,25 +271,35 @@ class PrefixCache:
         return n - matched
 
     def _split(self, node: _Node, k: int) -> _Node:
-        """Cut `node` after k tokens of its span; return the new upper part (which keeps the position)."""
+        """Cut `node` after k tokens of its span; return the new upper part (which keeps the position).
+
+        Where one part is at most 1/`_VIEW_SHARE` of the span (a long prompt's prefix cut from the
+        short tail it was offered with), only that part is copied: the other keeps views of the node's
+        arrays and is charged all of their bytes, so the budget still counts what is held. Copying the
+        long part instead cost a copy of its whole prefix before the new prompt's first token."""
         assert node.parent is not None
         # A layer missing the span's first m positions (windowed) keeps its columns from k - m on.
         cut = [max(0, k - (len(node.span) - kk.shape[2])) for kk, _ in node.layers]
+        upper = [(kk[:, :, :c], vv[:, :, :c]) for (kk, vv), c in zip(node.layers, cut, strict=True)]
+        lower = [(kk[:, :, c:], vv[:, :, c:]) for (kk, vv), c in zip(node.layers, cut, strict=True)]
+        before = node.nbytes
+        short = min(k, len(node.span) - k)
+        view = short * _VIEW_SHARE <= len(node.span)
+        view_upper, view_lower = view and k > short, view and k == short
         head = _Node(
             span=node.span[:k],
             parent=node.parent,
             depth=node.depth,
             last_used=node.last_used,
-            layers=_own([(kk[:, :, :c], vv[:, :, :c]) for (kk, vv), c in zip(node.layers, cut, strict=True)]),
+            layers=upper if view_upper else _own(upper),
             windows=node.windows,
         )
-        tail_layers = _own(
-            [(kk[:, :, c:], vv[:, :, c:]) for (kk, vv), c in zip(node.layers, cut, strict=True)]
-        )
-        before = node.nbytes
+        if view_upper:
+            head.nbytes = before
         node.parent.children[node.span[0]] = head
-        node.span, node.layers, node.parent, node.depth = node.span[k:], tail_layers, head, node.depth + k
-        node.nbytes = _nbytes(tail_layers)
+        node.span, node.parent, node.depth = node.span[k:], head, node.depth + k
+        node.layers = lower if view_lower else _own(lower)
+        node.nbytes = before if view_lower else _nbytes(node.layers)
         head.children[node.span[0]] = node
         self._candidate(node)  # deeper and smaller now: its place among the leaves moved
         self.stats.bytes += head.nbytes + node.nbytes - before
