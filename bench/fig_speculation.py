@@ -17,6 +17,9 @@ per way of decoding:
   for the models benchmarked, so its drafts are hardly ever kept and its row shows what the machinery
   costs (the target's tapped layers, a draft forward per row and step, verify steps), never what
   DFlash gains (not judged by the targets).
+- own draft, forced (only when asked, `--speculation-modes self`): the model as its own draft model,
+  drafting at every batch size with no gate (up to 8 jobs: a draft model drafts row by row): greedy
+  drafts the target nearly always keeps, so the row is the draft-model machinery's ceiling and cost.
 Each at N jobs at once (`Sizes.speculation_jobs`), on two kinds of prompt: copy-heavy (edit this code,
 extract these fields, answer quoting the passage: the answer repeats long runs of the prompt) and open
 prose (a story: nothing to copy).
@@ -53,8 +56,10 @@ from .common import Bench, median
 
 FORCED = "prompt lookup, forced"  # drafting at every batch size, no gate: acceptance and raw cost
 DFLASH = "DFlash (random)"
+SELF = "own draft, forced"  # the model as its own draft model, drafting at every batch size, no gate
 # the modes besides plain (always run), by the short names `--speculation-modes` takes
-MODES = {"lookup": "prompt lookup", "forced": FORCED, "draft": "4-bit draft", "dflash": DFLASH}
+MODES = {"lookup": "prompt lookup", "forced": FORCED, "draft": "4-bit draft", "dflash": DFLASH, "self": SELF}
+DEFAULT_MODES = ("lookup", "forced", "draft", "dflash")  # `self` only when asked: a second copy of the model
 
 CODE = '''def moving_average(values, window):
     """Average of each run of `window` values."""
@@ -97,7 +102,7 @@ KINDS = {"copy-heavy": COPY_HEAVY, "prose": PROSE}
 def speculation(b: Bench) -> dict[str, Any]:
     s = b.sizes
     unknown = set(s.speculation_modes) - set(MODES)
-    wanted = {MODES[m] for m in s.speculation_modes or MODES if m in MODES}
+    wanted = {MODES[m] for m in s.speculation_modes or DEFAULT_MODES if m in MODES}
     if unknown or not set(s.speculation_kinds) <= set(KINDS):
         raise SystemExit(
             f"speculation modes are {', '.join(MODES)}; kinds {', '.join(KINDS)}; got "
@@ -115,6 +120,8 @@ def speculation(b: Bench) -> dict[str, Any]:
     if dflash is not None:
         always = DraftPolicy(max_batch=1 << 20, min_acceptance=0.0)
         modes[DFLASH] = _engine(b, "draft_model", str(dflash), policy=always)
+    if SELF in wanted:
+        modes[SELF] = _engine(b, "draft_model", b.model_path, forced=True)
     rows: dict[str, Any] = {}
     try:
         for kind in s.speculation_kinds:
@@ -130,7 +137,7 @@ def speculation(b: Bench) -> dict[str, Any]:
                 taking = {
                     m: e
                     for m, e in modes.items()
-                    if (m != "4-bit draft" or n == 1) and (m != DFLASH or n <= 8)
+                    if (m != "4-bit draft" or n == 1) and (m not in (DFLASH, SELF) or n <= 8)
                 }
                 runs = _rotating(taking, payloads, n, s.speculation_reps)
                 plain_tok_s = median([r["tok_s"] for r in runs["plain"]])

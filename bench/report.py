@@ -458,7 +458,7 @@ def targets(figs: dict[str, Any]) -> list[dict[str, str]]:
         for k, r in sp["rows"].items():
             # forced drafting and a random-weight drafter show acceptance and cost, not a user's speed
             if (
-                r["mode"] in ("plain", "prompt lookup, forced", "DFlash (random)")
+                r["mode"] in ("plain", "prompt lookup, forced", "DFlash (random)", "own draft, forced")
                 or r.get("vs_plain_turns") is None
             ):
                 continue
