@@ -9,8 +9,8 @@ per way of decoding:
   judged by the targets (the gate is the engine's, so it has learnt from the turns before);
 - prompt lookup, forced: drafting at every batch size, no gate: how often drafts are kept and what a
   verify step costs where the worker would not draft (not judged by the targets);
-- 4-bit draft: the model's own 4-bit copy drafts (`draft_model`, default policy; skipped for an already
-  quantized model).
+- 4-bit draft: the model's own 4-bit copy drafts (`draft_model`, default policy; up to 8 jobs; skipped
+  for an already quantized model).
 - DFlash (random): a DFlash draft with random weights (`speculation/dflash.py`, 5 layers, blocks of 16)
   drafts at every step (the policy never turns it down; the draft computes a whole block each time,
   the row verifies as many of its drafts as its acceptance allows): no trained DFlash weights exist
@@ -132,13 +132,9 @@ def speculation(b: Bench) -> dict[str, Any]:
                 count = max(n, len(prompts))
                 tokens = s.speculation_tokens
                 payloads = [_payload(b, prompts[i % len(prompts)], tokens) for i in range(count)]
-                # the draft model drafts row by row: beyond one job it only shows its known cost;
-                # a DFlash draft too (a forward per row and step): up to 8 jobs
-                taking = {
-                    m: e
-                    for m, e in modes.items()
-                    if (m != "4-bit draft" or n == 1) and (m not in (DFLASH, SELF) or n <= 8)
-                }
+                # a draft model drafts row by row, a DFlash draft a forward per row and step: up to 8
+                # jobs (the worker's policy drafts at no more: `MLXQ_DRAFT_MAX_BATCH`)
+                taking = {m: e for m, e in modes.items() if m not in ("4-bit draft", DFLASH, SELF) or n <= 8}
                 runs = _rotating(taking, payloads, n, s.speculation_reps)
                 plain_tok_s = median([r["tok_s"] for r in runs["plain"]])
                 for mode, rs in runs.items():
