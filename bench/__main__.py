@@ -173,12 +173,15 @@ def run(args: argparse.Namespace) -> int:
     workdir = Path(tempfile.mkdtemp(prefix="mlxq-bench-"))
 
     t_load = time.perf_counter()
-    engine = Engine.load(str(model_path), EngineOptions(masks_in_place=_masks_in_place()))
+    build_ahead = os.environ.get("MLXQ_BUILD_AHEAD", "").strip().lower() in ("1", "true", "yes", "on")
+    engine = Engine.load(
+        str(model_path), EngineOptions(masks_in_place=_masks_in_place(), build_ahead=build_ahead)
+    )
     dtype = next(v.dtype for _, v in tree_flatten(engine.model.parameters()))
     mlxlm = MlxLm.load(str(model_path), dtype)
     print(
         f"loaded {model_path} ({dtype}) on {mx.default_device()} in {time.perf_counter() - t_load:.1f}s"
-        f" (masks in place: {engine.masks_in_place})",
+        f" (masks in place: {engine.masks_in_place}, built ahead: {engine.build_ahead})",
         flush=True,
     )
     conn = redis.Redis.from_url(args.redis_url)

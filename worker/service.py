@@ -80,6 +80,7 @@ def load_engine(settings: WorkerSettings) -> Engine:
             max_score_candidates=settings.max_score_candidates,
             decode_overlap=settings.decode_overlap,
             masks_in_place=settings.masks_in_place,
+            build_ahead=settings.build_ahead,
             dense_rows=settings.dense_rows,
             idle_prefill_tokens=settings.idle_prefill_tokens,
             score_kv_bytes=settings.score_kv_bytes,

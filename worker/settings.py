@@ -82,10 +82,16 @@ class WorkerSettings(BaseSettings):
     )
     masks_in_place: bool | None = Field(
         default=None,
-        description="a constrained batch (response_format) builds each step's draw and forward before "
-        "the step before's tokens are read back, and writes the grammars' masks into the draw's input "
-        "afterwards; needs the device to see what the host writes into its arrays' memory; unset: where "
-        "a check at start-up finds it does (the CPU build, Apple silicon)",
+        description="a constrained batch (response_format) computes the grammars' masks on a thread of "
+        "their own, into the draw's input, while the step's draw and forward are built; needs the device "
+        "to see what the host writes into its arrays' memory; unset: where a check at start-up finds it "
+        "does",
+    )
+    build_ahead: bool = Field(
+        default=False,
+        description="with masks in place: a constrained batch builds each step's draw and forward before "
+        "the step before's tokens are read back, and only the masks after (off: the masks beside the "
+        "build, after the read-back)",
     )
     dense_rows: int | None = Field(
         default=None,

@@ -533,30 +533,35 @@ def test_a_draft_model_drafting_for_constrained_rows_leaves_their_answers_unchan
     assert sum(got[i].usage.accepted_tokens for i in (0, 2, 3, 4)) > 0
 
 
-# Masks written in place (`mask_buffer.py`): a constrained step's draw and forward built before its
-# tokens are read back. The tokens must be those of the plain order, whatever the batch does.
+# Masks written in place (`mask_buffer.py`): a constrained step's masks computed beside the build of its
+# draw and forward, or (`build_ahead`) the draw and forward built before its tokens are read back. The
+# tokens must be those of the plain order, whatever the batch does.
 
 
 def _both_orders(
     model_dir: Path, requests: list[GenerateRequest], join_every: int = 0, **options: Any
 ) -> list[GenerateResult]:
-    """The requests in one batch with the draw built after the read-back and with it built before
-    (masks written in place): the same tokens, text, finish reasons and logprobs, row by row; returns
-    the results."""
+    """The requests in one batch with the masks computed as the draw is built, written in place beside
+    the build after the read-back, and written in place after a build before the read-back
+    (`build_ahead`): the same tokens, text, finish reasons and logprobs, row by row; returns the results
+    of the last."""
     got = []
-    for in_place in (False, True):
-        engine = _engine(model_dir, prefix_cache_bytes=0, masks_in_place=in_place, **options)
-        assert engine.masks_in_place is in_place
+    for in_place, ahead in ((False, False), (True, False), (True, True)):
+        engine = _engine(
+            model_dir, prefix_cache_bytes=0, masks_in_place=in_place, build_ahead=ahead, **options
+        )
+        assert engine.masks_in_place is in_place and engine.build_ahead is ahead
         got.append([_result(f) for f in _batch(engine, requests, join_every)])
         engine.close()
-    for plain, ahead in zip(*got, strict=True):
-        assert (ahead.token_ids, ahead.text, ahead.finish_reason) == (
-            plain.token_ids,
-            plain.text,
-            plain.finish_reason,
-        )
-        assert ahead.logprobs == plain.logprobs
-    return got[1]
+    for plain, *others in zip(*got, strict=True):
+        for other in others:
+            assert (other.token_ids, other.text, other.finish_reason) == (
+                plain.token_ids,
+                plain.text,
+                plain.finish_reason,
+            )
+            assert other.logprobs == plain.logprobs
+    return got[-1]
 
 
 def _mixed(engine: Engine) -> list[GenerateRequest]:
@@ -714,3 +719,34 @@ def test_a_draw_built_before_its_masks_draws_what_a_draw_built_after_them_does(e
         later.write_masks()
         before = [int(t) for t in drawn.tolist()]
         assert [int(t) for t in drawn_later.tolist()] == before, step
+
+
+def test_built_ahead_a_constrained_step_builds_its_graphs_before_the_read_back(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With `build_ahead` every constrained step's draw and forward are built before its tokens are
+    read back (`ForwardAhead.prepare`) and only the masks after (`fill`): never `build`. The graphs'
+    time is counted apart from the critical path (take, masks joined, launch)."""
+    from mlxq.worker.engine.forward_ahead import ForwardAhead
+
+    built_after: list[int] = []
+    original = ForwardAhead.build
+
+    def counted(self: ForwardAhead, *args: Any, **kwargs: Any) -> Any:
+        built_after.append(1)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(ForwardAhead, "build", counted)
+    engine = _engine(model_dir, prefix_cache_bytes=0, masks_in_place=True, build_ahead=True)
+    batch = GenerationBatch(engine, max_sequences=2)
+    for i in range(2):
+        request = _request(prompt=f"Scores {i}:", max_tokens=30, response_format=json_schema(SCORES))
+        batch.admit(str(i), request, lambda _text, _ids: None, lambda: False)
+    while len(batch):
+        batch.step()
+    batch.close()
+    critical = batch.decode.ahead.critical
+    times = critical.per_step_ms()
+    assert critical.steps > 0 and not built_after
+    assert times["draw_ms"] > 0 and times["forward_ms"] > 0 and times["masks_ms"] > 0
+    assert times["take_ms"] + times["join_ms"] + times["launch_ms"] <= times["critical_ms"] * 1.001 + 1e-6

@@ -81,6 +81,7 @@ class DecodeBatch:
         ragged_kernel: bool | None = None,
         launcher: Launcher | None = None,
         masks_in_place: bool = False,
+        build_ahead: bool = False,
         taps: Sequence[int] = (),
         features: FeatureSink | None = None,
         verify_shapes: set[tuple[int, int, int]] | None = None,
@@ -107,7 +108,7 @@ class DecodeBatch:
         )
         self._steps = 0
         # With a constrained row: the forward that feeds `_pending`, launched, and its time (see `step_with`)
-        self.ahead = ForwardAhead(launcher, masks_in_place)
+        self.ahead = ForwardAhead(launcher, masks_in_place, build_ahead)
         # The verify steps' shapes met (`verify_shapes`: an engine's, shared by its batches; None: this
         # batch's own), their drafts' acceptance and their time (`verify_with`)
         self.verify_step = VerifyStep(pad_shapes, self._window, verify_shapes)
@@ -220,12 +221,15 @@ class DecodeBatch:
         launcher, while it is still being launched), the grammars take them, the next draw and the
         forward fed by it are built and launched (`ForwardAhead.build`: with `masks_in_place` the
         masks on the mask thread meanwhile), and then the tokens are handled (text, stop strings,
-        sinks) and `meanwhile` runs, while the device computes. Between the read-back and that launch
-        the device may wait on the host: that stretch is timed (`ForwardAhead.critical`)."""
+        sinks) and `meanwhile` runs, while the device computes. With `build_ahead` the draw and the
+        forward are built before the read-back instead, and only the masks are computed after the
+        grammars took the tokens (`ForwardAhead.prepare`, `fill`). Between the read-back and that
+        launch the device may wait on the host: that stretch is timed (`ForwardAhead.critical`)."""
         # rows join only through `add`/`start` (a fresh step follows, which launches the forward ahead)
         assert self.rows is not None and self.ahead.logits is not None
         ahead, rows = self.ahead, self.rows
         read, logprobs = self._readable(pending), self._pending_logprobs
+        prepared = ahead.prepare(rows, self._draw, self.forward.logits)  # None: built after the read
         began = time.perf_counter()
         if self.taps and self.launcher is not None:  # a feature sink may evaluate (a drafter catching up):
             self.launcher.wait_tokens()  # not while the draw is launched (as before its forward was)
@@ -234,7 +238,10 @@ class DecodeBatch:
         self._take(tokens)
         self.logprobs = logprobs.read(tokens)
         taken = time.perf_counter()
-        following, built = ahead.build(rows, self._draw, self.forward.logits)
+        if prepared is not None:
+            following, built = prepared, ahead.fill(rows)
+        else:
+            following, built = ahead.build(rows, self._draw, self.forward.logits)
         self._pending = following
         self._launch(following, ahead.logits)
         launched = time.perf_counter()

@@ -122,6 +122,9 @@ class Engine:
             self.masks_in_place = host_writes_seen()
         else:
             self.masks_in_place = options.masks_in_place
+        # With masks in place, whether a constrained step's next draw and forward are built before its
+        # tokens are read back (`ForwardAhead.prepare`) rather than beside the masks after it.
+        self.build_ahead = options.build_ahead and self.masks_in_place
         # Structured output (`response_format`): the grammar library's tokenizer, built at first use.
         self.constraints = ConstraintCompiler(tokenizer.backend, model.args.vocab_size, tokenizer.eos_ids)
         # What drafting gains this engine's batches against plain decoding (`draft_gate.py`), where it

@@ -27,11 +27,16 @@ class ForwardAhead:
     """The forward ahead of one decode batch: its logits, the next draw and forward, their time.
 
     `launcher`: the batch's (the forward is launched behind each draw on its thread); `masks_in_place`:
-    the draw reads the rows' mask buffer (`mask_buffer.host_writes_seen`), written on the mask thread."""
+    the draw reads the rows' mask buffer (`mask_buffer.host_writes_seen`), written on the mask thread;
+    `build_ahead` (with `masks_in_place`): the draw and the forward are built before the step's tokens
+    are read back (`prepare`), the masks alone computed after (`fill`), rather than beside the build
+    after the read-back (`build`)."""
 
-    def __init__(self, launcher: Launcher | None, masks_in_place: bool) -> None:
+    def __init__(self, launcher: Launcher | None, masks_in_place: bool, build_ahead: bool = False) -> None:
         self.launcher = launcher
         self.masks_in_place = masks_in_place
+        self.build_ahead = build_ahead and masks_in_place
+        self._prepared: mx.array | None = None  # the forward `prepare` built, until `fill`
         # With a constrained row: the logits of the forward that feeds the batch's pending tokens, launched
         self.logits: mx.array | None = None
         self._then_seen = launcher.then_s if launcher is not None else 0.0  # `critical.forward_launch_s`
@@ -85,6 +90,40 @@ class ForwardAhead:
             joined = time.perf_counter()
         self.logits = ahead
         return following, (drawn, formed, joined)
+
+    def prepare(
+        self,
+        rows: SamplerRows,
+        draw: Callable[[mx.array, bool], mx.array],
+        forward: Callable[[mx.array], mx.array],
+    ) -> mx.array | None:
+        """With `build_ahead` and a constrained row, before the step's tokens are read back: the next
+        draw, reading the masks from the rows' buffer (written by `fill` once the grammars took the
+        tokens), and the forward fed by it, built while the device computes; returns the draw. Else
+        None (`build` after the read-back). Building reads no data, and the draw before, which reads
+        the same buffer, is computed once its tokens are read back, before `fill` writes it."""
+        if not (self.build_ahead and rows.constrained):
+            return None
+        assert self.logits is not None
+        began = time.perf_counter()
+        following = draw(self.logits, True)
+        drawn = time.perf_counter()
+        self._prepared = forward(following)
+        self.critical.draw_s += drawn - began
+        self.critical.forward_s += time.perf_counter() - drawn
+        return following
+
+    def fill(self, rows: SamplerRows) -> tuple[float, float, float]:
+        """After `prepare` and the grammars' `take`: the masks computed (on the mask thread) into the
+        buffer the prepared draw reads, and the prepared forward the new forward ahead; returns the
+        marks `build` returns (the graphs counted by `prepare`)."""
+        assert self._prepared is not None
+        now = time.perf_counter()
+        masks = rows.start_masks()
+        masks.join()
+        self.critical.masks_s += masks.seconds
+        self.logits, self._prepared = self._prepared, None
+        return now, now, time.perf_counter()
 
     def note(self, marks: Sequence[float]) -> None:
         """One constrained step's time: `marks`, when it began (before the read-back), then when the

@@ -213,6 +213,7 @@ class GenerationBatch:
             self.engine.pad_shapes,
             launcher=self.engine.launcher(),
             masks_in_place=self.engine.masks_in_place,
+            build_ahead=self.engine.build_ahead,
             taps=taps,
             features=self._features if taps else None,
             verify_shapes=self.engine.verify_shapes,
