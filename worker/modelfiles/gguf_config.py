@@ -1,6 +1,6 @@
 """A GGUF file's metadata as Hugging Face config files: the hyper-parameters read and checked
-(`read_hparams`, `LlamaHParams`) and written as `config.json` per architecture (`_hf_config`; Gemma 3's
-own keys derived as llama.cpp derives them) and `generation_config.json` (`_generation_config`).
+(`read_hparams`, `LlamaHParams`) and written as `config.json` per architecture (`hf_config`; Gemma 3's
+own keys derived as llama.cpp derives them) and `generation_config.json` (`generation_config`).
 """
 
 from __future__ import annotations
@@ -141,9 +141,10 @@ def _rope_scaling(reader: Any, arch: str = "llama") -> dict[str, Any] | None:
     raise GGUFImportError(f"RoPE scaling {kind!r} is not supported; supported: ['none', 'linear']")
 
 
-def _hf_config(
+def hf_config(
     hp: LlamaHParams, vocab: GGUFVocab, *, vocab_size: int, tied: bool, packed: bool
 ) -> dict[str, Any]:
+    """The `config.json` of architecture `hp.arch` (with `packed`, an MLX 4-bit checkpoint's)."""
     architecture, model_type = ARCHITECTURES[hp.arch]
     config: dict[str, Any] = {
         "architectures": [architecture],
@@ -187,7 +188,8 @@ def _hf_config(
     return config
 
 
-def _generation_config(vocab: GGUFVocab) -> dict[str, Any]:
+def generation_config(vocab: GGUFVocab) -> dict[str, Any]:
+    """The `generation_config.json`: the vocabulary's BOS, EOS (one id or several) and pad ids."""
     eos = [i for i in (vocab.eos_id, *vocab.extra_eos_ids) if i is not None]
     return {
         "bos_token_id": vocab.bos_id,

@@ -26,8 +26,8 @@ import logging
 from pathlib import Path
 
 from mlxq.worker.engine.errors import GGUFImportError
-from mlxq.worker.modelfiles.gguf_config import _generation_config, _hf_config, read_hparams
-from mlxq.worker.modelfiles.gguf_tensors import _header_entries, _plan, _tensor_blobs, _write_safetensors
+from mlxq.worker.modelfiles.gguf_config import generation_config, hf_config, read_hparams
+from mlxq.worker.modelfiles.gguf_tensors import plan_tensors, write_checkpoint
 from mlxq.worker.modelfiles.gguf_tokenizer import (
     UnsupportedTokenizer,
     build_tokenizer,
@@ -57,7 +57,7 @@ def import_gguf(gguf_path: str | Path, out_dir: str | Path, *, quantize: bool | 
     reader = GGUFReader(str(gguf_path))
     hp = read_hparams(reader)
     vocab = read_vocab(reader)
-    plan = _plan(reader.tensors, hp, quantize)
+    plan = plan_tensors(reader.tensors, hp, quantize)
     try:
         tokenizer = build_tokenizer(vocab)
     except UnsupportedTokenizer as e:
@@ -68,9 +68,9 @@ def import_gguf(gguf_path: str | Path, out_dir: str | Path, *, quantize: bool | 
     embed = next(p for p in plan if p.hf_name == "model.embed_tokens.weight")
     tied = not any(p.hf_name == "lm_head.weight" for p in plan)
     packed = any(p.packed for p in plan)
-    config = _hf_config(hp, vocab, vocab_size=embed.shape[0], tied=tied, packed=packed)
+    config = hf_config(hp, vocab, vocab_size=embed.shape[0], tied=tied, packed=packed)
     (out / "config.json").write_text(json.dumps(config, indent=2))
-    (out / "generation_config.json").write_text(json.dumps(_generation_config(vocab), indent=2))
-    _write_safetensors(out / "model.safetensors", _header_entries(plan), _tensor_blobs(plan))
+    (out / "generation_config.json").write_text(json.dumps(generation_config(vocab), indent=2))
+    write_checkpoint(out / "model.safetensors", plan)
     logger.info("gguf imported path=%s out=%s tensors=%d packed=%s", gguf_path, out, len(plan), packed)
     return out

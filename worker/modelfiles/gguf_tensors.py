@@ -1,6 +1,6 @@
-"""Which GGUF tensors become which checkpoint tensors (`_plan`: names, types, Q/K order, 4-bit kept or
-not) and their conversion, one tensor at a time, streamed into `model.safetensors` (`_header_entries`,
-`_tensor_blobs`, `_write_safetensors`), so memory stays near one tensor's size.
+"""Which GGUF tensors become which checkpoint tensors (`plan_tensors`: names, types, Q/K order, 4-bit
+kept or not) and their conversion, one tensor at a time, streamed into `model.safetensors`
+(`write_checkpoint`), so memory stays near one tensor's size.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ _Q4_TYPES = ("Q4_0", "Q4_1")
 
 
 @dataclass(frozen=True)
-class _Planned:
+class PlannedTensor:
     """One GGUF tensor and what it becomes."""
 
     source: Any  # gguf.ReaderTensor
@@ -36,7 +36,9 @@ class _Planned:
     shift: float = 0.0  # subtracted from the values (Gemma 3's norms: llama.cpp stores 1 + weight)
 
 
-def _plan(tensors: list[Any], hp: LlamaHParams, quantize: bool | None) -> list[_Planned]:
+def plan_tensors(tensors: list[Any], hp: LlamaHParams, quantize: bool | None) -> list[PlannedTensor]:
+    """What each GGUF tensor becomes: its Hugging Face name and shape, whether it stays 4-bit (`quantize`
+    as `import_gguf` takes it), its Q/K row order and value shift; an unsupported name or type raises."""
     named = [(t, hf_tensor_name(t.name, hp.arch)) for t in tensors]
     for t, _ in named:
         if t.tensor_type.name not in SUPPORTED_TYPES:
@@ -59,15 +61,20 @@ def _plan(tensors: list[Any], hp: LlamaHParams, quantize: bool | None) -> list[_
         packed = pack and t.tensor_type.name in _Q4_TYPES and _is_linear(name, t)
         unpermute = next((n for key, n in heads.items() if key in name), None)
         shift = 1.0 if hp.arch == "gemma3" and name.endswith("norm.weight") else 0.0
-        plan.append(_Planned(t, name, shape, unpermute, packed, shift))
+        plan.append(PlannedTensor(t, name, shape, unpermute, packed, shift))
     return plan
+
+
+def write_checkpoint(path: Path, plan: list[PlannedTensor]) -> None:
+    """Convert the planned tensors and stream them into the safetensors file at `path`."""
+    _write_safetensors(path, _header_entries(plan), _tensor_blobs(plan))
 
 
 def _is_linear(hf_name: str, tensor: Any) -> bool:
     return hf_name.endswith(".weight") and len(tensor.shape) == 2
 
 
-def _header_entries(plan: list[_Planned]) -> list[tuple[str, str, tuple[int, ...]]]:
+def _header_entries(plan: list[PlannedTensor]) -> list[tuple[str, str, tuple[int, ...]]]:
     entries: list[tuple[str, str, tuple[int, ...]]] = []
     for p in plan:
         if p.packed:
@@ -81,7 +88,7 @@ def _header_entries(plan: list[_Planned]) -> list[tuple[str, str, tuple[int, ...
     return entries
 
 
-def _tensor_blobs(plan: list[_Planned]) -> Iterator[np.ndarray]:
+def _tensor_blobs(plan: list[PlannedTensor]) -> Iterator[np.ndarray]:
     from gguf.quants import dequantize
 
     for p in plan:
