@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from mlxq.jobs.errors import InvalidCandidate
-from mlxq.worker.engine.scoring import TAIL_TOKENS, RowText, _guarded, _tails, candidate_token_ids
+from mlxq.worker.engine.candidate_tokens import TAIL_TOKENS, RowText, _guarded, _tails, candidate_token_ids
 from mlxq.worker.engine.text.tokenizer import Tokenizer
 from mlxq.worker.modelfiles.tiny_model import write_random_checkpoint
 

@@ -19,7 +19,9 @@ from tokenizers import Tokenizer
 
 from mlxq.worker.modelfiles import default_model
 from mlxq.worker.modelfiles.default_model import cached_import, default_model_dir
-from mlxq.worker.modelfiles.gguf_import import GGUFImportError, hf_tensor_name, import_gguf, unpermute_qk
+from mlxq.worker.modelfiles.gguf_import import GGUFImportError, import_gguf
+from mlxq.worker.modelfiles.gguf_quants import unpermute_qk
+from mlxq.worker.modelfiles.gguf_tensor_names import hf_tensor_name
 from mlxq.worker.modelfiles.tiny_model import CHATML_TEMPLATE, write_random_checkpoint
 
 # Q6_K (the usual type of output.weight in Q4_K_M files) has 256-weight blocks: ffn_down needs 256 columns.

@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from mlxq.worker.engine.scoring import _Node, build_tree, computed_per_row
+from mlxq.worker.engine.score_tree import _Node, build_tree, computed_per_row
 
 
 def _paths(node: _Node, prefix: list[int], out: dict[int, list[int]]) -> None:

@@ -33,6 +33,7 @@ from mlxq.jobs.schema import (
 from mlxq.worker.engine import launcher as launchers
 from mlxq.worker.engine.cache.kv_cache import KVCache, held_columns
 from mlxq.worker.engine.cache.prefix_cache import PrefixCache
+from mlxq.worker.engine.candidate_head import CandidateHead, candidate_scores
 from mlxq.worker.engine.constraint import ConstraintCompiler
 from mlxq.worker.engine.device import (
     idle_prefill_by_default,
@@ -49,15 +50,9 @@ from mlxq.worker.engine.memory_guard import with_memory_retry
 from mlxq.worker.engine.models.base import Model
 from mlxq.worker.engine.models.loader import default_dtype, load_model, parse_dtype, resolve_model_path
 from mlxq.worker.engine.models.quantized_rows import default_max_bytes, dense_rows_by_default, use_dense_rows
+from mlxq.worker.engine.prefix_scorer import SCORE_ENGINE_PHASES, PrefixScorer, score_kv_by_default
 from mlxq.worker.engine.sampler import Sampler
 from mlxq.worker.engine.score_requests import PreparedRow, ScoreRequests, SeqRow, prompt_logprobs, seq_result
-from mlxq.worker.engine.scoring import (
-    SCORE_ENGINE_PHASES,
-    CandidateHead,
-    PrefixScorer,
-    candidate_scores,
-    score_kv_by_default,
-)
 from mlxq.worker.engine.speculation.draft_choice import DraftChoice
 from mlxq.worker.engine.speculation.draft_gate import DraftGate
 from mlxq.worker.engine.speculation.draft_model import DraftTarget

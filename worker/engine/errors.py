@@ -33,3 +33,7 @@ class ModelNotFound(WorkerError):
 
 class CheckpointError(WorkerError):
     """A checkpoint folder that cannot be loaded: missing files, missing/unexpected keys, wrong shapes."""
+
+
+class GGUFImportError(WorkerError, ValueError):
+    """The GGUF file cannot be imported; the message names the architecture, tensor or type at fault."""

@@ -21,9 +21,9 @@ from mlxq.jobs.schema import (
     ScoreRequest,
     TopLogprob,
 )
+from mlxq.worker.engine.candidate_tokens import RowText, RowTokens, candidate_token_ids
 from mlxq.worker.engine.engine_options import EngineOptions
 from mlxq.worker.engine.eval_tokens import continuation_seqs, rolling_seqs
-from mlxq.worker.engine.scoring import RowText, RowTokens, candidate_token_ids
 from mlxq.worker.engine.text.chat_tokens import chat_tokens
 from mlxq.worker.engine.text.token_texts import piece as token_piece
 from mlxq.worker.engine.text.token_texts import token_texts

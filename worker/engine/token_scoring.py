@@ -16,7 +16,8 @@ from typing import cast
 
 import mlx.core as mx
 
-from mlxq.worker.engine.scoring import Pick, PrefixScorer
+from mlxq.worker.engine.prefix_scorer import PrefixScorer
+from mlxq.worker.engine.score_head import Pick
 
 # One scorer serves every kind of row; this module's readers knew it by this name.
 TokenScorer = PrefixScorer
