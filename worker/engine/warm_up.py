@@ -196,10 +196,12 @@ def _verify_steps(engine: Engine, shapes: WarmUpShapes, salt: Iterator[int]) -> 
                         logit_bias=bias,
                     )
                     batch.admit(f"warm-up-{i}", request, lambda text, ids: None, lambda: False)
-                while len(batch.decoding) < n:
+                while len(batch) and len(batch.decoding) < n:
                     for done in batch.step():
                         if done.error is not None:
                             raise done.error
+                if len(batch.decoding) < n:  # rows ended before all started (the KV budget): not this shape
+                    continue
                 for width in widths:
                     batch.decode.verify_with(partial(_repeats, width - 1), _none)
                     batch.decode.step_with(_none, ends_all=lambda out: False)
