@@ -52,9 +52,17 @@ def bounded_payload(data: bytes | str, limit: int) -> tuple[bytes | None, str | 
     return inflated, None
 
 
+# Deflate's largest ratio of inflated to stored bytes (a 258-byte match in a 1-bit-per-symbol code):
+# stored bytes this many times over within the cap cannot inflate past it.
+_DEFLATE_MAX_RATIO = 1032
+
+
 def payload_size_error(data: bytes | str | None, limit: int) -> str | None:
-    """Why `data` (a job hash's `data` field, zlib-compressed or not) is too large, else None."""
-    return None if data is None else bounded_payload(data, limit)[1]
+    """Why `data` (a job hash's `data` field, zlib-compressed or not) is too large, else None. A
+    payload too short to inflate past `limit` is not inflated: its size is all that is asked here."""
+    if data is None or (isinstance(data, bytes) and len(data) * _DEFLATE_MAX_RATIO <= limit):
+        return None
+    return bounded_payload(data, limit)[1]
 
 
 def _json_list(value: bytes) -> Any:
@@ -184,6 +192,11 @@ class BoundedJob(Job):
             k.encode() if isinstance(k, str) else k: v.encode() if isinstance(v, str) else v
             for k, v in dict(raw_data).items()
         }
+        return self.restore_read(fields)
+
+    def restore_read(self, fields: dict[bytes, bytes]) -> Any:
+        """`restore` of a hash as read from Redis (names and values bytes, as a claim reads them),
+        taken as it is: kept as `stored_fields`, so not changed by the caller afterwards."""
         problem, parsed = _checked(fields, self.max_payload_bytes)
         if problem is not None:
             raise UnreadableJob(problem)
