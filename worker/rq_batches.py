@@ -367,7 +367,7 @@ class RqBatches:
             results = Result.get_key(job.id)  # type: ignore[no-untyped-call]
             keys += [job.key, job.dependents_key, results, execution.key]
             keys.append(ExecutionRegistry.key_template.format(job.id))
-            returned = b64encode(job.serializer.dumps(value)).decode()
+            returned = b64encode(job.serializer.dumps(value))  # bytes: sent as they are
             working = (at - (job.started_at or at)).total_seconds()
             fields = self._changed_fields(job, at, date_text)
             args += [
@@ -402,7 +402,13 @@ class RqBatches:
         fields["status"] = JobStatus.FINISHED.value
         if stored is None:
             return fields
-        return {k: v for k, v in fields.items() if stored.get(k.encode()) != wire(v)}
+        # Each value as it goes on the wire, made once: compared with the stored one and sent as is.
+        changed: dict[str, Any] = {}
+        for name, value in fields.items():
+            sent = wire(value)
+            if stored.get(name.encode()) != sent:
+                changed[name] = sent
+        return changed
 
     def _ended(self, run: Run, value: Any, at: datetime) -> None:
         """The job and the worker in memory as RQ leaves them after its end of a job."""
