@@ -182,6 +182,7 @@ class BoundedJob(Job):
         # RQ resolves the serializer for every job it makes, checking it against its Protocol at
         # runtime (most of making one); a worker reads every job with the same one: resolved once.
         super().__init__(id, connection=connection)
+        self._date_texts: dict[datetime, str] = {}  # dates read from the hash: their text as stored
         try:
             self.serializer = _serializer(serializer)
         except TypeError:  # not hashable: resolved as RQ resolves it
@@ -210,10 +211,23 @@ class BoundedJob(Job):
         for name, _ in dates:
             setattr(self, name, parsed[name])
         self.stored_fields = fields
+        # A date read in RQ's own form is that date's `utcformat` text (years from 1000 on: strftime
+        # writes fewer digits below), kept so that RQ's end need not format it again.
+        self._date_texts = {
+            parsed[name]: fields[key].decode()
+            for name, key in dates
+            if parsed[name].year >= 1000 and _RQ_DATE.fullmatch(fields[key]) is not None
+        }
         payload, stored = self.data, fields.get(b"data", b"")
         inflated = payload != stored  # else RQ read it as it is (not zlib, or a broken stream)
         self._payload_read = payload if inflated and stored[:2] == _RQ_ZLIB else None
         return restored
+
+    def date_text(self, date: datetime, otherwise: Callable[[datetime], str]) -> str:
+        """RQ's `utcformat` of `date`: the text it was read as, where it is a date read from the hash
+        in RQ's form (UTC), else `otherwise(date)`."""
+        text = self._date_texts.get(date) if date.tzinfo is timezone.utc else None
+        return text if text is not None else otherwise(date)
 
     def payload_as_rq_stores_it(self) -> bool:
         """Whether the job's payload is the one read from its hash, where it was stored compressed as

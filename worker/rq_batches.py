@@ -396,16 +396,18 @@ class RqBatches:
         job.ended_at = at
         job.last_heartbeat = at  # RQ's `job.heartbeat(...)`
         job._status = JobStatus.FINISHED
-        stored = job.stored_fields if isinstance(job, BoundedJob) else None
-        as_stored = isinstance(job, BoundedJob) and job.payload_as_rq_stores_it()
-        fields = saved_fields(job, with_data=not as_stored, date_text=date_text)
-        fields["status"] = JobStatus.FINISHED.value
-        if stored is None:
+        if not isinstance(job, BoundedJob) or job.stored_fields is None:
+            fields = saved_fields(job, date_text=date_text)
+            fields["status"] = JobStatus.FINISHED.value
             return fields
+        stored = job.stored_fields
+        as_stored = job.payload_as_rq_stores_it()
+        fields = saved_fields(job, with_data=not as_stored, date_text=lambda d: job.date_text(d, date_text))
+        fields["status"] = JobStatus.FINISHED.value
         # Each value as it goes on the wire, made once: compared with the stored one and sent as is.
         changed: dict[str, Any] = {}
         for name, value in fields.items():
-            sent = wire(value)
+            sent = value if type(value) is bytes else value.encode() if type(value) is str else wire(value)
             if stored.get(name.encode()) != sent:
                 changed[name] = sent
         return changed
