@@ -392,7 +392,8 @@ class RqBatches:
         timeout the worker set). A job not read from a hash gets them all. The payload (`data`) is
         left as stored where it is the one read and was stored as RQ's own zlib form of it
         (`BoundedJob.payload_as_rq_stores_it`): RQ would write it back compressed again, a zlib
-        stream set up for every job, to the same bytes."""
+        stream set up for every job, to the same bytes. A read job's changed values come as the bytes
+        sent (compared in that form); its dates read in RQ's form keep their text (`date_text`)."""
         job.ended_at = at
         job.last_heartbeat = at  # RQ's `job.heartbeat(...)`
         job._status = JobStatus.FINISHED
