@@ -145,6 +145,50 @@ def instrument(recorder: Recorder) -> None:
     )
 
 
+class ThreadProfiles:
+    """cProfile of the threads the worker starts (the score pipeline's helper, the finalizer): a
+    profiler enables itself on the thread it is called on only, so each new thread gets its own, and
+    their stats are merged by the thread's name (numbered suffixes dropped)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._profiles: dict[str, list[cProfile.Profile]] = {}
+
+    def install(self) -> None:
+        run = threading.Thread.run
+        profiles = self
+
+        def profiled_run(thread: threading.Thread) -> None:
+            profiler = cProfile.Profile()
+            name = thread.name.rstrip("0123456789_").rstrip("-") or thread.name
+            with profiles._lock:
+                profiles._profiles.setdefault(name, []).append(profiler)
+            profiler.enable()
+            try:
+                run(thread)
+            finally:
+                profiler.disable()
+
+        threading.Thread.run = profiled_run  # type: ignore[method-assign]
+
+    def stats(self, stream: TextIO) -> dict[str, pstats.Stats]:
+        out: dict[str, pstats.Stats] = {}
+        with self._lock:
+            for name, profilers in self._profiles.items():
+                for profiler in profilers:
+                    profiler.disable()  # a thread still running (daemon) stops counting here
+                    if name in out:
+                        out[name].add(profiler)
+                    else:
+                        out[name] = pstats.Stats(profiler, stream=stream)
+        return out
+
+
+def _print_profile(stats: pstats.Stats) -> None:
+    stats.sort_stats("tottime").print_stats(25)
+    stats.sort_stats("cumulative").print_stats(r"(rq|worker|jobs|redis|tokenizers|pydantic)/.*\.py", 45)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.worker_proc")
     p.add_argument("--model", required=True)
@@ -178,17 +222,29 @@ def main(argv: list[str] | None = None) -> int:
     )
     recorder.reset_peak()
     profiler = cProfile.Profile() if args.cprofile else None
-    if profiler is not None:
+    threads = ThreadProfiles() if args.cprofile else None
+    if profiler is not None and threads is not None:
+        threads.install()
         profiler.enable()
     try:
         return service.work(burst=args.burst)
     finally:
-        if profiler is not None:
+        if profiler is not None and threads is not None:
             profiler.disable()
             with open(args.cprofile, "w") as f:
-                stats = pstats.Stats(profiler, stream=f)
-                stats.sort_stats("tottime").print_stats(25)
-                stats.sort_stats("cumulative").print_stats(r"(rq|worker|jobs|redis)/.*\.py", 45)
+                main_stats = pstats.Stats(profiler, stream=f)
+                f.write("=== thread: main (the batch's path) ===\n")
+                _print_profile(main_stats)
+                by_thread = threads.stats(f)
+                for name, stats in by_thread.items():
+                    f.write(f"\n=== thread: {name} ===\n")
+                    _print_profile(stats)
+                # Raw stats a thread, for pstats by hand: MLXQ_BENCH_PROFILE_DIR names the folder.
+                dump_dir = os.environ.get("MLXQ_BENCH_PROFILE_DIR")
+                if dump_dir:
+                    os.makedirs(dump_dir, exist_ok=True)
+                    for name, stats in {"main": main_stats, **by_thread}.items():
+                        stats.dump_stats(os.path.join(dump_dir, f"{name}.prof"))
         # The worker's last stats snapshot: its own per-phase times of score batches, among others.
         recorder.write(
             {"event": "exit", "start": time.time(), "stats": dict(service.stats.latest), "sent": sent.counts}

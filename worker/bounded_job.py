@@ -52,9 +52,17 @@ def bounded_payload(data: bytes | str, limit: int) -> tuple[bytes | None, str | 
     return inflated, None
 
 
+# Deflate's largest ratio of inflated to stored bytes (a 258-byte match in a 1-bit-per-symbol code):
+# stored bytes this many times over within the cap cannot inflate past it.
+_DEFLATE_MAX_RATIO = 1032
+
+
 def payload_size_error(data: bytes | str | None, limit: int) -> str | None:
-    """Why `data` (a job hash's `data` field, zlib-compressed or not) is too large, else None."""
-    return None if data is None else bounded_payload(data, limit)[1]
+    """Why `data` (a job hash's `data` field, zlib-compressed or not) is too large, else None. A
+    payload too short to inflate past `limit` is not inflated: its size is all that is asked here."""
+    if data is None or (isinstance(data, bytes) and len(data) * _DEFLATE_MAX_RATIO <= limit):
+        return None
+    return bounded_payload(data, limit)[1]
 
 
 def _json_list(value: bytes) -> Any:
@@ -174,6 +182,7 @@ class BoundedJob(Job):
         # RQ resolves the serializer for every job it makes, checking it against its Protocol at
         # runtime (most of making one); a worker reads every job with the same one: resolved once.
         super().__init__(id, connection=connection)
+        self._date_texts: dict[datetime, str] = {}  # dates read from the hash: their text as stored
         try:
             self.serializer = _serializer(serializer)
         except TypeError:  # not hashable: resolved as RQ resolves it
@@ -184,6 +193,11 @@ class BoundedJob(Job):
             k.encode() if isinstance(k, str) else k: v.encode() if isinstance(v, str) else v
             for k, v in dict(raw_data).items()
         }
+        return self.restore_read(fields)
+
+    def restore_read(self, fields: dict[bytes, bytes]) -> Any:
+        """`restore` of a hash as read from Redis (names and values bytes, as a claim reads them),
+        taken as it is: kept as `stored_fields`, so not changed by the caller afterwards."""
         problem, parsed = _checked(fields, self.max_payload_bytes)
         if problem is not None:
             raise UnreadableJob(problem)
@@ -197,10 +211,23 @@ class BoundedJob(Job):
         for name, _ in dates:
             setattr(self, name, parsed[name])
         self.stored_fields = fields
+        # A date read in RQ's own form is that date's `utcformat` text (years from 1000 on: strftime
+        # writes fewer digits below), kept so that RQ's end need not format it again.
+        self._date_texts = {
+            parsed[name]: fields[key].decode()
+            for name, key in dates
+            if parsed[name].year >= 1000 and _RQ_DATE.fullmatch(fields[key]) is not None
+        }
         payload, stored = self.data, fields.get(b"data", b"")
         inflated = payload != stored  # else RQ read it as it is (not zlib, or a broken stream)
         self._payload_read = payload if inflated and stored[:2] == _RQ_ZLIB else None
         return restored
+
+    def date_text(self, date: datetime, otherwise: Callable[[datetime], str]) -> str:
+        """RQ's `utcformat` of `date`: the text it was read as, where it is a date read from the hash
+        in RQ's form (UTC), else `otherwise(date)`."""
+        text = self._date_texts.get(date) if date.tzinfo is timezone.utc else None
+        return text if text is not None else otherwise(date)
 
     def payload_as_rq_stores_it(self) -> bool:
         """Whether the job's payload is the one read from its hash, where it was stored compressed as

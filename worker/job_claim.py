@@ -204,7 +204,7 @@ def _restored(job_id: str, fields: dict[bytes, bytes], conn: redis.Redis, serial
     is fetched alone, which says why)."""
     job = BoundedJob(job_id, connection=conn, serializer=serializer)
     try:
-        job.restore(fields)
+        job.restore_read(fields)
     except Exception:
         return None
     return job

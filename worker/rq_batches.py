@@ -367,7 +367,7 @@ class RqBatches:
             results = Result.get_key(job.id)  # type: ignore[no-untyped-call]
             keys += [job.key, job.dependents_key, results, execution.key]
             keys.append(ExecutionRegistry.key_template.format(job.id))
-            returned = b64encode(job.serializer.dumps(value)).decode()
+            returned = b64encode(job.serializer.dumps(value))  # bytes: sent as they are
             working = (at - (job.started_at or at)).total_seconds()
             fields = self._changed_fields(job, at, date_text)
             args += [
@@ -392,17 +392,26 @@ class RqBatches:
         timeout the worker set). A job not read from a hash gets them all. The payload (`data`) is
         left as stored where it is the one read and was stored as RQ's own zlib form of it
         (`BoundedJob.payload_as_rq_stores_it`): RQ would write it back compressed again, a zlib
-        stream set up for every job, to the same bytes."""
+        stream set up for every job, to the same bytes. A read job's changed values come as the bytes
+        sent (compared in that form); its dates read in RQ's form keep their text (`date_text`)."""
         job.ended_at = at
         job.last_heartbeat = at  # RQ's `job.heartbeat(...)`
         job._status = JobStatus.FINISHED
-        stored = job.stored_fields if isinstance(job, BoundedJob) else None
-        as_stored = isinstance(job, BoundedJob) and job.payload_as_rq_stores_it()
-        fields = saved_fields(job, with_data=not as_stored, date_text=date_text)
-        fields["status"] = JobStatus.FINISHED.value
-        if stored is None:
+        if not isinstance(job, BoundedJob) or job.stored_fields is None:
+            fields = saved_fields(job, date_text=date_text)
+            fields["status"] = JobStatus.FINISHED.value
             return fields
-        return {k: v for k, v in fields.items() if stored.get(k.encode()) != wire(v)}
+        stored = job.stored_fields
+        as_stored = job.payload_as_rq_stores_it()
+        fields = saved_fields(job, with_data=not as_stored, date_text=lambda d: job.date_text(d, date_text))
+        fields["status"] = JobStatus.FINISHED.value
+        # Each value as it goes on the wire, made once: compared with the stored one and sent as is.
+        changed: dict[str, Any] = {}
+        for name, value in fields.items():
+            sent = value if type(value) is bytes else value.encode() if type(value) is str else wire(value)
+            if stored.get(name.encode()) != sent:
+                changed[name] = sent
+        return changed
 
     def _ended(self, run: Run, value: Any, at: datetime) -> None:
         """The job and the worker in memory as RQ leaves them after its end of a job."""

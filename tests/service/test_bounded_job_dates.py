@@ -75,6 +75,33 @@ def test_a_restored_job_has_the_dates_rqs_restore_gives() -> None:
             assert ours.created_at is not None and rqs.created_at is not None
 
 
+def test_a_read_jobs_dates_give_the_text_rqs_utcformat_gives() -> None:
+    """`BoundedJob.date_text` (RQ's end saves a job's dates as text) gives a date read in RQ's form back
+    as it was read, which is what `utcformat` makes of it; other dates go to `utcformat`."""
+    conn = redis.Redis()  # restoring reads nothing from Redis
+    texts = [
+        b"2026-03-01T12:30:05.123456Z",
+        b"1000-01-01T00:00:00.000000Z",
+        b"0999-12-31T23:59:59.999999Z",  # strftime writes this year with three digits
+        b"2026-03-01T12:30:05Z",  # RQ's older form: read, never given back as read
+    ]
+    for text in texts:
+        fields = {b"origin": b"q", b"data": b'["jobs.score", null, [{}], {}]', b"created_at": text}
+        job = BoundedJob("a", connection=conn, serializer=JSONSerializer)
+        job.restore(fields)
+        assert job.created_at is not None
+        assert job.date_text(job.created_at, utcformat) == utcformat(job.created_at)
+        assert (job.date_text(job.created_at, lambda d: "") == text.decode()) == (
+            text == texts[0] or text == texts[1]
+        )
+    # The same instant as the first text, in another zone: RQ formats its own fields, not UTC's.
+    job = BoundedJob("a", connection=conn, serializer=JSONSerializer)
+    job.restore({b"origin": b"q", b"data": b'["jobs.score", null, [{}], {}]', b"created_at": texts[0]})
+    other = datetime(2026, 3, 1, 13, 30, 5, 123_456, tzinfo=timezone(timedelta(hours=1)))
+    assert other == job.created_at
+    assert job.date_text(other, utcformat) == utcformat(other) != texts[0].decode()
+
+
 class _Unhashable(dict):  # type: ignore[type-arg]
     """A serializer object that cannot be a key (a dict with the two methods RQ asks for)."""
 

@@ -312,8 +312,7 @@ class Engine:
         per_candidate_row, per_seq = scorer.score([candidates, tokens])
         if cands:
             t0 = time.perf_counter()
-            logits = [row for row in candidates.logits if row is not None]  # every row is filled
-            scores = candidate_scores(logits, [c for _, (_, c) in cands])
+            scores = candidate_scores(candidates.table(), [c for _, (_, c) in cands])  # every row is filled
             self.score_seconds["unembed"] += time.perf_counter() - t0
             for (i, (prompt, _)), (raw, logprobs), computed in zip(
                 cands, scores, per_candidate_row, strict=True
