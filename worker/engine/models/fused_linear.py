@@ -4,10 +4,38 @@ output read apart again.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import mlx.core as mx
 import mlx.nn as nn
 
 from mlxq.worker.engine.models.quantized_rows import FusedDenseRows, fuse_dense_rows
+
+
+@dataclass(frozen=True)
+class _Transposed:
+    """A weight and its transpose (a view of the same memory), held outside the module's parameters
+    (a plain attribute, as `quantized_rows._Dense`)."""
+
+    weight: mx.array
+    t: mx.array
+
+
+class FusedLinear(nn.Linear):
+    """The `nn.Linear` `fuse_linears` makes: the same products, its weight's transpose made once (a
+    view, evaluated with the first forward that reads it) instead of an op in every forward, which a
+    GPU's decode step, bound by the host's launch of its ops, would launch twice a layer. Made again
+    if the weight is replaced."""
+
+    _transposed: _Transposed | None = None
+
+    def __call__(self, x: mx.array) -> mx.array:
+        weight = self["weight"]
+        if self._transposed is None or self._transposed.weight is not weight:
+            self._transposed = _Transposed(weight, weight.T)
+        if "bias" in self:
+            return mx.addmm(self["bias"], x, self._transposed.t)
+        return x @ self._transposed.t
 
 
 def fused_outputs(proj: nn.Module, x: mx.array, ends: tuple[int, ...]) -> list[mx.array]:
@@ -40,11 +68,11 @@ def fuse_linears(module: nn.Module, names: list[str]) -> nn.Module | None:
     if any(biased) and not all(biased):
         return None
     weight = mx.concatenate([p.weight for p in parts], axis=0)
-    fused = nn.Linear(weight.shape[1], weight.shape[0], bias=all(biased))
+    fused = FusedLinear(weight.shape[1], weight.shape[0], bias=all(biased))
     fused.weight = weight
     if all(biased):
         fused.bias = mx.concatenate([p.bias for p in parts])
-    mx.eval(fused.parameters())
+    mx.eval(fused.parameters())  # type: ignore[no-untyped-call]  # mlx.nn.Module.parameters is unannotated
     for name in names:
         delattr(module, name)
     return fused
