@@ -13,7 +13,7 @@ from mlxq.worker.engine.cache.batch_cache import BatchKVCache
 from mlxq.worker.engine.cache.kv_cache import KVCache
 from mlxq.worker.engine.cache.shared_prefix import SharedPrefixRows
 from mlxq.worker.engine.models.base import LayerCache
-from mlxq.worker.engine.models.fused_linear import fuse_linears, fused_outputs
+from mlxq.worker.engine.models.fused_linear import fuse_linears, fused_outputs, kept_transpose
 from mlxq.worker.engine.models.masks import Mask
 from mlxq.worker.engine.models.model_args import ModelArgs
 from mlxq.worker.engine.models.quantized_rows import FusedDenseRows
@@ -60,9 +60,11 @@ class Attention(nn.Module):
         self.qkv_proj: nn.Module | None = None  # set by `fuse`, in place of q_proj, k_proj and v_proj
 
     def fuse(self) -> None:
-        """Compute q, k and v with one matmul (`fuse_linears`), if their projections are plain."""
+        """Compute q, k and v with one matmul (`fuse_linears`), if their projections are plain; the
+        output projection keeps its weight's transpose (`kept_transpose`)."""
         if self.qkv_proj is None:
             self.qkv_proj = fuse_linears(self, ["q_proj", "k_proj", "v_proj"])
+        self.o_proj = kept_transpose(self.o_proj)
 
     def __call__(
         self,

@@ -21,11 +21,11 @@ class _Transposed:
     t: mx.array
 
 
-class FusedLinear(nn.Linear):
-    """The `nn.Linear` `fuse_linears` makes: the same products, its weight's transpose made once (a
-    view, evaluated with the first forward that reads it) instead of an op in every forward, which a
-    GPU's decode step, bound by the host's launch of its ops, would launch twice a layer. Made again
-    if the weight is replaced."""
+class TransposedWeightLinear(nn.Linear):
+    """An `nn.Linear` (the same parameters, the same products) that keeps its weight's transpose: a
+    view made once (evaluated with the first forward that reads it) instead of an op in every forward,
+    which a GPU's decode step, bound by the host's launch of its ops, would launch four times a layer.
+    Made again if the weight is replaced. `fuse_linears` makes them, and `kept_transpose` of a layer."""
 
     _transposed: _Transposed | None = None
 
@@ -48,6 +48,17 @@ def fused_outputs(proj: nn.Module, x: mx.array, ends: tuple[int, ...]) -> list[m
     return [out[..., a:b] for a, b in zip((0, *ends[:-1]), ends, strict=True)]
 
 
+def kept_transpose(layer: nn.Linear) -> nn.Linear:
+    """A plain `nn.Linear` as a `TransposedWeightLinear` holding the same arrays; any other layer
+    (quantized, already one) as it is."""
+    if type(layer) is not nn.Linear:
+        return layer
+    weight = layer.weight
+    kept = TransposedWeightLinear(weight.shape[1], weight.shape[0], bias="bias" in layer)
+    kept.update(layer.parameters())
+    return kept
+
+
 def fuse_linears(module: nn.Module, names: list[str]) -> nn.Module | None:
     """One `nn.Linear` computing the named projections of `module` side by side (weights, and biases if
     they have them, concatenated along the outputs), which it then drops; None, and nothing changed,
@@ -68,7 +79,7 @@ def fuse_linears(module: nn.Module, names: list[str]) -> nn.Module | None:
     if any(biased) and not all(biased):
         return None
     weight = mx.concatenate([p.weight for p in parts], axis=0)
-    fused = FusedLinear(weight.shape[1], weight.shape[0], bias=all(biased))
+    fused = TransposedWeightLinear(weight.shape[1], weight.shape[0], bias=all(biased))
     fused.weight = weight
     if all(biased):
         fused.bias = mx.concatenate([p.bias for p in parts])
