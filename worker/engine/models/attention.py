@@ -147,10 +147,8 @@ class Attention(nn.Module):
         assert self.qkv_proj is not None
         b, n, _ = x.shape
         h, hkv, d = self.n_heads, self.n_kv_heads, self.head_dim
-        out = self.qkv_proj(x)
-        qk = _heads(out[..., : (h + hkv) * d], b, n, h + hkv, d)
-        v = _heads(out[..., (h + hkv) * d :], b, n, hkv, d)
-        return self.rope(qk, offset=offset), v
+        qk, v = mx.split(self.qkv_proj(x), [(h + hkv) * d], axis=-1)
+        return self.rope(_heads(qk, b, n, h + hkv, d), offset=offset), _heads(v, b, n, hkv, d)
 
     def _ragged_step(self, x: mx.array, rows: RaggedRows, cache: BatchKVCache) -> mx.array:
         """A decode step of left-padded rows (`ragged_attention.py`) with q and k rotated together

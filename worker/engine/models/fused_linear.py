@@ -5,6 +5,7 @@ output read apart again.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -39,13 +40,12 @@ class TransposedWeightLinear(nn.Linear):
 
 
 def fused_outputs(proj: nn.Module, x: mx.array, ends: tuple[int, ...]) -> list[mx.array]:
-    """A fused projection's outputs (`fuse_linears`), each ending at its column in `ends`: views of one
-    matmul's columns, or for few rows a dense-rows one's parts apart (a lone step launches no
-    concatenation). On the decode path: no more Python than the slices themselves."""
+    """A fused projection's outputs (`fuse_linears`), each ending at its column in `ends` (the last at
+    the projection's last): views of one matmul's columns (one split, one op), or for few rows a
+    dense-rows one's parts apart (a lone step launches no concatenation)."""
     if isinstance(proj, FusedDenseRows) and proj.apart(x):
         return [part(x) for part in proj.parts]
-    out = proj(x)
-    return [out[..., a:b] for a, b in zip((0, *ends[:-1]), ends, strict=True)]
+    return cast("list[mx.array]", mx.split(proj(x), list(ends[:-1]), axis=-1))  # MLX's stub: one array
 
 
 def kept_transpose(layer: nn.Linear) -> nn.Linear:
