@@ -26,6 +26,7 @@ from mlxq.worker.engine.cache.kv_cache import broadcast_batch, copy_cache
 from mlxq.worker.engine.errors import CheckpointError, UnsupportedArchitecture
 from mlxq.worker.engine.models import build_model, supported_architectures
 from mlxq.worker.engine.models.attention import Attention
+from mlxq.worker.engine.models.fused_linear import TransposedWeightLinear, kept_transpose
 from mlxq.worker.engine.models.loader import load_model
 from mlxq.worker.engine.models.model_args import ModelArgs
 from mlxq.worker.modelfiles.tiny_model import write_random_checkpoint
@@ -260,6 +261,21 @@ def test_fused_projections_compute_what_the_checkpoint_layout_does(pair: tuple[P
     last = ids.shape[1] - 3  # a prefill's last position only: q sliced after the fused matmul
     got, want = (m.hidden(ids, cache=m.make_cache(), last=last) for m in (fused, plain))
     np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_kept_transpose_linear_computes_exactly_what_nn_linear_does(bias: bool) -> None:
+    """`kept_transpose` keeps the layer's arrays and products (bit for bit: the same matmul of the same
+    view); a weight replaced later is followed, not the transpose of the old one."""
+    plain = nn.Linear(16, 24, bias=bias)
+    kept = kept_transpose(plain)
+    assert isinstance(kept, TransposedWeightLinear) and kept.weight is plain.weight
+    assert kept_transpose(kept) is kept
+    x = mx.random.normal((3, 2, 16))
+    for _ in range(2):  # the view made, then reused
+        assert mx.array_equal(kept(x), plain(x))
+    plain.weight = kept.weight = mx.random.normal((24, 16))
+    assert mx.array_equal(kept(x), plain(x))
 
 
 def test_every_architecture_has_a_case() -> None:

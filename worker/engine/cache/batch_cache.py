@@ -188,8 +188,8 @@ class BatchKVCache:
         self.reserve(n)
         assert self.keys is not None and self.values is not None
         self.end = start + n
-        self.keys[..., start - self.base : self.end - self.base, :] = keys
-        self.values[..., start - self.base : self.end - self.base, :] = values
+        self.keys[:, :, start - self.base : self.end - self.base] = keys
+        self.values[:, :, start - self.base : self.end - self.base] = values
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         """`write`, then return all columns held (a windowed layer's from `base` on), or with

@@ -13,12 +13,27 @@ from mlxq.worker.engine.cache.batch_cache import BatchKVCache
 from mlxq.worker.engine.cache.kv_cache import KVCache
 from mlxq.worker.engine.cache.shared_prefix import SharedPrefixRows
 from mlxq.worker.engine.models.base import LayerCache
-from mlxq.worker.engine.models.fused_linear import fuse_linears, fused_outputs
+from mlxq.worker.engine.models.fused_linear import fuse_linears, fused_outputs, kept_transpose
 from mlxq.worker.engine.models.masks import Mask
 from mlxq.worker.engine.models.model_args import ModelArgs
 from mlxq.worker.engine.models.quantized_rows import FusedDenseRows
 from mlxq.worker.engine.models.rope import make_rope
 from mlxq.worker.engine.ragged_attention import RaggedRows, decode_attention
+
+
+def _heads(x: mx.array, b: int, n: int, heads: int, d: int) -> mx.array:
+    """(B, L, heads * d) as (B, heads, L, d). For one position (a decode step) a reshape alone gives the
+    same array: one op fewer, and a GPU's decode step is bound by the host's launch of its ops."""
+    if n == 1:
+        return x.reshape(b, heads, 1, d)
+    return x.reshape(b, n, heads, d).transpose(0, 2, 1, 3)
+
+
+def _merged(out: mx.array, b: int, n: int) -> mx.array:
+    """Attention's (B, heads, L, d) output as (B, L, heads * d); for one position a reshape alone."""
+    if n == 1:
+        return out.reshape(b, 1, -1)
+    return out.transpose(0, 2, 1, 3).reshape(b, n, -1)
 
 
 class Attention(nn.Module):
@@ -45,9 +60,11 @@ class Attention(nn.Module):
         self.qkv_proj: nn.Module | None = None  # set by `fuse`, in place of q_proj, k_proj and v_proj
 
     def fuse(self) -> None:
-        """Compute q, k and v with one matmul (`fuse_linears`), if their projections are plain."""
+        """Compute q, k and v with one matmul (`fuse_linears`), if their projections are plain; the
+        output projection keeps its weight's transpose (`kept_transpose`)."""
         if self.qkv_proj is None:
             self.qkv_proj = fuse_linears(self, ["q_proj", "k_proj", "v_proj"])
+        self.o_proj = kept_transpose(self.o_proj)
 
     def __call__(
         self,
@@ -97,7 +114,7 @@ class Attention(nn.Module):
                 # every position, and both end at the last one.
                 mask = mask[..., -k.shape[2] :]
             out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
-        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(b, q.shape[2], -1))
+        return self.o_proj(_merged(out, b, q.shape[2]))
 
     def _projected(self, x: mx.array, last: int | None) -> tuple[mx.array, mx.array, mx.array]:
         """q (of position `last` alone, if given), k and v as (B, heads, L, head_dim), not rotated."""
@@ -130,10 +147,8 @@ class Attention(nn.Module):
         assert self.qkv_proj is not None
         b, n, _ = x.shape
         h, hkv, d = self.n_heads, self.n_kv_heads, self.head_dim
-        out = self.qkv_proj(x)
-        qk = out[..., : (h + hkv) * d].reshape(b, n, h + hkv, d).transpose(0, 2, 1, 3)
-        v = out[..., (h + hkv) * d :].reshape(b, n, hkv, d).transpose(0, 2, 1, 3)
-        return self.rope(qk, offset=offset), v
+        qk, v = mx.split(self.qkv_proj(x), [(h + hkv) * d], axis=-1)
+        return self.rope(_heads(qk, b, n, h + hkv, d), offset=offset), _heads(v, b, n, hkv, d)
 
     def _ragged_step(self, x: mx.array, rows: RaggedRows, cache: BatchKVCache) -> mx.array:
         """A decode step of left-padded rows (`ragged_attention.py`) with q and k rotated together
@@ -145,4 +160,4 @@ class Attention(nn.Module):
         assert cache.keys is not None and cache.values is not None
         placed = rows.placed(cache.base, cache.capacity)
         attn = decode_attention(qk, cache.keys, cache.values, placed, self.scale, heads=h)
-        return self.o_proj(attn.transpose(0, 2, 1, 3).reshape(b, n, -1))
+        return self.o_proj(_merged(attn, b, n))

@@ -4,20 +4,59 @@ output read apart again.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import cast
+
 import mlx.core as mx
 import mlx.nn as nn
 
 from mlxq.worker.engine.models.quantized_rows import FusedDenseRows, fuse_dense_rows
 
 
+@dataclass(frozen=True)
+class _Transposed:
+    """A weight and its transpose (a view of the same memory), held outside the module's parameters
+    (a plain attribute, as `quantized_rows._Dense`)."""
+
+    weight: mx.array
+    t: mx.array
+
+
+class TransposedWeightLinear(nn.Linear):
+    """An `nn.Linear` (the same parameters, the same products) that keeps its weight's transpose: a
+    view made once (evaluated with the first forward that reads it) instead of an op in every forward,
+    which a GPU's decode step, bound by the host's launch of its ops, would launch four times a layer.
+    Made again if the weight is replaced. `fuse_linears` makes them, and `kept_transpose` of a layer."""
+
+    _transposed: _Transposed | None = None
+
+    def __call__(self, x: mx.array) -> mx.array:
+        weight = self["weight"]
+        if self._transposed is None or self._transposed.weight is not weight:
+            self._transposed = _Transposed(weight, weight.T)
+        if "bias" in self:
+            return mx.addmm(self["bias"], x, self._transposed.t)
+        return x @ self._transposed.t
+
+
 def fused_outputs(proj: nn.Module, x: mx.array, ends: tuple[int, ...]) -> list[mx.array]:
-    """A fused projection's outputs (`fuse_linears`), each ending at its column in `ends`: views of one
-    matmul's columns, or for few rows a dense-rows one's parts apart (a lone step launches no
-    concatenation). On the decode path: no more Python than the slices themselves."""
+    """A fused projection's outputs (`fuse_linears`), each ending at its column in `ends` (the last at
+    the projection's last): views of one matmul's columns (one split, one op), or for few rows a
+    dense-rows one's parts apart (a lone step launches no concatenation)."""
     if isinstance(proj, FusedDenseRows) and proj.apart(x):
         return [part(x) for part in proj.parts]
-    out = proj(x)
-    return [out[..., a:b] for a, b in zip((0, *ends[:-1]), ends, strict=True)]
+    return cast("list[mx.array]", mx.split(proj(x), list(ends[:-1]), axis=-1))  # MLX's stub: one array
+
+
+def kept_transpose(layer: nn.Linear) -> nn.Linear:
+    """A plain `nn.Linear` as a `TransposedWeightLinear` holding the same arrays; any other layer
+    (quantized, already one) as it is."""
+    if type(layer) is not nn.Linear:
+        return layer
+    weight = layer.weight
+    kept = TransposedWeightLinear(weight.shape[1], weight.shape[0], bias="bias" in layer)
+    kept.update(layer.parameters())
+    return kept
 
 
 def fuse_linears(module: nn.Module, names: list[str]) -> nn.Module | None:
@@ -40,11 +79,11 @@ def fuse_linears(module: nn.Module, names: list[str]) -> nn.Module | None:
     if any(biased) and not all(biased):
         return None
     weight = mx.concatenate([p.weight for p in parts], axis=0)
-    fused = nn.Linear(weight.shape[1], weight.shape[0], bias=all(biased))
+    fused = TransposedWeightLinear(weight.shape[1], weight.shape[0], bias=all(biased))
     fused.weight = weight
     if all(biased):
         fused.bias = mx.concatenate([p.bias for p in parts])
-    mx.eval(fused.parameters())
+    mx.eval(fused.parameters())  # type: ignore[no-untyped-call]  # mlx.nn.Module.parameters is unannotated
     for name in names:
         delattr(module, name)
     return fused

@@ -9,7 +9,7 @@ from functools import partial
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlxq.worker.engine.models.fused_linear import fuse_linears, fused_outputs
+from mlxq.worker.engine.models.fused_linear import fuse_linears, fused_outputs, kept_transpose
 from mlxq.worker.engine.models.model_args import ModelArgs
 
 
@@ -32,9 +32,11 @@ class MLP(nn.Module):
         self.gate_up_proj: nn.Module | None = None  # set by `fuse`, in place of gate_proj and up_proj
 
     def fuse(self) -> None:
-        """Compute gate and up with one matmul (`fuse_linears`), if their projections are plain."""
+        """Compute gate and up with one matmul (`fuse_linears`), if their projections are plain; the
+        down projection keeps its weight's transpose (`kept_transpose`)."""
         if self.gate_up_proj is None:
             self.gate_up_proj = fuse_linears(self, ["gate_proj", "up_proj"])
+        self.down_proj = kept_transpose(self.down_proj)
 
     def __call__(self, x: mx.array) -> mx.array:
         if self.gate_up_proj is not None:
