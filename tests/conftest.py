@@ -8,9 +8,11 @@ parallel pytest processes never flush each other's keys. The server is `MLXQ_TES
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import sys
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -252,6 +254,21 @@ def spawn_worker(tmp_path: Any) -> Iterator[Any]:
 # --- Reliability figures, reported at the end of the run ---------------------------------------------
 
 _RELIABILITY: dict[str, Any] = {}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _session_garbage_shown() -> Iterator[None]:
+    """At the session's end, garbage still held in reference cycles is collected with its
+    `ResourceWarning`s shown rather than raised. A worker's `gc.freeze` (`WorkerService.work`) keeps
+    what a test's worker made out of the collector's passes until it stops, and what it leaves in
+    cycles (RQ's objects hold bound methods of themselves) may wait for a full collection that only
+    pytest's last one runs, after every test, where an unclosed connection fails the whole run with
+    no test to name. Collected here first, it is printed with what allocated it (under
+    `PYTHONTRACEMALLOC`); a leak inside a test still fails that test."""
+    yield
+    with warnings.catch_warnings():
+        warnings.simplefilter("always", ResourceWarning)
+        gc.collect()
 
 
 @pytest.fixture(scope="session")
