@@ -87,7 +87,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--speculation-modes",
         help="comma-separated modes of the speculation figure besides plain: lookup, forced, draft, "
-        "dflash [all]",
+        "dflash, mtp, mtp-forced (a model with an MTP layer), self (the model as its own draft) "
+        "[all but self]",
     )
     p.add_argument("--only", default=",".join(FIGURES), help=f"comma-separated figures [{','.join(FIGURES)}]")
     p.add_argument("--out", default=str(Path(__file__).parent / "results"), help="folder for JSON and tables")

@@ -24,7 +24,7 @@ class MlxLm:
         import mlx_lm
         from mlx.utils import tree_flatten
 
-        model, _tokenizer = mlx_lm.load(path)
+        model = _load_model(path)
         current = next(v.dtype for _, v in tree_flatten(model.parameters()))
         if dtype is not None and current != dtype:
             model.set_dtype(dtype)
@@ -92,3 +92,21 @@ def _sync() -> None:
 
     mx.synchronize(generation_stream)
     mx.synchronize()
+
+
+def _load_model(path: str) -> Any:
+    """mlx-lm's model for the folder at `path`. A checkpoint with an MTP layer of a model shape other
+    than DeepSeek-V3's own (mlx-lm drops only layer 61's weights) is loaded leaving its extra weights
+    out (`mlx_lm.utils.load_model(strict=False)`): mlx-lm decodes without it."""
+    import json
+    from pathlib import Path
+
+    import mlx_lm
+    from mlx_lm.utils import load_model
+
+    config = json.loads((Path(path) / "config.json").read_text())
+    if config.get("num_nextn_predict_layers"):
+        model, _config = load_model(Path(path), strict=False)
+        return model
+    model, _tokenizer = mlx_lm.load(path)
+    return model

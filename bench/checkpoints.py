@@ -94,6 +94,58 @@ GEMMA3_4B: dict[str, Any] = {
     "rms_norm_eps": 1e-6,
 }
 
+# A DeepSeek-V3-layout model with one multi-token-prediction layer (issue 31's MTP figures): Moonlight-
+# 16B-A3B's layer shapes (a DeepseekV3ForCausalLM mlx-community ships: MLA with a q LoRA, 64 routed
+# experts, 6 a token, 2 shared, the first layer dense) at 12 of its 27 layers, with DeepSeek-V3's
+# vocabulary and q LoRA rank; ~7.4B parameters, ~15 GB in bfloat16. Random weights: its MTP layer's
+# drafts are almost never kept, so it measures what MTP drafting costs, not what trained weights gain.
+DEEPSEEK_V3_MTP: dict[str, Any] = {
+    "architectures": ["DeepseekV3ForCausalLM"],
+    "model_type": "deepseek_v3",
+    "hidden_size": 2048,
+    "num_hidden_layers": 12,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 16,
+    "intermediate_size": 11264,
+    "moe_intermediate_size": 1408,
+    "n_routed_experts": 64,
+    "num_experts_per_tok": 6,
+    "n_shared_experts": 2,
+    "n_group": 1,
+    "topk_group": 1,
+    "norm_topk_prob": True,
+    "routed_scaling_factor": 2.446,
+    "first_k_dense_replace": 1,
+    "q_lora_rank": 1536,
+    "kv_lora_rank": 512,
+    "qk_rope_head_dim": 64,
+    "qk_nope_head_dim": 128,
+    "v_head_dim": 128,
+    "num_nextn_predict_layers": 1,
+    "vocab_size": 129280,
+    "tie_word_embeddings": False,
+    "rope_theta": 50000.0,
+    "max_position_embeddings": 8192,
+    "rms_norm_eps": 1e-6,
+}
+# The same layout at the tiny size, for a CPU run (its MTP layer included).
+TINY_DEEPSEEK_MTP: dict[str, Any] = {
+    **TINY,
+    **{k: DEEPSEEK_V3_MTP[k] for k in ("architectures", "model_type", "n_group", "topk_group")},
+    "num_key_value_heads": 4,
+    "n_routed_experts": 6,
+    "num_experts_per_tok": 2,
+    "n_shared_experts": 1,
+    "moe_intermediate_size": 32,
+    "first_k_dense_replace": 1,
+    "q_lora_rank": 24,
+    "kv_lora_rank": 16,
+    "qk_rope_head_dim": 8,
+    "qk_nope_head_dim": 12,
+    "v_head_dim": 10,
+    "num_nextn_predict_layers": 1,
+}
+
 SHAPES = {
     "tiny": (TINY, "float32"),
     "tiny-wide-vocab": (TINY_WIDE_VOCAB, "float32"),
@@ -101,7 +153,12 @@ SHAPES = {
     "tiny-moe": (TINY_MOE, "float32"),
     "qwen3-moe-30b": (QWEN3_MOE_30B, "bfloat16"),
     "gemma3-4b": (GEMMA3_4B, "bfloat16"),
+    "tiny-deepseek-mtp": (TINY_DEEPSEEK_MTP, "float32"),
+    "deepseek-v3-mtp": (DEEPSEEK_V3_MTP, "bfloat16"),
 }
+# Shapes `write_random_checkpoint` (the Llama family's tensors) does not write: drawn with MLX from the
+# model the config builds (`draw_checkpoint`), their MTP layer included.
+DRAWN = {"tiny-deepseek-mtp", "deepseek-v3-mtp"}
 # MLX-quantized (affine, group 64) from a random checkpoint of a shape above, by `loader.save_quantized`
 # (stacked experts quantized too, as mlx-community's 4-bit MoE folders are).
 QUANTIZED = {
@@ -140,7 +197,10 @@ def checkpoint(name: str, cache_dir: Path) -> Path:
     done = out / "bench-config.json"
     wanted = json.dumps({"config": config, "dtype": dtype}, sort_keys=True)
     if not (done.is_file() and done.read_text() == wanted):
-        write_random_checkpoint(out, config, dtype=dtype, std=0.02)
+        if name in DRAWN:
+            draw_checkpoint(out, config, dtype)
+        else:
+            write_random_checkpoint(out, config, dtype=dtype, std=0.02)
         done.write_text(wanted)
     return out
 
@@ -198,4 +258,44 @@ def draw_quantized(
     quant = {"group_size": group_size, "bits": bits}
     finish_checkpoint_folder(out, {**cfg, "quantization": quant, "quantization_config": quant})
     done.write_text(wanted)
+    return out
+
+
+def model_tensor_shapes(cfg: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """Every tensor of full config `cfg`'s checkpoint by the model mlxq builds from it (its parameter
+    names are the checkpoint's), and, for `num_nextn_predict_layers`, the MTP layer's as DeepSeek-V3
+    stores it (`model.layers.<N>.*`). Built lazily: no weight is drawn here."""
+    from mlx.utils import tree_flatten
+
+    from mlxq.worker.engine.models import build_model
+    from mlxq.worker.engine.speculation.mtp import MtpLayer
+
+    model = build_model(cfg)
+    shapes = {k: tuple(v.shape) for k, v in tree_flatten(model.parameters())}
+    if int(cfg.get("num_nextn_predict_layers") or 0):
+        prefix = f"model.layers.{cfg['num_hidden_layers']}."
+        layer = MtpLayer(model.args)  # type: ignore[arg-type]  # a DeepSeek-V3 model's args
+        for k, v in tree_flatten(layer.parameters()):
+            shapes[prefix + k.removeprefix("block.")] = tuple(v.shape)
+    return shapes
+
+
+def draw_checkpoint(out: Path, config: dict[str, Any], dtype: str, std: float = 0.02) -> Path:
+    """A random checkpoint of `config` in `dtype`, its tensors (`model_tensor_shapes`) drawn with MLX
+    (on the device where there is one): norms about one, the rest normal with `std`."""
+    import mlx.core as mx
+
+    cfg = prepare_checkpoint_folder(out, config, dtype)
+    key = mx.random.key(0)
+    weights: dict[str, mx.array] = {}
+    for tensor, shape in model_tensor_shapes(cfg).items():
+        key, draw = mx.random.split(key)
+        if tensor.endswith("norm.weight"):
+            w = 1.0 + 0.1 * mx.random.normal(shape, key=draw)
+        else:
+            w = std * mx.random.normal(shape, key=draw)
+        weights[tensor] = w.astype(mx.bfloat16 if dtype == "bfloat16" else mx.float32)
+        mx.eval(weights[tensor])
+    mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
+    finish_checkpoint_folder(out, cfg)
     return out

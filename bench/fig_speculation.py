@@ -17,6 +17,12 @@ per way of decoding:
   for the models benchmarked, so its drafts are hardly ever kept and its row shows what the machinery
   costs (the target's tapped layers, a draft forward per row and step, verify steps), never what
   DFlash gains (not judged by the targets).
+- MTP (random) and MTP (random), forced: the target's own multi-token-prediction layer drafts
+  (`speculation/mtp.py`; only for a model that has one, as the `deepseek-v3-mtp` and
+  `tiny-deepseek-mtp` shapes do; up to 8 jobs), under the worker's default policy and with no gate. No
+  trained weights of such a layer exist for a model benchmarked, so its drafts are hardly ever kept:
+  the forced row is what the MTP machinery costs (its layer's forward a row and step, verify steps),
+  the gated one what a user would get from such a layer (the gate turns it off), never what MTP gains.
 - own draft, forced (only when asked, `--speculation-modes self`): the model as its own draft model,
   drafting at every batch size with no gate (up to 8 jobs: a draft model drafts row by row): greedy
   drafts the target nearly always keeps, so the row is the draft-model machinery's ceiling and cost.
@@ -57,9 +63,23 @@ from .common import Bench, median
 FORCED = "prompt lookup, forced"  # drafting at every batch size, no gate: acceptance and raw cost
 DFLASH = "DFlash (random)"
 SELF = "own draft, forced"  # the model as its own draft model, drafting at every batch size, no gate
+MTP = "MTP (random)"  # the target's MTP layer, random weights, the worker's default policy
+MTP_FORCED = "MTP (random), forced"
 # the modes besides plain (always run), by the short names `--speculation-modes` takes
-MODES = {"lookup": "prompt lookup", "forced": FORCED, "draft": "4-bit draft", "dflash": DFLASH, "self": SELF}
-DEFAULT_MODES = ("lookup", "forced", "draft", "dflash")  # `self` only when asked: a second copy of the model
+MODES = {
+    "lookup": "prompt lookup",
+    "forced": FORCED,
+    "draft": "4-bit draft",
+    "dflash": DFLASH,
+    "self": SELF,
+    "mtp": MTP,
+    "mtp-forced": MTP_FORCED,
+}
+# `self` only when asked (a second copy of the model); the MTP modes run only for a model with an MTP layer
+DEFAULT_MODES = ("lookup", "forced", "draft", "dflash", "mtp", "mtp-forced")
+# modes whose drafts come row by row (a draft model, a DFlash or MTP forward a row and step): up to 8 jobs,
+# the most the worker's policy drafts at (`MLXQ_DRAFT_MAX_BATCH`)
+ROW_BY_ROW = ("4-bit draft", DFLASH, SELF, MTP, MTP_FORCED)
 
 CODE = '''def moving_average(values, window):
     """Average of each run of `window` values."""
@@ -122,6 +142,11 @@ def speculation(b: Bench) -> dict[str, Any]:
         modes[DFLASH] = _engine(b, "draft_model", str(dflash), policy=always)
     if SELF in wanted:
         modes[SELF] = _engine(b, "draft_model", b.model_path, forced=True)
+    if _has_mtp(b):
+        if MTP in wanted:
+            modes[MTP] = _engine(b, "mtp")
+        if MTP_FORCED in wanted:
+            modes[MTP_FORCED] = _engine(b, "mtp", forced=True)
     rows: dict[str, Any] = {}
     try:
         for kind in s.speculation_kinds:
@@ -132,9 +157,7 @@ def speculation(b: Bench) -> dict[str, Any]:
                 count = max(n, len(prompts))
                 tokens = s.speculation_tokens
                 payloads = [_payload(b, prompts[i % len(prompts)], tokens) for i in range(count)]
-                # a draft model drafts row by row, a DFlash draft a forward per row and step: up to 8
-                # jobs (the worker's policy drafts at no more: `MLXQ_DRAFT_MAX_BATCH`)
-                taking = {m: e for m, e in modes.items() if m not in ("4-bit draft", DFLASH, SELF) or n <= 8}
+                taking = {m: e for m, e in modes.items() if m not in ROW_BY_ROW or n <= 8}
                 runs = _rotating(taking, payloads, n, s.speculation_reps)
                 plain_tok_s = median([r["tok_s"] for r in runs["plain"]])
                 for mode, rs in runs.items():
@@ -206,9 +229,18 @@ def _engine(
     engine = Engine(b.engine.model, b.engine.tokenizer, b.engine.config, b.engine.name, options)
     if kind == "draft_model":
         engine.load_draft(Path(b.model_path))
+    elif kind == "mtp":
+        engine.draft_choice.load(Path(b.model_path))  # the target checkpoint's own MTP layer
     # as a worker's warm-up does: the verify steps' shapes met before the first job (on a GPU)
     warm_verify_steps(engine, WarmUpShapes(max_sequences=max(b.sizes.speculation_jobs)))
     return engine
+
+
+def _has_mtp(b: Bench) -> bool:
+    """Whether the benchmarked checkpoint carries an MTP layer (`num_nextn_predict_layers`)."""
+    from mlxq.worker.engine.models.loader import load_config
+
+    return bool(load_config(Path(b.model_path)).get("num_nextn_predict_layers"))
 
 
 def _draft_copy(b: Bench) -> Path | None:

@@ -182,10 +182,13 @@ def test_block_logits_and_proposals_match_the_package(target: Path, draft: Path)
     drafter.take_features(n, junk, ids)
     features = mx.concatenate(ours.features(ids), axis=1)
     drafter.take_features(n, features[:, n : n + 3], ids)
+    # held, not remembered, until a proposal needs them: a row kept from drafting pays no draft work
+    assert (drafter.cached, drafter.known) == (n, n + 3)
     expected = _package_block_logits(hf, pkg, ids, n + 3, (n, n + 3), cache)
+    assert drafter.propose(ids, BLOCK - 1) == expected.argmax(-1).tolist()
+    assert drafter.cached == n + 3
     got = np.array(ours.block_logits(ids[n + 3], drafter.cache))
     np.testing.assert_allclose(got, expected, atol=1e-4, rtol=1e-4)
-    assert drafter.propose(ids, BLOCK - 1) == expected.argmax(-1).tolist()
 
 
 @needs_package

@@ -137,6 +137,8 @@ def test_mtp_logits_and_proposals_match_transformers(reference: tuple[Path, Any,
     # three more tokens' hidden states, as a decode forward hands them (junk past them forgotten first)
     drafter.take_features(n - 1, draft.features(ids)[:, n - 1 :] * 0 + 5, ids[:n])
     drafter.take_features(n - 1, draft.features(ids)[:, n - 1 : n + 2], ids[: n + 2])
+    # held, not entered, until a proposal needs them: a row kept from drafting pays no MTP forward
+    assert drafter.entries == n - 1 and len(drafter.held) == 3
     expected = _ref_logits(main, ref, ids, n, n + 3, cache)
     assert drafter.propose(ids, 1) == [int(expected.argmax())]
     fresh = draft.outputs(ids[1:], draft.features(ids[:-1]), ShiftedCache())
@@ -269,3 +271,24 @@ def test_a_target_without_an_mtp_layer_it_can_draft_with_is_refused_clearly(
     llama = write_random_checkpoint(tmp_path / "llama", {"num_nextn_predict_layers": 1})
     with pytest.raises(CheckpointError, match="implemented for DeepSeek-V3's layers"):
         _engine(llama, speculation="mtp")
+
+
+def test_the_benchmarks_mtp_shape_is_drawn_with_a_layer_the_engine_drafts_with(tmp_path: Path) -> None:
+    """The speculation figure's MTP rows run on a DeepSeek-V3-layout checkpoint drawn from the model's
+    own tensors plus its MTP layer's (`bench.checkpoints.draw_checkpoint`): it loads, its MTP layer
+    drafts, and greedy output is plain decoding's."""
+    from bench.checkpoints import checkpoint
+
+    folder = checkpoint("tiny-deepseek-mtp", tmp_path)
+    plain = _engine(folder)
+    policy = DraftPolicy(min_acceptance=0.0, max_batch=4, only_likely=False)
+    spec = _engine(folder, speculation="mtp", draft_policy=policy)
+    assert isinstance(spec.draft_choice.draft, MtpDraft)
+    no_eos = {i: -100.0 for i in plain.tokenizer.eos_ids}
+    requests = [
+        GenerateRequest(prompt=PROMPT * (1 + i), max_tokens=10, temperature=0, logit_bias=no_eos)
+        for i in range(2)
+    ]
+    expected, got = _run(plain, requests, max_sequences=2), _run(spec, requests, max_sequences=2)
+    assert [r.token_ids for r in got] == [r.token_ids for r in expected]
+    assert sum(r.usage.draft_tokens for r in got) > 0

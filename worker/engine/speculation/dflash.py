@@ -16,12 +16,13 @@ give each mask position a hidden state, and the target's own output head its log
 drafts are their argmax, all from one forward. The block's keys are never cached.
 
 How it follows a row: the decode batch hands every forward's tapped layer outputs to the row's drafter
-with the position they start at (`DecodeBatch.taps`); the drafter adds them to its cache, forgetting
-first what it holds from that position on (a verify step's rejected drafts, a forward dropped and fed
-again). The prompt's features come from a forward of the drafter's own over the prompt (the target's
-layers with a cache of their own, thrown away), the first time the row is seen: the prefill paths
-are left as they are. A drafter that finds a gap it cannot fill (not expected) stops proposing: the
-row decodes on, plainly.
+with the position they start at (`DecodeBatch.taps`); the drafter holds them until a proposal needs
+them (`held_features.py`: a row the draft gate keeps from drafting pays no draft work), then adds them
+to its cache, forgetting first what it holds from that position on (a verify step's rejected drafts,
+a forward dropped and fed again). The prompt's features come from a forward of the drafter's own over
+the prompt (the target's layers with a cache of their own, thrown away), the first time the row is
+seen: the prefill paths are left as they are. A drafter that finds a gap it cannot fill (not expected)
+stops proposing: the row decodes on, plainly.
 
 Not implemented (refused when a draft's config asks for them): sliding-window draft layers, DFlash2's
 convolutions and candidate selector, taps of the target's last layer.
@@ -48,6 +49,7 @@ from mlxq.worker.engine.models.layer_taps import LayerTaps
 from mlxq.worker.engine.models.loader import load_config, load_module
 from mlxq.worker.engine.models.rope import make_rope
 from mlxq.worker.engine.speculation.draft_model import DraftMismatch, DraftTarget, register_draft
+from mlxq.worker.engine.speculation.held_features import HeldFeatures
 
 log = logging.getLogger(__name__)
 
@@ -309,31 +311,39 @@ class DFlashDraft:
 
 class DFlashDrafter:
     """A `Drafter` for one row that reads the target's features (`DecodeBatch.taps`): the draft's cache
-    holds the row's context up to `known` tokens."""
+    holds the row's context up to `cached` tokens, and `held` the features of the next ones, to be
+    remembered when a proposal needs them (`held_features.py`: a row the draft gate keeps from
+    drafting pays no draft work)."""
 
     def __init__(self, draft: DFlashDraft) -> None:
         self.draft = draft
         self.cache = draft.model.make_cache()
+        self.held = HeldFeatures()
         self.lost = False  # a gap in the features: no more proposals for this row
 
     @property
-    def known(self) -> int:
-        """The row's tokens whose context the cache holds (positions 0..known - 1)."""
+    def cached(self) -> int:
+        """The row's tokens whose context the cache holds (positions 0..cached - 1)."""
         return self.cache[0].offset
+
+    @property
+    def known(self) -> int:
+        """The row's tokens whose context the drafter has, cached or held."""
+        return self.cached + len(self.held)
 
     def take_features(self, position: int, features: mx.array, tokens: Sequence[int]) -> list[mx.array]:
         """A target forward's tapped features (1, W, taps * hidden) of the row's tokens from `position`
-        on; `tokens` the row's tokens so far (the prompt's, at least). Returns the cache's arrays, to be
-        computed with the forward. The first call (the prompt's context computed here) comes with a
-        row's first forward, which follows a step that waited for the device: nothing is in flight."""
+        on; `tokens` the row's tokens so far (the prompt's, at least). Held until a proposal remembers
+        them; returns what to compute with the forward (`HeldFeatures.add`). The first call (the
+        prompt's context computed here) comes with a row's first forward, which follows a step that
+        waited for the device: nothing is in flight."""
         if self.lost:
             return []
         if position < self.known:
             self._forget(self.known - position)
         if position > self.known and not self._catch_up(tokens, position):
             return []
-        self.draft.model.remember(features, self.cache)
-        return [a for c in self.cache for a in (c.keys, c.values) if a is not None]
+        return self.held.add(features)
 
     def propose(self, tokens: Sequence[int], depth: int) -> list[int]:
         """The block's drafts after the row's latest token (`tokens[-1]`, not fed to the target yet),
@@ -345,6 +355,9 @@ class DFlashDrafter:
             self._forget(self.known - before)
         if self.known < before and not self._catch_up(tokens, before):
             return []
+        held = self.held.take(len(self.held))
+        if held is not None:
+            self.draft.model.remember(held, self.cache)
         logits = self.draft.block_logits(int(tokens[-1]), self.cache)[:depth]
         return [int(t) for t in cast("list[int]", mx.argmax(logits, axis=-1).tolist())]
 
@@ -375,8 +388,12 @@ class DFlashDrafter:
         return True
 
     def _forget(self, n: int) -> None:
-        for c in self.cache:
-            c.trim(n)
+        """Forget the context of the row's last `n` known tokens (held ones first)."""
+        from_cache = n - len(self.held)
+        self.held.keep(len(self.held) - n)
+        if from_cache > 0:
+            for c in self.cache:
+                c.trim(from_cache)
 
 
 def write_random_draft(

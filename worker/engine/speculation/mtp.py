@@ -15,10 +15,12 @@ and `embed_tokens` repeat the target's and are not read). Chosen by the worker's
 (`speculation` "mtp"), not by a draft folder.
 
 How it follows a row: the decode batch hands every forward's final hidden states to the row's drafter
-with their position (`DecodeBatch.taps` with `layer_taps.FINAL`); an entry of the MTP cache is added
-once its token is known, and features from a position on replace what the drafter held from there (a
-verify step's rejected columns). The prompt's come from a forward of the drafter's own, the first time
-(as for DFlash). Entries sit at RoPE positions 1, 2, ... (the first token has no predecessor).
+with their position (`DecodeBatch.taps` with `layer_taps.FINAL`); they are held until a proposal
+needs them (`held_features.py`: a row the draft gate keeps from drafting pays no MTP forward), then
+entered into the MTP cache as far as their tokens are known, and features from a position on replace
+what the drafter held from there (a verify step's rejected columns). The prompt's come from a forward
+of the drafter's own, the first time (as for DFlash). Entries sit at RoPE positions 1, 2, ... (the
+first token has no predecessor).
 
 Not implemented (refused): more than one MTP layer, architectures other than DeepSeek-V3's, quantized
 MTP weights.
@@ -41,6 +43,7 @@ from mlxq.worker.engine.models import deepseek, llama, model_args, moe
 from mlxq.worker.engine.models.base import Model
 from mlxq.worker.engine.models.layer_taps import FINAL
 from mlxq.worker.engine.models.loader import load_config, load_module
+from mlxq.worker.engine.speculation.held_features import HeldFeatures
 
 log = logging.getLogger(__name__)
 
@@ -170,13 +173,14 @@ class MtpDraft:
 
 class MtpDrafter:
     """A `Drafter` for one row reading the target's final hidden states (`FeatureReader`): its cache
-    holds `entries` entries (positions 1..entries), and `_hidden` the hidden states of positions
-    `entries`.. not entered yet (their next token not known when they came)."""
+    holds `entries` entries (positions 1..entries), and `held` the hidden states of positions
+    `entries`.. not entered yet: entered when a proposal needs them (`held_features.py`), their next
+    token known by then."""
 
     def __init__(self, draft: MtpDraft) -> None:
         self.draft = draft
         self.cache = ShiftedCache()
-        self._hidden: mx.array | None = None
+        self.held = HeldFeatures()
         self.lost = False
 
     @property
@@ -186,19 +190,18 @@ class MtpDrafter:
     @property
     def _known(self) -> int:
         """Positions whose hidden states the drafter holds (entered or not)."""
-        return self.entries + (0 if self._hidden is None else self._hidden.shape[1])
+        return self.entries + len(self.held)
 
     def take_features(self, position: int, features: mx.array, tokens: Sequence[int]) -> list[mx.array]:
         """The target's final hidden states (1, W, hidden) of the row's positions from `position` on;
-        `tokens` the row's tokens so far. Enters what their tokens allow; returns the cache's arrays."""
+        `tokens` the row's tokens so far. Held until a proposal enters them; returns what to compute
+        with the forward (`HeldFeatures.add`)."""
         if self.lost:
             return []
         self._forget_from(position)
         if position > self._known and not self._catch_up(tokens, position):
             return []
-        self._hidden = features if self._hidden is None else mx.concatenate([self._hidden, features], axis=1)
-        self._enter(tokens, len(tokens) - 1)
-        return [a for a in (self.cache.inner.keys, self.cache.inner.values) if a is not None]
+        return self.held.add(features)
 
     def propose(self, tokens: Sequence[int], depth: int) -> list[int]:
         """The draft after the row's latest token (`tokens[-1]`, not fed yet): the MTP layer's argmax at
@@ -226,21 +229,18 @@ class MtpDrafter:
         """Make the entries of positions entries + 1 .. upto (their tokens known, their predecessors'
         hidden states held); the outputs of those made (None for none)."""
         start = self.entries
-        n = min(upto, self._known) - start
-        if n <= 0 or self._hidden is None:
+        hidden = self.held.take(min(upto, self._known) - start)
+        if hidden is None:
             return None
-        hidden, rest = self._hidden[:, :n], self._hidden[:, n:]
-        self._hidden = rest if rest.shape[1] else None
-        return self.draft.outputs(tokens[start + 1 : start + 1 + n], hidden, self.cache)
+        return self.draft.outputs(tokens[start + 1 : start + 1 + hidden.shape[1]], hidden, self.cache)
 
     def _forget_from(self, position: int) -> None:
         """Forget the hidden states of positions from `position` on, and the entries made of them."""
         if position < self.entries:
             self.cache.trim(self.entries - position)
-            self._hidden = None
-        elif self._hidden is not None and position < self._known:
-            keep = position - self.entries
-            self._hidden = self._hidden[:, :keep] if keep else None
+            self.held.clear()
+        else:
+            self.held.keep(position - self.entries)
 
     def _catch_up(self, tokens: Sequence[int], upto: int) -> bool:
         """Hold the hidden states of positions 0..upto - 1 from a forward of the target's own, from an
@@ -249,5 +249,5 @@ class MtpDrafter:
             log.warning("an MTP drafter lost its row (%d held, %d wanted): it stops", self._known, upto)
             self.lost = True
             return False
-        self._hidden = self.draft.features(tokens[:upto])
+        self.held.add(self.draft.features(tokens[:upto]))
         return True
