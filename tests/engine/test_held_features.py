@@ -45,3 +45,15 @@ def test_keep_drops_the_newest_and_clear_all() -> None:
     held.add(mx.zeros((1, 3, 2)))
     held.clear()
     assert len(held) == 0 and held.take(1) is None
+
+
+def test_features_put_first_come_before_those_held() -> None:
+    """A row's prompt features, computed when a proposal first needs them, go before the decode
+    steps' features held since."""
+    held = HeldFeatures(fold_every=2)
+    for f in _steps(3, start=4):
+        held.add(f)
+    held.put_first(mx.concatenate(_steps(4), axis=1))
+    assert len(held) == 7
+    held.add(mx.full((1, 1, 2), 7.0))
+    assert _positions(held.take(8)) == [0, 1, 2, 3, 4, 5, 6, 7]

@@ -81,8 +81,6 @@ class BatchForward:
             logits = self.model(fed, cache=self.cache, mask=mask, taps=sink)
         if taps is not None:
             assert self.features is not None
-            if pieces is not None:  # a feature sink may evaluate (a drafter catching up): not beside them
-                pieces.wait()
             made = self.features(
                 [lengths[s] for s in self.placement.slots], self.placement.live(taps.features())
             )

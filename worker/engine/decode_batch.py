@@ -231,8 +231,6 @@ class DecodeBatch:
         read, logprobs = self._readable(pending), self._pending_logprobs
         prepared = ahead.prepare(rows, self._draw, self.forward.logits)  # None: built after the read
         began = time.perf_counter()
-        if self.taps and self.launcher is not None:  # a feature sink may evaluate (a drafter catching up):
-            self.launcher.wait_tokens()  # not while the draw is launched (as before its forward was)
         tokens = read()  # with a launcher: once the draw's own launch ended
         got = time.perf_counter()
         self._take(tokens)

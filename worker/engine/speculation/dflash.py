@@ -312,13 +312,16 @@ class DFlashDraft:
 class DFlashDrafter:
     """A `Drafter` for one row that reads the target's features (`DecodeBatch.taps`): the draft's cache
     holds the row's context up to `cached` tokens, and `held` the features of the next ones, to be
-    remembered when a proposal needs them (`held_features.py`: a row the draft gate keeps from
-    drafting pays no draft work)."""
+    remembered when a proposal needs them (`held_features.py`). Before anything is cached, the context
+    of the row's first `unseen` tokens (its prompt, which the batch's prefill does not tap) comes from a
+    forward of the target's own, also when a proposal first needs it: a row the draft gate keeps from
+    drafting pays no draft work, and a feature handed over is never evaluated here."""
 
     def __init__(self, draft: DFlashDraft) -> None:
         self.draft = draft
         self.cache = draft.model.make_cache()
         self.held = HeldFeatures()
+        self.unseen = 0
         self.lost = False  # a gap in the features: no more proposals for this row
 
     @property
@@ -328,8 +331,8 @@ class DFlashDrafter:
 
     @property
     def known(self) -> int:
-        """The row's tokens whose context the drafter has, cached or held."""
-        return self.cached + len(self.held)
+        """The row's tokens whose context the drafter has, cached, to compute or held."""
+        return self.cached + self.unseen + len(self.held)
 
     def take_features(self, position: int, features: mx.array, tokens: Sequence[int]) -> list[mx.array]:
         """A target forward's tapped features (1, W, taps * hidden) of the row's tokens from `position`
@@ -355,6 +358,11 @@ class DFlashDrafter:
             self._forget(self.known - before)
         if self.known < before and not self._catch_up(tokens, before):
             return []
+        if self.unseen:
+            for chunk in self.draft.features(tokens[: self.unseen]):
+                self.draft.model.remember(chunk, self.cache)
+                mx.eval([c.state for c in self.cache])
+            self.unseen = 0
         held = self.held.take(len(self.held))
         if held is not None:
             self.draft.model.remember(held, self.cache)
@@ -370,9 +378,10 @@ class DFlashDrafter:
         kept are forgotten when the next forward feeds their positions (`take_features`, `propose`)."""
 
     def _catch_up(self, tokens: Sequence[int], upto: int) -> bool:
-        """Fill the context of tokens 0..upto - 1 from an empty cache by a forward of the target's own
-        (the prompt, before the batch's forwards reach this drafter); False, and the drafter stops
-        proposing, where the cache is not empty or the tokens are not known (a gap: not expected)."""
+        """Count the context of tokens 0..upto - 1 as unseen (computed by a forward of the target's own
+        when a proposal needs it), from an empty drafter (the prompt, before the batch's forwards reach
+        it); False, and the drafter stops proposing, where it is not empty or the tokens are not known
+        (a gap: not expected)."""
         if self.known or upto > len(tokens):
             log.warning(
                 "a DFlash drafter lost its row (features from position %d, %d known, %d tokens): it stops",
@@ -382,18 +391,18 @@ class DFlashDrafter:
             )
             self.lost = True
             return False
-        for chunk in self.draft.features(tokens[:upto]):
-            self.draft.model.remember(chunk, self.cache)
-            mx.eval([c.state for c in self.cache])
+        self.unseen = upto
         return True
 
     def _forget(self, n: int) -> None:
-        """Forget the context of the row's last `n` known tokens (held ones first)."""
-        from_cache = n - len(self.held)
-        self.held.keep(len(self.held) - n)
-        if from_cache > 0:
+        """Forget the context of the row's last `n` known tokens (held ones first, then unseen ones)."""
+        held = min(n, len(self.held))
+        self.held.keep(len(self.held) - held)
+        unseen = min(n - held, self.unseen)
+        self.unseen -= unseen
+        if n - held - unseen > 0:
             for c in self.cache:
-                c.trim(from_cache)
+                c.trim(n - held - unseen)
 
 
 def write_random_draft(

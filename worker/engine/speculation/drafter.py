@@ -41,5 +41,7 @@ class FeatureReader(Protocol):
 
     def take_features(self, position: int, features: mx.array, tokens: Sequence[int]) -> list[mx.array]:
         """Tapped features (1, W, features) of the row's tokens from `position` on; `tokens`: the row's
-        tokens so far. Returns the arrays it made of them (the batch computes them with its step)."""
+        tokens so far. Returns the arrays it made of them (the batch computes them with its step).
+        Evaluates nothing: it is called while the forward is built, maybe beside a launch on another
+        thread; work that must evaluate waits for a proposal."""
         ...

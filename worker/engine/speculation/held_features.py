@@ -39,6 +39,10 @@ class HeldFeatures:
         self._loose = 0
         return [folded]
 
+    def put_first(self, features: mx.array) -> None:
+        """Hold `features` before what is held (positions that came earlier)."""
+        self._set([features, *self._parts])
+
     def take(self, n: int) -> mx.array | None:
         """The first `n` positions held (None for none), no longer held."""
         n = min(n, self._length)

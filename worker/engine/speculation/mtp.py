@@ -173,14 +173,18 @@ class MtpDraft:
 
 class MtpDrafter:
     """A `Drafter` for one row reading the target's final hidden states (`FeatureReader`): its cache
-    holds `entries` entries (positions 1..entries), and `held` the hidden states of positions
-    `entries`.. not entered yet: entered when a proposal needs them (`held_features.py`), their next
-    token known by then."""
+    holds `entries` entries (positions 1..entries), `held` the hidden states of the positions after
+    them, to be entered when a proposal needs them (`held_features.py`), their next token known by
+    then. Before its first entry, the hidden states of the row's first `unseen` positions (its prompt,
+    which the batch's prefill does not tap) are computed by a forward of the target's own, also when
+    a proposal first needs them: a row that never drafts costs no MTP work, and a feature handed over
+    is never evaluated here."""
 
     def __init__(self, draft: MtpDraft) -> None:
         self.draft = draft
         self.cache = ShiftedCache()
         self.held = HeldFeatures()
+        self.unseen = 0
         self.lost = False
 
     @property
@@ -189,8 +193,8 @@ class MtpDrafter:
 
     @property
     def _known(self) -> int:
-        """Positions whose hidden states the drafter holds (entered or not)."""
-        return self.entries + len(self.held)
+        """Positions whose hidden states the drafter has (entered, to compute, or held)."""
+        return self.entries + self.unseen + len(self.held)
 
     def take_features(self, position: int, features: mx.array, tokens: Sequence[int]) -> list[mx.array]:
         """The target's final hidden states (1, W, hidden) of the row's positions from `position` on;
@@ -212,6 +216,9 @@ class MtpDrafter:
         self._forget_from(before)
         if self._known < before and not self._catch_up(tokens, before):
             return []
+        if self.unseen:
+            self.held.put_first(self.draft.features(tokens[: self.unseen]))
+            self.unseen = 0
         out = self._enter(tokens, before)
         if out is None:
             return []
@@ -239,15 +246,19 @@ class MtpDrafter:
         if position < self.entries:
             self.cache.trim(self.entries - position)
             self.held.clear()
+        elif position < self.entries + self.unseen:
+            self.unseen = position - self.entries
+            self.held.clear()
         else:
-            self.held.keep(position - self.entries)
+            self.held.keep(position - self.entries - self.unseen)
 
     def _catch_up(self, tokens: Sequence[int], upto: int) -> bool:
-        """Hold the hidden states of positions 0..upto - 1 from a forward of the target's own, from an
-        empty drafter (a row's prompt); False, and the drafter stops, on a gap (not expected)."""
+        """Count positions 0..upto - 1 as unseen (their hidden states computed when a proposal needs
+        them), from an empty drafter (a row's prompt); False, and the drafter stops, on a gap (not
+        expected)."""
         if self._known or upto > len(tokens):
             log.warning("an MTP drafter lost its row (%d held, %d wanted): it stops", self._known, upto)
             self.lost = True
             return False
-        self.held.add(self.draft.features(tokens[:upto]))
+        self.unseen = upto
         return True
