@@ -33,6 +33,17 @@ LLAMA_1B: dict[str, Any] = {
     "rms_norm_eps": 1e-5,
 }
 
+# Llama-3.1-8B's shape (~16 GB in bfloat16): drawn on the device (`DRAWN`), as numpy would take minutes.
+LLAMA_8B: dict[str, Any] = {
+    **LLAMA_1B,
+    "hidden_size": 4096,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "intermediate_size": 14336,
+    "tie_word_embeddings": False,
+}
+
 # Qwen3-30B-A3B's shape: 48 layers of 128 experts (8 per token, 768 wide), every layer sparse; ~61 GB in
 # bfloat16, its experts stacked as mlx-community stores them (which mlx-lm reads as they are).
 QWEN3_MOE_30B: dict[str, Any] = {
@@ -150,15 +161,17 @@ SHAPES = {
     "tiny": (TINY, "float32"),
     "tiny-wide-vocab": (TINY_WIDE_VOCAB, "float32"),
     "llama-1b": (LLAMA_1B, "bfloat16"),
+    "llama-8b": (LLAMA_8B, "bfloat16"),
     "tiny-moe": (TINY_MOE, "float32"),
     "qwen3-moe-30b": (QWEN3_MOE_30B, "bfloat16"),
     "gemma3-4b": (GEMMA3_4B, "bfloat16"),
     "tiny-deepseek-mtp": (TINY_DEEPSEEK_MTP, "float32"),
     "deepseek-v3-mtp": (DEEPSEEK_V3_MTP, "bfloat16"),
 }
-# Shapes `write_random_checkpoint` (the Llama family's tensors) does not write: drawn with MLX from the
-# model the config builds (`draw_checkpoint`), their MTP layer included.
-DRAWN = {"tiny-deepseek-mtp", "deepseek-v3-mtp"}
+# Shapes drawn with MLX from the model the config builds (`draw_checkpoint`; their MTP layer included),
+# on the device where there is one: those `write_random_checkpoint` (the Llama family's tensors) does
+# not write, and those too large to draw with numpy in a device call's time.
+DRAWN = {"tiny-deepseek-mtp", "deepseek-v3-mtp", "llama-8b"}
 # MLX-quantized (affine, group 64) from a random checkpoint of a shape above, by `loader.save_quantized`
 # (stacked experts quantized too, as mlx-community's 4-bit MoE folders are).
 QUANTIZED = {
