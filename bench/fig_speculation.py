@@ -143,10 +143,9 @@ def speculation(b: Bench) -> dict[str, Any]:
     if SELF in wanted:
         modes[SELF] = _engine(b, "draft_model", b.model_path, forced=True)
     if _has_mtp(b):
-        if MTP in wanted:
-            modes[MTP] = _engine(b, "mtp")
-        if MTP_FORCED in wanted:
-            modes[MTP_FORCED] = _engine(b, "mtp", forced=True)
+        mtp_modes = [(m, m == MTP_FORCED) for m in (MTP, MTP_FORCED) if m in wanted]
+        for mode, forced in mtp_modes:
+            modes[mode] = _engine(b, "mtp", forced=forced, mtp_from=modes.get(MTP))
     rows: dict[str, Any] = {}
     try:
         for kind in s.speculation_kinds:
@@ -217,18 +216,25 @@ def _rotating(modes: dict[str, Engine], payloads: list[dict[str, Any]], n: int, 
 
 
 def _engine(
-    b: Bench, kind: str, draft: str | None = None, forced: bool = False, policy: DraftPolicy | None = None
+    b: Bench,
+    kind: str,
+    draft: str | None = None,
+    forced: bool = False,
+    policy: DraftPolicy | None = None,
+    mtp_from: Engine | None = None,
 ) -> Engine:
     """The bench engine's model with speculation of `kind` (a second engine sharing its weights), under
     `policy`, else the worker's default policy (its draft gate on), or `forced`: drafting at every batch
     size, no gate (what verify steps cost and how often drafts are kept where the worker would not
-    draft)."""
+    draft). `mtp_from`: an engine whose MTP layer this one shares (a large checkpoint is read once)."""
     if policy is None:
         policy = DraftPolicy(max_batch=1 << 20) if forced else draft_policy(WorkerSettings())
     options = dataclasses.replace(b.engine.options, speculation=kind, draft_model=draft, draft_policy=policy)
     engine = Engine(b.engine.model, b.engine.tokenizer, b.engine.config, b.engine.name, options)
     if kind == "draft_model":
         engine.load_draft(Path(b.model_path))
+    elif kind == "mtp" and mtp_from is not None:
+        engine.draft_choice.draft = mtp_from.draft_choice.draft
     elif kind == "mtp":
         engine.draft_choice.load(Path(b.model_path))  # the target checkpoint's own MTP layer
     # as a worker's warm-up does: the verify steps' shapes met before the first job (on a GPU)
