@@ -193,6 +193,9 @@ class BoundedJob(Job):
     # value RQ's end would change, where RQ rewrites the whole hash. None: not read from a hash.
     stored_fields: dict[bytes, bytes] | None = None
     _payload_read: bytes | None = None  # the payload as restored, where stored in RQ's form
+    # A return value and its JSON text as mlxq's writes stored it (what RQ's JSON serializer makes of
+    # it), for RQ's end to send as it is (`returned_text`). None: not written by mlxq.
+    returned: tuple[Any, bytes] | None = None
 
     def __init__(self, id: str | None = None, connection: Any = None, serializer: Any = None) -> None:
         # RQ resolves the serializer for every job it makes, checking it against its Protocol at
@@ -313,6 +316,15 @@ class BoundedJob(Job):
         in RQ's form (UTC), else `otherwise(date)`."""
         text = self._date_texts.get(date) if date.tzinfo is timezone.utc else None
         return text if text is not None else otherwise(date)
+
+    def returned_text(self, value: Any) -> bytes:
+        """`value` as the job's serializer writes it (RQ's `serializer.dumps`): the text mlxq's writes
+        made of it where `value` is the value they wrote and the serializer is RQ's JSON one (whose
+        `dumps` is `json.dumps` as UTF-8), else dumped here."""
+        kept = self.returned
+        if kept is not None and kept[0] is value and self.serializer is JSONSerializer:
+            return kept[1]
+        return bytes(self.serializer.dumps(value))
 
     def payload_as_rq_stores_it(self) -> bool:
         """Whether the job's payload is the one read from its hash, where it was stored compressed as

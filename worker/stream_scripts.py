@@ -75,20 +75,26 @@ FINISH_SCORES = ServerScript(_FINISH_SCORES)
 ScoreFinal = tuple[Job, int, Any, dict[str, str]]
 
 
-def finish_score_streams(conn: redis.Redis, finals: Sequence[ScoreFinal], options: StreamOptions) -> None:
+def finish_score_streams(
+    conn: redis.Redis, finals: Sequence[ScoreFinal], options: StreamOptions
+) -> list[str]:
     """Write each score job's meta, its stream's `restart` (where an earlier attempt wrote it), result
-    and `done`, and the stream's TTL: one script call for the batch, retried as every write is."""
+    and `done`, and the stream's TTL: one script call for the batch, retried as every write is.
+    Returns each result's JSON text as written (RQ's JSON serializer makes the same of it)."""
     if not finals:
-        return
+        return []
     names: list[str] = []
+    texts: list[str] = []
     args: list[Any] = [0, options.maxlen, options.ttl_s, options.result_ttl_s]
     for job, attempt, value, done in finals:
         names += [job.key, keys.stream_key(job.id), keys.result_key(job.id)]
+        text = json.dumps(value)
+        texts.append(text)
         args += [
             job.serializer.dumps(job.meta),  # as `job.save_meta()` writes it
             _restart(attempt),
             _flat(done),
-            json.dumps(value),
+            text,
         ]
 
     def send() -> None:
@@ -96,6 +102,7 @@ def finish_score_streams(conn: redis.Redis, finals: Sequence[ScoreFinal], option
         conn.evalsha(FINISH_SCORES.sha, len(names), *names, *args)
 
     retrying(options)(FINISH_SCORES.run, conn, send)
+    return texts
 
 
 @lru_cache(maxsize=64)
