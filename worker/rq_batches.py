@@ -68,7 +68,7 @@ from rq.worker import WorkerStatus
 
 from mlxq.worker import rq_scripts
 from mlxq.worker.bounded_job import BoundedJob
-from mlxq.worker.server_script import wire
+from mlxq.worker.server_script import packed, wire
 from mlxq.worker.stream_writer import StreamOptions, retrying
 
 log = logging.getLogger(__name__)
@@ -381,7 +381,7 @@ class RqBatches:
             ]
             for name, field in self._changed_fields(job, at, date_text).items():
                 values += [_NAMES.get(name) or name.encode(), field if type(field) is bytes else wire(field)]
-            args.append(rq_scripts.packed(values))
+            args.append(packed(values))
         return keys, args
 
     def _changed_fields(

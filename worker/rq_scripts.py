@@ -21,7 +21,7 @@ import logging
 
 import redis
 
-from mlxq.worker.server_script import ServerScript
+from mlxq.worker.server_script import UNPACKED_LUA, ServerScript
 
 log = logging.getLogger(__name__)
 
@@ -60,24 +60,14 @@ return n
 # KEYS: the worker's hash, its index of executions, started registry, finished registry; then per job
 # its hash, its dependents set, its results stream, its execution's hash and its executions' registry.
 # ARGV: worker name, now (float), now as a registry score (whole seconds); then per job one argument
-# of its values packed (`packed`: each value's length, a colon, its bytes): id, execution id, result
-# TTL, return value (RQ's serialized text), execution start (float), working seconds, then the
-# job-hash field/value pairs to write. One argument a job, not ~15: the worker's client packs each
-# argument it sends apart, which cost more than the script's reading of them.
+# of its values (`server_script.packed`): id, execution id, result TTL, return value (RQ's serialized
+# text), execution start (float), working seconds, then the job-hash field/value pairs to write.
 # A job with a dependent is left alone (RQ's own end enqueues its dependents): its index is returned.
 # A job already `finished` is not ended again: this call sent again after a reply lost on the way, or
 # another worker's maintenance that ended it (`end_abandoned`); a second result entry would follow.
-_END = """
-local function unpacked(blob)
-  local out, at = {}, 1
-  while at <= #blob do
-    local colon = string.find(blob, ':', at, true)
-    local size = tonumber(string.sub(blob, at, colon - 1))
-    out[#out + 1] = string.sub(blob, colon + 1, colon + size)
-    at = colon + size + 1
-  end
-  return out
-end
+_END = (
+    UNPACKED_LUA
+    + """
 local name, at, now = ARGV[1], ARGV[2], tonumber(ARGV[3])
 local n = (#KEYS - 4) / 5
 local ended, working, left = 0, 0, {}
@@ -114,15 +104,11 @@ if ended > 0 then
 end
 return left
 """
+)
 
 
 START = ServerScript(_START)
 END = ServerScript(_END)
-
-
-def packed(values: list[bytes]) -> bytes:
-    """Values as one script argument, each as its length, a colon and its bytes (`_END` unpacks it)."""
-    return b"".join([b"%d:%b" % (len(v), v) for v in values])
 
 
 def load(conn: redis.Redis) -> None:

@@ -27,18 +27,22 @@ from rq.job import Job
 
 from mlxq.jobs import keys
 from mlxq.jobs.schema import RestartEvent
-from mlxq.worker.server_script import ServerScript
+from mlxq.worker.server_script import UNPACKED_LUA, ServerScript, packed
 from mlxq.worker.stream_writer import StreamOptions, retrying
 
 # KEYS per job: its hash, its stream, its result key. ARGV: now (ms), the streams' MAXLEN, the streams'
-# TTL, the results' TTL; per job: its meta, its `restart` fields and its `done` fields (JSON arrays of
-# field, value, ...), its result. Returns how many jobs it wrote (the others were written already).
-_FINISH_SCORES = """
+# TTL, the results' TTL; per job one argument of its values (`server_script.packed`): its meta, its
+# `restart` fields and its `done` fields (JSON arrays of field, value, ...), its result. Returns how
+# many jobs it wrote (the others were written already).
+_FINISH_SCORES = (
+    UNPACKED_LUA
+    + """
 local now, maxlen, ttl, result_ttl = tonumber(ARGV[1]), ARGV[2], ARGV[3], ARGV[4]
 local written = 0
 for i = 1, #KEYS / 3 do
   local job, stream, result = KEYS[3 * i - 2], KEYS[3 * i - 1], KEYS[3 * i]
-  local meta, restart, done, payload = ARGV[4 * i + 1], ARGV[4 * i + 2], ARGV[4 * i + 3], ARGV[4 * i + 4]
+  local v = unpacked(ARGV[4 + i])
+  local meta, restart, done, payload = v[1], v[2], v[3], v[4]
   local last = redis.call('XREVRANGE', stream, '+', '-', 'COUNT', 1)
   local ms, seq, again = 0, 0, false
   if #last > 0 then
@@ -67,6 +71,7 @@ for i = 1, #KEYS / 3 do
 end
 return written
 """
+)
 
 FINISH_SCORES = ServerScript(_FINISH_SCORES)
 
@@ -90,12 +95,8 @@ def finish_score_streams(
         names += [job.key, keys.stream_key(job.id), keys.result_key(job.id)]
         text = json.dumps(value)
         texts.append(text)
-        args += [
-            job.serializer.dumps(job.meta),  # as `job.save_meta()` writes it
-            _restart(attempt),
-            _flat(done),
-            text,
-        ]
+        meta = job.serializer.dumps(job.meta)  # as `job.save_meta()` writes it
+        args.append(packed([meta, _restart(attempt), _flat(done), text.encode()]))
 
     def send() -> None:
         args[0] = int(time.time() * 1000)
@@ -106,18 +107,18 @@ def finish_score_streams(
 
 
 @lru_cache(maxsize=64)
-def _restart(attempt: int) -> str:
+def _restart(attempt: int) -> bytes:
     """A `restart` entry's fields, flat (`_flat`): the same few attempts again and again."""
     return _flat(RestartEvent(attempt=attempt).fields())
 
 
-def _flat(fields: dict[str, str]) -> str:
+def _flat(fields: dict[str, str]) -> bytes:
     """An entry's fields as one JSON array: field, value, field, value (the script keeps the order)."""
     return _flat_items(tuple(fields.items()))
 
 
 @lru_cache(maxsize=256)
-def _flat_items(items: tuple[tuple[str, str], ...]) -> str:
+def _flat_items(items: tuple[tuple[str, str], ...]) -> bytes:
     """`_flat` of fields that come back again and again (a batch's `done` entries mostly differ only by
     a few token counts, often not at all)."""
-    return json.dumps([x for pair in items for x in pair])
+    return json.dumps([x for pair in items for x in pair]).encode()
