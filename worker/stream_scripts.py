@@ -24,6 +24,7 @@ from typing import Any
 
 import redis
 from rq.job import Job
+from rq.serializers import JSONSerializer
 
 from mlxq.jobs import keys
 from mlxq.jobs.schema import RestartEvent
@@ -95,8 +96,7 @@ def finish_score_streams(
         names += [job.key, keys.stream_key(job.id), keys.result_key(job.id)]
         text = json.dumps(value)
         texts.append(text)
-        meta = job.serializer.dumps(job.meta)  # as `job.save_meta()` writes it
-        args.append(packed([meta, _restart(attempt), _flat(done), text.encode()]))
+        args.append(packed([_meta_text(job), _restart(attempt), _flat(done), text.encode()]))
 
     def send() -> None:
         args[0] = int(time.time() * 1000)
@@ -104,6 +104,22 @@ def finish_score_streams(
 
     retrying(options)(FINISH_SCORES.run, conn, send)
     return texts
+
+
+def _meta_text(job: Job) -> bytes:
+    """The job's meta as `job.save_meta()` writes it; a meta of one count (a score job's attempt, as
+    mostly) from a memory of that text, where the serializer is RQ's JSON one."""
+    meta = job.meta
+    if len(meta) == 1 and job.serializer is JSONSerializer:
+        ((name, value),) = meta.items()
+        if type(name) is str and type(value) is int:
+            return _one_count(name, value)
+    return bytes(job.serializer.dumps(meta))
+
+
+@lru_cache(maxsize=64)
+def _one_count(name: str, value: int) -> bytes:
+    return json.dumps({name: value}).encode()  # what RQ's `JSONSerializer.dumps` makes of it
 
 
 @lru_cache(maxsize=64)
