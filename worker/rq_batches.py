@@ -374,7 +374,7 @@ class RqBatches:
             values = [
                 job.id.encode(),
                 execution.id.encode(),
-                b"%d" % ttl,
+                wire(ttl),
                 b64encode(serialized),
                 wire(execution.created_at.timestamp()),
                 wire(working),
