@@ -21,8 +21,8 @@ from functools import lru_cache
 from typing import Any, ClassVar
 
 from rq.job import Job, JobStatus
-from rq.serializers import resolve_serializer
-from rq.utils import parse_timeout, str_to_date
+from rq.serializers import JSONSerializer, resolve_serializer
+from rq.utils import now, parse_timeout, str_to_date
 
 
 class UnreadableJob(ValueError):
@@ -144,6 +144,7 @@ def field_problem(fields: dict[bytes, bytes], max_payload_bytes: int) -> str | N
 
 
 _FIELD_KEYS = [(name.encode(), name, parse, expected) for name, parse, expected in _FIELDS]
+_PARSERS = {name.encode(): (name, parse) for name, parse, _ in _FIELDS}
 
 
 def _checked(fields: dict[bytes, bytes], max_payload_bytes: int) -> tuple[str | None, dict[str, Any]]:
@@ -151,6 +152,21 @@ def _checked(fields: dict[bytes, bytes], max_payload_bytes: int) -> tuple[str | 
     the job holds once restored)."""
     if not fields.get(b"origin"):  # RQ would end the job in registries of a queue named ""
         return "field 'origin' is missing: it must name the job's queue", {}
+    # The hash's own fields, each parsed once (a hash holds about half of the fields RQ reads); where
+    # one fails, the fields are checked again in RQ's order, so the first bad one is named.
+    parsed: dict[str, Any] = {}
+    try:
+        for key, value in fields.items():
+            spec = _PARSERS.get(key)
+            if spec is not None and value:
+                parsed[spec[0]] = spec[1](value)
+    except Exception:
+        return _checked_in_order(fields)
+    return payload_size_error(fields.get(b"data"), max_payload_bytes), parsed
+
+
+def _checked_in_order(fields: dict[bytes, bytes]) -> tuple[str | None, dict[str, Any]]:
+    """`_checked`'s parse, field by field in RQ's order, up to the first field that fails."""
     parsed: dict[str, Any] = {}
     for key, name, parse, expected in _FIELD_KEYS:
         value = fields.get(key)
@@ -160,7 +176,7 @@ def _checked(fields: dict[bytes, bytes], max_payload_bytes: int) -> tuple[str | 
             parsed[name] = parse(value)
         except Exception:
             return f"field {name!r} is {value[:60].decode(errors='replace')!r}, not {expected}", parsed
-    return payload_size_error(fields.get(b"data"), max_payload_bytes), parsed
+    raise AssertionError("a field failed its parse, then passed it")  # the parsers are pure
 
 
 @lru_cache(maxsize=8)
@@ -177,6 +193,9 @@ class BoundedJob(Job):
     # value RQ's end would change, where RQ rewrites the whole hash. None: not read from a hash.
     stored_fields: dict[bytes, bytes] | None = None
     _payload_read: bytes | None = None  # the payload as restored, where stored in RQ's form
+    # A return value and its JSON text as mlxq's writes stored it (what RQ's JSON serializer makes of
+    # it), for RQ's end to send as it is (`returned_text`). None: not written by mlxq.
+    returned: tuple[Any, bytes] | None = None
 
     def __init__(self, id: str | None = None, connection: Any = None, serializer: Any = None) -> None:
         # RQ resolves the serializer for every job it makes, checking it against its Protocol at
@@ -195,21 +214,47 @@ class BoundedJob(Job):
         }
         return self.restore_read(fields)
 
-    def restore_read(self, fields: dict[bytes, bytes]) -> Any:
+    @classmethod
+    def read(
+        cls,
+        job_id: str,
+        fields: dict[bytes, bytes],
+        connection: Any,
+        serializer: Any,
+        parse: Parse | None = None,
+    ) -> BoundedJob:
+        """A job made for a hash as read from Redis and restored from it (`restore_read`); a hash of
+        only the fields RQ's enqueue writes for a plain job (`_PLAIN_KEYS`) by `_restore_plain`, which
+        sets what RQ's restore sets from the values the check parsed, not parsing them again. `parse`:
+        the payload as a claim inflated it and what RQ's JSON serializer makes of it, which the job
+        keeps where its own payload is those bytes (RQ would parse it again when asked its function)."""
+        job = cls(job_id, connection=connection, serializer=serializer)
+        job.restore_read(fields, fresh=True)
+        if parse is not None and job.serializer is JSONSerializer and job._data == parse[0]:
+            job._func_name, job._instance, job._args, job._kwargs = parse[1]
+        return job
+
+    def restore_read(self, fields: dict[bytes, bytes], fresh: bool = False) -> Any:
         """`restore` of a hash as read from Redis (names and values bytes, as a claim reads them),
-        taken as it is: kept as `stored_fields`, so not changed by the caller afterwards."""
+        taken as it is: kept as `stored_fields`, so not changed by the caller afterwards. `fresh`: the
+        job was just made (nothing restored into it yet), so what a plain hash leaves out keeps the
+        value `Job.__init__` gave it, which is what RQ's restore sets for a missing field."""
         problem, parsed = _checked(fields, self.max_payload_bytes)
         if problem is not None:
             raise UnreadableJob(problem)
-        # RQ's restore parses dates with strptime; they are read here (checked above, so they parse)
-        # and left out of what it reads, which then leaves them unset, and set as it would set them.
         dates = [(name, key) for name, key in _DATE_KEYS if name in parsed]
-        undated = fields.copy()
-        for _, key in dates:
-            del undated[key]
-        restored = super().restore(undated)
-        for name, _ in dates:
-            setattr(self, name, parsed[name])
+        if fresh and fields.keys() <= _PLAIN_KEYS and b"data" in fields:
+            restored = None  # what RQ's restore returns
+            self._restore_plain(fields, parsed)
+        else:
+            # RQ's restore parses dates with strptime; they are read here (checked above, so they
+            # parse) and left out of what it reads, which then leaves them unset, set as it would.
+            undated = fields.copy()
+            for _, key in dates:
+                del undated[key]
+            restored = super().restore(undated)
+            for name, _ in dates:
+                setattr(self, name, parsed[name])
         self.stored_fields = fields
         # A date read in RQ's own form is that date's `utcformat` text (years from 1000 on: strftime
         # writes fewer digits below), kept so that RQ's end need not format it again.
@@ -223,11 +268,63 @@ class BoundedJob(Job):
         self._payload_read = payload if inflated and stored[:2] == _RQ_ZLIB else None
         return restored
 
+    def _restore_plain(self, fields: dict[bytes, bytes], parsed: dict[str, Any]) -> None:
+        """What `rq.job.Job.restore` sets on a new job from a hash of `_PLAIN_KEYS` only, with `data`,
+        each value as RQ parses it (the check parsed them with RQ's parsers: `_FIELDS`). A field RQ
+        reads differently from the check (a timeout: RQ parses the stored bytes) is read as RQ reads
+        it. `tests/service/test_bounded_job_read.py` holds it against RQ's restore."""
+        raw = fields[b"data"]
+        try:
+            self.data = zlib.decompress(raw)
+        except zlib.error:
+            self.data = raw
+        get = parsed.get
+        self.created_at = get("created_at") or now()
+        self.origin = get("origin") or ""
+        self.worker_name, self.description, self.group_id = (
+            get("worker_name"),
+            get("description"),
+            get("group_id"),
+        )
+        self.enqueued_at, self.started_at = get("enqueued_at"), get("started_at")
+        self.ended_at, self.last_heartbeat = get("ended_at"), get("last_heartbeat")
+        self.timeout = parse_timeout(fields[b"timeout"]) if fields.get(b"timeout") else None  # type: ignore[arg-type]
+        self.result_ttl, self.failure_ttl, self.ttl = get("result_ttl"), get("failure_ttl"), get("ttl")
+        self._status = get("status") or JobStatus.CREATED
+        for name in ("success_callback_name", "failure_callback_name", "stopped_callback_name"):
+            if name in parsed:
+                setattr(self, f"_{name}", parsed[name])
+        meta = fields.get(b"meta")
+        try:
+            self.meta = self.serializer.loads(meta) if meta else {}
+        except Exception:  # as RQ keeps a meta its serializer cannot read
+            self.meta = {"unserialized": meta}
+            self._unreadable_meta = meta
+        self.number_of_retries, self.retries_left = get("number_of_retries"), get("retries_left")
+        if "retry_intervals" in parsed:
+            self.retry_intervals = parsed["retry_intervals"]
+        self.enqueue_at_front_on_retry = bool(get("enqueue_at_front_on_retry"))
+        self.allow_dependency_failures = get("allow_dependency_failures")
+        self.repeats_left, self.repeat_intervals = get("repeats_left"), get("repeat_intervals")
+        self.rate_limit_key, self.rate_limit_concurrency = (
+            get("rate_limit_key"),
+            get("rate_limit_concurrency"),
+        )
+
     def date_text(self, date: datetime, otherwise: Callable[[datetime], str]) -> str:
         """RQ's `utcformat` of `date`: the text it was read as, where it is a date read from the hash
         in RQ's form (UTC), else `otherwise(date)`."""
         text = self._date_texts.get(date) if date.tzinfo is timezone.utc else None
         return text if text is not None else otherwise(date)
+
+    def returned_text(self, value: Any) -> bytes:
+        """`value` as the job's serializer writes it (RQ's `serializer.dumps`): the text mlxq's writes
+        made of it where `value` is the value they wrote and the serializer is RQ's JSON one (whose
+        `dumps` is `json.dumps` as UTF-8), else dumped here."""
+        kept = self.returned
+        if kept is not None and kept[0] is value and self.serializer is JSONSerializer:
+            return kept[1]
+        return bytes(self.serializer.dumps(value))
 
     def payload_as_rq_stores_it(self) -> bool:
         """Whether the job's payload is the one read from its hash, where it was stored compressed as
@@ -235,5 +332,24 @@ class BoundedJob(Job):
         the same bytes where this worker's zlib made them, else the same payload."""
         return self._payload_read is not None and self.data is self._payload_read
 
+
+# The fields of a hash `_restore_plain` reads: what RQ's enqueue writes for a job with no dependency,
+# callback timeout, webhook, result or error, and what a start, a retry or a repeat add. A hash with any
+# other field (or an empty `enqueue_at_front`, which RQ's restore fails on) is restored by RQ's restore.
+_PLAIN_KEYS = frozenset(
+    name.encode()
+    for name in (
+        "data", "origin", "worker_name", "description", "group_id", "created_at", "enqueued_at",
+        "started_at", "ended_at", "last_heartbeat", "timeout", "result_ttl", "failure_ttl", "ttl",
+        "status", "success_callback_name", "failure_callback_name", "stopped_callback_name", "meta",
+        "number_of_retries", "retries_left", "retry_intervals", "enqueue_at_front_on_retry",
+        "allow_dependency_failures", "repeats_left", "repeat_intervals", "rate_limit_key",
+        "rate_limit_concurrency",
+    )
+)  # fmt: skip
+
+# A payload as a claim inflated it, and RQ's JSON serializer's reading of it: (function, instance,
+# args, kwargs).
+Parse = tuple[bytes, tuple[Any, Any, Any, Any]]
 
 _RQ_ZLIB = b"\x78\x9c"  # the header of a zlib stream at the default level, as RQ's `to_dict` writes one

@@ -25,7 +25,7 @@ from rq.exceptions import NoSuchJobError
 from rq.job import Job
 
 from mlxq.jobs import keys
-from mlxq.worker.bounded_job import BoundedJob, bounded_payload
+from mlxq.worker.bounded_job import BoundedJob, Parse, bounded_payload
 from mlxq.worker.dead_letters import DeadLetters
 from mlxq.worker.stream_writer import REDIS_TRANSIENT
 
@@ -61,11 +61,14 @@ return hashes
 
 @dataclass(frozen=True)
 class QueuedJob:
-    """A queued job as stored by RQ's JSON serializer: an mlxq function and its one argument."""
+    """A queued job as stored by RQ's JSON serializer: an mlxq function and its one argument, and the
+    payload as inflated with what RQ's JSON serializer makes of it (`parse`: the claimed job keeps it,
+    `BoundedJob.read`, where RQ would parse it again)."""
 
     id: str
     func: str
     payload: Any
+    parse: Parse | None = None
 
 
 def parse_queued(job_id: str, data: bytes | None, origin: bytes | None, queue: str) -> QueuedJob | None:
@@ -81,12 +84,13 @@ def parse_queued(job_id: str, data: bytes | None, origin: bytes | None, queue: s
     if raw is None:
         return None
     try:
-        func, _instance, args, kwargs = json.loads(raw)
+        parsed = json.loads(raw.decode())  # as RQ's JSON serializer reads it (UTF-8 only)
+        func, _instance, args, kwargs = parsed
     except (ValueError, TypeError):
         return None
     if func not in keys.JOB_FUNCS or kwargs or not isinstance(args, list) or len(args) != 1:
         return None
-    return QueuedJob(job_id, func, args[0])
+    return QueuedJob(job_id, func, args[0], (raw, tuple(parsed)))
 
 
 class JobClaimer:
@@ -165,7 +169,9 @@ class JobClaimer:
         found: list[Job | None] = [None] * len(ids)
         for i, job_id in enumerate(ids):
             if job_id in fresh:
-                found[i] = _restored(job_id, fresh[job_id], self.conn, self.serializer)
+                queued = self._seen.get(job_id)
+                parse = queued.parse if queued is not None else None
+                found[i] = _restored(job_id, fresh[job_id], self.conn, self.serializer, parse)
         stale = [job_id for job_id, job in zip(ids, found, strict=True) if job is None]
         if stale:
             try:
@@ -199,12 +205,12 @@ def _text(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
 
-def _restored(job_id: str, fields: dict[bytes, bytes], conn: redis.Redis, serializer: Any) -> Job | None:
-    """The job of a hash read from Redis, as RQ's `fetch` restores it; None if it cannot be (then it
-    is fetched alone, which says why)."""
-    job = BoundedJob(job_id, connection=conn, serializer=serializer)
+def _restored(
+    job_id: str, fields: dict[bytes, bytes], conn: redis.Redis, serializer: Any, parse: Parse | None
+) -> Job | None:
+    """The job of a hash read from Redis, as RQ's `fetch` restores it, with the claim's parse of its
+    payload; None if it cannot be (then it is fetched alone, which says why)."""
     try:
-        job.restore_read(fields)
+        return BoundedJob.read(job_id, fields, conn, serializer, parse)
     except Exception:
         return None
-    return job

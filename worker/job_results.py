@@ -21,6 +21,7 @@ from rq.job import Job
 from rq.utils import now
 
 from mlxq.jobs.schema import DoneEvent, GenerateResult, ScoreResult
+from mlxq.worker.bounded_job import BoundedJob
 from mlxq.worker.stream_scripts import finish_score_streams
 from mlxq.worker.stream_writer import StreamOptions, StreamWriter, finish_streams, open_streams
 
@@ -137,10 +138,12 @@ class JobResults:
             (job, self._attempt(job, at), value, _score_done(result))
             for (job, result), value in zip(finished, values, strict=True)
         ]
-        finish_score_streams(self.conn, finals, self.options)
-        for job, _ in finished:
+        texts = finish_score_streams(self.conn, finals, self.options)
+        for (job, _), value, text in zip(finished, values, texts, strict=True):
             self.jobs_done += 1
             self._queued_s.pop(job.id, None)
+            if isinstance(job, BoundedJob):  # RQ's end sends the same text: not dumped again
+                job.returned = (value, text.encode())
         if finished and log.isEnabledFor(logging.DEBUG):
             for job, result in finished:
                 log.debug(

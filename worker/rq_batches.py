@@ -68,7 +68,7 @@ from rq.worker import WorkerStatus
 
 from mlxq.worker import rq_scripts
 from mlxq.worker.bounded_job import BoundedJob
-from mlxq.worker.server_script import wire
+from mlxq.worker.server_script import packed, wire
 from mlxq.worker.stream_writer import StreamOptions, retrying
 
 log = logging.getLogger(__name__)
@@ -367,20 +367,21 @@ class RqBatches:
             results = Result.get_key(job.id)  # type: ignore[no-untyped-call]
             keys += [job.key, job.dependents_key, results, execution.key]
             keys.append(ExecutionRegistry.key_template.format(job.id))
-            returned = b64encode(job.serializer.dumps(value))  # bytes: sent as they are
+            serialized = (
+                job.returned_text(value) if isinstance(job, BoundedJob) else job.serializer.dumps(value)
+            )
             working = (at - (job.started_at or at)).total_seconds()
-            fields = self._changed_fields(job, at, date_text)
-            args += [
-                job.id,
-                execution.id,
-                ttl,
-                returned,
-                execution.created_at.timestamp(),
-                working,
-                len(fields),
+            values = [
+                job.id.encode(),
+                execution.id.encode(),
+                wire(ttl),
+                b64encode(serialized),
+                wire(execution.created_at.timestamp()),
+                wire(working),
             ]
-            for name, field in fields.items():
-                args += [name, field]
+            for name, field in self._changed_fields(job, at, date_text).items():
+                values += [_NAMES.get(name) or name.encode(), field if type(field) is bytes else wire(field)]
+            args.append(packed(values))
         return keys, args
 
     def _changed_fields(
@@ -409,7 +410,7 @@ class RqBatches:
         changed: dict[str, Any] = {}
         for name, value in fields.items():
             sent = value if type(value) is bytes else value.encode() if type(value) is str else wire(value)
-            if stored.get(name.encode()) != sent:
+            if stored.get(_NAMES.get(name) or name.encode()) != sent:
                 changed[name] = sent
         return changed
 
@@ -482,6 +483,21 @@ def saved_fields(
     if job.enqueue_at_front is not None:
         fields["enqueue_at_front"] = int(job.enqueue_at_front)
     return fields
+
+
+# Each field `saved_fields` may make, as its name goes on the wire (names encoded once, not a job).
+_NAMES = {
+    name: name.encode()
+    for name in (
+        "created_at", "data", "success_callback_name", "failure_callback_name", "stopped_callback_name",
+        "started_at", "ended_at", "last_heartbeat", "worker_name", "group_id", "number_of_retries",
+        "retries_left", "retry_intervals", "enqueue_at_front_on_retry", "origin", "description",
+        "enqueued_at", "repeats_left", "repeat_intervals", "rate_limit_key", "rate_limit_concurrency",
+        "timeout", "success_callback_timeout", "failure_callback_timeout", "stopped_callback_timeout",
+        "webhooks", "result_ttl", "failure_ttl", "status", "dependency_id", "dependency_ids", "ttl",
+        "allow_dependency_failures", "enqueue_at_front",
+    )
+}  # fmt: skip
 
 
 def _plain_end(run: Run, value: Any, default_result_ttl: int) -> bool:

@@ -21,7 +21,7 @@ import logging
 
 import redis
 
-from mlxq.worker.server_script import ServerScript
+from mlxq.worker.server_script import UNPACKED_LUA, ServerScript
 
 log = logging.getLogger(__name__)
 
@@ -59,31 +59,30 @@ return n
 
 # KEYS: the worker's hash, its index of executions, started registry, finished registry; then per job
 # its hash, its dependents set, its results stream, its execution's hash and its executions' registry.
-# ARGV: worker name, now (float), now as a registry score (whole seconds); then per job: id, execution
-# id, result TTL, return value (RQ's serialized text), execution start (float), working seconds, and
-# the count of job-hash field/value pairs that follow, then those pairs.
+# ARGV: worker name, now (float), now as a registry score (whole seconds); then per job one argument
+# of its values (`server_script.packed`): id, execution id, result TTL, return value (RQ's serialized
+# text), execution start (float), working seconds, then the job-hash field/value pairs to write.
 # A job with a dependent is left alone (RQ's own end enqueues its dependents): its index is returned.
 # A job already `finished` is not ended again: this call sent again after a reply lost on the way, or
 # another worker's maintenance that ended it (`end_abandoned`); a second result entry would follow.
-_END = """
+_END = (
+    UNPACKED_LUA
+    + """
 local name, at, now = ARGV[1], ARGV[2], tonumber(ARGV[3])
 local n = (#KEYS - 4) / 5
-local a = 4
 local ended, working, left = 0, 0, {}
 for i = 1, n do
   local k = 4 + 5 * (i - 1)
   local job, dependents, results, execution, executions = KEYS[k + 1], KEYS[k + 2], KEYS[k + 3],
     KEYS[k + 4], KEYS[k + 5]
-  local id, eid, ttl, value, started = ARGV[a], ARGV[a + 1], ARGV[a + 2], ARGV[a + 3], ARGV[a + 4]
-  local seconds, fields = ARGV[a + 5], tonumber(ARGV[a + 6])
-  local first = a + 7
-  a = first + 2 * fields
+  local v = unpacked(ARGV[3 + i])
+  local id, eid, ttl, value, started, seconds = v[1], v[2], v[3], v[4], v[5], v[6]
   if redis.call('EXISTS', dependents) == 1 then
     left[#left + 1] = i - 1
   elseif redis.call('HGET', job, 'status') ~= 'finished' then
     local composite = id .. ':' .. eid
-    if fields > 0 then
-      redis.call('HSET', job, unpack(ARGV, first, first + 2 * fields - 1))
+    if #v > 6 then
+      redis.call('HSET', job, unpack(v, 7, #v))
     end
     redis.call('XADD', results, 'MAXLEN', '~', '10', '*', 'type', '1', 'worker_name', name,
       'return_value', value, 'execution_id', eid, 'execution_started_at', started,
@@ -105,6 +104,7 @@ if ended > 0 then
 end
 return left
 """
+)
 
 
 START = ServerScript(_START)

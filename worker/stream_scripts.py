@@ -24,21 +24,26 @@ from typing import Any
 
 import redis
 from rq.job import Job
+from rq.serializers import JSONSerializer
 
 from mlxq.jobs import keys
 from mlxq.jobs.schema import RestartEvent
-from mlxq.worker.server_script import ServerScript
+from mlxq.worker.server_script import UNPACKED_LUA, ServerScript, packed
 from mlxq.worker.stream_writer import StreamOptions, retrying
 
 # KEYS per job: its hash, its stream, its result key. ARGV: now (ms), the streams' MAXLEN, the streams'
-# TTL, the results' TTL; per job: its meta, its `restart` fields and its `done` fields (JSON arrays of
-# field, value, ...), its result. Returns how many jobs it wrote (the others were written already).
-_FINISH_SCORES = """
+# TTL, the results' TTL; per job one argument of its values (`server_script.packed`): its meta, its
+# `restart` fields and its `done` fields (JSON arrays of field, value, ...), its result. Returns how
+# many jobs it wrote (the others were written already).
+_FINISH_SCORES = (
+    UNPACKED_LUA
+    + """
 local now, maxlen, ttl, result_ttl = tonumber(ARGV[1]), ARGV[2], ARGV[3], ARGV[4]
 local written = 0
 for i = 1, #KEYS / 3 do
   local job, stream, result = KEYS[3 * i - 2], KEYS[3 * i - 1], KEYS[3 * i]
-  local meta, restart, done, payload = ARGV[4 * i + 1], ARGV[4 * i + 2], ARGV[4 * i + 3], ARGV[4 * i + 4]
+  local v = unpacked(ARGV[4 + i])
+  local meta, restart, done, payload = v[1], v[2], v[3], v[4]
   local last = redis.call('XREVRANGE', stream, '+', '-', 'COUNT', 1)
   local ms, seq, again = 0, 0, false
   if #last > 0 then
@@ -67,6 +72,7 @@ for i = 1, #KEYS / 3 do
 end
 return written
 """
+)
 
 FINISH_SCORES = ServerScript(_FINISH_SCORES)
 
@@ -75,42 +81,60 @@ FINISH_SCORES = ServerScript(_FINISH_SCORES)
 ScoreFinal = tuple[Job, int, Any, dict[str, str]]
 
 
-def finish_score_streams(conn: redis.Redis, finals: Sequence[ScoreFinal], options: StreamOptions) -> None:
+def finish_score_streams(
+    conn: redis.Redis, finals: Sequence[ScoreFinal], options: StreamOptions
+) -> list[str]:
     """Write each score job's meta, its stream's `restart` (where an earlier attempt wrote it), result
-    and `done`, and the stream's TTL: one script call for the batch, retried as every write is."""
+    and `done`, and the stream's TTL: one script call for the batch, retried as every write is.
+    Returns each result's JSON text as written (RQ's JSON serializer makes the same of it)."""
     if not finals:
-        return
+        return []
     names: list[str] = []
+    texts: list[str] = []
     args: list[Any] = [0, options.maxlen, options.ttl_s, options.result_ttl_s]
     for job, attempt, value, done in finals:
         names += [job.key, keys.stream_key(job.id), keys.result_key(job.id)]
-        args += [
-            job.serializer.dumps(job.meta),  # as `job.save_meta()` writes it
-            _restart(attempt),
-            _flat(done),
-            json.dumps(value),
-        ]
+        text = json.dumps(value)
+        texts.append(text)
+        args.append(packed([_meta_text(job), _restart(attempt), _flat(done), text.encode()]))
 
     def send() -> None:
         args[0] = int(time.time() * 1000)
         conn.evalsha(FINISH_SCORES.sha, len(names), *names, *args)
 
     retrying(options)(FINISH_SCORES.run, conn, send)
+    return texts
+
+
+def _meta_text(job: Job) -> bytes:
+    """The job's meta as `job.save_meta()` writes it; a meta of one count (a score job's attempt, as
+    mostly) from a memory of that text, where the serializer is RQ's JSON one."""
+    meta = job.meta
+    if len(meta) == 1 and job.serializer is JSONSerializer:
+        ((name, value),) = meta.items()
+        if type(name) is str and type(value) is int:
+            return _one_count(name, value)
+    return bytes(job.serializer.dumps(meta))
 
 
 @lru_cache(maxsize=64)
-def _restart(attempt: int) -> str:
+def _one_count(name: str, value: int) -> bytes:
+    return json.dumps({name: value}).encode()  # what RQ's `JSONSerializer.dumps` makes of it
+
+
+@lru_cache(maxsize=64)
+def _restart(attempt: int) -> bytes:
     """A `restart` entry's fields, flat (`_flat`): the same few attempts again and again."""
     return _flat(RestartEvent(attempt=attempt).fields())
 
 
-def _flat(fields: dict[str, str]) -> str:
+def _flat(fields: dict[str, str]) -> bytes:
     """An entry's fields as one JSON array: field, value, field, value (the script keeps the order)."""
     return _flat_items(tuple(fields.items()))
 
 
 @lru_cache(maxsize=256)
-def _flat_items(items: tuple[tuple[str, str], ...]) -> str:
+def _flat_items(items: tuple[tuple[str, str], ...]) -> bytes:
     """`_flat` of fields that come back again and again (a batch's `done` entries mostly differ only by
     a few token counts, often not at all)."""
-    return json.dumps([x for pair in items for x in pair])
+    return json.dumps([x for pair in items for x in pair]).encode()

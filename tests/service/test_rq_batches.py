@@ -22,8 +22,10 @@ from rq.utils import now
 from rq.webhook import Webhook
 
 from mlxq.jobs import keys
+from mlxq.jobs.schema import ScoredRow, ScoreResult
 from mlxq.worker import rq_batches
 from mlxq.worker.bounded_job import BoundedJob
+from mlxq.worker.job_results import JobResults
 from mlxq.worker.rq_batches import Run
 from mlxq.worker.rq_worker import MlxqWorker
 from mlxq.worker.stream_writer import StreamOptions
@@ -409,3 +411,36 @@ def test_jobs_ended_together_are_logged_by_id_in_one_line_a_queue(
     # as RQ wrote it, or quoted as a worker's log writes RQ's lines (`cli.RqLines`, set up by other tests)
     said = f"Worker {w.name}: logged: Jobs OK (3): " + " ".join(run.job.id for run, _ in ended)
     assert lines in ([said], [f"msg={json.dumps(said)}"])
+
+
+def test_a_result_mlxq_wrote_is_ended_in_rq_as_written_not_dumped_again(
+    redis_conn: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """RQ's end of a score batch sends each result as the text mlxq's writes stored (`JobResults`
+    keeps it on the job): RQ keeps the same result as its own end of that value, and the value is not
+    serialized again; a value other than the one written is."""
+    q, w = _born_worker(redis_conn, "written")
+    (alone, *_), together = _started(w, q, 1), _started(w, q, 6)
+    score = ScoreResult(
+        rows=[ScoredRow(logits=[0.5, -1.25], logprobs=[-0.2, -1.9], input_tokens=3, cached_tokens=1)],
+        input_tokens=3,
+        cached_tokens=1,
+    )
+    first, *values = JobResults(redis_conn, StreamOptions()).finish_scores(
+        [(run.job, score) for run, _ in [alone, *together]]
+    )
+    w.batches.succeed(alone[0], first)  # RQ's own end of such a value
+    read = [run for run, _ in together if isinstance(run.job, BoundedJob)]
+    assert read and all(run.job.returned is not None for run in read)
+    ended = [(run, v) for (run, _), v in zip(together, values, strict=True)]
+    ended[-1] = (ended[-1][0], dict(values[-1]))  # a copy: not the value written, dumped again
+    dumped: list[Any] = []
+    real = JSONSerializer.dumps
+    monkeypatch.setattr(JSONSerializer, "dumps", staticmethod(lambda v: dumped.append(v) or real(v)))
+    w.batches.succeed_many(ended)
+    assert len(dumped) == len(together) - len(read) + (
+        1 if isinstance(together[-1][0].job, BoundedJob) else 0
+    )
+    reference = _ended_state(alone[0].job)
+    for run, value in ended:
+        assert _ended_state(run.job) == {**reference, "results": [(Result.Type.SUCCESSFUL, value)]}

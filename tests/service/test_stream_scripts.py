@@ -86,3 +86,19 @@ def test_a_call_sent_again_writes_nothing_twice(redis_conn: redis.Redis) -> None
     once = _written(redis_conn, job)
     finish_score_streams(redis_conn, finals, StreamOptions())  # its reply lost: sent again
     assert _written(redis_conn, job) == once and once["entries"] == [DONE.fields()]
+
+
+def test_a_jobs_meta_is_written_as_rq_saves_it(redis_conn: redis.Redis) -> None:
+    """The meta a batch's end writes is the text RQ's `save_meta` writes, byte for byte: an attempt
+    count alone (made from a memory of that text) or beside a producer's own keys; and values
+    returned by the call are the results' JSON texts as stored."""
+    jobs = _jobs(redis_conn, 3)
+    jobs[1].meta["producer"] = {"tag": "x", "n": 1}
+    jobs[2].meta["mlxq_attempt"] = True  # not a count: dumped as it is
+    finals = [(job, 1, RESULT.model_dump(mode="json"), DONE.fields()) for job in jobs]
+    for job in jobs[:2]:
+        job.meta[ATTEMPT_META] = 1
+    texts = finish_score_streams(redis_conn, finals, StreamOptions())
+    for job, text in zip(jobs, texts, strict=True):
+        assert redis_conn.hget(job.key, "meta") == job.serializer.dumps(job.meta)
+        assert redis_conn.get(keys.result_key(job.id)) == text.encode()
