@@ -244,7 +244,8 @@ class SwitchGLU(nn.Module):
         return out[mx.argsort(order).reshape(n, k)].reshape(n, k, out.shape[-1])
 
     def _gated(self, x: mx.array, experts: mx.array, rows: mx.array | None, sorted_experts: bool) -> mx.array:
-        """silu(gate) * up of row `rows[i]` of x by expert `experts[i]`: rows.shape + (1, width)."""
+        """silu(gate) * up of row `rows[i]` of x (rows None: x's own rows) by expert `experts[i]`:
+        experts.shape + (1, width)."""
         if self.gate_up_proj is not None:
             both = self.gate_up_proj(x, experts, rows, sorted_experts)
             gate, up = mx.split(both, [self.width], axis=-1)
