@@ -10,6 +10,7 @@ For each size N, in turns each repetition, the same N prompts (greedy, EOS maske
 "tok/s" is all generated tokens over enqueue (or call) to the last job's end, prefill included;
 "decode tok/s" counts only the tokens that arrived once every job had its first one (the steady batched
 decode). The first round runs every size once as measured, so the measured rounds meet no new shapes.
+Beside them, the primitives one decode step builds at each N, and mlx-lm's one-row step (`step_ops.py`).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from mlxq.worker.engine.generation_batch import GenerationBatch
 from .common import Bench, median, worker_memory
 from .fig_generate import gen_payload
 from .queue_client import BenchWorker, cleanup, enqueue_many, follow
+from .step_ops import step_ops
 
 QUEUE, ENGINE, MLX_LM = (
     "mlxq via Redis (batching worker)",
@@ -194,4 +196,10 @@ def batch_generation(b: Bench) -> dict[str, Any]:
             "phases": rs[-1].phases,
             **rs[-1].memory,
         }
-    return {"prompt_tokens": s.gen_prompt, "max_tokens": s.batch_tokens, "reps": s.batch_reps, "rows": rows}
+    return {
+        "prompt_tokens": s.gen_prompt,
+        "max_tokens": s.batch_tokens,
+        "reps": s.batch_reps,
+        "rows": rows,
+        "step_ops": step_ops(b.engine, b.mlxlm.model, s.batch_jobs),
+    }

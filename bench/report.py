@@ -255,6 +255,20 @@ SPECULATION: list[Column] = [
 ]
 
 
+def _step_ops(ops: dict[str, Any]) -> str:
+    """The batch figure's primitives a decode step (`step_ops.py`), ours at each N and mlx-lm's one row."""
+    layers = ops["layers"]
+
+    def count(n: int) -> str:
+        return f"{n:,} ({n / layers:.1f} a layer)"
+
+    ours = ", ".join(f"{rows} row{'s' * (rows != '1')} {count(n)}" for rows, n in ops["mlxq"].items())
+    return (
+        f"\nPrimitives one decode step builds for MLX to encode ({layers} layers; one device's counts only): "
+        f"mlxq {ours}; mlx-lm `generate_step` 1 row {count(ops['mlx_lm_1'])}\n"
+    )
+
+
 def _batch_phases(r: dict[str, Any]) -> str:
     p = r.get("phases") or {}
     if not p:
@@ -342,6 +356,8 @@ def render(result: dict[str, Any]) -> str:
             f"{bg['max_tokens']} new tokens each, greedy, median of {bg['reps']})"
         )
         out.append(_columns(BATCH, bg["rows"]))
+        if "step_ops" in bg:
+            out.append(_step_ops(bg["step_ops"]))
     if (st := figs.get("structured")) and "rows" in st:
         out.append(
             f"\n### 7. Structured output (N jobs at once in the engine's GenerationBatch, "

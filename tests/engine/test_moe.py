@@ -10,6 +10,7 @@ a batched forward is exact per row, every request's tokens must equal the reques
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +18,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
-from reference import DEEPSEEK_V3_ROUTING, make_hf_checkpoint, prompt_ids, rel_err
+from reference import DEEPSEEK_V3_ROUTING, TINY, make_hf_checkpoint, prompt_ids, rel_err
 from safetensors.numpy import load_file, save_file
 
 from mlxq.jobs.schema import GenerateRequest, ScoreRequest
@@ -80,6 +81,36 @@ def test_gathered_experts_equal_each_expert_applied_on_its_own(rows: int) -> Non
     block.fuse()  # gate and up in one gathered matmul
     assert block.gate_up_proj is not None and "gate_proj" not in block
     np.testing.assert_allclose(np.array(block(x, experts)), np.array(got), rtol=1e-5, atol=1e-5)
+
+
+def _primitives(out: mx.array, tmp_path: Path) -> list[str]:
+    """The primitives of the graph behind `out` (not evaluated), by name."""
+    mx.export_to_dot(str(tmp_path / "graph.dot"), out)
+    return re.findall(r'\[label ="([A-Za-z_]+)', (tmp_path / "graph.dot").read_text())
+
+
+@pytest.mark.parametrize("quantized", [False, True])
+def test_a_sparse_layer_of_one_row_builds_few_primitives(tmp_path: Path, quantized: bool) -> None:
+    """A decode step on a GPU is bound by the host's launch of each op: one token's pass through a fused
+    sparse layer builds the router's matmul, the routing (negation, sort, slice, gather, softmax), the
+    two gathered matmuls read apart by one split and gated, and the weighted sum (a view and a matmul):
+    no index MLX would make for the gathered matmuls, no cast, transpose or other reshape."""
+    args = moe.ModelArgs.from_dict({**TINY, "vocab_size": 64, **QWEN3_MOE, "num_experts": 16})
+    block = moe.SparseMoeBlock(args)
+    if quantized:
+        nn.quantize(block, 32, 4, class_predicate=lambda _p, m: isinstance(m, (nn.Linear, moe.SwitchLinear)))
+    block.fuse()
+    x = mx.random.normal((1, 1, 64))
+    mx.eval(block.parameters(), x, block(x))  # the first call makes the views it keeps
+    ops = _primitives(block(x), tmp_path)
+    # MLX folds a plain matmul's leading axes into its rows by two views (a quantized one needs none)
+    router = ["QuantizedMatmul"] if quantized else ["Flatten", "Matmul", "Unflatten"]
+    gathered = "GatherQMM" if quantized else "GatherMM"
+    swiglu = [op for op in ops if op.startswith("Compiled")]  # named by MLX after its parts
+    assert len(swiglu) == 1, ops
+    routing = [*router, "Negative", "ArgSort", "Slice", "GatherAxis", "Softmax"]
+    experts = [gathered, "Split", swiglu[0], gathered, "Reshape", "Matmul"]
+    assert sorted(ops) == sorted(routing + experts), ops
 
 
 def _dequantized_copy(model: Any, config: dict[str, Any]) -> Any:

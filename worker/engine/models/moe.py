@@ -10,25 +10,30 @@ so each expert's weights are read once per forward rather than once per token.
 
 Routing is each model's own rule, from transformers: a softmax over all experts in float32, the top-k
 by probability, renormalised to sum to one where the model says so (Mixtral always; Qwen3-MoE by its
-`norm_topk_prob`). Equal probabilities are ordered by MLX's sort (lower index first on the CPU). A
-tie inside the top-k changes nothing; one that straddles the k-th place transformers settles by its
-sort's unspecified order (torch's CPU top-k does not take the lower index), so there the two agree
-only where the tied experts are identical, which is what the parity tests hold them to.
+`norm_topk_prob`), then cast to the model's dtype. Computed here as the same in fewer ops (`route`):
+the top-k by logit (the softmax keeps their order), and renormalised weights as the softmax of the k
+logits alone; each softmax in float32. Equal logits are ordered by MLX's sort (lower index first on
+the CPU). A tie inside the top-k changes nothing; one that straddles the k-th place transformers
+settles by its sort's unspecified order (torch's CPU top-k does not take the lower index), so there
+the two agree only where the tied experts are identical, which is what the parity tests hold them to.
 """
 
 from __future__ import annotations
 
+import math
 import re
 from collections import defaultdict
 from dataclasses import dataclass, field
-from functools import partial
+from functools import lru_cache, partial
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 
 from mlxq.worker.engine.errors import CheckpointError
 from mlxq.worker.engine.models import llama, mlp, model_args
+from mlxq.worker.engine.models.fused_linear import kept_transpose
 
 # From how many (token, expert) pairs a forward sorts them by expert before its gathered matmuls: below,
 # a decode step of a few rows, sorting would cost more launches than it saves reads.
@@ -77,19 +82,45 @@ class ModelArgs(model_args.ModelArgs):
         return layer not in self.mlp_only_layers and (layer + 1) % self.decoder_sparse_step == 0
 
 
+@dataclass(frozen=True)
+class _Transposed:
+    """A stacked weight and its transpose (a view of the same memory), held outside the module's
+    parameters (a plain attribute, as `fused_linear.TransposedWeightLinear` keeps its own)."""
+
+    weight: mx.array
+    t: mx.array
+
+
+@lru_cache(maxsize=64)
+def _pair_rows(shape: tuple[int, ...], per: int) -> mx.array:
+    """uint32 indices of `shape` counting up by one every `per` entries (in row-major order): the row
+    of a gathered matmul's input that each (token, expert) pair reads. Made from host memory once per
+    shape (never an op in a forward), where `mx.gather_mm` left without them adds three a call."""
+    return mx.array((np.arange(math.prod(shape), dtype=np.uint32) // per).reshape(shape))
+
+
 class SwitchLinear(nn.Module):
     """Every expert's bias-free Linear stacked: `weight` (experts, outputs, inputs). Called with the
     expert of each input row, it multiplies each row by its own expert's weight in one gathered matmul."""
+
+    _transposed: _Transposed | None = None
 
     def __init__(self, inputs: int, outputs: int, experts: int) -> None:
         super().__init__()  # type: ignore[no-untyped-call]  # mlx.nn.Module.__init__ is unannotated
         bound = inputs**-0.5
         self.weight = mx.random.uniform(-bound, bound, (experts, outputs, inputs))
 
-    def __call__(self, x: mx.array, experts: mx.array, sorted_experts: bool = False) -> mx.array:
-        """x (..., 1, inputs) with `experts` broadcasting against its leading axes -> (..., 1, outputs)."""
+    def __call__(
+        self, x: mx.array, experts: mx.array, rows: mx.array | None, sorted_experts: bool = False
+    ) -> mx.array:
+        """Row `rows[i]` of x (..., 1, inputs) by expert `experts[i]` (rows None: x's own rows in turn):
+        experts.shape + (1, outputs). The weight's transpose is a view made once (as
+        `TransposedWeightLinear`'s), not an op a forward."""
+        weight = self["weight"]
+        if self._transposed is None or self._transposed.weight is not weight:
+            self._transposed = _Transposed(weight, weight.swapaxes(-1, -2))
         return mx.gather_mm(
-            x, self.weight.swapaxes(-1, -2), rhs_indices=experts, sorted_indices=sorted_experts
+            x, self._transposed.t, lhs_indices=rows, rhs_indices=experts, sorted_indices=sorted_experts
         )
 
     def to_quantized(
@@ -116,12 +147,15 @@ class QuantizedSwitchLinear(nn.Module):
             self.biases = biases[0]
         self.freeze()
 
-    def __call__(self, x: mx.array, experts: mx.array, sorted_experts: bool = False) -> mx.array:
+    def __call__(
+        self, x: mx.array, experts: mx.array, rows: mx.array | None, sorted_experts: bool = False
+    ) -> mx.array:
         return mx.gather_qmm(
             x,
             self.weight,
             self.scales,
             self.get("biases"),
+            lhs_indices=rows,
             rhs_indices=experts,
             transpose=True,
             group_size=self.group_size,
@@ -159,7 +193,13 @@ def _swiglu(gate: mx.array, up: mx.array) -> mx.array:
 
 
 class SwitchGLU(nn.Module):
-    """The experts' SwiGLUs stacked (mlx-community's `switch_mlp`): gate, up and down projections."""
+    """The experts' SwiGLUs stacked (mlx-community's `switch_mlp`): gate, up and down projections.
+
+    A decode step on a GPU is bound by the host's launch of each op (`fused_linear.py`), so a token's
+    pass through its experts is built of as few as it takes: the gathered matmuls are given the input
+    row of each (token, expert) pair (`_pair_rows`) rather than let MLX make them, gate and up are one
+    matmul read apart by one split (`fuse`), and the experts' outputs are weighted and summed by one
+    matmul (`weighted`)."""
 
     def __init__(self, hidden: int, width: int, experts: int) -> None:
         super().__init__()  # type: ignore[no-untyped-call]  # mlx.nn.Module.__init__ is unannotated
@@ -177,32 +217,53 @@ class SwitchGLU(nn.Module):
 
     def __call__(self, x: mx.array, experts: mx.array) -> mx.array:
         """Each row of x (N, hidden) through each of its k experts (N, k): (N, k, hidden)."""
-        n, k = experts.shape
-        if n * k < SORT_FROM:
-            return self._expert_rows(x[:, None, None, :], experts, False).squeeze(-2)
-        flat = experts.flatten()
-        order = mx.argsort(flat)  # pairs grouped by expert: each expert's weights read once
-        rows = self._expert_rows(x[order // k][:, None, :], flat[order], True)
-        return rows.squeeze(-2)[mx.argsort(order)].reshape(n, k, -1)
+        return self.expert_outputs(x[:, None, :], experts)
 
-    def _expert_rows(self, x: mx.array, experts: mx.array, sorted_experts: bool) -> mx.array:
+    def weighted(self, x: mx.array, experts: mx.array, weights: mx.array) -> mx.array:
+        """Each token of x (N, 1, hidden) through its k experts (N, 1, k), their outputs summed weighted
+        by `weights` (N, 1, k; in x's dtype): (N, 1, hidden)."""
+        out = self.expert_outputs(x, experts)
+        return weights.astype(out.dtype) @ out  # no op where the router gave the experts' dtype
+
+    def expert_outputs(self, x: mx.array, experts: mx.array) -> mx.array:
+        """Each token of x (N, 1, hidden) through each of its k experts (N, ..., k): (N, k, hidden).
+        From `SORT_FROM` (token, expert) pairs on, the pairs are sorted by expert first, so each
+        expert's weights are read once per forward rather than once per token."""
+        n, k, pairs = x.shape[0], experts.shape[-1], experts.size
+        if pairs < SORT_FROM:
+            hidden = self._gated(x, experts, _pair_rows(experts.shape, k), False)
+            out = self.down_proj(hidden, experts, _pair_rows(experts.shape, 1))
+            return out.reshape(n, k, out.shape[-1])
+        flat = experts.flatten()
+        order = mx.argsort(flat)
+        by_expert = mx.take_along_axis(flat, order, axis=0)
+        # The rows themselves in the experts' order: MLX takes `sorted_experts` at its word only where a
+        # gathered matmul is given no rows of its own (`lhs_indices`).
+        x = mx.take(x, mx.take_along_axis(_pair_rows((pairs,), k), order, axis=0), axis=0)
+        out = self.down_proj(self._gated(x, by_expert, None, True), by_expert, None, True)
+        return out[mx.argsort(order).reshape(n, k)].reshape(n, k, out.shape[-1])
+
+    def _gated(self, x: mx.array, experts: mx.array, rows: mx.array | None, sorted_experts: bool) -> mx.array:
+        """silu(gate) * up of row `rows[i]` of x (rows None: x's own rows) by expert `experts[i]`:
+        experts.shape + (1, width)."""
         if self.gate_up_proj is not None:
-            both = self.gate_up_proj(x, experts, sorted_experts)
-            gate, up = both[..., : self.width], both[..., self.width :]
+            both = self.gate_up_proj(x, experts, rows, sorted_experts)
+            gate, up = mx.split(both, [self.width], axis=-1)
         else:
-            gate, up = self.gate_proj(x, experts, sorted_experts), self.up_proj(x, experts, sorted_experts)
-        return self.down_proj(_swiglu(gate, up), experts, sorted_experts)
+            gate = self.gate_proj(x, experts, rows, sorted_experts)
+            up = self.up_proj(x, experts, rows, sorted_experts)
+        return _swiglu(gate, up)
 
 
 def route(logits: mx.array, k: int, renormalize: bool) -> tuple[mx.array, mx.array]:
-    """(weights (N, k) float32, experts (N, k)) from router logits (N, experts): softmax in float32, the
-    k most probable (equal ones lower index first), optionally renormalised to sum to one."""
-    probs = mx.softmax(logits.astype(mx.float32), axis=-1)
-    experts = mx.argsort(-probs, axis=-1)[:, :k]
-    weights = mx.take_along_axis(probs, experts, axis=-1)
+    """(weights, experts), each (..., k), from router logits (..., experts): the k largest logits (the
+    most probable experts; equal ones lower index first) and their softmax probabilities, computed in
+    float32 and given in the logits' dtype; renormalised to sum to one where asked, which is the
+    softmax of those k logits alone (the one op where a softmax over all, a sum and a division were)."""
+    experts = mx.argsort(-logits, axis=-1)[..., :k]
     if renormalize:
-        weights = weights / weights.sum(axis=-1, keepdims=True)
-    return weights, experts
+        return mx.softmax(mx.take_along_axis(logits, experts, axis=-1), axis=-1, precise=True), experts
+    return mx.take_along_axis(mx.softmax(logits, axis=-1, precise=True), experts, axis=-1), experts
 
 
 class SparseMoeBlock(nn.Module):
@@ -217,13 +278,14 @@ class SparseMoeBlock(nn.Module):
         self.renormalize = args.norm_topk_prob
 
     def fuse(self) -> None:
+        self.gate = kept_transpose(self.gate)
         self.switch_mlp.fuse()
 
     def __call__(self, x: mx.array) -> mx.array:
-        flat = x.reshape(-1, x.shape[-1])
-        weights, experts = route(self.gate(flat), self.top_k, self.renormalize)
-        out = self.switch_mlp(flat, experts)
-        return (out * weights[..., None].astype(out.dtype)).sum(axis=1).reshape(x.shape)
+        hidden = x.shape[-1]
+        tokens = x.reshape(x.size // hidden, 1, hidden)  # what a decode step's x already is: no op
+        weights, experts = route(self.gate(tokens), self.top_k, self.renormalize)
+        return self.switch_mlp.weighted(tokens, experts, weights).reshape(x.shape)
 
 
 def _feed_forward(args: ModelArgs, layer: int) -> tuple[str, nn.Module]:

@@ -14,7 +14,7 @@ cost of the dense weights (the bytes it returns; ~2.5 GB for a 1B model). The co
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -46,6 +46,12 @@ class _Dense:
 
     weight: mx.array  # (outputs, inputs)
     min_rows: int
+    # The weight's transpose, a view made once (as `fused_linear.TransposedWeightLinear` keeps its own):
+    # a forward multiplies by it without a transpose op of its own.
+    t: mx.array = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "t", self.weight.T)
 
 
 def _dequantized(layer: nn.QuantizedLinear | nn.QuantizedEmbedding, dtype: mx.Dtype) -> mx.array:
@@ -67,7 +73,7 @@ class DenseRowsLinear(nn.QuantizedLinear):
     def __call__(self, x: mx.array) -> mx.array:
         if _rows(x) < self._dense.min_rows:
             return super().__call__(x)  # type: ignore[no-untyped-call, no-any-return]  # unannotated in MLX
-        out = x @ self._dense.weight.T
+        out = x @ self._dense.t
         return out + self["bias"] if "bias" in self else out
 
 
@@ -80,7 +86,7 @@ class DenseRowsEmbedding(nn.QuantizedEmbedding):
     def as_linear(self, x: mx.array) -> mx.array:
         if _rows(x) < self._dense.min_rows:
             return super().as_linear(x)  # type: ignore[no-untyped-call, no-any-return]  # unannotated in MLX
-        return x @ self._dense.weight.T
+        return x @ self._dense.t
 
 
 class FusedDenseRows(nn.Module):
@@ -110,7 +116,7 @@ class FusedDenseRows(nn.Module):
     def __call__(self, x: mx.array) -> mx.array:
         if self.apart(x):
             return mx.concatenate([part(x) for part in self.parts], axis=-1)
-        out = x @ self._dense.weight.T
+        out = x @ self._dense.t
         return out + self["bias"] if "bias" in self else out
 
 
