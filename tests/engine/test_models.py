@@ -181,6 +181,8 @@ CASES: dict[str, tuple[str, dict[str, Any], str]] = {
         {**DEEPSEEK_V3, "q_lora_rank": None, "v_head_dim": 24, "rope_parameters": DEEPSEEK_YARN},
         "v4",
     ),
+    # one group of experts (Moonlight's routing): no group is masked
+    "deepseek-v3-one-group": ("DeepseekV3ForCausalLM", {**DEEPSEEK_V3, "n_group": 1, "topk_group": 1}, "v5"),
 }
 
 

@@ -235,13 +235,31 @@ def _masked_scores(scores: mx.array, mask: masks.Mask) -> mx.array:
     return scores + mask.astype(scores.dtype)
 
 
+@dataclass(frozen=True)
+class _Float32T:
+    """A router weight and its float32 transpose, held outside the module's parameters."""
+
+    weight: mx.array
+    t: mx.array
+
+
 class Router(nn.Module):
     """The router's weights: one row per expert, and the bias that steers the choice (not the weights)."""
+
+    _float32_t: _Float32T | None = None
 
     def __init__(self, hidden: int, experts: int) -> None:
         super().__init__()  # type: ignore[no-untyped-call]  # mlx.nn.Module.__init__ is unannotated
         self.weight = mx.zeros((experts, hidden))
         self.e_score_correction_bias = mx.zeros((experts,))
+
+    def logits(self, x: mx.array) -> mx.array:
+        """Router logits in float32 of tokens x (..., hidden): the weight's float32 transpose is made
+        once (computed with the first forward, then kept), not two ops a forward."""
+        weight = self["weight"]
+        if self._float32_t is None or self._float32_t.weight is not weight:
+            self._float32_t = _Float32T(weight, weight.astype(mx.float32).T)
+        return x.astype(mx.float32) @ self._float32_t.t
 
 
 def route(
@@ -252,11 +270,12 @@ def route(
     scores = mx.sigmoid(logits.astype(mx.float32))
     choice = scores + bias.astype(mx.float32)
     n, experts = choice.shape
-    grouped = choice.reshape(n, groups, experts // groups)
-    group_scores = mx.sort(grouped, axis=-1)[..., -2:].sum(axis=-1)
-    kept = mx.argsort(-group_scores, axis=-1)[:, :top_groups]
-    in_kept = (mx.arange(groups)[None, None, :] == kept[:, :, None]).any(axis=1)  # (N, groups)
-    choice = mx.where(mx.repeat(in_kept, experts // groups, axis=-1), choice, -mx.inf)
+    if top_groups < groups:  # every group kept (one group, as many models have): nothing to mask
+        grouped = choice.reshape(n, groups, experts // groups)
+        group_scores = mx.sort(grouped, axis=-1)[..., -2:].sum(axis=-1)
+        kept = mx.argsort(-group_scores, axis=-1)[:, :top_groups]
+        in_kept = (mx.arange(groups)[None, None, :] == kept[:, :, None]).any(axis=1)  # (N, groups)
+        choice = mx.where(mx.repeat(in_kept, experts // groups, axis=-1), choice, -mx.inf)
     chosen = mx.argsort(-choice, axis=-1)[:, :k]
     weights = mx.take_along_axis(scores, chosen, axis=-1)
     if renormalize:
@@ -284,9 +303,8 @@ class DeepseekMoE(nn.Module):
     def __call__(self, x: mx.array) -> mx.array:
         a = self.args
         flat = x.reshape(-1, x.shape[-1])
-        logits = flat.astype(mx.float32) @ self.gate.weight.astype(mx.float32).T
         weights, experts = route(
-            logits,
+            self.gate.logits(flat),
             self.gate.e_score_correction_bias,
             a.num_experts_per_tok,
             a.n_group,
@@ -294,8 +312,9 @@ class DeepseekMoE(nn.Module):
             a.norm_topk_prob,
             a.routed_scaling_factor,
         )
-        out = self.switch_mlp(flat, experts)
-        y = (out * weights[..., None].astype(out.dtype)).sum(axis=1).reshape(x.shape)
+        # the experts' outputs weighted and summed by one matmul (`SwitchGLU.weighted`)
+        y = self.switch_mlp.weighted(flat[:, None, :], experts[:, None, :], weights[:, None, :])
+        y = y.reshape(x.shape)
         if "shared_experts" in self:
             y = y + self.shared_experts(x)
         return y
