@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# The GPU runs of bench/README's "Runs waiting for the GPU", by name, so that a device call is one line:
+#   source .gpu-b/device-setup.sh && bash bench/gpu_runs.sh NAME [NAME ...]
+# Each run's JSON and Markdown land under $OUT (the device tool brings back a limited count of files:
+# the workers' logs are left out), labelled gpu-<run>-<commit>; the table rows are printed as they come.
+# The commit is $MLXQ_BENCH_COMMIT, else .gpu-b/commit (the carried tree has no .git).
+set -uo pipefail
+commit=${MLXQ_BENCH_COMMIT:-$(cat .gpu-b/commit 2>/dev/null || echo unknown)}
+export MLXQ_BENCH_COMMIT=$commit
+out=${OUT:-/tmp/bench-out}
+mkdir -p "$out"
+
+bench() {  # bench LABEL ARGS...: one bench process, its table rows printed, its workers' log dropped
+  local label="gpu-$1-$commit"
+  shift
+  timeout "${T:-560}" python3 -m bench --sizes gpu --cache-dir /tmp/bench-models \
+    --redis-url redis://127.0.0.1:6379/5 --out "$out" --label "$label" "$@" 2>&1 |
+    grep -E '^\||^---|^loaded|Error|error' | grep -v '^| ---'
+  rm -f "$out/$label-workers.log"
+}
+
+for name in "$@"; do
+  echo "=== $name $(date -u +%H:%M:%S)"
+  case $name in
+    structured)  # issue 34: both orders of a constrained step, after the decode step's op cuts
+      MLXQ_BUILD_AHEAD=0 bench llama-1b-structured-ba0 --model llama-1b --only structured --batch-reps 10
+      MLXQ_BUILD_AHEAD=1 bench llama-1b-structured-ba1 --model llama-1b --only structured --batch-reps 10 ;;
+    decode)  # issue 29: one job through Redis against mlx-lm, rotating
+      bench llama-1b-decode-ab --model llama-1b --only decode_ab ;;
+    spec-1b | spec-8b)  # issue 31: the draft-model machinery's ceiling (own draft) and a 4-bit copy
+      bench "llama-${name#spec-}-speculation" --model "llama-${name#spec-}" --only speculation \
+        --speculation-modes self,draft --speculation-jobs 1,8 --speculation-reps 10 ;;
+    mtp)  # issue 31: an MTP layer's cost, gated and forced (random weights)
+      bench deepseek-v3-mtp-speculation --model deepseek-v3-mtp --only speculation \
+        --speculation-modes mtp,mtp-forced --speculation-jobs 1,8 --speculation-reps 10 ;;
+    queue)  # issue 29: one-row score jobs a second on the host
+      bench tiny-queue --model tiny --only queue ;;
+    warm)  # issue 29: warm repeat of an 8k prefix, cold first token against mlx-lm's prefill
+      bench llama-1b-ttft --model llama-1b --only prefill,warm_cache ;;
+    moe)  # issue 32: the 4-bit MoE, one and 32 jobs, a step's primitives beside mlx-lm's
+      bench qwen3-moe-30b-4bit --model qwen3-moe-30b-4bit --only generation,batch --batch-jobs 1,32 ;;
+    *) echo "unknown run $name: structured decode spec-1b spec-8b mtp queue warm moe" >&2 ;;
+  esac
+done
