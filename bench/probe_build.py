@@ -43,10 +43,14 @@ def _stand_in(
     shape: tuple[int, ...] | None = None,
 ) -> mx.array:
     """One op in place of the CUDA kernel (its Python is a few lines and one call), in its shape
-    (with `shape`: zeros, one op that reads nothing; q's other readers keep its branch in the graph)."""
+    (with `shape`: an evaluated zero broadcast, one op that reads nothing; q's other reader, the
+    cache's write of the keys, keeps its branch in the graph)."""
     if shape is None:
         return q[:, :heads] if heads is not None else q
-    return mx.zeros(shape, q.dtype)
+    return mx.broadcast_to(_ZERO, shape).astype(q.dtype)
+
+
+_ZERO = mx.zeros((1,), dtype=mx.bfloat16)
 
 
 def _one_op(x: mx.array, *args: Any, **kwargs: Any) -> mx.array:
