@@ -13,7 +13,7 @@ from mlxq.worker.engine.cache.batch_cache import BatchKVCache
 from mlxq.worker.engine.cache.kv_cache import KVCache
 from mlxq.worker.engine.cache.shared_prefix import SharedPrefixRows
 from mlxq.worker.engine.models.base import LayerCache
-from mlxq.worker.engine.models.fused_linear import fuse_linears, fused_outputs, kept_transpose
+from mlxq.worker.engine.models.fused_linear import fuse_linears, fused_outputs, kept_transpose, plus
 from mlxq.worker.engine.models.masks import Mask
 from mlxq.worker.engine.models.model_args import ModelArgs
 from mlxq.worker.engine.models.quantized_rows import FusedDenseRows
@@ -88,13 +88,15 @@ class Attention(nn.Module):
         cache: LayerCache | None,
         last: int | None = None,
         columns: int | None = None,
+        residual: mx.array | None = None,
     ) -> mx.array:
         """Attention output for every position, or with `last` for that position only (keys and values of
         every position still go into the cache). `columns`: read that many cache columns (the mask
-        hides the ones past each query; see `kv_cache.key_columns`)."""
+        hides the ones past each query; see `kv_cache.key_columns`). `residual`: the output plus it
+        (`fused_linear.plus`: one op fewer)."""
         if isinstance(mask, RaggedRows) and self._one_matmul(x):
             assert isinstance(cache, BatchKVCache) and last is None
-            return self._ragged_step(x, mask, cache)
+            return self._ragged_step(x, mask, cache, residual)
         offset: int | mx.array = 0
         if isinstance(mask, RaggedRows):  # a decode step of left-padded rows: see ragged_attention.py
             offset = mask.positions
@@ -128,7 +130,13 @@ class Attention(nn.Module):
                 # every position, and both end at the last one.
                 mask = mask[..., -k.shape[2] :]
             out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
-        return self.o_proj(_merged(out, x if last is None else x[:, last : last + 1]))
+        return self._projected_out(_merged(out, x if last is None else x[:, last : last + 1]), residual)
+
+    def _projected_out(self, merged: mx.array, residual: mx.array | None) -> mx.array:
+        """The output projection of the heads' merged output, plus `residual` where given."""
+        if residual is not None:
+            return plus(residual, self.o_proj, merged)
+        return self.o_proj(merged)  # type: ignore[no-any-return]  # mlx.nn.Module's call is unannotated
 
     def _projected(self, x: mx.array, last: int | None) -> tuple[mx.array, mx.array, mx.array]:
         """q (of position `last` alone, if given), k and v as (B, heads, L, head_dim), not rotated."""
@@ -174,7 +182,9 @@ class Attention(nn.Module):
         qk, v = mx.split(self.qkv_proj(x), [(h + hkv) * d], axis=-1)
         return self.rope(_heads(qk, b, n, h + hkv, d), offset=offset), _heads(v, b, n, hkv, d)
 
-    def _ragged_step(self, x: mx.array, rows: RaggedRows, cache: BatchKVCache) -> mx.array:
+    def _ragged_step(
+        self, x: mx.array, rows: RaggedRows, cache: BatchKVCache, residual: mx.array | None
+    ) -> mx.array:
         """A decode step of left-padded rows (`ragged_attention.py`) with q and k rotated together
         (`_rotated`); the kernel reads the queries from the same array."""
         h = self.n_heads
@@ -184,4 +194,4 @@ class Attention(nn.Module):
         placed = rows.placed(cache.base, cache.capacity)
         shape = _merged_shape(x, h * self.head_dim) if x.ndim == 2 or x.shape[1] == 1 else None
         attn = decode_attention(qk, cache.keys, cache.values, placed, self.scale, heads=h, shape=shape)
-        return self.o_proj(attn if shape is not None else _merged(attn, x))
+        return self._projected_out(attn if shape is not None else _merged(attn, x), residual)

@@ -52,6 +52,10 @@ class TransformerBlock(nn.Module):
         self.feed_forward_name = name  # a str: a plain attribute, not a parameter
         self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        # Whether attention and feed-forward add the residual to their output themselves (the Llama
+        # family's do, in one op with their output projection: `fused_linear.plus`); plain attributes
+        self.attention_adds = isinstance(self.self_attn, Attention)
+        self.feed_forward_adds = isinstance(module, MLP)
 
     def __call__(
         self,
@@ -62,8 +66,14 @@ class TransformerBlock(nn.Module):
         columns: int | None = None,
     ) -> mx.array:
         """The block's output for every position, or with `last` for that position only."""
-        attn: mx.array = self.self_attn(self.input_layernorm(x), mask, cache, last, columns)
-        h = (x if last is None else x[:, last : last + 1]) + attn
+        residual = x if last is None else x[:, last : last + 1]
+        normed = self.input_layernorm(x)
+        if self.attention_adds:
+            h: mx.array = self.self_attn(normed, mask, cache, last, columns, residual=residual)
+        else:
+            h = residual + self.self_attn(normed, mask, cache, last, columns)
+        if self.feed_forward_adds:
+            return self.feed_forward(self.post_attention_layernorm(h), residual=h)  # type: ignore[no-any-return]
         out: mx.array = self.feed_forward(self.post_attention_layernorm(h))
         return h + out
 
