@@ -256,8 +256,8 @@ def decode_attention(
     h = qh if heads is None else heads
     hkv = keys.shape[1]
     if not available() or abs(scale - d**-0.5) > 1e-9 or (d * q.dtype.size) % 16:
-        out = _masked(q[:, :h] if h < qh else q, keys, values, rows, scale)
-        return out if shape is None else out.reshape(shape)
+        masked = _masked(q[:, :h] if h < qh else q, keys, values, rows, scale)
+        return masked if shape is None else masked.reshape(shape)
     rep = h // hkv
     template = [("T", q.dtype), ("D", d), ("HKV", hkv), ("REP", rep), ("QH", qh)]
     wide = d >= WIDE_FROM and d % 32 == 0 and rep <= _WIDE_WARPS

@@ -136,7 +136,7 @@ class Attention(nn.Module):
         """The output projection of the heads' merged output, plus `residual` where given."""
         if residual is not None:
             return plus(residual, self.o_proj, merged)
-        return self.o_proj(merged)  # type: ignore[no-any-return]  # mlx.nn.Module's call is unannotated
+        return self.o_proj(merged)
 
     def _projected(self, x: mx.array, last: int | None) -> tuple[mx.array, mx.array, mx.array]:
         """q (of position `last` alone, if given), k and v as (B, heads, L, head_dim), not rotated."""

@@ -47,7 +47,7 @@ class MLP(nn.Module):
             gated = self.gated(self.gate_proj(x), self.up_proj(x))
         if residual is not None:
             return plus(residual, self.down_proj, gated)
-        return self.down_proj(gated)  # type: ignore[no-any-return]  # mlx.nn.Module's call is unannotated
+        return self.down_proj(gated)
 
     def gated(self, gate: mx.array, up: mx.array) -> mx.array:
         """The activation of gate times up: SwiGLU's (Gemma's MLP overrides it)."""
