@@ -30,11 +30,11 @@ def _heads(x: mx.array, b: int, n: int, heads: int, d: int) -> mx.array:
     return x.reshape(b, n, heads, d).transpose(0, 2, 1, 3)
 
 
-def _merged(out: mx.array, x: mx.array) -> mx.array:
-    """Attention's (B, heads, L, d) output in the layout of its input `x`: (B, L, heads * d), or
-    (B, heads * d) for a flat step; for one position a reshape alone."""
-    b, n = x.shape[0], _positions(x)
-    if x.ndim == 2:
+def _merged(out: mx.array, flat: bool) -> mx.array:
+    """Attention's (B, heads, L, d) output as (B, L, heads * d), or `flat` (one position a row, as a flat
+    decode step's input: `llama.py`) as (B, heads * d); for one position a reshape alone."""
+    b, _, n, _ = out.shape
+    if flat:
         return out.reshape(b, -1)
     if n == 1:
         return out.reshape(b, 1, -1)
@@ -130,7 +130,7 @@ class Attention(nn.Module):
                 # every position, and both end at the last one.
                 mask = mask[..., -k.shape[2] :]
             out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
-        return self._projected_out(_merged(out, x if last is None else x[:, last : last + 1]), residual)
+        return self._projected_out(_merged(out, x.ndim == 2), residual)
 
     def _projected_out(self, merged: mx.array, residual: mx.array | None) -> mx.array:
         """The output projection of the heads' merged output, plus `residual` where given."""
@@ -194,4 +194,4 @@ class Attention(nn.Module):
         placed = rows.placed(cache.base, cache.capacity)
         shape = _merged_shape(x, h * self.head_dim) if x.ndim == 2 or x.shape[1] == 1 else None
         attn = decode_attention(qk, cache.keys, cache.values, placed, self.scale, heads=h, shape=shape)
-        return self._projected_out(attn if shape is not None else _merged(attn, x), residual)
+        return self._projected_out(attn if shape is not None else _merged(attn, x.ndim == 2), residual)
