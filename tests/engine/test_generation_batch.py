@@ -852,12 +852,13 @@ class _PastDeadline(Exception):
 
 @pytest.fixture
 def forwards(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, ...]]:
-    """The shape of every model forward run from now on (prefill chunks, prefill rows, decode steps)."""
+    """The shape of every model forward run from now on (prefill chunks, prefill rows, decode steps),
+    as (rows, width): a flat decode step's ids (rows,) are one column wide (`Model.flat_steps`)."""
     shapes: list[tuple[int, ...]] = []
     forward = llama.LlamaModel.__call__
 
     def counted(self: llama.LlamaModel, inputs: mx.array, *args: Any, **kwargs: Any) -> mx.array:
-        shapes.append(tuple(inputs.shape))
+        shapes.append(tuple(inputs.shape) if inputs.ndim == 2 else (inputs.shape[0], 1))
         return forward(self, inputs, *args, **kwargs)
 
     monkeypatch.setattr(llama.LlamaModel, "__call__", counted)

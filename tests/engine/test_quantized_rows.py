@@ -99,7 +99,7 @@ def test_generation_batch_decodes_through_the_copies(
     apart = FusedDenseRows.apart
 
     def counted(self: FusedDenseRows, x: mx.array) -> bool:
-        rows_seen.append((x.shape[0] * x.shape[1], x.shape[1] == 1))
+        rows_seen.append((x.size // x.shape[-1], x.ndim == 2 or x.shape[1] == 1))  # 2-D: a flat step
         return apart(self, x)
 
     monkeypatch.setattr(FusedDenseRows, "apart", counted)

@@ -55,7 +55,7 @@ def clock(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> WorkClock:
     forward = llama.LlamaModel.__call__
 
     def timed(self: llama.LlamaModel, inputs: mx.array, *args: Any, **kwargs: Any) -> mx.array:
-        work.forward(inputs.shape[1])
+        work.forward(inputs.shape[1] if inputs.ndim == 2 else 1)  # (rows,): a flat decode step
         return forward(self, inputs, *args, **kwargs)
 
     monkeypatch.setattr(llama.LlamaModel, "__call__", timed)

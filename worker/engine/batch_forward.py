@@ -59,6 +59,9 @@ class BatchForward:
         self.taps = taps
         self.features = features
         self._with_step: list[mx.array] = []  # what `features` made of the forward being built
+        # One position a row goes in as ids (B,) and comes out as logits (B, vocab) (`Model.flat_steps`);
+        # not with taps: their sink takes each layer's (B, W, features).
+        self._flat = not taps and model.flat_steps
 
     def logits(
         self,
@@ -70,11 +73,12 @@ class BatchForward:
         token per row (B,) with the step's own mask; (live rows, W, vocab) for W tokens per row (B, W)
         with `mask` (`BatchKVCache.mask(W)`). `pieces`: launches the layers as they are built."""
         one = pending.ndim == 1
-        fed = pending[:, None] if one else pending
+        taps = LayerTaps(self.taps) if self.taps else None
+        flat = one and self._flat
+        fed = pending[:, None] if one and not flat else pending
         if one:
             mask = self._step_mask()
         fed = self.placement.spread(fed)
-        taps = LayerTaps(self.taps) if self.taps else None
         lengths = self.cache[0].lengths if taps else []  # before the forward: each row's first position
         sink = taps if pieces is None else pieces.passing(taps)
         with one_offset(self.cache):
@@ -85,7 +89,7 @@ class BatchForward:
                 [lengths[s] for s in self.placement.slots], self.placement.live(taps.features())
             )
             self._with_step.extend(made)
-        if one:
+        if one and not flat:
             logits = logits[:, -1, :]
         return self.placement.live(logits)
 

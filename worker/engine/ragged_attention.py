@@ -236,18 +236,28 @@ class RaggedRows:
 
 
 def decode_attention(
-    q: mx.array, keys: mx.array, values: mx.array, rows: RaggedRows, scale: float, heads: int | None = None
+    q: mx.array,
+    keys: mx.array,
+    values: mx.array,
+    rows: RaggedRows,
+    scale: float,
+    heads: int | None = None,
+    shape: tuple[int, ...] | None = None,
 ) -> mx.array:
     """Attention of (B, H, 1, D) queries over each row's columns `starts[b] .. end-1` of the
     (B, H_kv, capacity, D) cache buffers; returns (B, H, 1, D) in the queries' dtype.
 
     `heads`: the queries are q's first `heads` heads (the rest, e.g. the new keys that shared their
-    RoPE with them, are not read): the kernel takes q whole, where a slice of it would be copied."""
+    RoPE with them, are not read): the kernel takes q whole, where a slice of it would be copied.
+    `shape`: the output in that shape instead, of the same elements in the same order (the heads
+    merged for the output projection, as (B, H * D)): the kernel writes it so, where a reshape after
+    it would be one more op to launch."""
     b, qh, _, d = q.shape
     h = qh if heads is None else heads
     hkv = keys.shape[1]
     if not available() or abs(scale - d**-0.5) > 1e-9 or (d * q.dtype.size) % 16:
-        return _masked(q[:, :h] if h < qh else q, keys, values, rows, scale)
+        masked = _masked(q[:, :h] if h < qh else q, keys, values, rows, scale)
+        return masked if shape is None else masked.reshape(shape)
     rep = h // hkv
     template = [("T", q.dtype), ("D", d), ("HKV", hkv), ("REP", rep), ("QH", qh)]
     wide = d >= WIDE_FROM and d % 32 == 0 and rep <= _WIDE_WARPS
@@ -258,7 +268,7 @@ def decode_attention(
         template=[*template, ("SPLIT", split)] if wide else template,
         grid=(b * hkv * rep * split * 32, 1, 1),
         threadgroup=(rep * split * 32, 1, 1),
-        output_shapes=[(b, h, 1, d)],
+        output_shapes=[shape if shape is not None else (b, h, 1, d)],
         output_dtypes=[q.dtype],
     )
     return out

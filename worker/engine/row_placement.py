@@ -50,15 +50,15 @@ class RowPlacement:
         return [r for r in range(self.cache[0].batch) if r not in taken]
 
     def spread(self, fed: mx.array) -> mx.array:
-        """A forward's input (live rows, W) as the buffers' rows: each live row at its buffer row, idle
-        rows fed zeros."""
+        """A forward's input (live rows, W), or (live rows,), as the buffers' rows: each live row at its
+        buffer row, idle rows fed zeros."""
         if self.index is not None:  # live rows scattered among idle ones
-            scattered = mx.zeros((self.cache[0].batch, fed.shape[1]), dtype=fed.dtype)
+            scattered = mx.zeros((self.cache[0].batch, *fed.shape[1:]), dtype=fed.dtype)
             scattered[self.index] = fed
             return scattered
         idle = self.idle
         if idle:
-            return mx.concatenate([fed, mx.zeros((idle, fed.shape[1]), dtype=fed.dtype)])
+            return mx.concatenate([fed, mx.zeros((idle, *fed.shape[1:]), dtype=fed.dtype)])
         return fed
 
     def live(self, rows: mx.array) -> mx.array:

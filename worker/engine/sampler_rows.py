@@ -47,11 +47,12 @@ def _words(vocab_size: int) -> int:
 
 
 @functools.cache
-def _bit_columns(width: int) -> tuple[mx.array, mx.array]:
-    """Each token's int32 word in a bitmask row and its bit in that word (made once per width, from
-    host data: no op of any thread's stream is kept)."""
+def _bit_columns(width: int, ndim: int) -> tuple[mx.array, mx.array]:
+    """Each token's int32 word in a bitmask row, shaped (1, ..., `width`) for `ndim` dimensions (as
+    `take_along_axis` reads it), and its bit in that word (made once per width, from host data: no op
+    of any thread's stream is kept)."""
     column = np.arange(width, dtype=np.uint32)
-    return mx.array(column >> 5), mx.array(column & 31)
+    return mx.array((column >> 5).reshape((1,) * (ndim - 1) + (width,))), mx.array(column & 31)
 
 
 def _allowed(masks: np.ndarray, width: int) -> mx.array:
@@ -61,8 +62,27 @@ def _allowed(masks: np.ndarray, width: int) -> mx.array:
 
 def _allowed_bits(masks: mx.array, width: int) -> mx.array:
     """Bitmasks (..., words) uint32 as (..., `width`) bool: True where a token is allowed."""
-    word, bit = _bit_columns(width)
-    return ((masks[..., word] >> bit) & 1).astype(mx.bool_)
+    word, bit = _bit_columns(width, masks.ndim)
+    return _bit_set(mx.take_along_axis(masks, word, axis=-1), bit)
+
+
+def _masked_logits(masks: mx.array, x: mx.array) -> mx.array:
+    """(B, vocab) logits `x` at -inf where the (B, words) uint32 bitmasks `masks` disallow a token: each
+    token's word gathered by one op (`take_along_axis`, where indexing makes six), then its bit read
+    and the logits selected by one compiled op (a constrained draw's launch is on a GPU's critical
+    path, its cost by its ops)."""
+    word, bit = _bit_columns(x.shape[-1], masks.ndim)
+    return _where_set(mx.take_along_axis(masks, word, axis=-1), bit, x)
+
+
+@functools.partial(mx.compile, shapeless=True)
+def _bit_set(words: mx.array, bit: mx.array) -> mx.array:
+    return ((words >> bit) & 1).astype(mx.bool_)
+
+
+@functools.partial(mx.compile, shapeless=True)
+def _where_set(words: mx.array, bit: mx.array, x: mx.array) -> mx.array:
+    return mx.where(((words >> bit) & 1).astype(mx.bool_), x, _NEG_INF)
 
 
 def _leading(ok: mx.array) -> mx.array:
@@ -125,10 +145,10 @@ class SamplerRows:
         everything: one `where` for the batch, no scatter of rows): the masks computed now, or,
         `later`, read from the rows' `MaskBuffer` when the draw is evaluated (`write_masks` first)."""
         if later:
-            return mx.where(_allowed_bits(self._buffer().array, x.shape[-1]), x, _NEG_INF)
+            return _masked_logits(self._buffer().array, x)
         masks = np.full((x.shape[0], _words(self.vocab_size)), -1, dtype=np.int32)
         fill_mask_rows(masks, self._constrained_rows())
-        return mx.where(_allowed(masks, x.shape[-1]), x, _NEG_INF)
+        return _masked_logits(mx.array(masks.view(np.uint32)), x)
 
     def write_masks(self) -> None:
         """Write the constrained rows' masks (after they took their tokens: `take`) into the buffer a

@@ -13,7 +13,7 @@ from mlxq.worker.engine.cache.batch_cache import BatchKVCache
 from mlxq.worker.engine.cache.kv_cache import KVCache
 from mlxq.worker.engine.cache.shared_prefix import SharedPrefixRows
 from mlxq.worker.engine.models.base import LayerCache
-from mlxq.worker.engine.models.fused_linear import fuse_linears, fused_outputs, kept_transpose
+from mlxq.worker.engine.models.fused_linear import fuse_linears, fused_outputs, kept_transpose, plus
 from mlxq.worker.engine.models.masks import Mask
 from mlxq.worker.engine.models.model_args import ModelArgs
 from mlxq.worker.engine.models.quantized_rows import FusedDenseRows
@@ -22,18 +22,33 @@ from mlxq.worker.engine.ragged_attention import RaggedRows, decode_attention
 
 
 def _heads(x: mx.array, b: int, n: int, heads: int, d: int) -> mx.array:
-    """(B, L, heads * d) as (B, heads, L, d). For one position (a decode step) a reshape alone gives the
-    same array: one op fewer, and a GPU's decode step is bound by the host's launch of its ops."""
+    """(B, L, heads * d), or (B, heads * d) for one position a row (a flat decode step: `llama.py`), as
+    (B, heads, L, d). For one position a reshape alone gives the same array: one op fewer, and a GPU's
+    decode step is bound by the host's launch of its ops."""
     if n == 1:
         return x.reshape(b, heads, 1, d)
     return x.reshape(b, n, heads, d).transpose(0, 2, 1, 3)
 
 
-def _merged(out: mx.array, b: int, n: int) -> mx.array:
-    """Attention's (B, heads, L, d) output as (B, L, heads * d); for one position a reshape alone."""
+def _merged(out: mx.array, flat: bool) -> mx.array:
+    """Attention's (B, heads, L, d) output as (B, L, heads * d), or `flat` (one position a row, as a flat
+    decode step's input: `llama.py`) as (B, heads * d); for one position a reshape alone."""
+    b, _, n, _ = out.shape
+    if flat:
+        return out.reshape(b, -1)
     if n == 1:
         return out.reshape(b, 1, -1)
     return out.transpose(0, 2, 1, 3).reshape(b, n, -1)
+
+
+def _merged_shape(x: mx.array, features: int) -> tuple[int, ...]:
+    """The shape `_merged` gives one position a row of attention's output: `x`'s, `features` wide."""
+    return (x.shape[0], features) if x.ndim == 2 else (x.shape[0], 1, features)
+
+
+def _positions(x: mx.array) -> int:
+    """Positions a row of `x` holds: (B, L, features), or one for a flat step's (B, features)."""
+    return 1 if x.ndim == 2 else x.shape[1]
 
 
 class Attention(nn.Module):
@@ -73,14 +88,15 @@ class Attention(nn.Module):
         cache: LayerCache | None,
         last: int | None = None,
         columns: int | None = None,
+        residual: mx.array | None = None,
     ) -> mx.array:
         """Attention output for every position, or with `last` for that position only (keys and values of
         every position still go into the cache). `columns`: read that many cache columns (the mask
-        hides the ones past each query; see `kv_cache.key_columns`)."""
-        b = x.shape[0]
+        hides the ones past each query; see `kv_cache.key_columns`). `residual`: the output plus it
+        (`fused_linear.plus`: one op fewer)."""
         if isinstance(mask, RaggedRows) and self._one_matmul(x):
             assert isinstance(cache, BatchKVCache) and last is None
-            return self._ragged_step(x, mask, cache)
+            return self._ragged_step(x, mask, cache, residual)
         offset: int | mx.array = 0
         if isinstance(mask, RaggedRows):  # a decode step of left-padded rows: see ragged_attention.py
             offset = mask.positions
@@ -114,20 +130,33 @@ class Attention(nn.Module):
                 # every position, and both end at the last one.
                 mask = mask[..., -k.shape[2] :]
             out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
-        return self.o_proj(_merged(out, b, q.shape[2]))
+        return self._projected_out(_merged(out, x.ndim == 2), residual)
+
+    def _projected_out(self, merged: mx.array, residual: mx.array | None) -> mx.array:
+        """The output projection of the heads' merged output, plus `residual` where given."""
+        if residual is not None:
+            return plus(residual, self.o_proj, merged)
+        return self.o_proj(merged)
 
     def _projected(self, x: mx.array, last: int | None) -> tuple[mx.array, mx.array, mx.array]:
         """q (of position `last` alone, if given), k and v as (B, heads, L, head_dim), not rotated."""
-        b, n, _ = x.shape
+        b, n = x.shape[0], _positions(x)
+        nq = n if last is None else 1
         xq = x if last is None else x[:, last : last + 1]
         if self.qkv_proj is not None:  # fused (`fuse`): one matmul, then views of its columns
-            nq, nkv = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
-            q, k, v = fused_outputs(self.qkv_proj, x, (nq, nq + nkv, nq + 2 * nkv))
+            sizes = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+            q, k, v = fused_outputs(self.qkv_proj, x, (sizes[0], sum(sizes), sizes[0] + 2 * sizes[1]))
             if last is not None:
                 q = q[:, last : last + 1]
         else:
             q, k, v = self.q_proj(xq), self.k_proj(x), self.v_proj(x)
-        q = q.reshape(b, xq.shape[1], self.n_heads, self.head_dim)
+        if n == 1:  # one position a row: each a reshape (`_heads`)
+            q = _heads(q, b, 1, self.n_heads, self.head_dim)
+            k = _heads(k, b, 1, self.n_kv_heads, self.head_dim)
+            if self.qk_norm:
+                q, k = self.q_norm(q), self.k_norm(k)
+            return q, k, _heads(v, b, 1, self.n_kv_heads, self.head_dim)
+        q = q.reshape(b, nq, self.n_heads, self.head_dim)
         k = k.reshape(b, n, self.n_kv_heads, self.head_dim)
         v = v.reshape(b, n, self.n_kv_heads, self.head_dim).transpose(0, 2, 1, 3)
         if self.qk_norm:
@@ -145,19 +174,24 @@ class Attention(nn.Module):
         one RoPE where two would launch twice (a GPU's decode and verify steps are bound by the host's
         launch of their ops), and v; from one matmul (`_one_matmul`)."""
         assert self.qkv_proj is not None
-        b, n, _ = x.shape
+        b, n = x.shape[0], _positions(x)
         h, hkv, d = self.n_heads, self.n_kv_heads, self.head_dim
+        if n == 1:  # every head at once by one reshape, then q and k apart from v: two ops, not three
+            qk, v = mx.split(self.qkv_proj(x).reshape(b, h + 2 * hkv, 1, d), [h + hkv], axis=1)
+            return self.rope(qk, offset=offset), v
         qk, v = mx.split(self.qkv_proj(x), [(h + hkv) * d], axis=-1)
         return self.rope(_heads(qk, b, n, h + hkv, d), offset=offset), _heads(v, b, n, hkv, d)
 
-    def _ragged_step(self, x: mx.array, rows: RaggedRows, cache: BatchKVCache) -> mx.array:
+    def _ragged_step(
+        self, x: mx.array, rows: RaggedRows, cache: BatchKVCache, residual: mx.array | None
+    ) -> mx.array:
         """A decode step of left-padded rows (`ragged_attention.py`) with q and k rotated together
         (`_rotated`); the kernel reads the queries from the same array."""
-        b, n, _ = x.shape
         h = self.n_heads
         qk, v = self._rotated(x, rows.positions)
         cache.write(qk[:, h:], v)  # the kernel reads the buffers themselves
         assert cache.keys is not None and cache.values is not None
         placed = rows.placed(cache.base, cache.capacity)
-        attn = decode_attention(qk, cache.keys, cache.values, placed, self.scale, heads=h)
-        return self.o_proj(_merged(attn, b, n))
+        shape = _merged_shape(x, h * self.head_dim) if x.ndim == 2 or x.shape[1] == 1 else None
+        attn = decode_attention(qk, cache.keys, cache.values, placed, self.scale, heads=h, shape=shape)
+        return self._projected_out(attn if shape is not None else _merged(attn, x.ndim == 2), residual)

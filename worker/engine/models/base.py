@@ -121,6 +121,12 @@ class Model(Protocol):
         ...
 
     @property
+    def flat_steps(self) -> bool:
+        """Whether a forward of one position a row takes its ids as (B,) and gives (B, vocab) logits
+        (no position axis: fewer ops a decode step)."""
+        ...
+
+    @property
     def reads_shared_prefix(self) -> bool:
         """Whether score rows may read their shared prefix's keys and values in place
         (`cache.shared_prefix`) rather than from a copy each (`kv_cache.broadcast_batch`)."""

@@ -31,12 +31,25 @@ class TransposedWeightLinear(nn.Linear):
     _transposed: _Transposed | None = None
 
     def __call__(self, x: mx.array) -> mx.array:
+        if "bias" in self:
+            return mx.addmm(self["bias"], x, self.transposed())
+        return x @ self.transposed()
+
+    def transposed(self) -> mx.array:
+        """The weight's transpose, kept (made again if the weight was replaced)."""
         weight = self["weight"]
         if self._transposed is None or self._transposed.weight is not weight:
             self._transposed = _Transposed(weight, weight.T)
-        if "bias" in self:
-            return mx.addmm(self["bias"], x, self._transposed.t)
-        return x @ self._transposed.t
+        return self._transposed.t
+
+
+def plus(residual: mx.array, proj: nn.Module, x: mx.array) -> mx.array:
+    """`residual + proj(x)`: one op (`addmm`) where `proj` keeps its weight's transpose and has no bias,
+    two otherwise. A block's residual adds follow its output projections: a GPU's decode step, bound by
+    the host's launch of its ops, launches two fewer a layer."""
+    if isinstance(proj, TransposedWeightLinear) and "bias" not in proj:
+        return mx.addmm(residual, x, proj.transposed())
+    return residual + proj(x)  # type: ignore[no-any-return]  # mlx.nn.Module's call is unannotated
 
 
 def fused_outputs(proj: nn.Module, x: mx.array, ends: tuple[int, ...]) -> list[mx.array]:

@@ -52,6 +52,10 @@ class TransformerBlock(nn.Module):
         self.feed_forward_name = name  # a str: a plain attribute, not a parameter
         self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        # Whether attention and feed-forward add the residual to their output themselves (the Llama
+        # family's do, in one op with their output projection: `fused_linear.plus`); plain attributes
+        self.attention_adds = isinstance(self.self_attn, Attention)
+        self.feed_forward_adds = isinstance(module, MLP)
 
     def __call__(
         self,
@@ -62,8 +66,14 @@ class TransformerBlock(nn.Module):
         columns: int | None = None,
     ) -> mx.array:
         """The block's output for every position, or with `last` for that position only."""
-        attn: mx.array = self.self_attn(self.input_layernorm(x), mask, cache, last, columns)
-        h = (x if last is None else x[:, last : last + 1]) + attn
+        residual = x if last is None else x[:, last : last + 1]
+        normed = self.input_layernorm(x)
+        if self.attention_adds:
+            h: mx.array = self.self_attn(normed, mask, cache, last, columns, residual=residual)
+        else:
+            h = residual + self.self_attn(normed, mask, cache, last, columns)
+        if self.feed_forward_adds:
+            return self.feed_forward(self.post_attention_layernorm(h), residual=h)  # type: ignore[no-any-return]
         out: mx.array = self.feed_forward(self.post_attention_layernorm(h))
         return h + out
 
@@ -109,19 +119,20 @@ class LlamaModel(nn.Module):
         taps: LayerSink | None = None,
     ) -> mx.array:
         h = self.embed(inputs)
+        n = inputs.shape[1] if inputs.ndim == 2 else 1  # (B,): one position a row, kept flat
         layer_mask: Mask = mask
         if isinstance(mask, mx.array) and mask.dtype == mx.bool_:
             layer_mask = additive_mask(mask, h.dtype)
         elif isinstance(mask, mx.array) and mx.issubdtype(mask.dtype, mx.floating) and mask.dtype != h.dtype:
             layer_mask = mask.astype(h.dtype)  # SDPA refuses an additive mask wider than its output
-        elif mask is None and inputs.shape[1] > 1:
+        elif mask is None and n > 1:
             # MLX's "causal" aligns the last query with the last key, so it is right with a cache offset.
             layer_mask = "causal"
         caches: list[LayerCache | None] = list(cache) if cache is not None else [None] * len(self.layers)
         columns = None
         if self.bucket_keys and mask is None and (bucketed := bucketed_keys(inputs, caches, h.dtype)):
             columns, layer_mask = bucketed
-        masks = WindowMasks(layer_mask, inputs.shape[1], caches[0], self.windows)
+        masks = WindowMasks(layer_mask, n, caches[0], self.windows)
         layers = zip(self.layers[:-1], caches[:-1], self.windows[:-1], strict=True)
         for i, (layer, c, window) in enumerate(layers):
             h = layer(h, masks(window), c, columns=columns)
@@ -129,7 +140,7 @@ class LlamaModel(nn.Module):
                 taps.take(i, h)
         layer_mask = masks(self.windows[-1])
         if last is not None:
-            layer_mask = mask_for_one_query(layer_mask, last, inputs.shape[1], caches[-1])
+            layer_mask = mask_for_one_query(layer_mask, last, n, caches[-1])
         h = self.layers[-1](h, layer_mask, caches[-1], last, columns)
         out: mx.array = self.norm(h)
         if taps is not None and last is None:
@@ -167,7 +178,8 @@ class Model(nn.Module):
         mask: mx.array | RaggedRows | None = None,
         taps: LayerSink | None = None,
     ) -> mx.array:
-        """Logits (B, L, vocab) for int32 token ids (B, L).
+        """Logits (B, L, vocab) for int32 token ids (B, L); for ids (B,), one position a row, (B, vocab)
+        (see `flat_steps`).
 
         `mask=None` is causal over the cache's positions plus these L; an explicit mask (boolean, True =
         attend, or additive) must broadcast to (B, heads, L, offset + L). `taps` is handed the
@@ -217,6 +229,15 @@ class Model(nn.Module):
         for layer in self.layers:
             layer.self_attn.fuse()
             layer.feed_forward.fuse()
+
+    @property
+    def flat_steps(self) -> bool:
+        """Whether a forward of one position a row may take its ids as (B,): every layer then keeps its
+        hidden state as (B, hidden), and each matmul is a plain 2-D one, where (B, 1, hidden) costs MLX
+        a flatten and an unflatten around each (ops a GPU's decode step, bound by the host's launch of
+        its ops, launches 8 a layer). The Llama family's attention keeps either layout (`attention.py`);
+        DeepSeek's latent attention does not."""
+        return all(isinstance(layer.self_attn, Attention) for layer in self.layers)
 
     @property
     def reads_shared_prefix(self) -> bool:

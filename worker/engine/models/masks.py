@@ -35,7 +35,7 @@ def bucketed_keys(
     """For L new positions on top of a cached prefix: the cache columns to read (`key_columns`) and the
     additive (1, 1, L, columns) causal mask hiding the columns past each query; None when the exact
     key count is already a whole number of steps (or there is no cached prefix to bucket)."""
-    cache, n = caches[0], inputs.shape[1]
+    cache, n = caches[0], inputs.shape[1] if inputs.ndim == 2 else 1
     if n <= 1 or type(cache) is not KVCache or not cache.offset:
         return None
     offset = cache.offset

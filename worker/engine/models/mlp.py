@@ -9,7 +9,7 @@ from functools import partial
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlxq.worker.engine.models.fused_linear import fuse_linears, fused_outputs, kept_transpose
+from mlxq.worker.engine.models.fused_linear import fuse_linears, fused_outputs, kept_transpose, plus
 from mlxq.worker.engine.models.model_args import ModelArgs
 
 
@@ -38,12 +38,16 @@ class MLP(nn.Module):
             self.gate_up_proj = fuse_linears(self, ["gate_proj", "up_proj"])
         self.down_proj = kept_transpose(self.down_proj)
 
-    def __call__(self, x: mx.array) -> mx.array:
+    def __call__(self, x: mx.array, residual: mx.array | None = None) -> mx.array:
+        """The feed-forward of `x`, or with `residual` that plus it (`fused_linear.plus`: one op fewer)."""
         if self.gate_up_proj is not None:
             inter = self.intermediate_size
-            gate, up = fused_outputs(self.gate_up_proj, x, (inter, 2 * inter))
-            return self.down_proj(self.gated(gate, up))
-        return self.down_proj(self.gated(self.gate_proj(x), self.up_proj(x)))
+            gated = self.gated(*fused_outputs(self.gate_up_proj, x, (inter, 2 * inter)))
+        else:
+            gated = self.gated(self.gate_proj(x), self.up_proj(x))
+        if residual is not None:
+            return plus(residual, self.down_proj, gated)
+        return self.down_proj(gated)
 
     def gated(self, gate: mx.array, up: mx.array) -> mx.array:
         """The activation of gate times up: SwiGLU's (Gemma's MLP overrides it)."""
