@@ -22,6 +22,9 @@ bench() {  # bench LABEL ARGS...: one bench process, its table rows printed, its
 for name in "$@"; do
   echo "=== $name $(date -u +%H:%M:%S)"
   case $name in
+    kernels)  # the CUDA-only tests (needs pytest and pytest-timeout staged: stage.sh's pip specs)
+      timeout "${T:-300}" python3 -m pytest -q -p no:cacheprovider tests/engine/test_ragged_kernel.py \
+        tests/engine/test_host_pages.py 2>&1 | tail -15 ;;
     structured)  # issue 34: both orders of a constrained step, after the decode step's op cuts
       MLXQ_BUILD_AHEAD=0 bench llama-1b-structured-ba0 --model llama-1b --only structured --batch-reps 10
       MLXQ_BUILD_AHEAD=1 bench llama-1b-structured-ba1 --model llama-1b --only structured --batch-reps 10 ;;
@@ -39,6 +42,6 @@ for name in "$@"; do
       bench llama-1b-ttft --model llama-1b --only prefill,warm_cache ;;
     moe)  # issue 32: the 4-bit MoE, one and 32 jobs, a step's primitives beside mlx-lm's
       bench qwen3-moe-30b-4bit --model qwen3-moe-30b-4bit --only generation,batch --batch-jobs 1,32 ;;
-    *) echo "unknown run $name: structured decode spec-1b spec-8b mtp queue warm moe" >&2 ;;
+    *) echo "unknown run $name: kernels structured decode spec-1b spec-8b mtp queue warm moe" >&2 ;;
   esac
 done

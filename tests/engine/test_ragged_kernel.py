@@ -39,3 +39,20 @@ def test_the_kernels_attend_as_masked_attention_does(
     np.testing.assert_allclose(
         np.array(got.astype(mx.float32)), np.array(want.astype(mx.float32)), atol=tolerance, rtol=tolerance
     )
+
+
+@pytest.mark.parametrize(("d", "heads", "kv_heads"), [(64, 32, 8), (256, 8, 4)])
+def test_the_kernels_write_the_merged_shape_asked_for(d: int, heads: int, kv_heads: int) -> None:
+    """`shape`: the output with the heads merged, (B, H * D), the same elements as (B, H, 1, D)."""
+    rows, capacity, end = 3, 64, 60
+    mx.random.seed(d)
+    q = mx.random.normal((rows, heads + kv_heads, 1, d)).astype(mx.bfloat16)
+    keys = mx.random.normal((rows, kv_heads, capacity, d)).astype(mx.bfloat16)
+    values = mx.random.normal((rows, kv_heads, capacity, d)).astype(mx.bfloat16)
+    ragged = RaggedRows(mx.array([0, 5, 59], dtype=mx.int32), end, capacity)
+    plain = decode_attention(q, keys, values, ragged, d**-0.5, heads=heads)
+    merged = decode_attention(q, keys, values, ragged, d**-0.5, heads=heads, shape=(rows, heads * d))
+    assert merged.shape == (rows, heads * d)
+    np.testing.assert_array_equal(
+        np.array(merged.astype(mx.float32)), np.array(plain.reshape(rows, heads * d).astype(mx.float32))
+    )
