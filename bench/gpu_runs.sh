@@ -9,6 +9,8 @@ commit=${MLXQ_BENCH_COMMIT:-$(cat .gpu-b/commit 2>/dev/null || echo unknown)}
 export MLXQ_BENCH_COMMIT=$commit
 out=${OUT:-/tmp/bench-out}
 mkdir -p "$out"
+# packages carried apart (llguidance for `structured`: larger than what .gpu-b holds beside MLX)
+if [ -d /tmp/pylib ]; then export PYTHONPATH=$PYTHONPATH:/tmp/pylib; fi
 
 bench() {  # bench LABEL ARGS...: one bench process, its table rows printed, its workers' log dropped
   local label="gpu-$1-$commit"
