@@ -106,12 +106,6 @@ class Launcher:
         finally:
             self.then_s += time.perf_counter() - began
 
-    def wait_tokens(self) -> None:
-        """Return once the latest `launch_tokens`' own launch ended (`then` may still be launching);
-        its error, if any, is raised by `wait`."""
-        if self.tokens_launch is not None:
-            wait([self.tokens_launch])
-
     def wait(self) -> None:
         """Return once no launch is in flight; raises a failed launch's error (once)."""
         in_flight, self._in_flight = self._in_flight, []
