@@ -84,13 +84,16 @@ class BatchPrefill:
 
     @property
     def decoding(self) -> list[_Sequence]:
+        """The batch's decoding requests, which the prefilled ones join."""
         return self._rows.decoding
 
     @property
     def decode(self) -> DecodeBatch:
+        """The batch's decode batch, which the prefilled rows join."""
         return self._rows.decode
 
     def drop_cancelled_waiting(self, finished: list[Finished]) -> None:
+        """The waiting requests cancelled (or whose check raised) leave `waiting` into `finished`."""
         for seq in list(self.waiting):
             if not self._goes_on(seq, finished):
                 self.waiting.remove(seq)

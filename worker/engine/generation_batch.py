@@ -9,8 +9,9 @@ A `GenerationBatch` holds up to `max_sequences` requests in three stages:
   forward where the prompts allow, else several launched back to back and waited for once. Prompts
   are offered back to the prefix cache as soon as they are computed, and a prompt sharing a long
   uncached prefix with one being prefilled waits for the next forward, so batch-mates with the same
-  prefix (a system prompt) compute it once. Which waiting requests start, and which together, is the
-  batch's `PrefillPlan`'s (`prefill_plan.py`); the batch launches the forwards and joins the rows;
+  prefix (a system prompt) compute it once. The waiting requests and their prefill are the batch's
+  `BatchPrefill`'s (`batch_prefill.py`): which start, and which together, is its `PrefillPlan`'s
+  (`prefill_plan.py`); it launches the forwards and joins the rows;
 - decoding: every decoding request is a row of one `DecodeBatch`: one forward per step for all rows,
   each row with its own sampler, stop strings, token budget and cancel check. With speculative
   decoding, which rows draft at a step, their drafts and the step's progress as the draft gate counts
@@ -77,10 +78,12 @@ class GenerationBatch:
 
     @property
     def waiting(self) -> list[_Sequence]:
+        """The requests admitted and not started (the prefill's)."""
         return self.prefill.waiting
 
     @property
     def prefilling(self) -> _Sequence | None:
+        """The long prompt being prefilled alone, chunk by chunk (the prefill's)."""
         return self.prefill.prefilling
 
     def __len__(self) -> int:
