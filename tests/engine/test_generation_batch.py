@@ -70,16 +70,16 @@ def _requests(engine: Engine, n: int) -> list[GenerateRequest]:
 
 def _record_rows_forwards(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """The number of prompts of each rows prefill forward the batches make from now on, in order."""
-    import mlxq.worker.engine.generation_batch as generation_batch
+    import mlxq.worker.engine.batch_prefill as batch_prefill
 
     groups: list[int] = []
-    real = generation_batch.prefill_rows_layers
+    real = batch_prefill.prefill_rows_layers
 
     def recorded(model: Any, rows: Any, *args: Any) -> Any:
         groups.append(len(rows))
         return real(model, rows, *args)
 
-    monkeypatch.setattr(generation_batch, "prefill_rows_layers", recorded)
+    monkeypatch.setattr(batch_prefill, "prefill_rows_layers", recorded)
     return groups
 
 
@@ -774,7 +774,7 @@ def test_a_burst_whose_wait_fails_fails_its_requests_alone_and_the_batch_goes_on
 ) -> None:
     """The one wait after a burst's forwards runs out of memory: each of its requests fails with a
     message that says so (none is lost), and the batch serves the next requests."""
-    import mlxq.worker.engine.generation_batch as generation_batch
+    import mlxq.worker.engine.batch_prefill as batch_prefill
 
     class FailingWait:
         failures = 1
@@ -788,7 +788,7 @@ def test_a_burst_whose_wait_fails_fails_its_requests_alone_and_the_batch_goes_on
                 raise RuntimeError("[malloc] Unable to allocate 1073741824 bytes")
             mx.eval(*args)
 
-    monkeypatch.setattr(generation_batch, "mx", FailingWait())
+    monkeypatch.setattr(batch_prefill, "mx", FailingWait())
     engine = Engine.load(
         str(model_dir), EngineOptions(prefill_chunk=256, prefix_cache_bytes=0, idle_prefill_tokens=4096)
     )

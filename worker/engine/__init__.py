@@ -3,15 +3,15 @@
 Sub-packages show the parts: `models/` (the architecture registry, loading, RoPE, quantized layers),
 `cache/` (per-layer KV caches, the batch cache, the prefix cache), `text/` (tokenizer, chat templates,
 detokenizer, stop strings), `speculation/` (drafters, the engine's choice of them). The modules here
-drive them: `engine` (a loaded model and its request policies; `engine_options` what it is loaded
-with), `prefill` and `decode_batch` (prefill and decode steps; `row_placement` which buffer row holds
-each decoding row), `generation_batch` (continuous batching; `text_run` and `generation_clock` a
-request's text and timings), `score_requests` (score requests' rows prepared), `prefix_scorer` (score rows
-of every kind grouped by shared prefix; `score_tree` the tree, `score_head` the seam to the heads,
-`candidate_head` and `token_scoring` the heads, `candidate_tokens` candidate rows' tokens; `scoring`
-re-exports them), `sampler`, and the device-side helpers (`launcher`, `ragged_attention`,
-`memory_guard`, `device`). The queue service above (`worker/`) hands work in and takes tokens out;
-nothing here imports it.
+drive them: `engine` (a loaded model and its request policies; `engine_options` what it is loaded with),
+`prefill` and `decode_batch` (prefill and decode steps; `row_placement` which buffer row holds each
+decoding row), `generation_batch` (continuous batching; `batch_prefill` its waiting requests and prefill,
+`batch_sequence` a request's record, `text_run` and `generation_clock` a request's text and timings),
+`score_requests` (score requests' rows prepared), `prefix_scorer` (score rows of every kind grouped by
+shared prefix; `score_tree` the tree, `score_head` the seam to the heads, `candidate_head` and
+`token_scoring` the heads, `candidate_tokens` candidate rows' tokens; `scoring` re-exports them),
+`sampler`, and the device-side helpers (`launcher`, `ragged_attention`, `memory_guard`, `device`). The
+queue service above (`worker/`) hands work in and takes tokens out; nothing here imports it.
 """
 
 from __future__ import annotations

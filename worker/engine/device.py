@@ -57,7 +57,7 @@ def pad_shapes_by_default() -> bool:
 
 def idle_prefill_by_default(chunk: int) -> int:
     """Prompt tokens a generation batch's step may prefill while none of its requests decodes (a burst of new
-    jobs; `GenerationBatch._prefill`). On a GPU 8 chunks: one forward of many rows costs far less per token
+    jobs; `BatchPrefill.step`). On a GPU 8 chunks: one forward of many rows costs far less per token
     than several of a chunk each (`bench/README.md`), and nothing streams meanwhile. On a CPU one chunk, as
     while requests decode: the forward is bound by arithmetic there, and the first prompts' tokens come
     sooner."""

@@ -9,8 +9,9 @@ A `GenerationBatch` holds up to `max_sequences` requests in three stages:
   forward where the prompts allow, else several launched back to back and waited for once. Prompts
   are offered back to the prefix cache as soon as they are computed, and a prompt sharing a long
   uncached prefix with one being prefilled waits for the next forward, so batch-mates with the same
-  prefix (a system prompt) compute it once. Which waiting requests start, and which together, is the
-  batch's `PrefillPlan`'s (`prefill_plan.py`); the batch launches the forwards and joins the rows;
+  prefix (a system prompt) compute it once. The waiting requests and their prefill are the batch's
+  `BatchPrefill`'s (`batch_prefill.py`): which start, and which together, is its `PrefillPlan`'s
+  (`prefill_plan.py`); it launches the forwards and joins the rows;
 - decoding: every decoding request is a row of one `DecodeBatch`: one forward per step for all rows,
   each row with its own sampler, stop strings, token budget and cancel check. With speculative
   decoding, which rows draft at a step, their drafts and the step's progress as the draft gate counts
@@ -35,7 +36,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from functools import partial
 from typing import cast
 
@@ -44,82 +44,20 @@ import mlx.core as mx
 from mlxq.jobs.errors import OutOfMemory
 from mlxq.jobs.schema import FinishReason, GenerateRequest, GenerateResult
 from mlxq.worker.engine.batch_drafts import BatchDrafts
+from mlxq.worker.engine.batch_prefill import BatchPrefill
+from mlxq.worker.engine.batch_sequence import Finished, _Sequence
 from mlxq.worker.engine.cache.kv_cache import KVCache
-from mlxq.worker.engine.cache.prefill_rows_cache import PrefillRowsCache
 from mlxq.worker.engine.decode_batch import DecodeBatch
 from mlxq.worker.engine.engine import Engine
-from mlxq.worker.engine.generation_clock import GenerationClock
-from mlxq.worker.engine.memory_guard import is_out_of_memory, with_memory_retry
-from mlxq.worker.engine.prefill import ChunkedPrefill, prefill_rows_layers
-from mlxq.worker.engine.prefill_plan import SHARED_MIN, PrefillPlan
-from mlxq.worker.engine.sampler import Sampler
+from mlxq.worker.engine.memory_guard import is_out_of_memory
 from mlxq.worker.engine.speculation.drafter import FeatureReader
-from mlxq.worker.engine.speculation.policy import RowSpeculation
 from mlxq.worker.engine.speculation.row_tokens import RowTokens
 from mlxq.worker.engine.text_run import TextRun, TokenSink
 from mlxq.worker.engine.token_logprobs import TokenLogprob
 
+__all__ = ["Finished", "GenerationBatch", "generate"]
+
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class Finished:
-    """A request that left the batch: its result, or the exception that ended it."""
-
-    key: str
-    result: GenerateResult | None = None
-    error: BaseException | None = None
-
-
-@dataclass(eq=False)
-class _Sequence:
-    key: str
-    prompt: list[int]
-    max_tokens: int
-    sampler: Sampler
-    run: TextRun
-    cancelled: Callable[[], bool]
-    clock: GenerationClock = field(default_factory=GenerationClock)
-    cache: list[KVCache] | None = None
-    n_cached: int = 0
-    prefill: ChunkedPrefill | None = None
-    speculation: RowSpeculation | None = None  # its drafter, where it decodes speculatively
-    depth: int = 0  # tokens it may draft at this step
-    proposed: int = 0  # tokens its drafter proposed at this step
-    reader: FeatureReader | None = None  # its drafter, where it reads the target's hidden states
-    ahead: int = 0  # tokens it is ahead of the batch's slowest row (the draft gate's progress)
-
-    @property
-    def budget(self) -> int:
-        """Tokens it may still generate after its pending one."""
-        return self.max_tokens - len(self.run.ids) - 1
-
-    @property
-    def longest(self) -> int:
-        """Tokens its cache may reach: prompt plus every token it may generate."""
-        return len(self.prompt) + self.max_tokens
-
-
-@dataclass
-class _Launched:
-    """A prefill forward of several prompts, launched: the prompts that may join (`rows`: theirs of
-    the forward's logits), their caches, the logits (rows, vocab), and the forward's own caches."""
-
-    seqs: list[_Sequence]
-    caches: list[list[KVCache]]
-    logits: mx.array
-    rows: list[int]
-    layers: list[PrefillRowsCache]
-
-    @property
-    def whole(self) -> bool:
-        """Whether every prompt of the forward may join."""
-        return len(self.rows) == self.logits.shape[0]
-
-    def rows_logits(self) -> mx.array:
-        if self.whole:
-            return self.logits
-        return self.logits[mx.array(self.rows, dtype=mx.int32)]
 
 
 class GenerationBatch:
@@ -130,15 +68,23 @@ class GenerationBatch:
             raise ValueError(f"max_sequences must be >= 1, got {max_sequences}")
         self.engine = engine
         self.max_sequences = max_sequences
-        self.plan = PrefillPlan(engine, kv_budget_bytes)  # which waiting requests start, which together
-        self.waiting: list[_Sequence] = []
-        self.prefilling: _Sequence | None = None
+        self.prefill = BatchPrefill(engine, kv_budget_bytes, self, self._finish, self._memory_error)
         self.decoding: list[_Sequence] = []  # in the order of the decode batch's rows
         self.decode = self._new_decode()
         self.steps = 0
         self._offers: list[tuple[list[int], list[KVCache]]] = []  # finished requests' caches (`settle`)
         self._ended: list[Finished] = []  # requests ended by a failed launch, for the next `step`
         self.drafts = BatchDrafts(engine)  # which rows draft at a step, their drafts, the step's progress
+
+    @property
+    def waiting(self) -> list[_Sequence]:
+        """The requests admitted and not started (the prefill's)."""
+        return self.prefill.waiting
+
+    @property
+    def prefilling(self) -> _Sequence | None:
+        """The long prompt being prefilled alone, chunk by chunk (the prefill's)."""
+        return self.prefill.prefilling
 
     def __len__(self) -> int:
         return len(self.waiting) + (self.prefilling is not None) + len(self.decoding) + len(self._ended)
@@ -193,8 +139,8 @@ class GenerationBatch:
             self.quiet()  # MLX work on this thread ahead
         self.settle()
         finished, self._ended = self._ended, []
-        self._drop_cancelled_waiting(finished)
-        self._prefill(finished)
+        self.prefill.drop_cancelled_waiting(finished)
+        self.prefill.step(finished)
         if self.decoding:
             self._decode_step(finished, background)
         elif background is not None:
@@ -244,176 +190,6 @@ class GenerationBatch:
         self.quiet()
         if self._ended:  # not expected: `len` counts them, so the caller steps until `step` returns them
             log.warning("a generation batch closed with %d ended requests not taken", len(self._ended))
-
-    # --- prefill ------------------------------------------------------------------------------
-
-    def _drop_cancelled_waiting(self, finished: list[Finished]) -> None:
-        for seq in list(self.waiting):
-            if not self._goes_on(seq, finished):
-                self.waiting.remove(seq)
-
-    def _goes_on(self, seq: _Sequence, finished: list[Finished]) -> bool:
-        """Whether a request that has not started decoding goes on (its cache, if any, not yet offered);
-        else it is finished: cancelled, or with the error its check raised (e.g. its timeout)."""
-        try:
-            stop = seq.cancelled()
-        except Exception as e:
-            finished.append(Finished(seq.key, error=e))
-            return False
-        if stop:
-            seq.clock.prefilled()
-            finished.append(self._finish(seq, "cancelled", None))
-        return not stop
-
-    def _prefill(self, finished: list[Finished]) -> None:
-        """About one prefill chunk of tokens: the next chunk of a long prompt, or several short prompts
-        together in one forward. With no request decoding (a burst of new jobs: no stream waits on this
-        step) up to `Engine.idle_prefill_tokens` instead, as few forwards as the prompts allow (on a GPU
-        a forward of many rows runs far faster per token than several of a chunk each), launched back
-        to back and waited for once. The ones done join the decode batch together."""
-        if self.prefilling is not None:
-            self._advance_prefill(self.prefilling, finished)
-            return
-        chunk = self.engine.options.prefill_chunk
-        budget = chunk if self.decoding else max(chunk, self.engine.idle_prefill_tokens)
-        burst = budget > chunk
-        launched: list[_Launched] = []
-        spent = 0
-        while spent < budget:
-            joining = [s for run in launched for s in run.seqs]
-            active = [*self.decoding, *([self.prefilling] if self.prefilling else [])]
-            group, cost, long = self.plan.next_group(self.waiting, active, joining, budget - spent)
-            if long is not None:  # alone, one chunk per step (this step's first one)
-                self._start_prefill(long, finished)
-                if self.prefilling is not None:
-                    self._advance_prefill(self.prefilling, finished)
-            if not group:
-                break
-            run = self._launch_group(group, finished, sync=not burst)
-            if run is not None:
-                launched.append(run)
-            spent += cost
-            if not burst:
-                break
-        if launched:
-            self._join_launched(launched, finished)
-
-    def _launch_group(self, group: list[_Sequence], finished: list[Finished], sync: bool) -> _Launched | None:
-        """One forward for `group`'s prompts (waited for with `sync`, else only launched), each prompt
-        offered to the prefix cache; None when none of them can start."""
-        ready: list[_Sequence] = []
-        for seq in group:
-            if not self._goes_on(seq, finished):  # a burst's later forwards: checked before each
-                continue
-            try:
-                seq.cache, seq.n_cached = self.engine.begin_cache(seq.prompt, SHARED_MIN)
-                ready.append(seq)
-            except Exception as e:
-                finished.append(Finished(seq.key, error=e))
-        if not ready:
-            return None
-        rows = [(s.prompt[s.n_cached :], s.cache or []) for s in ready]
-
-        def run() -> tuple[list[PrefillRowsCache], mx.array]:
-            layers, logits = prefill_rows_layers(self.engine.model, rows, self.engine.pad_shapes)
-            # Synced, the clocks measure the prefill, not the building of its graph; else a burst's
-            # forwards queue up behind one another and are waited for once (`_join_launched`).
-            (mx.eval if sync else mx.async_eval)(logits)
-            return layers, logits
-
-        try:  # out of memory: caches emptied, one more try (the rows' own caches are left as they were)
-            layers, logits = with_memory_retry(
-                run, self.engine.free_memory, f"prefilling {len(rows)} prompts together"
-            )
-        except Exception as e:  # the shared forward failed: none of these rows can start
-            log.exception("batched prefill failed rows=%d", len(ready))
-            finished.extend(Finished(s.key, error=e) for s in ready)
-            return None
-        caches = [[layer.row_cache(i) for layer in layers] for i in range(len(ready))]
-        offered: list[int] = []
-        for i, (seq, cache) in enumerate(zip(ready, caches, strict=True)):
-            seq.cache = None
-            try:
-                if self.engine.prefix_cache is not None:  # later prompts with this prefix reuse it
-                    self.engine.prefix_cache.offer(seq.prompt, cache)
-            except Exception as e:
-                finished.append(Finished(seq.key, error=e))
-                continue
-            offered.append(i)
-        return _Launched([ready[i] for i in offered], [caches[i] for i in offered], logits, offered, layers)
-
-    def _join_launched(self, launched: list[_Launched], finished: list[Finished]) -> None:
-        """The step's prefilled prompts, waited for at once, start decoding together."""
-        try:
-            mx.eval([run.logits for run in launched])
-        except Exception as e:  # a burst's forward failed: none of its rows can start
-            log.exception("batched prefill failed rows=%d", sum(len(run.seqs) for run in launched))
-            self.engine.free_memory()  # the prefix cache was offered what the failed forwards compute
-            if is_out_of_memory(e):
-                e = OutOfMemory(f"the worker ran out of memory prefilling prompts together ({e})")
-            finished.extend(Finished(s.key, error=e) for run in launched for s in run.seqs)
-            return
-        for run in launched:
-            for seq in run.seqs:
-                seq.clock.prefilled()
-        first = launched[0]  # every row of it starting an empty batch: its buffers, uncopied
-        samplers = [s.sampler for s in first.seqs]
-        if first.whole and not self.decoding and self.decode.start(first.layers, first.logits, samplers):
-            self.decoding.extend(first.seqs)
-            launched = launched[1:]
-        logits = [run.rows_logits() for run in launched if run.seqs]
-        if not logits:
-            return
-        seqs = [s for run in launched for s in run.seqs]
-        caches = [c for run in launched for c in run.caches]
-        self._join(seqs, caches, logits[0] if len(logits) == 1 else mx.concatenate(logits))
-
-    def _join(self, seqs: list[_Sequence], caches: list[list[KVCache]], logits: mx.array) -> None:
-        """Prefilled `seqs` start decoding; `logits` are their last positions' logits, row for row."""
-        if not seqs:
-            return
-        self.decode.add(caches, logits, [s.sampler for s in seqs])
-        self.decoding.extend(seqs)
-
-    def _start_prefill(self, seq: _Sequence, finished: list[Finished]) -> None:
-        try:
-            seq.cache, seq.n_cached = self.engine.begin_cache(seq.prompt)
-            seq.prefill = ChunkedPrefill(
-                self.engine.model,
-                seq.prompt[seq.n_cached :],
-                seq.cache,
-                self.engine.options.prefill_chunk,
-                self.engine.pad_shapes,
-            )
-            self.prefilling = seq
-        except Exception as e:
-            finished.append(Finished(seq.key, error=e))
-
-    def _advance_prefill(self, seq: _Sequence, finished: list[Finished]) -> None:
-        """One chunk of a long prompt's prefill; once done, `seq` is decoding."""
-        assert seq.prefill is not None and seq.cache is not None
-        try:
-            if seq.cancelled():
-                self.prefilling = None
-                seq.clock.prefilled()
-                finished.append(self._finish(seq, "cancelled", seq.cache))
-                return
-            logits = seq.prefill.advance()
-            if logits is None:
-                return
-            self.prefilling = None
-            mx.eval(logits)
-            seq.clock.prefilled()
-            if self.engine.prefix_cache is not None:
-                self.engine.prefix_cache.offer(seq.prompt, seq.cache)
-            cache, seq.cache = seq.cache, None
-        except Exception as e:
-            self.prefilling = None
-            finished.append(
-                Finished(seq.key, error=self._memory_error(e, f"prefilling {len(seq.prompt)} tokens"))
-            )
-            return
-        self._join([seq], [cache], logits)
 
     # --- decoding -----------------------------------------------------------------------------
 
@@ -586,7 +362,7 @@ class GenerationBatch:
             log.warning("a decode step's launch failed as the batch was aborted", exc_info=True)
         seqs = [*self.waiting, *([self.prefilling] if self.prefilling else []), *self.decoding]
         ended, self._ended = self._ended, []
-        self.waiting, self.prefilling, self.decoding = [], None, []
+        self.prefill.waiting, self.prefill.prefilling, self.decoding = [], None, []
         self.decode = self._new_decode()
         self._offers = []
         return [*ended, *(Finished(s.key, error=error) for s in seqs)]
