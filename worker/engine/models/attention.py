@@ -126,7 +126,7 @@ class Attention(nn.Module):
         q: mx.array,
         k: mx.array,
         v: mx.array,
-        mask: Mask,
+        mask: mx.array | str | None,
         cache: LayerCache | None,
         columns: int | None = None,
     ) -> mx.array:

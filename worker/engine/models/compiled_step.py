@@ -111,7 +111,7 @@ class CompiledStep:
         for i, layer in enumerate(self.layers):
             attn = self._attend(layer.attention, qk, v, mask, caches[i])
             if i + 1 == len(self.layers):
-                return self._last(attn, h, layer.out, self.final_norm)  # type: ignore[no-any-return]
+                return self._last(attn, h, layer.out, self.final_norm)
             nxt = self.layers[i + 1]
             mask = masks(windows[i + 1])
             h, qk, v = self._between(attn, h, layer.out, nxt.norm, nxt.qkv, offset)

@@ -91,6 +91,8 @@ class LlamaModel(nn.Module):
     reads whole steps of the cache, masked, so attention meets few key shapes (`kv_cache.key_columns`).
     """
 
+    compiled_step: CompiledStep | None = None  # set by `Model.compile_steps`
+
     def __init__(
         self,
         args: ModelArgs,
@@ -109,7 +111,6 @@ class LlamaModel(nn.Module):
         ]
         self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.bucket_keys = False
-        self.compiled_step: CompiledStep | None = None  # set by `Model.compile_steps`
         self.windows = args.windows  # per layer: its sliding window (`window.py`), None if global
 
     def __call__(
