@@ -125,6 +125,11 @@ def main(argv: list[str] | None = None) -> int:
     return run(args)
 
 
+def _env_on(name: str) -> bool:
+    """Whether a boolean environment setting the workers also read is on (the in-process engine's)."""
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+
+
 def _masks_in_place() -> bool | None:
     """`MLXQ_MASKS_IN_PLACE` as a worker reads it, so the structured figure can be taken both ways on
     one machine; unset: the engine's own check."""
@@ -174,15 +179,17 @@ def run(args: argparse.Namespace) -> int:
     workdir = Path(tempfile.mkdtemp(prefix="mlxq-bench-"))
 
     t_load = time.perf_counter()
-    build_ahead = os.environ.get("MLXQ_BUILD_AHEAD", "").strip().lower() in ("1", "true", "yes", "on")
-    engine = Engine.load(
-        str(model_path), EngineOptions(masks_in_place=_masks_in_place(), build_ahead=build_ahead)
+    build_ahead, compiled = (_env_on(name) for name in ("MLXQ_BUILD_AHEAD", "MLXQ_COMPILED_STEPS"))
+    options = EngineOptions(
+        masks_in_place=_masks_in_place(), build_ahead=build_ahead, compiled_steps=compiled
     )
+    engine = Engine.load(str(model_path), options)
     dtype = next(v.dtype for _, v in tree_flatten(engine.model.parameters()))
     mlxlm = MlxLm.load(str(model_path), dtype)
     print(
         f"loaded {model_path} ({dtype}) on {mx.default_device()} in {time.perf_counter() - t_load:.1f}s"
-        f" (masks in place: {engine.masks_in_place}, built ahead: {engine.build_ahead})",
+        f" (masks in place: {engine.masks_in_place}, built ahead: {engine.build_ahead},"
+        f" compiled steps asked: {compiled})",
         flush=True,
     )
     conn = redis.Redis.from_url(args.redis_url)

@@ -32,6 +32,10 @@ for name in "$@"; do
       MLXQ_BUILD_AHEAD=1 bench llama-1b-structured-ba1 --model llama-1b --only structured --batch-reps 10 ;;
     decode)  # issue 29: one job through Redis against mlx-lm, rotating
       bench llama-1b-decode-ab --model llama-1b --only decode_ab ;;
+    compiled)  # issue 34: `structured` (built ahead) and `decode` with a decode step's layers compiled
+      MLXQ_COMPILED_STEPS=1 MLXQ_BUILD_AHEAD=1 bench llama-1b-structured-compiled --model llama-1b \
+        --only structured --batch-reps 10
+      MLXQ_COMPILED_STEPS=1 bench llama-1b-decode-ab-compiled --model llama-1b --only decode_ab ;;
     spec-1b | spec-8b)  # issue 31: the draft-model machinery's ceiling (own draft) and a 4-bit copy
       bench "llama-${name#spec-}-speculation" --model "llama-${name#spec-}" --only speculation \
         --speculation-modes self,draft --speculation-jobs 1,8 --speculation-reps 10 ;;
@@ -44,6 +48,6 @@ for name in "$@"; do
       bench llama-1b-ttft --model llama-1b --only prefill,warm_cache ;;
     moe)  # issue 32: the 4-bit MoE, one and 32 jobs, a step's primitives beside mlx-lm's
       bench qwen3-moe-30b-4bit --model qwen3-moe-30b-4bit --only generation,batch --batch-jobs 1,32 ;;
-    *) echo "unknown run $name: kernels structured decode spec-1b spec-8b mtp queue warm moe" >&2 ;;
+    *) echo "unknown run $name: kernels structured decode compiled spec-1b spec-8b mtp queue warm moe" >&2 ;;
   esac
 done

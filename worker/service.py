@@ -81,6 +81,7 @@ def load_engine(settings: WorkerSettings) -> Engine:
             decode_overlap=settings.decode_overlap,
             masks_in_place=settings.masks_in_place,
             build_ahead=settings.build_ahead,
+            compiled_steps=settings.compiled_steps,
             dense_rows=settings.dense_rows,
             idle_prefill_tokens=settings.idle_prefill_tokens,
             score_kv_bytes=settings.score_kv_bytes,

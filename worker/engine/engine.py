@@ -47,6 +47,7 @@ from mlxq.worker.engine.generation_clock import GenerationClock
 from mlxq.worker.engine.launcher import Launcher
 from mlxq.worker.engine.mask_buffer import host_writes_seen
 from mlxq.worker.engine.memory_guard import with_memory_retry
+from mlxq.worker.engine.models import llama
 from mlxq.worker.engine.models.base import Model
 from mlxq.worker.engine.models.loader import default_dtype, load_model, parse_dtype, resolve_model_path
 from mlxq.worker.engine.models.quantized_rows import default_max_bytes, dense_rows_by_default, use_dense_rows
@@ -154,6 +155,8 @@ class Engine:
             elif options.dense_rows:  # set: kept whatever they take
                 use_dense_rows(net, options.dense_rows, dtype)
         net.fuse()  # fewer matmuls per layer (see `models.fused_linear.fuse_linears`)
+        if options.compiled_steps and isinstance(net, llama.Model):  # others: the option does nothing
+            net.compile_steps()
         tokenizer = Tokenizer.from_dir(path)
         engine = cls(net, tokenizer, config, Path(model).name if Path(model).exists() else model, options)
         engine.draft_choice.load(path)

@@ -118,19 +118,32 @@ class Attention(nn.Module):
         elif isinstance(cache, SharedPrefixRows):  # score rows reading one prefix in place
             out = cache.attend(q, k, v, self.scale)
         else:
-            if cache is not None and columns is None:  # other cache kinds take no `columns`
-                k, v = cache.update_and_fetch(k, v)
-            elif cache is not None:
-                assert isinstance(cache, KVCache)  # `columns` come with batch-1 caches (`bucketed_keys`)
-                k, v = cache.update_and_fetch(k, v, columns)
-            if isinstance(mask, mx.array) and mask.shape[-1] < k.shape[2]:  # a window's band (`window.py`)
-                k, v = k[..., -mask.shape[-1] :, :], v[..., -mask.shape[-1] :, :]
-            elif isinstance(mask, mx.array) and mask.shape[-1] > k.shape[2]:
-                # A windowed cache's buffers start past position 0 (`kv_cache.py`): masks are built over
-                # every position, and both end at the last one.
-                mask = mask[..., -k.shape[2] :]
-            out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
+            out = self.cached_attention(q, k, v, mask, cache, columns)
         return self._projected_out(_merged(out, x.ndim == 2), residual)
+
+    def cached_attention(
+        self,
+        q: mx.array,
+        k: mx.array,
+        v: mx.array,
+        mask: mx.array | str | None,
+        cache: LayerCache | None,
+        columns: int | None = None,
+    ) -> mx.array:
+        """MLX's attention of rotated q over the cache's keys and values once k and v are in it:
+        (B, heads, L, head_dim)."""
+        if cache is not None and columns is None:  # other cache kinds take no `columns`
+            k, v = cache.update_and_fetch(k, v)
+        elif cache is not None:
+            assert isinstance(cache, KVCache)  # `columns` come with batch-1 caches (`bucketed_keys`)
+            k, v = cache.update_and_fetch(k, v, columns)
+        if isinstance(mask, mx.array) and mask.shape[-1] < k.shape[2]:  # a window's band (`window.py`)
+            k, v = k[..., -mask.shape[-1] :, :], v[..., -mask.shape[-1] :, :]
+        elif isinstance(mask, mx.array) and mask.shape[-1] > k.shape[2]:
+            # A windowed cache's buffers start past position 0 (`kv_cache.py`): masks are built over
+            # every position, and both end at the last one.
+            mask = mask[..., -k.shape[2] :]
+        return mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
 
     def _projected_out(self, merged: mx.array, residual: mx.array | None) -> mx.array:
         """The output projection of the heads' merged output, plus `residual` where given."""
@@ -187,11 +200,23 @@ class Attention(nn.Module):
     ) -> mx.array:
         """A decode step of left-padded rows (`ragged_attention.py`) with q and k rotated together
         (`_rotated`); the kernel reads the queries from the same array."""
-        h = self.n_heads
         qk, v = self._rotated(x, rows.positions)
+        shape = _merged_shape(x, self.n_heads * self.head_dim) if _positions(x) == 1 else None
+        attn = self.ragged_attention(qk, v, rows, cache, shape)
+        return self._projected_out(attn if shape is not None else _merged(attn, x.ndim == 2), residual)
+
+    def ragged_attention(
+        self,
+        qk: mx.array,
+        v: mx.array,
+        rows: RaggedRows,
+        cache: BatchKVCache,
+        shape: tuple[int, ...] | None,
+    ) -> mx.array:
+        """The ragged kernel's attention (`decode_attention`) of rotated q and k heads side by side
+        (`_rotated`) once k and v are written into the cache's buffers; in `shape` where given."""
+        h = self.n_heads
         cache.write(qk[:, h:], v)  # the kernel reads the buffers themselves
         assert cache.keys is not None and cache.values is not None
         placed = rows.placed(cache.base, cache.capacity)
-        shape = _merged_shape(x, h * self.head_dim) if x.ndim == 2 or x.shape[1] == 1 else None
-        attn = decode_attention(qk, cache.keys, cache.values, placed, self.scale, heads=h, shape=shape)
-        return self._projected_out(attn if shape is not None else _merged(attn, x.ndim == 2), residual)
+        return decode_attention(qk, cache.keys, cache.values, placed, self.scale, heads=h, shape=shape)

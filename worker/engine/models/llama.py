@@ -24,6 +24,7 @@ import mlx.nn as nn
 from mlxq.worker.engine.cache.kv_cache import KVCache
 from mlxq.worker.engine.models.attention import Attention
 from mlxq.worker.engine.models.base import LayerCache
+from mlxq.worker.engine.models.compiled_step import CompiledStep
 from mlxq.worker.engine.models.layer_taps import FINAL, LayerSink
 from mlxq.worker.engine.models.masks import Mask, additive_mask, bucketed_keys, mask_for_one_query
 from mlxq.worker.engine.models.mlp import MLP
@@ -90,6 +91,8 @@ class LlamaModel(nn.Module):
     reads whole steps of the cache, masked, so attention meets few key shapes (`kv_cache.key_columns`).
     """
 
+    compiled_step: CompiledStep | None = None  # set by `Model.compile_steps`
+
     def __init__(
         self,
         args: ModelArgs,
@@ -133,6 +136,8 @@ class LlamaModel(nn.Module):
         if self.bucket_keys and mask is None and (bucketed := bucketed_keys(inputs, caches, h.dtype)):
             columns, layer_mask = bucketed
         masks = WindowMasks(layer_mask, n, caches[0], self.windows)
+        if self.compiled_step is not None and inputs.ndim == 1 and taps is None:
+            return self.compiled_step(h, caches, masks, self.windows)
         layers = zip(self.layers[:-1], caches[:-1], self.windows[:-1], strict=True)
         for i, (layer, c, window) in enumerate(layers):
             h = layer(h, masks(window), c, columns=columns)
@@ -229,6 +234,12 @@ class Model(nn.Module):
         for layer in self.layers:
             layer.self_attn.fuse()
             layer.feed_forward.fuse()
+
+    def compile_steps(self) -> bool:
+        """Build flat decode steps through compiled layer parts (`compiled_step.py`) from now on, once
+        the weights are in and fused; False, and nothing changed, where the layers do not qualify."""
+        self.model.compiled_step = CompiledStep.of(self.layers, self.model.norm)
+        return self.model.compiled_step is not None
 
     @property
     def flat_steps(self) -> bool:

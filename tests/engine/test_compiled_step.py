@@ -1,0 +1,181 @@
+"""A flat decode step through compiled layer parts (`compiled_steps`, `models/compiled_step.py`):
+float32 on the CPU, every step's logits are the same bits as the plain step's, whoever joins and
+leaves, on the mask and the ragged attention paths, for the Llama family's dense layouts that qualify
+(plain, Qwen2's q/k/v biases, a sliding window); the compiled parts trace again only when the batch's
+rows change; models that do not qualify load and decode as without the option.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import pytest
+from engines import closed_after_test, run_requests
+
+from mlxq.jobs.schema import GenerateRequest, GenerateResult
+from mlxq.worker.engine import Engine, EngineOptions
+from mlxq.worker.engine.decode_batch import DecodeBatch
+from mlxq.worker.engine.models.compiled_step import CompiledStep
+from mlxq.worker.engine.prefill import prefill
+from mlxq.worker.engine.sampler import Sampler
+from mlxq.worker.modelfiles.tiny_model import write_random_checkpoint
+
+PROMPT = "The capital of France is Paris. "
+
+LAYOUTS: dict[str, dict[str, Any]] = {
+    "llama": {},
+    "qwen2_biases": {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2"},
+    "mistral_window": {"architectures": ["MistralForCausalLM"], "model_type": "mistral", "sliding_window": 8},
+}
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    return {
+        name: write_random_checkpoint(tmp_path_factory.mktemp(name), config)
+        for name, config in LAYOUTS.items()
+    }
+
+
+def _engine(folder: Path, compiled: bool, **options: Any) -> Engine:
+    opts = EngineOptions(prefill_chunk=16, prefix_cache_bytes=0, compiled_steps=compiled, **options)
+    return closed_after_test(Engine.load(str(folder), opts))
+
+
+def _steps(engine: Engine, kernel: bool) -> tuple[list[list[int]], list[mx.array], list[tuple[int, int]]]:
+    """Three rows of different lengths decode, a fourth joins, one leaves: each step's tokens, its
+    logits, and each compiled step's (buffer rows, traces after it)."""
+    model = engine.model
+    ids = engine.tokenizer.encode(PROMPT * 20)
+
+    def prefilled(lengths: tuple[int, ...]) -> tuple[list[Any], mx.array, list[Sampler]]:
+        caches = [model.make_cache() for _ in lengths]
+        logits = [prefill(model, ids[:n], c, chunk=64) for n, c in zip(lengths, caches, strict=True)]
+        return (
+            caches,
+            mx.concatenate(logits),
+            [Sampler(model.args.vocab_size, temperature=0) for _ in lengths],
+        )
+
+    batch = DecodeBatch(model, ragged_kernel=kernel)
+    batch.add(*prefilled((5, 23, 40)))
+    made: list[mx.array] = []
+    real = batch.forward.logits
+
+    def kept(*args: Any, **kwargs: Any) -> mx.array:
+        made.append(real(*args, **kwargs))
+        return made[-1]
+
+    batch.forward.logits = kept  # type: ignore[method-assign]
+    step, calls = model.model.compiled_step, []
+    if step is not None:  # each compiled step's rows and the traces after it
+
+        def counted(h: mx.array, *args: Any) -> mx.array:
+            out = step(h, *args)
+            calls.append((h.shape[0], step.traces))
+            return out
+
+        model.model.compiled_step = counted
+    tokens = []
+    for i in range(14):
+        if i == 5:
+            batch.add(*prefilled((12,)))
+        if i == 9:
+            batch.remove([1])
+        tokens.append(batch.step())
+    model.model.compiled_step = step
+    mx.eval(made)
+    return tokens, made, calls
+
+
+@pytest.mark.parametrize("kernel", [False, True], ids=["mask", "ragged"])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_compiled_steps_give_the_same_logits_and_trace_again_only_for_other_rows(
+    folders: dict[str, Path], layout: str, kernel: bool
+) -> None:
+    plain, compiled = _engine(folders[layout], False), _engine(folders[layout], True)
+    assert plain.model.model.compiled_step is None
+    assert isinstance(compiled.model.model.compiled_step, CompiledStep)
+    tokens, logits, _ = _steps(plain, kernel)
+    tokens_c, logits_c, calls = _steps(compiled, kernel)
+    assert tokens == tokens_c
+    assert len(logits) == len(logits_c)
+    for a, b in zip(logits, logits_c, strict=True):
+        assert a.dtype == mx.float32 and mx.array_equal(a, b).item()
+    # three compiled functions, each traced once for each number of rows they meet
+    traced, seen = 0, set()
+    for rows, traces in calls:
+        traced += 3 if rows not in seen else 0
+        seen.add(rows)
+        assert traces == traced, calls
+    assert len(calls) == len(logits) and len(seen) > 1
+
+
+def _untimed(result: GenerateResult) -> dict[str, Any]:
+    return result.model_dump(exclude={"timings"})
+
+
+def _requests(engine: Engine, n: int, **fields: Any) -> list[GenerateRequest]:
+    no_eos = {i: -100.0 for i in engine.tokenizer.eos_ids}
+    return [
+        GenerateRequest.model_validate(
+            {
+                "prompt": PROMPT * (1 + i % 4) + f"#{i}",
+                "max_tokens": 6 + (i * 7) % 13,
+                "logit_bias": no_eos,
+                "temperature": 0.0 if i % 2 == 0 else 1.1,
+                "seed": 7 + i,
+                **fields,
+            }
+        )
+        for i in range(n)
+    ]
+
+
+@pytest.mark.parametrize(
+    ("options", "fields"),
+    [
+        ({}, {}),
+        ({"speculation": "prompt_lookup"}, {}),
+        ({}, {"response_format": {"type": "regex", "regex": "[0-9]{2}-[a-z]{3,9}"}}),
+    ],
+    ids=["plain", "prompt_lookup", "constrained"],
+)
+def test_requests_joining_and_leaving_decode_the_same_with_compiled_steps(
+    folders: dict[str, Path], options: dict[str, Any], fields: dict[str, Any]
+) -> None:
+    plain = _engine(folders["llama"], False, **options)
+    compiled = _engine(folders["llama"], True, **options)
+    requests = _requests(plain, 6, **fields)
+    expected = run_requests(plain, requests, max_sequences=3, one_per_step=True)
+    got = run_requests(compiled, requests, max_sequences=3, one_per_step=True)
+    assert [_untimed(r) for r in got] == [_untimed(r) for r in expected]
+    assert compiled.model.model.compiled_step.traces > 0
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3"},
+        {
+            "architectures": ["Qwen3MoeForCausalLM"],
+            "model_type": "qwen3_moe",
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+        },
+        {"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "head_dim": 32},
+    ],
+    ids=["qk_norm", "experts", "gemma3"],
+)
+def test_models_whose_layers_do_not_qualify_decode_as_without_the_option(
+    tmp_path: Path, config: dict[str, Any]
+) -> None:
+    folder = write_random_checkpoint(tmp_path, config)
+    plain, compiled = _engine(folder, False), _engine(folder, True)
+    assert compiled.model.model.compiled_step is None
+    requests = _requests(plain, 3)
+    got, expected = (run_requests(e, requests, max_sequences=3) for e in (compiled, plain))
+    assert [_untimed(r) for r in got] == [_untimed(r) for r in expected]
