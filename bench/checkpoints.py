@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -249,16 +250,9 @@ def draw_quantized(
     if done.is_file() and done.read_text() == wanted:
         return out
     cfg = prepare_checkpoint_folder(out, config, dtype)
-    key = mx.random.key(0)
     weights: dict[str, mx.array] = {}
-    norm_one = 0.0 if cfg["architectures"][0] == "Gemma3ForCausalLM" else 1.0  # Gemma's: offsets from one
-    for tensor, shape in checkpoint_shapes(cfg).items():
-        key, draw = mx.random.split(key)
-        if tensor.endswith("norm.weight"):
-            w = norm_one + 0.1 * mx.random.normal(shape, key=draw)
-        else:
-            w = std * mx.random.normal(shape, key=draw)
-        w = w.astype(mx.bfloat16 if dtype == "bfloat16" else mx.float32)
+    for tensor, w in _drawn(cfg, checkpoint_shapes(cfg), dtype, std):
+        shape = w.shape
         if len(shape) >= 2 and shape[-1] % group_size == 0:
             stem = tensor.removesuffix(".weight")
             q, scales, biases = mx.quantize(w, group_size, bits)
@@ -299,16 +293,28 @@ def draw_checkpoint(out: Path, config: dict[str, Any], dtype: str, std: float = 
     import mlx.core as mx
 
     cfg = prepare_checkpoint_folder(out, config, dtype)
-    key = mx.random.key(0)
     weights: dict[str, mx.array] = {}
-    for tensor, shape in model_tensor_shapes(cfg).items():
-        key, draw = mx.random.split(key)
-        if tensor.endswith("norm.weight"):
-            w = 1.0 + 0.1 * mx.random.normal(shape, key=draw)
-        else:
-            w = std * mx.random.normal(shape, key=draw)
-        weights[tensor] = w.astype(mx.bfloat16 if dtype == "bfloat16" else mx.float32)
-        mx.eval(weights[tensor])
+    for tensor, w in _drawn(cfg, model_tensor_shapes(cfg), dtype, std):
+        mx.eval(w)
+        weights[tensor] = w
     mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
     finish_checkpoint_folder(out, cfg)
     return out
+
+
+def _drawn(
+    cfg: dict[str, Any], shapes: dict[str, tuple[int, ...]], dtype: str, std: float
+) -> Iterator[tuple[str, Any]]:
+    """Each tensor of `shapes` drawn with MLX in `dtype`, one key each from one seed: norms about one
+    (Gemma's, stored as offsets from one, about zero), the rest normal with `std`; not evaluated."""
+    import mlx.core as mx
+
+    key = mx.random.key(0)
+    norm_one = 0.0 if cfg["architectures"][0] == "Gemma3ForCausalLM" else 1.0
+    for tensor, shape in shapes.items():
+        key, draw = mx.random.split(key)
+        if tensor.endswith("norm.weight"):
+            w = norm_one + 0.1 * mx.random.normal(shape, key=draw)
+        else:
+            w = std * mx.random.normal(shape, key=draw)
+        yield tensor, w.astype(mx.bfloat16 if dtype == "bfloat16" else mx.float32)

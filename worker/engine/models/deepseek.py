@@ -38,6 +38,7 @@ from mlxq.worker.engine.cache.kv_cache import KVCache
 from mlxq.worker.engine.errors import CheckpointError
 from mlxq.worker.engine.models import llama, masks, mlp, model_args, moe
 from mlxq.worker.engine.models.base import LayerCache
+from mlxq.worker.engine.models.fused_linear import KeptView, kept_view
 from mlxq.worker.engine.models.rope import make_rope, yarn_mscale
 from mlxq.worker.engine.ragged_attention import RaggedRows
 
@@ -235,18 +236,10 @@ def _masked_scores(scores: mx.array, mask: masks.Mask) -> mx.array:
     return scores + mask.astype(scores.dtype)
 
 
-@dataclass(frozen=True)
-class _Float32T:
-    """A router weight and its float32 transpose, held outside the module's parameters."""
-
-    weight: mx.array
-    t: mx.array
-
-
 class Router(nn.Module):
     """The router's weights: one row per expert, and the bias that steers the choice (not the weights)."""
 
-    _float32_t: _Float32T | None = None
+    _float32_t: KeptView | None = None
 
     def __init__(self, hidden: int, experts: int) -> None:
         super().__init__()  # type: ignore[no-untyped-call]  # mlx.nn.Module.__init__ is unannotated
@@ -256,10 +249,8 @@ class Router(nn.Module):
     def logits(self, x: mx.array) -> mx.array:
         """Router logits in float32 of tokens x (..., hidden): the weight's float32 transpose is made
         once (computed with the first forward, then kept), not two ops a forward."""
-        weight = self["weight"]
-        if self._float32_t is None or self._float32_t.weight is not weight:
-            self._float32_t = _Float32T(weight, weight.astype(mx.float32).T)
-        return x.astype(mx.float32) @ self._float32_t.t
+        self._float32_t = kept_view(self._float32_t, self["weight"], lambda w: w.astype(mx.float32).T)
+        return x.astype(mx.float32) @ self._float32_t.view
 
 
 def route(

@@ -4,6 +4,7 @@ output read apart again.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import cast
 
@@ -14,12 +15,20 @@ from mlxq.worker.engine.models.quantized_rows import FusedDenseRows, fuse_dense_
 
 
 @dataclass(frozen=True)
-class _Transposed:
-    """A weight and its transpose (a view of the same memory), held outside the module's parameters
-    (a plain attribute, as `quantized_rows._Dense`)."""
+class KeptView:
+    """An array made once from a module's weight (its transpose, say) and the weight it was made from,
+    held outside the module's parameters (a plain attribute, as `quantized_rows._Dense`): a forward
+    reads it where it would otherwise build an op of its own every time."""
 
     weight: mx.array
-    t: mx.array
+    view: mx.array
+
+
+def kept_view(kept: KeptView | None, weight: mx.array, make: Callable[[mx.array], mx.array]) -> KeptView:
+    """`kept` while it was made from `weight`, else `make(weight)` kept (the weight was replaced)."""
+    if kept is not None and kept.weight is weight:
+        return kept
+    return KeptView(weight, make(weight))
 
 
 class TransposedWeightLinear(nn.Linear):
@@ -28,7 +37,7 @@ class TransposedWeightLinear(nn.Linear):
     which a GPU's decode step, bound by the host's launch of its ops, would launch four times a layer.
     Made again if the weight is replaced. `fuse_linears` makes them, and `kept_transpose` of a layer."""
 
-    _transposed: _Transposed | None = None
+    _transposed: KeptView | None = None
 
     def __call__(self, x: mx.array) -> mx.array:
         if "bias" in self:
@@ -37,10 +46,8 @@ class TransposedWeightLinear(nn.Linear):
 
     def transposed(self) -> mx.array:
         """The weight's transpose, kept (made again if the weight was replaced)."""
-        weight = self["weight"]
-        if self._transposed is None or self._transposed.weight is not weight:
-            self._transposed = _Transposed(weight, weight.T)
-        return self._transposed.t
+        self._transposed = kept_view(self._transposed, self["weight"], lambda w: w.T)
+        return self._transposed.view
 
 
 def plus(residual: mx.array, proj: nn.Module, x: mx.array) -> mx.array:

@@ -33,7 +33,7 @@ import numpy as np
 
 from mlxq.worker.engine.errors import CheckpointError
 from mlxq.worker.engine.models import llama, mlp, model_args
-from mlxq.worker.engine.models.fused_linear import kept_transpose
+from mlxq.worker.engine.models.fused_linear import KeptView, kept_transpose, kept_view
 
 # From how many (token, expert) pairs a forward sorts them by expert before its gathered matmuls: below,
 # a decode step of a few rows, sorting would cost more launches than it saves reads.
@@ -82,15 +82,6 @@ class ModelArgs(model_args.ModelArgs):
         return layer not in self.mlp_only_layers and (layer + 1) % self.decoder_sparse_step == 0
 
 
-@dataclass(frozen=True)
-class _Transposed:
-    """A stacked weight and its transpose (a view of the same memory), held outside the module's
-    parameters (a plain attribute, as `fused_linear.TransposedWeightLinear` keeps its own)."""
-
-    weight: mx.array
-    t: mx.array
-
-
 @lru_cache(maxsize=64)
 def _pair_rows(shape: tuple[int, ...], per: int) -> mx.array:
     """uint32 indices of `shape` counting up by one every `per` entries (in row-major order): the row
@@ -103,7 +94,7 @@ class SwitchLinear(nn.Module):
     """Every expert's bias-free Linear stacked: `weight` (experts, outputs, inputs). Called with the
     expert of each input row, it multiplies each row by its own expert's weight in one gathered matmul."""
 
-    _transposed: _Transposed | None = None
+    _transposed: KeptView | None = None
 
     def __init__(self, inputs: int, outputs: int, experts: int) -> None:
         super().__init__()  # type: ignore[no-untyped-call]  # mlx.nn.Module.__init__ is unannotated
@@ -116,11 +107,9 @@ class SwitchLinear(nn.Module):
         """Row `rows[i]` of x (..., 1, inputs) by expert `experts[i]` (rows None: x's own rows in turn):
         experts.shape + (1, outputs). The weight's transpose is a view made once (as
         `TransposedWeightLinear`'s), not an op a forward."""
-        weight = self["weight"]
-        if self._transposed is None or self._transposed.weight is not weight:
-            self._transposed = _Transposed(weight, weight.swapaxes(-1, -2))
+        self._transposed = kept_view(self._transposed, self["weight"], lambda w: w.swapaxes(-1, -2))
         return mx.gather_mm(
-            x, self._transposed.t, lhs_indices=rows, rhs_indices=experts, sorted_indices=sorted_experts
+            x, self._transposed.view, lhs_indices=rows, rhs_indices=experts, sorted_indices=sorted_experts
         )
 
     def to_quantized(
