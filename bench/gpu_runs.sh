@@ -37,8 +37,10 @@ for name in "$@"; do
         --only structured --batch-reps 10
       MLXQ_COMPILED_STEPS=1 bench llama-1b-decode-ab-compiled --model llama-1b --only decode_ab ;;
     spec-1b | spec-8b)  # issue 31: the draft-model machinery's ceiling (own draft) and a 4-bit copy
+      jobs=1,8,64 && [ "$name" = spec-8b ] && jobs=1,8  # the 8B's 64 jobs would not draft (max_batch 8)
       bench "llama-${name#spec-}-speculation" --model "llama-${name#spec-}" --only speculation \
-        --speculation-modes self,draft --speculation-jobs 1,8 --speculation-reps 10 ;;
+        --speculation-modes self,draft --speculation-jobs "$jobs" --speculation-kinds copy-heavy \
+        --speculation-reps 10 ;;
     mtp)  # issue 31: an MTP layer's cost, gated and forced (random weights)
       bench deepseek-v3-mtp-speculation --model deepseek-v3-mtp --only speculation \
         --speculation-modes mtp,mtp-forced --speculation-jobs 1,8 --speculation-reps 10 ;;
