@@ -130,6 +130,22 @@ def test_rows_drafting_together_propose_what_each_proposes_alone(draft_dir: Path
     assert len(batch) == 0 and batch.cache[0].keys is None  # no row's cache outlives it
 
 
+def test_a_row_asked_again_with_nothing_new_starts_over_from_its_prompt(draft_dir: Path) -> None:
+    """Not expected of a generation (each step adds the target's token): a row whose cache already
+    holds all of its tokens leaves the batch and joins again, its proposal what it proposes alone."""
+    draft = _draft(draft_dir)
+    batch = draft.draft_batch()
+    rows = [DraftModelDrafter(draft) for _ in range(3)]
+    tokens = [[5 + i, 9, 11, 40 + i, 7] for i in range(3)]
+    first = batch.propose([RowToDraft(d, t, 4) for d, t in zip(rows, tokens, strict=True)])
+    rows[1].accepted(4, 4)  # its cache: its tokens and 3 drafts, as many as `tokens[1]` and more
+    tokens[0] = [*tokens[0], *first[0][:2], 3]
+    rows[0].accepted(4, 2)
+    again = batch.propose([RowToDraft(rows[0], tokens[0], 3), RowToDraft(rows[1], tokens[1], 3)])
+    assert again == [AloneDrafter(draft).propose(t, 3) for t in tokens[:2]]
+    assert len(batch) == 3 and batch.rows[-1] is rows[1]  # it joined again, last
+
+
 def _count_forwards(model: Model) -> list[int]:
     """Count the forwards of `model`: its decoder stack's `__call__`, which every forward (logits,
     hidden states, a prefill's chunks) goes through once."""
