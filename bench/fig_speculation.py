@@ -24,7 +24,7 @@ per way of decoding:
   the forced row is what the MTP machinery costs (its layer's forward a row and step, verify steps),
   the gated one what a user would get from such a layer (the gate turns it off), never what MTP gains.
 - own draft, forced (only when asked, `--speculation-modes self`): the model as its own draft model,
-  drafting at every batch size with no gate (up to 8 jobs: a draft model drafts row by row): greedy
+  drafting at every batch size with no gate (up to 8 jobs, as the 4-bit draft): greedy
   drafts the target nearly always keeps, so the row is the draft-model machinery's ceiling and cost.
 Each at N jobs at once (`Sizes.speculation_jobs`), on two kinds of prompt: copy-heavy (edit this code,
 extract these fields, answer quoting the passage: the answer repeats long runs of the prompt) and open
@@ -77,9 +77,9 @@ MODES = {
 }
 # `self` only when asked (a second copy of the model); the MTP modes run only for a model with an MTP layer
 DEFAULT_MODES = ("lookup", "forced", "draft", "dflash", "mtp", "mtp-forced")
-# modes whose drafts come row by row (a draft model, a DFlash or MTP forward a row and step): up to 8 jobs,
-# the most the worker's policy drafts at (`MLXQ_DRAFT_MAX_BATCH`)
-ROW_BY_ROW = ("4-bit draft", DFLASH, SELF, MTP, MTP_FORCED)
+# modes run up to 8 jobs, the most the worker's policy drafts at (`MLXQ_DRAFT_MAX_BATCH`): a draft model
+# (its rows draft together: a forward per drafted token for all), DFlash and MTP (a forward a row and step)
+UP_TO_8 = ("4-bit draft", DFLASH, SELF, MTP, MTP_FORCED)
 
 CODE = '''def moving_average(values, window):
     """Average of each run of `window` values."""
@@ -156,7 +156,7 @@ def speculation(b: Bench) -> dict[str, Any]:
                 count = max(n, len(prompts))
                 tokens = s.speculation_tokens
                 payloads = [_payload(b, prompts[i % len(prompts)], tokens) for i in range(count)]
-                taking = {m: e for m, e in modes.items() if m not in ROW_BY_ROW or n <= 8}
+                taking = {m: e for m, e in modes.items() if m not in UP_TO_8 or n <= 8}
                 runs = _rotating(taking, payloads, n, s.speculation_reps)
                 plain_tok_s = median([r["tok_s"] for r in runs["plain"]])
                 for mode, rs in runs.items():

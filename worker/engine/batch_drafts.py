@@ -8,6 +8,10 @@ every step the batch tells it what each row took, and it counts the step's progr
 counts it: the rows times what the batch's slowest row gained. The batch keeps its rows, takes their
 tokens and tells the gate where a step begins and ends; the drafting keeps each row's depth, proposal
 and lead on the row itself (`DraftingRow`).
+
+Rows whose drafters draft together (`BatchedDrafter`: a draft model) are asked as one: it keeps a
+`DraftBatch` per draft source, which holds those rows' state from their first proposal until the
+generation batch tells it they left (`leave`); every other drafter proposes for its row alone.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from mlxq.worker.engine.engine import Engine
+from mlxq.worker.engine.speculation.drafter import BatchedDrafter, DraftBatch, DraftBatchSource, RowToDraft
 from mlxq.worker.engine.speculation.policy import RowSpeculation
 from mlxq.worker.engine.speculation.row_tokens import RowTokens
 from mlxq.worker.engine.text_run import TextRun
@@ -48,6 +53,7 @@ class BatchDrafts:
         self.engine = engine
         # the last decode step's progress as the draft gate counts it: rows x what the slowest row gained
         self.progress = 0
+        self._batches: dict[DraftBatchSource, DraftBatch] = {}  # the rows of each source drafting together
 
     def speculating(self, rows: Sequence[DraftingRow]) -> bool:
         """Whether this step verifies drafts: some row drafts (its policy's depth, set here for
@@ -76,16 +82,56 @@ class BatchDrafts:
         return any_depth
 
     def propose(self, rows: Sequence[DraftingRow], tokens: list[int]) -> list[list[int]]:
-        """Each row's draft tokens after its pending token (`tokens`, one per row, in row order)."""
-        drafts: list[list[int]] = []
-        for seq, token in zip(rows, tokens, strict=True):
-            if seq.depth <= 0 or seq.speculation is None:
-                drafts.append([])
+        """Each row's draft tokens after its pending token (`tokens`, one per row, in row order): the
+        rows of a `BatchedDrafter` source together (those drafting nothing this step too: the batch
+        may catch them up on the way), every other drafting row alone."""
+        drafts: list[list[int]] = [[] for _ in rows]
+        groups: dict[DraftBatchSource, list[int]] = {}
+        for i, (seq, token) in enumerate(zip(rows, tokens, strict=True)):
+            spec = seq.speculation
+            if spec is not None and isinstance(spec.drafter, BatchedDrafter):
+                groups.setdefault(spec.drafter.source, []).append(i)
+            elif seq.depth > 0 and spec is not None:
+                drafts[i] = spec.drafter.propose(RowTokens(seq.prompt, seq.run.ids, token), seq.depth)
+        for source, members in groups.items():
+            if not any(rows[i].depth > 0 for i in members):
                 continue
-            proposed = seq.speculation.drafter.propose(RowTokens(seq.prompt, seq.run.ids, token), seq.depth)
-            drafts.append(proposed[: seq.depth])
-            seq.proposed = len(drafts[-1])
+            batch = self._batches.get(source)
+            if batch is None:
+                batch = self._batches[source] = source.draft_batch()
+            asked = [self._row_to_draft(rows[i], tokens[i]) for i in members]
+            for i, proposed in zip(members, batch.propose(asked), strict=True):
+                drafts[i] = proposed
+        for i, seq in enumerate(rows):
+            if seq.depth > 0 and seq.speculation is not None:
+                drafts[i] = drafts[i][: seq.depth]
+                seq.proposed = len(drafts[i])
         return drafts
+
+    @property
+    def held(self) -> int:
+        """Rows the draft batches hold (each a decoding row that drafted with a `BatchedDrafter`)."""
+        return sum(len(batch) for batch in self._batches.values())
+
+    def leave(self, rows: Sequence[DraftingRow]) -> None:
+        """`rows` left the generation batch (finished, cancelled, failed): they leave the draft batches
+        they draft in, their state with them."""
+        gone: dict[DraftBatchSource, list[BatchedDrafter]] = {}
+        for seq in rows:
+            spec = seq.speculation
+            if spec is not None and isinstance(spec.drafter, BatchedDrafter):
+                gone.setdefault(spec.drafter.source, []).append(spec.drafter)
+        for source, drafters in gone.items():
+            batch = self._batches.get(source)
+            if batch is not None:
+                batch.leave(drafters)
+
+    @staticmethod
+    def _row_to_draft(seq: DraftingRow, token: int) -> RowToDraft:
+        assert seq.speculation is not None
+        return RowToDraft(
+            seq.speculation.drafter, RowTokens(seq.prompt, seq.run.ids, token), max(seq.depth, 0)
+        )
 
     def count_progress(self, rows: Sequence[DraftingRow], gains: list[int]) -> None:
         """The step's progress as the draft gate counts it: the rows times what the batch's slowest row

@@ -227,6 +227,7 @@ class GenerationBatch:
         if not leaving:
             return
         caches = self.decode.remove([i for i, _ in leaving])
+        self.drafts.leave([self.decoding[i] for i, _ in leaving])
         for (i, outcome), cache in zip(leaving, caches, strict=True):
             seq = self.decoding[i]
             if isinstance(outcome, BaseException):
@@ -261,6 +262,7 @@ class GenerationBatch:
         log.exception("batched decode step failed rows=%d", len(self.decoding), exc_info=error)
         error = self._memory_error(error, f"decoding {len(self.decoding)} sequences together")
         finished.extend(Finished(seq.key, error=error) for seq in self.decoding)
+        self.drafts.leave(self.decoding)
         self.decoding, self.decode = [], self._new_decode()
 
     def _memory_error(self, error: Exception, what: str) -> Exception:
@@ -362,6 +364,7 @@ class GenerationBatch:
             log.warning("a decode step's launch failed as the batch was aborted", exc_info=True)
         seqs = [*self.waiting, *([self.prefilling] if self.prefilling else []), *self.decoding]
         ended, self._ended = self._ended, []
+        self.drafts.leave(self.decoding)
         self.prefill.waiting, self.prefill.prefilling, self.decoding = [], None, []
         self.decode = self._new_decode()
         self._offers = []

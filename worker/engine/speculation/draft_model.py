@@ -9,26 +9,23 @@ own register a loader here (DFlash's block diffusion, `dflash.py`, fed the targe
 Whatever the kind, a loaded draft is a `DraftSource`: it makes one drafter per row and names the target
 layers whose outputs its drafters read (none for a draft model).
 
-Each row drafts with its own batch-1 KV cache of the draft model (`DraftModelDrafter`), caught up with
-the row's tokens before each proposal and rolled back to the tokens the target kept after it. Rows
-draft one after another (a forward per drafted token and row): batching rows' drafts into one forward
-is the next step for large batches, where the policy turns drafting off today.
+A draft model's rows of one generation batch draft together (`draft_batch.py`): one batch cache of
+the draft model holds every row's tokens, caught up with the row's tokens before each proposal (one
+forward for all rows) and rolled back to the tokens the target kept after it; each drafted token is
+one forward for all rows. Each row's drafter (`DraftModelDrafter`) is its row of that batch.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol, cast
+from typing import Protocol
 
-import mlx.core as mx
-
-from mlxq.worker.engine.cache.kv_cache import KVCache
 from mlxq.worker.engine.models import supported_architectures
 from mlxq.worker.engine.models.base import Model
 from mlxq.worker.engine.models.loader import load_config, load_model
-from mlxq.worker.engine.prefill import prefill
+from mlxq.worker.engine.speculation.draft_batch import DraftModelBatch, DraftModelDrafter
 from mlxq.worker.engine.speculation.drafter import Drafter
 from mlxq.worker.engine.text.tokenizer import Tokenizer
 
@@ -110,9 +107,10 @@ def draft_folder(target: Path, setting: str | None) -> Path | None:
     return beside if (beside / "config.json").is_file() else None
 
 
-@dataclass
+@dataclass(eq=False)
 class DraftModel:
-    """A loaded draft model, checked against its target's tokenizer."""
+    """A loaded draft model, checked against its target's tokenizer; the `DraftBatchSource` of its rows
+    (a generation batch keeps one `DraftModelBatch` per draft: compared by identity)."""
 
     model: Model
     folder: Path
@@ -132,8 +130,12 @@ class DraftModel:
         return cls(model, folder, prefill_chunk)
 
     def drafter(self) -> DraftModelDrafter:
-        """A drafter for one row, with a cache of its own."""
+        """A drafter for one row: its row of the batch it drafts in."""
         return DraftModelDrafter(self)
+
+    def draft_batch(self) -> DraftModelBatch:
+        """A new, empty batch of this draft's rows."""
+        return DraftModelBatch(self.model, self.prefill_chunk)
 
 
 def _check_vocabulary(folder: Path, target: Tokenizer, model: Model) -> None:
@@ -152,45 +154,3 @@ def _check_vocabulary(folder: Path, target: Tokenizer, model: Model) -> None:
             f"the draft model in {folder} knows {model.args.vocab_size} token ids, the target's tokenizer "
             f"{target.vocab_size}: a draft must use the target's tokenizer"
         )
-
-
-class DraftModelDrafter:
-    """A `Drafter` for one row: the draft model's greedy guesses, its cache following the row."""
-
-    def __init__(self, draft: DraftModel) -> None:
-        self.draft = draft
-        self.cache: list[KVCache] = draft.model.make_cache()
-
-    @property
-    def cached(self) -> int:
-        """Tokens of the row in the draft's cache."""
-        return self.cache[0].offset if self.cache else 0
-
-    def propose(self, tokens: Sequence[int], depth: int) -> list[int]:
-        """Feed the row's tokens the cache lacks, then draft `depth` tokens greedily (a forward each,
-        the last one's keys never needed)."""
-        if depth <= 0 or not tokens:
-            return []
-        if self.cached >= len(tokens):  # nothing new (not expected): recompute the last token
-            self._trim(self.cached - len(tokens) + 1)
-        logits = prefill(self.draft.model, tokens[self.cached :], self.cache, self.draft.prefill_chunk)
-        out: list[int] = []
-        while True:
-            out.append(int(cast("int", mx.argmax(logits, axis=-1).item())))
-            if len(out) == depth:
-                return out
-            logits = self.draft.model(mx.array([[out[-1]]], dtype=mx.int32), cache=self.cache)[:, -1, :]
-
-    def may_propose(self, tokens: Sequence[int]) -> bool:
-        """A draft model always has a guess."""
-        return True
-
-    def accepted(self, proposed: int, kept: int) -> None:
-        """Forget the drafted tokens the target did not keep: the cache holds the row's tokens then the
-        first `proposed - 1` drafts; it keeps the first `kept` of those."""
-        if proposed > 1:
-            self._trim(max(0, proposed - 1 - kept))
-
-    def _trim(self, n: int) -> None:
-        for layer in self.cache:
-            layer.trim(n)

@@ -6,12 +6,18 @@ target kept, so a drafter with state of its own (a draft model's KV cache, an MT
 rolls that state back to the kept tokens. Prompt lookup keeps nothing; a draft model or DFlash drafter
 implements the same methods; a drafter reading the target's hidden states (DFlash, MTP) is also a
 `FeatureReader`.
+
+A drafter whose rows are cheaper drafted together is also a `BatchedDrafter` (a draft model: one
+forward per drafted token for all of a batch's rows, where each row alone costs a forward a token):
+the generation batch's drafting (`batch_drafts.py`) keeps one `DraftBatch` per `source` and asks it
+for the drafts of all that source's rows at once; told what each row kept, the row's drafter passes
+it on to the batch it drafts in.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from typing import NamedTuple, Protocol, runtime_checkable
 
 import mlx.core as mx
 
@@ -33,6 +39,50 @@ class Drafter(Protocol):
     def accepted(self, proposed: int, kept: int) -> None:
         """Of the `proposed` tokens of the last `propose`, the target kept the first `kept`."""
         ...
+
+
+class RowToDraft(NamedTuple):
+    """One row a `DraftBatch` drafts for at a step: its drafter, its tokens (as `Drafter.propose` takes
+    them) and how many tokens it drafts (0: none this step, though the batch may catch it up)."""
+
+    drafter: Drafter
+    tokens: Sequence[int]
+    depth: int
+
+
+class DraftBatch(Protocol):
+    """The rows of one generation batch that draft with one source, drafting together: it follows each
+    row from its first proposal (caught up from its prompt) until it `leave`s."""
+
+    def __len__(self) -> int:
+        """Rows it holds."""
+        ...
+
+    def propose(self, rows: Sequence[RowToDraft]) -> list[list[int]]:
+        """Each row's drafts (at most its depth; [] for depth 0), in the order of `rows`. Rows new to
+        the batch join it; its rows not among `rows` draft nothing this step."""
+        ...
+
+    def leave(self, drafters: Sequence[Drafter]) -> None:
+        """These rows are gone (finished, cancelled, failed): their state leaves the batch."""
+        ...
+
+
+class DraftBatchSource(Protocol):
+    """What the rows drafting together share (a loaded draft model), compared by identity."""
+
+    def draft_batch(self) -> DraftBatch:
+        """A new, empty batch of this source's rows."""
+        ...
+
+
+@runtime_checkable
+class BatchedDrafter(Drafter, Protocol):
+    """A drafter whose rows of one generation batch draft together in a `DraftBatch` of its `source`;
+    its own `propose` drafts for its row alone (a batch of one)."""
+
+    @property
+    def source(self) -> DraftBatchSource: ...
 
 
 class FeatureReader(Protocol):
