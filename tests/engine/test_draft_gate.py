@@ -200,7 +200,8 @@ def test_text_that_starts_being_copied_later_is_found() -> None:
 
 def test_drafting_that_loses_pauses_with_a_growing_backoff() -> None:
     clock = Clock()
-    gate = DraftGate(clock=clock, window=8, backoff=32, max_backoff=256)
+    # a share this large never lengthens a pause: the doubling alone (next test: the share)
+    gate = DraftGate(clock=clock, window=8, backoff=32, max_backoff=256, share=0.5)
     # a verify step costs 4 plain ones and gives 2 tokens a row: drafting loses
     allowed = _drive(gate, clock, 8, 3000, _always(8, plain_s=0.010, verify_s=0.040, per_row=2))
     assert gate.paused == allowed.count(False)
@@ -216,6 +217,25 @@ def test_drafting_that_loses_pauses_with_a_growing_backoff() -> None:
     assert pauses[1:4] == [1 + 32, 1 + 64, 1 + 128] and set(pauses[4:]) == {1 + 256}
     # a probe costs a few verify steps: each loses 2 plain steps, the run stops past 2 lost
     assert allowed.count(True) <= 2 * (len(pauses) - 1)
+
+
+def test_a_probe_dearer_than_the_loss_limit_pauses_long_enough_to_cost_at_most_the_share() -> None:
+    """A draft model (or MTP layer) that never pays, whose one verify step costs 35 plain steps (it
+    enters the row's prompt before its first proposal), over 1,500 steps (a dozen short jobs): each
+    probe loses far more than `loss_limit`, so its pause grows with that loss and what the probes cost
+    stays near `share` of the time, where the doubling alone (64, 128, 256 ... steps) lost ~10%."""
+
+    def dear(allowed: bool) -> tuple[StepKind, float, int]:
+        return ("verify", 0.35, 1) if allowed else ("plain", 0.010, 1)
+
+    for share in (0.02, 0.05):
+        clock = Clock()
+        allowed = _drive(DraftGate(clock=clock, share=share), clock, 1, 1500, dear)
+        assert allowed.count(True) >= 1  # it did look
+        assert _speed(clock, 1500, 0.010) > 1.0 - 1.5 * share
+    clock = Clock()
+    _drive(DraftGate(clock=clock, share=0.9), clock, 1, 1500, dear)  # the share never binds
+    assert _speed(clock, 1500, 0.010) < 0.92
 
 
 def test_the_first_plain_step_after_a_verify_is_drafting_s_cost() -> None:

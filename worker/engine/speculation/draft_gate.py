@@ -33,7 +33,11 @@ and a run where it pays goes on through stretches of text where it loses a littl
 between copied passages). After a run that stops, drafting pauses for `backoff` steps of that size, then
 is allowed again with no credit; each time a run ends without having gained anything in all the pause
 doubles (up to `max_backoff`), so a batch where drafting never pays spends a vanishing share of its
-steps finding that out, and one where the text starts being copied later is still found. While drafting
+steps finding that out, and one where the text starts being copied later is still found. A run's loss
+is bounded by `loss_limit` only between steps: one verify step may cost far more (a draft model or an
+MTP layer entering a new row's prompt before its first proposal costs tens of plain steps), so the pause
+after a run that gained nothing is also at least its loss over `share`: what such runs lose is at most
+about that share of the steps, however dear their steps are. While drafting
 pays, a stretch of plain steps is measured after `refresh` steps of drafting, then after twice as many,
 up to `max_refresh` (the reference of a long run goes stale: contexts grow, batch-mates change). A size
 starts with a stretch of plain steps: nothing is judged without a reference.
@@ -50,6 +54,7 @@ which steps drafted.
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections import deque
@@ -111,7 +116,8 @@ class DraftGate:
     it banks; `backoff`/`max_backoff`: the first and the longest pause (in steps of a size) after a run
     that gained nothing; `refresh`/`max_refresh`: the first and the longest run of drafting steps
     between two plain stretches; `spike`: the most a drafting step counts, in medians of the recent
-    ones of its kind."""
+    ones of its kind; `share`: the most of a size's steps that runs of drafting which gained nothing
+    may lose (their pause is at least their loss over it)."""
 
     window: int = 16
     history: int = 4
@@ -123,6 +129,7 @@ class DraftGate:
     refresh: int = 256
     max_refresh: int = 2048
     spike: float = 4.0
+    share: float = 0.02
     clock: Callable[[], float] = time.perf_counter
     _sizes: dict[int, _SizeGate] = field(default_factory=dict, repr=False)
     _last: tuple[StepKind, int] | None = field(default=None, repr=False)  # the last step's kind, size
@@ -134,9 +141,16 @@ class DraftGate:
     def __post_init__(self) -> None:
         if self.window < 1 or self.history < 1:
             raise ValueError(f"a draft gate needs window and history >= 1: {self}")
-        if not 0.0 <= self.margin < 1.0 or self.loss_limit <= 0.0 or self.credit < 0.0 or self.spike < 1.0:
+        if (
+            not 0.0 <= self.margin < 1.0
+            or self.loss_limit <= 0.0
+            or self.credit < 0.0
+            or self.spike < 1.0
+            or not 0.0 < self.share < 1.0
+        ):
             raise ValueError(
-                f"a draft gate needs 0 <= margin < 1, loss_limit > 0, credit >= 0, spike >= 1: {self}"
+                "a draft gate needs 0 <= margin < 1, loss_limit > 0, credit >= 0, spike >= 1, "
+                f"0 < share < 1: {self}"
             )
         if not 1 <= self.backoff <= self.max_backoff or not 1 <= self.refresh <= self.max_refresh:
             raise ValueError(
@@ -220,7 +234,9 @@ class DraftGate:
             size.backoff = (
                 self.backoff if paid or not size.backoff else min(self.max_backoff, 2 * size.backoff)
             )
-            size.run, size.resume_at, size.refresh = None, size.steps + size.backoff, 0
+            # a run that lost more than `share` of the pause would make up for pauses that much longer
+            pause = size.backoff if paid else max(size.backoff, math.ceil(run.net / self.share))
+            size.run, size.resume_at, size.refresh = None, size.steps + pause, 0
             size.stretch.clear()
             return
         size.refresh = size.refresh or self.refresh
