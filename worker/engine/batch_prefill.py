@@ -169,13 +169,19 @@ class BatchPrefill:
         rows = [(s.prompt[s.n_cached :], s.cache or []) for s in ready]
         tapped = any(s.reader is not None for s in ready)
 
-        def run() -> tuple[list[PrefillRowsCache], mx.array, mx.array | None]:
+        def run() -> tuple[list[PrefillRowsCache], mx.array, list[mx.array | None]]:
             taps = LayerTaps(self.engine.draft_taps) if tapped else None
             layers, logits = prefill_rows_layers(self.engine.model, rows, self.engine.pad_shapes, taps)
-            features = taps.features() if taps is not None else None
+            # A reader's own positions, copied: what its drafter holds keeps no other row's, nor padding.
+            features: list[mx.array | None] = [None] * len(ready)
+            if taps is not None:
+                every = taps.features()
+                for i, (seq, (new, _)) in enumerate(zip(ready, rows, strict=True)):
+                    if seq.reader is not None:  # its new tokens: the last columns
+                        features[i] = mx.contiguous(every[i : i + 1, -len(new) :])
             # Synced, the clocks measure the prefill, not the building of its graph; else a burst's
             # forwards queue up behind one another and are waited for once (`_join_launched`).
-            (mx.eval if sync else mx.async_eval)(logits, *([features] if features is not None else []))
+            (mx.eval if sync else mx.async_eval)(logits, *[f for f in features if f is not None])
             return layers, logits, features
 
         try:  # out of memory: caches emptied, one more try (the rows' own caches are left as they were)
@@ -197,9 +203,8 @@ class BatchPrefill:
                 finished.append(Finished(seq.key, error=e))
                 continue
             offered.append(i)
-            if seq.reader is not None and features is not None:  # its new tokens: the last columns
-                new = len(rows[i][0])
-                self._hand_features(seq, seq.n_cached, features[i : i + 1, -new:])
+            if (own := features[i]) is not None:
+                self._hand_features(seq, seq.n_cached, own)
         return _Launched([ready[i] for i in offered], [caches[i] for i in offered], logits, offered, layers)
 
     def _join_launched(self, launched: list[_Launched], finished: list[Finished]) -> None:
