@@ -8,6 +8,13 @@ chunk; which waiting requests start, and which together, is its `PrefillPlan`'s 
 A prefilled prompt joins the batch's decoding rows. Only its `GenerationBatch` touches it: the batch
 admits requests into `waiting`, calls it once a step, and hands it its decoding side (`DecodingRows`),
 how it finishes a request and how it words an allocation failure.
+
+A prompt whose drafter reads the target's hidden states (`FeatureReader`: MTP, DFlash) is prefilled with
+the drafter's layers tapped (`Engine.draft_taps`), and the drafter is handed their outputs for the
+prompt's positions as they are computed (`take_features`), as the decode batch hands it every later
+forward's: it never runs the target over a prompt the batch prefilled. What the prefix cache gave a
+prompt was never run here, so its drafter computes those positions' features itself when it first
+proposes. A forward with no such prompt taps nothing.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ from mlxq.worker.engine.cache.prefill_rows_cache import PrefillRowsCache
 from mlxq.worker.engine.decode_batch import DecodeBatch
 from mlxq.worker.engine.engine import Engine
 from mlxq.worker.engine.memory_guard import is_out_of_memory, with_memory_retry
+from mlxq.worker.engine.models.layer_taps import LayerTaps
 from mlxq.worker.engine.prefill import ChunkedPrefill, prefill_rows_layers
 from mlxq.worker.engine.prefill_plan import SHARED_MIN, PrefillPlan
 
@@ -159,16 +167,25 @@ class BatchPrefill:
         if not ready:
             return None
         rows = [(s.prompt[s.n_cached :], s.cache or []) for s in ready]
+        tapped = any(s.reader is not None for s in ready)
 
-        def run() -> tuple[list[PrefillRowsCache], mx.array]:
-            layers, logits = prefill_rows_layers(self.engine.model, rows, self.engine.pad_shapes)
+        def run() -> tuple[list[PrefillRowsCache], mx.array, list[mx.array | None]]:
+            taps = LayerTaps(self.engine.draft_taps) if tapped else None
+            layers, logits = prefill_rows_layers(self.engine.model, rows, self.engine.pad_shapes, taps)
+            # A reader's own positions, copied: what its drafter holds keeps no other row's, nor padding.
+            features: list[mx.array | None] = [None] * len(ready)
+            if taps is not None:
+                every = taps.features()
+                for i, (seq, (new, _)) in enumerate(zip(ready, rows, strict=True)):
+                    if seq.reader is not None:  # its new tokens: the last columns
+                        features[i] = mx.contiguous(every[i : i + 1, -len(new) :])
             # Synced, the clocks measure the prefill, not the building of its graph; else a burst's
             # forwards queue up behind one another and are waited for once (`_join_launched`).
-            (mx.eval if sync else mx.async_eval)(logits)
-            return layers, logits
+            (mx.eval if sync else mx.async_eval)(logits, *[f for f in features if f is not None])
+            return layers, logits, features
 
         try:  # out of memory: caches emptied, one more try (the rows' own caches are left as they were)
-            layers, logits = with_memory_retry(
+            layers, logits, features = with_memory_retry(
                 run, self.engine.free_memory, f"prefilling {len(rows)} prompts together"
             )
         except Exception as e:  # the shared forward failed: none of these rows can start
@@ -186,6 +203,8 @@ class BatchPrefill:
                 finished.append(Finished(seq.key, error=e))
                 continue
             offered.append(i)
+            if (own := features[i]) is not None:
+                self._hand_features(seq, seq.n_cached, own)
         return _Launched([ready[i] for i in offered], [caches[i] for i in offered], logits, offered, layers)
 
     def _join_launched(self, launched: list[_Launched], finished: list[Finished]) -> None:
@@ -221,6 +240,14 @@ class BatchPrefill:
         self.decode.add(caches, logits, [s.sampler for s in seqs])
         self.decoding.extend(seqs)
 
+    def _hand_features(self, seq: _Sequence, position: int, features: mx.array) -> None:
+        """The tapped features (1, L, features) of `seq`'s prompt tokens from `position` on, to its
+        drafter; what it makes of them is computed at once (a prefill is not a step in flight)."""
+        assert seq.reader is not None
+        made = seq.reader.take_features(position, features, seq.prompt)
+        if made:
+            mx.async_eval(made)
+
     def _start_prefill(self, seq: _Sequence, finished: list[Finished]) -> None:
         try:
             seq.cache, seq.n_cached = self.engine.begin_cache(seq.prompt)
@@ -230,6 +257,7 @@ class BatchPrefill:
                 seq.cache,
                 self.engine.options.prefill_chunk,
                 self.engine.pad_shapes,
+                taps=self.engine.draft_taps if seq.reader is not None else (),
             )
             self.prefilling = seq
         except Exception as e:
@@ -245,10 +273,15 @@ class BatchPrefill:
                 finished.append(self._finish(seq, "cancelled", seq.cache))
                 return
             logits = seq.prefill.advance()
+            tapped = seq.prefill.tapped
+            if tapped is not None:
+                assert seq.reader is not None
+                self._hand_features(seq, seq.n_cached + seq.prefill.tapped_from, tapped)
+                seq.prefill.tapped = None
             if logits is None:
                 return
             self.prefilling = None
-            mx.eval(logits)
+            mx.eval(logits, *([tapped] if tapped is not None else []))
             seq.clock.prefilled()
             if self.engine.prefix_cache is not None:
                 self.engine.prefix_cache.offer(seq.prompt, seq.cache)

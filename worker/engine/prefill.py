@@ -3,6 +3,11 @@
 A long prompt goes in chunks (`ChunkedPrefill`: other work runs between them, and no forward builds a
 huge graph); prompts that fit one chunk each go together in one forward (`prefill_rows_layers`), each
 row's result what it gets alone. The decode loop that follows lives in `decode_batch.py`.
+
+Given layer taps (a row whose drafter reads the target's hidden states: `layer_taps.py`), a prefill
+also collects those layers' outputs for the prompt's positions, so the drafter starts from them instead
+of running the target over the prompt again; tapping the final norm's output (`FINAL`) makes the last
+layer compute every position, not only the last. Given none, a prefill does what it did before.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import mlx.core as mx
 from mlxq.worker.engine.cache.kv_cache import KVCache
 from mlxq.worker.engine.cache.prefill_rows_cache import PrefillRowsCache, prefill_mask
 from mlxq.worker.engine.models.base import Model
+from mlxq.worker.engine.models.layer_taps import FINAL, LayerTaps
 from mlxq.worker.engine.shapes import padded_size, padded_width
 
 
@@ -41,10 +47,20 @@ class ChunkedPrefill:
     With `pad_shapes` the last chunk is padded on the right to a `padded_width`, and the padding's keys
     and values are trimmed off the cache afterwards: causal attention never lets a real token see a
     later one, so the result is the same while the forward's shape is one of a few.
+
+    With `taps` (layer indices: `layer_taps.py`), each `advance` leaves the chunk's tapped features in
+    `tapped` (1, chunk's tokens, features; those of a chunk before the last evaluated with its cache),
+    starting at token `tapped_from` of `tokens`; without, `tapped` stays None.
     """
 
     def __init__(
-        self, model: Model, tokens: Sequence[int], cache: list[KVCache], chunk: int, pad_shapes: bool = False
+        self,
+        model: Model,
+        tokens: Sequence[int],
+        cache: list[KVCache],
+        chunk: int,
+        pad_shapes: bool = False,
+        taps: Sequence[int] = (),
     ) -> None:
         if not tokens:
             raise ValueError("prefill needs at least one token")
@@ -52,15 +68,26 @@ class ChunkedPrefill:
         self.cache = cache
         self.chunk = chunk
         self.pad_shapes = pad_shapes
+        self.taps = tuple(taps)
         self._ids = mx.array(list(tokens), dtype=mx.int32)[None]
         self.done = 0  # tokens in the cache so far
+        self.tapped: mx.array | None = None
+        self.tapped_from = 0
 
     def advance(self) -> mx.array | None:
         """Compute the next chunk; after the last one, return the last position's logits (1, V)."""
         n = self._ids.shape[1]
+        taps = LayerTaps(self.taps) if self.taps else None
+        self.tapped_from = self.done
         if n - self.done > self.chunk:
-            self.model(self._ids[:, self.done : self.done + self.chunk], cache=self.cache)
-            mx.eval([c.state for c in self.cache])
+            ids = self._ids[:, self.done : self.done + self.chunk]
+            if taps is None:
+                self.model(ids, cache=self.cache)
+                mx.eval([c.state for c in self.cache])
+            else:
+                self.model.hidden(ids, cache=self.cache, taps=taps)
+                self.tapped = taps.features()
+                mx.eval([c.state for c in self.cache], self.tapped)
             self.done += self.chunk
             return None
         last = self._ids[:, self.done :]
@@ -68,11 +95,16 @@ class ChunkedPrefill:
         pad = padded_width(real) - real if self.pad_shapes else 0
         if pad:
             last = mx.concatenate([last, mx.zeros((1, pad), dtype=mx.int32)], axis=1)
-        hidden = self.model.hidden(last, cache=self.cache, last=real - 1)  # (1, 1, H): the final layer
-        for layer in self.cache:  # computes only the last real position (all positions' keys/values)
+        # The final layer computes only the last real position (all positions' keys/values), unless
+        # its every position's output is tapped.
+        every = taps is not None and FINAL in taps.wanted
+        hidden = self.model.hidden(last, cache=self.cache, last=None if every else real - 1, taps=taps)
+        for layer in self.cache:
             layer.trim(pad)
         self.done = n
-        return self.model.logits(hidden[:, -1, :])
+        if taps is not None:
+            self.tapped = taps.features()[:, :real]
+        return self.model.logits(hidden[:, real - 1 if every else -1, :])
 
 
 def prefill_rows(
@@ -84,7 +116,10 @@ def prefill_rows(
 
 
 def prefill_rows_layers(
-    model: Model, rows: Sequence[tuple[Sequence[int], list[KVCache]]], pad_shapes: bool = False
+    model: Model,
+    rows: Sequence[tuple[Sequence[int], list[KVCache]]],
+    pad_shapes: bool = False,
+    taps: LayerTaps | None = None,
 ) -> tuple[list[PrefillRowsCache], mx.array]:
     """Prefill several prompts in one forward: each row is its new tokens and its batch-1 cache (a
     cached prefix, or empty). Returns the forward's caches, one per layer, holding every row's prefix
@@ -93,7 +128,10 @@ def prefill_rows_layers(
     layout and masking are in `PrefillRowsCache`). Meant for prompts that fit one chunk each.
 
     `pad_shapes`: the forward's rows and cached columns are each rounded up to a `padded_size`, its width
-    to a `padded_width` (rows of padding, masked columns), so a GPU meets few shapes."""
+    to a `padded_width` (rows of padding, masked columns), so a GPU meets few shapes.
+
+    `taps`: filled with the tapped layers' outputs (rows, width, hidden), each row's new tokens its
+    last columns (rows of padding after the real ones)."""
     if not rows or any(not tokens for tokens, _ in rows):
         raise ValueError("prefill_rows needs rows with at least one new token each")
     new = [len(tokens) for tokens, _ in rows]
@@ -110,6 +148,9 @@ def prefill_rows_layers(
     padded = [[0] * (width - len(t)) + list(t) for t, _ in rows]
     padded += [[0] * width for _ in range(len(new) - len(rows))]
     ids = mx.array(padded, dtype=mx.int32)
-    hidden = model.hidden(ids, cache=layers, mask=prefill_mask(layers[0]), last=width - 1)
+    every = taps is not None and FINAL in taps.wanted  # the final layer computes every position
+    hidden = model.hidden(
+        ids, cache=layers, mask=prefill_mask(layers[0]), last=None if every else width - 1, taps=taps
+    )
     logits = model.logits(hidden[: len(rows), -1, :])
     return layers, logits

@@ -2,7 +2,8 @@
 
 A drafter that reads the target's own hidden states (DFlash's context features: `speculation/dflash.py`)
 asks a forward for the outputs of a few decoder layers: the forward is passed a `LayerTaps` naming them
-and fills it as it goes. A forward given none does nothing more than before (one comparison per layer).
+and fills it as it goes (a prefill of a prompt whose drafter reads them, and every forward of the
+decode batch). A forward given none does nothing more than before (one comparison per layer).
 A forward hands each layer's output to any `LayerSink`: a verify step's forward launched in pieces as
 it is built (`forward_pieces.py`) is one.
 """

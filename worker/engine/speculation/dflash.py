@@ -19,10 +19,11 @@ How it follows a row: the decode batch hands every forward's tapped layer output
 with the position they start at (`DecodeBatch.taps`); the drafter holds them until a proposal needs
 them (`held_features.py`: a row the draft gate keeps from drafting pays no draft work), then adds them
 to its cache, forgetting first what it holds from that position on (a verify step's rejected drafts,
-a forward dropped and fed again). The prompt's features come from a forward of the drafter's own over
-the prompt (the target's layers with a cache of their own, thrown away), the first time the row is
-seen: the prefill paths are left as they are. A drafter that finds a gap it cannot fill (not expected)
-stops proposing: the row decodes on, plainly.
+a forward dropped and fed again). The prompt's features come from the batch's prefill, tapped for a
+row with such a drafter (`batch_prefill.py`); only a prompt's prefix the prefix cache gave (never run
+here) takes a forward of the drafter's own over it (the target's layers with a cache of their own,
+thrown away), the first time the row proposes. A drafter that finds a gap it cannot fill (not
+expected) stops proposing: the row decodes on, plainly.
 
 Not implemented (refused when a draft's config asks for them): sliding-window draft layers, DFlash2's
 convolutions and candidate selector, taps of the target's last layer.
@@ -260,7 +261,8 @@ class DFlashDraft:
 
     def features(self, tokens: Sequence[int]) -> list[mx.array]:
         """The tapped target features of `tokens` from position 0 (a forward of the target's own, with a
-        cache thrown away), in chunks of at most `prefill_chunk` tokens."""
+        cache thrown away), in chunks of at most `prefill_chunk` tokens: a prompt's prefix the prefix
+        cache gave."""
         cache = self.target.make_cache()
         chunks: list[mx.array] = []
         for start in range(0, len(tokens), self.prefill_chunk):
@@ -312,10 +314,11 @@ class DFlashDraft:
 class DFlashDrafter:
     """A `Drafter` for one row that reads the target's features (`DecodeBatch.taps`): the draft's cache
     holds the row's context up to `cached` tokens, and `held` the features of the next ones, to be
-    remembered when a proposal needs them (`held_features.py`). Before anything is cached, the context
-    of the row's first `unseen` tokens (its prompt, which the batch's prefill does not tap) comes from a
-    forward of the target's own, also when a proposal first needs it: a row the draft gate keeps from
-    drafting pays no draft work, and a feature handed over is never evaluated here."""
+    remembered when a proposal needs them (`held_features.py`). The prompt's come from the batch's
+    prefill (`take_features` from position 0); where the prefix cache gave the prompt's first tokens,
+    never run by the batch, their context (`unseen`) comes from a forward of the target's own when a
+    proposal first needs it: a row the draft gate keeps from drafting pays no draft work, and a feature
+    handed over is never evaluated here."""
 
     def __init__(self, draft: DFlashDraft) -> None:
         self.draft = draft
@@ -337,9 +340,9 @@ class DFlashDrafter:
     def take_features(self, position: int, features: mx.array, tokens: Sequence[int]) -> list[mx.array]:
         """A target forward's tapped features (1, W, taps * hidden) of the row's tokens from `position`
         on; `tokens` the row's tokens so far (the prompt's, at least). Held until a proposal remembers
-        them; returns what to compute with the forward (`HeldFeatures.add`). The first call (the
-        prompt's context computed here) comes with a row's first forward, which follows a step that
-        waited for the device: nothing is in flight."""
+        them; returns what to compute with the forward (`HeldFeatures.add`). The first call comes
+        from the row's prefill, with the prompt's features (from the end of a prefix the prefix cache
+        gave, if any)."""
         if self.lost:
             return []
         if position < self.known:
@@ -379,9 +382,9 @@ class DFlashDrafter:
 
     def _catch_up(self, tokens: Sequence[int], upto: int) -> bool:
         """Count the context of tokens 0..upto - 1 as unseen (computed by a forward of the target's own
-        when a proposal needs it), from an empty drafter (the prompt, before the batch's forwards reach
-        it); False, and the drafter stops proposing, where it is not empty or the tokens are not known
-        (a gap: not expected)."""
+        when a proposal needs it), from an empty drafter (a prompt's prefix the prefix cache gave, which
+        the batch's prefill did not run); False, and the drafter stops proposing, where it is not empty
+        or the tokens are not known (a gap: not expected)."""
         if self.known or upto > len(tokens):
             log.warning(
                 "a DFlash drafter lost its row (features from position %d, %d known, %d tokens): it stops",

@@ -86,8 +86,9 @@ class BatchedDrafter(Drafter, Protocol):
 
 
 class FeatureReader(Protocol):
-    """A drafter that reads the target's hidden states (DFlash, MTP): the decode batch hands it each
-    forward's tapped layer outputs of its row (`DecodeBatch.taps`)."""
+    """A drafter that reads the target's hidden states (DFlash, MTP): the batch's prefill hands it the
+    tapped layer outputs of its row's prompt (`batch_prefill.py`), the decode batch each later
+    forward's (`DecodeBatch.taps`)."""
 
     def take_features(self, position: int, features: mx.array, tokens: Sequence[int]) -> list[mx.array]:
         """Tapped features (1, W, features) of the row's tokens from `position` on; `tokens`: the row's

@@ -18,9 +18,10 @@ How it follows a row: the decode batch hands every forward's final hidden states
 with their position (`DecodeBatch.taps` with `layer_taps.FINAL`); they are held until a proposal
 needs them (`held_features.py`: a row the draft gate keeps from drafting pays no MTP forward), then
 entered into the MTP cache as far as their tokens are known, and features from a position on replace
-what the drafter held from there (a verify step's rejected columns). The prompt's come from a forward
-of the drafter's own, the first time (as for DFlash). Entries sit at RoPE positions 1, 2, ... (the
-first token has no predecessor).
+what the drafter held from there (a verify step's rejected columns). The prompt's come from the
+batch's prefill, tapped for a row with such a drafter (`batch_prefill.py`); only a prompt's prefix the
+prefix cache gave (never run here) takes a forward of the drafter's own over it, the first time it
+proposes (as for DFlash). Entries sit at RoPE positions 1, 2, ... (the first token has no predecessor).
 
 Not implemented (refused): more than one MTP layer, architectures other than DeepSeek-V3's, quantized
 MTP weights.
@@ -121,7 +122,7 @@ class MtpDraft:
 
     def features(self, tokens: Sequence[int]) -> mx.array:
         """The target's final hidden states (1, L, hidden) of `tokens` from position 0 (a forward of the
-        target's own, in chunks, its cache thrown away)."""
+        target's own, in chunks, its cache thrown away): a prompt's prefix the prefix cache gave."""
         cache = self.target.make_cache()
         chunks = []
         for start in range(0, len(tokens), self.prefill_chunk):
@@ -175,10 +176,10 @@ class MtpDrafter:
     """A `Drafter` for one row reading the target's final hidden states (`FeatureReader`): its cache
     holds `entries` entries (positions 1..entries), `held` the hidden states of the positions after
     them, to be entered when a proposal needs them (`held_features.py`), their next token known by
-    then. Before its first entry, the hidden states of the row's first `unseen` positions (its prompt,
-    which the batch's prefill does not tap) are computed by a forward of the target's own, also when
-    a proposal first needs them: a row that never drafts costs no MTP work, and a feature handed over
-    is never evaluated here."""
+    then. The prompt's come from the batch's prefill (`take_features` from position 0); where the
+    prefix cache gave the prompt's first positions, never run by the batch, their hidden states
+    (`unseen`) are computed by a forward of the target's own when a proposal first needs them: a row
+    that never drafts costs no MTP work, and a feature handed over is never evaluated here."""
 
     def __init__(self, draft: MtpDraft) -> None:
         self.draft = draft
@@ -254,8 +255,8 @@ class MtpDrafter:
 
     def _catch_up(self, tokens: Sequence[int], upto: int) -> bool:
         """Count positions 0..upto - 1 as unseen (their hidden states computed when a proposal needs
-        them), from an empty drafter (a row's prompt); False, and the drafter stops, on a gap (not
-        expected)."""
+        them), from an empty drafter (a prompt's prefix the prefix cache gave, or a prompt not
+        prefilled by the batch); False, and the drafter stops, on a gap (not expected)."""
         if self._known or upto > len(tokens):
             log.warning("an MTP drafter lost its row (%d held, %d wanted): it stops", self._known, upto)
             self.lost = True
