@@ -24,6 +24,24 @@ class Heartbeats(Protocol):
     def maintain_heartbeats(self, job: Job, execution: Any) -> None: ...
 
 
+class CancelKeys:
+    """The cancel keys of jobs about to be watched, read in their start's round trip (a `Rider` of
+    `RqBatches.start`) by the one MGET `JobWatch.add` would send alone after it: a job cancelled just
+    before it started stops at its first check. Where MGET is refused (or fails), `found` stays None
+    and `add` reads the keys itself."""
+
+    def __init__(self) -> None:
+        self.found: list[bool] | None = None  # whether each job's cancel key was set
+
+    def queue(self, pipe: Any, runs: list[Run]) -> None:
+        if not _mget_refused:
+            pipe.mget([keys.cancel_key(run.job.id) for run in runs])
+
+    def replied(self, replies: list[Any]) -> None:
+        reply = replies[0] if replies else None
+        self.found = [value is not None for value in reply] if isinstance(reply, list) else None
+
+
 class JobWatch:
     """While jobs run: refresh their heartbeats every `beat_s`, poll their cancel keys every `poll_s`.
 
@@ -57,12 +75,16 @@ class JobWatch:
     def job_ids(self) -> list[str]:
         return [run.job.id for run in self._snapshot()]
 
-    def add(self, runs: list[Run]) -> None:
-        """Watch more running jobs; their cancel keys are checked at once, together."""
+    def add(self, runs: list[Run], read: CancelKeys | None = None) -> None:
+        """Watch more running jobs; their cancel keys are checked at once, together: as `read` found
+        them in their start's round trip, else by a read of their own."""
         if not runs:
             return
         with self._lock:
             self.runs.update((run.job.id, run) for run in runs)
+        if read is not None and read.found is not None:
+            self._note_cancels(runs, read.found)
+            return
         try:
             self._poll_cancels(runs)
         except REDIS_TRANSIENT as e:
@@ -82,7 +104,9 @@ class JobWatch:
         runs = self._snapshot() if runs is None else runs
         if not runs:
             return
-        hits = self._cancel_keys_set([keys.cancel_key(run.job.id) for run in runs])
+        self._note_cancels(runs, self._cancel_keys_set([keys.cancel_key(run.job.id) for run in runs]))
+
+    def _note_cancels(self, runs: list[Run], hits: list[bool]) -> None:
         live = {run.job.id for run in self._snapshot()}  # a job removed meanwhile stays removed
         for run, hit in zip(runs, hits, strict=True):
             if hit and run.job.id in live and run.job.id not in self.cancelled:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from time import monotonic
 from typing import Any, Protocol
@@ -37,7 +37,7 @@ from mlxq.worker.dead_letters import DeadLetters
 from mlxq.worker.eviction_watch import EvictionWatch
 from mlxq.worker.job_watch import JobWatch
 from mlxq.worker.maintenance import Maintenance
-from mlxq.worker.rq_batches import RqBatches, Run
+from mlxq.worker.rq_batches import Rider, RqBatches, Run
 from mlxq.worker.stream_writer import REDIS_TRANSIENT, StreamOptions, StreamWriter, retrying
 
 log = logging.getLogger(__name__)
@@ -105,10 +105,10 @@ class MlxqWorker(SimpleWorker):
 
     # --- the JobHost its components are handed (see `job_host.py`) -------------------------------------
 
-    def start(self, jobs: list[Job], queue: Queue) -> list[Run]:
+    def start(self, jobs: list[Job], queue: Queue, riders: Sequence[Rider] = ()) -> list[Run]:
         """Fail the taken jobs this worker must not run (`forbidden_reason`: claims already leave such
         jobs queued, this is the same check a dequeued job gets), drop those of another queue, start the
-        others together."""
+        others together (the `riders`' commands for them in the same round trip)."""
         allowed: list[Job] = []
         seen: set[str] = set()
         for job in jobs:
@@ -123,7 +123,7 @@ class MlxqWorker(SimpleWorker):
                 allowed.append(job)
             else:
                 self._reject(job, queue, problem)
-        return self.batches.start(allowed, queue)
+        return self.batches.start(allowed, queue, riders)
 
     @contextmanager
     def watching(self, runs: list[Run]) -> Iterator[JobWatch]:
