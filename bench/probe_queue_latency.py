@@ -38,6 +38,8 @@ def _mark(name: str, t0: float, t1: float) -> None:
 
 
 def _wrap(owner: Any, attr: str, name: str, kind: str = "method") -> None:
+    if owner is None or not hasattr(owner, attr):  # another tree's code: not there to time
+        return
     raw = owner.__dict__.get(attr) if isinstance(owner, type) else None
     fn = getattr(owner, attr)
     if isinstance(raw, classmethod):
@@ -70,7 +72,7 @@ def install_worker_marks() -> None:
     import redis.client
 
     from mlxq.worker import generation_jobs as gj
-    from mlxq.worker import rq_batches, rq_worker
+    from mlxq.worker import job_results, rq_batches, rq_worker
     from mlxq.worker.bounded_job import BoundedJob
     from mlxq.worker.engine import engine as engine_mod
     from mlxq.worker.engine import generation_batch as gb
@@ -102,6 +104,7 @@ def install_worker_marks() -> None:
         (rq_batches.RqBatches, "start", "run.admit_jobs.rq_start"),
         (JobWatch, "add", "run.admit_jobs.watch_add"),
         (JobResults, "open_streams", "run.admit_jobs.open_streams"),
+        (getattr(job_results, "StreamOpening", None), "writers", "run.admit_jobs.open_streams"),
         (gj, "parse_generate", "run.admit_jobs.parse_generate"),
         (gb.GenerationBatch, "admit", "run.admit_jobs.batch_admit"),
         (engine_mod.Engine, "prompt_tokens", "run.admit_jobs.batch_admit.tokenize"),
