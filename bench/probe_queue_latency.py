@@ -311,7 +311,7 @@ MILESTONES = [
 def milestones(job: dict[str, Any], marks: list[tuple[str, str, float, float]]) -> dict[str, float]:
     """The warm job's milestones (ms from its enqueue call), from the worker's marks in its window."""
     t0, end = job["t0"], job["first"]
-    main = [m for m in marks if m[0] == "MainThread" and m[2] >= t0 - 0.5 and m[2] <= end]
+    main = [m for m in marks if m[0] == "MainThread" and m[3] >= t0 - 0.5 and m[2] <= end]
 
     def first(name: str, after: float = t0, which: int = 3) -> float:
         hits = [m for m in main if m[1] == name and m[2] >= after]
@@ -321,7 +321,7 @@ def milestones(job: dict[str, Any], marks: list[tuple[str, str, float, float]]) 
     out = {"enqueued": job["enqueued"], "first": job["first"]}
     out["blmove"] = blmove[0][3] if blmove else float("nan")
     b = out["blmove"] if blmove else t0
-    out["dequeue_end"] = first("dequeue", t0 - 0.5)
+    out["dequeue_end"] = first("dequeue", b - 5.0)
     out["execute_begin"] = first("execute_job", b, 2)
     out["rq_start_end"] = first("run.admit_jobs.rq_start", b)
     out["open_end"] = first("run.admit_jobs.open_streams", b)
@@ -345,6 +345,22 @@ def phases(job: dict[str, Any], marks: list[tuple[str, str, float, float]], sinc
         row["ms"] += (min(b, end) - max(a, since)) * 1e3
         row["calls"] += 1
     return out
+
+
+def timeline(job: dict[str, Any], marks: list[tuple[str, str, float, float]], since: float) -> list[str]:
+    """Every wrapped call from `since` to the warm job's first token read, in order of start (ms from
+    the enqueue call), with its thread and duration."""
+    t0, end = job["t0"], job["first"]
+    rows = [m for m in marks if m[3] >= since and m[2] <= end]
+    out = [f"{(since - t0) * 1e3:8.2f} ---------- cold done read"]
+    for thread, name, a, b in sorted(rows, key=lambda m: m[2]):
+        where = "" if thread == "MainThread" else f"[{thread}] "
+        out.append(f"{(a - t0) * 1e3:8.2f} {(b - a) * 1e3:7.2f} {where}{name}")
+    out += [
+        f"{0.0:8.2f} ---------- warm enqueue call",
+        f"{(end - t0) * 1e3:8.2f} ---------- first token read",
+    ]
+    return sorted(out, key=lambda line: float(line.split()[0]))
 
 
 def _q(values: list[float]) -> str:
@@ -484,11 +500,15 @@ def main(argv: list[str] | None = None) -> int:
                         "phases": phases(warm, marks, cold["done_read"]),
                         "worker_ttft_ms": warm["worker_ttft_ms"],
                         "gap_ms": gap * 1e3,
+                        "timeline": timeline(warm, marks, cold["done_read"]),
                     }
                 )
         load1 = os.getloadavg()
         print(f"reps={args.reps} gap_ms={args.gap_ms} prefix={args.prefix} load {load0} -> {load1}")
         report(runs)
+        median_run = sorted(runs, key=lambda r: r["ms"]["first"])[len(runs) // 2]
+        print("\n### the median repetition's calls in order: start (ms from the enqueue call), ms, call")
+        print("\n".join(median_run["timeline"]))
     finally:
         proc.terminate()
         proc.wait(30)
