@@ -38,7 +38,7 @@ from mlxq.worker.job_deadline import JobDeadline
 from mlxq.worker.job_host import JobHost
 from mlxq.worker.job_results import JobResults
 from mlxq.worker.job_watch import CancelKeys, JobWatch
-from mlxq.worker.rq_batches import Run
+from mlxq.worker.rq_batches import Ended, Run
 from mlxq.worker.score_claim import ScorePicker
 from mlxq.worker.score_jobs import ScoreJobs
 from mlxq.worker.stream_writer import REDIS_TRANSIENT, StreamOptions, StreamWriter, flush_streams
@@ -105,7 +105,7 @@ class GenerationJobs:
                         heads = None  # read once, for the first look
                     flushed = _StreamFlush(self.results.conn, self.results.options, jobs)
                     ended = [(jobs.pop(done.key), done) for done in batch.step(background=flushed)]
-                    self._retire_all(ended, watch, finalizer)
+                    self._retire_all(ended, watch, finalizer, last=not len(batch))
                     batch.settle()  # the ended jobs' caches to the prefix cache, once their results are out
                     flushed.raise_error()
                     self.host.progress(len(batch))
@@ -205,10 +205,11 @@ class GenerationJobs:
         return cancelled
 
     def _retire_all(
-        self, ended: list[tuple[_BatchJob, Finished]], watch: JobWatch, finalizer: Finalizer
+        self, ended: list[tuple[_BatchJob, Finished]], watch: JobWatch, finalizer: Finalizer, last: bool
     ) -> None:
         """Finish the jobs one step ended: results and `done` events in one transaction, then each
-        job through RQ on the finalizer's thread (see `finalizer.py`). Failed ones go one by one."""
+        job through RQ on the finalizer's thread (see `finalizer.py`), or on this one where the batch
+        ends with them (`last`). Failed ones go one by one."""
         ok = []
         for entry, done in ended:
             if done.error is None and done.result is not None and entry.writer is not None:
@@ -223,9 +224,14 @@ class GenerationJobs:
             for entry, _, _ in ok:
                 self._fail(entry.run, watch, sys.exc_info())
             return
+        returned: list[Ended] = []
         for (entry, _, _), result in zip(ok, results, strict=True):
             watch.remove(entry.run.job.id)
-            finalizer.submit(entry.run, result.model_dump(mode="json"))
+            returned.append((entry.run, result.model_dump(mode="json")))
+        if last:
+            finalizer.end_now(returned)
+        else:
+            finalizer.submit_many(returned)
 
     def _retire(self, entry: _BatchJob, done: Finished, watch: JobWatch) -> None:
         """Finish one job of the batch through RQ: its stream's end, result and status."""
