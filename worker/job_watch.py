@@ -1,4 +1,7 @@
-"""A background thread beside running jobs: heartbeats and cancel requests, never touching MLX."""
+"""A background thread beside running jobs: heartbeats and cancel requests, never touching MLX.
+
+A worker keeps one for its life (`MlxqWorker.watching`): its batches add their jobs and remove them as
+they end, so a batch waits neither for a new thread to be scheduled nor for one to end."""
 
 from __future__ import annotations
 
@@ -61,14 +64,22 @@ class JobWatch:
         self._thread = threading.Thread(target=self._run, name="mlxq-job-watch", daemon=True)
 
     def __enter__(self) -> JobWatch:
-        try:  # a job cancelled just before it started stops at its first check
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def start(self) -> JobWatch:
+        """Check the cancel keys of the jobs given (a job cancelled just before it started stops at its
+        first check), then watch on the thread."""
+        try:
             self._poll_cancels()
         except REDIS_TRANSIENT as e:
             log.warning("job watch redis error=%s", e)
         self._thread.start()
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def stop(self) -> None:
         self._stop.set()
         self._thread.join(timeout=5)
 
@@ -95,6 +106,12 @@ class JobWatch:
         with self._lock:
             self.runs.pop(job_id, None)
         self.cancelled.discard(job_id)
+
+    def clear(self) -> None:
+        """Stop watching every job (a batch is over): none gets another heartbeat once this returns."""
+        with self._lock:
+            self.runs.clear()
+        self.cancelled.clear()
 
     def _snapshot(self) -> list[Run]:
         with self._lock:

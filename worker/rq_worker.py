@@ -93,7 +93,8 @@ class MlxqWorker(SimpleWorker):
         self.stats: Stats | None = None
         self.active_sequences = 0
         self._stats_at = 0.0  # when a running batch last republished the stats
-        self._watch: JobWatch | None = None
+        self._watcher: JobWatch | None = None  # the worker's watch thread, from its first batch on
+        self._watch: JobWatch | None = None  # the same, while a batch runs
         self._force_stop = False
         self._last_beat = (-1e9, 0)  # (monotonic time, TTL) of the last heartbeat
         self._idle_sent = False  # `_idle` wrote the state `idle` the dequeue is about to write again
@@ -132,12 +133,30 @@ class MlxqWorker(SimpleWorker):
 
     @contextmanager
     def watching(self, runs: list[Run]) -> Iterator[JobWatch]:
-        with JobWatch(self, runs, self.heartbeat_s, self.cancel_poll_s) as watch:
-            self._watch = watch
-            try:
-                yield watch
-            finally:
-                self._watch = None
+        """Heartbeats and cancel polling for `runs` (and those added later) while the block runs, by
+        the worker's one `JobWatch` (its thread started with the first batch, stopped with the worker
+        at `teardown`): a thread started and joined for every batch cost a lone job the wait for it
+        to be scheduled before its first forward, and again at its end."""
+        if self._watcher is None:
+            self._watcher = JobWatch(self, [], self.heartbeat_s, self.cancel_poll_s).start()
+        watch = self._watcher
+        watch.add(runs)
+        self._watch = watch
+        try:
+            yield watch
+        finally:
+            self._watch = None
+            watch.clear()
+
+    def teardown(self) -> None:
+        """RQ's end of the worker (its death registered, its command channel closed), and the watch
+        thread stopped."""
+        try:
+            super().teardown()  # type: ignore[no-untyped-call]  # RQ leaves it unannotated
+        finally:
+            watcher, self._watcher = self._watcher, None
+            if watcher is not None:
+                watcher.stop()
 
     def is_cancelled(self, job_id: str) -> bool:
         """True once the job's cancel key was seen, or a second SIGTERM/SIGINT arrived."""

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import logging
 import signal
+import threading
 import time
 import zlib
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -25,6 +27,7 @@ from mlxq.jobs import keys
 from mlxq.worker import rq_worker
 from mlxq.worker.job_claim import JobClaimer
 from mlxq.worker.job_watch import JobWatch
+from mlxq.worker.rq_batches import Run
 from mlxq.worker.rq_worker import MlxqWorker
 from mlxq.worker.stream_writer import StreamOptions
 
@@ -143,6 +146,51 @@ def test_the_beat_rqs_dequeue_sends_once_it_took_a_job_is_left_to_the_jobs_start
     assert run.job.get_status(refresh=True) == "started"
     assert w.dequeue_job_and_maintain_ttl(timeout=1, max_idle_time=1) is None
     assert stamps[-1] != stamps[-2]  # no job taken: RQ's beat after the wait went out
+
+
+def test_one_watch_thread_serves_a_workers_batches_one_after_another(redis_conn: redis.Redis) -> None:
+    """The worker's jobs are watched by one thread for its life (started with its first batch, stopped
+    at its teardown): a later batch's jobs are heartbeaten and their cancels seen as the first's were,
+    and once a batch is over none of its jobs is beaten again or reads as cancelled."""
+    q = Queue("one-watch", connection=redis_conn, serializer=JSONSerializer)
+    w = MlxqWorker(
+        [q], connection=redis_conn, stream_options=StreamOptions(), heartbeat_s=0.02, cancel_poll_s=0.01
+    )
+    w.register_birth()
+
+    def started() -> Run:
+        job = q.enqueue_call(keys.SCORE_FUNC, args=({"rows": [{"prompt": "a", "candidates": ["b"]}]},))
+        redis_conn.lmove(q.key, q.intermediate_queue_key, "LEFT", "RIGHT")
+        (run,) = w.start([job], q)
+        return run
+
+    def beat_of(run: Run) -> bytes | None:
+        return redis_conn.hget(run.job.key, "last_heartbeat")
+
+    def eventually(check: Callable[[], bool]) -> None:
+        deadline = time.monotonic() + 10
+        while not check():
+            assert time.monotonic() < deadline, "not seen in time"
+            time.sleep(0.01)
+
+    watches = []
+    for _ in range(2):
+        run = started()
+        with w.watching([run]) as watch:
+            watches.append(watch)
+            first = beat_of(run)
+            eventually(lambda run=run, first=first: beat_of(run) != first)  # heartbeaten
+            redis_conn.set(keys.cancel_key(run.job.id), 1)
+            eventually(lambda run=run: w.is_cancelled(run.job.id))
+        assert not w.is_cancelled(run.job.id)
+        last = beat_of(run)
+        time.sleep(0.1)  # several beats' time: none for a job whose batch is over
+        assert beat_of(run) == last
+    assert watches[0] is watches[1]
+    threads = [t for t in threading.enumerate() if t.name == "mlxq-job-watch" and t is watches[0]._thread]
+    assert threads and threads[0].is_alive()
+    w.teardown()
+    assert not threads[0].is_alive()
 
 
 def test_the_worker_goes_on_when_redis_drops_between_jobs(
