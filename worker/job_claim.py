@@ -148,9 +148,7 @@ class JobClaimer:
         the queue's first ids as just read (`heads`), where this look need not read them itself."""
         if limit <= 0:
             return []
-        if head is None:
-            head = [_text(i) for i in self.conn.lrange(queue.key, 0, self.scan - 1)]
-        ids = head
+        ids = head if head is not None else [_text(i) for i in self.conn.lrange(queue.key, 0, self.scan - 1)]
         if not ids:
             return []
         if queue.name != self._seen_in:
