@@ -222,7 +222,12 @@ class MlxqWorker(SimpleWorker):
                 pipe.exists(WORKERS_SUSPENDED)
                 replies[:] = pipe.execute()
 
-        if self._between_jobs(write):
+        try:
+            written = self._between_jobs(write)
+        except redis.RedisError as e:  # refused, not Redis away: RQ's loop then writes its own, as before
+            log.warning("could not write the worker's state between jobs error=%s", e)
+            written = False
+        if written:
             self._idle_sent, self._not_suspended = True, not replies[-1]
         else:
             self._last_beat = (-1e9, 0)  # not beaten after all: RQ's next beat goes out

@@ -100,6 +100,15 @@ def test_between_jobs_the_worker_writes_state_beat_and_stats_and_reads_rq_suspen
     w.set_state(WorkerStatus.IDLE)  # not just after `_idle`: written
     assert _commands(redis_conn, ("hset",))["hset"] == before["hset"] + 1
 
+    redis_conn.set("between-stats", "not a hash")  # a write refused (WRONGTYPE), not Redis away
+    w.set_state(WorkerStatus.BUSY)
+    w._idle()  # said in the log; the worker goes on
+    before = _commands(redis_conn, ("hset",))["hset"]
+    w.set_state(WorkerStatus.IDLE)  # RQ's loop then writes its own, as before `_idle`
+    assert _commands(redis_conn, ("hset",))["hset"] == before + 1
+    assert redis_conn.hget(w.key, "state") == b"idle"
+    redis_conn.delete("between-stats")
+
     redis_conn.set("rq:suspended", 1)  # `rq suspend` while a job ran
     try:
         w._idle()
