@@ -6,12 +6,13 @@ per step (`stream_writer.finish_streams`): that is what readers wait on. RQ's ow
 with a backlog of jobs one ends every step or two, and the decode loop would wait on them. The thread
 ends the jobs handed over since it last woke in one go (`RqBatches.succeed_many`: RQ's writes for
 all of them in one transaction, a job failed with the reason if its end fails), so RQ's
-status of a job follows its result key by a few milliseconds, as documented. `close()` waits until
-every job handed over has ended; a batch closes it before it returns to RQ's loop, so RQ never
-sees a job of a finished batch still running. Score batches hand over each batch's finished jobs
-together (`submit_many`), so that RQ's end of one batch overlaps the next batch. No job here has an
-RQ callback to run (RQ runs them under a signal-based timeout, which only the main thread can set):
-the allowlist refuses jobs that name one.
+status of a job follows its result key by a few milliseconds, as documented. The jobs a batch ends
+with are ended on its own thread instead (`end_now`): nothing is left to overlap with them.
+`close()` waits until every job handed over has ended; a batch closes it before it returns to RQ's
+loop, so RQ never sees a job of a finished batch still running. Score batches hand over each
+batch's finished jobs together (`submit_many`), so that RQ's end of one batch overlaps the next
+batch. No job here has an RQ callback to run (RQ runs them under a signal-based timeout, which only
+the main thread can set): the allowlist refuses jobs that name one.
 """
 
 from __future__ import annotations
@@ -49,6 +50,14 @@ class Finalizer:
             self._thread.start()
         self._jobs.put(list(ended))
 
+    def end_now(self, ended: list[Ended]) -> None:
+        """End jobs on the caller's thread, after every job handed over before them: a batch's last
+        jobs, which nothing is left to overlap with (the batch would only wait for the thread, and
+        start one for them)."""
+        self.close()
+        if ended:
+            self._end_safely(ended)
+
     def close(self) -> None:
         """Wait until every job handed over has ended (finished, or failed with the reason), then stop
         the thread."""
@@ -70,9 +79,10 @@ class Finalizer:
                     break
             stop = item is None
             if batch:
-                try:
-                    self._end(batch)
-                except BaseException:  # whatever it is, the thread must live on: `close` waits for it
-                    log.exception(
-                        "could not end jobs through RQ jobs=%s", ",".join(run.job.id for run, _ in batch)
-                    )
+                self._end_safely(batch)
+
+    def _end_safely(self, batch: list[Ended]) -> None:
+        try:
+            self._end(batch)
+        except BaseException:  # whatever it is, the thread must live on: `close` waits for it
+            log.exception("could not end jobs through RQ jobs=%s", ",".join(run.job.id for run, _ in batch))

@@ -33,12 +33,12 @@ from mlxq.jobs import MAX_NESTING_DEPTH, keys, parse_generate
 from mlxq.worker.engine import Engine
 from mlxq.worker.engine.generation_batch import Finished, GenerationBatch
 from mlxq.worker.finalizer import Finalizer
-from mlxq.worker.job_claim import JobClaimer, QueuedJob
+from mlxq.worker.job_claim import JobClaimer, QueuedJob, QueueHeads
 from mlxq.worker.job_deadline import JobDeadline
 from mlxq.worker.job_host import JobHost
 from mlxq.worker.job_results import JobResults
-from mlxq.worker.job_watch import JobWatch
-from mlxq.worker.rq_batches import Run
+from mlxq.worker.job_watch import CancelKeys, JobWatch
+from mlxq.worker.rq_batches import Ended, Run
 from mlxq.worker.score_claim import ScorePicker
 from mlxq.worker.score_jobs import ScoreJobs
 from mlxq.worker.stream_writer import REDIS_TRANSIENT, StreamOptions, StreamWriter, flush_streams
@@ -94,17 +94,18 @@ class GenerationJobs:
         with self.host.watching([]) as watch:
             next_look = 0.0  # when the queue may be looked at again (it was found empty before)
             try:
-                self._admit(batch, jobs, [first], queue, watch)
+                heads = self._admit(batch, jobs, [first], queue, watch, look=True)
                 while len(batch):
                     if batch.steps % opts.admit_every == 0 and time.monotonic() >= next_look:
                         try:
-                            if not self._claim_between_steps(batch, jobs, watch, gate):
+                            if not self._claim_between_steps(batch, jobs, watch, gate, heads):
                                 next_look = time.monotonic() + opts.empty_wait_s
                         except REDIS_TRANSIENT as e:  # the running jobs go on; claimed ones return
                             log.warning("generation batch could not claim jobs error=%s", e)
+                        heads = None  # read once, for the first look
                     flushed = _StreamFlush(self.results.conn, self.results.options, jobs)
                     ended = [(jobs.pop(done.key), done) for done in batch.step(background=flushed)]
-                    self._retire_all(ended, watch, finalizer)
+                    self._retire_all(ended, watch, finalizer, last=not len(batch))
                     batch.settle()  # the ended jobs' caches to the prefix cache, once their results are out
                     flushed.raise_error()
                     self.host.progress(len(batch))
@@ -118,10 +119,16 @@ class GenerationJobs:
                 self.host.progress(0)
 
     def _claim_between_steps(
-        self, batch: GenerationBatch, jobs: dict[str, _BatchJob], watch: JobWatch, gate: JoinGate
+        self,
+        batch: GenerationBatch,
+        jobs: dict[str, _BatchJob],
+        watch: JobWatch,
+        gate: JoinGate,
+        heads: QueueHeads | None = None,
     ) -> bool:
         """Admit queued generation jobs into free slots (when `gate` opens); score queued score jobs
-        right now. False when the queues were looked at and nothing was claimed."""
+        right now. False when the queues were looked at and nothing was claimed. `heads`: the queues'
+        first ids as read in the first job's start, where this look need not read them again."""
         if self.host.stopping():
             return True
         self.host.housekeeping()
@@ -131,7 +138,8 @@ class GenerationJobs:
             pick = _BatchPicker(gate.free_rows(batch), ScorePicker(budget) if budget is not None else None)
             if pick.limit <= 0:
                 return True
-            claimed = self.claimer.claim(queue, pick, pick.limit)
+            head = heads.ids.get(queue.name) if heads is not None else None
+            claimed = self.claimer.claim(queue, pick, pick.limit, head)
             found = found or bool(claimed)
             scores = [job for job in claimed if job.func_name == keys.SCORE_FUNC]
             self._admit(
@@ -156,19 +164,26 @@ class GenerationJobs:
         claimed: list[Job],
         queue: Queue,
         watch: JobWatch,
-    ) -> None:
-        """Start generation jobs in the batch (their streams opened together); a bad one fails alone."""
-        runs = self.host.start(claimed, queue)
+        look: bool = False,
+    ) -> QueueHeads | None:
+        """Start generation jobs in the batch; a bad one fails alone. What each job needs before its
+        first forward rides in the round trip that starts them (`Rider`): its stream's opening, its
+        cancel key and, with `look`, the queues' heads for the batch's first look at them (returned,
+        None where nothing started)."""
+        opening = self.results.opening()
+        cancels = CancelKeys()
+        heads = self.claimer.heads(self.host.queues) if look else None
+        runs = self.host.start(claimed, queue, [opening, cancels, *([heads] if heads is not None else [])])
         if not runs:
-            return
+            return None
         deadlines = [JobDeadline.of(run.job) for run in runs]  # from now: admitting them counts
-        watch.add(runs)
+        watch.add(runs, cancels)
         try:
-            writers = self.results.open_streams([run.job for run in runs])
+            writers = opening.writers()
         except Exception:
             for run in runs:
                 self._fail(run, watch, sys.exc_info())
-            return
+            return heads
         for run, writer, deadline in zip(runs, writers, deadlines, strict=True):
             try:
                 request = parse_generate(run.job.args[0], self.max_depth)
@@ -177,6 +192,7 @@ class GenerationJobs:
                 self._fail(run, watch, sys.exc_info())
                 continue
             jobs[run.job.id] = _BatchJob(run, writer)
+        return heads
 
     def _cancel_check(self, job: Job, deadline: JobDeadline) -> Callable[[], bool]:
         """The job's cancel check; past its deadline it raises, as RQ's death penalty would. The batch
@@ -189,10 +205,11 @@ class GenerationJobs:
         return cancelled
 
     def _retire_all(
-        self, ended: list[tuple[_BatchJob, Finished]], watch: JobWatch, finalizer: Finalizer
+        self, ended: list[tuple[_BatchJob, Finished]], watch: JobWatch, finalizer: Finalizer, last: bool
     ) -> None:
         """Finish the jobs one step ended: results and `done` events in one transaction, then each
-        job through RQ on the finalizer's thread (see `finalizer.py`). Failed ones go one by one."""
+        job through RQ on the finalizer's thread (see `finalizer.py`), or on this one where the batch
+        ends with them (`last`). Failed ones go one by one."""
         ok = []
         for entry, done in ended:
             if done.error is None and done.result is not None and entry.writer is not None:
@@ -207,9 +224,14 @@ class GenerationJobs:
             for entry, _, _ in ok:
                 self._fail(entry.run, watch, sys.exc_info())
             return
+        returned: list[Ended] = []
         for (entry, _, _), result in zip(ok, results, strict=True):
             watch.remove(entry.run.job.id)
-            finalizer.submit(entry.run, result.model_dump(mode="json"))
+            returned.append((entry.run, result.model_dump(mode="json")))
+        if last:
+            finalizer.end_now(returned)
+        else:
+            finalizer.submit_many(returned)
 
     def _retire(self, entry: _BatchJob, done: Finished, watch: JobWatch) -> None:
         """Finish one job of the batch through RQ: its stream's end, result and status."""

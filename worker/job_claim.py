@@ -93,6 +93,29 @@ def parse_queued(job_id: str, data: bytes | None, origin: bytes | None, queue: s
     return QueuedJob(job_id, func, args[0], (raw, tuple(parsed)))
 
 
+class QueueHeads:
+    """The ids at the head of queues, read in a round trip the caller makes anyway (a `Rider` of
+    `RqBatches.start`: a generation batch's first look at its queues rides in its first job's start),
+    for `JobClaimer.claim` to choose from without reading them again. A queue whose read failed has no
+    entry in `ids` (its claim reads it)."""
+
+    def __init__(self, queues: list[Queue], scan: int) -> None:
+        self.queues = queues
+        self.scan = scan
+        self.ids: dict[str, list[str]] = {}  # queue name -> its first ids, in queue order
+
+    def queue(self, pipe: Any, runs: list[Any]) -> None:
+        for queue in self.queues:
+            pipe.lrange(queue.key, 0, self.scan - 1)
+
+    def replied(self, replies: list[Any]) -> None:
+        self.ids = {
+            queue.name: [_text(i) for i in reply]
+            for queue, reply in zip(self.queues, replies, strict=True)
+            if isinstance(reply, list)
+        }
+
+
 class JobClaimer:
     """Moves chosen queued jobs from a queue into RQ's intermediate list for this worker."""
 
@@ -111,14 +134,21 @@ class JobClaimer:
         self._seen: dict[str, QueuedJob | None] = {}
         self._seen_in = ""  # the queue `_seen` was read from (a job is parsed against its queue)
 
-    def claim(self, queue: Queue, pick: Callable[[QueuedJob], bool], limit: int) -> list[Job]:
+    def heads(self, queues: list[Queue]) -> QueueHeads:
+        """The ids at the head of `queues`, to read in a round trip of the caller's (a `Rider`)."""
+        return QueueHeads(queues, self.scan)
+
+    def claim(
+        self, queue: Queue, pick: Callable[[QueuedJob], bool], limit: int, head: list[str] | None = None
+    ) -> list[Job]:
         """Up to `limit` jobs, in queue order, for which `pick` says yes (it may keep a budget).
 
         The queue's head is read as far as the choice needs, a part at a time (mostly one round trip):
-        a job chosen from the part read by this look starts from the hash read, not read again."""
+        a job chosen from the part read by this look starts from the hash read, not read again. `head`:
+        the queue's first ids as just read (`heads`), where this look need not read them itself."""
         if limit <= 0:
             return []
-        ids = [_text(i) for i in self.conn.lrange(queue.key, 0, self.scan - 1)]
+        ids = head if head is not None else [_text(i) for i in self.conn.lrange(queue.key, 0, self.scan - 1)]
         if not ids:
             return []
         if queue.name != self._seen_in:

@@ -7,6 +7,7 @@ bookkeeping stays in `rq_worker.py` and `rq_batches.py`.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from typing import Protocol
 
@@ -14,7 +15,7 @@ from rq import Queue
 from rq.job import Job
 
 from mlxq.worker.job_watch import JobWatch
-from mlxq.worker.rq_batches import RqBatches, Run
+from mlxq.worker.rq_batches import Rider, RqBatches, Run
 
 
 class JobHost(Protocol):
@@ -27,9 +28,9 @@ class JobHost(Protocol):
         """The queues the worker serves, in priority order (where a batch claims more jobs)."""
         ...
 
-    def start(self, jobs: list[Job], queue: Queue) -> list[Run]:
+    def start(self, jobs: list[Job], queue: Queue, riders: Sequence[Rider] = ()) -> list[Run]:
         """Start taken jobs through RQ; a job this worker must not run is failed with the reason and
-        left out."""
+        left out. The `riders`' commands for the started jobs go in the same round trip (`Rider`)."""
         ...
 
     def watching(self, runs: list[Run]) -> AbstractContextManager[JobWatch]:

@@ -22,8 +22,9 @@ from rq.utils import now
 
 from mlxq.jobs.schema import DoneEvent, GenerateResult, ScoreResult
 from mlxq.worker.bounded_job import BoundedJob
+from mlxq.worker.rq_batches import Run
 from mlxq.worker.stream_scripts import finish_score_streams
-from mlxq.worker.stream_writer import StreamOptions, StreamWriter, finish_streams, open_streams
+from mlxq.worker.stream_writer import StreamOptions, StreamWriter, finish_streams, opened
 
 log = logging.getLogger(__name__)
 
@@ -45,19 +46,9 @@ class JobResults:
         self.accepted_tokens = 0  # ...and those of them kept
         self._queued_s: dict[str, float] = {}  # job id -> seconds from enqueue to its stream opening
 
-    def open_streams(self, jobs: list[Job], deferred: bool = True) -> list[StreamWriter]:
-        """Writers for jobs that start together: their attempt counts saved and their streams' seeks in
-        one round trip (a `restart` entry where an earlier attempt wrote). Deferred writers only
-        buffer, for `flush_streams` to write a whole batch's tokens at once."""
-        attempts = [self._attempt(job) for job in jobs]
-
-        def save_meta(pipe: Any) -> None:
-            for job in jobs:
-                pipe.hset(job.key, "meta", job.serializer.dumps(job.meta))  # as `job.save_meta()` does
-
-        writers = [StreamWriter(self.conn, job.id, self.options, deferred=deferred) for job in jobs]
-        open_streams(self.conn, list(zip(writers, attempts, strict=True)), self.options, also=save_meta)
-        return writers
+    def opening(self, deferred: bool = True) -> StreamOpening:
+        """The opening of the streams of jobs that start together, sent in their start's round trip."""
+        return StreamOpening(self, deferred)
 
     def _attempt(self, job: Job, at: datetime | None = None) -> int:
         """Count one more attempt of `job` in its meta (saved by the caller); note its time in the queue
@@ -164,6 +155,47 @@ class JobResults:
                 ",".join(job.id for job, _ in finished),
             )
         return values
+
+
+class StreamOpening:
+    """The opening of the streams of jobs that start together, sent in their start's round trip (a
+    `Rider` of `RqBatches.start`): each job's attempt count saved in its meta (as `job.save_meta()`
+    saves it: it survives RQ's retries, so a retried job's stream says `restart` first) and its
+    stream's last entry read. `writers()` then gives their writers, a `restart` entry written where an
+    earlier attempt wrote. Deferred writers only buffer, for `flush_streams` to write a whole batch's
+    tokens at once."""
+
+    def __init__(self, results: JobResults, deferred: bool = True) -> None:
+        self.results = results
+        self.deferred = deferred
+        self._jobs: list[Job] = []
+        self._openings: list[tuple[StreamWriter, int]] | None = None
+        self._replies: list[Any] = []
+
+    def queue(self, pipe: Any, runs: list[Run]) -> None:
+        if self._openings is None:  # attempts counted once, however often the round trip is sent
+            results = self.results
+            self._jobs = [run.job for run in runs]
+            self._openings = [
+                (StreamWriter(results.conn, job.id, results.options, self.deferred), results._attempt(job))
+                for job in self._jobs
+            ]
+        for job in self._jobs:
+            pipe.hset(job.key, "meta", job.serializer.dumps(job.meta))
+        for w, _ in self._openings:
+            w.seek(pipe)
+
+    def replied(self, replies: list[Any]) -> None:
+        self._replies = replies
+
+    def writers(self) -> list[StreamWriter]:
+        """The jobs' writers, their streams opened; the error of a write that failed is raised here."""
+        for reply in self._replies:
+            if isinstance(reply, Exception):
+                raise reply
+        openings = self._openings or []
+        opened(openings, self._replies[len(self._jobs) :])
+        return [w for w, _ in openings]
 
 
 # A score job's `done` entry: the same fields every time but its token counts (`_score_done`).

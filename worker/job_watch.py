@@ -1,4 +1,7 @@
-"""A background thread beside running jobs: heartbeats and cancel requests, never touching MLX."""
+"""A background thread beside running jobs: heartbeats and cancel requests, never touching MLX.
+
+A worker keeps one for its life (`MlxqWorker.watching`): its batches add their jobs and remove them as
+they end, so a batch waits neither for a new thread to be scheduled nor for one to end."""
 
 from __future__ import annotations
 
@@ -24,6 +27,24 @@ class Heartbeats(Protocol):
     def maintain_heartbeats(self, job: Job, execution: Any) -> None: ...
 
 
+class CancelKeys:
+    """The cancel keys of jobs about to be watched, read in their start's round trip (a `Rider` of
+    `RqBatches.start`) by the one MGET `JobWatch.add` would send alone after it: a job cancelled just
+    before it started stops at its first check. Where MGET is refused (or fails), `found` stays None
+    and `add` reads the keys itself."""
+
+    def __init__(self) -> None:
+        self.found: list[bool] | None = None  # whether each job's cancel key was set
+
+    def queue(self, pipe: Any, runs: list[Run]) -> None:
+        if not _mget_refused:
+            pipe.mget([keys.cancel_key(run.job.id) for run in runs])
+
+    def replied(self, replies: list[Any]) -> None:
+        reply = replies[0] if replies else None
+        self.found = [value is not None for value in reply] if isinstance(reply, list) else None
+
+
 class JobWatch:
     """While jobs run: refresh their heartbeats every `beat_s`, poll their cancel keys every `poll_s`.
 
@@ -43,26 +64,38 @@ class JobWatch:
         self._thread = threading.Thread(target=self._run, name="mlxq-job-watch", daemon=True)
 
     def __enter__(self) -> JobWatch:
-        try:  # a job cancelled just before it started stops at its first check
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def start(self) -> JobWatch:
+        """Check the cancel keys of the jobs given (a job cancelled just before it started stops at its
+        first check), then watch on the thread."""
+        try:
             self._poll_cancels()
         except REDIS_TRANSIENT as e:
             log.warning("job watch redis error=%s", e)
         self._thread.start()
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def stop(self) -> None:
         self._stop.set()
         self._thread.join(timeout=5)
 
     def job_ids(self) -> list[str]:
         return [run.job.id for run in self._snapshot()]
 
-    def add(self, runs: list[Run]) -> None:
-        """Watch more running jobs; their cancel keys are checked at once, together."""
+    def add(self, runs: list[Run], read: CancelKeys | None = None) -> None:
+        """Watch more running jobs; their cancel keys are checked at once, together: as `read` found
+        them in their start's round trip, else by a read of their own."""
         if not runs:
             return
         with self._lock:
             self.runs.update((run.job.id, run) for run in runs)
+        if read is not None and read.found is not None:
+            self._note_cancels(runs, read.found)
+            return
         try:
             self._poll_cancels(runs)
         except REDIS_TRANSIENT as e:
@@ -74,6 +107,12 @@ class JobWatch:
             self.runs.pop(job_id, None)
         self.cancelled.discard(job_id)
 
+    def clear(self) -> None:
+        """Stop watching every job (a batch is over): none gets another heartbeat once this returns."""
+        with self._lock:
+            self.runs.clear()
+        self.cancelled.clear()
+
     def _snapshot(self) -> list[Run]:
         with self._lock:
             return list(self.runs.values())
@@ -82,7 +121,9 @@ class JobWatch:
         runs = self._snapshot() if runs is None else runs
         if not runs:
             return
-        hits = self._cancel_keys_set([keys.cancel_key(run.job.id) for run in runs])
+        self._note_cancels(runs, self._cancel_keys_set([keys.cancel_key(run.job.id) for run in runs]))
+
+    def _note_cancels(self, runs: list[Run], hits: list[bool]) -> None:
         live = {run.job.id for run in self._snapshot()}  # a job removed meanwhile stays removed
         for run, hit in zip(runs, hits, strict=True):
             if hit and run.job.id in live and run.job.id not in self.cancelled:

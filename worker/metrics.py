@@ -135,21 +135,30 @@ class StatsPublisher:
             stats["metrics_port"] = str(self.metrics_port)
         return stats
 
-    def publish(self, ttl_s: int | None = None) -> None:
-        """Write a fresh snapshot (main thread). A Redis error is logged, never raised: jobs go on."""
+    def publish(self, ttl_s: int | None = None, pipeline: Any = None) -> None:
+        """Write a fresh snapshot (main thread). A Redis error is logged, never raised: jobs go on.
+        With a `pipeline` (a transaction: the hash is then exactly this snapshot, never a mix), the
+        writes go in it, for its owner to send and to handle its errors."""
         stats = self.snapshot()
         with self._lock:
             self._latest = stats
         ttl_s = ttl_s or self.ttl_s
+        if pipeline is not None:
+            self._write(pipeline, stats, ttl_s)
+            self._written = (time.monotonic(), ttl_s)
+            return
         try:
             pipe = self.conn.pipeline(transaction=True)  # the hash is exactly this snapshot, never a mix
-            pipe.delete(self.key)
-            pipe.hset(self.key, mapping=stats)  # type: ignore[arg-type]
-            pipe.expire(self.key, ttl_s)
+            self._write(pipe, stats, ttl_s)
             pipe.execute()
             self._written = (time.monotonic(), ttl_s)
         except redis.RedisError as e:
             log.warning("could not publish worker stats error=%s", e)
+
+    def _write(self, pipe: Any, stats: dict[str, str], ttl_s: int) -> None:
+        pipe.delete(self.key)
+        pipe.hset(self.key, mapping=stats)
+        pipe.expire(self.key, ttl_s)
 
     def keep_alive(self, ttl_s: int, pipeline: Any = None) -> None:
         """Extend the hash's life (any thread; inside the caller's pipeline when given one)."""

@@ -9,7 +9,9 @@ inside Redis, the worker sends one). What is copied, and from where:
   heartbeat, status `started` and worker name, its hash persisted, the id off the queue's intermediate
   list, the worker busy) write, for every job, without RQ's repeated writes: the job's heartbeat goes
   in the HSET that starts it, the worker's index of executions gets one SADD and one EXPIRE for the
-  batch; the worker's state and heartbeat go through RQ's own methods in the same round trip;
+  batch; the worker's state and heartbeat go through RQ's own methods in the same round trip, and so
+  do the caller's own first commands for the jobs (`Rider`: a generation job's stream opening, its
+  cancel key, the queue's head), which would otherwise each cost a round trip before its first token;
 - `succeed_many`: what `Worker._finalize_success` and `Worker.handle_job_success` write for a job
   without dependents, dependencies or repeats and with a result kept for a while (result, status
   `finished`, registries, TTLs, execution record, the worker's counters), for every job: one HSET a
@@ -50,11 +52,11 @@ import logging
 import sys
 import zlib
 from base64 import b64encode
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from functools import lru_cache
-from typing import Any
+from typing import Any, Protocol
 from uuid import uuid4
 
 from rq import Queue, SimpleWorker
@@ -86,6 +88,18 @@ class Run:
 Ended = tuple[Run, Any]  # a run that returned, with its return value
 
 
+class Rider(Protocol):
+    """Commands a caller sends in the round trip that starts its jobs (`RqBatches.start`), after the
+    start's own. `queue` puts them on the pipeline, given the runs; it is called again should the round
+    trip be sent again (Redis away, a server without the start script), so it must not count anything
+    twice and its commands must be safe to repeat. `replied` is handed their replies once the start
+    went through, an error reply as its exception (never raised there: the jobs did start)."""
+
+    def queue(self, pipe: Any, runs: list[Run]) -> None: ...
+
+    def replied(self, replies: list[Any]) -> None: ...
+
+
 def was_cancelled(value: Any) -> bool:
     """Whether a job's return value is a generation its producer cancelled while it ran (the wire's
     `finish_reason`)."""
@@ -108,10 +122,10 @@ class RqBatches:
         self.max_job_timeout = max_job_timeout  # -1: a job may ask for any timeout, none included
         rq_scripts.load(worker.connection)
 
-    def start(self, jobs: list[Job], queue: Queue) -> list[Run]:
+    def start(self, jobs: list[Job], queue: Queue, riders: Sequence[Rider] = ()) -> list[Run]:
         """Start jobs that are in RQ's intermediate list (dequeued or claimed): their records written by
-        one script call (`rq_scripts.START`) a queue, the worker's state and heartbeat beside it, in
-        one round trip."""
+        one script call (`rq_scripts.START`) a queue, the worker's state and heartbeat beside it, and
+        the `riders`' commands after them, in one round trip."""
         if not jobs:
             return []
         w = self.worker
@@ -127,15 +141,26 @@ class RqBatches:
             runs.append(Run(job, queue, execution))
         calls = [self._start_call(origin, ttl, group, at) for (origin, ttl), group in groups.items()]
 
-        def start() -> None:
+        def start() -> list[tuple[Rider, list[Any]]]:
             with w.connection.pipeline(transaction=False) as pipe:
                 for keys, args in calls:
                     rq_scripts.START.queue(pipe, keys, args)
                 w.set_state(WorkerStatus.BUSY, pipeline=pipe)
                 w.heartbeat(w.get_heartbeat_ttl(jobs[0]), pipeline=pipe)
-                pipe.execute()
+                spans = []
+                for rider in riders:
+                    at = len(pipe)
+                    rider.queue(pipe, runs)
+                    spans.append((rider, at, len(pipe)))
+                own = spans[0][1] if spans else len(pipe)
+                replies = pipe.execute(raise_on_error=False)
+            for reply in replies[:own]:  # the start's own: its errors are raised as `execute` raises them
+                if isinstance(reply, Exception):
+                    raise reply
+            return [(rider, replies[a:b]) for rider, a, b in spans]
 
-        retrying(self.options)(rq_scripts.START.run, w.connection, start)
+        for rider, replies in retrying(self.options)(rq_scripts.START.run, w.connection, start):
+            rider.replied(replies)
         stamp = utcformat(at).encode()
         started = {
             b"last_heartbeat": stamp,

@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from time import monotonic
 from typing import Any, Protocol
@@ -27,7 +27,9 @@ from rq.exceptions import StopRequested
 from rq.job import Job, JobStatus
 from rq.job_lifecycle import call_exception_handlers
 from rq.serializers import JSONSerializer
+from rq.suspension import WORKERS_SUSPENDED
 from rq.utils import now
+from rq.worker import WorkerStatus
 
 from mlxq.jobs.errors import ForbiddenJob, InvalidRequest
 from mlxq.jobs.transient import is_out_of_memory
@@ -37,7 +39,7 @@ from mlxq.worker.dead_letters import DeadLetters
 from mlxq.worker.eviction_watch import EvictionWatch
 from mlxq.worker.job_watch import JobWatch
 from mlxq.worker.maintenance import Maintenance
-from mlxq.worker.rq_batches import RqBatches, Run
+from mlxq.worker.rq_batches import Rider, RqBatches, Run
 from mlxq.worker.stream_writer import REDIS_TRANSIENT, StreamOptions, StreamWriter, retrying
 
 log = logging.getLogger(__name__)
@@ -59,7 +61,7 @@ class JobRunner(Protocol):
 class Stats(Protocol):
     """The worker's live statistics hash (`metrics.StatsPublisher`)."""
 
-    def publish(self, ttl_s: int | None = None) -> None: ...
+    def publish(self, ttl_s: int | None = None, pipeline: Any = None) -> None: ...
 
     def on_heartbeat(self, ttl_s: int, pipeline: Any = None) -> None: ...
 
@@ -91,9 +93,13 @@ class MlxqWorker(SimpleWorker):
         self.stats: Stats | None = None
         self.active_sequences = 0
         self._stats_at = 0.0  # when a running batch last republished the stats
-        self._watch: JobWatch | None = None
+        self._watcher: JobWatch | None = None  # the worker's watch thread, from its first batch on
+        self._watch: JobWatch | None = None  # the same, while a batch runs
         self._force_stop = False
         self._last_beat = (-1e9, 0)  # (monotonic time, TTL) of the last heartbeat
+        self._idle_sent = False  # `_idle` wrote the state `idle` the dequeue is about to write again
+        self._not_suspended = False  # `_idle` read the suspension flag the next check would read
+        self._starting = False  # a job was just dequeued: its start beats (`reorder_queues`)
         self.dead_letters = DeadLetters(connection, stream_options)
         # A maintainer's lease lasts as long as a job's heartbeat: a dead one is noticed as soon.
         self.maintenance = Maintenance(
@@ -105,10 +111,10 @@ class MlxqWorker(SimpleWorker):
 
     # --- the JobHost its components are handed (see `job_host.py`) -------------------------------------
 
-    def start(self, jobs: list[Job], queue: Queue) -> list[Run]:
+    def start(self, jobs: list[Job], queue: Queue, riders: Sequence[Rider] = ()) -> list[Run]:
         """Fail the taken jobs this worker must not run (`forbidden_reason`: claims already leave such
         jobs queued, this is the same check a dequeued job gets), drop those of another queue, start the
-        others together."""
+        others together (the `riders`' commands for them in the same round trip)."""
         allowed: list[Job] = []
         seen: set[str] = set()
         for job in jobs:
@@ -123,16 +129,34 @@ class MlxqWorker(SimpleWorker):
                 allowed.append(job)
             else:
                 self._reject(job, queue, problem)
-        return self.batches.start(allowed, queue)
+        return self.batches.start(allowed, queue, riders)
 
     @contextmanager
     def watching(self, runs: list[Run]) -> Iterator[JobWatch]:
-        with JobWatch(self, runs, self.heartbeat_s, self.cancel_poll_s) as watch:
-            self._watch = watch
-            try:
-                yield watch
-            finally:
-                self._watch = None
+        """Heartbeats and cancel polling for `runs` (and those added later) while the block runs, by
+        the worker's one `JobWatch` (its thread started with the first batch, stopped with the worker
+        at `teardown`): a thread started and joined for every batch cost a lone job the wait for it
+        to be scheduled before its first forward, and again at its end."""
+        if self._watcher is None:
+            self._watcher = JobWatch(self, [], self.heartbeat_s, self.cancel_poll_s).start()
+        watch = self._watcher
+        watch.add(runs)
+        self._watch = watch
+        try:
+            yield watch
+        finally:
+            self._watch = None
+            watch.clear()
+
+    def teardown(self) -> None:
+        """RQ's end of the worker (its death registered, its command channel closed), and the watch
+        thread stopped."""
+        try:
+            super().teardown()  # type: ignore[no-untyped-call]  # RQ leaves it unannotated
+        finally:
+            watcher, self._watcher = self._watcher, None
+            if watcher is not None:
+                watcher.stop()
 
     def is_cancelled(self, job_id: str) -> bool:
         """True once the job's cancel key was seen, or a second SIGTERM/SIGINT arrived."""
@@ -158,14 +182,55 @@ class MlxqWorker(SimpleWorker):
     # --- RQ hooks ----------------------------------------------------------------------------------
 
     def set_state(self, state: str, pipeline: Any = None) -> None:
-        """RQ's worker state; on its own (no pipeline) a step of RQ's loop between jobs (`_between_jobs`)."""
+        """RQ's worker state; on its own (no pipeline) a step of RQ's loop between jobs (`_between_jobs`).
+        The dequeue's `idle` right after `_idle` wrote it is not written again."""
+        idle_sent, self._idle_sent = self._idle_sent, False
         if pipeline is not None:
             super().set_state(state, pipeline)
+        elif idle_sent and state == WorkerStatus.IDLE:
+            self._state = state
         else:
             self._between_jobs(super().set_state, state)
 
     def check_for_suspension(self, burst: bool) -> None:
-        self._between_jobs(super().check_for_suspension, burst)
+        """RQ's check for `rq suspend`, unless `_idle` just read the flag unset in its round trip."""
+        not_suspended, self._not_suspended = self._not_suspended, False
+        if not not_suspended:
+            self._between_jobs(super().check_for_suspension, burst)
+
+    def reorder_queues(self, reference_queue: Queue) -> None:
+        """RQ's reordering of its queues, called by its dequeue only when it took a job: the heartbeat
+        RQ's dequeue sends next is skipped (`heartbeat`), as the job's start beats a moment later, in
+        the round trip that starts it (or `_idle` does, for a job that never starts)."""
+        super().reorder_queues(reference_queue)
+        self._starting = True
+
+    def _idle(self) -> None:
+        """What RQ's loop writes between a job and its next dequeue, in one round trip where it sent five:
+        the worker's state `idle` and its stats snapshot (at the job's end), RQ's heartbeat with the
+        idle TTL (after the job, and again in its suspension check) and the suspension flag's read. The
+        beat RQ's loop sends after the job is then a repeat (skipped, `heartbeat`), and so are the
+        suspension check and the dequeue's `idle` that follow (`check_for_suspension`, `set_state`)."""
+        replies: list[Any] = []
+
+        def write() -> None:
+            with self.connection.pipeline(transaction=True) as pipe:
+                super(MlxqWorker, self).set_state(WorkerStatus.IDLE, pipe)
+                self.heartbeat(pipeline=pipe)
+                if self.stats is not None:
+                    self.stats.publish(pipeline=pipe)
+                pipe.exists(WORKERS_SUSPENDED)
+                replies[:] = pipe.execute()
+
+        try:
+            written = self._between_jobs(write)
+        except redis.RedisError as e:  # refused, not Redis away: RQ's loop then writes its own, as before
+            log.warning("could not write the worker's state between jobs error=%s", e)
+            written = False
+        if written:
+            self._idle_sent, self._not_suspended = True, not replies[-1]
+        else:
+            self._last_beat = (-1e9, 0)  # not beaten after all: RQ's next beat goes out
 
     def run_maintenance_tasks(self) -> None:
         self._between_jobs(super().run_maintenance_tasks)
@@ -268,11 +333,15 @@ class MlxqWorker(SimpleWorker):
         """RQ's worker heartbeat (the worker key's `last_heartbeat` and TTL, its executions key's TTL)
         in one round trip instead of three. RQ's loop beats after each job and twice around each
         dequeue: a beat of its own (no pipeline) that gives the TTL the last beat gave, less than
-        `_BEAT_AGAIN_S` after it, is skipped, so a lone job costs one beat, not three. A beat after a
-        dequeue that blocked, or one that changes the TTL (a job's shorter one, RQ's idle one after
-        it), always goes out."""
+        `_BEAT_AGAIN_S` after it, is skipped, so a lone job costs one beat, not three; so is the beat
+        RQ's dequeue sends once it took a job (`reorder_queues`): the job's start beats a moment later,
+        in the round trip that starts it. A beat that changes the TTL (a job's shorter one, RQ's idle
+        one after it) always goes out."""
         ttl = timeout or self.worker_ttl + 60
         at = monotonic()
+        starting, self._starting = self._starting, False
+        if pipeline is None and starting:
+            return
         if pipeline is None:
             last_at, last_ttl = self._last_beat
             if ttl == last_ttl and at - last_at < _BEAT_AGAIN_S:
@@ -295,7 +364,7 @@ class MlxqWorker(SimpleWorker):
         """Hand the job RQ dequeued to the component that runs its kind (it may claim more queued jobs
         to run beside it); a job this worker must not run is failed with the reason."""
         if self._taken_again(job, queue):
-            self.set_state("idle")
+            self._idle()
             return
         problem = forbidden_reason(job)
         runner = self.runners.get(job.func_name or "") if problem is None else None
@@ -311,9 +380,7 @@ class MlxqWorker(SimpleWorker):
         except Exception as e:  # RQ's loop quits on it: the process must say it failed
             self.fatal_error = e
             raise
-        self.set_state("idle")
-        if self.stats is not None:
-            self.stats.publish()
+        self._idle()
 
     def handle_job_failure(
         self,

@@ -157,6 +157,10 @@ class StreamWriter:
         last: Any = self._retry(self.conn.xrevrange, self.key, count=1)
         return self._seek_to(last)
 
+    def seek(self, pipe: Any) -> None:
+        """Queue the read of the stream's last entry on `pipe` (its reply goes to `opened`)."""
+        pipe.xrevrange(self.key, count=1)
+
     def _seek_to(self, last: list[Any]) -> str | None:
         """`_seek_end` given the stream's last entry as XREVRANGE returned it."""
         if not last:
@@ -240,28 +244,11 @@ class StreamWriter:
             self._expired_at = time.monotonic()
 
 
-def open_streams(
-    conn: redis.Redis,
-    openings: list[tuple[StreamWriter, int]],
-    options: StreamOptions,
-    also: Callable[[Any], None] | None = None,
-) -> None:
-    """`StreamWriter.open(attempt)` for many writers with one round trip for all their seeks (a
-    `restart` entry, where a stream already has entries, is written as `open` writes it). `also`
-    queues commands of the caller's own into that round trip's pipeline, before the seeks (they are
-    sent again if Redis fails the round trip, so they must be safe to repeat)."""
-    if not openings:
-        return
-
-    def seek() -> list[Any]:
-        pipe = conn.pipeline(transaction=False)
-        if also is not None:
-            also(pipe)
-        for w, _ in openings:
-            pipe.xrevrange(w.key, count=1)
-        return list(pipe.execute())[-len(openings) :]
-
-    for (w, attempt), last in zip(openings, retrying(options)(seek), strict=True):
+def opened(openings: list[tuple[StreamWriter, int]], lasts: list[Any]) -> None:
+    """`StreamWriter.open(attempt)` for many writers whose streams' last entries were read together, in
+    a round trip of the caller's (`StreamWriter.seek`): each writer's ids placed after its stream's
+    end, and a `restart` entry written, as `open` writes it, where a stream already has entries."""
+    for (w, attempt), last in zip(openings, lasts, strict=True):
         if w._seek_to(last) is not None:
             w._write([RestartEvent(attempt=attempt).fields()])
 

@@ -182,6 +182,26 @@ def test_a_score_job_runs_between_decode_steps(
     assert "scored=1" in worker.log()
 
 
+def test_a_job_cancelled_as_a_worker_takes_it_stops_before_its_first_token(
+    model_dir: Path, redis_url: str, client: Client, spawn_worker: Any, redis_conn: redis.Redis
+) -> None:
+    """A producer's cancel sets the job's cancel key before RQ's cancel of a waiting job, for a worker
+    that takes the job at that moment: the key is read in the round trip that starts the job, so it
+    ends `cancelled` before its first token; the job queued behind it (claimed by the batch's first
+    look, whose read rode in the same round trip) runs."""
+    doomed = client.submit_generate(PROMPT, max_tokens=50, temperature=0, logit_bias=NO_EOS)
+    behind = client.submit_generate(PROMPT, max_tokens=3, temperature=0, logit_bias=NO_EOS)
+    redis_conn.set(keys.cancel_key(doomed.id), "1", ex=60)
+    worker = spawn_worker(model_dir, redis_url, "--burst", **BATCH)
+    assert worker.wait(120) == 0, worker.log()
+    cancelled = doomed.result(timeout=5)
+    assert (cancelled.finish_reason, cancelled.usage.completion_tokens) == ("cancelled", 0)
+    assert [e["event"] for e in _stream(redis_conn, doomed.id)] == ["done"]
+    assert doomed.status() == "canceled"
+    assert len(behind.result(timeout=5).token_ids) == 3 and behind.status() == "finished"
+    assert "generation batch claimed=1" in worker.log()
+
+
 def _worker_name(conn: redis.Redis) -> str:
     names = [k.decode().removeprefix("mlxq:worker:") for k in conn.keys("mlxq:worker:*")]
     assert len(names) == 1, names

@@ -55,3 +55,28 @@ def test_an_end_that_raises_is_logged_and_later_jobs_still_end(redis_conn: redis
     finalizer.submit(Run(jobs[1], queue, None), None)  # type: ignore[arg-type]
     finalizer.close()
     assert ended == [jobs[1].id]
+
+
+def test_a_batchs_last_jobs_end_on_the_callers_thread_after_those_handed_over_before(
+    redis_conn: redis.Redis,
+) -> None:
+    """`end_now`: the jobs a batch ends with are ended on its own thread (nothing is left to overlap
+    with them), once every job handed over before has ended on the finalizer's; a failing end is
+    logged there as on the thread, never raised into the batch."""
+    queue = Queue("finalizer", connection=redis_conn)
+    jobs = [Job.create(func=print, connection=redis_conn) for _ in range(4)]
+    calls: list[tuple[list[str], str]] = []
+
+    def end(batch: list[Ended]) -> None:
+        calls.append(([run.job.id for run, _ in batch], threading.current_thread().name))
+        if batch[0][0].job is jobs[3]:
+            raise redis.ConnectionError("Redis went away")
+
+    finalizer = Finalizer(end)
+    finalizer.submit_many([(Run(j, queue, None), None) for j in jobs[:2]])  # type: ignore[arg-type]
+    finalizer.end_now([(Run(jobs[2], queue, None), None)])  # type: ignore[arg-type]
+    assert calls == [([jobs[0].id, jobs[1].id], "mlxq-finalizer"), ([jobs[2].id], "MainThread")]
+    finalizer.end_now([(Run(jobs[3], queue, None), None)])  # type: ignore[arg-type]
+    assert calls[-1] == ([jobs[3].id], "MainThread")
+    finalizer.end_now([])  # nothing handed over, nothing to end
+    assert len(calls) == 3

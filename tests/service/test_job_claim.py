@@ -133,3 +133,25 @@ def test_a_queued_id_whose_key_is_no_hash_is_left_for_rqs_dequeue(redis_conn: re
     claimed = claimer.claim(queue, lambda _queued: True, limit=8)
     assert [j.id for j in claimed] == [before.id, after.id]
     assert [i.decode() for i in redis_conn.lrange(queue.key, 0, -1)] == ["a-string"]
+
+
+def test_a_look_given_the_queues_head_as_read_in_another_round_trip_claims_from_it(
+    redis_conn: redis.Redis,
+) -> None:
+    """A generation batch's first look at its queues rides in its first job's start (`QueueHeads`, a
+    rider of `RqBatches.start`): the claim chooses from the ids read there, in queue order, and an empty
+    head claims nothing without reading the queue again."""
+    queue = Queue("claims", connection=redis_conn, serializer=JSONSerializer)
+    jobs = [queue.enqueue_call(keys.GENERATE_FUNC, args=({"prompt": f"p{i}"},)) for i in range(3)]
+    claimer = JobClaimer(redis_conn, JSONSerializer)
+    heads = claimer.heads([queue])
+    pipe = redis_conn.pipeline(transaction=False)
+    heads.queue(pipe, [])
+    heads.replied(pipe.execute())
+    assert heads.ids == {queue.name: [j.id for j in jobs]}
+    late = queue.enqueue_call(keys.GENERATE_FUNC, args=({"prompt": "late"},))  # pushed after the read
+    claimed = claimer.claim(queue, lambda q: True, limit=8, head=heads.ids[queue.name])
+    assert [j.id for j in claimed] == [j.id for j in jobs]
+    assert queue.get_job_ids() == [late.id]  # the next look's
+    assert claimer.claim(queue, lambda q: True, limit=8, head=[]) == []
+    assert queue.get_job_ids() == [late.id]

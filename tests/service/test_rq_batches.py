@@ -25,7 +25,9 @@ from mlxq.jobs import keys
 from mlxq.jobs.schema import ScoredRow, ScoreResult
 from mlxq.worker import rq_batches
 from mlxq.worker.bounded_job import BoundedJob
+from mlxq.worker.job_claim import JobClaimer
 from mlxq.worker.job_results import JobResults
+from mlxq.worker.job_watch import CancelKeys
 from mlxq.worker.rq_batches import Run
 from mlxq.worker.rq_worker import MlxqWorker
 from mlxq.worker.stream_writer import StreamOptions
@@ -337,6 +339,49 @@ def test_an_end_sent_again_ends_no_job_twice_and_a_server_without_the_scripts_is
         assert [r.return_value for r in Result.all(run.job, serializer=JSONSerializer)] == [value]
         assert run.job.get_status(refresh=True) == "finished"
     assert int(redis_conn.hget(w.key, "successful_job_count") or 0) == 3
+
+
+def test_a_callers_commands_ride_in_the_start_round_trip_and_count_once_when_it_is_sent_again(
+    redis_conn: redis.Redis,
+) -> None:
+    """What a generation job needs before its first forward rides in the round trip that starts it
+    (`Rider`): its stream's opening (its attempt count saved), its cancel key, the queue's head. A
+    server that lost the start script (NOSCRIPT) is sent it and the round trip again, riders and all:
+    each attempt is still counted once, and no `restart` entry is written for it."""
+    q, w = _born_worker(redis_conn, "riders")
+    jobs = [q.enqueue_call(keys.GENERATE_FUNC, args=({"prompt": f"p{i}"},)) for i in range(3)]
+    for _ in jobs:
+        redis_conn.lmove(q.key, q.intermediate_queue_key, "LEFT", "RIGHT")
+    waiting = q.enqueue_call(keys.GENERATE_FUNC, args=({"prompt": "next"},))
+    redis_conn.set(keys.cancel_key(jobs[1].id), 1)  # cancelled just before it starts
+    redis_conn.script_flush()
+    loads = _commands(redis_conn, ("script|load", "script"))
+    opening, cancels = JobResults(redis_conn, StreamOptions()).opening(), CancelKeys()
+    heads = JobClaimer(redis_conn, JSONSerializer).heads([q])
+    runs = w.batches.start(jobs, q, [opening, cancels, heads])
+    assert _commands(redis_conn, ("script|load", "script")) != loads  # it was sent again
+    assert [run.job.get_status(refresh=True) for run in runs] == ["started"] * 3
+    assert cancels.found == [False, True, False]
+    assert heads.ids == {q.name: [waiting.id]}
+    writers = opening.writers()
+    for run, writer in zip(runs, writers, strict=True):
+        assert writer.job_id == run.job.id and writer.deferred
+        assert json.loads(redis_conn.hget(run.job.key, "meta") or b"{}") == {"mlxq_attempt": 1}
+        assert redis_conn.xlen(keys.stream_key(run.job.id)) == 0
+
+
+def test_a_riders_error_reply_is_handed_to_it_and_the_jobs_still_start(redis_conn: redis.Redis) -> None:
+    """A rider's command that fails (a stream key holding another type) fails nothing in the start:
+    the jobs are started (the caller then fails them through RQ), and the error is the rider's."""
+    q, w = _born_worker(redis_conn, "rider-error")
+    job = q.enqueue_call(keys.GENERATE_FUNC, args=({"prompt": "p"},))
+    redis_conn.lmove(q.key, q.intermediate_queue_key, "LEFT", "RIGHT")
+    redis_conn.set(keys.stream_key(job.id), "not a stream")
+    opening = JobResults(redis_conn, StreamOptions()).opening()
+    (run,) = w.batches.start([job], q, [opening])
+    assert run.job.get_status(refresh=True) == "started"
+    with pytest.raises(redis.ResponseError, match="WRONGTYPE"):
+        opening.writers()
 
 
 def test_the_fields_a_batch_end_saves_are_those_of_rqs_to_dict(redis_conn: redis.Redis) -> None:

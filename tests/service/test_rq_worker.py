@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import logging
 import signal
+import threading
 import time
 import zlib
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -16,6 +18,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 from redis_server import CuttableProxy
 from rq import Queue
+from rq.exceptions import StopRequested
 from rq.job import Job
 from rq.serializers import JSONSerializer
 from rq.worker import WorkerStatus
@@ -24,6 +27,7 @@ from mlxq.jobs import keys
 from mlxq.worker import rq_worker
 from mlxq.worker.job_claim import JobClaimer
 from mlxq.worker.job_watch import JobWatch
+from mlxq.worker.rq_batches import Run
 from mlxq.worker.rq_worker import MlxqWorker
 from mlxq.worker.stream_writer import StreamOptions
 
@@ -63,6 +67,141 @@ def test_a_heartbeat_is_sent_once_and_a_repeat_of_it_at_once_is_skipped(
     assert later != stamp and sent == {"hset": 1, "expire": 2}
 
 
+def test_between_jobs_the_worker_writes_state_beat_and_stats_and_reads_rq_suspend_in_one_go(
+    redis_conn: redis.Redis,
+) -> None:
+    """After a job RQ's loop set the worker's state `idle` twice, beat twice, and read the suspension
+    flag, each in a round trip of its own, and the stats were published in another: `_idle` writes
+    and reads them all together, and the loop's repeats that follow send nothing. A flag set by
+    `rq suspend` is honoured, and a state the loop sets afterwards (its `suspended`) is written."""
+    w = MlxqWorker(["between"], connection=redis_conn, stream_options=StreamOptions())
+    w.register_birth()
+    published: list[Any] = []
+
+    class Stats:
+        def publish(self, ttl_s: int | None = None, pipeline: Any = None) -> None:
+            published.append(pipeline)
+            pipeline.hset("between-stats", "jobs_done", len(published))
+
+        def on_heartbeat(self, ttl_s: int, pipeline: Any = None) -> None:
+            pass
+
+    w.stats = Stats()
+    w.set_state(WorkerStatus.BUSY)
+    w._idle()
+    assert redis_conn.hget(w.key, "state") == b"idle"
+    assert redis_conn.hget("between-stats", "jobs_done") == b"1"
+    assert w.worker_ttl + 58 <= redis_conn.ttl(w.key) <= w.worker_ttl + 60  # the idle TTL
+    before = _commands(redis_conn, ("hset", "expire", "exists"))
+    w.heartbeat()  # RQ's loop after the job, its suspension check and its dequeue's state
+    w.check_for_suspension(False)
+    w.set_state(WorkerStatus.IDLE)
+    assert _commands(redis_conn, ("hset", "expire", "exists")) == before  # all said already
+    w.set_state(WorkerStatus.IDLE)  # not just after `_idle`: written
+    assert _commands(redis_conn, ("hset",))["hset"] == before["hset"] + 1
+
+    redis_conn.set("between-stats", "not a hash")  # a write refused (WRONGTYPE), not Redis away
+    w.set_state(WorkerStatus.BUSY)
+    w._idle()  # said in the log; the worker goes on
+    before = _commands(redis_conn, ("hset",))["hset"]
+    w.set_state(WorkerStatus.IDLE)  # RQ's loop then writes its own, as before `_idle`
+    assert _commands(redis_conn, ("hset",))["hset"] == before + 1
+    assert redis_conn.hget(w.key, "state") == b"idle"
+    redis_conn.delete("between-stats")
+
+    redis_conn.set("rq:suspended", 1)  # `rq suspend` while a job ran
+    try:
+        w._idle()
+        with pytest.raises(StopRequested):  # RQ's own check runs: a burst worker stops
+            w.check_for_suspension(True)
+        w.set_state(WorkerStatus.SUSPENDED)  # as RQ's check sets it while it waits for `rq resume`
+        assert redis_conn.hget(w.key, "state") == b"suspended"
+        w.set_state(WorkerStatus.IDLE)  # and back: written, though `_idle` wrote it before
+        assert redis_conn.hget(w.key, "state") == b"idle"
+    finally:
+        redis_conn.delete("rq:suspended", "between-stats")
+
+
+def test_the_beat_rqs_dequeue_sends_once_it_took_a_job_is_left_to_the_jobs_start(
+    redis_conn: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """RQ's dequeue beats before it blocks and again once it returns; after a long wait the second
+    would go out, a round trip before the job's start, which beats in its own round trip a moment
+    later. Once a job was taken it is left to the start; a dequeue that timed out still beats."""
+    clock = [1000.0]
+
+    def later() -> float:  # every reading two seconds after the last: each beat is due
+        clock[0] += 2.0
+        return clock[0]
+
+    monkeypatch.setattr(rq_worker, "monotonic", later)
+    q = Queue("beat-start", connection=redis_conn, serializer=JSONSerializer)
+    w = MlxqWorker([q], connection=redis_conn, stream_options=StreamOptions())
+    w.register_birth()
+    job = q.enqueue_call(keys.SCORE_FUNC, args=({"rows": [{"prompt": "a", "candidates": ["b"]}]},))
+    stamps: list[bytes | None] = []
+    beat = MlxqWorker.heartbeat
+
+    def noted(self: MlxqWorker, timeout: int | None = None, pipeline: Any = None) -> None:
+        beat(self, timeout, pipeline)
+        stamps.append(redis_conn.hget(self.key, "last_heartbeat"))
+
+    monkeypatch.setattr(MlxqWorker, "heartbeat", noted)
+    taken = w.dequeue_job_and_maintain_ttl(timeout=1)
+    assert taken is not None and taken[0].id == job.id
+    assert len(stamps) == 2 and stamps[0] == stamps[1]  # the one before the wait went out, not the other
+    (run,) = w.start([taken[0]], q)
+    assert redis_conn.hget(w.key, "last_heartbeat") != stamps[0]  # the start's
+    assert run.job.get_status(refresh=True) == "started"
+    assert w.dequeue_job_and_maintain_ttl(timeout=1, max_idle_time=1) is None
+    assert stamps[-1] != stamps[-2]  # no job taken: RQ's beat after the wait went out
+
+
+def test_one_watch_thread_serves_a_workers_batches_one_after_another(redis_conn: redis.Redis) -> None:
+    """The worker's jobs are watched by one thread for its life (started with its first batch, stopped
+    at its teardown): a later batch's jobs are heartbeaten and their cancels seen as the first's were,
+    and once a batch is over none of its jobs is beaten again or reads as cancelled."""
+    q = Queue("one-watch", connection=redis_conn, serializer=JSONSerializer)
+    w = MlxqWorker(
+        [q], connection=redis_conn, stream_options=StreamOptions(), heartbeat_s=0.02, cancel_poll_s=0.01
+    )
+    w.register_birth()
+
+    def started() -> Run:
+        job = q.enqueue_call(keys.SCORE_FUNC, args=({"rows": [{"prompt": "a", "candidates": ["b"]}]},))
+        redis_conn.lmove(q.key, q.intermediate_queue_key, "LEFT", "RIGHT")
+        (run,) = w.start([job], q)
+        return run
+
+    def beat_of(run: Run) -> bytes | None:
+        return redis_conn.hget(run.job.key, "last_heartbeat")
+
+    def eventually(check: Callable[[], bool]) -> None:
+        deadline = time.monotonic() + 10
+        while not check():
+            assert time.monotonic() < deadline, "not seen in time"
+            time.sleep(0.01)
+
+    watches = []
+    for _ in range(2):
+        run = started()
+        with w.watching([run]) as watch:
+            watches.append(watch)
+            first = beat_of(run)
+            eventually(lambda run=run, first=first: beat_of(run) != first)  # heartbeaten
+            redis_conn.set(keys.cancel_key(run.job.id), 1)
+            eventually(lambda run=run: w.is_cancelled(run.job.id))
+        assert not w.is_cancelled(run.job.id)
+        last = beat_of(run)
+        time.sleep(0.1)  # several beats' time: none for a job whose batch is over
+        assert beat_of(run) == last
+    assert watches[0] is watches[1]
+    threads = [t for t in threading.enumerate() if t.name == "mlxq-job-watch" and t is watches[0]._thread]
+    assert threads and threads[0].is_alive()
+    w.teardown()
+    assert not threads[0].is_alive()
+
+
 def test_the_worker_goes_on_when_redis_drops_between_jobs(
     redis_conn: redis.Redis, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -81,7 +220,7 @@ def test_the_worker_goes_on_when_redis_drops_between_jobs(
         ended: list[str] = []
 
         class CutAfterFirstJob:  # the worker's stats, published at each job's end
-            def publish(self, ttl_s: int | None = None) -> None:
+            def publish(self, ttl_s: int | None = None, pipeline: Any = None) -> None:
                 ended.append("job")
                 if len(ended) == 1:  # the first job's end: Redis goes away for half a second
                     proxy.cut_for(0.5)

@@ -10,7 +10,7 @@ import redis
 
 from mlxq.jobs import keys
 from mlxq.jobs.schema import DoneEvent, GenerateResult, Timings, TokenEvent, Usage, parse_event
-from mlxq.worker.stream_writer import StreamOptions, StreamWriter, finish_streams, open_streams
+from mlxq.worker.stream_writer import StreamOptions, StreamWriter, finish_streams, opened
 
 REDIS_DB = 10
 
@@ -174,12 +174,12 @@ def test_many_streams_open_and_finish_together(conn: redis.Redis) -> None:
     old.open(attempt=1)
     old("before a crash", [5])
     writers = [StreamWriter(conn, job, StreamOptions()) for job in ("m1", "m2")]
-    # The caller's own commands (a worker saves the jobs' attempt counts) ride in the seeks' round trip.
-    also = [("also-1", "a"), ("also-2", "b")]
-    open_streams(
-        conn, [(writers[0], 1), (writers[1], 2)], StreamOptions(), also=lambda p: [p.set(*kv) for kv in also]
-    )
-    assert [conn.get(k) for k, _ in also] == [b"a", b"b"]
+    # The seeks ride in a round trip of the caller's (a worker starts the jobs in it).
+    pipe = conn.pipeline(transaction=False)
+    pipe.set("also-1", "a")
+    for w in writers:
+        w.seek(pipe)
+    opened([(writers[0], 1), (writers[1], 2)], pipe.execute()[1:])
     writers[1]("again", [6])  # buffered: finish writes it before `done`
     finish_streams(
         conn,
