@@ -119,8 +119,8 @@ def run_worker(settings: WorkerSettings, *, burst: bool = False, max_jobs: int |
         )
         return 2
     try:
-        service = WorkerService.start(settings)
-        return service.work(burst=burst, max_jobs=max_jobs)
+        with WorkerService.start(settings) as service:
+            return service.work(burst=burst, max_jobs=max_jobs)
     except MlxqError as e:  # the model: missing, unreadable, an architecture or feature not supported
         log.debug("worker start failed", exc_info=True)
         print(f"mlxq worker: {e}", file=sys.stderr)

@@ -179,6 +179,19 @@ class WorkerService:
         worker.stats = stats
         return cls(settings, conn, engine, worker, results, stats)
 
+    def close(self) -> None:
+        """Close the service's Redis connections (the worker's, its components' and its stats' are
+        the one client `start` made). A process that serves until it exits need not call it; a
+        process that goes on after a service (tests, the bench's worker) does, or its sockets wait
+        for the collector."""
+        self.conn.close()
+
+    def __enter__(self) -> WorkerService:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def work(self, *, burst: bool = False, max_jobs: int | None = None) -> int:
         """Serve jobs until stopped; returns a process exit code: 0 when stopped or done, 1 when RQ's
         loop quit on an error (so a service manager restarts the worker)."""
@@ -205,6 +218,7 @@ class WorkerService:
                 metrics.stop()
             self.stats.remove()
             self.engine.close()
+            self.close()  # a service serves once: its engine is closed too
         if self.worker.fatal_error is not None:
             log.error("worker quit on an error error=%r", self.worker.fatal_error)
             return 1

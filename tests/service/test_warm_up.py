@@ -66,9 +66,8 @@ def test_by_default_a_worker_warms_up_on_a_gpu_only(
 ) -> None:
     """Unset, the setting follows the device: MLX's CPU build builds no kernels, and a warm-up there
     costs what the jobs' own forwards would (a real model's worker took over a minute to start)."""
-    service = WorkerService.start(_settings(redis_url, model_dir))
-    assert service.settings.warm_up is None
-    with caplog.at_level(logging.INFO):
+    with WorkerService.start(_settings(redis_url, model_dir)) as service, caplog.at_level(logging.INFO):
+        assert service.settings.warm_up is None
         service.warm_up()
     warmed = any(m.startswith("warm-up done") for m in _messages(caplog))
     assert warmed == service.engine.on_gpu
@@ -92,14 +91,16 @@ def _contents(conn: redis.Redis) -> dict[bytes, tuple[bytes | None, bool]]:
 
 
 def test_warm_up_leaves_no_trace_in_redis(redis_url: str, model_dir: Path) -> None:
-    conn = redis.Redis.from_url(redis_url)
-    service = WorkerService.start(_settings(redis_url, model_dir))
-    with Client(redis_url) as client:
-        client.submit_score(ROWS["rows"])  # a queued job: the warm-up must not take it
-    before = _contents(conn)
-    assert before
-    service.warm_up()
-    assert _contents(conn) == before
+    with (
+        redis.Redis.from_url(redis_url) as conn,
+        WorkerService.start(_settings(redis_url, model_dir)) as service,
+    ):
+        with Client(redis_url) as client:
+            client.submit_score(ROWS["rows"])  # a queued job: the warm-up must not take it
+        before = _contents(conn)
+        assert before
+        service.warm_up()
+        assert _contents(conn) == before
 
 
 def test_warm_up_leaves_the_prefix_cache_as_it_was_and_results_unchanged(model_dir: Path) -> None:

@@ -107,8 +107,8 @@ def test_a_generation_batchs_kv_budget_follows_the_machine_unless_set(
     settings = WorkerSettings(  # type: ignore[call-arg]
         model=str(model_dir), redis_url=redis_url, batch_kv_bytes=configured, _env_file=None
     )
-    service = WorkerService.start(settings)
-    generations = service.worker.runners[keys.GENERATE_FUNC]
+    with WorkerService.start(settings) as service:
+        generations = service.worker.runners[keys.GENERATE_FUNC]
     assert isinstance(generations, GenerationJobs)
     want = int(mx.get_memory_limit()) // 4 if configured is None else configured
     assert generations.options.kv_budget_bytes == want
