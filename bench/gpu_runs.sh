@@ -39,19 +39,23 @@ for name in "$@"; do
         --only structured --batch-reps 10
       MLXQ_COMPILED_STEPS=1 bench llama-1b-decode-ab-compiled --model llama-1b --only decode_ab ;;
     spec-1b | spec-8b)  # issue 31: the draft-model machinery's ceiling (own draft) and a 4-bit copy
+      # (SPEC_MODES, SPEC_JOBS narrow a run that must fit what is left of the device's time)
       jobs=1,8,64 && [ "$name" = spec-8b ] && jobs=1,8  # the 8B's 64 jobs would not draft (max_batch 8)
       bench "llama-${name#spec-}-speculation" --model "llama-${name#spec-}" --only speculation \
-        --speculation-modes self,draft --speculation-jobs "$jobs" --speculation-kinds copy-heavy \
+        --speculation-modes "${SPEC_MODES:-self,draft}" --speculation-jobs "${SPEC_JOBS:-$jobs}" \
+        --speculation-kinds copy-heavy \
         --speculation-reps 10 ;;
     mtp)  # issue 31: an MTP layer's cost, gated and forced (random weights)
       bench deepseek-v3-mtp-speculation --model deepseek-v3-mtp --only speculation \
-        --speculation-modes mtp,mtp-forced --speculation-jobs 1,8 --speculation-reps 10 ;;
+        --speculation-modes "${MTP_MODES:-mtp,mtp-forced}" --speculation-jobs 1,8 --speculation-reps 10 ;;
+    scoring)  # issue 29: score jobs through the queue against the plain-MLX ideal, rows read in place
+      bench llama-1b-scoring --model llama-1b --only scoring ;;
     queue)  # issue 29: one-row score jobs a second on the host
       bench tiny-queue --model tiny --only queue ;;
     warm)  # issue 29: warm repeat of an 8k prefix, cold first token against mlx-lm's prefill
       bench llama-1b-ttft --model llama-1b --only prefill,warm_cache ;;
     moe)  # issue 32: the 4-bit MoE, one and 32 jobs, a step's primitives beside mlx-lm's
       bench qwen3-moe-30b-4bit --model qwen3-moe-30b-4bit --only generation,batch --batch-jobs 1,32 ;;
-    *) echo "unknown run $name: kernels structured decode compiled spec-1b spec-8b mtp queue warm moe" >&2 ;;
+    *) echo "unknown run $name: kernels structured decode compiled spec-1b spec-8b mtp scoring queue warm moe" >&2 ;;
   esac
 done
