@@ -24,7 +24,7 @@ from rq.serializers import JSONSerializer
 from rq.worker import WorkerStatus
 
 from mlxq.jobs import keys
-from mlxq.worker import rq_worker
+from mlxq.worker import rq_loop, rq_worker
 from mlxq.worker.job_claim import JobClaimer
 from mlxq.worker.job_watch import JobWatch
 from mlxq.worker.rq_batches import Run
@@ -41,7 +41,7 @@ def test_a_heartbeat_is_sent_once_and_a_repeat_of_it_at_once_is_skipped(
     redis_conn: redis.Redis, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     clock = [1000.0]
-    monkeypatch.setattr(rq_worker, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(rq_loop, "monotonic", lambda: clock[0])
     w = MlxqWorker(["beats"], connection=redis_conn, stream_options=StreamOptions())
     idle_ttl = w.worker_ttl + 60
 
@@ -88,7 +88,7 @@ def test_between_jobs_the_worker_writes_state_beat_and_stats_and_reads_rq_suspen
 
     w.stats = Stats()
     w.set_state(WorkerStatus.BUSY)
-    w._idle()
+    w.between_jobs.idle()
     assert redis_conn.hget(w.key, "state") == b"idle"
     assert redis_conn.hget("between-stats", "jobs_done") == b"1"
     assert w.worker_ttl + 58 <= redis_conn.ttl(w.key) <= w.worker_ttl + 60  # the idle TTL
@@ -102,7 +102,7 @@ def test_between_jobs_the_worker_writes_state_beat_and_stats_and_reads_rq_suspen
 
     redis_conn.set("between-stats", "not a hash")  # a write refused (WRONGTYPE), not Redis away
     w.set_state(WorkerStatus.BUSY)
-    w._idle()  # said in the log; the worker goes on
+    w.between_jobs.idle()  # said in the log; the worker goes on
     before = _commands(redis_conn, ("hset",))["hset"]
     w.set_state(WorkerStatus.IDLE)  # RQ's loop then writes its own, as before `_idle`
     assert _commands(redis_conn, ("hset",))["hset"] == before + 1
@@ -111,7 +111,7 @@ def test_between_jobs_the_worker_writes_state_beat_and_stats_and_reads_rq_suspen
 
     redis_conn.set("rq:suspended", 1)  # `rq suspend` while a job ran
     try:
-        w._idle()
+        w.between_jobs.idle()
         with pytest.raises(StopRequested):  # RQ's own check runs: a burst worker stops
             w.check_for_suspension(True)
         w.set_state(WorkerStatus.SUSPENDED)  # as RQ's check sets it while it waits for `rq resume`
@@ -134,7 +134,7 @@ def test_the_beat_rqs_dequeue_sends_once_it_took_a_job_is_left_to_the_jobs_start
         clock[0] += 2.0
         return clock[0]
 
-    monkeypatch.setattr(rq_worker, "monotonic", later)
+    monkeypatch.setattr(rq_loop, "monotonic", later)
     q = Queue("beat-start", connection=redis_conn, serializer=JSONSerializer)
     w = MlxqWorker([q], connection=redis_conn, stream_options=StreamOptions())
     w.register_birth()
@@ -229,7 +229,7 @@ def test_the_worker_goes_on_when_redis_drops_between_jobs(
                 pass
 
         w.stats = CutAfterFirstJob()
-        with caplog.at_level("WARNING", logger="mlxq.worker.rq_worker"):
+        with caplog.at_level("WARNING", logger="mlxq.worker.rq_loop"):
             assert w.work(burst=True)
 
         assert ended == ["job", "job"]
