@@ -8,7 +8,8 @@ job's stream with an `error` event; and the dispatch of each job, by its functio
 component that runs that kind (`GenerationJobs`, `ScoreJobs`: built by the service, each running its
 jobs in batches and ending every job through RQ's own lifecycle, `rq_batches.py`). The worker is the
 `JobHost` those components are handed. RQ's loop between jobs (state, heartbeat, suspension check,
-maintenance) goes on while Redis restarts instead of quitting.
+maintenance) is `BetweenJobs` (`rq_loop.py`): RQ's writes there in fewer round trips, and a loop that
+goes on while Redis restarts instead of quitting.
 """
 
 from __future__ import annotations
@@ -168,8 +169,13 @@ class MlxqWorker(SimpleWorker):
 
     # --- RQ hooks ----------------------------------------------------------------------------------
 
+    # RQ's loop between jobs: which of its writes go, and when, is `BetweenJobs`'s (`rq_loop.py`).
+
     def set_state(self, state: str, pipeline: Any = None) -> None:
         self.between_jobs.set_state(super().set_state, state, pipeline)
+
+    def heartbeat(self, timeout: int | None = None, pipeline: Any = None) -> None:
+        self.between_jobs.heartbeat(super().heartbeat, timeout, pipeline)
 
     def check_for_suspension(self, burst: bool) -> None:
         self.between_jobs.check_for_suspension(super().check_for_suspension, burst)
@@ -181,6 +187,8 @@ class MlxqWorker(SimpleWorker):
     def run_maintenance_tasks(self) -> None:
         self.between_jobs.step(super().run_maintenance_tasks)
         self.evictions.check()
+
+    # RQ's other hooks, with what mlxq adds to each.
 
     def register_birth(self) -> None:
         """RQ's registration of the worker, under the write policy (`retrying`): a full Redis (OOM
@@ -259,9 +267,6 @@ class MlxqWorker(SimpleWorker):
         """How long an idle worker blocks on the queues: RQ's (`worker_ttl - 15`), but never past the
         maintenance interval, so that an idle worker still runs maintenance on time."""
         return max(1, min(self.worker_ttl - 15, int(self.maintenance_interval)))
-
-    def heartbeat(self, timeout: int | None = None, pipeline: Any = None) -> None:
-        self.between_jobs.heartbeat(super().heartbeat, timeout, pipeline)
 
     def get_heartbeat_ttl(self, job: Job | None, working_time: float = 0.0) -> int:
         # Short, refreshed by the watch thread: a killed worker's job is noticed within a few beats.

@@ -61,7 +61,7 @@ def test_between_jobs_the_worker_writes_state_beat_and_stats_and_reads_rq_suspen
     redis_conn: redis.Redis,
 ) -> None:
     """After a job RQ's loop set the worker's state `idle` twice, beat twice, and read the suspension
-    flag, each in a round trip of its own, and the stats were published in another: `_idle` writes
+    flag, each in a round trip of its own, and the stats were published in another: `idle` writes
     and reads them all together, and the loop's repeats that follow send nothing. A flag set by
     `rq suspend` is honoured, and a state the loop sets afterwards (its `suspended`) is written."""
     w = MlxqWorker(["between"], connection=redis_conn, stream_options=StreamOptions())
@@ -87,14 +87,14 @@ def test_between_jobs_the_worker_writes_state_beat_and_stats_and_reads_rq_suspen
     w.check_for_suspension(False)
     w.set_state(WorkerStatus.IDLE)
     assert _commands(redis_conn, ("hset", "expire", "exists")) == before  # all said already
-    w.set_state(WorkerStatus.IDLE)  # not just after `_idle`: written
+    w.set_state(WorkerStatus.IDLE)  # not just after `idle`: written
     assert _commands(redis_conn, ("hset",))["hset"] == before["hset"] + 1
 
     redis_conn.set("between-stats", "not a hash")  # a write refused (WRONGTYPE), not Redis away
     w.set_state(WorkerStatus.BUSY)
     w.between_jobs.idle()  # said in the log; the worker goes on
     before = _commands(redis_conn, ("hset",))["hset"]
-    w.set_state(WorkerStatus.IDLE)  # RQ's loop then writes its own, as before `_idle`
+    w.set_state(WorkerStatus.IDLE)  # RQ's loop then writes its own, as before `idle`
     assert _commands(redis_conn, ("hset",))["hset"] == before + 1
     assert redis_conn.hget(w.key, "state") == b"idle"
     redis_conn.delete("between-stats")
@@ -106,7 +106,7 @@ def test_between_jobs_the_worker_writes_state_beat_and_stats_and_reads_rq_suspen
             w.check_for_suspension(True)
         w.set_state(WorkerStatus.SUSPENDED)  # as RQ's check sets it while it waits for `rq resume`
         assert redis_conn.hget(w.key, "state") == b"suspended"
-        w.set_state(WorkerStatus.IDLE)  # and back: written, though `_idle` wrote it before
+        w.set_state(WorkerStatus.IDLE)  # and back: written, though `idle` wrote it before
         assert redis_conn.hget(w.key, "state") == b"idle"
     finally:
         redis_conn.delete("rq:suspended", "between-stats")
