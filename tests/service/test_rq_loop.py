@@ -1,9 +1,12 @@
 """RQ's loop between jobs on real Redis (`rq_loop.BetweenJobs`): heartbeats (one round trip each, RQ's
-back-to-back repeats skipped), the writes between a job and the next dequeue in one round trip, and the
-loop going on while Redis is unreachable."""
+back-to-back repeats skipped), the writes between a job and the next dequeue in one round trip, the
+loop going on while Redis is unreachable, and what it leaves in Redis (the worker's hash, its TTLs,
+`rq suspend` honoured) against RQ's own `SimpleWorker` between the same two jobs."""
 
 from __future__ import annotations
 
+import threading
+import time
 from typing import Any
 
 import pytest
@@ -11,9 +14,12 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 from redis_server import CuttableProxy
-from rq import Queue
+from rq import Queue, SimpleWorker
 from rq.exceptions import StopRequested
+from rq.job import Job
 from rq.serializers import JSONSerializer
+from rq.suspension import resume, suspend
+from rq.utils import now, utcparse
 from rq.worker import WorkerStatus
 
 from mlxq.jobs import keys
@@ -186,3 +192,149 @@ def test_the_worker_goes_on_when_redis_drops_between_jobs(
         conn.close()
         proxy.close()
         Queue("between-jobs", connection=redis_conn, serializer=JSONSerializer).delete(delete_jobs=True)
+
+
+# --- against RQ's own worker -----------------------------------------------------------------------
+
+
+class _Succeeds:
+    """A job kind for the loop's tests, no model needed: each job it is handed is started through the
+    worker and ended through RQ's own end of a job, as the real components do."""
+
+    def __init__(self, worker: MlxqWorker) -> None:
+        self.worker = worker
+
+    def run(self, first: Job, queue: Queue) -> None:
+        (run,) = self.worker.start([first], queue)
+        self.worker.batches.succeed(run, {"ok": True})
+
+
+def _worker_and_jobs(kind: str, q: Queue, jobs: int) -> SimpleWorker:
+    """RQ's own `SimpleWorker` (its jobs run `os.getcwd`) or an mlxq worker (its jobs are score jobs,
+    run by `_Succeeds`), registered as `work` registers it, with `jobs` queued."""
+    if kind == "rq":
+        w = SimpleWorker([q], connection=q.connection, serializer=JSONSerializer)
+        func: str = "os.getcwd"
+        args: tuple[Any, ...] = ()
+    else:
+        w = MlxqWorker([q], connection=q.connection, stream_options=StreamOptions())
+        w.runners[keys.SCORE_FUNC] = _Succeeds(w)
+        func, args = keys.SCORE_FUNC, ({"rows": [{"prompt": "a", "candidates": ["b"]}]},)
+    for _ in range(jobs):
+        q.enqueue_call(func, args=args)
+    w.register_birth()
+    return w
+
+
+def _round(w: SimpleWorker, burst: bool) -> tuple[Job, Queue] | None:
+    """The start of a round of RQ 3's `BaseWorker.work`, as it calls the worker: the suspension check,
+    maintenance when due, the dequeue."""
+    w.check_for_suspension(burst)
+    if w.should_run_maintenance_tasks:
+        w.run_maintenance_tasks()
+    return w.dequeue_job_and_maintain_ttl(timeout=1)
+
+
+def _seen(w: SimpleWorker) -> dict[str, Any]:
+    """What RQ's loop keeps of the worker in Redis (and in memory), its times as ages."""
+    conn = w.connection
+    beat = conn.hget(w.key, "last_heartbeat")
+    ttl = conn.ttl(w.key)
+    return {
+        "fields": {k.decode() for k in conn.hkeys(w.key)},
+        "state": conn.hget(w.key, "state"),
+        "state in memory": w.get_state(),
+        "jobs done": conn.hget(w.key, "successful_job_count"),
+        "beaten lately": beat is not None and (now() - utcparse(beat.decode())).total_seconds() < 5,
+        "ttl": "idle" if 0 <= w.worker_ttl + 60 - ttl <= 3 else ttl,
+        "executions ttl": conn.ttl(w.executions_key),
+        "registered": conn.sismember("rq:workers", w.key),
+    }
+
+
+def _between_two_jobs(kind: str, conn: redis.Redis) -> tuple[list[dict[str, Any]], bool]:
+    """Two rounds of RQ's loop by a worker of `kind` over two queued jobs: what it keeps once the first
+    job ended (its `execute_job`, `work`'s beat after it) and once the next dequeue took a job; and
+    whether that was the second job."""
+    q = Queue(f"loop-{kind}", connection=conn, serializer=JSONSerializer)
+    w = _worker_and_jobs(kind, q, 2)
+    first, second = q.get_job_ids()
+    taken = _round(w, burst=False)
+    assert taken is not None and taken[0].id == first
+    w.execute_job(*taken)
+    w.heartbeat()
+    after_job = _seen(w)
+    taken = _round(w, burst=False)
+    assert taken is not None and Job.fetch(first, connection=conn).get_status() == "finished"
+    return [after_job, _seen(w)], taken[0].id == second
+
+
+def test_between_jobs_the_worker_keeps_what_rqs_own_worker_keeps(redis_conn: redis.Redis) -> None:
+    """From one job's end to the next job's dequeue an mlxq worker skips or batches RQ's writes
+    (`BetweenJobs`; how many it sends: the tests above); what that leaves in Redis is what RQ's own
+    `SimpleWorker` leaves: its hash's fields, state `idle` (in Redis and in memory), a fresh
+    `last_heartbeat`, the idle TTL on its key, no executions key left, its registration."""
+    rq_seen, rq_took_next = _between_two_jobs("rq", redis_conn)
+    mlxq_seen, mlxq_took_next = _between_two_jobs("mlxq", redis_conn)
+    assert rq_took_next and mlxq_took_next
+    assert rq_seen[0]["state"] == b"idle" and rq_seen[0]["ttl"] == "idle" and rq_seen[0]["beaten lately"]
+    assert rq_seen[0]["jobs done"] == b"1" and "total_working_time" in rq_seen[0]["fields"]
+    assert mlxq_seen == rq_seen
+
+
+def _held_by_rq_suspend(kind: str, conn: redis.Redis, burst: bool) -> dict[str, Any]:
+    """`rq suspend` while a worker of `kind` runs its first job: the states its hash shows while RQ's
+    loop waits for `rq resume` (a thread resumes once it sees `suspended`), or the stop of a burst
+    worker, and whether the second job was taken."""
+    q = Queue(f"held-{kind}-{burst}", connection=conn, serializer=JSONSerializer)
+    w = _worker_and_jobs(kind, q, 2)
+    taken = _round(w, burst)
+    assert taken is not None
+    suspend(conn)  # while the first job runs
+    states: list[bytes | None] = []
+
+    def resume_once_suspended() -> None:
+        deadline = time.monotonic() + 10
+        while conn.hget(w.key, "state") != b"suspended" and time.monotonic() < deadline:
+            time.sleep(0.02)
+        states.append(conn.hget(w.key, "state"))
+        resume(conn)
+
+    resumer = threading.Thread(target=resume_once_suspended)
+    try:
+        w.execute_job(*taken)
+        w.heartbeat()
+        if not burst:
+            resumer.start()
+        try:
+            next_taken = _round(w, burst)
+            stopped = False
+        except StopRequested:
+            next_taken, stopped = None, True
+    finally:
+        if resumer.is_alive():
+            resumer.join()
+        resume(conn)
+    return {
+        "stopped": stopped,
+        "states while suspended": states,
+        "state after": conn.hget(w.key, "state"),
+        "second job taken": next_taken is not None,
+        "left queued": q.count,
+    }
+
+
+@pytest.mark.parametrize("burst", [True, False])
+def test_rq_suspend_holds_the_worker_as_it_holds_rqs_own(redis_conn: redis.Redis, burst: bool) -> None:
+    """`rq suspend` sent while a job runs: `BetweenJobs` read the flag in its one round trip after the
+    job, so RQ's own check runs next, and the worker does what RQ's `SimpleWorker` does: a burst
+    worker stops before taking another job; any other shows `suspended` until `rq resume`, then goes
+    back to `idle` and takes the next job."""
+    rq_held = _held_by_rq_suspend("rq", redis_conn, burst)
+    mlxq_held = _held_by_rq_suspend("mlxq", redis_conn, burst)
+    if burst:
+        assert rq_held["stopped"] and rq_held["left queued"] == 1
+    else:
+        assert rq_held["states while suspended"] == [b"suspended"] and rq_held["second job taken"]
+    assert rq_held["state after"] == b"idle"
+    assert mlxq_held == rq_held
