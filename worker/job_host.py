@@ -2,7 +2,7 @@
 
 `MlxqWorker` implements `JobHost`; `GenerationJobs` and `ScoreJobs` are built once by the service and
 handed one. A component starts jobs, watches them while they run and ends them only through it, so RQ's
-bookkeeping stays in `rq_worker.py` and `rq_batches.py`.
+bookkeeping stays in `rq_worker.py`, `rq_loop.py` and `rq_batches.py`.
 """
 
 from __future__ import annotations
