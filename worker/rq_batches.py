@@ -1,4 +1,5 @@
-"""RQ's job lifecycle for jobs an mlxq worker runs together: the one module that reproduces RQ.
+"""RQ's job lifecycle for jobs an mlxq worker runs together: the one module that reproduces it (the
+job hash its end writes: `rq_job_hash.py`).
 
 RQ (3.x) starts and ends one job at a time, several round trips each. A worker that runs 64 jobs in one
 batch writes the same records for all of them with one script call (`rq_scripts.py`: the commands run
@@ -15,14 +16,11 @@ inside Redis, the worker sends one). What is copied, and from where:
 - `succeed_many`: what `Worker._finalize_success` and `Worker.handle_job_success` write for a job
   without dependents, dependencies or repeats and with a result kept for a while (result, status
   `finished`, registries, TTLs, execution record, the worker's counters), for every job: one HSET a
-  job where RQ sends three, of the fields whose stored value changes where RQ rewrites them all (the
-  end's times and status, a timeout the worker set, a field a producer left out), no EXPIRE of a
-  dependents or dependencies set that does not exist. What RQ's `to_dict` saves is computed here
-  (`saved_fields`) but for the payload: one stored as RQ stores it is not compressed again to be
-  compared (a zlib stream set up for every job), it stays as stored; RQ's `Job OK` log line is one
-  line a queue naming every job. The script checks each dependents set as it
-  ends the job (RQ WATCHes them): nothing runs between the check and the writes, so a job that has
-  a dependent is never ended there. It, a job with repeats left or another TTL, and every job when
+  job where RQ sends three, of the fields whose stored value changes where RQ rewrites them all
+  (`rq_job_hash.changed_fields`), no EXPIRE of a dependents or dependencies set that does not exist;
+  RQ's `Job OK` log line is one line a queue naming every job. The script checks each dependents set
+  as it ends the job (RQ WATCHes them): nothing runs between the check and the writes, so a job that
+  has a dependent is never ended there. It, a job with repeats left or another TTL, and every job when
   the call fails for good, ends through RQ itself;
 - `cancel_running`: what RQ's `Job.cancel` writes (status `canceled`, the canceled registry) for a job
   its producer cancelled while it ran, with the worker's end of the execution (`cleanup_execution`).
@@ -41,8 +39,8 @@ inside Redis, the worker sends one). What is copied, and from where:
 Single jobs end through RQ's own methods (`succeed`, `fail`). Every step retries while Redis restarts
 (`retrying`): an error escaping `execute_job` would make RQ's loop stop the whole worker. The private RQ
 names this needs (`_finalize_success`, `_finalize_failure`, `Job._handle_success`, `Job._result`,
-`Job._status`) are used here and nowhere else; `tests/service/test_rq_batches.py` holds the results
-against RQ's own version of each step.
+`Job._status`, and the job's own fields in `rq_job_hash.py`) are used in these two modules and nowhere
+else; `tests/service/test_rq_batches.py` holds the results against RQ's own version of each step.
 """
 
 from __future__ import annotations
@@ -68,7 +66,7 @@ from rq.worker import WorkerStatus
 
 from mlxq.worker import rq_scripts
 from mlxq.worker.bounded_job import BoundedJob
-from mlxq.worker.rq_job_hash import FIELD_NAMES, changed_fields
+from mlxq.worker.rq_job_hash import changed_fields, field_name
 from mlxq.worker.server_script import packed, wire
 from mlxq.worker.stream_writer import StreamOptions, retrying
 
@@ -404,10 +402,7 @@ class RqBatches:
                 wire(working),
             ]
             for name, field in changed_fields(job, at, date_text).items():
-                values += [
-                    FIELD_NAMES.get(name) or name.encode(),
-                    field if type(field) is bytes else wire(field),
-                ]
+                values += [field_name(name), field if type(field) is bytes else wire(field)]
             args.append(packed(values))
         return keys, args
 

@@ -1,4 +1,22 @@
-"""A job's hash as RQ's end of it writes it, moved out of `rq_batches.py`."""
+"""A job's hash as RQ's end of a successful job writes it, for the end script (`rq_scripts.END`) to
+write only what changes.
+
+RQ 3 ends a successful job in `Worker._finalize_success`: `handle_execution_ended` sets `ended_at` and
+beats the job (`last_heartbeat`), the status becomes `finished`, and `Job._handle_success` saves the
+whole job (`Job.save(include_meta=False, include_result=False)`: one HSET of every field
+`Job.to_dict` makes, the payload compressed again). Reproduced here, for `rq_batches.RqBatches`:
+
+- `saved_fields`: what `Job.to_dict(include_meta=False, include_result=False)` makes of a job, field
+  for field, optionally without the payload;
+- `changed_fields`: the job as RQ's end leaves it in memory, and those of its saved fields whose value
+  differs from what its hash holds (`BoundedJob.stored_fields`), each as it goes on the wire (names
+  by `field_name`). RQ rewrites every field; the script writes these: the end's times and status, a
+  timeout the worker set, a field a producer left out. A payload stored as RQ stores it stays as
+  stored (RQ would write the same bytes back).
+
+`tests/service/test_rq_batches.py` holds `saved_fields` against RQ's `to_dict` and each batch's end
+against RQ's own end of a job.
+"""
 
 from __future__ import annotations
 
@@ -13,37 +31,6 @@ from rq.utils import now, utcformat
 
 from mlxq.worker.bounded_job import BoundedJob
 from mlxq.worker.server_script import wire
-
-
-def changed_fields(
-    job: Job, at: datetime, date_text: Callable[[datetime], str] = utcformat
-) -> dict[str, Any]:
-    """The job-hash fields RQ's end writes (`job.to_dict()`, as `_handle_success` saves it, with
-    status `finished`: `saved_fields`), less those the hash already holds with the same value: RQ
-    rewrites every field; the script writes only what changes (the end's times and status, a
-    timeout the worker set). A job not read from a hash gets them all. The payload (`data`) is
-    left as stored where it is the one read and was stored as RQ's own zlib form of it
-    (`BoundedJob.payload_as_rq_stores_it`): RQ would write it back compressed again, a zlib
-    stream set up for every job, to the same bytes. A read job's changed values come as the bytes
-    sent (compared in that form); its dates read in RQ's form keep their text (`date_text`)."""
-    job.ended_at = at
-    job.last_heartbeat = at  # RQ's `job.heartbeat(...)`
-    job._status = JobStatus.FINISHED
-    if not isinstance(job, BoundedJob) or job.stored_fields is None:
-        fields = saved_fields(job, date_text=date_text)
-        fields["status"] = JobStatus.FINISHED.value
-        return fields
-    stored = job.stored_fields
-    as_stored = job.payload_as_rq_stores_it()
-    fields = saved_fields(job, with_data=not as_stored, date_text=lambda d: job.date_text(d, date_text))
-    fields["status"] = JobStatus.FINISHED.value
-    # Each value as it goes on the wire, made once: compared with the stored one and sent as is.
-    changed: dict[str, Any] = {}
-    for name, value in fields.items():
-        sent = value if type(value) is bytes else value.encode() if type(value) is str else wire(value)
-        if stored.get(FIELD_NAMES.get(name) or name.encode()) != sent:
-            changed[name] = sent
-    return changed
 
 
 def saved_fields(
@@ -104,8 +91,44 @@ def saved_fields(
     return fields
 
 
+def changed_fields(
+    job: Job, at: datetime, date_text: Callable[[datetime], str] = utcformat
+) -> dict[str, Any]:
+    """The job-hash fields RQ's end writes (`job.to_dict()`, as `_handle_success` saves it, with
+    status `finished`: `saved_fields`), less those the hash already holds with the same value: RQ
+    rewrites every field; the script writes only what changes (the end's times and status, a
+    timeout the worker set). A job not read from a hash gets them all. The payload (`data`) is
+    left as stored where it is the one read and was stored as RQ's own zlib form of it
+    (`BoundedJob.payload_as_rq_stores_it`): RQ would write it back compressed again, a zlib
+    stream set up for every job, to the same bytes. A read job's changed values come as the bytes
+    sent (compared in that form); its dates read in RQ's form keep their text (`date_text`)."""
+    job.ended_at = at
+    job.last_heartbeat = at  # RQ's `job.heartbeat(...)`
+    job._status = JobStatus.FINISHED
+    if not isinstance(job, BoundedJob) or job.stored_fields is None:
+        fields = saved_fields(job, date_text=date_text)
+        fields["status"] = JobStatus.FINISHED.value
+        return fields
+    stored = job.stored_fields
+    as_stored = job.payload_as_rq_stores_it()
+    fields = saved_fields(job, with_data=not as_stored, date_text=lambda d: job.date_text(d, date_text))
+    fields["status"] = JobStatus.FINISHED.value
+    # Each value as it goes on the wire, made once: compared with the stored one and sent as is.
+    changed: dict[str, Any] = {}
+    for name, value in fields.items():
+        sent = value if type(value) is bytes else value.encode() if type(value) is str else wire(value)
+        if stored.get(field_name(name)) != sent:
+            changed[name] = sent
+    return changed
+
+
+def field_name(name: str) -> bytes:
+    """A job-hash field's name as it goes on the wire (encoded once for the fields RQ saves)."""
+    return _NAMES.get(name) or name.encode()
+
+
 # Each field `saved_fields` may make, as its name goes on the wire (names encoded once, not a job).
-FIELD_NAMES = {
+_NAMES = {
     name: name.encode()
     for name in (
         "created_at", "data", "success_callback_name", "failure_callback_name", "stopped_callback_name",
