@@ -14,8 +14,9 @@ from typing import Protocol
 from rq import Queue
 from rq.job import Job
 
+from mlxq.worker.job_runs import Rider, Run
 from mlxq.worker.job_watch import JobWatch
-from mlxq.worker.rq_batches import Rider, RqBatches, Run
+from mlxq.worker.rq_batches import RqBatches
 
 
 class JobHost(Protocol):

@@ -49,10 +49,9 @@ import logging
 import sys
 from base64 import b64encode
 from collections.abc import Sequence
-from dataclasses import dataclass
 from datetime import datetime
 from functools import lru_cache
-from typing import Any, Protocol
+from typing import Any
 from uuid import uuid4
 
 from rq import Queue, SimpleWorker
@@ -66,35 +65,12 @@ from rq.worker import WorkerStatus
 
 from mlxq.worker import rq_scripts
 from mlxq.worker.bounded_job import BoundedJob
+from mlxq.worker.job_runs import Ended, Rider, Run
 from mlxq.worker.rq_job_hash import changed_fields, field_name
 from mlxq.worker.server_script import packed, wire
 from mlxq.worker.stream_writer import StreamOptions, retrying
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Run:
-    """A started job: the job, the queue it came from, and RQ's record of this execution."""
-
-    job: Job
-    queue: Queue
-    execution: Execution
-
-
-Ended = tuple[Run, Any]  # a run that returned, with its return value
-
-
-class Rider(Protocol):
-    """Commands a caller sends in the round trip that starts its jobs (`RqBatches.start`), after the
-    start's own. `queue` puts them on the pipeline, given the runs; it is called again should the round
-    trip be sent again (Redis away, a server without the start script), so it must not count anything
-    twice and its commands must be safe to repeat. `replied` is handed their replies once the start
-    went through, an error reply as its exception (never raised there: the jobs did start)."""
-
-    def queue(self, pipe: Any, runs: list[Run]) -> None: ...
-
-    def replied(self, replies: list[Any]) -> None: ...
 
 
 def was_cancelled(value: Any) -> bool:

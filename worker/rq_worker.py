@@ -36,9 +36,10 @@ from mlxq.worker.allowlist import forbidden_reason
 from mlxq.worker.bounded_job import BoundedJob
 from mlxq.worker.dead_letters import DeadLetters
 from mlxq.worker.eviction_watch import EvictionWatch
+from mlxq.worker.job_runs import Rider, Run
 from mlxq.worker.job_watch import JobWatch
 from mlxq.worker.maintenance import Maintenance
-from mlxq.worker.rq_batches import Rider, RqBatches, Run
+from mlxq.worker.rq_batches import RqBatches
 from mlxq.worker.rq_loop import BetweenJobs, Stats
 from mlxq.worker.stream_writer import REDIS_TRANSIENT, StreamOptions, StreamWriter, retrying
 

@@ -27,8 +27,8 @@ from mlxq.worker import rq_batches, rq_job_hash
 from mlxq.worker.bounded_job import BoundedJob
 from mlxq.worker.job_claim import JobClaimer
 from mlxq.worker.job_results import JobResults
+from mlxq.worker.job_runs import Run
 from mlxq.worker.job_watch import CancelKeys
-from mlxq.worker.rq_batches import Run
 from mlxq.worker.rq_worker import MlxqWorker
 from mlxq.worker.stream_writer import StreamOptions
 

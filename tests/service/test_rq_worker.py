@@ -21,8 +21,8 @@ from rq.worker import WorkerStatus
 from mlxq.jobs import keys
 from mlxq.worker import rq_worker
 from mlxq.worker.job_claim import JobClaimer
+from mlxq.worker.job_runs import Run
 from mlxq.worker.job_watch import JobWatch
-from mlxq.worker.rq_batches import Run
 from mlxq.worker.rq_worker import MlxqWorker
 from mlxq.worker.stream_writer import StreamOptions
 
