@@ -1,4 +1,7 @@
-"""A started job as the worker and its components hand it around, moved out of `rq_batches.py`."""
+"""A started job as the worker and its components hand it around (`Run`, `Ended`), and what a caller
+may send in the round trip that starts its jobs (`Rider`). Types only: starting and ending jobs is
+`rq_batches.RqBatches`'s, and the modules that only hold runs (the job watch, the finalizer, the
+results) need not import it."""
 
 from __future__ import annotations
 
