@@ -96,7 +96,8 @@ class BetweenJobs:
 
     The worker's RQ hooks (`set_state`, `heartbeat`, `check_for_suspension`, `reorder_queues`,
     `run_maintenance_tasks`) delegate here, handing over RQ's own method; `idle` is called at the end of
-    the worker's `execute_job`. Main thread only, but for beats given a pipeline (the job watch's)."""
+    the worker's `execute_job`. RQ's loop runs on the main thread; a state or beat given a pipeline (a
+    job's start, which a helper thread may send, the job watch's beats) may come from any."""
 
     def __init__(self, worker: LoopWorker) -> None:
         self.worker = worker
