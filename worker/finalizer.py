@@ -23,7 +23,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from mlxq.worker.rq_batches import Ended, Run
+from mlxq.worker.job_runs import Ended, Run
 
 log = logging.getLogger(__name__)
 

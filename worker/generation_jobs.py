@@ -37,8 +37,8 @@ from mlxq.worker.job_claim import JobClaimer, QueuedJob, QueueHeads
 from mlxq.worker.job_deadline import JobDeadline
 from mlxq.worker.job_host import JobHost
 from mlxq.worker.job_results import JobResults
+from mlxq.worker.job_runs import Ended, Run
 from mlxq.worker.job_watch import CancelKeys, JobWatch
-from mlxq.worker.rq_batches import Ended, Run
 from mlxq.worker.score_claim import ScorePicker
 from mlxq.worker.score_jobs import ScoreJobs
 from mlxq.worker.stream_writer import REDIS_TRANSIENT, StreamOptions, StreamWriter, flush_streams

@@ -2,7 +2,7 @@
 
 `MlxqWorker` implements `JobHost`; `GenerationJobs` and `ScoreJobs` are built once by the service and
 handed one. A component starts jobs, watches them while they run and ends them only through it, so RQ's
-bookkeeping stays in `rq_worker.py` and `rq_batches.py`.
+bookkeeping stays in `rq_worker.py`, `rq_loop.py` and `rq_batches.py`.
 """
 
 from __future__ import annotations
@@ -14,8 +14,9 @@ from typing import Protocol
 from rq import Queue
 from rq.job import Job
 
+from mlxq.worker.job_runs import Rider, Run
 from mlxq.worker.job_watch import JobWatch
-from mlxq.worker.rq_batches import Rider, RqBatches, Run
+from mlxq.worker.rq_batches import RqBatches
 
 
 class JobHost(Protocol):

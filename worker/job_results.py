@@ -22,7 +22,7 @@ from rq.utils import now
 
 from mlxq.jobs.schema import DoneEvent, GenerateResult, ScoreResult
 from mlxq.worker.bounded_job import BoundedJob
-from mlxq.worker.rq_batches import Run
+from mlxq.worker.job_runs import Run
 from mlxq.worker.stream_scripts import finish_score_streams
 from mlxq.worker.stream_writer import StreamOptions, StreamWriter, finish_streams, opened
 

@@ -13,7 +13,7 @@ import redis
 from rq.job import Job
 
 from mlxq.jobs import keys
-from mlxq.worker.rq_batches import Run
+from mlxq.worker.job_runs import Run
 from mlxq.worker.stream_writer import REDIS_TRANSIENT
 
 log = logging.getLogger(__name__)

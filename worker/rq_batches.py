@@ -1,4 +1,5 @@
-"""RQ's job lifecycle for jobs an mlxq worker runs together: the one module that reproduces RQ.
+"""RQ's job lifecycle for jobs an mlxq worker runs together: the one module that reproduces it (the
+job hash its end writes: `rq_job_hash.py`).
 
 RQ (3.x) starts and ends one job at a time, several round trips each. A worker that runs 64 jobs in one
 batch writes the same records for all of them with one script call (`rq_scripts.py`: the commands run
@@ -15,14 +16,11 @@ inside Redis, the worker sends one). What is copied, and from where:
 - `succeed_many`: what `Worker._finalize_success` and `Worker.handle_job_success` write for a job
   without dependents, dependencies or repeats and with a result kept for a while (result, status
   `finished`, registries, TTLs, execution record, the worker's counters), for every job: one HSET a
-  job where RQ sends three, of the fields whose stored value changes where RQ rewrites them all (the
-  end's times and status, a timeout the worker set, a field a producer left out), no EXPIRE of a
-  dependents or dependencies set that does not exist. What RQ's `to_dict` saves is computed here
-  (`saved_fields`) but for the payload: one stored as RQ stores it is not compressed again to be
-  compared (a zlib stream set up for every job), it stays as stored; RQ's `Job OK` log line is one
-  line a queue naming every job. The script checks each dependents set as it
-  ends the job (RQ WATCHes them): nothing runs between the check and the writes, so a job that has
-  a dependent is never ended there. It, a job with repeats left or another TTL, and every job when
+  job where RQ sends three, of the fields whose stored value changes where RQ rewrites them all
+  (`rq_job_hash.changed_fields`), no EXPIRE of a dependents or dependencies set that does not exist;
+  RQ's `Job OK` log line is one line a queue naming every job. The script checks each dependents set
+  as it ends the job (RQ WATCHes them): nothing runs between the check and the writes, so a job that
+  has a dependent is never ended there. It, a job with repeats left or another TTL, and every job when
   the call fails for good, ends through RQ itself;
 - `cancel_running`: what RQ's `Job.cancel` writes (status `canceled`, the canceled registry) for a job
   its producer cancelled while it ran, with the worker's end of the execution (`cleanup_execution`).
@@ -41,22 +39,19 @@ inside Redis, the worker sends one). What is copied, and from where:
 Single jobs end through RQ's own methods (`succeed`, `fail`). Every step retries while Redis restarts
 (`retrying`): an error escaping `execute_job` would make RQ's loop stop the whole worker. The private RQ
 names this needs (`_finalize_success`, `_finalize_failure`, `Job._handle_success`, `Job._result`,
-`Job._status`) are used here and nowhere else; `tests/service/test_rq_batches.py` holds the results
-against RQ's own version of each step.
+`Job._status`, and the job's own fields in `rq_job_hash.py`) are used in these two modules and nowhere
+else; `tests/service/test_rq_batches.py` holds the results against RQ's own version of each step.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import sys
-import zlib
 from base64 import b64encode
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from datetime import datetime
 from functools import lru_cache
-from typing import Any, Protocol
+from typing import Any
 from uuid import uuid4
 
 from rq import Queue, SimpleWorker
@@ -70,34 +65,12 @@ from rq.worker import WorkerStatus
 
 from mlxq.worker import rq_scripts
 from mlxq.worker.bounded_job import BoundedJob
+from mlxq.worker.job_runs import Ended, Rider, Run
+from mlxq.worker.rq_job_hash import changed_fields, field_name
 from mlxq.worker.server_script import packed, wire
 from mlxq.worker.stream_writer import StreamOptions, retrying
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Run:
-    """A started job: the job, the queue it came from, and RQ's record of this execution."""
-
-    job: Job
-    queue: Queue
-    execution: Execution
-
-
-Ended = tuple[Run, Any]  # a run that returned, with its return value
-
-
-class Rider(Protocol):
-    """Commands a caller sends in the round trip that starts its jobs (`RqBatches.start`), after the
-    start's own. `queue` puts them on the pipeline, given the runs; it is called again should the round
-    trip be sent again (Redis away, a server without the start script), so it must not count anything
-    twice and its commands must be safe to repeat. `replied` is handed their replies once the start
-    went through, an error reply as its exception (never raised there: the jobs did start)."""
-
-    def queue(self, pipe: Any, runs: list[Run]) -> None: ...
-
-    def replied(self, replies: list[Any]) -> None: ...
 
 
 def was_cancelled(value: Any) -> bool:
@@ -404,40 +377,10 @@ class RqBatches:
                 wire(execution.created_at.timestamp()),
                 wire(working),
             ]
-            for name, field in self._changed_fields(job, at, date_text).items():
-                values += [_NAMES.get(name) or name.encode(), field if type(field) is bytes else wire(field)]
+            for name, field in changed_fields(job, at, date_text).items():
+                values += [field_name(name), field if type(field) is bytes else wire(field)]
             args.append(packed(values))
         return keys, args
-
-    def _changed_fields(
-        self, job: Job, at: datetime, date_text: Callable[[datetime], str] = utcformat
-    ) -> dict[str, Any]:
-        """The job-hash fields RQ's end writes (`job.to_dict()`, as `_handle_success` saves it, with
-        status `finished`: `saved_fields`), less those the hash already holds with the same value: RQ
-        rewrites every field; the script writes only what changes (the end's times and status, a
-        timeout the worker set). A job not read from a hash gets them all. The payload (`data`) is
-        left as stored where it is the one read and was stored as RQ's own zlib form of it
-        (`BoundedJob.payload_as_rq_stores_it`): RQ would write it back compressed again, a zlib
-        stream set up for every job, to the same bytes. A read job's changed values come as the bytes
-        sent (compared in that form); its dates read in RQ's form keep their text (`date_text`)."""
-        job.ended_at = at
-        job.last_heartbeat = at  # RQ's `job.heartbeat(...)`
-        job._status = JobStatus.FINISHED
-        if not isinstance(job, BoundedJob) or job.stored_fields is None:
-            fields = saved_fields(job, date_text=date_text)
-            fields["status"] = JobStatus.FINISHED.value
-            return fields
-        stored = job.stored_fields
-        as_stored = job.payload_as_rq_stores_it()
-        fields = saved_fields(job, with_data=not as_stored, date_text=lambda d: job.date_text(d, date_text))
-        fields["status"] = JobStatus.FINISHED.value
-        # Each value as it goes on the wire, made once: compared with the stored one and sent as is.
-        changed: dict[str, Any] = {}
-        for name, value in fields.items():
-            sent = value if type(value) is bytes else value.encode() if type(value) is str else wire(value)
-            if stored.get(_NAMES.get(name) or name.encode()) != sent:
-                changed[name] = sent
-        return changed
 
     def _ended(self, run: Run, value: Any, at: datetime) -> None:
         """The job and the worker in memory as RQ leaves them after its end of a job."""
@@ -450,79 +393,6 @@ class RqBatches:
 
 
 _STARTED_FIELDS = ("started_at", "last_heartbeat", "worker_name")  # what the start script adds to a job hash
-
-
-def saved_fields(
-    job: Job, with_data: bool = True, date_text: Callable[[datetime], str] = utcformat
-) -> dict[str, Any]:
-    """What RQ's `Job.to_dict(include_meta=False, include_result=False)` makes of `job`, the fields its
-    end saves, computed here because RQ's compresses the payload again for every job (`with_data`:
-    with it, compressed as RQ compresses it). Each field as RQ writes it: dates in its text form,
-    empty text for an unset name or time, optional fields only when set (some when not None, some
-    when truthy, as RQ tests them). `date_text`: RQ's `utcformat`, or a memory of it for dates jobs
-    share. `tests/service/test_rq_batches.py` holds it against RQ's own."""
-    fields: dict[str, Any] = {"created_at": date_text(job.created_at or now())}
-    if with_data:
-        fields["data"] = zlib.compress(job.data)
-    fields.update(
-        {
-            "success_callback_name": job._success_callback_name or "",
-            "failure_callback_name": job._failure_callback_name or "",
-            "stopped_callback_name": job._stopped_callback_name or "",
-            "started_at": date_text(job.started_at) if job.started_at else "",
-            "ended_at": date_text(job.ended_at) if job.ended_at else "",
-            "last_heartbeat": date_text(job.last_heartbeat) if job.last_heartbeat else "",
-            "worker_name": job.worker_name or "",
-            "group_id": job.group_id or "",
-        }
-    )
-    unless_none: dict[str, Any] = {
-        "number_of_retries": job.number_of_retries,
-        "retries_left": job.retries_left,
-        "retry_intervals": None if job.retry_intervals is None else json.dumps(job.retry_intervals),
-        "enqueue_at_front_on_retry": int(job.enqueue_at_front_on_retry) or None,
-        "origin": job.origin or None,
-        "description": job.description,
-        "enqueued_at": None if job.enqueued_at is None else date_text(job.enqueued_at),
-        "repeats_left": job.repeats_left,
-        "repeat_intervals": None if job.repeat_intervals is None else json.dumps(job.repeat_intervals),
-        "rate_limit_key": job.rate_limit_key or None,
-        "rate_limit_concurrency": job.rate_limit_concurrency or None,
-        "timeout": job.timeout,
-        "success_callback_timeout": job._success_callback_timeout,
-        "failure_callback_timeout": job._failure_callback_timeout,
-        "stopped_callback_timeout": job._stopped_callback_timeout,
-        "webhooks": json.dumps([w.to_dict() for w in job.webhooks]) if job.webhooks else None,
-        "result_ttl": job.result_ttl,
-        "failure_ttl": job.failure_ttl,
-    }
-    fields.update({k: v for k, v in unless_none.items() if v is not None})
-    fields["status"] = job._status
-    if job._dependency_ids:
-        fields["dependency_id"] = job._dependency_ids[0]
-        fields["dependency_ids"] = json.dumps(job._dependency_ids)
-    if job.ttl:
-        fields["ttl"] = job.ttl
-    if job.allow_dependency_failures is not None:
-        fields["allow_dependency_failures"] = int(job.allow_dependency_failures)
-    if job.enqueue_at_front is not None:
-        fields["enqueue_at_front"] = int(job.enqueue_at_front)
-    return fields
-
-
-# Each field `saved_fields` may make, as its name goes on the wire (names encoded once, not a job).
-_NAMES = {
-    name: name.encode()
-    for name in (
-        "created_at", "data", "success_callback_name", "failure_callback_name", "stopped_callback_name",
-        "started_at", "ended_at", "last_heartbeat", "worker_name", "group_id", "number_of_retries",
-        "retries_left", "retry_intervals", "enqueue_at_front_on_retry", "origin", "description",
-        "enqueued_at", "repeats_left", "repeat_intervals", "rate_limit_key", "rate_limit_concurrency",
-        "timeout", "success_callback_timeout", "failure_callback_timeout", "stopped_callback_timeout",
-        "webhooks", "result_ttl", "failure_ttl", "status", "dependency_id", "dependency_ids", "ttl",
-        "allow_dependency_failures", "enqueue_at_front",
-    )
-}  # fmt: skip
 
 
 def _plain_end(run: Run, value: Any, default_result_ttl: int) -> bool:

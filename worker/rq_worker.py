@@ -8,7 +8,8 @@ job's stream with an `error` event; and the dispatch of each job, by its functio
 component that runs that kind (`GenerationJobs`, `ScoreJobs`: built by the service, each running its
 jobs in batches and ending every job through RQ's own lifecycle, `rq_batches.py`). The worker is the
 `JobHost` those components are handed. RQ's loop between jobs (state, heartbeat, suspension check,
-maintenance) goes on while Redis restarts instead of quitting.
+maintenance) is `BetweenJobs` (`rq_loop.py`): RQ's writes there in fewer round trips, and a loop that
+goes on while Redis restarts instead of quitting.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from time import monotonic
 from typing import Any, Protocol
@@ -27,9 +28,7 @@ from rq.exceptions import StopRequested
 from rq.job import Job, JobStatus
 from rq.job_lifecycle import call_exception_handlers
 from rq.serializers import JSONSerializer
-from rq.suspension import WORKERS_SUSPENDED
 from rq.utils import now
-from rq.worker import WorkerStatus
 
 from mlxq.jobs.errors import ForbiddenJob, InvalidRequest
 from mlxq.jobs.transient import is_out_of_memory
@@ -37,14 +36,15 @@ from mlxq.worker.allowlist import forbidden_reason
 from mlxq.worker.bounded_job import BoundedJob
 from mlxq.worker.dead_letters import DeadLetters
 from mlxq.worker.eviction_watch import EvictionWatch
+from mlxq.worker.job_runs import Rider, Run
 from mlxq.worker.job_watch import JobWatch
 from mlxq.worker.maintenance import Maintenance
-from mlxq.worker.rq_batches import Rider, RqBatches, Run
+from mlxq.worker.rq_batches import RqBatches
+from mlxq.worker.rq_loop import BetweenJobs, Stats
 from mlxq.worker.stream_writer import REDIS_TRANSIENT, StreamOptions, StreamWriter, retrying
 
 log = logging.getLogger(__name__)
 
-_BEAT_AGAIN_S = 1.0  # a heartbeat repeating the last one's TTL sooner than this is skipped (`heartbeat`)
 _STUCK = "Job was stuck in intermediate queue."  # what RQ's IntermediateQueue.cleanup fails jobs with
 _STATS_EVERY_S = 1.0  # how often a running generation batch republishes the worker's stats
 _PUBSUB_STOP_S = 1.0  # the longest wait for the command channel's thread at exit (`unsubscribe`)
@@ -56,14 +56,6 @@ class JobRunner(Protocol):
     """Runs one kind of job from the one RQ handed over (claiming more of its kind as it sees fit)."""
 
     def run(self, first: Job, queue: Queue) -> None: ...
-
-
-class Stats(Protocol):
-    """The worker's live statistics hash (`metrics.StatsPublisher`)."""
-
-    def publish(self, ttl_s: int | None = None, pipeline: Any = None) -> None: ...
-
-    def on_heartbeat(self, ttl_s: int, pipeline: Any = None) -> None: ...
 
 
 class MlxqWorker(SimpleWorker):
@@ -96,10 +88,7 @@ class MlxqWorker(SimpleWorker):
         self._watcher: JobWatch | None = None  # the worker's watch thread, from its first batch on
         self._watch: JobWatch | None = None  # the same, while a batch runs
         self._force_stop = False
-        self._last_beat = (-1e9, 0)  # (monotonic time, TTL) of the last heartbeat
-        self._idle_sent = False  # `_idle` wrote the state `idle` the dequeue is about to write again
-        self._not_suspended = False  # `_idle` read the suspension flag the next check would read
-        self._starting = False  # a job was just dequeued: its start beats (`reorder_queues`)
+        self.between_jobs = BetweenJobs(self)
         self.dead_letters = DeadLetters(connection, stream_options)
         # A maintainer's lease lasts as long as a job's heartbeat: a dead one is noticed as soon.
         self.maintenance = Maintenance(
@@ -181,60 +170,26 @@ class MlxqWorker(SimpleWorker):
 
     # --- RQ hooks ----------------------------------------------------------------------------------
 
+    # RQ's loop between jobs: which of its writes go, and when, is `BetweenJobs`'s (`rq_loop.py`).
+
     def set_state(self, state: str, pipeline: Any = None) -> None:
-        """RQ's worker state; on its own (no pipeline) a step of RQ's loop between jobs (`_between_jobs`).
-        The dequeue's `idle` right after `_idle` wrote it is not written again."""
-        idle_sent, self._idle_sent = self._idle_sent, False
-        if pipeline is not None:
-            super().set_state(state, pipeline)
-        elif idle_sent and state == WorkerStatus.IDLE:
-            self._state = state
-        else:
-            self._between_jobs(super().set_state, state)
+        self.between_jobs.set_state(super().set_state, state, pipeline)
+
+    def heartbeat(self, timeout: int | None = None, pipeline: Any = None) -> None:
+        self.between_jobs.heartbeat(super().heartbeat, timeout, pipeline)
 
     def check_for_suspension(self, burst: bool) -> None:
-        """RQ's check for `rq suspend`, unless `_idle` just read the flag unset in its round trip."""
-        not_suspended, self._not_suspended = self._not_suspended, False
-        if not not_suspended:
-            self._between_jobs(super().check_for_suspension, burst)
+        self.between_jobs.check_for_suspension(super().check_for_suspension, burst)
 
     def reorder_queues(self, reference_queue: Queue) -> None:
-        """RQ's reordering of its queues, called by its dequeue only when it took a job: the heartbeat
-        RQ's dequeue sends next is skipped (`heartbeat`), as the job's start beats a moment later, in
-        the round trip that starts it (or `_idle` does, for a job that never starts)."""
         super().reorder_queues(reference_queue)
-        self._starting = True
-
-    def _idle(self) -> None:
-        """What RQ's loop writes between a job and its next dequeue, in one round trip where it sent five:
-        the worker's state `idle` and its stats snapshot (at the job's end), RQ's heartbeat with the
-        idle TTL (after the job, and again in its suspension check) and the suspension flag's read. The
-        beat RQ's loop sends after the job is then a repeat (skipped, `heartbeat`), and so are the
-        suspension check and the dequeue's `idle` that follow (`check_for_suspension`, `set_state`)."""
-        replies: list[Any] = []
-
-        def write() -> None:
-            with self.connection.pipeline(transaction=True) as pipe:
-                super(MlxqWorker, self).set_state(WorkerStatus.IDLE, pipe)
-                self.heartbeat(pipeline=pipe)
-                if self.stats is not None:
-                    self.stats.publish(pipeline=pipe)
-                pipe.exists(WORKERS_SUSPENDED)
-                replies[:] = pipe.execute()
-
-        try:
-            written = self._between_jobs(write)
-        except redis.RedisError as e:  # refused, not Redis away: RQ's loop then writes its own, as before
-            log.warning("could not write the worker's state between jobs error=%s", e)
-            written = False
-        if written:
-            self._idle_sent, self._not_suspended = True, not replies[-1]
-        else:
-            self._last_beat = (-1e9, 0)  # not beaten after all: RQ's next beat goes out
+        self.between_jobs.took_job()
 
     def run_maintenance_tasks(self) -> None:
-        self._between_jobs(super().run_maintenance_tasks)
+        self.between_jobs.step(super().run_maintenance_tasks)
         self.evictions.check()
+
+    # RQ's other hooks, with what mlxq adds to each.
 
     def register_birth(self) -> None:
         """RQ's registration of the worker, under the write policy (`retrying`): a full Redis (OOM
@@ -263,21 +218,6 @@ class MlxqWorker(SimpleWorker):
             thread.stop()
         thread.join(timeout=_PUBSUB_STOP_S)
         self.pubsub.close()
-
-    def _between_jobs(self, step: Callable[..., Any], *args: Any) -> bool:
-        """A step of RQ's loop between jobs (the worker's state, its heartbeat, the suspension check,
-        maintenance), where a Redis that is restarting would make RQ quit: the worker process would
-        exit, its loaded model and warm cache with it. Here the step is skipped with a warning (False);
-        the dequeue that follows waits for Redis with RQ's own backoff, and the next round does it again."""
-        try:
-            step(*args)
-        except REDIS_TRANSIENT as e:
-            if is_out_of_memory(e):
-                self.full.refused(e, step.__name__)
-            else:
-                log.warning("redis unreachable between jobs; skipped step=%s error=%s", step.__name__, e)
-            return False
-        return True
 
     def dequeue_job_and_maintain_ttl(
         self, timeout: int | None, max_idle_time: int | None = None
@@ -329,33 +269,6 @@ class MlxqWorker(SimpleWorker):
         maintenance interval, so that an idle worker still runs maintenance on time."""
         return max(1, min(self.worker_ttl - 15, int(self.maintenance_interval)))
 
-    def heartbeat(self, timeout: int | None = None, pipeline: Any = None) -> None:
-        """RQ's worker heartbeat (the worker key's `last_heartbeat` and TTL, its executions key's TTL)
-        in one round trip instead of three. RQ's loop beats after each job and twice around each
-        dequeue: a beat of its own (no pipeline) that gives the TTL the last beat gave, less than
-        `_BEAT_AGAIN_S` after it, is skipped, so a lone job costs one beat, not three; so is the beat
-        RQ's dequeue sends once it took a job (`reorder_queues`): the job's start beats a moment later,
-        in the round trip that starts it. A beat that changes the TTL (a job's shorter one, RQ's idle
-        one after it) always goes out."""
-        ttl = timeout or self.worker_ttl + 60
-        at = monotonic()
-        starting, self._starting = self._starting, False
-        if pipeline is None and starting:
-            return
-        if pipeline is None:
-            last_at, last_ttl = self._last_beat
-            if ttl == last_ttl and at - last_at < _BEAT_AGAIN_S:
-                return
-            with self.connection.pipeline(transaction=False) as pipe:
-                super().heartbeat(timeout, pipe)
-                if not self._between_jobs(pipe.execute):
-                    return
-        else:
-            super().heartbeat(timeout, pipeline)
-        if self.stats is not None:  # on RQ's own beats between jobs: a fresh snapshot of the stats
-            self.stats.on_heartbeat(ttl, pipeline)
-        self._last_beat = (at, ttl)
-
     def get_heartbeat_ttl(self, job: Job | None, working_time: float = 0.0) -> int:
         # Short, refreshed by the watch thread: a killed worker's job is noticed within a few beats.
         return int(self.heartbeat_s * 3 + 5)
@@ -364,7 +277,7 @@ class MlxqWorker(SimpleWorker):
         """Hand the job RQ dequeued to the component that runs its kind (it may claim more queued jobs
         to run beside it); a job this worker must not run is failed with the reason."""
         if self._taken_again(job, queue):
-            self._idle()
+            self.between_jobs.idle()
             return
         problem = forbidden_reason(job)
         runner = self.runners.get(job.func_name or "") if problem is None else None
@@ -380,7 +293,7 @@ class MlxqWorker(SimpleWorker):
         except Exception as e:  # RQ's loop quits on it: the process must say it failed
             self.fatal_error = e
             raise
-        self._idle()
+        self.between_jobs.idle()
 
     def handle_job_failure(
         self,

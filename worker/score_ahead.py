@@ -38,8 +38,8 @@ from rq.suspension import WORKERS_SUSPENDED
 
 from mlxq.worker.job_deadline import JobDeadline
 from mlxq.worker.job_host import JobHost
+from mlxq.worker.job_runs import Run
 from mlxq.worker.job_watch import JobWatch
-from mlxq.worker.rq_batches import Run
 from mlxq.worker.score_claim import ScoreClaimer
 from mlxq.worker.score_phases import ScorePhases
 from mlxq.worker.stream_writer import REDIS_TRANSIENT

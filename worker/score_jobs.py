@@ -33,8 +33,8 @@ from mlxq.worker.finalizer import Finalizer
 from mlxq.worker.job_deadline import JobDeadline
 from mlxq.worker.job_host import JobHost
 from mlxq.worker.job_results import JobResults
+from mlxq.worker.job_runs import Ended, Run
 from mlxq.worker.job_watch import JobWatch
-from mlxq.worker.rq_batches import Ended, Run
 from mlxq.worker.score_ahead import ScoreAhead, Taken
 from mlxq.worker.score_claim import ClaimBudget, ScoreClaimer
 from mlxq.worker.score_phases import ScorePhases

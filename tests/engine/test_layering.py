@@ -62,6 +62,7 @@ def _offending(package: str, forbidden: tuple[str, ...]) -> dict[str, list[str]]
                     for m in (
                         "service",
                         "rq_worker",
+                        "rq_loop",
                         "rq_batches",
                         "job_host",
                         "job_results",

@@ -11,7 +11,7 @@ from rq import Queue
 from rq.job import Job
 
 from mlxq.worker.finalizer import Finalizer
-from mlxq.worker.rq_batches import Ended, Run
+from mlxq.worker.job_runs import Ended, Run
 
 REDIS_DB = 9
 

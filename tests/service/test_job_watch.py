@@ -12,8 +12,8 @@ from rq.job import Job
 
 from mlxq.jobs import keys
 from mlxq.worker import job_watch
+from mlxq.worker.job_runs import Run
 from mlxq.worker.job_watch import JobWatch
-from mlxq.worker.rq_batches import Run
 
 REDIS_DB = 9
 

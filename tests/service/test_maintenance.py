@@ -17,8 +17,8 @@ from rq.utils import utcformat
 from mlxq.jobs import keys
 from mlxq.jobs.schema import ScoreResult
 from mlxq.worker.job_results import JobResults
+from mlxq.worker.job_runs import Run
 from mlxq.worker.maintenance import Lease
-from mlxq.worker.rq_batches import Run
 from mlxq.worker.rq_worker import MlxqWorker
 from mlxq.worker.stream_writer import StreamOptions
 

@@ -23,12 +23,12 @@ from rq.webhook import Webhook
 
 from mlxq.jobs import keys
 from mlxq.jobs.schema import ScoredRow, ScoreResult
-from mlxq.worker import rq_batches
+from mlxq.worker import rq_batches, rq_job_hash
 from mlxq.worker.bounded_job import BoundedJob
 from mlxq.worker.job_claim import JobClaimer
 from mlxq.worker.job_results import JobResults
+from mlxq.worker.job_runs import Run
 from mlxq.worker.job_watch import CancelKeys
-from mlxq.worker.rq_batches import Run
 from mlxq.worker.rq_worker import MlxqWorker
 from mlxq.worker.stream_writer import StreamOptions
 
@@ -419,8 +419,8 @@ def test_the_fields_a_batch_end_saves_are_those_of_rqs_to_dict(redis_conn: redis
     odd._status = JobStatus.FINISHED
     for job in [*jobs, odd]:
         rqs = job.to_dict(include_meta=False, include_result=False)
-        assert rq_batches.saved_fields(job) == rqs
-        assert rq_batches.saved_fields(job, with_data=False) == {k: v for k, v in rqs.items() if k != "data"}
+        assert rq_job_hash.saved_fields(job) == rqs
+        assert rq_job_hash.saved_fields(job, with_data=False) == {k: v for k, v in rqs.items() if k != "data"}
 
 
 def test_a_batch_end_leaves_a_payload_stored_as_rq_stores_it_and_writes_another_as_rqs_end_does(

@@ -1,6 +1,6 @@
-"""The RQ worker's own parts on real Redis: heartbeats (one round trip each, RQ's back-to-back repeats
-skipped), RQ's loop between jobs going on while Redis is unreachable, and jobs taken from a queue but
-never started (put back, not failed). Many jobs started and ended together: `test_rq_batches.py`."""
+"""The RQ worker's own parts on real Redis: its job watch, jobs taken from a queue but never started
+(put back, not failed) or taken twice, its command channel and stop signals. RQ's loop between jobs:
+`test_rq_loop.py`; many jobs started and ended together: `test_rq_batches.py`."""
 
 from __future__ import annotations
 
@@ -10,15 +10,10 @@ import threading
 import time
 import zlib
 from collections.abc import Callable
-from typing import Any
 
 import pytest
 import redis
-from redis.backoff import NoBackoff
-from redis.retry import Retry
-from redis_server import CuttableProxy
 from rq import Queue
-from rq.exceptions import StopRequested
 from rq.job import Job
 from rq.serializers import JSONSerializer
 from rq.worker import WorkerStatus
@@ -26,135 +21,10 @@ from rq.worker import WorkerStatus
 from mlxq.jobs import keys
 from mlxq.worker import rq_worker
 from mlxq.worker.job_claim import JobClaimer
+from mlxq.worker.job_runs import Run
 from mlxq.worker.job_watch import JobWatch
-from mlxq.worker.rq_batches import Run
 from mlxq.worker.rq_worker import MlxqWorker
 from mlxq.worker.stream_writer import StreamOptions
-
-
-def _commands(conn: redis.Redis, names: tuple[str, ...] = ("hset", "expire")) -> dict[str, int]:
-    stats = conn.info("commandstats")
-    return {k: int(stats.get(f"cmdstat_{k}", {"calls": 0})["calls"]) for k in names}
-
-
-def test_a_heartbeat_is_sent_once_and_a_repeat_of_it_at_once_is_skipped(
-    redis_conn: redis.Redis, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    clock = [1000.0]
-    monkeypatch.setattr(rq_worker, "monotonic", lambda: clock[0])
-    w = MlxqWorker(["beats"], connection=redis_conn, stream_options=StreamOptions())
-    idle_ttl = w.worker_ttl + 60
-
-    def beat(timeout: int | None = None) -> tuple[bytes | None, int, dict[str, int]]:
-        before = _commands(redis_conn)
-        w.heartbeat(timeout)
-        after = _commands(redis_conn)
-        sent = {k: after[k] - before[k] for k in after}
-        return redis_conn.hget(w.key, "last_heartbeat"), redis_conn.ttl(w.key), sent
-
-    stamp, ttl, sent = beat()
-    assert stamp is not None and idle_ttl - 2 <= ttl <= idle_ttl
-    assert sent == {"hset": 1, "expire": 2}  # RQ's three commands, sent together
-    clock[0] += 0.5
-    again, _, sent = beat()  # RQ's loop beating again at once: nothing sent
-    assert again == stamp and sent == {"hset": 0, "expire": 0}
-    _, short, sent = beat(35)  # a job's shorter TTL always goes out
-    assert short <= 35 and sent == {"hset": 1, "expire": 2}
-    _, back, _ = beat()  # and so does the idle TTL after it
-    assert idle_ttl - 2 <= back <= idle_ttl
-    clock[0] += 1.5
-    later, _, sent = beat()  # a second later the same TTL is refreshed again
-    assert later != stamp and sent == {"hset": 1, "expire": 2}
-
-
-def test_between_jobs_the_worker_writes_state_beat_and_stats_and_reads_rq_suspend_in_one_go(
-    redis_conn: redis.Redis,
-) -> None:
-    """After a job RQ's loop set the worker's state `idle` twice, beat twice, and read the suspension
-    flag, each in a round trip of its own, and the stats were published in another: `_idle` writes
-    and reads them all together, and the loop's repeats that follow send nothing. A flag set by
-    `rq suspend` is honoured, and a state the loop sets afterwards (its `suspended`) is written."""
-    w = MlxqWorker(["between"], connection=redis_conn, stream_options=StreamOptions())
-    w.register_birth()
-    published: list[Any] = []
-
-    class Stats:
-        def publish(self, ttl_s: int | None = None, pipeline: Any = None) -> None:
-            published.append(pipeline)
-            pipeline.hset("between-stats", "jobs_done", len(published))
-
-        def on_heartbeat(self, ttl_s: int, pipeline: Any = None) -> None:
-            pass
-
-    w.stats = Stats()
-    w.set_state(WorkerStatus.BUSY)
-    w._idle()
-    assert redis_conn.hget(w.key, "state") == b"idle"
-    assert redis_conn.hget("between-stats", "jobs_done") == b"1"
-    assert w.worker_ttl + 58 <= redis_conn.ttl(w.key) <= w.worker_ttl + 60  # the idle TTL
-    before = _commands(redis_conn, ("hset", "expire", "exists"))
-    w.heartbeat()  # RQ's loop after the job, its suspension check and its dequeue's state
-    w.check_for_suspension(False)
-    w.set_state(WorkerStatus.IDLE)
-    assert _commands(redis_conn, ("hset", "expire", "exists")) == before  # all said already
-    w.set_state(WorkerStatus.IDLE)  # not just after `_idle`: written
-    assert _commands(redis_conn, ("hset",))["hset"] == before["hset"] + 1
-
-    redis_conn.set("between-stats", "not a hash")  # a write refused (WRONGTYPE), not Redis away
-    w.set_state(WorkerStatus.BUSY)
-    w._idle()  # said in the log; the worker goes on
-    before = _commands(redis_conn, ("hset",))["hset"]
-    w.set_state(WorkerStatus.IDLE)  # RQ's loop then writes its own, as before `_idle`
-    assert _commands(redis_conn, ("hset",))["hset"] == before + 1
-    assert redis_conn.hget(w.key, "state") == b"idle"
-    redis_conn.delete("between-stats")
-
-    redis_conn.set("rq:suspended", 1)  # `rq suspend` while a job ran
-    try:
-        w._idle()
-        with pytest.raises(StopRequested):  # RQ's own check runs: a burst worker stops
-            w.check_for_suspension(True)
-        w.set_state(WorkerStatus.SUSPENDED)  # as RQ's check sets it while it waits for `rq resume`
-        assert redis_conn.hget(w.key, "state") == b"suspended"
-        w.set_state(WorkerStatus.IDLE)  # and back: written, though `_idle` wrote it before
-        assert redis_conn.hget(w.key, "state") == b"idle"
-    finally:
-        redis_conn.delete("rq:suspended", "between-stats")
-
-
-def test_the_beat_rqs_dequeue_sends_once_it_took_a_job_is_left_to_the_jobs_start(
-    redis_conn: redis.Redis, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """RQ's dequeue beats before it blocks and again once it returns; after a long wait the second
-    would go out, a round trip before the job's start, which beats in its own round trip a moment
-    later. Once a job was taken it is left to the start; a dequeue that timed out still beats."""
-    clock = [1000.0]
-
-    def later() -> float:  # every reading two seconds after the last: each beat is due
-        clock[0] += 2.0
-        return clock[0]
-
-    monkeypatch.setattr(rq_worker, "monotonic", later)
-    q = Queue("beat-start", connection=redis_conn, serializer=JSONSerializer)
-    w = MlxqWorker([q], connection=redis_conn, stream_options=StreamOptions())
-    w.register_birth()
-    job = q.enqueue_call(keys.SCORE_FUNC, args=({"rows": [{"prompt": "a", "candidates": ["b"]}]},))
-    stamps: list[bytes | None] = []
-    beat = MlxqWorker.heartbeat
-
-    def noted(self: MlxqWorker, timeout: int | None = None, pipeline: Any = None) -> None:
-        beat(self, timeout, pipeline)
-        stamps.append(redis_conn.hget(self.key, "last_heartbeat"))
-
-    monkeypatch.setattr(MlxqWorker, "heartbeat", noted)
-    taken = w.dequeue_job_and_maintain_ttl(timeout=1)
-    assert taken is not None and taken[0].id == job.id
-    assert len(stamps) == 2 and stamps[0] == stamps[1]  # the one before the wait went out, not the other
-    (run,) = w.start([taken[0]], q)
-    assert redis_conn.hget(w.key, "last_heartbeat") != stamps[0]  # the start's
-    assert run.job.get_status(refresh=True) == "started"
-    assert w.dequeue_job_and_maintain_ttl(timeout=1, max_idle_time=1) is None
-    assert stamps[-1] != stamps[-2]  # no job taken: RQ's beat after the wait went out
 
 
 def test_one_watch_thread_serves_a_workers_batches_one_after_another(redis_conn: redis.Redis) -> None:
@@ -200,47 +70,6 @@ def test_one_watch_thread_serves_a_workers_batches_one_after_another(redis_conn:
     assert threads and threads[0].is_alive()
     w.teardown()
     assert not threads[0].is_alive()
-
-
-def test_the_worker_goes_on_when_redis_drops_between_jobs(
-    redis_conn: redis.Redis, caplog: pytest.LogCaptureFixture
-) -> None:
-    """Redis unreachable just as a job ends (seen when it restarts under a bulk run): RQ's loop then
-    sets the worker's state, beats and checks for suspension before its dequeue, and any of those
-    failing used to make RQ quit, taking the worker process and its loaded model down. Now they are
-    skipped, the dequeue waits for Redis, and the next job runs."""
-    db = redis_conn.connection_pool.connection_kwargs.get("db", 0)
-    port = redis_conn.connection_pool.connection_kwargs["port"]
-    proxy = CuttableProxy(port)
-    conn = redis.Redis(port=proxy.port, db=db, retry=Retry(NoBackoff(), 0))  # errors at once, no retries
-    q = Queue("between-jobs", connection=conn, serializer=JSONSerializer)
-    try:
-        w = MlxqWorker([q], connection=conn, stream_options=StreamOptions())
-        first, second = (q.enqueue_call("os.getcwd") for _ in range(2))  # refused by the allowlist, quickly
-        ended: list[str] = []
-
-        class CutAfterFirstJob:  # the worker's stats, published at each job's end
-            def publish(self, ttl_s: int | None = None, pipeline: Any = None) -> None:
-                ended.append("job")
-                if len(ended) == 1:  # the first job's end: Redis goes away for half a second
-                    proxy.cut_for(0.5)
-
-            def on_heartbeat(self, ttl_s: int, pipeline: Any = None) -> None:
-                pass
-
-        w.stats = CutAfterFirstJob()
-        with caplog.at_level("WARNING", logger="mlxq.worker.rq_worker"):
-            assert w.work(burst=True)
-
-        assert ended == ["job", "job"]
-        for job in (first, second):
-            assert job.get_status(refresh=True) == "failed"
-            assert "is not an mlxq job" in (job.latest_result().exc_string or "")
-        assert "redis unreachable between jobs" in caplog.text
-    finally:
-        conn.close()
-        proxy.close()
-        Queue("between-jobs", connection=redis_conn, serializer=JSONSerializer).delete(delete_jobs=True)
 
 
 def test_a_job_taken_but_never_started_goes_back_to_the_head_of_its_queue(redis_conn: redis.Redis) -> None:
