@@ -133,7 +133,7 @@ class ForwardAhead:
         clock = self.critical
         clock.steps += 1
         if self.launcher is not None:  # the forwards launched behind a draw since the last step (ended:
-            then_s = self.launcher.then_s  # `_launch` waited for every launch before its own)
+            then_s = self.launcher.then_s  # `PendingTokens.launch` waited for every launch before its own)
             clock.forward_launch_s += then_s - self._then_seen
             self._then_seen = then_s
         clock.read_s += got - began
