@@ -52,7 +52,9 @@ class DecodeBatch:
     (`row_placement.py`).
 
     The forward itself (the step's mask or the ragged kernel's rows, the buffer rows, the tapped layers'
-    outputs handed to `features`) is the `forward`'s (`batch_forward.py`).
+    outputs handed to `features`) is the `forward`'s (`batch_forward.py`). The tokens a step hands the
+    next (sampled, not fed yet), their logprobs, their launch and their read-back are the `pending`
+    tokens' (`pending_tokens.py`).
 
     With `launcher` (`launcher.py`: a GPU's default) each step is launched on a thread of its own while this
     thread reads the step before back, handles its tokens and builds the next step: on a GPU a batched step is
@@ -122,21 +124,14 @@ class DecodeBatch:
         self.ahead.drop(self.cache)
         joining = SamplerRows(samplers, logits.shape[-1])
         tokens = joining.sample(logits)
-        if self.pending.tokens is None:
-            self.pending.logprobs.reset(joining.logprobs, len(samplers))
-        else:
-            self.pending.logprobs.extend(joining.logprobs, len(samplers))
         self.placement.join(caches)  # placed first: counted there before `rows` takes their samplers
-        self.pending.tokens = (
-            tokens if self.pending.tokens is None else mx.concatenate([self.pending.tokens, tokens])
-        )
+        pending = self.pending.join(tokens, joining)
         if self.rows is None:
             self.rows = joining
         else:
             self.rows.extend(joining)
         assert len(self.rows) == self.placement.placed, "one prefilled cache for each sampler"
-        self.pending.fresh = True
-        self.pending.launch(self.pending.tokens)
+        self.pending.launch(pending)
 
     def start(self, layers: list[PrefillRowsCache], logits: mx.array, samplers: list[Sampler]) -> bool:
         """An empty batch's rows straight from a rows prefill's buffers (`prefill_rows_layers`, one row
@@ -148,11 +143,9 @@ class DecodeBatch:
             taken = layer.adopt(prefilled, len(samplers))
             assert taken, "the layers of a batch hold the same columns"
         self.rows = SamplerRows(samplers, logits.shape[-1])
-        self.pending.tokens = self.rows.sample(logits)
-        self.pending.logprobs.reset(self.rows.logprobs, len(samplers))
+        pending = self.pending.join(self.rows.sample(logits), self.rows)  # the first: none is live
         self.placement.adopt(len(samplers))
-        self.pending.fresh = True
-        self.pending.launch(self.pending.tokens)
+        self.pending.launch(pending)
         return True
 
     def step(self) -> list[int]:
@@ -386,16 +379,10 @@ class DecodeBatch:
         keep = [i for i in range(len(self)) if i not in gone]
         if self.rows is not None:
             self.rows.select(keep)
-        self.pending.logprobs.select(keep)
-        if not keep or self.pending.tokens is None:
-            self.pending.tokens = self.ahead.logits = None
-        else:
-            index = mx.array(keep, dtype=mx.int32)
-            self.pending.tokens = self.pending.tokens[index]
-            if self.ahead.logits is not None:
-                self.ahead.logits = self.ahead.logits[index]
-        self.pending.copy_rows = (
-            [self.pending.copy_rows[i] for i in keep] if self.pending.copy is not None else []
-        )
+        index = self.pending.select(keep)
+        if index is None:
+            self.ahead.logits = None
+        elif self.ahead.logits is not None:
+            self.ahead.logits = self.ahead.logits[index]
         self.placement.keep(keep)
         return caches

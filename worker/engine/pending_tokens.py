@@ -36,6 +36,30 @@ class PendingTokens:
         self.copy: mx.array | None = None
         self.copy_rows: list[int] = []
 
+    def join(self, tokens: mx.array, rows: SamplerRows) -> mx.array:
+        """The first tokens of rows that join, sampled by `rows` (their logprobs where asked), after the
+        live rows' pending ones (none where the batch is empty); they are fresh. Returns every row's."""
+        if self.tokens is None:
+            self.logprobs.reset(rows.logprobs, len(rows))
+            self.tokens = tokens
+        else:
+            self.logprobs.extend(rows.logprobs, len(rows))
+            self.tokens = mx.concatenate([self.tokens, tokens])
+        self.fresh = True
+        return self.tokens
+
+    def select(self, keep: list[int]) -> mx.array | None:
+        """Keep the live rows `keep` (their indices, in order), the others having left; returns the index
+        that selects them, for what else the batch holds by row (None: no token is left)."""
+        self.logprobs.select(keep)
+        self.copy_rows = [self.copy_rows[i] for i in keep] if self.copy is not None else []
+        if not keep or self.tokens is None:
+            self.tokens = None
+            return None
+        index = mx.array(keep, dtype=mx.int32)
+        self.tokens = self.tokens[index]
+        return index
+
     def launch(self, tokens: mx.array, ahead: mx.array | None = None) -> None:
         """Start computing `tokens` (and the step behind them), then `ahead` (the forward that feeds
         them, in a constrained batch). `ahead` is always an evaluation of its own: MLX marks every

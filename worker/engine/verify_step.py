@@ -2,10 +2,11 @@
 
 `DecodeBatch.verify_with` runs a verify step: one forward feeds every row its pending token and its
 drafts, each row keeps the drafts the target agrees with, and its cache is cut back to them. The batch
-keeps its rows, pending tokens and launches; a `VerifyStep` it composes owns what is the verify step's
-alone: the width of its forward, the key columns its attention reads, the shapes met so far (a new one
-may have built kernels), whether the last step verified drafts at all, the caches cut back to the
-drafts kept and whether the holes this leaves are squeezed out at once, and its timing (`clock`).
+keeps its rows and pending tokens and sequences the step; a `VerifyStep` it composes owns what is the
+verify step's alone: the width of its forward, the forward itself and its verification (`forward`), the
+key columns its attention reads, the shapes met so far (a new one may have built kernels), whether the
+last step verified drafts at all, the caches cut back to the drafts kept and whether the holes this
+leaves are squeezed out at once, and its timing (`clock`).
 """
 
 from __future__ import annotations
