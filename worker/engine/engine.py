@@ -1,11 +1,13 @@
 """The engine: one loaded model with its tokenizer, turning requests into tokens, text and scores.
 
-It loads the model, prepares generation requests (prompt tokens, limits, sampler) and runs score
-batches; a score request's rows are prepared by the `ScoreRequests` it composes (`score_requests.py`),
-and its speculation (the draft loaded, each request's drafter) is the `DraftChoice` it composes
-(`speculation/draft_choice.py`). It knows nothing of Redis or RQ. A generation reports progress
-through a `TokenSink` (`text_run.py`: the stream writer in a worker, a list in tests) and checks a
-`cancelled` callable between prefill chunks and tokens (`generation_batch.py` drives it).
+It loads the model and holds what every request shares (the prefix cache, the launcher, the
+context length, the device's defaults); the rest is in parts it composes: a generation request's
+prompt tokens, limits and sampler are prepared by its `GenerateRequests` (`generate_requests.py`), a
+score request's rows by its `ScoreRequests` (`score_requests.py`), score jobs are run by its
+`JobScorer` (`job_scorer.py`), and its speculation (the draft loaded, each request's drafter) is its
+`DraftChoice` (`speculation/draft_choice.py`). It knows nothing of Redis or RQ. A generation reports
+progress through a `TokenSink` (`text_run.py`: the stream writer in a worker, a list in tests) and
+checks a `cancelled` callable between prefill chunks and tokens (`generation_batch.py` drives it).
 """
 
 from __future__ import annotations
@@ -123,7 +125,7 @@ class Engine:
         # Generation requests' sizes checked, their prompts tokenized, their samplers built
         # (`generate_requests.py`).
         self.generate_requests = GenerateRequests(
-            model, tokenizer, options, self.context_length, self.constraints
+            tokenizer, options, self.context_length, model.args.vocab_size, self.constraints
         )
         # Score requests' limits checked and their rows tokenized (`score_requests.py`): no model needed.
         self.score_requests = ScoreRequests(

@@ -14,7 +14,6 @@ from mlxq.jobs.errors import ContextTooLong, InvalidRequest
 from mlxq.jobs.schema import GenerateRequest
 from mlxq.worker.engine.constraint import ConstraintCompiler
 from mlxq.worker.engine.engine_options import EngineOptions
-from mlxq.worker.engine.models.base import Model
 from mlxq.worker.engine.sampler import Sampler
 from mlxq.worker.engine.text.chat_tokens import chat_tokens
 from mlxq.worker.engine.text.tokenizer import Tokenizer
@@ -22,20 +21,21 @@ from mlxq.worker.engine.text.tokenizer import Tokenizer
 
 class GenerateRequests:
     """Generation requests turned into what a batch decodes (prompt tokens, token budget, sampler), under
-    this worker's limits: the options' messages, characters and stop strings, the model's context."""
+    this worker's limits: the options' messages, characters and stop strings, the model's context and
+    vocabulary; `constraints` compiles a request's `response_format` (the engine's)."""
 
     def __init__(
         self,
-        model: Model,
         tokenizer: Tokenizer,
         options: EngineOptions,
         context_length: int,
+        vocab_size: int,
         constraints: ConstraintCompiler,
     ) -> None:
-        self.model = model
         self.tokenizer = tokenizer
         self.options = options
         self.context_length = context_length
+        self.vocab_size = vocab_size
         self.constraints = constraints
 
     def prompt_tokens(self, request: GenerateRequest) -> list[int]:
@@ -45,7 +45,7 @@ class GenerateRequests:
             ids = self.chat_tokens([m.model_dump() for m in request.messages])
         elif request.prompt_ids is not None:
             ids = list(request.prompt_ids)
-            vocab = self.model.args.vocab_size
+            vocab = self.vocab_size
             if max(ids) >= vocab:
                 raise InvalidRequest(f"prompt token id {max(ids)} is not in the vocabulary (0..{vocab - 1})")
         else:
@@ -112,7 +112,7 @@ class GenerateRequests:
         constraint = self.constraints.compile(request.response_format)  # its error before any token
         try:
             sampler = Sampler.from_request(
-                request, vocab_size=self.model.args.vocab_size, prompt=prompt, constraint=constraint
+                request, vocab_size=self.vocab_size, prompt=prompt, constraint=constraint
             )
         except ValueError as e:
             raise InvalidRequest(str(e)) from e

@@ -60,7 +60,7 @@ class JobScorer:
         prefix_cache: PrefixCache | None,
         interrupt: Callable[[], None] | None = None,
     ) -> list[ScoreResult]:
-        """Score the prepared rows (`score_tokens`) of several jobs together; one result per job.
+        """Score the prepared rows (`Engine.score_tokens`) of several jobs together; one result per job.
 
         All rows, candidate and token-by-token alike, go into one prefix tree (`PrefixScorer`, one head
         per kind), so a prefix shared across jobs and across kinds is computed once. A
