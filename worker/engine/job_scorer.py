@@ -89,6 +89,7 @@ class JobScorer:
         kv_bytes: int,
         interrupt: Callable[[], None] | None,
     ) -> list[ScoreResult]:
+        """One pass of `score_many`, its suffix batches holding at most `kv_bytes` of keys and values."""
         flat = [row for rows in jobs for row in rows]
         scored: list[ScoredRow | None] = [None] * len(flat)
         cands = [(i, row) for i, row in enumerate(flat) if isinstance(row, tuple)]
@@ -130,6 +131,10 @@ class JobScorer:
             else:
                 scored[i] = seq_result(row, row_scores, row_computed)
             at += n
+        return self._results(jobs, scored)
+
+    def _results(self, jobs: list[list[PreparedRow]], scored: list[ScoredRow | None]) -> list[ScoreResult]:
+        """Each job's result from its rows' (`scored`: every job's rows, one job after another)."""
         out, start = [], 0
         for job in jobs:
             mine = [r for r in scored[start : start + len(job)] if r is not None]

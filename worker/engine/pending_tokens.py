@@ -2,10 +2,10 @@
 
 `DecodeBatch` sequences its steps; the `PendingTokens` it composes hold what one step hands the next:
 each live row's sampled token (`tokens`), their logprobs where rows asked (`logprobs`), whether rows
-joined since the last step (`fresh`: their first tokens are read back at once), and how those tokens are
-launched (`launch`, with the step behind them) and read back (`readable`). With a launcher they are
-read back from a copy made in the same launch (`Launcher.launch_tokens` says why), each live row at its
-place in it (`copy_rows`).
+joined since the last step (`fresh`: their first tokens are read back at once), how those tokens are
+launched (`launch`, with the step behind them) and read back (`readable`), and what becomes of them as
+rows join (`join`) and leave (`select`). With a launcher they are read back from a copy made in the
+same launch (`Launcher.launch_tokens` says why), each live row at its place in it (`copy_rows`).
 """
 
 from __future__ import annotations
