@@ -13,7 +13,7 @@ import mlx.core as mx
 import redis
 
 from mlxq.jobs.schema import ScoreRequest
-from mlxq.worker.engine import engine as engine_module
+from mlxq.worker.engine import job_scorer
 from mlxq.worker.engine.cache.prefix_cache import PrefixCache
 from mlxq.worker.engine.scoring import PrefixScorer
 
@@ -25,7 +25,7 @@ from .queue_client import BenchWorker, cleanup, enqueue_many, follow, job_failur
 SCORE_PHASES = {
     "model (PrefixScorer.score)": (PrefixScorer, "score"),
     "prefix cache offer (KV copy)": (PrefixCache, "offer"),
-    "candidate_scores (per row)": (engine_module, "candidate_scores"),
+    "candidate_scores (per row)": (job_scorer, "candidate_scores"),
 }
 
 

@@ -49,8 +49,8 @@ def engine_step_ops(engine: Any, rows: int) -> dict[str, int]:
     batch.add(caches, mx.concatenate(logits), [Sampler(vocab, temperature=0) for _ in range(rows)])
     batch.step()  # the fresh step: the first tokens read back, the next step launched
     for last in (False, True):
-        assert batch._pending is not None
-        out = batch._next_step(batch._pending)
+        assert batch.pending.tokens is not None
+        out = batch._next_step(batch.pending.tokens)
         buffers = [a for c in batch.cache for a in (c.keys, c.values) if a is not None]
         if last:
             return count_ops(out, *buffers)

@@ -287,7 +287,7 @@ def test_a_prompt_or_stop_strings_larger_than_the_worker_takes_fail_before_any_t
             engine.prepare_generation(GenerateRequest.model_validate(fields))
     assert encoded == []
     default = Engine.load(str(model_dir))
-    assert default.max_prompt_chars == 32 * default.context_length
+    assert default.generate_requests.max_prompt_chars == 32 * default.context_length
     too_long = ScoreRequest.model_validate({"rows": [{"prompt": "z" * 101, "candidates": [" a"]}]})
     (error,) = engine.score_tokens_many([too_long])
     assert isinstance(error, InvalidRequest) and "row 0's prompt has 101 characters" in str(error)

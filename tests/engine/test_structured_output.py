@@ -648,7 +648,7 @@ def test_without_a_launcher_the_forward_ahead_is_evaluated_apart_from_the_tokens
     tokens with the forward ahead could read them back only once that forward had computed. Without
     a launcher (the CPU) each evaluation of a forward ahead holds it alone, and the answers are the
     schema's."""
-    import mlxq.worker.engine.decode_batch as decode_module
+    import mlxq.worker.engine.pending_tokens as pending_module
 
     calls: list[list[mx.array]] = []
 
@@ -660,7 +660,7 @@ def test_without_a_launcher_the_forward_ahead_is_evaluated_apart_from_the_tokens
             calls.append(list(arrays))
             mx.async_eval(*arrays)
 
-    monkeypatch.setattr(decode_module, "mx", Noted())
+    monkeypatch.setattr(pending_module, "mx", Noted())
     engine = _engine(model_dir, prefix_cache_bytes=0, decode_overlap=False)
     request = _request(prompt="Scores:", max_tokens=60, temperature=0, response_format=json_schema(SCORES))
     finished = _batch(engine, [request, request.model_copy(update={"prompt": "Marks:"})])

@@ -23,10 +23,11 @@ from mlxq.worker.engine.forward_ahead import ForwardAhead
 from mlxq.worker.engine.forward_pieces import ForwardPieces
 from mlxq.worker.engine.launcher import Launcher
 from mlxq.worker.engine.models.base import Model
+from mlxq.worker.engine.pending_tokens import PendingTokens
 from mlxq.worker.engine.row_placement import RowPlacement
 from mlxq.worker.engine.sampler import Sampler
 from mlxq.worker.engine.sampler_rows import SamplerRows
-from mlxq.worker.engine.token_logprobs import PendingLogprobs, TokenLogprob
+from mlxq.worker.engine.token_logprobs import TokenLogprob
 from mlxq.worker.engine.verify_step import VerifyStep
 
 # Release MLX's buffer cache at intervals, not every token: freeing is cheap, reallocating is not.
@@ -51,7 +52,9 @@ class DecodeBatch:
     (`row_placement.py`).
 
     The forward itself (the step's mask or the ragged kernel's rows, the buffer rows, the tapped layers'
-    outputs handed to `features`) is the `forward`'s (`batch_forward.py`).
+    outputs handed to `features`) is the `forward`'s (`batch_forward.py`). The tokens a step hands the
+    next (sampled, not fed yet), their logprobs, their launch and their read-back are the `pending`
+    tokens' (`pending_tokens.py`).
 
     With `launcher` (`launcher.py`: a GPU's default) each step is launched on a thread of its own while this
     thread reads the step before back, handles its tokens and builds the next step: on a GPU a batched step is
@@ -65,7 +68,7 @@ class DecodeBatch:
     A batch holding a constrained row keeps one forward ahead instead (`ahead`, `forward_ahead.py`): its
     pending tokens are already being fed while they are read back, so the draw that needs their
     grammars' masks and the forward after it are launched one right after the other (two evaluations:
-    see `_launch`), and the tokens are read back and handled while that forward computes
+    see `PendingTokens.launch`), and the tokens are read back and handled while that forward computes
     (`_step_ahead`). The cache then holds one token past those handled: a leaving row's cache is cut
     back to its own (`remove`), and the forward ahead is dropped (its column trimmed) before rows join
     or a verify step.
@@ -93,21 +96,17 @@ class DecodeBatch:
         self._window = min((w for w in model.model.windows if w is not None), default=None)
         self.cache = [BatchKVCache(window) for window in model.model.windows]
         self.rows: SamplerRows | None = None  # the live rows' samplers, in row order
-        self._pending: mx.array | None = None  # (B,) each row's sampled token, not fed to the model yet
-        self._pending_logprobs = PendingLogprobs()  # theirs, where rows asked (`token_logprobs.py`)
         self.logprobs: dict[int, TokenLogprob] = {}  # row -> logprob of the token last handed out
-        self._fresh = False  # rows joined since the last step: their first tokens are in `_pending`
-        # With a launcher: a copy of `_pending` made in the same launch, read back in its stead (see
-        # `_launch`), and each live row's place in it.
-        self._pending_copy: mx.array | None = None
-        self._copy_rows: list[int] = []
         self.placement = RowPlacement(self.cache, pad_shapes)  # which buffer row holds each live row
         # The forwards over the caches (the step's mask, the buffer rows, the taps)
         self.forward = BatchForward(
             model, self.cache, self.placement, kernel, self._window, self.taps, features
         )
+        # The live rows' sampled tokens not fed yet, their logprobs, their launch and read-back
+        self.pending = PendingTokens(launcher, self.forward)
         self._steps = 0
-        # With a constrained row: the forward that feeds `_pending`, launched, and its time (see `step_with`)
+        # With a constrained row: the forward that feeds the pending tokens, launched, and its time
+        # (see `step_with`)
         self.ahead = ForwardAhead(launcher, masks_in_place, build_ahead)
         # The verify steps' shapes met (`verify_shapes`: an engine's, shared by its batches; None: this
         # batch's own), their drafts' acceptance and their time (`verify_with`)
@@ -125,19 +124,14 @@ class DecodeBatch:
         self.ahead.drop(self.cache)
         joining = SamplerRows(samplers, logits.shape[-1])
         tokens = joining.sample(logits)
-        if self._pending is None:
-            self._pending_logprobs.reset(joining.logprobs, len(samplers))
-        else:
-            self._pending_logprobs.extend(joining.logprobs, len(samplers))
         self.placement.join(caches)  # placed first: counted there before `rows` takes their samplers
-        self._pending = tokens if self._pending is None else mx.concatenate([self._pending, tokens])
+        pending = self.pending.join(tokens, joining)
         if self.rows is None:
             self.rows = joining
         else:
             self.rows.extend(joining)
         assert len(self.rows) == self.placement.placed, "one prefilled cache for each sampler"
-        self._fresh = True
-        self._launch(self._pending)
+        self.pending.launch(pending)
 
     def start(self, layers: list[PrefillRowsCache], logits: mx.array, samplers: list[Sampler]) -> bool:
         """An empty batch's rows straight from a rows prefill's buffers (`prefill_rows_layers`, one row
@@ -149,11 +143,9 @@ class DecodeBatch:
             taken = layer.adopt(prefilled, len(samplers))
             assert taken, "the layers of a batch hold the same columns"
         self.rows = SamplerRows(samplers, logits.shape[-1])
-        self._pending = self.rows.sample(logits)
-        self._pending_logprobs.reset(self.rows.logprobs, len(samplers))
+        pending = self.pending.join(self.rows.sample(logits), self.rows)  # the first: none is live
         self.placement.adopt(len(samplers))
-        self._fresh = True
-        self._launch(self._pending)
+        self.pending.launch(pending)
         return True
 
     def step(self) -> list[int]:
@@ -182,28 +174,28 @@ class DecodeBatch:
 
         With a constrained row the forward that feeds the pending tokens is already launched (`ahead`):
         see `_step_ahead`."""
-        if self._pending is None:
+        if self.pending.tokens is None:
             raise ValueError("an empty batch has no step to take")
-        pending, fresh = self._pending, self._fresh
-        self._fresh = False
+        pending, fresh = self.pending.tokens, self.pending.fresh
+        self.pending.fresh = False
         if fresh:
             self.quiet()  # then nothing is in flight: `pending` itself may be read
             # `tolist` of a 1-D int32 array gives ints (MLX's stub allows any nesting of any scalar)
             tokens = [int(t) for t in cast("list[int]", pending.tolist())]
             self._take(tokens)
-            self.logprobs = self._pending_logprobs.read(tokens)
+            self.logprobs = self.pending.logprobs.read(tokens)
             result = handle(tokens)
             if meanwhile is not None:
                 meanwhile()
             if ends_all is not None and ends_all(result):
-                self._pending = None  # nothing more to feed: every row leaves
+                self.pending.tokens = None  # nothing more to feed: every row leaves
                 return result
             self._launch_next(pending)
         elif self.ahead.logits is not None:
             result = self._step_ahead(pending, handle, meanwhile)
         else:
-            read, logprobs = self._readable(pending), self._pending_logprobs
-            self._launch(self._next_step(pending))  # a launcher waits for `pending`'s launch first
+            read, logprobs = self.pending.readable(pending), self.pending.logprobs
+            self.pending.launch(self._next_step(pending))  # a launcher waits for `pending`'s launch first
             if meanwhile is not None:
                 meanwhile()
             tokens = read()
@@ -228,7 +220,7 @@ class DecodeBatch:
         # rows join only through `add`/`start` (a fresh step follows, which launches the forward ahead)
         assert self.rows is not None and self.ahead.logits is not None
         ahead, rows = self.ahead, self.rows
-        read, logprobs = self._readable(pending), self._pending_logprobs
+        read, logprobs = self.pending.readable(pending), self.pending.logprobs
         prepared = ahead.prepare(rows, self._draw, self.forward.logits)  # None: built after the read
         began = time.perf_counter()
         tokens = read()  # with a launcher: once the draw's own launch ended
@@ -240,8 +232,8 @@ class DecodeBatch:
             following, built = prepared, ahead.fill(rows)
         else:
             following, built = ahead.build(rows, self._draw, self.forward.logits)
-        self._pending = following
-        self._launch(following, ahead.logits)
+        self.pending.tokens = following
+        self.pending.launch(following, ahead.logits)
         launched = time.perf_counter()
         result = handle(tokens)
         ahead.note((began, got, taken, *built, launched))
@@ -250,11 +242,11 @@ class DecodeBatch:
         return result
 
     def _draw(self, logits: mx.array, masks_later: bool) -> mx.array:
-        """Build the next draw from the forward ahead's `logits`, with its logprobs (`_pending_logprobs`
+        """Build the next draw from the forward ahead's `logits`, with its logprobs (`PendingTokens.logprobs`
         from now on); `masks_later`: see `SamplerRows.sample`."""
         assert self.rows is not None
         following = self.rows.sample(logits, masks_later=masks_later)
-        self._new_pending_logprobs()
+        self.pending.new_logprobs(self.rows)
         return following
 
     def verify_with(
@@ -281,21 +273,21 @@ class DecodeBatch:
         plain one instead, the next launched before the tokens are handled (`verify_step.verified` says
         which). The verify step's own parts (the forward's width, the key columns it reads, the caches
         cut back to the drafts kept, its shapes met and its time) are the `VerifyStep`'s."""
-        if self._pending is None or self.rows is None:
+        if self.pending.tokens is None or self.rows is None:
             raise ValueError("an empty batch has no step to take")
         self.ahead.drop(self.cache)
         step = self.verify_step
         clock, began = step.clock, time.perf_counter()
         self.quiet()
-        self._fresh = False
-        tokens = [int(t) for t in cast("list[int]", self._pending.tolist())]
+        self.pending.fresh = False
+        tokens = [int(t) for t in cast("list[int]", self.pending.tokens.tolist())]
         self._take(tokens)
-        self.logprobs = self._pending_logprobs.read(tokens)  # rows asking logprobs draft nothing
+        self.logprobs = self.pending.logprobs.read(tokens)  # rows asking logprobs draft nothing
         read = time.perf_counter()
         drafts = self.rows.cut(drafts_for(tokens))
         step.verified = any(drafts)
         if not step.verified:  # nothing proposed after all: a plain step, launched before the handling
-            self._launch_next(self._pending)
+            self._launch_next(self.pending.tokens)
             self._stepped()
             result = handle([[t] for t in tokens])
             if meanwhile is not None:
@@ -305,11 +297,11 @@ class DecodeBatch:
         allowed = self.rows.draft_masks(drafts, width) if width > 1 else None
         drafted = time.perf_counter()
         pieces = ForwardPieces(self.launcher, len(self.cache))  # launched as it is built, with a launcher
-        kept_drafts, following = self._verify_forward(tokens, drafts, width, allowed, pieces)
-        self._new_pending_logprobs()
+        kept_drafts, following = step.forward(self.rows, self.forward, tokens, drafts, width, allowed, pieces)
+        self.pending.new_logprobs(self.rows)
         built = time.perf_counter()
         pieces.launch(
-            kept_drafts, following, *self._pending_logprobs.arrays(), *self.forward.taken_with_step()
+            kept_drafts, following, *self.pending.logprobs.arrays(), *self.forward.taken_with_step()
         )
         if meanwhile is not None:
             meanwhile()
@@ -319,7 +311,7 @@ class DecodeBatch:
         waited = time.perf_counter()
         if step.keep(self.cache, self.placement.slots, kept, width):  # holes squeezed out
             self.placement.compact(self.placement.idle_rows())
-        self._pending, self._pending_copy, self._fresh = following, None, True
+        self.pending.tokens, self.pending.copy, self.pending.fresh = following, None, True
         self._stepped()
         if self.rows.constrained:
             self.rows.take_drafts([d[:k] for d, k in zip(drafts, kept, strict=True)])
@@ -329,66 +321,10 @@ class DecodeBatch:
         clock.note(len(tokens) * width, len(tokens) + sum(kept), marks)
         return result
 
-    def _verify_forward(
-        self,
-        tokens: list[int],
-        drafts: list[list[int]],
-        width: int,
-        allowed: mx.array | None,
-        pieces: ForwardPieces,
-    ) -> tuple[mx.array, mx.array]:
-        """A verify step's forward and its verification (lazy): each row's pending token and drafts
-        (`tokens`, `drafts`) fed in `width` columns (padded with columns no row keeps), its layers
-        launched in `pieces` as they are built (`forward_pieces.py`), its attention reading the key
-        columns the verify step says (`VerifyStep.read_columns`: whole steps of the caches on a GPU);
-        returns the drafts each row keeps (`allowed`: the constrained rows' masks) and its next token."""
-        assert self.rows is not None
-        fed = [[t, *d, *([0] * (width - 1 - len(d)))] for t, d in zip(tokens, drafts, strict=True)]
-        columns = self.verify_step.read_columns(self.cache, width)
-        try:
-            logits = self.forward.logits(
-                mx.array(fed, dtype=mx.int32), self.cache[0].mask(width, columns), pieces
-            )
-        finally:
-            for layer in self.cache:
-                layer.read_exactly()
-        if width == 1:
-            return mx.zeros((len(tokens),), dtype=mx.int32), self.rows.sample(logits[:, 0])
-        depth = mx.array([len(d) for d in drafts], dtype=mx.int32)
-        ids = mx.array([row[1:] for row in fed], dtype=mx.int32)
-        return self.rows.verify(logits, ids, depth, allowed)
-
     def quiet(self) -> None:
         """Wait until no step is being launched (with a launcher: before evaluating anything else)."""
         if self.launcher is not None:
             self.launcher.wait()
-
-    def _launch(self, tokens: mx.array, ahead: mx.array | None = None) -> None:
-        """Start computing `tokens` (and the step behind them), then `ahead` (the forward that feeds
-        them, in a constrained batch). `ahead` is always an evaluation of its own: MLX marks every
-        array of one `async_eval` ready only once all of them are, so evaluated together the tokens
-        could be read back only after the forward ahead had computed, and the grammars' work and the
-        next draw's build would wait for it instead of running beside it. With a launcher they are read
-        back later from the copy `Launcher.launch_tokens` makes (it says why), each live row at its
-        place in it; `ahead` is launched right behind them on the launcher's thread, so this thread goes
-        on at once (it does not wait for the draw's launch) and the copy can be read while `ahead` is
-        being launched (as a free batch reads its tokens while the next step launches)."""
-        logprobs = self._pending_logprobs.arrays()  # read back with the tokens: no sync of their own
-        logprobs.extend(self.forward.taken_with_step())
-        if self.launcher is None:
-            mx.async_eval(tokens, *logprobs)
-            if ahead is not None:
-                mx.async_eval(ahead)
-            return
-        self._pending_copy = self.launcher.launch_tokens(tokens, *logprobs, then=ahead)
-        self._copy_rows = list(range(tokens.shape[0]))
-
-    def _new_pending_logprobs(self) -> None:
-        """The logprobs of the draw just built, for the rows that asked (a new object: the one before may
-        still be read by the step in hand)."""
-        assert self.rows is not None
-        self._pending_logprobs = PendingLogprobs()
-        self._pending_logprobs.reset(self.rows.logprobs, len(self.rows))
 
     def _launch_next(self, pending: mx.array) -> None:
         """Build and launch the step that feeds `pending` (read back already: nothing in flight), with
@@ -397,12 +333,12 @@ class DecodeBatch:
         if self.rows is not None and self.rows.constrained:
             self._launch_ahead(following)
         else:
-            self._launch(following)
+            self.pending.launch(following)
 
     def _launch_ahead(self, tokens: mx.array) -> None:
         """Launch a constrained batch's drawn `tokens`, then the forward that feeds them (`ahead`)."""
         self.ahead.logits = self.forward.logits(tokens)
-        self._launch(tokens, self.ahead.logits)
+        self.pending.launch(tokens, self.ahead.logits)
 
     def _take(self, tokens: list[int]) -> None:
         """Constrained rows take this step's tokens (before they are handled: a row whose grammar is
@@ -410,31 +346,14 @@ class DecodeBatch:
         if self.rows is not None and self.rows.constrained:
             self.rows.take(tokens)
 
-    def _readable(self, pending: mx.array) -> Callable[[], list[int]]:
-        """How to read the live rows' `pending` tokens once the next step is launched."""
-        copy, rows = self._pending_copy, self._copy_rows
-        if self.launcher is None or copy is None:
-            return lambda: [int(t) for t in cast("list[int]", pending.tolist())]
-        launch = self.launcher.tokens_launch  # the one that made the copy
-
-        def read() -> list[int]:
-            error = launch.exception() if launch is not None else None  # no copy read before it ended
-            if error is not None:
-                self.quiet()  # raises it where it is still in flight
-                raise error
-            values = cast("list[int]", copy.tolist())
-            return [int(values[i]) for i in rows]
-
-        return read
-
     def _next_step(self, pending: mx.array) -> mx.array:
         """Build the step that feeds `pending` (one token per live row); returns the tokens it samples,
         which become the pending ones (not evaluated yet)."""
         logits = self.forward.logits(pending)
         assert self.rows is not None
-        self._pending = self.rows.sample(logits)
-        self._new_pending_logprobs()  # the old one is still read by the step in hand
-        return self._pending
+        self.pending.tokens = self.rows.sample(logits)
+        self.pending.new_logprobs(self.rows)  # the old one is still read by the step in hand
+        return self.pending.tokens
 
     def _stepped(self) -> None:
         self._steps += 1
@@ -460,14 +379,10 @@ class DecodeBatch:
         keep = [i for i in range(len(self)) if i not in gone]
         if self.rows is not None:
             self.rows.select(keep)
-        self._pending_logprobs.select(keep)
-        if not keep or self._pending is None:
-            self._pending = self.ahead.logits = None
-        else:
-            index = mx.array(keep, dtype=mx.int32)
-            self._pending = self._pending[index]
-            if self.ahead.logits is not None:
-                self.ahead.logits = self.ahead.logits[index]
-        self._copy_rows = [self._copy_rows[i] for i in keep] if self._pending_copy is not None else []
+        index = self.pending.select(keep)
+        if index is None:
+            self.ahead.logits = None
+        elif self.ahead.logits is not None:
+            self.ahead.logits = self.ahead.logits[index]
         self.placement.keep(keep)
         return caches

@@ -1,11 +1,13 @@
 """The engine: one loaded model with its tokenizer, turning requests into tokens, text and scores.
 
-It loads the model, prepares generation requests (prompt tokens, limits, sampler) and runs score
-batches; a score request's rows are prepared by the `ScoreRequests` it composes (`score_requests.py`),
-and its speculation (the draft loaded, each request's drafter) is the `DraftChoice` it composes
-(`speculation/draft_choice.py`). It knows nothing of Redis or RQ. A generation reports progress
-through a `TokenSink` (`text_run.py`: the stream writer in a worker, a list in tests) and checks a
-`cancelled` callable between prefill chunks and tokens (`generation_batch.py` drives it).
+It loads the model and holds what every request shares (the prefix cache, the launcher, the
+context length, the device's defaults); the rest is in parts it composes: a generation request's
+prompt tokens, limits and sampler are prepared by its `GenerateRequests` (`generate_requests.py`), a
+score request's rows by its `ScoreRequests` (`score_requests.py`), score jobs are run by its
+`JobScorer` (`job_scorer.py`), and its speculation (the draft loaded, each request's drafter) is its
+`DraftChoice` (`speculation/draft_choice.py`). It knows nothing of Redis or RQ. A generation reports
+progress through a `TokenSink` (`text_run.py`: the stream writer in a worker, a list in tests) and
+checks a `cancelled` callable between prefill chunks and tokens (`generation_batch.py` drives it).
 """
 
 from __future__ import annotations
@@ -20,12 +22,11 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlxq.jobs.errors import ContextTooLong, InvalidRequest
+from mlxq.jobs.errors import InvalidRequest
 from mlxq.jobs.schema import (
     FinishReason,
     GenerateRequest,
     GenerateResult,
-    ScoredRow,
     ScoreRequest,
     ScoreResult,
     Usage,
@@ -33,7 +34,6 @@ from mlxq.jobs.schema import (
 from mlxq.worker.engine import launcher as launchers
 from mlxq.worker.engine.cache.kv_cache import KVCache, held_columns
 from mlxq.worker.engine.cache.prefix_cache import PrefixCache
-from mlxq.worker.engine.candidate_head import CandidateHead, candidate_scores
 from mlxq.worker.engine.constraint import ConstraintCompiler
 from mlxq.worker.engine.device import (
     idle_prefill_by_default,
@@ -43,26 +43,24 @@ from mlxq.worker.engine.device import (
     pad_shapes_by_default,
 )
 from mlxq.worker.engine.engine_options import EngineOptions
+from mlxq.worker.engine.generate_requests import GenerateRequests
 from mlxq.worker.engine.generation_clock import GenerationClock
+from mlxq.worker.engine.job_scorer import JobScorer
 from mlxq.worker.engine.launcher import Launcher
 from mlxq.worker.engine.mask_buffer import host_writes_seen
-from mlxq.worker.engine.memory_guard import with_memory_retry
 from mlxq.worker.engine.models import llama
 from mlxq.worker.engine.models.base import Model
 from mlxq.worker.engine.models.loader import default_dtype, load_model, parse_dtype, resolve_model_path
 from mlxq.worker.engine.models.quantized_rows import default_max_bytes, dense_rows_by_default, use_dense_rows
-from mlxq.worker.engine.prefix_scorer import SCORE_ENGINE_PHASES, PrefixScorer, score_kv_by_default
 from mlxq.worker.engine.sampler import Sampler
-from mlxq.worker.engine.score_requests import PreparedRow, ScoreRequests, SeqRow, prompt_logprobs, seq_result
+from mlxq.worker.engine.score_requests import PreparedRow, ScoreRequests
 from mlxq.worker.engine.speculation.draft_choice import DraftChoice
 from mlxq.worker.engine.speculation.draft_gate import DraftGate
 from mlxq.worker.engine.speculation.draft_model import DraftTarget
 from mlxq.worker.engine.speculation.policy import RowSpeculation
-from mlxq.worker.engine.text.chat_tokens import chat_tokens
 from mlxq.worker.engine.text.tokenizer import Tokenizer
 from mlxq.worker.engine.text_run import TextRun
 from mlxq.worker.engine.token_logprobs import TokenLogprob
-from mlxq.worker.engine.token_scoring import TokenHead
 
 log = logging.getLogger(__name__)
 
@@ -97,13 +95,6 @@ class Engine:
             if options.idle_prefill_tokens is None
             else options.idle_prefill_tokens
         )
-        # Bytes a score batch's suffix rows may hold in copies of their shared prefix (`PrefixScorer`).
-        self.score_kv_bytes = (
-            score_kv_by_default() if options.score_kv_bytes is None else options.score_kv_bytes
-        )
-        # Seconds scoring spent in each part (`SCORE_ENGINE_PHASES`) since the engine was made: the
-        # worker reads them around each score batch.
-        self.score_seconds = dict.fromkeys(SCORE_ENGINE_PHASES, 0.0)
         # Whether decode steps launch on a thread of their own (`launcher.py`). The launcher is made here,
         # on the thread that loads the engine (the one that generates, in a worker), so every array that
         # thread makes from now on is on the launcher's stream.
@@ -131,14 +122,25 @@ class Engine:
         # batches or its warm-up (`warm_up.py`): on a GPU the first forward of a shape builds kernels,
         # so its time says nothing of the steps of that shape to come (`VerifyStep.read_columns`).
         self.verify_shapes: set[tuple[int, int, int]] = set()
+        # Generation requests' sizes checked, their prompts tokenized, their samplers built
+        # (`generate_requests.py`).
+        self.generate_requests = GenerateRequests(
+            tokenizer, options, self.context_length, model.args.vocab_size, self.constraints
+        )
         # Score requests' limits checked and their rows tokenized (`score_requests.py`): no model needed.
         self.score_requests = ScoreRequests(
             tokenizer,
             options,
             self.context_length,
-            self.max_prompt_chars,
+            self.generate_requests.max_prompt_chars,
             model.args.vocab_size,
         )
+        # Score jobs run on the model (`job_scorer.py`); the worker reads `score_seconds` around each
+        # score batch.
+        self.scorer = JobScorer(
+            model, tokenizer, name, options, self.pad_shapes, self.kv_bytes_per_token, self.free_memory
+        )
+        self.score_seconds = self.scorer.score_seconds
 
     @classmethod
     def load(cls, model: str, options: EngineOptions | None = None) -> Engine:
@@ -171,7 +173,7 @@ class Engine:
             engine.decode_overlap,
             engine.masks_in_place,
             engine.idle_prefill_tokens,
-            engine.score_kv_bytes,
+            engine.scorer.score_kv_bytes,
         )
         return engine
 
@@ -215,35 +217,6 @@ class Engine:
             launchers.release(held)
         self.constraints.close()
 
-    def prompt_tokens(self, request: GenerateRequest) -> list[int]:
-        """Token ids for a request: raw `prompt` encoded (special-token text as text unless the request
-        allows special tokens), `messages` rendered by the chat template (`chat_tokens`), or `prompt_ids`."""
-        if request.messages is not None:
-            ids = self.chat_tokens([m.model_dump() for m in request.messages])
-        elif request.prompt_ids is not None:
-            ids = list(request.prompt_ids)
-            vocab = self.model.args.vocab_size
-            if max(ids) >= vocab:
-                raise InvalidRequest(f"prompt token id {max(ids)} is not in the vocabulary (0..{vocab - 1})")
-        else:
-            assert request.prompt is not None
-            ids = self.tokenizer.encode(
-                request.prompt,
-                add_special_tokens=request.add_special_tokens,
-                split_special=not request.allow_special_tokens,
-            )
-        if not ids:
-            raise InvalidRequest("the prompt is empty: it encodes to no tokens")
-        if len(ids) >= self.context_length:
-            raise ContextTooLong(len(ids), self.context_length)
-        return ids
-
-    def chat_tokens(self, messages: list[dict[str, Any]], tokenizer: Tokenizer | None = None) -> list[int]:
-        """Token ids of a chat rendered by the model's template, special-token text in the messages
-        encoded as text (`text/chat_tokens.py`). `tokenizer`: a clone of the engine's (`Tokenizer.clone`)
-        for a thread other than the engine's."""
-        return chat_tokens(tokenizer or self.tokenizer, messages)
-
     def begin_cache(self, prompt: list[int], min_reuse: int = 1) -> tuple[list[KVCache], int]:
         """A KV cache for `prompt`: the longest cached prefix already in it (none if shorter than
         `min_reuse` tokens), and that prefix's length."""
@@ -271,83 +244,10 @@ class Engine:
     def score_many(
         self, jobs: list[list[PreparedRow]], interrupt: Callable[[], None] | None = None
     ) -> list[ScoreResult]:
-        """Score the prepared rows (`score_tokens`) of several jobs together; one result per job.
-
-        All rows, candidate and token-by-token alike, go into one prefix tree (`PrefixScorer`, one head
-        per kind), so a prefix shared across jobs and across kinds is computed once. A
-        row's `cached_tokens` counts input tokens it did not compute itself (shared, or from the cache).
-        Out of memory: caches are emptied and the rows scored once more, their suffix batches holding a
-        quarter of the keys and values (`score_kv_bytes`). `interrupt` is called before every forward
-        (`PrefixScorer.score`): what it raises ends the scoring (a job's timeout).
-        """
-        rows = sum(len(j) for j in jobs)
-        kv_bytes = [self.score_kv_bytes]
-
-        def free_and_shrink() -> None:  # the retry's suffix batches: a quarter of the keys and values
-            self.free_memory()
-            kv_bytes[0] = max(1, (kv_bytes[0] or score_kv_by_default()) // 4)
-
-        return with_memory_retry(
-            lambda: self._score_many(jobs, kv_bytes[0], interrupt), free_and_shrink, f"scoring {rows} rows"
-        )
-
-    def _score_many(
-        self, jobs: list[list[PreparedRow]], kv_bytes: int, interrupt: Callable[[], None] | None
-    ) -> list[ScoreResult]:
-        flat = [row for rows in jobs for row in rows]
-        scored: list[ScoredRow | None] = [None] * len(flat)
-        cands = [(i, row) for i, row in enumerate(flat) if isinstance(row, tuple)]
-        seq_rows = [(i, row) for i, row in enumerate(flat) if isinstance(row, SeqRow)]
-        candidates = CandidateHead([prompt for _, (prompt, _) in cands])
-        tokens = TokenHead([s for _, row in seq_rows for s in row.seqs])
-        scorer = PrefixScorer(
-            self.model,
-            prefix_cache=self.prefix_cache,
-            prefill_chunk=self.options.prefill_chunk,
-            max_batch_rows=64,
-            max_batch_kv_bytes=kv_bytes,
-            kv_bytes_per_token=self.kv_bytes_per_token,
-            pad_shapes=self.pad_shapes,
-            interrupt=interrupt,
-            seconds=self.score_seconds,
-            sync_phases=self.options.sync_score_phases,
-        )
-        per_candidate_row, per_seq = scorer.score([candidates, tokens])
-        if cands:
-            t0 = time.perf_counter()
-            scores = candidate_scores(candidates.table(), [c for _, (_, c) in cands])  # every row is filled
-            self.score_seconds["unembed"] += time.perf_counter() - t0
-            for (i, (prompt, _)), (raw, logprobs), computed in zip(
-                cands, scores, per_candidate_row, strict=True
-            ):
-                scored[i] = ScoredRow(
-                    logits=raw,
-                    logprobs=logprobs,
-                    input_tokens=len(prompt),
-                    cached_tokens=len(prompt) - computed,
-                )
-        at = 0
-        for i, row in seq_rows:
-            n = len(row.seqs)
-            row_scores, row_computed = tokens.scores[at : at + n], per_seq[at : at + n]
-            if row.prompt is not None:
-                scored[i] = prompt_logprobs(row.prompt, row_scores, row_computed, self.tokenizer)
-            else:
-                scored[i] = seq_result(row, row_scores, row_computed)
-            at += n
-        out, start = [], 0
-        for job in jobs:
-            mine = [r for r in scored[start : start + len(job)] if r is not None]
-            start += len(job)
-            out.append(
-                ScoreResult(
-                    rows=mine,
-                    input_tokens=sum(r.input_tokens for r in mine),
-                    cached_tokens=sum(r.cached_tokens for r in mine),
-                    model=self.name,
-                )
-            )
-        return out
+        """Score the prepared rows (`score_tokens`) of several jobs together; one result per job
+        (`JobScorer.score_many`: out of memory, once more with smaller suffix batches). `interrupt` is
+        called before every forward: what it raises ends the scoring (a job's timeout)."""
+        return self.scorer.score_many(jobs, self.prefix_cache, interrupt)
 
     # --- generation -----------------------------------------------------------------------------
 
@@ -368,57 +268,14 @@ class Engine:
         held = sum(held_columns(columns, window) for window in self.model.model.windows)
         return held * self._layer_bytes_per_token
 
-    @property
-    def max_prompt_chars(self) -> int:
-        """Characters a prompt (a chat's messages together) may have, checked before it is tokenized:
-        the setting, else 32 per token of context (a token is a few characters; a text far longer than
-        the context can hold would only cost its tokenizing before `ContextTooLong`)."""
-        return self.options.max_prompt_chars or 32 * self.context_length
-
-    def check_sizes(self, request: GenerateRequest) -> None:
-        """`InvalidRequest` for a request larger than this worker takes, before any work is done on it."""
-        if request.messages is not None and len(request.messages) > self.options.max_messages:
-            raise InvalidRequest(
-                f"`messages` holds {len(request.messages)} messages; this worker takes at most "
-                f"{self.options.max_messages} (MLXQ_MAX_MESSAGES)"
-            )
-        if request.messages is not None:
-            chars = sum(
-                len(m.role) + len(m.content) + len(str(m.model_extra or "")) for m in request.messages
-            )
-        else:
-            chars = len(request.prompt or "")
-        if chars > self.max_prompt_chars:
-            raise InvalidRequest(
-                f"the prompt has {chars} characters; this worker takes at most {self.max_prompt_chars} "
-                "(MLXQ_MAX_PROMPT_CHARS)"
-            )
-        if len(request.stop) > self.options.max_stops:
-            raise InvalidRequest(
-                f"the request has {len(request.stop)} stop strings; this worker takes at most "
-                f"{self.options.max_stops} (MLXQ_MAX_STOPS)"
-            )
-        stop_chars = sum(len(stop) for stop in request.stop)
-        if stop_chars > self.options.max_stop_chars:
-            raise InvalidRequest(
-                f"the stop strings have {stop_chars} characters together; this worker takes at most "
-                f"{self.options.max_stop_chars} (MLXQ_MAX_STOP_CHARS)"
-            )
+    def prompt_tokens(self, request: GenerateRequest) -> list[int]:
+        """Token ids for a request's prompt (`GenerateRequests.prompt_tokens`)."""
+        return self.generate_requests.prompt_tokens(request)
 
     def prepare_generation(self, request: GenerateRequest) -> tuple[list[int], int, Sampler]:
-        """Prompt tokens, the token budget and the sampler of a request; `InvalidRequest` if it is bad."""
-        self.check_sizes(request)
-        prompt = self.prompt_tokens(request)
-        max_tokens = min(request.max_tokens, self.context_length - len(prompt))
-        constraint = self.constraints.compile(request.response_format)  # its error before any token
-        try:
-            sampler = Sampler.from_request(
-                request, vocab_size=self.model.args.vocab_size, prompt=prompt, constraint=constraint
-            )
-        except ValueError as e:
-            raise InvalidRequest(str(e)) from e
-        sampler.logprobs = request.logprobs
-        return prompt, max_tokens, sampler
+        """Prompt tokens, the token budget and the sampler of a request; `InvalidRequest` if it is bad
+        (`GenerateRequests.prepare_generation`)."""
+        return self.generate_requests.prepare_generation(request)
 
     def load_draft(self, target: Path) -> None:
         """Load the draft model speculation "draft_model" drafts with (`DraftChoice.load_draft`)."""

@@ -2,11 +2,12 @@
 
 A batch holding a constrained row keeps one forward ahead (`DecodeBatch.step_with`): its pending tokens
 are already being fed while they are read back, so the draw that needs their grammars' masks and the
-forward after it are launched one right after the other. The batch keeps its rows, pending tokens and
-launches and sequences the step (`DecodeBatch._step_ahead`); a `ForwardAhead` it composes owns what is
-the forward ahead's alone: its logits (`logits`), dropping it (its column trimmed), building the next
-draw from it and the forward fed by that draw (with the masks computed on the mask thread meanwhile),
-and the host's time on the critical path between a step's read-back and that launch (`critical`).
+forward after it are launched one right after the other. The batch keeps its rows and pending tokens
+(`pending_tokens.py`: their launch) and sequences the step (`DecodeBatch._step_ahead`); a `ForwardAhead`
+it composes owns what is the forward ahead's alone: its logits (`logits`), dropping it (its column
+trimmed), building the next draw from it and the forward fed by that draw (with the masks computed on
+the mask thread meanwhile), and the host's time on the critical path between a step's read-back and
+that launch (`critical`).
 """
 
 from __future__ import annotations
@@ -133,7 +134,7 @@ class ForwardAhead:
         clock = self.critical
         clock.steps += 1
         if self.launcher is not None:  # the forwards launched behind a draw since the last step (ended:
-            then_s = self.launcher.then_s  # `_launch` waited for every launch before its own)
+            then_s = self.launcher.then_s  # `PendingTokens.launch` waited for every launch before its own)
             clock.forward_launch_s += then_s - self._then_seen
             self._then_seen = then_s
         clock.read_s += got - began

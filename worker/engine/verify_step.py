@@ -2,15 +2,21 @@
 
 `DecodeBatch.verify_with` runs a verify step: one forward feeds every row its pending token and its
 drafts, each row keeps the drafts the target agrees with, and its cache is cut back to them. The batch
-keeps its rows, pending tokens and launches; a `VerifyStep` it composes owns what is the verify step's
-alone: the width of its forward, the key columns its attention reads, the shapes met so far (a new one
-may have built kernels), whether the last step verified drafts at all, the caches cut back to the
-drafts kept and whether the holes this leaves are squeezed out at once, and its timing (`clock`).
+keeps its rows and pending tokens and sequences the step; a `VerifyStep` it composes owns what is the
+verify step's alone: the width of its forward, the forward itself and its verification (`forward`), the
+key columns its attention reads, the shapes met so far (a new one may have built kernels), whether the
+last step verified drafts at all, the caches cut back to the drafts kept and whether the holes this
+leaves are squeezed out at once, and its timing (`clock`).
 """
 
 from __future__ import annotations
 
+import mlx.core as mx
+
+from mlxq.worker.engine.batch_forward import BatchForward
 from mlxq.worker.engine.cache.batch_cache import BatchKVCache
+from mlxq.worker.engine.forward_pieces import ForwardPieces
+from mlxq.worker.engine.sampler_rows import SamplerRows
 from mlxq.worker.engine.shapes import padded_size
 from mlxq.worker.engine.speculation.verify_clock import VerifyClock
 
@@ -62,6 +68,35 @@ class VerifyStep:
         if self.pad_shapes:  # unpadded, every step's shape is new: nothing worth keeping
             self._shapes.add(shape)
         return columns
+
+    def forward(
+        self,
+        rows: SamplerRows,
+        forward: BatchForward,
+        tokens: list[int],
+        drafts: list[list[int]],
+        width: int,
+        allowed: mx.array | None,
+        pieces: ForwardPieces,
+    ) -> tuple[mx.array, mx.array]:
+        """A verify step's forward and its verification (lazy): each row's pending token and drafts
+        (`tokens`, `drafts`) fed in `width` columns (padded with columns no row keeps), its layers
+        launched in `pieces` as they are built (`forward_pieces.py`), its attention reading the key
+        columns the verify step says (`VerifyStep.read_columns`: whole steps of the caches on a GPU);
+        returns the drafts each row keeps (`allowed`: the constrained rows' masks) and its next token."""
+        cache = forward.cache
+        fed = [[t, *d, *([0] * (width - 1 - len(d)))] for t, d in zip(tokens, drafts, strict=True)]
+        columns = self.read_columns(cache, width)
+        try:
+            logits = forward.logits(mx.array(fed, dtype=mx.int32), cache[0].mask(width, columns), pieces)
+        finally:
+            for layer in cache:
+                layer.read_exactly()
+        if width == 1:
+            return mx.zeros((len(tokens),), dtype=mx.int32), rows.sample(logits[:, 0])
+        depth = mx.array([len(d) for d in drafts], dtype=mx.int32)
+        ids = mx.array([row[1:] for row in fed], dtype=mx.int32)
+        return rows.verify(logits, ids, depth, allowed)
 
     def keep(self, cache: list[BatchKVCache], slots: list[int], kept: list[int], width: int) -> bool:
         """Cut each live row's caches (its buffer row in `slots`) back to its pending token and the
