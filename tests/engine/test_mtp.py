@@ -32,7 +32,8 @@ from mlxq.jobs.schema import GenerateRequest, GenerateResult
 from mlxq.worker.engine import Engine, EngineOptions
 from mlxq.worker.engine.errors import CheckpointError
 from mlxq.worker.engine.models.loader import load_model
-from mlxq.worker.engine.speculation.mtp import MtpDraft, MtpDrafter, ShiftedCache
+from mlxq.worker.engine.speculation.mtp import MtpDraft
+from mlxq.worker.engine.speculation.mtp_batch import MtpDrafter, ShiftedCache
 from mlxq.worker.engine.speculation.policy import DraftPolicy
 from mlxq.worker.engine.text.tokenizer import Tokenizer
 from mlxq.worker.modelfiles.tiny_model import write_random_checkpoint

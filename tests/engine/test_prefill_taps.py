@@ -25,7 +25,8 @@ from mlxq.worker.engine import Engine, EngineOptions
 from mlxq.worker.engine.models.layer_taps import LayerTaps
 from mlxq.worker.engine.prefill import ChunkedPrefill, prefill, prefill_rows_layers
 from mlxq.worker.engine.speculation.dflash import DFlashDraft, DFlashDrafter, write_random_draft
-from mlxq.worker.engine.speculation.mtp import MtpDraft, MtpDrafter
+from mlxq.worker.engine.speculation.mtp import MtpDraft
+from mlxq.worker.engine.speculation.mtp_batch import MtpDrafter
 from mlxq.worker.engine.speculation.policy import DraftPolicy
 from mlxq.worker.modelfiles.tiny_model import write_random_checkpoint
 
