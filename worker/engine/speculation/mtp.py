@@ -29,7 +29,6 @@ MTP weights.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,9 +42,8 @@ from mlxq.worker.engine.models import deepseek, llama, model_args, moe
 from mlxq.worker.engine.models.base import Model
 from mlxq.worker.engine.models.layer_taps import FINAL
 from mlxq.worker.engine.models.loader import load_config, load_module
-from mlxq.worker.engine.speculation.mtp_batch import MtpDrafter, ShiftedCache
-
-log = logging.getLogger(__name__)
+from mlxq.worker.engine.models.masks import Mask
+from mlxq.worker.engine.speculation.mtp_batch import MtpBatch, MtpDrafter, ShiftedCache
 
 
 class SharedHead(nn.Module):
@@ -70,16 +68,23 @@ class MtpLayer(nn.Module):
         )
         self.shared_head = SharedHead(args)
 
-    def __call__(self, embeds: mx.array, hidden: mx.array, cache: ShiftedCache) -> mx.array:
-        """Normed outputs (1, L, hidden) for token embeddings and their predecessors' hidden states."""
+    def __call__(
+        self, embeds: mx.array, hidden: mx.array, cache: ShiftedCache, mask: Mask = None
+    ) -> mx.array:
+        """Normed outputs (B, L, hidden) for token embeddings and their predecessors' hidden states;
+        `mask` a batch cache's (None: causal over the cache and these L)."""
         x = self.eh_proj(mx.concatenate([self.enorm(embeds), self.hnorm(hidden)], axis=-1))
-        x = self.block(x, "causal" if x.shape[1] > 1 else None, cache)
+        if mask is None and x.shape[1] > 1:
+            mask = "causal"
+        x = self.block(x, mask, cache)
         return self.shared_head.norm(x)  # type: ignore[no-any-return]
 
 
-@dataclass
+@dataclass(eq=False)
 class MtpDraft:
-    """A target's MTP layer, loaded from its checkpoint: what the rows' drafters share."""
+    """A target's MTP layer, loaded from its checkpoint: what the rows' drafters share, and the
+    `DraftBatchSource` of their rows (a generation batch keeps one `MtpBatch` per draft: compared by
+    identity)."""
 
     layer: MtpLayer
     target: Model
@@ -92,11 +97,19 @@ class MtpDraft:
     def drafter(self) -> MtpDrafter:
         return MtpDrafter(self)
 
-    def outputs(self, tokens: Sequence[int], hidden: mx.array, cache: ShiftedCache) -> mx.array:
-        """Add entries for `tokens` (ids of positions j..) with `hidden` (1, L, hidden: positions j - 1..)
-        to `cache`; their normed outputs (1, L, hidden)."""
+    def draft_batch(self) -> MtpBatch:
+        """A new, empty batch of this layer's rows."""
+        return MtpBatch(self)
+
+    def outputs(
+        self, tokens: Sequence[int] | mx.array, hidden: mx.array, cache: ShiftedCache, mask: Mask = None
+    ) -> mx.array:
+        """Add entries for `tokens` (ids of positions j.., or (B, L) ids of a batch's rows) with `hidden`
+        (B, L, hidden: positions j - 1..) to `cache`; their normed outputs (B, L, hidden). `mask`: a
+        batch cache's for L new entries (None: causal)."""
         embed = cast("nn.Embedding", self.target.model.embed_tokens)  # type: ignore[attr-defined]
-        return self.layer(embed(mx.array([list(tokens)], dtype=mx.int32)), hidden, cache)
+        ids = tokens if isinstance(tokens, mx.array) else mx.array([list(tokens)], dtype=mx.int32)
+        return self.layer(embed(ids), hidden, cache, mask)
 
     def features(self, tokens: Sequence[int]) -> mx.array:
         """The target's final hidden states (1, L, hidden) of `tokens` from position 0 (a forward of the
