@@ -20,8 +20,13 @@ needs them (`held_features.py`: a row the draft gate keeps from drafting pays no
 entered into the MTP cache as far as their tokens are known, and features from a position on replace
 what the drafter held from there (a verify step's rejected columns). The prompt's come from the
 batch's prefill, tapped for a row with such a drafter (`batch_prefill.py`); only a prompt's prefix the
-prefix cache gave (never run here) takes a forward of the drafter's own over it, the first time it
+prefix cache gave (never run here) takes a forward of the target's own over it, the first time it
 proposes (as for DFlash). Entries sit at RoPE positions 1, 2, ... (the first token has no predecessor).
+
+How a batch's rows draft: together (`mtp_batch.py`). One batch cache of the MTP layer holds every
+drafting row's entries (`MtpBatch`, the generation batch's one per draft: `MtpDraft` is the source of
+its rows' drafters, `MtpDrafter`), so a step's proposals for all rows cost one forward of the layer over
+a right-padded block of each row's newly known positions and one read of every row's argmax.
 
 Not implemented (refused): more than one MTP layer, architectures other than DeepSeek-V3's, quantized
 MTP weights.
