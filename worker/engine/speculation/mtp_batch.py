@@ -35,17 +35,16 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, cast
+from typing import Protocol, cast
 
 import mlx.core as mx
 
 from mlxq.worker.engine.cache.batch_cache import BatchKVCache
 from mlxq.worker.engine.cache.kv_cache import KVCache
+from mlxq.worker.engine.models.base import Model
+from mlxq.worker.engine.models.masks import Mask
 from mlxq.worker.engine.speculation.drafter import DraftBatchSource, Drafter, RowToDraft
 from mlxq.worker.engine.speculation.held_features import HeldFeatures
-
-if TYPE_CHECKING:
-    from mlxq.worker.engine.speculation.mtp import MtpDraft
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +64,30 @@ class ShiftedCache:
         return self.inner.update_and_fetch(keys, values)
 
 
+class MtpSource(DraftBatchSource, Protocol):
+    """What the MTP rows read of their loaded layer (`mtp.MtpDraft`), shared by identity."""
+
+    @property
+    def target(self) -> Model: ...
+
+    @property
+    def prefill_chunk(self) -> int:
+        """A prompt's entries are made chunk by chunk of that many positions."""
+        ...
+
+    def outputs(
+        self, tokens: Sequence[int] | mx.array, hidden: mx.array, cache: ShiftedCache, mask: Mask = None
+    ) -> mx.array:
+        """The MTP layer's normed outputs for `tokens` and their predecessors' `hidden`, entered."""
+        ...
+
+    def features(self, tokens: Sequence[int]) -> mx.array:
+        """The target's final hidden states of `tokens` from position 0 (a forward of its own)."""
+        ...
+
+    def draft_batch(self) -> MtpBatch: ...
+
+
 class MtpDrafter:
     """A `BatchedDrafter` for one row of the target's MTP layer (`source`) that reads the target's
     final hidden states (`FeatureReader`): its row of the `MtpBatch` it drafts in (the generation
@@ -76,7 +99,7 @@ class MtpDrafter:
     a proposal first needs them: a row that never drafts costs no MTP work, and a feature handed over
     is never evaluated here."""
 
-    def __init__(self, draft: MtpDraft) -> None:
+    def __init__(self, draft: MtpSource) -> None:
         self.draft = draft
         self.batch: MtpBatch | None = None  # the batch holding its row: set as it joins
         self.entries = 0  # its row's entries in that batch's cache
@@ -167,7 +190,7 @@ class MtpDrafter:
 class MtpBatch:
     """The MTP rows of one generation batch (`draft`'s); see the module docstring."""
 
-    def __init__(self, draft: MtpDraft) -> None:
+    def __init__(self, draft: MtpSource) -> None:
         self.draft = draft
         self.cache = BatchKVCache()
         self._shifted = ShiftedCache(self.cache)
