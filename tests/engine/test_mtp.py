@@ -32,7 +32,9 @@ from mlxq.jobs.schema import GenerateRequest, GenerateResult
 from mlxq.worker.engine import Engine, EngineOptions
 from mlxq.worker.engine.errors import CheckpointError
 from mlxq.worker.engine.models.loader import load_model
-from mlxq.worker.engine.speculation.mtp import MtpDraft, MtpDrafter, ShiftedCache
+from mlxq.worker.engine.speculation.drafter import RowToDraft
+from mlxq.worker.engine.speculation.mtp import MtpDraft
+from mlxq.worker.engine.speculation.mtp_batch import MtpBatch, ShiftedCache
 from mlxq.worker.engine.speculation.policy import DraftPolicy
 from mlxq.worker.engine.text.tokenizer import Tokenizer
 from mlxq.worker.modelfiles.tiny_model import write_random_checkpoint
@@ -195,7 +197,8 @@ def test_greedy_generation_with_the_mtp_drafter_is_plain_decodings_and_its_conte
 ) -> None:
     """Rows joining and leaving, plain steps while more than two rows decode, verify steps (also with
     steps launched on a thread of their own and GPU shapes): greedy output is plain decoding's, and at
-    every proposal the drafter's entries give what the row's tokens computed afresh give."""
+    every proposal of the rows drafting together each row's draft is what its tokens computed afresh
+    give."""
     plain = _engine(narrowed, **ways)
     no_eos = {i: -100.0 for i in plain.tokenizer.eos_ids}
     requests = [
@@ -209,17 +212,21 @@ def test_greedy_generation_with_the_mtp_drafter_is_plain_decodings_and_its_conte
     assert isinstance(spec.draft_choice.draft, MtpDraft) and spec.draft_taps == (-1,)
     draft = spec.draft_choice.draft
     checked: list[int] = []
-    propose = MtpDrafter.propose
+    propose = MtpBatch.propose
 
-    def checking(self: MtpDrafter, tokens: Sequence[int], depth: int) -> list[int]:
-        out = propose(self, tokens, depth)
-        fresh = draft.outputs(list(tokens[1:]), draft.features(list(tokens[:-1])), ShiftedCache())
-        want = int(np.array(draft.target.logits(fresh[0, -1])).argmax())
-        assert out == [want]
-        checked.append(len(tokens))
+    def checking(self: MtpBatch, rows: Sequence[RowToDraft]) -> list[list[int]]:
+        out = propose(self, rows)
+        for row, drafts in zip(rows, out, strict=True):
+            if row.depth <= 0:
+                assert drafts == []
+                continue
+            tokens = list(row.tokens)
+            fresh = draft.outputs(tokens[1:], draft.features(tokens[:-1]), ShiftedCache())
+            assert drafts == [int(np.array(draft.target.logits(fresh[0, -1])).argmax())]
+            checked.append(len(tokens))
         return out
 
-    monkeypatch.setattr(MtpDrafter, "propose", checking)
+    monkeypatch.setattr(MtpBatch, "propose", checking)
     for rows in (1, 3):
         expected = _run(plain, requests, max_sequences=rows)
         got = _run(spec, requests, max_sequences=rows)

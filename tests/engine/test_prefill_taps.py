@@ -25,7 +25,8 @@ from mlxq.worker.engine import Engine, EngineOptions
 from mlxq.worker.engine.models.layer_taps import LayerTaps
 from mlxq.worker.engine.prefill import ChunkedPrefill, prefill, prefill_rows_layers
 from mlxq.worker.engine.speculation.dflash import DFlashDraft, DFlashDrafter, write_random_draft
-from mlxq.worker.engine.speculation.mtp import MtpDraft, MtpDrafter
+from mlxq.worker.engine.speculation.mtp import MtpDraft
+from mlxq.worker.engine.speculation.mtp_batch import MtpDrafter
 from mlxq.worker.engine.speculation.policy import DraftPolicy
 from mlxq.worker.modelfiles.tiny_model import write_random_checkpoint
 
@@ -132,12 +133,14 @@ def _counting_own_forwards(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> I
         return hidden(self, inputs, *args, **kwargs)
 
     proposals: list[dict[str, int]] = []
+    # an MTP row's features are prepared by its drafter (`to_enter`) for the rows drafting together
     drafter_class: Any = MtpDrafter if isinstance(draft, MtpDraft) else DFlashDrafter
-    propose = drafter_class.propose
+    method = "to_enter" if isinstance(draft, MtpDraft) else "propose"
+    propose = getattr(drafter_class, method)
 
-    def watched(self: Any, tokens: Sequence[int], depth: int) -> list[int]:
+    def watched(self: Any, tokens: Sequence[int], *depth: int) -> Any:
         first = (self.entries if isinstance(self, MtpDrafter) else self.cached) == 0
-        if first and depth > 0 and not self.lost:
+        if first and (not depth or depth[0] > 0) and not self.lost:
             held = self.held.take(len(self.held))
             if held is not None:  # the features the batch handed are those of the row's own forward
                 self.held.put_first(held)
@@ -147,7 +150,7 @@ def _counting_own_forwards(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> I
             unseen, before = self.unseen, len(fed)
             inside[0] = True
             try:
-                out: list[int] = propose(self, tokens, depth)
+                out = propose(self, tokens, *depth)
             finally:
                 inside[0] = False
             taken = held.shape[1] if held is not None else 0
@@ -155,10 +158,10 @@ def _counting_own_forwards(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> I
                 {"prompt": len(tokens), "unseen": unseen, "taken": taken, "own": sum(fed[before:])}
             )
             return out
-        return propose(self, tokens, depth)  # type: ignore[no-any-return]
+        return propose(self, tokens, *depth)
 
     monkeypatch.setattr(model_class, "hidden", counting)
-    monkeypatch.setattr(drafter_class, "propose", watched)
+    monkeypatch.setattr(drafter_class, method, watched)
     yield proposals
 
 

@@ -9,9 +9,10 @@ counts it: the rows times what the batch's slowest row gained. The batch keeps i
 tokens and tells the gate where a step begins and ends; the drafting keeps each row's depth, proposal
 and lead on the row itself (`DraftingRow`).
 
-Rows whose drafters draft together (`BatchedDrafter`: a draft model) are asked as one: it keeps a
-`DraftBatch` per draft source, which holds those rows' state from their first proposal until the
-generation batch tells it they left (`leave`); every other drafter proposes for its row alone.
+Rows whose drafters draft together (`BatchedDrafter`: a draft model, an MTP layer) are asked as one:
+it keeps a `DraftBatch` per draft source, which holds those rows' state from their first proposal
+until the generation batch tells it they left (`leave`); every other drafter proposes for its row
+alone.
 """
 
 from __future__ import annotations

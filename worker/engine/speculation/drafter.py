@@ -8,7 +8,8 @@ implements the same methods; a drafter reading the target's hidden states (DFlas
 `FeatureReader`.
 
 A drafter whose rows are cheaper drafted together is also a `BatchedDrafter` (a draft model: one
-forward per drafted token for all of a batch's rows, where each row alone costs a forward a token):
+forward per drafted token for all of a batch's rows, where each row alone costs a forward a token; an
+MTP layer: one forward and one read of the drafts for all rows, where each row alone costs both):
 the generation batch's drafting (`batch_drafts.py`) keeps one `DraftBatch` per `source` and asks it
 for the drafts of all that source's rows at once; told what each row kept, the row's drafter passes
 it on to the batch it drafts in.
@@ -69,7 +70,8 @@ class DraftBatch(Protocol):
 
 
 class DraftBatchSource(Protocol):
-    """What the rows drafting together share (a loaded draft model), compared by identity."""
+    """What the rows drafting together share (a loaded draft model, an MTP layer), compared by
+    identity."""
 
     def draft_batch(self) -> DraftBatch:
         """A new, empty batch of this source's rows."""

@@ -1,9 +1,10 @@
 """Target features a row's drafter was handed and has not used yet.
 
-A drafter that reads the target's features (MTP, DFlash) turns them into entries of its own cache only
-when it next proposes. While the draft gate keeps a batch from drafting, a row's features wait here
-instead of costing a draft forward every step, and are entered by one forward when drafting resumes:
-a drafter that is never asked costs its row a slice of the target's output a step, nothing more.
+A drafter that reads the target's features (MTP, DFlash) turns them into entries of its cache (an MTP
+row's: its row of the batch's, `mtp_batch.py`) only when it next proposes. While the draft gate keeps
+a batch from drafting, a row's features wait here instead of costing a draft forward every step, and
+are entered by one forward when drafting resumes: a drafter that is never asked costs its row a slice
+of the target's output a step, nothing more.
 
 Each step's piece is a lazy slice of the batch's forward output, which keeps that output alive; every
 `fold_every` pieces are folded into one array, handed back to be computed with the step's forward, so

@@ -20,8 +20,13 @@ needs them (`held_features.py`: a row the draft gate keeps from drafting pays no
 entered into the MTP cache as far as their tokens are known, and features from a position on replace
 what the drafter held from there (a verify step's rejected columns). The prompt's come from the
 batch's prefill, tapped for a row with such a drafter (`batch_prefill.py`); only a prompt's prefix the
-prefix cache gave (never run here) takes a forward of the drafter's own over it, the first time it
+prefix cache gave (never run here) takes a forward of the target's own over it, the first time it
 proposes (as for DFlash). Entries sit at RoPE positions 1, 2, ... (the first token has no predecessor).
+
+How a batch's rows draft: together (`mtp_batch.py`). One batch cache of the MTP layer holds every
+drafting row's entries (`MtpBatch`, the generation batch's one per draft: `MtpDraft` is the source of
+its rows' drafters, `MtpDrafter`), so a step's proposals for all rows cost one forward of the layer over
+a right-padded block of each row's newly known positions and one read of every row's argmax.
 
 Not implemented (refused): more than one MTP layer, architectures other than DeepSeek-V3's, quantized
 MTP weights.
@@ -29,7 +34,6 @@ MTP weights.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,36 +42,13 @@ from typing import cast
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlxq.worker.engine.cache.kv_cache import KVCache
 from mlxq.worker.engine.errors import CheckpointError
 from mlxq.worker.engine.models import deepseek, llama, model_args, moe
 from mlxq.worker.engine.models.base import Model
 from mlxq.worker.engine.models.layer_taps import FINAL
 from mlxq.worker.engine.models.loader import load_config, load_module
-from mlxq.worker.engine.speculation.held_features import HeldFeatures
-
-log = logging.getLogger(__name__)
-
-
-class ShiftedCache:
-    """A batch-1 `KVCache` whose entries sit one position later (RoPE's offset is one more)."""
-
-    def __init__(self) -> None:
-        self.inner = KVCache()
-
-    @property
-    def offset(self) -> int:
-        return self.inner.offset + 1
-
-    @property
-    def entries(self) -> int:
-        return self.inner.offset
-
-    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        return self.inner.update_and_fetch(keys, values)
-
-    def trim(self, n: int) -> None:
-        self.inner.trim(n)
+from mlxq.worker.engine.models.masks import Mask
+from mlxq.worker.engine.speculation.mtp_batch import MtpBatch, MtpDrafter, ShiftedCache
 
 
 class SharedHead(nn.Module):
@@ -92,16 +73,23 @@ class MtpLayer(nn.Module):
         )
         self.shared_head = SharedHead(args)
 
-    def __call__(self, embeds: mx.array, hidden: mx.array, cache: ShiftedCache) -> mx.array:
-        """Normed outputs (1, L, hidden) for token embeddings and their predecessors' hidden states."""
+    def __call__(
+        self, embeds: mx.array, hidden: mx.array, cache: ShiftedCache, mask: Mask = None
+    ) -> mx.array:
+        """Normed outputs (B, L, hidden) for token embeddings and their predecessors' hidden states;
+        `mask` a batch cache's (None: causal over the cache and these L)."""
         x = self.eh_proj(mx.concatenate([self.enorm(embeds), self.hnorm(hidden)], axis=-1))
-        x = self.block(x, "causal" if x.shape[1] > 1 else None, cache)
+        if mask is None and x.shape[1] > 1:
+            mask = "causal"
+        x = self.block(x, mask, cache)
         return self.shared_head.norm(x)  # type: ignore[no-any-return]
 
 
-@dataclass
+@dataclass(eq=False)
 class MtpDraft:
-    """A target's MTP layer, loaded from its checkpoint: what the rows' drafters share."""
+    """A target's MTP layer, loaded from its checkpoint: what the rows' drafters share, and the
+    `DraftBatchSource` of their rows (a generation batch keeps one `MtpBatch` per draft: compared by
+    identity)."""
 
     layer: MtpLayer
     target: Model
@@ -114,11 +102,19 @@ class MtpDraft:
     def drafter(self) -> MtpDrafter:
         return MtpDrafter(self)
 
-    def outputs(self, tokens: Sequence[int], hidden: mx.array, cache: ShiftedCache) -> mx.array:
-        """Add entries for `tokens` (ids of positions j..) with `hidden` (1, L, hidden: positions j - 1..)
-        to `cache`; their normed outputs (1, L, hidden)."""
+    def draft_batch(self) -> MtpBatch:
+        """A new, empty batch of this layer's rows."""
+        return MtpBatch(self)
+
+    def outputs(
+        self, tokens: Sequence[int] | mx.array, hidden: mx.array, cache: ShiftedCache, mask: Mask = None
+    ) -> mx.array:
+        """Add entries for `tokens` (ids of positions j.., or (B, L) ids of a batch's rows) with `hidden`
+        (B, L, hidden: positions j - 1..) to `cache`; their normed outputs (B, L, hidden). `mask`: a
+        batch cache's for L new entries (None: causal)."""
         embed = cast("nn.Embedding", self.target.model.embed_tokens)  # type: ignore[attr-defined]
-        return self.layer(embed(mx.array([list(tokens)], dtype=mx.int32)), hidden, cache)
+        ids = tokens if isinstance(tokens, mx.array) else mx.array([list(tokens)], dtype=mx.int32)
+        return self.layer(embed(ids), hidden, cache, mask)
 
     def features(self, tokens: Sequence[int]) -> mx.array:
         """The target's final hidden states (1, L, hidden) of `tokens` from position 0 (a forward of the
@@ -170,96 +166,3 @@ class MtpDraft:
         layer = MtpLayer(args)
         load_module(layer, renamed, f"the MTP layer in {folder} ({prefix}*)")
         return cls(layer, target, folder, prefill_chunk)
-
-
-class MtpDrafter:
-    """A `Drafter` for one row reading the target's final hidden states (`FeatureReader`): its cache
-    holds `entries` entries (positions 1..entries), `held` the hidden states of the positions after
-    them, to be entered when a proposal needs them (`held_features.py`), their next token known by
-    then. The prompt's come from the batch's prefill (`take_features` from position 0); where the
-    prefix cache gave the prompt's first positions, never run by the batch, their hidden states
-    (`unseen`) are computed by a forward of the target's own when a proposal first needs them: a row
-    that never drafts costs no MTP work, and a feature handed over is never evaluated here."""
-
-    def __init__(self, draft: MtpDraft) -> None:
-        self.draft = draft
-        self.cache = ShiftedCache()
-        self.held = HeldFeatures()
-        self.unseen = 0
-        self.lost = False
-
-    @property
-    def entries(self) -> int:
-        return self.cache.entries
-
-    @property
-    def _known(self) -> int:
-        """Positions whose hidden states the drafter has (entered, to compute, or held)."""
-        return self.entries + self.unseen + len(self.held)
-
-    def take_features(self, position: int, features: mx.array, tokens: Sequence[int]) -> list[mx.array]:
-        """The target's final hidden states (1, W, hidden) of the row's positions from `position` on;
-        `tokens` the row's tokens so far. Held until a proposal enters them; returns what to compute
-        with the forward (`HeldFeatures.add`)."""
-        if self.lost:
-            return []
-        self._forget_from(position)
-        if position > self._known and not self._catch_up(tokens, position):
-            return []
-        return self.held.add(features)
-
-    def propose(self, tokens: Sequence[int], depth: int) -> list[int]:
-        """The draft after the row's latest token (`tokens[-1]`, not fed yet): the MTP layer's argmax at
-        its position, every entry before it made."""
-        if depth <= 0 or len(tokens) < 2 or self.lost:
-            return []
-        before = len(tokens) - 1  # hidden states of positions 0..before - 1 are needed
-        self._forget_from(before)
-        if self._known < before and not self._catch_up(tokens, before):
-            return []
-        if self.unseen:
-            self.held.put_first(self.draft.features(tokens[: self.unseen]))
-            self.unseen = 0
-        out = self._enter(tokens, before)
-        if out is None:
-            return []
-        logits = self.draft.target.logits(out[:, -1])
-        return [int(cast("int", mx.argmax(logits, axis=-1).item()))]
-
-    def may_propose(self, tokens: Sequence[int]) -> bool:
-        return not self.lost
-
-    def accepted(self, proposed: int, kept: int) -> None:
-        """Nothing to roll back: entries are made of kept tokens only, and hidden states of drafts not
-        kept are replaced when the next forward feeds their positions."""
-
-    def _enter(self, tokens: Sequence[int], upto: int) -> mx.array | None:
-        """Make the entries of positions entries + 1 .. upto (their tokens known, their predecessors'
-        hidden states held); the outputs of those made (None for none)."""
-        start = self.entries
-        hidden = self.held.take(min(upto, self._known) - start)
-        if hidden is None:
-            return None
-        return self.draft.outputs(tokens[start + 1 : start + 1 + hidden.shape[1]], hidden, self.cache)
-
-    def _forget_from(self, position: int) -> None:
-        """Forget the hidden states of positions from `position` on, and the entries made of them."""
-        if position < self.entries:
-            self.cache.trim(self.entries - position)
-            self.held.clear()
-        elif position < self.entries + self.unseen:
-            self.unseen = position - self.entries
-            self.held.clear()
-        else:
-            self.held.keep(position - self.entries - self.unseen)
-
-    def _catch_up(self, tokens: Sequence[int], upto: int) -> bool:
-        """Count positions 0..upto - 1 as unseen (their hidden states computed when a proposal needs
-        them), from an empty drafter (a prompt's prefix the prefix cache gave, or a prompt not
-        prefilled by the batch); False, and the drafter stops, on a gap (not expected)."""
-        if self._known or upto > len(tokens):
-            log.warning("an MTP drafter lost its row (%d held, %d wanted): it stops", self._known, upto)
-            self.lost = True
-            return False
-        self.unseen = upto
-        return True
