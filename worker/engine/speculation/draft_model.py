@@ -12,7 +12,9 @@ layers whose outputs its drafters read (none for a draft model).
 A draft model's rows of one generation batch draft together (`draft_batch.py`): one batch cache of
 the draft model holds every row's tokens, caught up with the row's tokens before each proposal (one
 forward for all rows) and rolled back to the tokens the target kept after it; each drafted token is
-one forward for all rows. Each row's drafter (`DraftModelDrafter`) is its row of that batch.
+one forward for all rows. Each row's drafter (`DraftModelDrafter`) is its row of that batch. Where the
+engine pads shapes (a GPU: `DraftTarget.pad_shapes`) the catch-up forward reads whole steps of that
+cache, as the target's verify step does.
 """
 
 from __future__ import annotations
