@@ -1,9 +1,11 @@
 """A draft model's rows of one generation batch draft together (`draft_batch.py`).
 
 Their proposals are token for token what each row drafting alone with a batch-1 cache of the draft
-model proposes (float32 on the CPU), whatever the rows' prompt lengths, depths, joins and departures;
-a step of B rows costs depth forwards of the draft model (one more when rows join), not B x depth;
-rows that leave take their state with them; and generation drafting so gives plain decoding's output.
+model proposes (float32 on the CPU), whatever the rows' prompt lengths, depths, joins and departures,
+and whether the batch pads shapes (a GPU's: its forwards of several columns then read whole steps of
+the cache, their width a power of two, unless the draft model has windowed layers); a step of B rows
+costs depth forwards of the draft model (one more when rows join), not B x depth; rows that leave take
+their state with them; and generation drafting so gives plain decoding's output, shapes padded or not.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from engines import closed_after_test
 
 from mlxq.jobs.schema import GenerateRequest
 from mlxq.worker.engine import Engine, EngineOptions
+from mlxq.worker.engine.cache.batch_cache import BatchKVCache
 from mlxq.worker.engine.generation_batch import Finished, GenerationBatch, generate
 from mlxq.worker.engine.models.base import Model
 from mlxq.worker.engine.prefill import prefill
@@ -45,8 +48,53 @@ def draft_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     )
 
 
-def _draft(folder: Path) -> DraftModel:
-    return DraftModel.load(folder, Tokenizer.from_dir(folder), prefill_chunk=CHUNK)
+@pytest.fixture(scope="module")
+def windowed_draft_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A draft model whose layers slide a window (Mistral's): its forwards read exactly, padded or not."""
+    config = {"architectures": ["MistralForCausalLM"], "model_type": "mistral", "sliding_window": 8}
+    return write_random_checkpoint(
+        tmp_path_factory.mktemp("windowed"),
+        {**config, "max_position_embeddings": 512, "num_hidden_layers": 2},
+        seed=4,
+    )
+
+
+def _draft(folder: Path, pad_shapes: bool = False) -> DraftModel:
+    return DraftModel.load(folder, Tokenizer.from_dir(folder), prefill_chunk=CHUNK, pad_shapes=pad_shapes)
+
+
+Read = tuple[int, int, int]  # a forward's columns written, the layer's end after it, key columns read
+
+
+def record_reads(layers: list[BatchKVCache]) -> list[Read]:
+    """Note, for every forward through these batch cache layers, the columns it wrote, the layer's end
+    after the write and the key columns attention read (in the batch's numbering: a windowed layer's
+    from `base`)."""
+    reads: list[Read] = []
+    for layer in layers:
+        plain = layer.update_and_fetch
+
+        def read(
+            keys: mx.array, values: mx.array, plain: Any = plain, layer: BatchKVCache = layer
+        ) -> tuple[mx.array, mx.array]:
+            k, v = plain(keys, values)
+            reads.append((keys.shape[2], layer.end, layer.base + k.shape[2]))
+            return k, v
+
+        layer.update_and_fetch = read  # type: ignore[method-assign]
+    return reads
+
+
+def assert_whole_steps(reads: list[Read], whole: bool) -> None:
+    """With `whole`, every forward of several columns read whole steps of the cache and its width is a
+    power of two, every one-column forward exactly the columns written; else every forward read
+    exactly. Some forward fed several columns."""
+    assert any(n > 1 for n, _, _ in reads)
+    for n, end, columns in reads:
+        if whole and n > 1:
+            assert columns % BatchKVCache.step == 0 and columns >= end and n & (n - 1) == 0, (n, end, columns)
+        else:
+            assert columns == end, (n, end, columns)
 
 
 class AloneDrafter:
@@ -81,15 +129,29 @@ class _Row:
         self.alone = AloneDrafter(draft)
 
 
-@pytest.mark.parametrize("rows", [1, 3, 8])
-def test_rows_drafting_together_propose_what_each_proposes_alone(draft_dir: Path, rows: int) -> None:
+@pytest.mark.parametrize(
+    "rows, pad_shapes, windowed",
+    [
+        (1, False, False),
+        (3, False, False),
+        (8, False, False),
+        (1, True, False),
+        (8, True, False),
+        (3, True, True),
+    ],
+)
+def test_rows_drafting_together_propose_what_each_proposes_alone(
+    draft_dir: Path, windowed_draft_dir: Path, rows: int, pad_shapes: bool, windowed: bool
+) -> None:
     """Rows of prompts from 3 to 45 tokens (some prefilled in chunks) join at different steps, draft
     0 to 5 tokens a step or are not asked, take plain steps, keep any share of their drafts, leave in
-    the middle; every proposal equals the row's alone, and the batch ends empty."""
-    draft = _draft(draft_dir)
+    the middle; every proposal equals the row's alone, and the batch ends empty. With `pad_shapes` the
+    forwards of several columns read whole steps of the cache, unless the draft model is windowed."""
+    draft = _draft(windowed_draft_dir if windowed else draft_dir, pad_shapes)
     rng = random.Random(rows)
     vocab = draft.model.args.vocab_size
     batch = draft.draft_batch()
+    reads = record_reads(batch.cache)
     prompts = [[rng.randrange(vocab) for _ in range(3 + (11 * i) % 43)] for i in range(rows)]
     live: dict[int, _Row] = {}
     compared = 0
@@ -125,6 +187,7 @@ def test_rows_drafting_together_propose_what_each_proposes_alone(draft_dir: Path
             if i not in asked:
                 live[i].tokens = [*live[i].tokens, rng.randrange(vocab)]
     assert compared >= 2 * rows
+    assert_whole_steps(reads, pad_shapes and not windowed)
     assert all(row.batched.cached < len(row.tokens) for row in live.values())
     batch.leave([row.batched for row in live.values()])
     assert len(batch) == 0 and batch.cache[0].keys is None  # no row's cache outlives it
@@ -240,13 +303,14 @@ def _requests(engine: Engine, n: int) -> Iterator[GenerateRequest]:
         )
 
 
-@pytest.mark.parametrize("rows", [1, 3, 8])
+@pytest.mark.parametrize("rows, pad_shapes", [(1, False), (3, False), (8, False), (3, True)])
 def test_generation_drafting_together_gives_plain_decodings_output(
-    target: Path, draft_dir: Path, rows: int
+    target: Path, draft_dir: Path, rows: int, pad_shapes: bool
 ) -> None:
     """Greedy rows of different prompt lengths joining one a step and leaving as they end (one at a
-    stop string, one cancelled): each gives what plain decoding gives, drafted by the target itself
-    (every draft kept) or by another model (few kept)."""
+    stop string, one cancelled): each gives what plain decoding (shapes not padded) gives, drafted by
+    the target itself (every draft kept) or by another model (few kept), shapes padded (a GPU's way:
+    the drafts' forwards read whole steps) or not."""
     plain = _engine(target)
     requests = list(_requests(plain, rows + 1))
     stop_at = generate(plain, requests[-1], lambda _t, _ids: None).text[10:13]
@@ -255,7 +319,11 @@ def test_generation_drafting_together_gives_plain_decodings_output(
     expected = _run(plain, requests, rows, cancel)
     policy = DraftPolicy(min_acceptance=0.0, max_batch=64)
     for draft in (str(target), str(draft_dir)):
-        spec = _engine(target, speculation="draft_model", draft_model=draft, draft_policy=policy)
+        spec = _engine(
+            target, speculation="draft_model", draft_model=draft, draft_policy=policy, pad_shapes=pad_shapes
+        )
+        assert isinstance(spec.draft_choice.draft, DraftModel)
+        assert spec.draft_choice.draft.draft_batch().whole_steps == pad_shapes
         got = _run(spec, requests, rows, cancel)
         for i in range(len(requests)):
             a, b = expected[i].result, got[i].result

@@ -2,9 +2,11 @@
 
 Their proposals are token for token what each row drafting alone proposes with a batch-1 cache of the
 MTP layer (float32 on the CPU), whatever the rows' prompt lengths, joins, departures, steps not
-drafted and drafts kept; a step's proposals for all the batch's rows cost one forward of the MTP layer
-(one more per row that joins); a row that forgot entries it made joins again; and generation drafting
-so gives plain decoding's output at several batch sizes.
+drafted and drafts kept, and whether the batch pads shapes (a GPU's: its forwards of several columns
+then read whole steps of the cache, their width a power of two); a step's proposals for all the
+batch's rows cost one forward of the MTP layer (one more per row that joins); a row that forgot
+entries it made joins again; and generation drafting so gives plain decoding's output at several
+batch sizes, shapes padded or not.
 """
 
 from __future__ import annotations
@@ -25,9 +27,9 @@ from mlxq.worker.engine.cache.kv_cache import KVCache
 from mlxq.worker.engine.generation_batch import generate
 from mlxq.worker.engine.speculation.drafter import RowToDraft
 from mlxq.worker.engine.speculation.mtp import MtpDraft, MtpLayer
-from mlxq.worker.engine.speculation.mtp_batch import MtpDrafter, ShiftedCache
+from mlxq.worker.engine.speculation.mtp_batch import MtpBatch, MtpDrafter, ShiftedCache
 from mlxq.worker.engine.speculation.policy import DraftPolicy
-from tests.engine.test_draft_batch import _requests, _run
+from tests.engine.test_draft_batch import _requests, _run, assert_whole_steps, record_reads
 
 CHUNK = 16  # prompts longer than this enter chunk by chunk
 
@@ -123,14 +125,18 @@ class _Row:
         self.known += kept + 1
 
 
-@pytest.mark.parametrize("rows", [1, 3, 8])
-def test_rows_drafting_together_propose_what_each_proposes_alone(draft: MtpDraft, rows: int) -> None:
+@pytest.mark.parametrize("rows, pad_shapes", [(1, False), (3, False), (8, False), (1, True), (8, True)])
+def test_rows_drafting_together_propose_what_each_proposes_alone(
+    draft: MtpDraft, rows: int, pad_shapes: bool
+) -> None:
     """Rows of prompts from 3 to 45 tokens (some entered in chunks) join at different steps, draft or
     not, take plain steps, keep their draft or not, leave in the middle; every proposal equals the
-    row's alone, and the batch ends empty."""
+    row's alone, and the batch ends empty. With `pad_shapes` its forwards of several columns read
+    whole steps of the cache."""
     rng = random.Random(rows)
     vocab = draft.target.args.vocab_size
-    batch = draft.draft_batch()
+    batch = MtpBatch(draft, pad_shapes)
+    reads = record_reads([batch.cache])
     live: dict[int, _Row] = {}
     compared = 0
     for step in range(14):
@@ -163,6 +169,7 @@ def test_rows_drafting_together_propose_what_each_proposes_alone(draft: MtpDraft
             if i not in asked:
                 live[i].forward(0, 0)
     assert compared >= 2 * rows
+    assert_whole_steps(reads, pad_shapes)
     assert len(batch) == len(live)
     batch.leave([row.batched for row in live.values()])
     assert len(batch) == 0 and batch.cache.keys is None  # no row's entries outlive it
@@ -236,11 +243,14 @@ def test_a_step_of_b_rows_costs_one_forward_of_the_mtp_layer(draft: MtpDraft) ->
         draft.layer.__class__ = MtpLayer
 
 
-@pytest.mark.parametrize("rows", [1, 3, 8])
-def test_generation_drafting_together_gives_plain_decodings_output(narrowed: Path, rows: int) -> None:
+@pytest.mark.parametrize("rows, pad_shapes", [(1, False), (3, False), (8, False), (3, True)])
+def test_generation_drafting_together_gives_plain_decodings_output(
+    narrowed: Path, rows: int, pad_shapes: bool
+) -> None:
     """Greedy rows of different prompt lengths joining one a step and leaving as they end (one at a
-    stop string, one cancelled), their drafts kept or rejected: each gives what plain decoding gives,
-    and the draft batch holds no row that left."""
+    stop string, one cancelled), their drafts kept or rejected: each gives what plain decoding (shapes
+    not padded) gives, shapes padded (a GPU's way: the MTP forwards read whole steps) or not, and the
+    draft batch holds no row that left."""
     plain = _engine(narrowed)
     requests = list(_requests(plain, rows + 1))
     stop_at = generate(plain, requests[-1], lambda _t, _ids: None).text[10:13]
@@ -248,7 +258,9 @@ def test_generation_drafting_together_gives_plain_decodings_output(narrowed: Pat
     cancel = 1 if rows > 1 else None
     expected = _run(plain, requests, rows, cancel)
     policy = DraftPolicy(min_acceptance=0.0, max_batch=64, only_likely=False)
-    spec = _engine(narrowed, speculation="mtp", draft_policy=policy)
+    spec = _engine(narrowed, speculation="mtp", draft_policy=policy, pad_shapes=pad_shapes)
+    assert isinstance(spec.draft_choice.draft, MtpDraft)
+    assert spec.draft_choice.draft.draft_batch().pad_shapes == pad_shapes
     got = _run(spec, requests, rows, cancel)
     for i in range(len(requests)):
         a, b = expected[i].result, got[i].result

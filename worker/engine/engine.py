@@ -76,8 +76,10 @@ class Engine:
         self.config = config
         self.name = name
         self.options = options
+        # Whether it pads shapes (a GPU's default: `shapes.py`), its draft's batched forwards too
+        self.pad_shapes = pad_shapes_by_default() if options.pad_shapes is None else options.pad_shapes
         # Its speculation: the kind checked, its draft (loaded by `load`), each request's drafter
-        target = DraftTarget(model, tokenizer, options.dtype, options.prefill_chunk)
+        target = DraftTarget(model, tokenizer, options.dtype, options.prefill_chunk, self.pad_shapes)
         self.draft_choice = DraftChoice(
             options.speculation, options.draft_policy, options.draft_model, target
         )
@@ -86,7 +88,6 @@ class Engine:
         self.prefix_cache = (
             PrefixCache(options.prefix_cache_bytes) if options.prefix_cache_bytes > 0 else None
         )
-        self.pad_shapes = pad_shapes_by_default() if options.pad_shapes is None else options.pad_shapes
         self.on_gpu = on_gpu()  # kernels are built on first use there: the worker warms up (`warm_up.py`)
         model.bucket_keys = self.pad_shapes  # attention over a cached prefix: few key shapes too
         # Prompt tokens a generation batch's step may prefill while no request decodes (`GenerationBatch`).

@@ -452,3 +452,22 @@ def one_offset(layers: Sequence[BatchKVCache]) -> Iterator[None]:
     finally:
         for layer in layers:
             layer._offset = None
+
+
+@contextmanager
+def whole_steps(layers: Sequence[BatchKVCache], n: int, on: bool) -> Iterator[int | None]:
+    """For one forward of `n` new tokens per row: with `on` and `n` over 1, every layer reads whole steps
+    of its columns (`read_whole_steps`) and the key columns read are yielded, for the forward's mask
+    (`mask(n, columns)`); else None (exact reads, as without it). Reads are exact again after it,
+    whatever happens within (`read_exactly`). A windowed layer cannot read so: its batch passes `on`
+    False."""
+    columns = None
+    try:
+        if on and n > 1:
+            columns = layers[0].read_whole_steps(n)
+            for layer in layers[1:]:
+                layer.read_whole_steps(n)
+        yield columns
+    finally:
+        for layer in layers:
+            layer.read_exactly()

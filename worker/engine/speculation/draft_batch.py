@@ -19,6 +19,13 @@ alone cost those for each row. It owns that cache and which of its rows each row
   its extra columns are rolled back with the drafts the target did not keep.
 The proposal is one graph, evaluated once when its drafts are read.
 
+Where the engine pads shapes (`pad_shapes`: a GPU) the catch-up forward, whose key length would be new
+nearly every step (on MLX's CUDA build attention over several queries builds a plan per key length,
+many times the step's cost), reads whole steps of the cache as the target's verify step does
+(`whole_steps`: its mask as wide as the columns read) and its block is padded to a power of two wide
+(the columns past every row's tokens forgotten by `trim_rows`); a draft model with windowed layers
+reads exactly, its block unpadded. The one-token forwards read exactly: one query meets no such plan.
+
 After the verify step each row's drafter tells the batch what the target kept (`accepted`); the
 columns of every row's drafts are cut back at once (`trim_rows` over the last proposal's draft
 columns, the ones not kept becoming holes) before the batch's next forward or membership change; a
@@ -34,10 +41,11 @@ from typing import cast
 
 import mlx.core as mx
 
-from mlxq.worker.engine.cache.batch_cache import BatchKVCache, one_offset
+from mlxq.worker.engine.cache.batch_cache import BatchKVCache, one_offset, whole_steps
 from mlxq.worker.engine.cache.kv_cache import KVCache
 from mlxq.worker.engine.models.base import Model
 from mlxq.worker.engine.prefill import prefill, prefill_rows
+from mlxq.worker.engine.shapes import padded_size
 from mlxq.worker.engine.speculation.drafter import DraftBatchSource, Drafter, RowToDraft
 
 
@@ -75,13 +83,16 @@ class DraftModelDrafter:
 
 class DraftModelBatch:
     """The rows drafting with draft model `model` in one generation batch; `chunk`: a new row's prompt
-    is prefilled in chunks of that many tokens (prompts that fit one, together). See the module
-    docstring."""
+    is prefilled in chunks of that many tokens (prompts that fit one, together); `pad_shapes`: the
+    engine pads shapes (a GPU): its catch-up forwards read whole steps of the cache, their width a
+    power of two, unless a layer of the model slides a window. See the module docstring."""
 
-    def __init__(self, model: Model, chunk: int = 2048) -> None:
+    def __init__(self, model: Model, chunk: int = 2048, pad_shapes: bool = False) -> None:
         self.model = model
         self.chunk = chunk
         self.cache = [BatchKVCache(window) for window in model.model.windows]
+        # whole-step reads (`whole_steps`): a windowed layer's reads follow its window, so not there
+        self.whole_steps = pad_shapes and all(w is None for w in model.model.windows)
         self.rows: list[DraftModelDrafter] = []  # the drafter of each row of the buffers, in order
         self._drafted = 0  # draft columns of the last proposal each row holds, not cut back yet
         self._kept: list[int] = []  # of those, per row: how many it keeps (`accepted`; 0 until told)
@@ -188,15 +199,20 @@ class DraftModelBatch:
 
     def _feed(self, fed: list[list[int]]) -> mx.array:
         """One forward a chunk of columns feeding row i the tokens `fed[i]`, right-padded to the longest
-        (the padding columns become the row's holes); the logits of each row's last token fed."""
+        (the padding columns become the row's holes), and with `whole_steps` (a GPU) to a power of two
+        (the columns past every row's tokens: forgotten) reading whole steps of the cache: the shapes a
+        GPU meets change once per 256 columns and a few widths, not at every step (see `VerifyStep`);
+        the logits of each row's last token fed."""
         width, done = max(len(f) for f in fed), 0
         last: mx.array | None = None  # (rows, hidden): each row's last fed token's, as far as fed
         while done < width:
             n = min(self.chunk, width - done)
+            if self.whole_steps and n > 1:  # a chunk as wide as `chunk` stays so: the last one is padded
+                n = min(padded_size(n, smallest=1), self.chunk)
             parts = [f[done : done + n] for f in fed]
             block = mx.array([p + [0] * (n - len(p)) for p in parts], dtype=mx.int32)
-            with one_offset(self.cache):
-                mask = self.cache[0].mask(n)
+            with one_offset(self.cache), whole_steps(self.cache, n, self.whole_steps) as columns:
+                mask = self.cache[0].mask(n, columns)
                 hidden = self.model.hidden(block, cache=self.cache, mask=mask)
             for layer in self.cache:
                 layer.trim_rows(n, [len(p) for p in parts])

@@ -58,7 +58,8 @@ class DraftChoice:
         if self.kind == "draft_model":
             self.load_draft(path)
         elif self.kind == "mtp":
-            self.draft = MtpDraft.load(path, self.target.model, self.target.prefill_chunk)
+            target = self.target
+            self.draft = MtpDraft.load(path, target.model, target.prefill_chunk, target.pad_shapes)
             log.info("MTP layer loaded path=%s", path)
 
     def load_draft(self, target: Path) -> None:

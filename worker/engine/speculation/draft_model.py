@@ -12,7 +12,9 @@ layers whose outputs its drafters read (none for a draft model).
 A draft model's rows of one generation batch draft together (`draft_batch.py`): one batch cache of
 the draft model holds every row's tokens, caught up with the row's tokens before each proposal (one
 forward for all rows) and rolled back to the tokens the target kept after it; each drafted token is
-one forward for all rows. Each row's drafter (`DraftModelDrafter`) is its row of that batch.
+one forward for all rows. Each row's drafter (`DraftModelDrafter`) is its row of that batch. Where the
+engine pads shapes (a GPU: `DraftTarget.pad_shapes`) the catch-up forward reads whole steps of that
+cache, as the target's verify step does.
 """
 
 from __future__ import annotations
@@ -32,12 +34,15 @@ from mlxq.worker.engine.text.tokenizer import Tokenizer
 
 @dataclass(frozen=True)
 class DraftTarget:
-    """What a draft is loaded for: the target model and tokenizer, the dtype setting, the prefill chunk."""
+    """What a draft is loaded for: the target model and tokenizer, the dtype setting, the prefill chunk,
+    and whether the engine pads shapes (a GPU: `shapes.padded_size`; its draft's batched forwards then
+    read whole steps of their caches)."""
 
     model: Model
     tokenizer: Tokenizer
     dtype: str | None = None
     prefill_chunk: int = 2048
+    pad_shapes: bool = False
 
 
 class DraftSource(Protocol):
@@ -79,7 +84,9 @@ def load_draft(folder: Path, target: DraftTarget) -> DraftSource:
     if name in _DRAFT_REGISTRY:
         return _DRAFT_REGISTRY[name](folder, target)
     if name in supported_architectures():
-        return DraftModel.load(folder, target.tokenizer, target.dtype, target.prefill_chunk)
+        return DraftModel.load(
+            folder, target.tokenizer, target.dtype, target.prefill_chunk, target.pad_shapes
+        )
     raise DraftMismatch(
         f"the draft model in {folder} is a {name}, which mlxq cannot draft with; "
         f"supported: {', '.join(draft_architectures())}"
@@ -110,24 +117,31 @@ def draft_folder(target: Path, setting: str | None) -> Path | None:
 @dataclass(eq=False)
 class DraftModel:
     """A loaded draft model, checked against its target's tokenizer; the `DraftBatchSource` of its rows
-    (a generation batch keeps one `DraftModelBatch` per draft: compared by identity)."""
+    (a generation batch keeps one `DraftModelBatch` per draft: compared by identity); `pad_shapes`: the
+    engine's (its batches' forwards then read whole steps: `DraftModelBatch`)."""
 
     model: Model
     folder: Path
     prefill_chunk: int = 2048
+    pad_shapes: bool = False
 
     taps: tuple[int, ...] = ()  # it reads none of the target's hidden states
     max_depth: int | None = None
 
     @classmethod
     def load(
-        cls, folder: Path, target: Tokenizer, dtype: str | None = None, prefill_chunk: int = 2048
+        cls,
+        folder: Path,
+        target: Tokenizer,
+        dtype: str | None = None,
+        prefill_chunk: int = 2048,
+        pad_shapes: bool = False,
     ) -> DraftModel:
         """Load the causal LM in `folder` with the target loader; `DraftMismatch` when its vocabulary is
         not the target tokenizer's."""
         model, _ = load_model(folder, dtype=dtype)
         _check_vocabulary(folder, target, model)
-        return cls(model, folder, prefill_chunk)
+        return cls(model, folder, prefill_chunk, pad_shapes)
 
     def drafter(self) -> DraftModelDrafter:
         """A drafter for one row: its row of the batch it drafts in."""
@@ -135,7 +149,7 @@ class DraftModel:
 
     def draft_batch(self) -> DraftModelBatch:
         """A new, empty batch of this draft's rows."""
-        return DraftModelBatch(self.model, self.prefill_chunk)
+        return DraftModelBatch(self.model, self.prefill_chunk, self.pad_shapes)
 
 
 def _check_vocabulary(folder: Path, target: Tokenizer, model: Model) -> None:

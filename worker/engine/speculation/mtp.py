@@ -26,7 +26,8 @@ proposes (as for DFlash). Entries sit at RoPE positions 1, 2, ... (the first tok
 How a batch's rows draft: together (`mtp_batch.py`). One batch cache of the MTP layer holds every
 drafting row's entries (`MtpBatch`, the generation batch's one per draft: `MtpDraft` is the source of
 its rows' drafters, `MtpDrafter`), so a step's proposals for all rows cost one forward of the layer over
-a right-padded block of each row's newly known positions and one read of every row's argmax.
+a right-padded block of each row's newly known positions and one read of every row's argmax. Where
+the engine pads shapes (a GPU) that forward reads whole steps of the batch cache (`MtpBatch`).
 
 Not implemented (refused): more than one MTP layer, architectures other than DeepSeek-V3's, quantized
 MTP weights.
@@ -95,6 +96,7 @@ class MtpDraft:
     target: Model
     folder: Path
     prefill_chunk: int = 2048
+    pad_shapes: bool = False  # the engine's: its batches' forwards read whole steps (`MtpBatch`)
 
     taps: tuple[int, ...] = (FINAL,)  # the target's final hidden states
     max_depth: int | None = 1  # one MTP layer: one draft a step
@@ -104,7 +106,7 @@ class MtpDraft:
 
     def draft_batch(self) -> MtpBatch:
         """A new, empty batch of this layer's rows."""
-        return MtpBatch(self)
+        return MtpBatch(self, self.pad_shapes)
 
     def outputs(
         self, tokens: Sequence[int] | mx.array, hidden: mx.array, cache: ShiftedCache, mask: Mask = None
@@ -128,7 +130,9 @@ class MtpDraft:
         return chunks[0] if len(chunks) == 1 else mx.concatenate(chunks, axis=1)
 
     @classmethod
-    def load(cls, folder: Path, target: Model, prefill_chunk: int = 2048) -> MtpDraft:
+    def load(
+        cls, folder: Path, target: Model, prefill_chunk: int = 2048, pad_shapes: bool = False
+    ) -> MtpDraft:
         """The MTP layer in the target checkpoint `folder`; `CheckpointError` naming what is missing or
         not implemented."""
         config = load_config(folder)
@@ -165,4 +169,4 @@ class MtpDraft:
             renamed[name] = value.astype(dtype) if mx.issubdtype(value.dtype, mx.floating) else value
         layer = MtpLayer(args)
         load_module(layer, renamed, f"the MTP layer in {folder} ({prefix}*)")
-        return cls(layer, target, folder, prefill_chunk)
+        return cls(layer, target, folder, prefill_chunk, pad_shapes)

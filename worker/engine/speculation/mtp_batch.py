@@ -29,6 +29,12 @@ verify step. Rows that leave (`leave`: finished, cancelled, failed) are cut out 
 worth of them. A row whose drafter forgot entries it made (features handed again from an earlier
 position: not expected) or stopped (`lost`) leaves before the batch's next forward; the former joins
 again, its entries made afresh.
+
+Where the engine pads shapes (`pad_shapes`: a GPU) the batch's forward of several columns, whose key
+length would be new nearly every step (on MLX's CUDA build attention over several queries builds a
+plan per key length, many times the step's cost), reads whole steps of the cache as the target's verify
+step does (`whole_steps`: its mask as wide as the columns read) and its block is padded to a power of
+two wide (the columns past every row's forgotten by `trim_rows`).
 """
 
 from __future__ import annotations
@@ -39,10 +45,11 @@ from typing import Protocol, cast
 
 import mlx.core as mx
 
-from mlxq.worker.engine.cache.batch_cache import BatchKVCache
+from mlxq.worker.engine.cache.batch_cache import BatchKVCache, whole_steps
 from mlxq.worker.engine.cache.kv_cache import KVCache
 from mlxq.worker.engine.models.base import Model
 from mlxq.worker.engine.models.masks import Mask
+from mlxq.worker.engine.shapes import padded_size
 from mlxq.worker.engine.speculation.drafter import DraftBatchSource, Drafter, RowToDraft
 from mlxq.worker.engine.speculation.held_features import HeldFeatures
 
@@ -188,10 +195,13 @@ class MtpDrafter:
 
 
 class MtpBatch:
-    """The MTP rows of one generation batch (`draft`'s); see the module docstring."""
+    """The MTP rows of one generation batch (`draft`'s); `pad_shapes`: the engine pads shapes (a GPU):
+    its forwards of several columns read whole steps of the cache, their width a power of two. See the
+    module docstring."""
 
-    def __init__(self, draft: MtpSource) -> None:
+    def __init__(self, draft: MtpSource, pad_shapes: bool = False) -> None:
         self.draft = draft
+        self.pad_shapes = pad_shapes
         self.cache = BatchKVCache()
         self._shifted = ShiftedCache(self.cache)
         self.rows: list[MtpDrafter] = []  # the drafter of each row of the buffers, in order
@@ -273,14 +283,18 @@ class MtpBatch:
     def _feed(self, fed: list[tuple[mx.array, Sequence[int]] | None]) -> mx.array:
         """One forward of the MTP layer a chunk of columns entering row i's hidden states and tokens
         `fed[i]` (none for None), right-padded to the longest (the padding columns become the row's
-        holes); each row's output (rows, hidden) at its last position entered (any for a row fed
-        none)."""
+        holes), and with `pad_shapes` (a GPU) to a power of two (the columns past every row's: forgotten)
+        reading whole steps of the cache: the shapes a GPU meets change once per 256 columns and a few
+        widths, not at every step (see `VerifyStep`); each row's output (rows, hidden) at its last
+        position entered (any for a row fed none)."""
         counts = [0 if f is None else f[0].shape[1] for f in fed]
         width, done, chunk = max(counts), 0, self.draft.prefill_chunk
         like = next(f[0] for f in fed if f is not None)
         last: mx.array | None = None
         while done < width:
             n = min(chunk, width - done)
+            if self.pad_shapes and n > 1:  # a chunk as wide as `chunk` stays so: the last one is padded
+                n = min(padded_size(n, smallest=1), chunk)
             parts = [min(max(c - done, 0), n) for c in counts]
             hidden = mx.concatenate(
                 [
@@ -292,7 +306,9 @@ class MtpBatch:
                 [*(f[1][done : done + p] if f is not None else []), *([0] * (n - p))]
                 for f, p in zip(fed, parts, strict=True)
             ]
-            out = self.draft.outputs(mx.array(ids, dtype=mx.int32), hidden, self._shifted, self.cache.mask(n))
+            with whole_steps([self.cache], n, self.pad_shapes) as columns:
+                ids_in = mx.array(ids, dtype=mx.int32)
+                out = self.draft.outputs(ids_in, hidden, self._shifted, self.cache.mask(n, columns))
             self.cache.trim_rows(n, parts)
             ends = mx.array([max(p - 1, 0) for p in parts], dtype=mx.int32)
             here = mx.take_along_axis(out, ends[:, None, None], axis=1)[:, 0, :]
