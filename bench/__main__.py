@@ -130,17 +130,18 @@ def _env_on(name: str) -> bool:
     return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
 
 
-def _masks_in_place() -> bool | None:
-    """`MLXQ_MASKS_IN_PLACE` as a worker reads it, so the structured figure can be taken both ways on
-    one machine; unset: the engine's own check."""
-    value = os.environ.get("MLXQ_MASKS_IN_PLACE", "").strip().lower()
+def _env_flag(name: str) -> bool | None:
+    """A boolean setting the workers also read whose default is the engine's (`MLXQ_MASKS_IN_PLACE`,
+    `MLXQ_COMPILED_STEPS`), as a worker reads it, so a figure can be taken both ways on one machine;
+    unset: None, the engine's own default."""
+    value = os.environ.get(name, "").strip().lower()
     if not value:
         return None
     if value in ("1", "true", "yes", "on"):
         return True
     if value in ("0", "false", "no", "off"):
         return False
-    raise SystemExit(f"MLXQ_MASKS_IN_PLACE must be true or false, got {value!r}")
+    raise SystemExit(f"{name} must be true or false, got {value!r}")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -179,9 +180,11 @@ def run(args: argparse.Namespace) -> int:
     workdir = Path(tempfile.mkdtemp(prefix="mlxq-bench-"))
 
     t_load = time.perf_counter()
-    build_ahead, compiled = (_env_on(name) for name in ("MLXQ_BUILD_AHEAD", "MLXQ_COMPILED_STEPS"))
+    compiled = _env_flag("MLXQ_COMPILED_STEPS")
     options = EngineOptions(
-        masks_in_place=_masks_in_place(), build_ahead=build_ahead, compiled_steps=compiled
+        masks_in_place=_env_flag("MLXQ_MASKS_IN_PLACE"),
+        build_ahead=_env_on("MLXQ_BUILD_AHEAD"),
+        compiled_steps=compiled,
     )
     engine = Engine.load(str(model_path), options)
     dtype = next(v.dtype for _, v in tree_flatten(engine.model.parameters()))
@@ -189,7 +192,7 @@ def run(args: argparse.Namespace) -> int:
     print(
         f"loaded {model_path} ({dtype}) on {mx.default_device()} in {time.perf_counter() - t_load:.1f}s"
         f" (masks in place: {engine.masks_in_place}, built ahead: {engine.build_ahead},"
-        f" compiled steps asked: {compiled})",
+        f" compiled steps asked: {'default' if compiled is None else compiled})",
         flush=True,
     )
     conn = redis.Redis.from_url(args.redis_url)

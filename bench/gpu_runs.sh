@@ -34,10 +34,11 @@ for name in "$@"; do
       MLXQ_BUILD_AHEAD=1 bench llama-1b-structured-ba1 --model llama-1b --only structured --batch-reps 10 ;;
     decode)  # issue 29: one job through Redis against mlx-lm, rotating
       bench llama-1b-decode-ab --model llama-1b --only decode_ab ;;
-    compiled)  # issue 34: `structured` (built ahead) and `decode` with a decode step's layers compiled
-      MLXQ_COMPILED_STEPS=1 MLXQ_BUILD_AHEAD=1 bench llama-1b-structured-compiled --model llama-1b \
+    uncompiled)  # issues 34, 29: `structured` (built ahead) and `decode` without compiled decode steps
+      # (on by default with MLX's CUDA build: the other side is `structured` / `decode`)
+      MLXQ_COMPILED_STEPS=0 MLXQ_BUILD_AHEAD=1 bench llama-1b-structured-uncompiled --model llama-1b \
         --only structured --batch-reps 10
-      MLXQ_COMPILED_STEPS=1 bench llama-1b-decode-ab-compiled --model llama-1b --only decode_ab ;;
+      MLXQ_COMPILED_STEPS=0 bench llama-1b-decode-ab-uncompiled --model llama-1b --only decode_ab ;;
     spec-1b | spec-8b)  # issue 31: the draft-model machinery's ceiling (own draft) and a 4-bit copy
       # (SPEC_MODES, SPEC_JOBS narrow a run that must fit what is left of the device's time)
       jobs=1,8,64 && [ "$name" = spec-8b ] && jobs=1,8  # the 8B's 64 jobs would not draft (max_batch 8)
@@ -56,6 +57,6 @@ for name in "$@"; do
       bench llama-1b-ttft --model llama-1b --only prefill,warm_cache ;;
     moe)  # issue 32: the 4-bit MoE, one and 32 jobs, a step's primitives beside mlx-lm's
       bench qwen3-moe-30b-4bit --model qwen3-moe-30b-4bit --only generation,batch --batch-jobs 1,32 ;;
-    *) echo "unknown run $name: kernels structured decode compiled spec-1b spec-8b mtp scoring queue warm moe" >&2 ;;
+    *) echo "unknown run $name: kernels structured decode uncompiled spec-1b spec-8b mtp scoring queue warm moe" >&2 ;;
   esac
 done

@@ -93,12 +93,12 @@ class WorkerSettings(BaseSettings):
         "the step before's tokens are read back, and only the masks after (off: the masks beside the "
         "build, after the read-back)",
     )
-    compiled_steps: bool = Field(
-        default=False,
+    compiled_steps: bool | None = Field(
+        default=None,
         description="a decode step of the Llama family's dense models builds each layer's norms, "
         "projections, RoPE and feed-forward as compiled functions (the cache writes and the attention "
         "outside them), where the host's build of a step's graph bounds the decode; other models: no "
-        "effect",
+        "effect; unset: with MLX's CUDA build only",
     )
     dense_rows: int | None = Field(
         default=None,

@@ -17,6 +17,7 @@ from engines import closed_after_test, run_requests
 from mlxq.jobs.schema import GenerateRequest, GenerateResult
 from mlxq.worker.engine import Engine, EngineOptions
 from mlxq.worker.engine.decode_batch import DecodeBatch
+from mlxq.worker.engine.device import compiled_steps_by_default, on_cuda
 from mlxq.worker.engine.models.compiled_step import CompiledStep
 from mlxq.worker.engine.prefill import prefill
 from mlxq.worker.engine.sampler import Sampler
@@ -146,6 +147,8 @@ def _requests(engine: Engine, n: int, **fields: Any) -> list[GenerateRequest]:
 def test_requests_joining_and_leaving_decode_the_same_with_compiled_steps(
     folders: dict[str, Path], options: dict[str, Any], fields: dict[str, Any]
 ) -> None:
+    if "response_format" in fields:
+        pytest.importorskip("llguidance")  # the worker's `structured` extra
     plain = _engine(folders["llama"], False, **options)
     compiled = _engine(folders["llama"], True, **options)
     requests = _requests(plain, 6, **fields)
@@ -179,3 +182,13 @@ def test_models_whose_layers_do_not_qualify_decode_as_without_the_option(
     requests = _requests(plain, 3)
     got, expected = (run_requests(e, requests, max_sequences=3) for e in (compiled, plain))
     assert [_untimed(r) for r in got] == [_untimed(r) for r in expected]
+
+
+def test_compiled_steps_follow_the_device_unless_set(folders: dict[str, Path]) -> None:
+    """Unset, a Llama-family model compiles its decode steps with MLX's CUDA build only; set, as said."""
+    assert compiled_steps_by_default() == on_cuda()
+    opts = EngineOptions(prefill_chunk=16, prefix_cache_bytes=0)
+    default = closed_after_test(Engine.load(str(folders["llama"]), opts))
+    assert (default.model.model.compiled_step is not None) == on_cuda()
+    assert _engine(folders["llama"], True).model.model.compiled_step is not None
+    assert _engine(folders["llama"], False).model.model.compiled_step is None

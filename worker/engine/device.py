@@ -64,6 +64,15 @@ def idle_prefill_by_default(chunk: int) -> int:
     return 8 * chunk if mx.default_device().type == mx.DeviceType.gpu else chunk
 
 
+def compiled_steps_by_default() -> bool:
+    """Whether a decode step of a Llama-family dense model builds its layers through compiled parts
+    (`models/compiled_step.py`) unless set: with MLX's CUDA build, where the host's build of a step's
+    graph bounds a batched decode and the compiled parts take about a third of it off, their outputs
+    the same (their tests pass there). Not on the CPU build (a step there is bound by its arithmetic)
+    nor on Metal (not measured there)."""
+    return on_cuda()
+
+
 def overlap_by_default() -> bool:
     """Whether a decode batch's steps launch on a thread of their own (`DecodeBatch`'s `launcher`): on a
     GPU, where the launch is host work (with the GIL released) and a batched step is bound by it. Not

@@ -36,6 +36,7 @@ from mlxq.worker.engine.cache.kv_cache import KVCache, held_columns
 from mlxq.worker.engine.cache.prefix_cache import PrefixCache
 from mlxq.worker.engine.constraint import ConstraintCompiler
 from mlxq.worker.engine.device import (
+    compiled_steps_by_default,
     idle_prefill_by_default,
     memory_figures,
     on_gpu,
@@ -158,14 +159,17 @@ class Engine:
             elif options.dense_rows:  # set: kept whatever they take
                 use_dense_rows(net, options.dense_rows, dtype)
         net.fuse()  # fewer matmuls per layer (see `models.fused_linear.fuse_linears`)
-        if options.compiled_steps and isinstance(net, llama.Model):  # others: the option does nothing
+        compiled = compiled_steps_by_default() if options.compiled_steps is None else options.compiled_steps
+        if compiled and isinstance(net, llama.Model):
             net.compile_steps()
+        else:  # other models: the option does nothing
+            compiled = False
         tokenizer = Tokenizer.from_dir(path)
         engine = cls(net, tokenizer, config, Path(model).name if Path(model).exists() else model, options)
         engine.draft_choice.load(path)
         log.info(
             "model loaded path=%s arch=%s device=%s seconds=%.2f pad_shapes=%s decode_overlap=%s "
-            "masks_in_place=%s idle_prefill_tokens=%d score_kv_bytes=%d",
+            "masks_in_place=%s compiled_steps=%s idle_prefill_tokens=%d score_kv_bytes=%d",
             path,
             config["architectures"][0],
             mx.default_device(),
@@ -173,6 +177,7 @@ class Engine:
             engine.pad_shapes,
             engine.decode_overlap,
             engine.masks_in_place,
+            compiled,
             engine.idle_prefill_tokens,
             engine.scorer.score_kv_bytes,
         )

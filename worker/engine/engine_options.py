@@ -23,7 +23,7 @@ class EngineOptions:
     decode_overlap: bool | None = None  # None: MLX's CUDA build only (`device.overlap_by_default`)
     masks_in_place: bool | None = None  # None: where the device sees host writes (`mask_buffer.py`)
     build_ahead: bool = False  # with masks in place: a constrained step's graphs built before the read-back
-    compiled_steps: bool = False  # a decode step's layers through compiled parts (`compiled_step.py`)
+    compiled_steps: bool | None = None  # layers through compiled parts; None: `compiled_steps_by_default`
     dense_rows: int | None = None  # quantized layers' dense copies from this many rows (`quantized_rows`)
     idle_prefill_tokens: int | None = None  # None: see `idle_prefill_by_default`
     score_kv_bytes: int | None = (
