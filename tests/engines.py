@@ -4,6 +4,8 @@ it."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from mlxq.jobs.schema import GenerateRequest, GenerateResult
@@ -71,3 +73,17 @@ def assert_same_draws(runs: list[list[list[int]]], positions: int) -> None:
         stat = float(((table - expected) ** 2 / expected).sum())
         # (columns - 1) degrees of freedom: the 0.1% points of 1..3
         assert stat < {1: 10.8, 2: 13.8, 3: 16.3}[table.shape[1] - 1], (position, table)
+
+
+def count_calls(obj: Any) -> list[int]:
+    """Count the calls of `obj` (a module's `__call__`, every forward through it) from now on: the list's
+    one item is the count. `obj` becomes an instance of a subclass of its class that counts."""
+    calls = [0]
+
+    class Counted(type(obj)):  # type: ignore[misc]
+        def __call__(self, *args: Any, **kwargs: Any) -> Any:
+            calls[0] += 1
+            return super().__call__(*args, **kwargs)
+
+    obj.__class__ = Counted
+    return calls

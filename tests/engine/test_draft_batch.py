@@ -17,13 +17,12 @@ from typing import Any
 
 import mlx.core as mx
 import pytest
-from engines import closed_after_test
+from engines import closed_after_test, count_calls
 
 from mlxq.jobs.schema import GenerateRequest
 from mlxq.worker.engine import Engine, EngineOptions
 from mlxq.worker.engine.cache.batch_cache import BatchKVCache
 from mlxq.worker.engine.generation_batch import Finished, GenerationBatch, generate
-from mlxq.worker.engine.models.base import Model
 from mlxq.worker.engine.prefill import prefill
 from mlxq.worker.engine.speculation.draft_batch import DraftModelDrafter
 from mlxq.worker.engine.speculation.draft_model import DraftModel
@@ -209,25 +208,9 @@ def test_a_row_asked_again_with_nothing_new_starts_over_from_its_prompt(draft_di
     assert len(batch) == 3 and batch.rows[-1] is rows[1]  # it joined again, last
 
 
-def _count_forwards(model: Model) -> list[int]:
-    """Count the forwards of `model`: its decoder stack's `__call__`, which every forward (logits,
-    hidden states, a prefill's chunks) goes through once."""
-    calls = [0]
-    backbone: Any = model.model
-    plain = type(backbone)
-
-    class Counted(plain):  # type: ignore[misc, valid-type]
-        def __call__(self, *args: Any, **kwargs: Any) -> Any:
-            calls[0] += 1
-            return super().__call__(*args, **kwargs)
-
-    backbone.__class__ = Counted
-    return calls
-
-
 def test_a_step_of_b_rows_costs_depth_forwards_of_the_draft_not_b_times_depth(draft_dir: Path) -> None:
     draft = _draft(draft_dir)
-    calls = _count_forwards(draft.model)
+    calls = count_calls(draft.model.model)  # its decoder stack: every forward goes through it once
     rng = random.Random(5)
     vocab, depth = draft.model.args.vocab_size, 4
     batch = draft.draft_batch()

@@ -20,7 +20,7 @@ from typing import Any, cast
 
 import mlx.core as mx
 import pytest
-from engines import closed_after_test
+from engines import closed_after_test, count_calls
 
 from mlxq.worker.engine import Engine, EngineOptions
 from mlxq.worker.engine.cache.kv_cache import KVCache
@@ -198,26 +198,12 @@ def test_a_row_handed_features_again_from_before_its_entries_joins_again(draft: 
     assert batch.rows[-1] is again.batched and again.batched.entries == again.known - 1
 
 
-def _count_forwards(layer: MtpLayer) -> list[int]:
-    """Count the forwards of the MTP layer (its `__call__`)."""
-    calls = [0]
-    plain = type(layer)
-
-    class Counted(plain):  # type: ignore[misc, valid-type]
-        def __call__(self, *args: Any, **kwargs: Any) -> Any:
-            calls[0] += 1
-            return super().__call__(*args, **kwargs)
-
-    layer.__class__ = Counted
-    return calls
-
-
 def test_a_step_of_b_rows_costs_one_forward_of_the_mtp_layer(draft: MtpDraft) -> None:
     rng = random.Random(5)
     vocab = draft.target.args.vocab_size
     batch = draft.draft_batch()
     rows = [_Row(draft, [rng.randrange(vocab) for _ in range(60)], 4 + i) for i in range(8)]
-    calls = _count_forwards(draft.layer)
+    calls = count_calls(draft.layer)
     try:
 
         def step(members: list[int], depths: list[int] | None = None) -> int:
