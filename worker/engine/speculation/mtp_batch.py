@@ -204,7 +204,6 @@ class MtpBatch:
         self.draft = draft
         self.pad_shapes = pad_shapes
         self.cache = BatchKVCache()
-        self._shifted = ShiftedCache(self.cache)
         self.rows: list[MtpDrafter] = []  # the drafter of each row of the buffers, in order
 
     def __len__(self) -> int:
