@@ -4,9 +4,9 @@ Their proposals are token for token what each row drafting alone proposes with a
 MTP layer (float32 on the CPU), whatever the rows' prompt lengths, joins, departures, steps not
 drafted and drafts kept, and whether the batch pads shapes (a GPU's: its forwards of several columns
 then read whole steps of the cache, their width a power of two); a step's proposals for all the
-batch's rows cost one forward of the MTP layer (one more per row that joins); a row that forgot
-entries it made joins again; and generation drafting so gives plain decoding's output at several
-batch sizes, shapes padded or not.
+batch's rows cost one forward of the MTP layer (and one a chunk of prompt for all the rows that join
+together); a row that forgot entries it made joins again; and generation drafting so gives plain
+decoding's output at several batch sizes, shapes padded or not.
 """
 
 from __future__ import annotations
@@ -202,7 +202,8 @@ def test_a_step_of_b_rows_costs_one_forward_of_the_mtp_layer(draft: MtpDraft) ->
     rng = random.Random(5)
     vocab = draft.target.args.vocab_size
     batch = draft.draft_batch()
-    rows = [_Row(draft, [rng.randrange(vocab) for _ in range(60)], 4 + i) for i in range(8)]
+    prompts = [4, 5, 6, CHUNK + 4, 8, 9, 10, 11]  # one longer than a chunk
+    rows = [_Row(draft, [rng.randrange(vocab) for _ in range(60)], p) for p in prompts]
     calls = count_calls(draft.layer)
     try:
 
@@ -218,10 +219,10 @@ def test_a_step_of_b_rows_costs_one_forward_of_the_mtp_layer(draft: MtpDraft) ->
                 rows[i].forward(len(drafts), rng.randint(0, len(drafts)))
             return calls[0] - before
 
-        assert step(list(range(7))) == 7  # 7 rows join: each enters its prompt alone
+        assert step(list(range(7))) == 2  # 7 rows join: one forward a chunk of the longest prompt
         for _ in range(3):
             assert step(list(range(7))) == 1  # one forward for all
-        assert step(list(range(8))) == 2  # a row joins: its prompt is one forward more
+        assert step(list(range(8))) == 2  # a row joins: its prompt (one chunk) is one forward more
         assert step(list(range(8)), [1, 0, 1, 0, 3, 1, 0, 1]) == 1  # some draft nothing
         assert step([0, 2], [0, 0]) == 0  # nobody drafts: no forward
         assert step(list(range(8))) == 1

@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from mlxq.jobs.schema import GenerateRequest, GenerateResult
 from mlxq.worker.engine import Engine, EngineOptions
 from mlxq.worker.engine import launcher as launchers
-from mlxq.worker.engine.cache.batch_cache import BatchKVCache
+from mlxq.worker.engine.cache.batch_cache import BatchKVCache, whole_steps
 from mlxq.worker.engine.cache.kv_cache import KVCache
 from mlxq.worker.engine.decode_batch import DecodeBatch
 from mlxq.worker.engine.generation_batch import Finished, GenerationBatch, generate
@@ -248,6 +248,29 @@ def test_a_verify_forward_reads_whole_steps_of_columns_its_mask_hides_past_the_n
         BatchKVCache(window=8).read_whole_steps(1)
     with pytest.raises(ValueError, match="columns or more"):
         cache.mask(2, cache.end + 1)
+
+
+@pytest.mark.parametrize("whole", [False, True])
+def test_empty_rows_enter_their_first_tokens_together_each_keeping_its_count(whole: bool) -> None:
+    """Rows holding nothing (`of_empty_rows`, an MTP batch's joining rows) make their buffers at their
+    first write, whole steps wide, even for a forward reading whole steps; each row keeps its count."""
+    cache = BatchKVCache.of_empty_rows(3)
+    assert cache.keys is None and cache.lengths == [0, 0, 0] and cache.offset == 0
+    new = (mx.arange(4, dtype=mx.float32)[None, :] + 10 * mx.arange(3)[:, None])[:, None, :, None]
+    new = mx.broadcast_to(new, (3, 2, 4, 5))
+    with whole_steps([cache], 4, whole) as columns:
+        assert (columns == BatchKVCache.step) if whole else columns is None
+        assert (cache.mask(4, columns) is not None) == whole  # else plain causal attention is exact
+        keys, values = cache.update_and_fetch(new, new + 0.5)
+    assert keys.shape == (3, 2, BatchKVCache.step if whole else 4, 5) and values.shape == keys.shape
+    assert cache.capacity == BatchKVCache.step
+    cache.trim_rows(4, [2, 4, 0])  # right-padded: each row's padding columns become its holes
+    assert cache.lengths == [2, 4, 0] and cache.holes == [2, 0, 4]
+    assert cache.row(0).state[0][0, 0, :, 0].tolist() == [0.0, 1.0]
+    assert cache.row(1).state[1][0, 0, :, 0].tolist() == [10.5, 11.5, 12.5, 13.5]
+    assert cache.row(2).offset == 0
+    with pytest.raises(AssertionError, match="add rows"):
+        BatchKVCache().reserve(1)
 
 
 def _greedy_requests(engine: Engine) -> list[GenerateRequest]:

@@ -82,6 +82,14 @@ class BatchKVCache:
         # The latest plan for squeezing holes out (`_squeezed`), which the batch's other layers reuse
         self._plan: SqueezePlan | None = None
 
+    @classmethod
+    def of_empty_rows(cls, rows: int) -> BatchKVCache:
+        """`rows` rows holding no tokens yet, entering their first ones together (`trim_rows` keeps each
+        row's count); their first write makes the buffers, of its keys' and values' shapes."""
+        cache = cls()
+        cache._set([0] * rows, 0)
+        return cache
+
     @property
     def batch(self) -> int:
         return len(self.starts)
@@ -169,8 +177,11 @@ class BatchKVCache:
         self._aligned = False
 
     def reserve(self, n: int) -> None:
-        """Make room for `n` more columns (whole steps at a time), so the next writes grow nothing."""
-        assert self.keys is not None and self.values is not None, "add rows before decoding"
+        """Make room for `n` more columns (whole steps at a time), so the next writes grow nothing. Rows
+        holding no tokens yet (`of_empty_rows`) have no buffers: their first write makes them."""
+        assert self.batch, "add rows before decoding"
+        if self.keys is None or self.values is None:
+            return
         if self.end + n - self.base > self.keys.shape[2]:
             extra = -(-(self.end + n - self.base - self.keys.shape[2]) // self.step) * self.step
             self.keys = pad_columns(self.keys, 0, extra)
@@ -185,6 +196,11 @@ class BatchKVCache:
         """Append (B, n_kv_heads, L, head_dim) at column `end` for every row."""
         self._slide()
         start, n = self.end, keys.shape[2]
+        if self.keys is None:  # rows holding no tokens yet (`of_empty_rows`): buffers of whole steps
+            columns = key_columns(max(start + n, self.read_to or 0))
+            (_, heads, _, k_dim), v_dim = keys.shape, values.shape[3]
+            self.keys = mx.zeros((self.batch, heads, columns, k_dim), keys.dtype)
+            self.values = mx.zeros((self.batch, heads, columns, v_dim), values.dtype)
         self.reserve(n)
         assert self.keys is not None and self.values is not None
         self.end = start + n

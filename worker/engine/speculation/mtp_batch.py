@@ -18,8 +18,9 @@ A proposal for the rows of a step:
   verify step whose rows propose different numbers of tokens). A row that drafts nothing this step
   enters what it holds that fits that width (`MtpDrafter.spare`), so it does not fall behind; a row
   not asked enters nothing;
-- rows new to the batch (a prompt's worth of positions each) enter theirs alone, chunk by chunk into a
-  batch-1 cache, and join the batch's cache after its forward (`BatchKVCache.add`);
+- rows new to the batch (a prompt's worth of positions each) enter theirs together the same way, into
+  a batch cache of their own (`BatchKVCache.of_empty_rows`): one forward a chunk for all of them, not
+  one a chunk for each; then they join the batch's cache after its forward (`BatchKVCache.add`);
 - each drafting row's draft is the argmax of the target's head over the MTP output at its latest
   position. The proposal is one graph, evaluated once when the drafts are read.
 A row that drafts nothing pays nothing of its own: its features wait (a row the draft gate keeps from
@@ -203,7 +204,6 @@ class MtpBatch:
         self.draft = draft
         self.pad_shapes = pad_shapes
         self.cache = BatchKVCache()
-        self._shifted = ShiftedCache(self.cache)
         self.rows: list[MtpDrafter] = []  # the drafter of each row of the buffers, in order
 
     def __len__(self) -> int:
@@ -233,7 +233,7 @@ class MtpBatch:
                     fed[at[id(d)]] = (h, ids)
                 else:
                     joining.append((d, h, ids))
-        outs = [self._feed(fed)] if width else []  # each row's latest output, in buffer order
+        outs = [self._feed(fed, self.cache, self.rows)] if width else []  # each row's latest, in order
         if joining:
             outs.append(self._join(joining))
         drafting = [
@@ -280,16 +280,22 @@ class MtpBatch:
         if self.rows and self.cache.has_holes and max(self.cache.holes) >= BatchKVCache.step:
             self.cache.keep(list(range(len(self.rows))))
 
-    def _feed(self, fed: list[tuple[mx.array, Sequence[int]] | None]) -> mx.array:
-        """One forward of the MTP layer a chunk of columns entering row i's hidden states and tokens
-        `fed[i]` (none for None), right-padded to the longest (the padding columns become the row's
-        holes), and with `pad_shapes` (a GPU) to a power of two (the columns past every row's: forgotten)
-        reading whole steps of the cache: the shapes a GPU meets change once per 256 columns and a few
-        widths, not at every step (see `VerifyStep`); each row's output (rows, hidden) at its last
-        position entered (any for a row fed none)."""
+    def _feed(
+        self,
+        fed: Sequence[tuple[mx.array, Sequence[int]] | None],
+        cache: BatchKVCache,
+        drafters: Sequence[MtpDrafter],
+    ) -> mx.array:
+        """One forward of the MTP layer a chunk of columns entering row i of `cache` (`drafters[i]`'s)
+        hidden states and tokens `fed[i]` (none for None), right-padded to the longest (the padding
+        columns become the row's holes), and with `pad_shapes` (a GPU) to a power of two (the columns
+        past every row's: forgotten) reading whole steps of the cache: the shapes a GPU meets change
+        once per 256 columns and a few widths, not at every step (see `VerifyStep`); each row's output
+        (rows, hidden) at its last position entered (any for a row fed none)."""
         counts = [0 if f is None else f[0].shape[1] for f in fed]
         width, done, chunk = max(counts), 0, self.draft.prefill_chunk
         like = next(f[0] for f in fed if f is not None)
+        shifted = ShiftedCache(cache)
         last: mx.array | None = None
         while done < width:
             n = min(chunk, width - done)
@@ -306,44 +312,38 @@ class MtpBatch:
                 [*(f[1][done : done + p] if f is not None else []), *([0] * (n - p))]
                 for f, p in zip(fed, parts, strict=True)
             ]
-            with whole_steps([self.cache], n, self.pad_shapes) as columns:
+            with whole_steps([cache], n, self.pad_shapes) as columns:
                 ids_in = mx.array(ids, dtype=mx.int32)
-                out = self.draft.outputs(ids_in, hidden, self._shifted, self.cache.mask(n, columns))
-            self.cache.trim_rows(n, parts)
+                out = self.draft.outputs(ids_in, hidden, shifted, cache.mask(n, columns))
+            cache.trim_rows(n, parts)
             ends = mx.array([max(p - 1, 0) for p in parts], dtype=mx.int32)
             here = mx.take_along_axis(out, ends[:, None, None], axis=1)[:, 0, :]
             # a row whose positions ended in an earlier chunk keeps that chunk's
             last = here if last is None else mx.where(mx.array([p > 0 for p in parts])[:, None], here, last)
             done += n
             if done < width:  # a long block goes chunk by chunk, as a prefill does
-                mx.eval([a for a in (self.cache.keys, self.cache.values) if a is not None])
-        for d, c in zip(self.rows, counts, strict=True):
+                mx.eval([a for a in (cache.keys, cache.values) if a is not None])
+        for d, c in zip(drafters, counts, strict=True):
             d.entries += c
         assert last is not None
         return last
 
     def _join(self, joining: list[tuple[MtpDrafter, mx.array, Sequence[int]]]) -> mx.array:
-        """New rows enter their hidden states and tokens alone (chunk by chunk, a batch-1 cache each)
-        and join the batch's cache; their outputs (rows, hidden) at their last position, in the order
-        they now hold in the batch."""
-        caches: list[KVCache] = []
-        outs: list[mx.array] = []
-        chunk = self.draft.prefill_chunk
-        for d, hidden, ids in joining:
-            assert d.entries == 0  # a row out of any batch has no entries
-            inner = KVCache()
-            cache, n = ShiftedCache(inner), hidden.shape[1]
-            for start in range(0, n, chunk):
-                part = slice(start, start + chunk)
-                out = self.draft.outputs(ids[part], hidden[:, part], cache)
-                if start + chunk < n:
-                    mx.eval([a for a in (inner.keys, inner.values) if a is not None])
-            outs.append(out[:, -1])
-            caches.append(inner)
-            d.batch, d.entries = self, n
+        """New rows enter their hidden states and tokens together (`_feed`, into a batch cache of their
+        own: one forward a chunk for all of them) and join the batch's cache (one copy, their holes
+        squeezed out); their outputs (rows, hidden) at their last position, in the order they now hold
+        in the batch."""
+        drafters = [d for d, _, _ in joining]
+        assert all(d.entries == 0 for d in drafters)  # a row out of any batch has no entries
+        joined = BatchKVCache.of_empty_rows(len(joining))
+        outs = self._feed([(hidden, ids) for _, hidden, ids in joining], joined, drafters)
+        if joined.has_holes:
+            joined.keep(list(range(joined.batch)))
+        self.cache.add([joined.row(i) for i in range(joined.batch)])
+        for d in drafters:
+            d.batch = self
             self.rows.append(d)
-        self.cache.add(caches)
-        return mx.concatenate(outs)
+        return outs
 
 
 def _padded(features: mx.array | None, width: int, like: mx.array) -> mx.array:
