@@ -11,18 +11,22 @@ their state with them; and generation drafting so gives plain decoding's output,
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 import pytest
+from drafting import (
+    assert_same_results,
+    assert_whole_steps,
+    drafting_requests,
+    record_reads,
+    run_drafting,
+)
 from engines import closed_after_test, count_calls
 
-from mlxq.jobs.schema import GenerateRequest
 from mlxq.worker.engine import Engine, EngineOptions
-from mlxq.worker.engine.cache.batch_cache import BatchKVCache
-from mlxq.worker.engine.generation_batch import Finished, GenerationBatch, generate
+from mlxq.worker.engine.generation_batch import generate
 from mlxq.worker.engine.prefill import prefill
 from mlxq.worker.engine.speculation.draft_batch import DraftModelDrafter
 from mlxq.worker.engine.speculation.draft_model import DraftModel
@@ -32,7 +36,6 @@ from mlxq.worker.engine.text.tokenizer import Tokenizer
 from mlxq.worker.modelfiles.tiny_model import write_random_checkpoint
 
 CHUNK = 16  # prompts longer than this are prefilled chunk by chunk
-PROMPT = "The capital of France is Paris. "
 
 
 @pytest.fixture(scope="module")
@@ -60,40 +63,6 @@ def windowed_draft_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _draft(folder: Path, pad_shapes: bool = False) -> DraftModel:
     return DraftModel.load(folder, Tokenizer.from_dir(folder), prefill_chunk=CHUNK, pad_shapes=pad_shapes)
-
-
-Read = tuple[int, int, int]  # a forward's columns written, the layer's end after it, key columns read
-
-
-def record_reads(layers: list[BatchKVCache]) -> list[Read]:
-    """Note, for every forward through these batch cache layers, the columns it wrote, the layer's end
-    after the write and the key columns attention read (in the batch's numbering: a windowed layer's
-    from `base`)."""
-    reads: list[Read] = []
-    for layer in layers:
-        plain = layer.update_and_fetch
-
-        def read(
-            keys: mx.array, values: mx.array, plain: Any = plain, layer: BatchKVCache = layer
-        ) -> tuple[mx.array, mx.array]:
-            k, v = plain(keys, values)
-            reads.append((keys.shape[2], layer.end, layer.base + k.shape[2]))
-            return k, v
-
-        layer.update_and_fetch = read  # type: ignore[method-assign]
-    return reads
-
-
-def assert_whole_steps(reads: list[Read], whole: bool) -> None:
-    """With `whole`, every forward of several columns read whole steps of the cache and its width is a
-    power of two, every one-column forward exactly the columns written; else every forward read
-    exactly. Some forward fed several columns."""
-    assert any(n > 1 for n, _, _ in reads)
-    for n, end, columns in reads:
-        if whole and n > 1:
-            assert columns % BatchKVCache.step == 0 and columns >= end and n & (n - 1) == 0, (n, end, columns)
-        else:
-            assert columns == end, (n, end, columns)
 
 
 class AloneDrafter:
@@ -250,42 +219,6 @@ def _engine(model: Path, **options: Any) -> Engine:
     )
 
 
-def _run(
-    engine: Engine, requests: list[GenerateRequest], max_sequences: int, cancel: int | None = None
-) -> dict[int, Finished]:
-    """Admit a request a step as slots free up; run until all end, checking at every step that the draft
-    batches hold no row that left. `cancel`: that request is cancelled after its fifth token."""
-    batch = GenerationBatch(engine, max_sequences=max_sequences)
-    seen: dict[int, int] = {i: 0 for i in range(len(requests))}
-
-    def sink(i: int) -> Callable[[str, list[int]], None]:
-        def take(_text: str, ids: list[int]) -> None:
-            seen[i] += len(ids)
-
-        return take
-
-    done: dict[int, Finished] = {}
-    todo = list(enumerate(requests))
-    while todo or len(batch):
-        if todo and batch.free_slots > 0:
-            i, request = todo.pop(0)
-            batch.admit(str(i), request, sink(i), lambda i=i: i == cancel and seen[i] >= 5)
-        for f in batch.step():
-            done[int(f.key)] = f
-        assert batch.drafts.held <= len(batch.decoding)
-    batch.close()
-    assert batch.drafts.held == 0
-    return done
-
-
-def _requests(engine: Engine, n: int) -> Iterator[GenerateRequest]:
-    no_eos = {i: -100.0 for i in engine.tokenizer.eos_ids}
-    for i in range(n):
-        yield GenerateRequest(
-            prompt=PROMPT * (1 + i % 3) + f"#{i}", max_tokens=5 + 6 * i, temperature=0, logit_bias=no_eos
-        )
-
-
 @pytest.mark.parametrize("rows, pad_shapes", [(1, False), (3, False), (8, False), (3, True)])
 def test_generation_drafting_together_gives_plain_decodings_output(
     target: Path, draft_dir: Path, rows: int, pad_shapes: bool
@@ -295,11 +228,11 @@ def test_generation_drafting_together_gives_plain_decodings_output(
     the target itself (every draft kept) or by another model (few kept), shapes padded (a GPU's way:
     the drafts' forwards read whole steps) or not."""
     plain = _engine(target)
-    requests = list(_requests(plain, rows + 1))
+    requests = list(drafting_requests(plain, rows + 1))
     stop_at = generate(plain, requests[-1], lambda _t, _ids: None).text[10:13]
     requests[-1] = requests[-1].model_copy(update={"stop": [stop_at], "max_tokens": 40})
     cancel = 1 if rows > 1 else None
-    expected = _run(plain, requests, rows, cancel)
+    expected = run_drafting(plain, requests, rows, cancel)
     policy = DraftPolicy(min_acceptance=0.0, max_batch=64)
     for draft in (str(target), str(draft_dir)):
         spec = _engine(
@@ -307,11 +240,8 @@ def test_generation_drafting_together_gives_plain_decodings_output(
         )
         assert isinstance(spec.draft_choice.draft, DraftModel)
         assert spec.draft_choice.draft.draft_batch().whole_steps == pad_shapes
-        got = _run(spec, requests, rows, cancel)
-        for i in range(len(requests)):
-            a, b = expected[i].result, got[i].result
-            assert a is not None and b is not None, (got[i].error, i)
-            assert (a.token_ids, a.text, a.finish_reason) == (b.token_ids, b.text, b.finish_reason), i
+        got = run_drafting(spec, requests, rows, cancel)
+        assert_same_results(expected, got)
         assert sum(r.result.usage.draft_tokens for r in got.values() if r.result) > 0
     assert expected[len(requests) - 1].result.finish_reason == "stop"  # type: ignore[union-attr]
     if cancel is not None:

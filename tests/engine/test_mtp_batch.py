@@ -20,6 +20,7 @@ from typing import Any, cast
 
 import mlx.core as mx
 import pytest
+from drafting import assert_same_results, assert_whole_steps, drafting_requests, record_reads, run_drafting
 from engines import closed_after_test, count_calls
 
 from mlxq.worker.engine import Engine, EngineOptions
@@ -29,7 +30,6 @@ from mlxq.worker.engine.speculation.drafter import RowToDraft
 from mlxq.worker.engine.speculation.mtp import MtpDraft, MtpLayer
 from mlxq.worker.engine.speculation.mtp_batch import MtpBatch, MtpDrafter, ShiftedCache
 from mlxq.worker.engine.speculation.policy import DraftPolicy
-from tests.engine.test_draft_batch import _requests, _run, assert_whole_steps, record_reads
 
 CHUNK = 16  # prompts longer than this enter chunk by chunk
 
@@ -239,20 +239,17 @@ def test_generation_drafting_together_gives_plain_decodings_output(
     not padded) gives, shapes padded (a GPU's way: the MTP forwards read whole steps) or not, and the
     draft batch holds no row that left."""
     plain = _engine(narrowed)
-    requests = list(_requests(plain, rows + 1))
+    requests = list(drafting_requests(plain, rows + 1))
     stop_at = generate(plain, requests[-1], lambda _t, _ids: None).text[10:13]
     requests[-1] = requests[-1].model_copy(update={"stop": [stop_at], "max_tokens": 40})
     cancel = 1 if rows > 1 else None
-    expected = _run(plain, requests, rows, cancel)
+    expected = run_drafting(plain, requests, rows, cancel)
     policy = DraftPolicy(min_acceptance=0.0, max_batch=64, only_likely=False)
     spec = _engine(narrowed, speculation="mtp", draft_policy=policy, pad_shapes=pad_shapes)
     assert isinstance(spec.draft_choice.draft, MtpDraft)
     assert spec.draft_choice.draft.draft_batch().pad_shapes == pad_shapes
-    got = _run(spec, requests, rows, cancel)
-    for i in range(len(requests)):
-        a, b = expected[i].result, got[i].result
-        assert a is not None and b is not None, (got[i].error, i)
-        assert (a.token_ids, a.text, a.finish_reason) == (b.token_ids, b.text, b.finish_reason), i
+    got = run_drafting(spec, requests, rows, cancel)
+    assert_same_results(expected, got)
     usage = [r.result.usage for r in got.values() if r.result]
     drafted, kept = sum(u.draft_tokens for u in usage), sum(u.accepted_tokens for u in usage)
     assert expected[len(requests) - 1].result.finish_reason == "stop"  # type: ignore[union-attr]
