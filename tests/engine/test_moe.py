@@ -83,6 +83,43 @@ def test_gathered_experts_equal_each_expert_applied_on_its_own(rows: int) -> Non
     np.testing.assert_allclose(np.array(block(x, experts)), np.array(got), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("fused", [False, True])
+def test_many_pairs_through_quantized_experts_dequantized_equal_the_quantized_matmuls(fused: bool) -> None:
+    """From `dense_from` pairs (MLX's CUDA build: `DENSE_FROM_ON_CUDA`) quantized experts are multiplied
+    dequantized, by a plain gathered matmul of the pairs sorted by expert: the same outputs as the
+    gathered quantized matmuls (float32), and fewer pairs keep those."""
+    mx.random.seed(3)
+    block = moe.SwitchGLU(64, 32, 7)
+    nn.quantize(block, 32, 4, class_predicate=lambda _p, m: isinstance(m, moe.SwitchLinear))
+    if fused:
+        block.fuse()
+    assert block.dense_from is None  # not on the CPU build
+    x = mx.random.normal((40, 64))
+    experts = mx.random.randint(0, 7, (40, 3))  # 120 pairs: sorted by expert
+    quantized = block(x, experts)
+    block.dense_from = 100
+    calls = {"qmm": 0, "mm": 0}
+    real_qmm, real_mm = mx.gather_qmm, mx.gather_mm
+
+    def qmm(*args: Any, **kwargs: Any) -> mx.array:
+        calls["qmm"] += 1
+        return real_qmm(*args, **kwargs)
+
+    def mm(*args: Any, **kwargs: Any) -> mx.array:
+        calls["mm"] += 1
+        return real_mm(*args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(mx, "gather_qmm", qmm)
+        patch.setattr(mx, "gather_mm", mm)
+        dense = block(x, experts)
+        assert calls == {"qmm": 0, "mm": 2 if fused else 3}
+        np.testing.assert_allclose(np.array(dense), np.array(quantized), rtol=1e-4, atol=1e-5)
+        few = block(x[:20], experts[:20])  # 60 pairs: the quantized matmuls still
+        assert calls["qmm"] == (2 if fused else 3)
+        np.testing.assert_allclose(np.array(few), np.array(quantized[:20]), rtol=1e-5, atol=1e-6)
+
+
 def _primitives(out: mx.array, tmp_path: Path) -> list[str]:
     """The primitives of the graph behind `out` (not evaluated), by name."""
     mx.export_to_dot(str(tmp_path / "graph.dot"), out)

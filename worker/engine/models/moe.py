@@ -31,6 +31,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from mlxq.worker.engine.device import on_cuda
 from mlxq.worker.engine.errors import CheckpointError
 from mlxq.worker.engine.models import llama, mlp, model_args
 from mlxq.worker.engine.models.fused_linear import KeptView, kept_transpose, kept_view
@@ -38,6 +39,14 @@ from mlxq.worker.engine.models.fused_linear import KeptView, kept_transpose, kep
 # From how many (token, expert) pairs a forward sorts them by expert before its gathered matmuls: below,
 # a decode step of a few rows, sorting would cost more launches than it saves reads.
 SORT_FROM = 64
+
+# From how many (token, expert) pairs a forward on MLX's CUDA build multiplies quantized experts as
+# dequantized ones (`SwitchGLU.dense_from`). There a gathered quantized matmul computes each pair on its
+# own, a tile of rows for its one row, reading its expert's weights again per pair, whatever the sort
+# (`GatherQMM::eval_gpu` ignores it); a plain gathered matmul of pairs sorted by expert is one grouped
+# GEMM that reads each expert once. Dequantizing a layer's experts costs a pass over them, which many
+# pairs (a prefill, a large batch) repay and a decode step of a few rows does not.
+DENSE_FROM_ON_CUDA = 512
 
 # mx.quantize's own group size and bits per mode, for a `to_quantized` called without them.
 _QUANT_DEFAULTS = {"affine": (64, 4), "mxfp4": (32, 4), "nvfp4": (16, 4), "mxfp8": (32, 8)}
@@ -153,6 +162,16 @@ class QuantizedSwitchLinear(nn.Module):
             sorted_indices=sorted_experts,
         )
 
+    def dense(self) -> SwitchLinear:
+        """The same experts dequantized to the scales' dtype: built in the forward that calls it (two
+        ops), its buffer given back when that forward is done with it."""
+        plain = SwitchLinear.__new__(SwitchLinear)
+        nn.Module.__init__(plain)
+        plain.weight = mx.dequantize(
+            self.weight, self.scales, self.get("biases"), self.group_size, self.bits, mode=self.mode
+        )
+        return plain
+
 
 def _side_by_side(parts: list[nn.Module]) -> nn.Module | None:
     """Stacked projections of one input as one, their outputs concatenated (gate and up: one gathered
@@ -197,12 +216,17 @@ class SwitchGLU(nn.Module):
         self.down_proj = SwitchLinear(width, hidden, experts)
         self.width = width
         self.gate_up_proj: nn.Module | None = None  # set by `fuse`, in place of gate_proj and up_proj
+        # From how many (token, expert) pairs quantized experts are multiplied dequantized (set by `fuse`:
+        # `DENSE_FROM_ON_CUDA` on MLX's CUDA build, never elsewhere; None: never)
+        self.dense_from: int | None = None
 
     def fuse(self) -> None:
         if self.gate_up_proj is None and (fused := _side_by_side([self.gate_proj, self.up_proj])) is not None:
             mx.eval(fused.parameters())
             self.gate_up_proj = fused
             del self.gate_proj, self.up_proj
+        if on_cuda() and isinstance(self.down_proj, QuantizedSwitchLinear):
+            self.dense_from = DENSE_FROM_ON_CUDA
 
     def __call__(self, x: mx.array, experts: mx.array) -> mx.array:
         """Each row of x (N, hidden) through each of its k experts (N, k): (N, k, hidden)."""
@@ -229,19 +253,33 @@ class SwitchGLU(nn.Module):
         # The rows themselves in the experts' order: MLX takes `sorted_experts` at its word only where a
         # gathered matmul is given no rows of its own (`lhs_indices`).
         x = mx.take(x, mx.take_along_axis(_pair_rows((pairs,), k), order, axis=0), axis=0)
-        out = self.down_proj(self._gated(x, by_expert, None, True), by_expert, None, True)
-        return out[mx.argsort(order).reshape(n, k)].reshape(n, k, out.shape[-1])
+        dense = self.dense_from is not None and pairs >= self.dense_from
+        down = _dense(self.down_proj) if dense else self.down_proj
+        by_pair: mx.array = down(self._gated(x, by_expert, None, True, dense), by_expert, None, True)
+        return by_pair[mx.argsort(order).reshape(n, k)].reshape(n, k, by_pair.shape[-1])
 
-    def _gated(self, x: mx.array, experts: mx.array, rows: mx.array | None, sorted_experts: bool) -> mx.array:
+    def _gated(
+        self, x: mx.array, experts: mx.array, rows: mx.array | None, sorted_experts: bool, dense: bool = False
+    ) -> mx.array:
         """silu(gate) * up of row `rows[i]` of x (rows None: x's own rows) by expert `experts[i]`:
-        experts.shape + (1, width)."""
+        experts.shape + (1, width); `dense`: quantized experts multiplied dequantized."""
+        project = _dense if dense else _as_is
         if self.gate_up_proj is not None:
-            both = self.gate_up_proj(x, experts, rows, sorted_experts)
+            both = project(self.gate_up_proj)(x, experts, rows, sorted_experts)
             gate, up = mx.split(both, [self.width], axis=-1)
         else:
-            gate = self.gate_proj(x, experts, rows, sorted_experts)
-            up = self.up_proj(x, experts, rows, sorted_experts)
+            gate = project(self.gate_proj)(x, experts, rows, sorted_experts)
+            up = project(self.up_proj)(x, experts, rows, sorted_experts)
         return _swiglu(gate, up)
+
+
+def _dense(proj: nn.Module) -> nn.Module:
+    """A quantized projection's experts dequantized for this forward (a plain one as it is)."""
+    return proj.dense() if isinstance(proj, QuantizedSwitchLinear) else proj
+
+
+def _as_is(proj: nn.Module) -> nn.Module:
+    return proj
 
 
 def route(logits: mx.array, k: int, renormalize: bool) -> tuple[mx.array, mx.array]:
