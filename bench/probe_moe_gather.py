@@ -41,12 +41,17 @@ def main() -> None:
         es = [e.astype(mx.uint32) for e in es]
         mx.eval(xs, es)
         row = [f"N={n:5d} pairs={8 * n:6d}"]
-        for label, dense_from in (("quantized", None), ("dense", 1)):
-            if dense_from is not None and 8 * n < moe.SORT_FROM:
+        for label, dense_from, sort_from in (
+            ("quantized", None, 64),
+            ("unsorted", None, 1 << 30),
+            ("dense", 1, 64),
+        ):
+            if (dense_from is not None or sort_from > 64) and 8 * n < 64:
                 continue
-            block.dense_from = dense_from
+            block.dense_from, moe.SORT_FROM = dense_from, sort_from
             med, lo, hi = timed(lambda i, xs=xs, es=es: block.expert_outputs(xs[i % 4], es[i % 4]))
             row.append(f"{label} {med:8.3f} ms ({lo:.3f}-{hi:.3f})")
+        moe.SORT_FROM = 64
         print("  ".join(row), flush=True)
     gate_up = block.gate_up_proj
     x = mx.random.normal((1, 1, 2048)).astype(mx.bfloat16)
