@@ -93,11 +93,11 @@ def test_many_pairs_through_quantized_experts_dequantized_equal_the_quantized_ma
     nn.quantize(block, 32, 4, class_predicate=lambda _p, m: isinstance(m, moe.SwitchLinear))
     if fused:
         block.fuse()
-    assert block.dense_from is None  # not on the CPU build
+    assert (block.sort_from, block.dense_from) == (moe.SORT_FROM, None)  # not on the CPU build
     x = mx.random.normal((40, 64))
     experts = mx.random.randint(0, 7, (40, 3))  # 120 pairs: sorted by expert
     quantized = block(x, experts)
-    block.dense_from = 100
+    block.sort_from, block.dense_from = 64, 100
     calls = {"qmm": 0, "mm": 0}
     real_qmm, real_mm = mx.gather_qmm, mx.gather_mm
 
@@ -118,6 +118,36 @@ def test_many_pairs_through_quantized_experts_dequantized_equal_the_quantized_ma
         few = block(x[:20], experts[:20])  # 60 pairs: the quantized matmuls still
         assert calls["qmm"] == (2 if fused else 3)
         np.testing.assert_allclose(np.array(few), np.array(quantized[:20]), rtol=1e-5, atol=1e-6)
+
+
+def test_dequantized_experts_are_made_layer_by_layer() -> None:
+    """A forward through many sparse layers taking the dequantized path holds about one layer's
+    dequantized experts at a time, not every layer's (MLX would otherwise make them all first: nothing
+    but `after` orders them)."""
+    mx.random.seed(4)
+    layers = []
+    for _ in range(8):
+        block = moe.SwitchGLU(256, 512, 8)
+        nn.quantize(block, 64, 4, class_predicate=lambda _p, m: isinstance(m, moe.SwitchLinear))
+        block.fuse()
+        block.sort_from = block.dense_from = 1
+        layers.append(block)
+    x, experts = mx.random.normal((64, 1, 256)), mx.random.randint(0, 8, (64, 2))
+    mx.eval([b.parameters() for b in layers], x, experts)
+
+    def forward() -> mx.array:
+        h = x
+        for block in layers:
+            h = block.expert_outputs(h, experts).sum(axis=1, keepdims=True)
+        return h
+
+    mx.eval(forward())
+    mx.clear_cache()
+    mx.reset_peak_memory()
+    resident = mx.get_active_memory()
+    mx.eval(forward())
+    one_layer = 8 * 3 * 512 * 256 * 4  # gate, up and down of 8 experts, float32
+    assert mx.get_peak_memory() - resident < 2.5 * one_layer
 
 
 def _primitives(out: mx.array, tmp_path: Path) -> list[str]:

@@ -43,10 +43,11 @@ SORT_FROM = 64
 # From how many (token, expert) pairs a forward on MLX's CUDA build multiplies quantized experts as
 # dequantized ones (`SwitchGLU.dense_from`). There a gathered quantized matmul computes each pair on its
 # own, a tile of rows for its one row, reading its expert's weights again per pair, whatever the sort
-# (`GatherQMM::eval_gpu` ignores it); a plain gathered matmul of pairs sorted by expert is one grouped
-# GEMM that reads each expert once. Dequantizing a layer's experts costs a pass over them, which many
-# pairs (a prefill, a large batch) repay and a decode step of a few rows does not.
-DENSE_FROM_ON_CUDA = 512
+# (`GatherQMM::eval_gpu` ignores it: so below this the pairs are not sorted there either); a plain
+# gathered matmul of pairs sorted by expert is one grouped GEMM that reads each expert once.
+# Dequantizing a layer's experts costs a pass over them, which many pairs (a prefill, a large batch)
+# repay and a decode step of a few rows does not (bench/README, "A MoE layer's experts on CUDA").
+DENSE_FROM_ON_CUDA = 2048
 
 # mx.quantize's own group size and bits per mode, for a `to_quantized` called without them.
 _QUANT_DEFAULTS = {"affine": (64, 4), "mxfp4": (32, 4), "nvfp4": (16, 4), "mxfp8": (32, 8)}
@@ -162,13 +163,16 @@ class QuantizedSwitchLinear(nn.Module):
             sorted_indices=sorted_experts,
         )
 
-    def dense(self) -> SwitchLinear:
-        """The same experts dequantized to the scales' dtype: built in the forward that calls it (two
-        ops), its buffer given back when that forward is done with it."""
+    def dense(self, after: mx.array) -> SwitchLinear:
+        """The same experts dequantized to the scales' dtype, built in the forward that calls it and
+        given back when it is done with them. Dequantized only once `after` (the projection's input) is
+        computed: nothing else orders them, and MLX could otherwise make every layer's at once."""
         plain = SwitchLinear.__new__(SwitchLinear)
         nn.Module.__init__(plain)
+        weight = mx.depends(self.weight, after)
+        assert isinstance(weight, mx.array)
         plain.weight = mx.dequantize(
-            self.weight, self.scales, self.get("biases"), self.group_size, self.bits, mode=self.mode
+            weight, self.scales, self.get("biases"), self.group_size, self.bits, mode=self.mode
         )
         return plain
 
@@ -216,8 +220,10 @@ class SwitchGLU(nn.Module):
         self.down_proj = SwitchLinear(width, hidden, experts)
         self.width = width
         self.gate_up_proj: nn.Module | None = None  # set by `fuse`, in place of gate_proj and up_proj
-        # From how many (token, expert) pairs quantized experts are multiplied dequantized (set by `fuse`:
-        # `DENSE_FROM_ON_CUDA` on MLX's CUDA build, never elsewhere; None: never)
+        # From how many (token, expert) pairs they are sorted by expert first, and from how many
+        # quantized experts are multiplied dequantized (None: never). `fuse` sets both to
+        # `DENSE_FROM_ON_CUDA` for quantized experts on MLX's CUDA build.
+        self.sort_from = SORT_FROM
         self.dense_from: int | None = None
 
     def fuse(self) -> None:
@@ -226,7 +232,7 @@ class SwitchGLU(nn.Module):
             self.gate_up_proj = fused
             del self.gate_proj, self.up_proj
         if on_cuda() and isinstance(self.down_proj, QuantizedSwitchLinear):
-            self.dense_from = DENSE_FROM_ON_CUDA
+            self.sort_from = self.dense_from = DENSE_FROM_ON_CUDA
 
     def __call__(self, x: mx.array, experts: mx.array) -> mx.array:
         """Each row of x (N, hidden) through each of its k experts (N, k): (N, k, hidden)."""
@@ -240,10 +246,10 @@ class SwitchGLU(nn.Module):
 
     def expert_outputs(self, x: mx.array, experts: mx.array) -> mx.array:
         """Each token of x (N, 1, hidden) through each of its k experts (N, ..., k): (N, k, hidden).
-        From `SORT_FROM` (token, expert) pairs on, the pairs are sorted by expert first, so each
+        From `sort_from` (token, expert) pairs on, the pairs are sorted by expert first, so each
         expert's weights are read once per forward rather than once per token."""
         n, k, pairs = x.shape[0], experts.shape[-1], experts.size
-        if pairs < SORT_FROM:
+        if pairs < self.sort_from:
             hidden = self._gated(x, experts, _pair_rows(experts.shape, k), False)
             out = self.down_proj(hidden, experts, _pair_rows(experts.shape, 1))
             return out.reshape(n, k, out.shape[-1])
@@ -254,8 +260,9 @@ class SwitchGLU(nn.Module):
         # gathered matmul is given no rows of its own (`lhs_indices`).
         x = mx.take(x, mx.take_along_axis(_pair_rows((pairs,), k), order, axis=0), axis=0)
         dense = self.dense_from is not None and pairs >= self.dense_from
-        down = _dense(self.down_proj) if dense else self.down_proj
-        by_pair: mx.array = down(self._gated(x, by_expert, None, True, dense), by_expert, None, True)
+        hidden = self._gated(x, by_expert, None, True, dense)
+        down = _dense(self.down_proj, hidden) if dense else self.down_proj
+        by_pair: mx.array = down(hidden, by_expert, None, True)
         return by_pair[mx.argsort(order).reshape(n, k)].reshape(n, k, by_pair.shape[-1])
 
     def _gated(
@@ -263,23 +270,20 @@ class SwitchGLU(nn.Module):
     ) -> mx.array:
         """silu(gate) * up of row `rows[i]` of x (rows None: x's own rows) by expert `experts[i]`:
         experts.shape + (1, width); `dense`: quantized experts multiplied dequantized."""
-        project = _dense if dense else _as_is
         if self.gate_up_proj is not None:
-            both = project(self.gate_up_proj)(x, experts, rows, sorted_experts)
-            gate, up = mx.split(both, [self.width], axis=-1)
+            gate_up = _dense(self.gate_up_proj, x) if dense else self.gate_up_proj
+            gate, up = mx.split(gate_up(x, experts, rows, sorted_experts), [self.width], axis=-1)
         else:
-            gate = project(self.gate_proj)(x, experts, rows, sorted_experts)
-            up = project(self.up_proj)(x, experts, rows, sorted_experts)
+            gate_proj = _dense(self.gate_proj, x) if dense else self.gate_proj
+            up_proj = _dense(self.up_proj, x) if dense else self.up_proj
+            gate, up = gate_proj(x, experts, rows, sorted_experts), up_proj(x, experts, rows, sorted_experts)
         return _swiglu(gate, up)
 
 
-def _dense(proj: nn.Module) -> nn.Module:
-    """A quantized projection's experts dequantized for this forward (a plain one as it is)."""
-    return proj.dense() if isinstance(proj, QuantizedSwitchLinear) else proj
-
-
-def _as_is(proj: nn.Module) -> nn.Module:
-    return proj
+def _dense(proj: nn.Module, after: mx.array) -> nn.Module:
+    """A quantized projection's experts dequantized for this forward once `after` is computed (a plain
+    projection as it is)."""
+    return proj.dense(after) if isinstance(proj, QuantizedSwitchLinear) else proj
 
 
 def route(logits: mx.array, k: int, renormalize: bool) -> tuple[mx.array, mx.array]:
