@@ -239,7 +239,7 @@ def test_generation_drafting_together_gives_plain_decodings_output(
             target, speculation="draft_model", draft_model=draft, draft_policy=policy, pad_shapes=pad_shapes
         )
         assert isinstance(spec.draft_choice.draft, DraftModel)
-        assert spec.draft_choice.draft.draft_batch().whole_steps == pad_shapes
+        assert spec.draft_choice.draft.draft_batch().pad_shapes == pad_shapes
         got = run_drafting(spec, requests, rows, cancel)
         assert_same_results(expected, got)
         assert sum(r.result.usage.draft_tokens for r in got.values() if r.result) > 0

@@ -91,8 +91,9 @@ class DraftModelBatch:
         self.model = model
         self.chunk = chunk
         self.cache = [BatchKVCache(window) for window in model.model.windows]
-        # whole-step reads (`whole_steps`): a windowed layer's reads follow its window, so not there
-        self.whole_steps = pad_shapes and all(w is None for w in model.model.windows)
+        self.pad_shapes = pad_shapes
+        # catch-up forwards reading whole steps: not where a layer's reads follow its window
+        self._whole_steps = pad_shapes and all(w is None for w in model.model.windows)
         self.rows: list[DraftModelDrafter] = []  # the drafter of each row of the buffers, in order
         self._drafted = 0  # draft columns of the last proposal each row holds, not cut back yet
         self._kept: list[int] = []  # of those, per row: how many it keeps (`accepted`; 0 until told)
@@ -199,19 +200,19 @@ class DraftModelBatch:
 
     def _feed(self, fed: list[list[int]]) -> mx.array:
         """One forward a chunk of columns feeding row i the tokens `fed[i]`, right-padded to the longest
-        (the padding columns become the row's holes), and with `whole_steps` (a GPU) to a power of two
-        (the columns past every row's tokens: forgotten) reading whole steps of the cache: the shapes a
-        GPU meets change once per 256 columns and a few widths, not at every step (see `VerifyStep`);
-        the logits of each row's last token fed."""
+        (the padding columns become the row's holes), and with `pad_shapes` (a GPU; no windowed layer)
+        to a power of two (the columns past every row's tokens: forgotten) reading whole steps of the
+        cache: the shapes a GPU meets change once per 256 columns and a few widths, not at every step
+        (see `VerifyStep`); the logits of each row's last token fed."""
         width, done = max(len(f) for f in fed), 0
         last: mx.array | None = None  # (rows, hidden): each row's last fed token's, as far as fed
         while done < width:
             n = min(self.chunk, width - done)
-            if self.whole_steps and n > 1:  # a chunk as wide as `chunk` stays so: the last one is padded
+            if self._whole_steps and n > 1:  # a chunk as wide as `chunk` stays so: the last one is padded
                 n = min(padded_size(n, smallest=1), self.chunk)
             parts = [f[done : done + n] for f in fed]
             block = mx.array([p + [0] * (n - len(p)) for p in parts], dtype=mx.int32)
-            with one_offset(self.cache), whole_steps(self.cache, n, self.whole_steps) as columns:
+            with one_offset(self.cache), whole_steps(self.cache, n, self._whole_steps) as columns:
                 mask = self.cache[0].mask(n, columns)
                 hidden = self.model.hidden(block, cache=self.cache, mask=mask)
             for layer in self.cache:
