@@ -20,6 +20,7 @@ from drafting import (
     assert_same_results,
     assert_whole_steps,
     drafting_requests,
+    record_draft_attention,
     record_reads,
     run_drafting,
 )
@@ -159,6 +160,21 @@ def test_rows_drafting_together_propose_what_each_proposes_alone(
     assert all(row.batched.cached < len(row.tokens) for row in live.values())
     batch.leave([row.batched for row in live.values()])
     assert len(batch) == 0 and batch.cache[0].keys is None  # no row's cache outlives it
+
+
+def test_rows_joining_a_padded_batch_are_prefilled_in_a_padded_shape(
+    draft_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With `pad_shapes` rows that join together are prefilled as the engine's own prompts are: their
+    number padded to a power of two, their width to a `padded_width` (a GPU meets a few shapes, not one
+    a prompt length); their drafts are what each proposes alone."""
+    draft = _draft(draft_dir, pad_shapes=True)
+    batch = draft.draft_batch()
+    tokens = [[5 + i] * n for i, n in enumerate((5, 9, 11))]
+    met = record_draft_attention(monkeypatch)
+    got = batch.propose([RowToDraft(DraftModelDrafter(draft), t, 1) for t in tokens])
+    assert met == {(4, CHUNK, CHUNK)}  # 3 rows of at most 11 tokens: 4 rows, 16 columns
+    assert got == [AloneDrafter(draft).propose(t, 1) for t in tokens]
 
 
 def test_a_row_asked_again_with_nothing_new_starts_over_from_its_prompt(draft_dir: Path) -> None:

@@ -6,8 +6,9 @@ cost a catch-up forward and a forward per drafted token for all rows at once, wh
 alone cost those for each row. It owns that cache and which of its rows each row's drafter
 (`DraftModelDrafter`) is. A proposal for the rows of a step:
 - rows new to the batch are prefilled from their prompt (those that fit a chunk in one forward
-  together, `prefill_rows`; a longer one alone, chunk by chunk) and join the cache (`BatchKVCache.add`);
-  their first drafts come from that prefill's logits;
+  together, `prefill_rows`; a longer one alone, chunk by chunk; with `pad_shapes` rows and widths
+  padded as the engine's own prefills are) and join the cache (`BatchKVCache.add`); their first drafts
+  come from that prefill's logits;
 - the other rows are fed the tokens their cache lacks (what the target took since their last
   proposal: the drafts it kept and its pending token, more after steps they did not draft) in one
   forward: a right-padded block as wide as the longest lag of a drafting row, each row keeping its own
@@ -84,8 +85,9 @@ class DraftModelDrafter:
 class DraftModelBatch:
     """The rows drafting with draft model `model` in one generation batch; `chunk`: a new row's prompt
     is prefilled in chunks of that many tokens (prompts that fit one, together); `pad_shapes`: the
-    engine pads shapes (a GPU): its catch-up forwards read whole steps of the cache, their width a
-    power of two, unless a layer of the model slides a window. See the module docstring."""
+    engine pads shapes (a GPU): its prefills of joining rows are padded as the engine's are, its catch-up
+    forwards read whole steps of the cache, their width a power of two, unless a layer of the model
+    slides a window. See the module docstring."""
 
     def __init__(self, model: Model, chunk: int = 2048, pad_shapes: bool = False) -> None:
         self.model = model
@@ -231,19 +233,22 @@ class DraftModelBatch:
         return self.model.logits(last)
 
     def _join(self, rows: list[RowToDraft]) -> mx.array:
-        """New rows prefilled from their tokens (those that fit a chunk in one forward) and added to the
-        cache; their last tokens' logits (rows, vocab), in the order they now hold in the batch."""
+        """New rows prefilled from their tokens (those that fit a chunk in one forward; with `pad_shapes`
+        its rows and width padded, so a GPU meets a few shapes, not one a prompt length) and added to
+        the cache; their last tokens' logits (rows, vocab), in the order they now hold in the batch."""
         short = [r for r in rows if len(r.tokens) <= self.chunk]
         long = [r for r in rows if len(r.tokens) > self.chunk]
         caches: list[list[KVCache]] = []
         logits: list[mx.array] = []
         if short:
-            made, first = prefill_rows(self.model, [(r.tokens, self.model.make_cache()) for r in short])
+            made, first = prefill_rows(
+                self.model, [(r.tokens, self.model.make_cache()) for r in short], self.pad_shapes
+            )
             caches.extend(made)
             logits.append(first)
         for r in long:
             cache = self.model.make_cache()
-            logits.append(prefill(self.model, r.tokens, cache, self.chunk))
+            logits.append(prefill(self.model, r.tokens, cache, self.chunk, self.pad_shapes))
             caches.append(cache)
         for n, layer in enumerate(self.cache):
             layer.add([cache[n] for cache in caches])
