@@ -7,9 +7,9 @@ first forward of each shape builds its kernels and attention plans, many times t
 without this the first verify steps of a live batch (the draft gate's first probe of drafting) pay for
 them. `warm_drafts` meets them on made-up rows, driven through the batch's own `propose` as a
 generation's rows are (tokens of no meaning; an MTP row's target hidden states zeros):
-- rows entering their prompts together: each number of rows that may join at once (a draft model's
-  prefill pads it to a power of two, `prefill_rows`; an MTP batch enters as many as join), each width
-  a prompt of up to a chunk is padded to (`join_widths`);
+- rows entering their prompts together: each number of rows that may join at once (padded to a power
+  of two: a draft model's prefill, `prefill_rows`, and an MTP batch's entering forward add rows of
+  padding), each width a prompt of up to a chunk is padded to (`join_widths`);
 - the forward feeding a batch's rows what they lack since their last proposal: each number of rows
   the batch may hold (not padded), each width up to a lag of a retry's wait (`catch_up_widths`), each
   number of key columns up to `verify_columns`, as the verify steps are warmed (`warm_up.py`); and a
@@ -76,10 +76,7 @@ def warm_drafts(engine: Engine, max_rows: int, verify_columns: int) -> int:
     most = min(max_rows, policy.max_batch)
     vocab = min(engine.tokenizer.vocab_size, engine.model.args.vocab_size)
     proposals = 0
-    if isinstance(draft, DraftModel):  # its prefill pads the rows joining together to a power of two
-        together = sorted({padded_size(n, smallest=1) for n in range(1, most + 1)})
-    else:
-        together = list(range(1, most + 1))
+    together = sorted({padded_size(n, smallest=1) for n in range(1, most + 1)})  # rows joining at once
     chunk = min(engine.options.prefill_chunk, engine.context_length - 1)
     for rows in together:
         for length in join_widths(draft, chunk):
