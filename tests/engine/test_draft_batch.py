@@ -256,6 +256,7 @@ def test_generation_drafting_together_gives_plain_decodings_output(
         )
         assert isinstance(spec.draft_choice.draft, DraftModel)
         assert spec.draft_choice.draft.draft_batch().pad_shapes == pad_shapes
+        assert spec.draft_choice.draft.model.bucket_keys == pad_shapes  # a long prompt's chunks too
         got = run_drafting(spec, requests, rows, cancel)
         assert_same_results(expected, got)
         assert sum(r.result.usage.draft_tokens for r in got.values() if r.result) > 0
