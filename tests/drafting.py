@@ -1,6 +1,7 @@
-"""What the tests of rows drafting together share (`test_draft_batch.py`, `test_mtp_batch.py`): requests
-run through a generation batch with the draft batches checked at every step, their results compared with
-plain decoding's, and the key columns each forward through a batch cache reads."""
+"""What the tests of rows drafting together share (`test_draft_batch.py`, `test_mtp_batch.py`,
+`test_draft_warm_up.py`): requests run through a generation batch with the draft batches checked at
+every step, their results compared with plain decoding's, the key columns each forward through a batch
+cache reads, and the shapes of the attentions a draft batch runs."""
 
 from __future__ import annotations
 
@@ -8,11 +9,14 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import mlx.core as mx
+import pytest
 
 from mlxq.jobs.schema import GenerateRequest
 from mlxq.worker.engine import Engine
 from mlxq.worker.engine.cache.batch_cache import BatchKVCache
 from mlxq.worker.engine.generation_batch import Finished, GenerationBatch
+from mlxq.worker.engine.speculation.draft_batch import DraftModelBatch
+from mlxq.worker.engine.speculation.mtp_batch import MtpBatch
 
 PROMPT = "The capital of France is Paris. "
 
@@ -36,6 +40,36 @@ def record_reads(layers: list[BatchKVCache]) -> list[Read]:
 
         layer.update_and_fetch = read  # type: ignore[method-assign]
     return reads
+
+
+Attention = tuple[int, int, int]  # an attention's rows, queries and key columns
+
+
+def record_draft_attention(monkeypatch: pytest.MonkeyPatch) -> set[Attention]:
+    """From now on, note the shape of every attention over several queries that a draft batch
+    (`DraftModelBatch`, `MtpBatch`) runs while it proposes: what builds a plan a shape on a GPU (MLX's
+    CUDA build; one query's attention builds none)."""
+    met: set[Attention] = set()
+    proposing = [False]
+    attention = mx.fast.scaled_dot_product_attention
+
+    def noted(q: mx.array, k: mx.array, v: mx.array, *args: Any, **kwargs: Any) -> mx.array:
+        if proposing[0] and q.shape[2] > 1:
+            met.add((q.shape[0], q.shape[2], k.shape[2]))
+        return attention(q, k, v, *args, **kwargs)
+
+    monkeypatch.setattr(mx.fast, "scaled_dot_product_attention", noted)
+    for batch in (DraftModelBatch, MtpBatch):
+
+        def propose(self: Any, rows: Any, plain: Any = batch.propose) -> list[list[int]]:
+            proposing[0] = True
+            try:
+                return plain(self, rows)  # type: ignore[no-any-return]
+            finally:
+                proposing[0] = False
+
+        monkeypatch.setattr(batch, "propose", propose)
+    return met
 
 
 def assert_whole_steps(reads: list[Read], whole: bool) -> None:

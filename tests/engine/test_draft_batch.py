@@ -20,6 +20,7 @@ from drafting import (
     assert_same_results,
     assert_whole_steps,
     drafting_requests,
+    record_draft_attention,
     record_reads,
     run_drafting,
 )
@@ -161,6 +162,21 @@ def test_rows_drafting_together_propose_what_each_proposes_alone(
     assert len(batch) == 0 and batch.cache[0].keys is None  # no row's cache outlives it
 
 
+def test_rows_joining_a_padded_batch_are_prefilled_in_a_padded_shape(
+    draft_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With `pad_shapes` rows that join together are prefilled as the engine's own prompts are: their
+    number padded to a power of two, their width to a `padded_width` (a GPU meets a few shapes, not one
+    a prompt length); their drafts are what each proposes alone."""
+    draft = _draft(draft_dir, pad_shapes=True)
+    batch = draft.draft_batch()
+    tokens = [[5 + i] * n for i, n in enumerate((5, 9, 11))]
+    met = record_draft_attention(monkeypatch)
+    got = batch.propose([RowToDraft(DraftModelDrafter(draft), t, 1) for t in tokens])
+    assert met == {(4, CHUNK, CHUNK)}  # 3 rows of at most 11 tokens: 4 rows, 16 columns
+    assert got == [AloneDrafter(draft).propose(t, 1) for t in tokens]
+
+
 def test_a_row_asked_again_with_nothing_new_starts_over_from_its_prompt(draft_dir: Path) -> None:
     """Not expected of a generation (each step adds the target's token): a row whose cache already
     holds all of its tokens leaves the batch and joins again, its proposal what it proposes alone."""
@@ -239,7 +255,8 @@ def test_generation_drafting_together_gives_plain_decodings_output(
             target, speculation="draft_model", draft_model=draft, draft_policy=policy, pad_shapes=pad_shapes
         )
         assert isinstance(spec.draft_choice.draft, DraftModel)
-        assert spec.draft_choice.draft.draft_batch().whole_steps == pad_shapes
+        assert spec.draft_choice.draft.draft_batch().pad_shapes == pad_shapes
+        assert spec.draft_choice.draft.model.bucket_keys == pad_shapes  # a long prompt's chunks too
         got = run_drafting(spec, requests, rows, cancel)
         assert_same_results(expected, got)
         assert sum(r.result.usage.draft_tokens for r in got.values() if r.result) > 0

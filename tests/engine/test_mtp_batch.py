@@ -20,7 +20,14 @@ from typing import Any, cast
 
 import mlx.core as mx
 import pytest
-from drafting import assert_same_results, assert_whole_steps, drafting_requests, record_reads, run_drafting
+from drafting import (
+    assert_same_results,
+    assert_whole_steps,
+    drafting_requests,
+    record_draft_attention,
+    record_reads,
+    run_drafting,
+)
 from engines import closed_after_test, count_calls
 
 from mlxq.worker.engine import Engine, EngineOptions
@@ -173,6 +180,23 @@ def test_rows_drafting_together_propose_what_each_proposes_alone(
     assert len(batch) == len(live)
     batch.leave([row.batched for row in live.values()])
     assert len(batch) == 0 and batch.cache.keys is None  # no row's entries outlive it
+
+
+def test_rows_joining_a_padded_batch_enter_in_a_padded_number_of_rows(
+    draft: MtpDraft, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With `pad_shapes` rows that join together enter their positions beside rows entering nothing,
+    up to a power of two (a GPU meets a few shapes, not one a number of rows), their width a power of
+    two, reading a whole step; their drafts are what each proposes alone, and only they join."""
+    rng = random.Random(3)
+    vocab = draft.target.args.vocab_size
+    rows = [_Row(draft, [rng.randrange(vocab) for _ in range(20)], p) for p in (5, 9, 11)]
+    batch = MtpBatch(draft, pad_shapes=True)
+    met = record_draft_attention(monkeypatch)
+    got = batch.propose([RowToDraft(r.batched, r.now, 1) for r in rows])
+    assert met == {(4, 16, 256)}  # 3 rows of at most 11 positions
+    assert got == [r.alone.propose(r.now, r.features) for r in rows]
+    assert len(batch) == batch.cache.batch == 3 and batch.cache.lengths == [5, 9, 11]
 
 
 def test_a_row_handed_features_again_from_before_its_entries_joins_again(draft: MtpDraft) -> None:

@@ -273,6 +273,21 @@ def test_empty_rows_enter_their_first_tokens_together_each_keeping_its_count(who
         BatchKVCache().reserve(1)
 
 
+def test_rows_holding_nothing_have_no_buffers_to_reserve_their_first_write_makes_them() -> None:
+    """`reserve` refuses rows holding no tokens (`of_empty_rows`): they have no buffers, whose shape
+    comes with their first keys. A forward reading whole steps leaves them to its write, which makes
+    buffers as wide as the columns it reads."""
+    with pytest.raises(AssertionError, match="no buffers"):
+        BatchKVCache.of_empty_rows(2).reserve(1)
+    cache = BatchKVCache.of_empty_rows(2)
+    new = mx.ones((2, 1, 300, 4))
+    with whole_steps([cache], 300, True) as columns:
+        assert columns == 2 * BatchKVCache.step and cache.keys is None
+        keys, values = cache.update_and_fetch(new, new)
+    assert keys.shape[2] == values.shape[2] == columns == cache.capacity
+    assert cache.lengths == [300, 300] and cache.read_to is None
+
+
 def _greedy_requests(engine: Engine) -> list[GenerateRequest]:
     no_eos = _no_eos(engine)
     return [

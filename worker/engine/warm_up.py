@@ -14,7 +14,10 @@ without this a worker's first jobs pay for every shape they meet. `warm_up` runs
   that may draft, each padded width a step may feed (a row's pending token and its drafts), each number
   of key columns up to `verify_columns` (verify forwards read whole cache steps), a plain step after
   each. The shapes are noted as met (`Engine.verify_shapes`), so the draft gate judges those steps by
-  their time. A draft model's own forwards are not warmed here.
+  their time;
+- with a draft model or an MTP layer and padded shapes, its rows' batched forwards (`draft_warm_up.py`):
+  rows entering their prompts together, and catching up with what the target took, at each number of
+  rows that may draft and the key columns the verify steps are warmed up to.
 
 It leaves nothing behind that changes a result: the engine's prefix cache is set aside while it runs (a
 private cache of the same budget stands in, then is dropped), sampling is greedy, and nothing here
@@ -34,6 +37,7 @@ from typing import Any
 from mlxq.jobs.schema import FinishReason, GenerateRequest
 from mlxq.worker.engine.cache.kv_cache import KVCache
 from mlxq.worker.engine.cache.prefix_cache import PrefixCache
+from mlxq.worker.engine.draft_warm_up import drafts_to_warm, warm_drafts
 from mlxq.worker.engine.engine import Engine
 from mlxq.worker.engine.generation_batch import GenerationBatch
 from mlxq.worker.engine.score_requests import PreparedRow
@@ -85,7 +89,8 @@ def prefill_widths(chunk: int, padded: bool) -> list[int]:
 
 def warm_up(engine: Engine, shapes: WarmUpShapes) -> dict[str, float]:
     """Run the warm-up shapes on `engine`; the seconds each part took (`prefill`, `decode`, `batches`,
-    `score`, and `verify` with speculative decoding on a GPU). The engine's prefix cache is untouched."""
+    `score`, and with speculative decoding on a GPU `verify`, and `drafts` where a draft model or an
+    MTP layer drafts). The engine's prefix cache is untouched."""
     seconds: dict[str, float] = {}
     with _stand_in_prefix_cache(engine):
         room = shapes.decode_tokens + 8
@@ -111,15 +116,20 @@ def warm_up(engine: Engine, shapes: WarmUpShapes) -> dict[str, float]:
         if engine.options.speculation != "off" and engine.pad_shapes:
             with _timed(seconds, "verify"):
                 _verify_steps(engine, shapes, salt)
+        if drafts_to_warm(engine) is not None:
+            with _timed(seconds, "drafts"):
+                warm_drafts(engine, shapes.max_sequences, shapes.verify_columns)
     return seconds
 
 
 def warm_verify_steps(engine: Engine, shapes: WarmUpShapes) -> float:
-    """Only the verify steps' part of `warm_up` (a drafting engine beside warmed ones); its seconds."""
+    """Only the speculation's part of `warm_up` (a drafting engine beside warmed ones): its verify
+    steps and its drafter's batched forwards; its seconds."""
     started = time.perf_counter()
     if engine.options.speculation != "off" and engine.pad_shapes:
         with _stand_in_prefix_cache(engine):
             _verify_steps(engine, shapes, iter(range(1_000_000)))
+        warm_drafts(engine, shapes.max_sequences, shapes.verify_columns)
     return time.perf_counter() - started
 
 

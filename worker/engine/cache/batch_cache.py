@@ -142,11 +142,14 @@ class BatchKVCache:
         (the forward's mask must hide the ones past each query: `mask(n, columns)`). On MLX's CUDA build
         attention over several queries builds a plan per key length, many times the step's cost; a
         verify step's end moves every step, whole steps move it once per 256 columns. A windowed layer
-        keeps exact reads (its buffers start at `base`). `read_exactly` undoes it."""
+        keeps exact reads (its buffers start at `base`). `read_exactly` undoes it. Rows holding no
+        tokens yet (`of_empty_rows`) have no buffers to make room in: the forward's write makes them,
+        as wide as the columns read."""
         if self.window is not None:
             raise ValueError("a windowed layer's reads follow its window: it reads exactly")
         columns = key_columns(self.end + n)
-        self.reserve(columns - self.end)
+        if self.keys is not None:
+            self.reserve(columns - self.end)
         self.read_to = columns
         return columns
 
@@ -177,11 +180,11 @@ class BatchKVCache:
         self._aligned = False
 
     def reserve(self, n: int) -> None:
-        """Make room for `n` more columns (whole steps at a time), so the next writes grow nothing. Rows
-        holding no tokens yet (`of_empty_rows`) have no buffers: their first write makes them."""
+        """Make room for `n` more columns (whole steps at a time), so the next writes grow nothing. The
+        buffers must exist: rows holding no tokens yet (`of_empty_rows`) have none, and their shape
+        (heads, features) comes with their first write's keys, which makes them (`write`)."""
         assert self.batch, "add rows before decoding"
-        if self.keys is None or self.values is None:
-            return
+        assert self.keys is not None and self.values is not None, "rows holding no tokens have no buffers"
         if self.end + n - self.base > self.keys.shape[2]:
             extra = -(-(self.end + n - self.base - self.keys.shape[2]) // self.step) * self.step
             self.keys = pad_columns(self.keys, 0, extra)

@@ -6,8 +6,9 @@ cost a catch-up forward and a forward per drafted token for all rows at once, wh
 alone cost those for each row. It owns that cache and which of its rows each row's drafter
 (`DraftModelDrafter`) is. A proposal for the rows of a step:
 - rows new to the batch are prefilled from their prompt (those that fit a chunk in one forward
-  together, `prefill_rows`; a longer one alone, chunk by chunk) and join the cache (`BatchKVCache.add`);
-  their first drafts come from that prefill's logits;
+  together, `prefill_rows`; a longer one alone, chunk by chunk; with `pad_shapes` rows and widths
+  padded as the engine's own prefills are) and join the cache (`BatchKVCache.add`); their first drafts
+  come from that prefill's logits;
 - the other rows are fed the tokens their cache lacks (what the target took since their last
   proposal: the drafts it kept and its pending token, more after steps they did not draft) in one
   forward: a right-padded block as wide as the longest lag of a drafting row, each row keeping its own
@@ -84,15 +85,17 @@ class DraftModelDrafter:
 class DraftModelBatch:
     """The rows drafting with draft model `model` in one generation batch; `chunk`: a new row's prompt
     is prefilled in chunks of that many tokens (prompts that fit one, together); `pad_shapes`: the
-    engine pads shapes (a GPU): its catch-up forwards read whole steps of the cache, their width a
-    power of two, unless a layer of the model slides a window. See the module docstring."""
+    engine pads shapes (a GPU): its prefills of joining rows are padded as the engine's are, its catch-up
+    forwards read whole steps of the cache, their width a power of two, unless a layer of the model
+    slides a window. See the module docstring."""
 
     def __init__(self, model: Model, chunk: int = 2048, pad_shapes: bool = False) -> None:
         self.model = model
         self.chunk = chunk
         self.cache = [BatchKVCache(window) for window in model.model.windows]
-        # whole-step reads (`whole_steps`): a windowed layer's reads follow its window, so not there
-        self.whole_steps = pad_shapes and all(w is None for w in model.model.windows)
+        self.pad_shapes = pad_shapes
+        # catch-up forwards reading whole steps: not where a layer's reads follow its window
+        self._whole_steps = pad_shapes and all(w is None for w in model.model.windows)
         self.rows: list[DraftModelDrafter] = []  # the drafter of each row of the buffers, in order
         self._drafted = 0  # draft columns of the last proposal each row holds, not cut back yet
         self._kept: list[int] = []  # of those, per row: how many it keeps (`accepted`; 0 until told)
@@ -199,19 +202,19 @@ class DraftModelBatch:
 
     def _feed(self, fed: list[list[int]]) -> mx.array:
         """One forward a chunk of columns feeding row i the tokens `fed[i]`, right-padded to the longest
-        (the padding columns become the row's holes), and with `whole_steps` (a GPU) to a power of two
-        (the columns past every row's tokens: forgotten) reading whole steps of the cache: the shapes a
-        GPU meets change once per 256 columns and a few widths, not at every step (see `VerifyStep`);
-        the logits of each row's last token fed."""
+        (the padding columns become the row's holes), and with `pad_shapes` (a GPU; no windowed layer)
+        to a power of two (the columns past every row's tokens: forgotten) reading whole steps of the
+        cache: the shapes a GPU meets change once per 256 columns and a few widths, not at every step
+        (see `VerifyStep`); the logits of each row's last token fed."""
         width, done = max(len(f) for f in fed), 0
         last: mx.array | None = None  # (rows, hidden): each row's last fed token's, as far as fed
         while done < width:
             n = min(self.chunk, width - done)
-            if self.whole_steps and n > 1:  # a chunk as wide as `chunk` stays so: the last one is padded
+            if self._whole_steps and n > 1:  # a chunk as wide as `chunk` stays so: the last one is padded
                 n = min(padded_size(n, smallest=1), self.chunk)
             parts = [f[done : done + n] for f in fed]
             block = mx.array([p + [0] * (n - len(p)) for p in parts], dtype=mx.int32)
-            with one_offset(self.cache), whole_steps(self.cache, n, self.whole_steps) as columns:
+            with one_offset(self.cache), whole_steps(self.cache, n, self._whole_steps) as columns:
                 mask = self.cache[0].mask(n, columns)
                 hidden = self.model.hidden(block, cache=self.cache, mask=mask)
             for layer in self.cache:
@@ -230,19 +233,22 @@ class DraftModelBatch:
         return self.model.logits(last)
 
     def _join(self, rows: list[RowToDraft]) -> mx.array:
-        """New rows prefilled from their tokens (those that fit a chunk in one forward) and added to the
-        cache; their last tokens' logits (rows, vocab), in the order they now hold in the batch."""
+        """New rows prefilled from their tokens (those that fit a chunk in one forward; with `pad_shapes`
+        its rows and width padded, so a GPU meets a few shapes, not one a prompt length) and added to
+        the cache; their last tokens' logits (rows, vocab), in the order they now hold in the batch."""
         short = [r for r in rows if len(r.tokens) <= self.chunk]
         long = [r for r in rows if len(r.tokens) > self.chunk]
         caches: list[list[KVCache]] = []
         logits: list[mx.array] = []
         if short:
-            made, first = prefill_rows(self.model, [(r.tokens, self.model.make_cache()) for r in short])
+            made, first = prefill_rows(
+                self.model, [(r.tokens, self.model.make_cache()) for r in short], self.pad_shapes
+            )
             caches.extend(made)
             logits.append(first)
         for r in long:
             cache = self.model.make_cache()
-            logits.append(prefill(self.model, r.tokens, cache, self.chunk))
+            logits.append(prefill(self.model, r.tokens, cache, self.chunk, self.pad_shapes))
             caches.append(cache)
         for n, layer in enumerate(self.cache):
             layer.add([cache[n] for cache in caches])

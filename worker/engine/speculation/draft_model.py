@@ -138,9 +138,11 @@ class DraftModel:
         pad_shapes: bool = False,
     ) -> DraftModel:
         """Load the causal LM in `folder` with the target loader; `DraftMismatch` when its vocabulary is
-        not the target tokenizer's."""
+        not the target tokenizer's. With `pad_shapes` its forwards over a cached prefix (a long prompt's
+        chunks) read whole steps of keys, as the target's do (`bucket_keys`)."""
         model, _ = load_model(folder, dtype=dtype)
         _check_vocabulary(folder, target, model)
+        model.bucket_keys = pad_shapes
         return cls(model, folder, prefill_chunk, pad_shapes)
 
     def drafter(self) -> DraftModelDrafter:

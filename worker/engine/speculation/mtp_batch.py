@@ -20,7 +20,8 @@ A proposal for the rows of a step:
   not asked enters nothing;
 - rows new to the batch (a prompt's worth of positions each) enter theirs together the same way, into
   a batch cache of their own (`BatchKVCache.of_empty_rows`): one forward a chunk for all of them, not
-  one a chunk for each; then they join the batch's cache after its forward (`BatchKVCache.add`);
+  one a chunk for each (with `pad_shapes` their number padded to a power of two by rows entering
+  nothing); then they join the batch's cache after its forward (`BatchKVCache.add`);
 - each drafting row's draft is the argmax of the target's head over the MTP output at its latest
   position. The proposal is one graph, evaluated once when the drafts are read.
 A row that drafts nothing pays nothing of its own: its features wait (a row the draft gate keeps from
@@ -286,12 +287,13 @@ class MtpBatch:
         cache: BatchKVCache,
         drafters: Sequence[MtpDrafter],
     ) -> mx.array:
-        """One forward of the MTP layer a chunk of columns entering row i of `cache` (`drafters[i]`'s)
-        hidden states and tokens `fed[i]` (none for None), right-padded to the longest (the padding
-        columns become the row's holes), and with `pad_shapes` (a GPU) to a power of two (the columns
-        past every row's: forgotten) reading whole steps of the cache: the shapes a GPU meets change
-        once per 256 columns and a few widths, not at every step (see `VerifyStep`); each row's output
-        (rows, hidden) at its last position entered (any for a row fed none)."""
+        """One forward of the MTP layer a chunk of columns entering row i of `cache` (`drafters[i]`'s;
+        rows past them: padding rows) hidden states and tokens `fed[i]` (none for None), right-padded
+        to the longest (the padding columns become the row's holes), and with `pad_shapes` (a GPU) to a
+        power of two (the columns past every row's: forgotten) reading whole steps of the cache: the
+        shapes a GPU meets change once per 256 columns and a few widths, not at every step (see
+        `VerifyStep`); each row's output (rows, hidden) at its last position entered (any for a row fed
+        none)."""
         counts = [0 if f is None else f[0].shape[1] for f in fed]
         width, done, chunk = max(counts), 0, self.draft.prefill_chunk
         like = next(f[0] for f in fed if f is not None)
@@ -323,27 +325,30 @@ class MtpBatch:
             done += n
             if done < width:  # a long block goes chunk by chunk, as a prefill does
                 mx.eval([a for a in (cache.keys, cache.values) if a is not None])
-        for d, c in zip(drafters, counts, strict=True):
+        for d, c in zip(drafters, counts[: len(drafters)], strict=True):
             d.entries += c
         assert last is not None
         return last
 
     def _join(self, joining: list[tuple[MtpDrafter, mx.array, Sequence[int]]]) -> mx.array:
         """New rows enter their hidden states and tokens together (`_feed`, into a batch cache of their
-        own: one forward a chunk for all of them) and join the batch's cache (one copy, their holes
-        squeezed out); their outputs (rows, hidden) at their last position, in the order they now hold
-        in the batch."""
+        own: one forward a chunk for all of them; with `pad_shapes` their number padded to a power of
+        two by rows entering nothing, so a GPU meets a few shapes) and join the batch's cache (one copy,
+        their holes squeezed out); their outputs (rows, hidden) at their last position, in the order
+        they now hold in the batch."""
         drafters = [d for d, _, _ in joining]
         assert all(d.entries == 0 for d in drafters)  # a row out of any batch has no entries
-        joined = BatchKVCache.of_empty_rows(len(joining))
-        outs = self._feed([(hidden, ids) for _, hidden, ids in joining], joined, drafters)
-        if joined.has_holes:
-            joined.keep(list(range(joined.batch)))
-        self.cache.add([joined.row(i) for i in range(joined.batch)])
+        rows = padded_size(len(joining), smallest=1) if self.pad_shapes else len(joining)
+        fed = [(hidden, ids) for _, hidden, ids in joining]
+        joined = BatchKVCache.of_empty_rows(rows)
+        outs = self._feed([*fed, *([None] * (rows - len(fed)))], joined, drafters)
+        if joined.has_holes:  # (padding rows are all holes)
+            joined.keep(list(range(len(joining))))
+        self.cache.add([joined.row(i) for i in range(len(joining))])
         for d in drafters:
             d.batch = self
             self.rows.append(d)
-        return outs
+        return outs[: len(joining)]
 
 
 def _padded(features: mx.array | None, width: int, like: mx.array) -> mx.array:
