@@ -265,6 +265,46 @@ def test_fused_projections_compute_what_the_checkpoint_layout_does(pair: tuple[P
     np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-5, atol=1e-5)
 
 
+def test_per_head_norms_normalise_q_and_k_side_by_side_then_one_rope(pair: tuple[Path, Any, Any]) -> None:
+    """Qwen3's per-head q and k norms: once fused, q and k heads are normalised side by side (one norm,
+    one product by both norms' weights) and rotated by one RoPE, as layers without such norms are, and
+    give what each norm and RoPE of their own gives (a decode step's one position and a prefill's)."""
+    _, model, _ = pair
+    attn = model.layers[0].self_attn
+    if not isinstance(attn, Attention) or not attn.qk_norm:
+        pytest.skip("no per-head norms")
+    plain_norms = type(attn.q_norm) is nn.RMSNorm  # Gemma 3's norms scale by 1 + weight: apart
+    assert attn.qk_together == plain_norms
+    if not plain_norms:
+        return
+    h, hkv = attn.n_heads, attn.n_kv_heads
+    calls = {"rope": 0, "rms_norm": 0}
+    rope, rms_norm = type(attn.rope).__call__, mx.fast.rms_norm
+
+    def counted_rope(*a: Any, **k: Any) -> mx.array:
+        calls["rope"] += 1
+        return rope(*a, **k)  # type: ignore[no-any-return]
+
+    def counted_norm(*a: Any, **k: Any) -> mx.array:
+        calls["rms_norm"] += 1
+        return rms_norm(*a, **k)
+
+    for positions, offset in ((1, 5), (6, 0)):
+        x = mx.random.normal((2, positions, model.args.hidden_size))
+        assert attn._one_matmul(x)
+        calls.update(rope=0, rms_norm=0)
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(type(attn.rope), "__call__", counted_rope)
+            patch.setattr(mx.fast, "rms_norm", counted_norm)
+            qk, v = attn._rotated(x, offset)
+        assert calls == {"rope": 1, "rms_norm": 1}
+        q, k, want_v = attn._projected(x, None)  # each normalised by its own norm, not rotated
+        want = mx.concatenate([attn.rope(q, offset=offset), attn.rope(k, offset=offset)], axis=1)
+        np.testing.assert_allclose(np.array(qk), np.array(want), rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(np.array(v), np.array(want_v), rtol=1e-6, atol=1e-6)
+        assert qk.shape[1] == h + hkv
+
+
 @pytest.mark.parametrize("bias", [False, True])
 def test_a_kept_transpose_linear_computes_exactly_what_nn_linear_does(bias: bool) -> None:
     """`kept_transpose` keeps the layer's arrays and products (bit for bit: the same matmul of the same

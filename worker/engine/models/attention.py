@@ -70,6 +70,9 @@ class Attention(nn.Module):
             self.q_norm = nn.RMSNorm(self.head_dim, eps=args.rms_norm_eps)
             self.k_norm = nn.RMSNorm(self.head_dim, eps=args.rms_norm_eps)
         self.qk_norm = args.qk_norm
+        # q and k normalised side by side (`_qk_normed`; set by `fuse` where both norms are plain ones)
+        self.qk_together = False
+        self._qk_scale: tuple[mx.array, mx.array, mx.array] | None = None  # q's and k's weights, stacked
         rotated = int(self.head_dim * args.partial_rotary_factor)
         self.rope = make_rope(rotated, args.rope_theta, args.rope_scaling)
         self.qkv_proj: nn.Module | None = None  # set by `fuse`, in place of q_proj, k_proj and v_proj
@@ -80,6 +83,9 @@ class Attention(nn.Module):
         if self.qkv_proj is None:
             self.qkv_proj = fuse_linears(self, ["q_proj", "k_proj", "v_proj"])
         self.o_proj = kept_transpose(self.o_proj)
+        if self.qk_norm:
+            norms = (self.q_norm, self.k_norm)
+            self.qk_together = all(type(n) is nn.RMSNorm for n in norms) and norms[0].eps == norms[1].eps
 
     def __call__(
         self,
@@ -177,10 +183,28 @@ class Attention(nn.Module):
         return q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3), v
 
     def _one_matmul(self, x: mx.array) -> bool:
-        """Whether q, k and v come out of one array here (`fuse`d, no per-head norms between)."""
+        """Whether q, k and v come out of one array here (`fuse`d, per-head norms if any normalising q
+        and k side by side)."""
         proj = self.qkv_proj
         apart = isinstance(proj, FusedDenseRows) and proj.apart(x)
-        return proj is not None and not self.qk_norm and not apart
+        return proj is not None and (not self.qk_norm or self.qk_together) and not apart
+
+    def _qk_normed(self, qk: mx.array) -> mx.array:
+        """q and k heads side by side, (B, heads + kv heads, L, head_dim), each head RMS-normalised and
+        scaled by its own norm's weight (Qwen3's per-head norms): one norm and one product for both,
+        where each had a norm of its own, so that one RoPE rotates both after (`_rotated`). The product
+        rounds the normalised heads to their dtype first, as transformers' Qwen3 norm does."""
+        if not self.qk_norm:
+            return qk
+        q_weight, k_weight = self.q_norm["weight"], self.k_norm["weight"]
+        kept = self._qk_scale
+        if kept is None or kept[0] is not q_weight or kept[1] is not k_weight:  # made again if replaced
+            h, hkv, d = self.n_heads, self.n_kv_heads, self.head_dim
+            scale = mx.concatenate(
+                [mx.broadcast_to(q_weight, (h, 1, d)), mx.broadcast_to(k_weight, (hkv, 1, d))]
+            )
+            kept = self._qk_scale = (q_weight, k_weight, scale)
+        return mx.fast.rms_norm(qk, None, self.q_norm.eps) * kept[2]
 
     def _rotated(self, x: mx.array, offset: int | mx.array) -> tuple[mx.array, mx.array]:
         """Every position's q and k heads side by side, (B, heads + kv heads, L, head_dim), rotated by
@@ -191,9 +215,11 @@ class Attention(nn.Module):
         h, hkv, d = self.n_heads, self.n_kv_heads, self.head_dim
         if n == 1:  # every head at once by one reshape, then q and k apart from v: two ops, not three
             qk, v = mx.split(self.qkv_proj(x).reshape(b, h + 2 * hkv, 1, d), [h + hkv], axis=1)
-            return self.rope(qk, offset=offset), v
+            return self.rope(self._qk_normed(qk), offset=offset), v
         qk, v = mx.split(self.qkv_proj(x), [(h + hkv) * d], axis=-1)
-        return self.rope(_heads(qk, b, n, h + hkv, d), offset=offset), _heads(v, b, n, hkv, d)
+        return self.rope(self._qk_normed(_heads(qk, b, n, h + hkv, d)), offset=offset), _heads(
+            v, b, n, hkv, d
+        )
 
     def _ragged_step(
         self, x: mx.array, rows: RaggedRows, cache: BatchKVCache, residual: mx.array | None
