@@ -179,30 +179,50 @@ class DecodeBatch:
         pending, fresh = self.pending.tokens, self.pending.fresh
         self.pending.fresh = False
         if fresh:
-            self.quiet()  # then nothing is in flight: `pending` itself may be read
-            # `tolist` of a 1-D int32 array gives ints (MLX's stub allows any nesting of any scalar)
-            tokens = [int(t) for t in cast("list[int]", pending.tolist())]
-            self._take(tokens)
-            self.logprobs = self.pending.logprobs.read(tokens)
-            result = handle(tokens)
-            if meanwhile is not None:
-                meanwhile()
-            if ends_all is not None and ends_all(result):
-                self.pending.tokens = None  # nothing more to feed: every row leaves
-                return result
-            self._launch_next(pending)
-        elif self.ahead.logits is not None:
+            return self._step_fresh(pending, handle, ends_all, meanwhile)
+        if self.ahead.logits is not None:
             result = self._step_ahead(pending, handle, meanwhile)
         else:
-            read, logprobs = self.pending.readable(pending), self.pending.logprobs
-            self.pending.launch(self._next_step(pending))  # a launcher waits for `pending`'s launch first
-            if meanwhile is not None:
-                meanwhile()
-            tokens = read()
-            self.logprobs = logprobs.read(tokens)
-            result = handle(tokens)
+            result = self._step_plain(pending, handle, meanwhile)
         self._stepped()
         return result
+
+    def _step_fresh(
+        self,
+        pending: mx.array,
+        handle: Callable[[list[int]], T],
+        ends_all: Callable[[T], bool] | None,
+        meanwhile: Callable[[], None] | None,
+    ) -> T:
+        """The first step after rows joined (see `step_with`): nothing is in flight, so the tokens are
+        read back and handled at once, then the next step is launched unless every row ends."""
+        self.quiet()  # then nothing is in flight: `pending` itself may be read
+        # `tolist` of a 1-D int32 array gives ints (MLX's stub allows any nesting of any scalar)
+        tokens = [int(t) for t in cast("list[int]", pending.tolist())]
+        self._take(tokens)
+        self.logprobs = self.pending.logprobs.read(tokens)
+        result = handle(tokens)
+        if meanwhile is not None:
+            meanwhile()
+        if ends_all is not None and ends_all(result):
+            self.pending.tokens = None  # nothing more to feed: every row leaves
+            return result
+        self._launch_next(pending)
+        self._stepped()
+        return result
+
+    def _step_plain(
+        self, pending: mx.array, handle: Callable[[list[int]], T], meanwhile: Callable[[], None] | None
+    ) -> T:
+        """A step with the one before it in flight (see `step_with`): the next step is launched, then
+        `meanwhile` runs and the tokens are read back and handled while the device computes it."""
+        read, logprobs = self.pending.readable(pending), self.pending.logprobs
+        self.pending.launch(self._next_step(pending))  # a launcher waits for `pending`'s launch first
+        if meanwhile is not None:
+            meanwhile()
+        tokens = read()
+        self.logprobs = logprobs.read(tokens)
+        return handle(tokens)
 
     def _step_ahead(
         self, pending: mx.array, handle: Callable[[list[int]], T], meanwhile: Callable[[], None] | None
