@@ -179,30 +179,50 @@ class DecodeBatch:
         pending, fresh = self.pending.tokens, self.pending.fresh
         self.pending.fresh = False
         if fresh:
-            self.quiet()  # then nothing is in flight: `pending` itself may be read
-            # `tolist` of a 1-D int32 array gives ints (MLX's stub allows any nesting of any scalar)
-            tokens = [int(t) for t in cast("list[int]", pending.tolist())]
-            self._take(tokens)
-            self.logprobs = self.pending.logprobs.read(tokens)
-            result = handle(tokens)
-            if meanwhile is not None:
-                meanwhile()
-            if ends_all is not None and ends_all(result):
-                self.pending.tokens = None  # nothing more to feed: every row leaves
-                return result
-            self._launch_next(pending)
-        elif self.ahead.logits is not None:
+            return self._step_fresh(pending, handle, ends_all, meanwhile)
+        if self.ahead.logits is not None:
             result = self._step_ahead(pending, handle, meanwhile)
         else:
-            read, logprobs = self.pending.readable(pending), self.pending.logprobs
-            self.pending.launch(self._next_step(pending))  # a launcher waits for `pending`'s launch first
-            if meanwhile is not None:
-                meanwhile()
-            tokens = read()
-            self.logprobs = logprobs.read(tokens)
-            result = handle(tokens)
+            result = self._step_plain(pending, handle, meanwhile)
         self._stepped()
         return result
+
+    def _step_fresh(
+        self,
+        pending: mx.array,
+        handle: Callable[[list[int]], T],
+        ends_all: Callable[[T], bool] | None,
+        meanwhile: Callable[[], None] | None,
+    ) -> T:
+        """The first step after rows joined (see `step_with`): nothing is in flight, so the tokens are
+        read back and handled at once, then the next step is launched unless every row ends."""
+        self.quiet()  # then nothing is in flight: `pending` itself may be read
+        # `tolist` of a 1-D int32 array gives ints (MLX's stub allows any nesting of any scalar)
+        tokens = [int(t) for t in cast("list[int]", pending.tolist())]
+        self._take(tokens)
+        self.logprobs = self.pending.logprobs.read(tokens)
+        result = handle(tokens)
+        if meanwhile is not None:
+            meanwhile()
+        if ends_all is not None and ends_all(result):
+            self.pending.tokens = None  # nothing more to feed: every row leaves
+            return result
+        self._launch_next(pending)
+        self._stepped()
+        return result
+
+    def _step_plain(
+        self, pending: mx.array, handle: Callable[[list[int]], T], meanwhile: Callable[[], None] | None
+    ) -> T:
+        """A step with the one before it in flight (see `step_with`): the next step is launched, then
+        `meanwhile` runs and the tokens are read back and handled while the device computes it."""
+        read, logprobs = self.pending.readable(pending), self.pending.logprobs
+        self.pending.launch(self._next_step(pending))  # a launcher waits for `pending`'s launch first
+        if meanwhile is not None:
+            meanwhile()
+        tokens = read()
+        self.logprobs = logprobs.read(tokens)
+        return handle(tokens)
 
     def _step_ahead(
         self, pending: mx.array, handle: Callable[[list[int]], T], meanwhile: Callable[[], None] | None
@@ -277,7 +297,7 @@ class DecodeBatch:
             raise ValueError("an empty batch has no step to take")
         self.ahead.drop(self.cache)
         step = self.verify_step
-        clock, began = step.clock, time.perf_counter()
+        began = time.perf_counter()
         self.quiet()
         self.pending.fresh = False
         tokens = [int(t) for t in cast("list[int]", self.pending.tokens.tolist())]
@@ -287,12 +307,39 @@ class DecodeBatch:
         drafts = self.rows.cut(drafts_for(tokens))
         step.verified = any(drafts)
         if not step.verified:  # nothing proposed after all: a plain step, launched before the handling
-            self._launch_next(self.pending.tokens)
-            self._stepped()
-            result = handle([[t] for t in tokens])
-            if meanwhile is not None:
-                meanwhile()
-            return result
+            return self._step_undrafted(self.pending.tokens, tokens, handle, meanwhile)
+        return self._verify_drafts(tokens, drafts, handle, meanwhile, began, read)
+
+    def _step_undrafted(
+        self,
+        pending: mx.array,
+        tokens: list[int],
+        handle: Callable[[list[list[int]]], T],
+        meanwhile: Callable[[], None] | None,
+    ) -> T:
+        """A verify step where no row drafted after all (`verify_with`): the step that feeds `pending`
+        (`tokens`, read back) is launched before the tokens are handled, as a plain step's."""
+        self._launch_next(pending)
+        self._stepped()
+        result = handle([[t] for t in tokens])
+        if meanwhile is not None:
+            meanwhile()
+        return result
+
+    def _verify_drafts(
+        self,
+        tokens: list[int],
+        drafts: list[list[int]],
+        handle: Callable[[list[list[int]]], T],
+        meanwhile: Callable[[], None] | None,
+        began: float,
+        read: float,
+    ) -> T:
+        """The forward of a verify step that feeds every row its pending token (`tokens`, read back at
+        `read`) and its `drafts` (`verify_with`, which `began` then), launched in pieces as it is built;
+        the drafts kept read back, the caches cut back to them, the rows' tokens handled."""
+        assert self.rows is not None
+        step = self.verify_step
         width = step.width(drafts)
         allowed = self.rows.draft_masks(drafts, width) if width > 1 else None
         drafted = time.perf_counter()
@@ -318,7 +365,7 @@ class DecodeBatch:
         trimmed = time.perf_counter()
         result = handle([[t, *d[:k]] for t, d, k in zip(tokens, drafts, kept, strict=True)])
         marks = (began, read, drafted, built, launched, waited, trimmed, time.perf_counter())
-        clock.note(len(tokens) * width, len(tokens) + sum(kept), marks)
+        step.clock.note(len(tokens) * width, len(tokens) + sum(kept), marks)
         return result
 
     def quiet(self) -> None:

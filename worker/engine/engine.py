@@ -97,6 +97,22 @@ class Engine:
             if options.idle_prefill_tokens is None
             else options.idle_prefill_tokens
         )
+        self._choose_decode_launch(options)
+        # Structured output (`response_format`): the grammar library's tokenizer, built at first use.
+        self.constraints = ConstraintCompiler(tokenizer.backend, model.args.vocab_size, tokenizer.eos_ids)
+        # What drafting gains this engine's batches against plain decoding (`draft_gate.py`), where it
+        # drafts and the policy asks for it: learnt across the generation batches it runs, one after another.
+        drafting = options.speculation != "off" and options.draft_policy.gate
+        self.draft_gate = DraftGate() if drafting else None
+        # The verify steps' shapes (rows, width, key columns) this engine's forwards met, in any of its
+        # batches or its warm-up (`warm_up.py`): on a GPU the first forward of a shape builds kernels,
+        # so its time says nothing of the steps of that shape to come (`VerifyStep.read_columns`).
+        self.verify_shapes: set[tuple[int, int, int]] = set()
+        self._make_request_parts(model, tokenizer, name, options)
+
+    def _choose_decode_launch(self, options: EngineOptions) -> None:
+        """How decode steps launch (`__init__`'s part): `decode_overlap` (on a thread of their own, the
+        launcher taken here), `masks_in_place` and `build_ahead` (a constrained step's)."""
         # Whether decode steps launch on a thread of their own (`launcher.py`). The launcher is made here,
         # on the thread that loads the engine (the one that generates, in a worker), so every array that
         # thread makes from now on is on the launcher's stream.
@@ -114,16 +130,12 @@ class Engine:
         # With masks in place, whether a constrained step's next draw and forward are built before its
         # tokens are read back (`ForwardAhead.prepare`) rather than beside the masks after it.
         self.build_ahead = options.build_ahead and self.masks_in_place
-        # Structured output (`response_format`): the grammar library's tokenizer, built at first use.
-        self.constraints = ConstraintCompiler(tokenizer.backend, model.args.vocab_size, tokenizer.eos_ids)
-        # What drafting gains this engine's batches against plain decoding (`draft_gate.py`), where it
-        # drafts and the policy asks for it: learnt across the generation batches it runs, one after another.
-        drafting = options.speculation != "off" and options.draft_policy.gate
-        self.draft_gate = DraftGate() if drafting else None
-        # The verify steps' shapes (rows, width, key columns) this engine's forwards met, in any of its
-        # batches or its warm-up (`warm_up.py`): on a GPU the first forward of a shape builds kernels,
-        # so its time says nothing of the steps of that shape to come (`VerifyStep.read_columns`).
-        self.verify_shapes: set[tuple[int, int, int]] = set()
+
+    def _make_request_parts(
+        self, model: Model, tokenizer: Tokenizer, name: str, options: EngineOptions
+    ) -> None:
+        """The parts that prepare requests and run score jobs (`__init__`'s part): `generate_requests`,
+        `score_requests`, `scorer` and its `score_seconds`."""
         # Generation requests' sizes checked, their prompts tokenized, their samplers built
         # (`generate_requests.py`).
         self.generate_requests = GenerateRequests(
