@@ -1,8 +1,8 @@
 """A flat decode step through compiled layer parts (`compiled_steps`, `models/compiled_step.py`):
 float32 on the CPU, every step's logits are the same bits as the plain step's, whoever joins and
 leaves, on the mask and the ragged attention paths, for the Llama family's dense layouts that qualify
-(plain, Qwen2's q/k/v biases, a sliding window); the compiled parts trace again only when the batch's
-rows change; models that do not qualify load and decode as without the option.
+(plain, Qwen2's q/k/v biases, a sliding window, Qwen3's per-head norms); the compiled parts trace again
+only when the batch's rows change; models that do not qualify load and decode as without the option.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ LAYOUTS: dict[str, dict[str, Any]] = {
     "llama": {},
     "qwen2_biases": {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2"},
     "mistral_window": {"architectures": ["MistralForCausalLM"], "model_type": "mistral", "sliding_window": 8},
+    "qwen3_qk_norm": {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3"},
 }
 
 
@@ -161,7 +162,6 @@ def test_requests_joining_and_leaving_decode_the_same_with_compiled_steps(
 @pytest.mark.parametrize(
     "config",
     [
-        {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3"},
         {
             "architectures": ["Qwen3MoeForCausalLM"],
             "model_type": "qwen3_moe",
@@ -171,7 +171,7 @@ def test_requests_joining_and_leaving_decode_the_same_with_compiled_steps(
         },
         {"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "head_dim": 32},
     ],
-    ids=["qk_norm", "experts", "gemma3"],
+    ids=["experts", "gemma3"],
 )
 def test_models_whose_layers_do_not_qualify_decode_as_without_the_option(
     tmp_path: Path, config: dict[str, Any]

@@ -196,15 +196,20 @@ class Attention(nn.Module):
         rounds the normalised heads to their dtype first, as transformers' Qwen3 norm does."""
         if not self.qk_norm:
             return qk
+        return mx.fast.rms_norm(qk, None, self.q_norm.eps) * self.qk_scale()
+
+    def qk_scale(self) -> mx.array:
+        """The q norm's weight for each q head and the k norm's for each k head, (heads + kv heads, 1,
+        head_dim): kept, made again if either weight is replaced."""
         q_weight, k_weight = self.q_norm["weight"], self.k_norm["weight"]
         kept = self._qk_scale
-        if kept is None or kept[0] is not q_weight or kept[1] is not k_weight:  # made again if replaced
+        if kept is None or kept[0] is not q_weight or kept[1] is not k_weight:
             h, hkv, d = self.n_heads, self.n_kv_heads, self.head_dim
             scale = mx.concatenate(
                 [mx.broadcast_to(q_weight, (h, 1, d)), mx.broadcast_to(k_weight, (hkv, 1, d))]
             )
             kept = self._qk_scale = (q_weight, k_weight, scale)
-        return mx.fast.rms_norm(qk, None, self.q_norm.eps) * kept[2]
+        return kept[2]
 
     def _rotated(self, x: mx.array, offset: int | mx.array) -> tuple[mx.array, mx.array]:
         """Every position's q and k heads side by side, (B, heads + kv heads, L, head_dim), rotated by

@@ -13,10 +13,10 @@ as an array (a Python int would be a constant of the trace, traced again every s
 again only for another batch size or offset layout. They compute the same ops as the layers do, so
 their outputs are the same bits (`tests/engine/test_compiled_step.py`).
 
-Only layers built of the plain parts qualify (`CompiledStep.of`): `Attention` with q/k/v fused and
-no per-head norms, the dense `MLP` fused, RMS norms, output projections keeping their transposes with
-no bias (quantized layers, DeepSeek's latent attention, Gemma 3's and the mixtures of experts' layers
-do not: the option does nothing for them).
+Only layers built of the plain parts qualify (`CompiledStep.of`): `Attention` with q/k/v fused (and
+per-head norms, if any, normalising q and k side by side: Qwen3's), the dense `MLP` fused, RMS norms,
+output projections keeping their transposes with no bias (quantized layers, DeepSeek's latent
+attention, Gemma 3's and the mixtures of experts' layers do not: the option does nothing for them).
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ class _Layer:
     """One layer's arrays as the compiled functions take them."""
 
     attention: Attention
-    norm: mx.array  # input_layernorm's weight
+    norm: Weights  # input_layernorm's weight, and the q and k heads' norm weights if it has them
     qkv: Weights  # the fused projection's transposed weight, and its bias if it has one
     out: Weights  # o_proj's transposed weight, post_attention_layernorm's weight, gate/up's, down's
 
@@ -60,7 +60,7 @@ def _qualifies(layer: nn.Module) -> bool:
     norms = (layer.input_layernorm, layer.post_attention_layernorm)
     return (
         type(attn) is Attention
-        and not attn.qk_norm
+        and (not attn.qk_norm or attn.qk_together)
         and type(attn.rope) is RoPE
         and _plain(attn.qkv_proj, bias=True)
         and _plain(attn.o_proj)
@@ -80,6 +80,7 @@ class CompiledStep:
         self.heads, self.kv_heads, self.head_dim = first.n_heads, first.n_kv_heads, first.head_dim
         self.inter = layers[0].feed_forward.intermediate_size
         self.eps = layers[0].input_layernorm.eps
+        self.qk_eps: float = first.q_norm.eps if first.qk_norm else 0.0  # used only with per-head norms
         # Every layer of the family has the same RoPE (its config's): the first's serves all.
         self.rope: RoPE = first.rope
         self.layers = [_layer(layer) for layer in layers]
@@ -91,8 +92,12 @@ class CompiledStep:
 
     @classmethod
     def of(cls, layers: Sequence[nn.Module], final_norm: nn.Module) -> CompiledStep | None:
-        """The compiled step of these layers, or None where any is not built of the plain parts."""
+        """The compiled step of these layers, or None where any is not built of the plain parts (or
+        they differ in having per-head norms)."""
         if not layers or type(final_norm) is not nn.RMSNorm or not all(map(_qualifies, layers)):
+            return None
+        attns = [layer.self_attn for layer in layers]
+        if len({(a.qk_norm, a.q_norm.eps if a.qk_norm else None) for a in attns}) > 1:
             return None
         return cls(layers, final_norm)
 
@@ -135,13 +140,16 @@ class CompiledStep:
         h = self.heads
         return attn.cached_attention(qk[:, :h], qk[:, h:], v, mask, cache)
 
-    def _qkv(self, h: mx.array, norm: mx.array, qkv: Weights, offset: mx.array) -> tuple[mx.array, mx.array]:
-        """`Attention._rotated` of the normed input: q and k heads side by side, rotated, and v."""
+    def _qkv(self, h: mx.array, norm: Weights, qkv: Weights, offset: mx.array) -> tuple[mx.array, mx.array]:
+        """`Attention._rotated` of the normed input: q and k heads side by side (normalised per head
+        where the layer says, `Attention._qk_normed`), rotated, and v."""
         self.traces += 1  # runs while tracing only
-        normed = mx.fast.rms_norm(h, norm, self.eps)
+        normed = mx.fast.rms_norm(h, norm[0], self.eps)
         proj = normed @ qkv[0] if len(qkv) == 1 else mx.addmm(qkv[1], normed, qkv[0])
         heads, kv = self.heads, self.kv_heads
         qk, v = mx.split(proj.reshape(h.shape[0], heads + 2 * kv, 1, self.head_dim), [heads + kv], axis=1)
+        if len(norm) == 2:
+            qk = mx.fast.rms_norm(qk, None, self.qk_eps) * norm[1]
         return self.rope(qk, offset=offset), v
 
     def _out(self, attn: mx.array, residual: mx.array, out: Weights) -> mx.array:
@@ -153,7 +161,7 @@ class CompiledStep:
         return mx.addmm(h, _swiglu(gate, up), down)
 
     def _out_then_qkv(
-        self, attn: mx.array, residual: mx.array, out: Weights, norm: mx.array, qkv: Weights, offset: mx.array
+        self, attn: mx.array, residual: mx.array, out: Weights, norm: Weights, qkv: Weights, offset: mx.array
     ) -> tuple[mx.array, mx.array, mx.array]:
         h = self._out(attn, residual, out)
         qk, v = self._qkv(h, norm, qkv, offset)
@@ -167,9 +175,10 @@ class CompiledStep:
 def _layer(layer: nn.Module) -> _Layer:
     attn, ff = layer.self_attn, layer.feed_forward
     qkv = attn.qkv_proj
+    norm = layer.input_layernorm.weight
     return _Layer(
         attention=attn,
-        norm=layer.input_layernorm.weight,
+        norm=(norm, attn.qk_scale()) if attn.qk_norm else (norm,),
         qkv=(qkv.transposed(), qkv.bias) if "bias" in qkv else (qkv.transposed(),),
         out=(
             attn.o_proj.transposed(),
