@@ -159,9 +159,10 @@ def _primitives(out: mx.array, tmp_path: Path) -> list[str]:
 @pytest.mark.parametrize("quantized", [False, True])
 def test_a_sparse_layer_of_one_row_builds_few_primitives(tmp_path: Path, quantized: bool) -> None:
     """A decode step on a GPU is bound by the host's launch of each op: one token's pass through a fused
-    sparse layer builds the router's matmul, the routing (negation, sort, slice, gather, softmax), the
-    two gathered matmuls read apart by one split and gated, and the weighted sum (a view and a matmul):
-    no index MLX would make for the gathered matmuls, no cast, transpose or other reshape."""
+    sparse layer builds the router's matmul (logits and their negations), the routing (views, sort,
+    slice, gather, softmax), the two gathered matmuls read apart by one split and gated, and the
+    weighted sum (a view and a matmul): no negation, no index MLX would make for the gathered
+    matmuls, no cast, transpose or other reshape."""
     args = moe.ModelArgs.from_dict({**TINY, "vocab_size": 64, **QWEN3_MOE, "num_experts": 16})
     block = moe.SparseMoeBlock(args)
     if quantized:
@@ -175,7 +176,8 @@ def test_a_sparse_layer_of_one_row_builds_few_primitives(tmp_path: Path, quantiz
     gathered = "GatherQMM" if quantized else "GatherMM"
     swiglu = [op for op in ops if op.startswith("Compiled")]  # named by MLX after its parts
     assert len(swiglu) == 1, ops
-    routing = [*router, "Negative", "ArgSort", "Slice", "GatherAxis", "Softmax"]
+    # the router's logits and their negations side by side, read apart by two views: no negation
+    routing = [*router, "Slice", "Slice", "ArgSort", "Slice", "GatherAxis", "Softmax"]
     experts = [gathered, "Split", swiglu[0], gathered, "Reshape", "Matmul"]
     assert sorted(ops) == sorted(routing + experts), ops
 

@@ -27,6 +27,7 @@ from mlxq.worker.engine.models.quantized_rows import (
     _planned_bytes,
     dense_rows_by_default,
     use_dense_rows,
+    with_rows_negated,
 )
 from mlxq.worker.modelfiles.tiny_model import write_random_checkpoint
 from mlxq.worker.settings import WorkerSettings
@@ -132,3 +133,25 @@ def test_setting_and_default(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("MLXQ_DENSE_ROWS")
     assert WorkerSettings(model="m").dense_rows is None
     assert dense_rows_by_default() == 0  # the CPU: quantized kernels only
+
+
+@pytest.mark.parametrize("dense_rows", [False, True])
+def test_a_layer_with_its_rows_negated_gives_its_outputs_then_their_negations(dense_rows: bool) -> None:
+    """A MoE router's logits and their negations from one matmul (`moe.SparseMoeBlock.fuse`): exactly
+    the layer's outputs, then the same negated, through the quantized kernel (few rows) and, with dense
+    copies, through the copy (many rows)."""
+    mx.random.seed(5)
+    holder = nn.Sequential(nn.Linear(64, 12, bias=False))
+    nn.quantize(holder, 32, 4)
+    if dense_rows:
+        use_dense_rows(holder, 4, mx.float32)
+    layer = holder.layers[0]
+    signed = with_rows_negated(layer)
+    assert signed is not None and type(signed) is type(layer)
+    for rows in (1, 6):  # 6: the dense copy where there is one
+        x = mx.random.normal((rows, 64))
+        want = layer(x)
+        got = signed(x)
+        assert np.array_equal(np.array(got[:, :12]), np.array(want))
+        assert np.array_equal(np.array(got[:, 12:]), -np.array(want))
+    assert with_rows_negated(nn.Linear(8, 4)) is None  # plain layers: `moe._signed_router`'s own

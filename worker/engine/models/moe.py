@@ -35,6 +35,7 @@ from mlxq.worker.engine.device import on_cuda
 from mlxq.worker.engine.errors import CheckpointError
 from mlxq.worker.engine.models import llama, mlp, model_args
 from mlxq.worker.engine.models.fused_linear import KeptView, kept_transpose, kept_view
+from mlxq.worker.engine.models.quantized_rows import with_rows_negated
 
 # From how many (token, expert) pairs a forward sorts them by expert before its gathered matmuls: below,
 # a decode step of a few rows, sorting would cost more launches than it saves reads.
@@ -286,12 +287,16 @@ def _dense(proj: nn.Module, after: mx.array) -> nn.Module:
     return proj.dense(after) if isinstance(proj, QuantizedSwitchLinear) else proj
 
 
-def route(logits: mx.array, k: int, renormalize: bool) -> tuple[mx.array, mx.array]:
+def route(
+    logits: mx.array, k: int, renormalize: bool, negated: mx.array | None = None
+) -> tuple[mx.array, mx.array]:
     """(weights, experts), each (..., k), from router logits (..., experts): the k largest logits (the
     most probable experts; equal ones lower index first) and their softmax probabilities, computed in
     float32 and given in the logits' dtype; renormalised to sum to one where asked, which is the
-    softmax of those k logits alone (the one op where a softmax over all, a sum and a division were)."""
-    experts = mx.argsort(-logits, axis=-1)[..., :k]
+    softmax of those k logits alone (the one op where a softmax over all, a sum and a division were).
+    `negated`: the logits negated, where the router computed them beside the logits (`SparseMoeBlock`),
+    sorted in place of a negation of the logits."""
+    experts = mx.argsort(-logits if negated is None else negated, axis=-1)[..., :k]
     if renormalize:
         return mx.softmax(mx.take_along_axis(logits, experts, axis=-1), axis=-1, precise=True), experts
     return mx.take_along_axis(mx.softmax(logits, axis=-1, precise=True), experts, axis=-1), experts
@@ -303,20 +308,44 @@ class SparseMoeBlock(nn.Module):
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()  # type: ignore[no-untyped-call]  # mlx.nn.Module.__init__ is unannotated
         width = args.moe_intermediate_size or args.intermediate_size
-        self.gate = nn.Linear(args.hidden_size, args.n_experts, bias=False)
+        self.gate: nn.Module = nn.Linear(args.hidden_size, args.n_experts, bias=False)
         self.switch_mlp = SwitchGLU(args.hidden_size, width, args.n_experts)
         self.top_k = args.num_experts_per_tok
         self.renormalize = args.norm_topk_prob
+        self.signed = False  # the router computes its logits' negations beside them (`fuse`)
 
     def fuse(self) -> None:
-        self.gate = kept_transpose(self.gate)
+        """The experts' gate and up in one (`SwitchGLU.fuse`), and a router that computes its logits
+        and their negations side by side (`_signed_router`): routing sorts the negations, where it
+        negated the logits, an op a layer fewer in a decode step that a GPU's host time bounds."""
+        if not self.signed and (signed := _signed_router(self.gate)) is not None:
+            self.gate, self.signed = signed, True
+        if type(self.gate) is nn.Linear:
+            self.gate = kept_transpose(self.gate)
         self.switch_mlp.fuse()
 
     def __call__(self, x: mx.array) -> mx.array:
         hidden = x.shape[-1]
         tokens = x.reshape(x.size // hidden, 1, hidden)  # what a decode step's x already is: no op
-        weights, experts = route(self.gate(tokens), self.top_k, self.renormalize)
+        logits = self.gate(tokens)
+        if self.signed:  # logits, then their negations (`fuse`): two views
+            n = logits.shape[-1] // 2
+            weights, experts = route(logits[..., :n], self.top_k, self.renormalize, logits[..., n:])
+        else:
+            weights, experts = route(logits, self.top_k, self.renormalize)
         return self.switch_mlp.weighted(tokens, experts, weights).reshape(x.shape)
+
+
+def _signed_router(gate: nn.Module) -> nn.Module | None:
+    """A bias-free router (plain or quantized) whose outputs are its logits, then the same negated (its
+    rows stacked again below, negated): exact negations of the same products. None where the router is
+    of another kind (it then routes as it is)."""
+    if type(gate) is nn.Linear and "bias" not in gate:
+        signed = nn.Linear(gate.weight.shape[1], 2 * gate.weight.shape[0], bias=False)
+        signed.weight = mx.concatenate([gate.weight, -gate.weight])
+        mx.eval(signed.weight)
+        return signed
+    return with_rows_negated(gate)
 
 
 def _feed_forward(args: ModelArgs, layer: int) -> tuple[str, nn.Module]:

@@ -120,6 +120,29 @@ class FusedDenseRows(nn.Module):
         return out + self["bias"] if "bias" in self else out
 
 
+def with_rows_negated(layer: nn.Module) -> nn.Module | None:
+    """A bias-free quantized Linear (affine; dense-rows or not) computing its outputs and then their
+    negations: its rows stacked again below, the copies' scales and biases negated (and the dense copy's
+    rows too), so the same products come out negated exactly. None for any other layer."""
+    if type(layer) not in (nn.QuantizedLinear, DenseRowsLinear) or "bias" in layer:
+        return None
+    if getattr(layer, "mode", "affine") != "affine" or "biases" not in layer:
+        return None
+    signed = nn.QuantizedLinear.__new__(nn.QuantizedLinear)
+    nn.Module.__init__(signed)
+    signed.group_size, signed.bits, signed.mode = layer.group_size, layer.bits, "affine"
+    signed.weight = mx.concatenate([layer.weight, layer.weight])
+    signed.scales = mx.concatenate([layer.scales, -layer.scales])
+    signed.biases = mx.concatenate([layer.biases, -layer.biases])
+    signed.freeze()
+    if type(layer) is DenseRowsLinear:
+        signed.__class__ = DenseRowsLinear
+        dense = mx.concatenate([layer._dense.weight, -layer._dense.weight])
+        object.__setattr__(signed, "_dense", _Dense(dense, layer._dense.min_rows))
+    mx.eval(signed.parameters())
+    return signed
+
+
 def fuse_dense_rows(parts: list[nn.Module]) -> FusedDenseRows | None:
     """`parts` as one `FusedDenseRows`, if they are all dense-rows Linears with one row threshold and
     all or none of them with a bias; else None."""
