@@ -11,7 +11,7 @@ from typing import cast
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlxq.worker.engine.models.quantized_rows import FusedDenseRows, fuse_dense_rows
+from mlxq.worker.engine.models.quantized_rows import FusedDenseRows, fuse_dense_rows, fuse_quantized
 
 
 @dataclass(frozen=True)
@@ -81,18 +81,19 @@ def kept_transpose(layer: nn.Linear) -> nn.Linear:
 
 def fuse_linears(module: nn.Module, names: list[str]) -> nn.Module | None:
     """One `nn.Linear` computing the named projections of `module` side by side (weights, and biases if
-    they have them, concatenated along the outputs), which it then drops; None, and nothing changed,
-    if any of them is not a plain `nn.Linear` (quantized) or only some have a bias.
+    they have them, concatenated along the outputs), which it then drops; quantized ones alike as one
+    quantized layer (`quantized_rows.fuse_quantized`); None, and nothing changed, if they are of mixed
+    kinds or only some have a bias.
 
     A decode step on a GPU is bound by the host's launch of each op, a matmul's the dearest
     (`bench/README.md`, what the engine's defaults rest on): fusing q/k/v and gate/up saves three of a
     layer's seven.
     Quantized projections with dense copies (`quantized_rows.use_dense_rows`) fuse those copies."""
     parts = [getattr(module, name) for name in names]
-    if (dense := fuse_dense_rows(parts)) is not None:
+    if (fused_rows := fuse_dense_rows(parts) or fuse_quantized(parts)) is not None:
         for name in names:
             delattr(module, name)
-        return dense
+        return fused_rows
     if any(type(p) is not nn.Linear for p in parts):
         return None
     biased = ["bias" in p for p in parts]

@@ -14,6 +14,7 @@ cost of the dense weights (the bytes it returns; ~2.5 GB for a 1B model). The co
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import mlx.core as mx
@@ -104,20 +105,47 @@ class FusedDenseRows(nn.Module):
         for part in parts:  # plain quantized layers again: their own dense copies are freed
             part.__class__ = nn.QuantizedLinear  # type: ignore[assignment]  # a deliberate swap to the base
             object.__delattr__(part, "_dense")
-        self.parts = parts
+        # Few rows: the parts as one quantized layer where they are quantized alike (one kernel), else
+        # each its own
+        self.quantized = fuse_quantized(parts)
+        self.parts = [] if self.quantized is not None else parts
         if all("bias" in p for p in parts):
             self.bias = mx.concatenate([p["bias"] for p in parts])
 
     def apart(self, x: mx.array) -> bool:
-        """Whether `x` has too few rows for the dense copy: each part runs its own quantized kernel
-        (a caller that wants the parts' outputs apart then computes them so, unconcatenated)."""
-        return _rows(x) < self._dense.min_rows
+        """Whether `x` has too few rows for the dense copy and the parts run each its own quantized
+        kernel (a caller that wants the parts' outputs apart then computes them so, unconcatenated)."""
+        return self.quantized is None and _rows(x) < self._dense.min_rows
 
     def __call__(self, x: mx.array) -> mx.array:
-        if self.apart(x):
+        if _rows(x) < self._dense.min_rows:
+            if self.quantized is not None:
+                return self.quantized(x)  # type: ignore[no-any-return]  # mlx.nn.Module's call is unannotated
             return mx.concatenate([part(x) for part in self.parts], axis=-1)
         out = x @ self._dense.t
         return out + self["bias"] if "bias" in self else out
+
+
+def fuse_quantized(parts: Sequence[nn.Module]) -> nn.QuantizedLinear | None:
+    """Quantized Linears of one input as one (weights, scales, biases and any bias concatenated along
+    the outputs): each output row is quantized on its own, so the fused layer computes the parts' very
+    products, in one kernel where each launched its own. None unless all are quantized alike (group
+    size, bits, mode), all with or all without a bias (dense-rows layers: `fuse_dense_rows`)."""
+    if not parts or any(type(p) is not nn.QuantizedLinear for p in parts):
+        return None
+    kinds = {(p.group_size, p.bits, getattr(p, "mode", "affine"), "biases" in p, "bias" in p) for p in parts}
+    if len(kinds) != 1:
+        return None
+    first = parts[0]
+    fused = nn.QuantizedLinear.__new__(nn.QuantizedLinear)
+    nn.Module.__init__(fused)
+    fused.group_size, fused.bits, fused.mode = first.group_size, first.bits, getattr(first, "mode", "affine")
+    for name in ("weight", "scales", "biases", "bias"):
+        if name in first:
+            setattr(fused, name, mx.concatenate([p[name] for p in parts], axis=0))
+    fused.freeze()
+    mx.eval(fused.parameters())
+    return fused
 
 
 def with_rows_negated(layer: nn.Module) -> nn.Module | None:
