@@ -161,8 +161,8 @@ def test_a_sparse_layer_of_one_row_builds_few_primitives(tmp_path: Path, quantiz
     """A decode step on a GPU is bound by the host's launch of each op: one token's pass through a fused
     sparse layer builds the router's matmul (logits and their negations), the routing (views, sort,
     slice, gather, softmax), the two gathered matmuls read apart by one split and gated, and the
-    weighted sum (a view and a matmul): no negation, no index MLX would make for the gathered
-    matmuls, no cast, transpose or other reshape."""
+    weighted sum (a view and a matmul, which also adds the block's residual where given): no negation,
+    no index MLX would make for the gathered matmuls, no cast, transpose or other reshape."""
     args = moe.ModelArgs.from_dict({**TINY, "vocab_size": 64, **QWEN3_MOE, "num_experts": 16})
     block = moe.SparseMoeBlock(args)
     if quantized:
@@ -180,6 +180,10 @@ def test_a_sparse_layer_of_one_row_builds_few_primitives(tmp_path: Path, quantiz
     routing = [*router, "Slice", "Slice", "ArgSort", "Slice", "GatherAxis", "Softmax"]
     experts = [gathered, "Split", swiglu[0], gathered, "Reshape", "Matmul"]
     assert sorted(ops) == sorted(routing + experts), ops
+    # a block's residual is added by the weighted sum itself (its transformer block's add): no Add
+    added = _primitives(block(x, residual=x), tmp_path)
+    assert sorted(added) == sorted([*routing, *experts[:-1], "AddMM"]), added
+    np.testing.assert_allclose(np.array(block(x, residual=x)), np.array(x + block(x)), rtol=1e-5, atol=1e-5)
 
 
 def _dequantized_copy(model: Any, config: dict[str, Any]) -> Any:

@@ -56,7 +56,7 @@ class TransformerBlock(nn.Module):
         # Whether attention and feed-forward add the residual to their output themselves (the Llama
         # family's do, in one op with their output projection: `fused_linear.plus`); plain attributes
         self.attention_adds = isinstance(self.self_attn, Attention)
-        self.feed_forward_adds = isinstance(module, MLP)
+        self.feed_forward_adds = bool(getattr(module, "adds_residual", False))
 
     def __call__(
         self,

@@ -22,6 +22,8 @@ def _swiglu(gate: mx.array, up: mx.array) -> mx.array:
 class MLP(nn.Module):
     """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
 
+    adds_residual = True  # called with `residual`, returns the output plus it (`TransformerBlock`)
+
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()  # type: ignore[no-untyped-call]  # mlx.nn.Module.__init__ is unannotated
         h, inter, bias = args.hidden_size, args.intermediate_size, args.mlp_bias

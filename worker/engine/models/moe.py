@@ -239,11 +239,15 @@ class SwitchGLU(nn.Module):
         """Each row of x (N, hidden) through each of its k experts (N, k): (N, k, hidden)."""
         return self.expert_outputs(x[:, None, :], experts)
 
-    def weighted(self, x: mx.array, experts: mx.array, weights: mx.array) -> mx.array:
+    def weighted(
+        self, x: mx.array, experts: mx.array, weights: mx.array, residual: mx.array | None = None
+    ) -> mx.array:
         """Each token of x (N, 1, hidden) through its k experts (N, 1, k), their outputs summed weighted
-        by `weights` (N, 1, k; in x's dtype): (N, 1, hidden)."""
+        by `weights` (N, 1, k; in x's dtype): (N, 1, hidden); plus `residual` (N, 1, hidden) where given,
+        in the same matmul (`mx.addmm`: one op fewer)."""
         out = self.expert_outputs(x, experts)
-        return weights.astype(out.dtype) @ out  # no op where the router gave the experts' dtype
+        weights = weights.astype(out.dtype)  # no op where the router gave the experts' dtype
+        return weights @ out if residual is None else mx.addmm(residual, weights, out)
 
     def expert_outputs(self, x: mx.array, experts: mx.array) -> mx.array:
         """Each token of x (N, 1, hidden) through each of its k experts (N, ..., k): (N, k, hidden).
@@ -305,6 +309,8 @@ def route(
 class SparseMoeBlock(nn.Module):
     """A router and the stacked experts: each token's output is its top-k experts' outputs, weighted."""
 
+    adds_residual = True  # called with `residual`, returns the output plus it (`TransformerBlock`)
+
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()  # type: ignore[no-untyped-call]  # mlx.nn.Module.__init__ is unannotated
         width = args.moe_intermediate_size or args.intermediate_size
@@ -324,7 +330,9 @@ class SparseMoeBlock(nn.Module):
             self.gate = kept_transpose(self.gate)
         self.switch_mlp.fuse()
 
-    def __call__(self, x: mx.array) -> mx.array:
+    def __call__(self, x: mx.array, residual: mx.array | None = None) -> mx.array:
+        """The layer's output for x (..., hidden), or with `residual` (x's shape) that plus it, added
+        by the experts' weighted sum (`SwitchGLU.weighted`: one op fewer)."""
         hidden = x.shape[-1]
         tokens = x.reshape(x.size // hidden, 1, hidden)  # what a decode step's x already is: no op
         logits = self.gate(tokens)
@@ -333,7 +341,8 @@ class SparseMoeBlock(nn.Module):
             weights, experts = route(logits[..., :n], self.top_k, self.renormalize, logits[..., n:])
         else:
             weights, experts = route(logits, self.top_k, self.renormalize)
-        return self.switch_mlp.weighted(tokens, experts, weights).reshape(x.shape)
+        added = None if residual is None else residual.reshape(tokens.shape)
+        return self.switch_mlp.weighted(tokens, experts, weights, added).reshape(x.shape)
 
 
 def _signed_router(gate: nn.Module) -> nn.Module | None:
