@@ -16,6 +16,8 @@ from typing import Any
 
 import pytest
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 from redis_server import SentinelSet
 
 from mlxq.jobs.schema import TokenEvent
@@ -142,10 +144,15 @@ def test_jobs_ride_out_the_primary_shutting_down_and_returning_as_a_replica(
     and is made a replica. Nothing is lost: each submit waits for a replica to hold the job (WAIT)."""
 
     returns: list[threading.Thread] = []
+    old_ports: list[int] = []
 
     def shut_down(ha: SentinelSet) -> None:
         old = ha.primary
-        threading.Thread(target=lambda: redis.Redis(port=old.port).shutdown(), daemon=True).start()
+        old_ports.append(old.port)
+        # no retries: redis-py retries a command whose connection closed (SHUTDOWN's does, by design)
+        # with backoff, and a SHUTDOWN sent again would stop the old primary once it is back
+        once = redis.Redis(port=old.port, retry=Retry(NoBackoff(), 0))
+        threading.Thread(target=once.shutdown, daemon=True).start()
 
         def come_back() -> None:  # once the sentinels moved on, the old primary returns: as a replica
             while ha.primary_port() == old.port:
@@ -163,6 +170,7 @@ def test_jobs_ride_out_the_primary_shutting_down_and_returning_as_a_replica(
     (back,) = returns
     back.join(60)
     assert not back.is_alive()
+    assert redis.Redis(port=old_ports[0]).ping()  # back, and still up (no SHUTDOWN sent twice)
     assert figures["finished"] == figures["jobs"]
     reliability_report["sentinel_failover_shutdown"] = figures
 
