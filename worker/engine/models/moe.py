@@ -221,10 +221,9 @@ class SwitchGLU(nn.Module):
         self.down_proj = SwitchLinear(width, hidden, experts)
         self.width = width
         self.gate_up_proj: nn.Module | None = None  # set by `fuse`, in place of gate_proj and up_proj
-        # From how many (token, expert) pairs they are sorted by expert first, and from how many
-        # quantized experts are multiplied dequantized (None: never). `fuse` sets both to
-        # `DENSE_FROM_ON_CUDA` for quantized experts on MLX's CUDA build.
-        self.sort_from = SORT_FROM
+        # From how many (token, expert) pairs quantized experts are multiplied dequantized (None:
+        # never; `fuse` sets `DENSE_FROM_ON_CUDA` for quantized experts on MLX's CUDA build). Pairs are
+        # sorted by expert from there too, else from `SORT_FROM` (`expert_outputs`).
         self.dense_from: int | None = None
 
     def fuse(self) -> None:
@@ -233,7 +232,7 @@ class SwitchGLU(nn.Module):
             self.gate_up_proj = fused
             del self.gate_proj, self.up_proj
         if on_cuda() and isinstance(self.down_proj, QuantizedSwitchLinear):
-            self.sort_from = self.dense_from = DENSE_FROM_ON_CUDA
+            self.dense_from = DENSE_FROM_ON_CUDA
 
     def __call__(self, x: mx.array, experts: mx.array) -> mx.array:
         """Each row of x (N, hidden) through each of its k experts (N, k): (N, k, hidden)."""
@@ -251,10 +250,11 @@ class SwitchGLU(nn.Module):
 
     def expert_outputs(self, x: mx.array, experts: mx.array) -> mx.array:
         """Each token of x (N, 1, hidden) through each of its k experts (N, ..., k): (N, k, hidden).
-        From `sort_from` (token, expert) pairs on, the pairs are sorted by expert first, so each
-        expert's weights are read once per forward rather than once per token."""
+        From `SORT_FROM` (token, expert) pairs on, or from `dense_from` where it is set (the quantized
+        matmuls that sort serves ignore it), the pairs are sorted by expert first, so each expert's
+        weights are read once per forward rather than once per token."""
         n, k, pairs = x.shape[0], experts.shape[-1], experts.size
-        if pairs < self.sort_from:
+        if pairs < (SORT_FROM if self.dense_from is None else self.dense_from):
             hidden = self._gated(x, experts, _pair_rows(experts.shape, k), False)
             out = self.down_proj(hidden, experts, _pair_rows(experts.shape, 1))
             return out.reshape(n, k, out.shape[-1])
