@@ -136,16 +136,21 @@ def fuse_quantized(parts: Sequence[nn.Module]) -> nn.QuantizedLinear | None:
     kinds = {(p.group_size, p.bits, getattr(p, "mode", "affine"), "biases" in p, "bias" in p) for p in parts}
     if len(kinds) != 1:
         return None
-    first = parts[0]
-    fused = nn.QuantizedLinear.__new__(nn.QuantizedLinear)
-    nn.Module.__init__(fused)
-    fused.group_size, fused.bits, fused.mode = first.group_size, first.bits, getattr(first, "mode", "affine")
-    for name in ("weight", "scales", "biases", "bias"):
-        if name in first:
-            setattr(fused, name, mx.concatenate([p[name] for p in parts], axis=0))
-    fused.freeze()
-    mx.eval(fused.parameters())
-    return fused
+    names = [name for name in ("weight", "scales", "biases", "bias") if name in parts[0]]
+    return _quantized_like(parts[0], {n: mx.concatenate([p[n] for p in parts], axis=0) for n in names})
+
+
+def _quantized_like(layer: nn.Module, arrays: dict[str, mx.array]) -> nn.QuantizedLinear:
+    """A frozen `QuantizedLinear` of `layer`'s group size, bits and mode holding `arrays` (weight,
+    scales, biases, bias), evaluated."""
+    made = nn.QuantizedLinear.__new__(nn.QuantizedLinear)
+    nn.Module.__init__(made)
+    made.group_size, made.bits, made.mode = layer.group_size, layer.bits, getattr(layer, "mode", "affine")
+    for name, array in arrays.items():
+        setattr(made, name, array)
+    made.freeze()
+    mx.eval(made.parameters())
+    return made
 
 
 def with_rows_negated(layer: nn.Module) -> nn.Module | None:
@@ -156,18 +161,19 @@ def with_rows_negated(layer: nn.Module) -> nn.Module | None:
         return None
     if getattr(layer, "mode", "affine") != "affine" or "biases" not in layer:
         return None
-    signed = nn.QuantizedLinear.__new__(nn.QuantizedLinear)
-    nn.Module.__init__(signed)
-    signed.group_size, signed.bits, signed.mode = layer.group_size, layer.bits, "affine"
-    signed.weight = mx.concatenate([layer.weight, layer.weight])
-    signed.scales = mx.concatenate([layer.scales, -layer.scales])
-    signed.biases = mx.concatenate([layer.biases, -layer.biases])
-    signed.freeze()
+    signed = _quantized_like(
+        layer,
+        {
+            "weight": mx.concatenate([layer.weight, layer.weight]),
+            "scales": mx.concatenate([layer.scales, -layer.scales]),
+            "biases": mx.concatenate([layer.biases, -layer.biases]),
+        },
+    )
     if type(layer) is DenseRowsLinear:
         signed.__class__ = DenseRowsLinear
         dense = mx.concatenate([layer._dense.weight, -layer._dense.weight])
+        mx.eval(dense)
         object.__setattr__(signed, "_dense", _Dense(dense, layer._dense.min_rows))
-    mx.eval(signed.parameters())
     return signed
 
 
