@@ -14,7 +14,7 @@ import pytest
 from mlxq.jobs.schema import GenerateRequest
 from mlxq.worker.engine import Engine
 from mlxq.worker.engine.cache.batch_cache import BatchKVCache
-from mlxq.worker.engine.generation_batch import Finished, GenerationBatch
+from mlxq.worker.engine.generation_batch import Finished, GenerationBatch, generate
 from mlxq.worker.engine.speculation.draft_batch import DraftModelBatch
 from mlxq.worker.engine.speculation.mtp_batch import MtpBatch
 
@@ -118,6 +118,19 @@ def drafting_requests(engine: Engine, n: int) -> Iterator[GenerateRequest]:
         yield GenerateRequest(
             prompt=PROMPT * (1 + i % 3) + f"#{i}", max_tokens=5 + 6 * i, temperature=0, logit_bias=no_eos
         )
+
+
+def joining_and_leaving(
+    plain: Engine, rows: int
+) -> tuple[list[GenerateRequest], int | None, dict[int, Finished]]:
+    """`rows` + 1 greedy requests of different prompt lengths, the last ending at a stop string and,
+    with more than one row, the second cancelled (`run_drafting`'s `cancel`); and what `plain`
+    decoding gives them at `rows` sequences: (requests, cancel, results)."""
+    requests = list(drafting_requests(plain, rows + 1))
+    stop_at = generate(plain, requests[-1], lambda _t, _ids: None).text[10:13]
+    requests[-1] = requests[-1].model_copy(update={"stop": [stop_at], "max_tokens": 40})
+    cancel = 1 if rows > 1 else None
+    return requests, cancel, run_drafting(plain, requests, rows, cancel)
 
 
 def assert_same_results(expected: dict[int, Finished], got: dict[int, Finished]) -> None:

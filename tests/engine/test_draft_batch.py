@@ -19,7 +19,7 @@ import pytest
 from drafting import (
     assert_same_results,
     assert_whole_steps,
-    drafting_requests,
+    joining_and_leaving,
     record_draft_attention,
     record_reads,
     run_drafting,
@@ -27,7 +27,6 @@ from drafting import (
 from engines import closed_after_test, count_calls
 
 from mlxq.worker.engine import Engine, EngineOptions
-from mlxq.worker.engine.generation_batch import generate
 from mlxq.worker.engine.prefill import prefill
 from mlxq.worker.engine.speculation.draft_batch import DraftModelDrafter
 from mlxq.worker.engine.speculation.draft_model import DraftModel
@@ -244,11 +243,7 @@ def test_generation_drafting_together_gives_plain_decodings_output(
     the target itself (every draft kept) or by another model (few kept), shapes padded (a GPU's way:
     the drafts' forwards read whole steps) or not."""
     plain = _engine(target)
-    requests = list(drafting_requests(plain, rows + 1))
-    stop_at = generate(plain, requests[-1], lambda _t, _ids: None).text[10:13]
-    requests[-1] = requests[-1].model_copy(update={"stop": [stop_at], "max_tokens": 40})
-    cancel = 1 if rows > 1 else None
-    expected = run_drafting(plain, requests, rows, cancel)
+    requests, cancel, expected = joining_and_leaving(plain, rows)
     policy = DraftPolicy(min_acceptance=0.0, max_batch=64)
     for draft in (str(target), str(draft_dir)):
         spec = _engine(

@@ -23,7 +23,7 @@ import pytest
 from drafting import (
     assert_same_results,
     assert_whole_steps,
-    drafting_requests,
+    joining_and_leaving,
     record_draft_attention,
     record_reads,
     run_drafting,
@@ -32,7 +32,6 @@ from engines import closed_after_test, count_calls
 
 from mlxq.worker.engine import Engine, EngineOptions
 from mlxq.worker.engine.cache.kv_cache import KVCache
-from mlxq.worker.engine.generation_batch import generate
 from mlxq.worker.engine.speculation.drafter import RowToDraft
 from mlxq.worker.engine.speculation.mtp import MtpDraft, MtpLayer
 from mlxq.worker.engine.speculation.mtp_batch import MtpBatch, MtpDrafter, ShiftedCache
@@ -263,11 +262,7 @@ def test_generation_drafting_together_gives_plain_decodings_output(
     not padded) gives, shapes padded (a GPU's way: the MTP forwards read whole steps) or not, and the
     draft batch holds no row that left."""
     plain = _engine(narrowed)
-    requests = list(drafting_requests(plain, rows + 1))
-    stop_at = generate(plain, requests[-1], lambda _t, _ids: None).text[10:13]
-    requests[-1] = requests[-1].model_copy(update={"stop": [stop_at], "max_tokens": 40})
-    cancel = 1 if rows > 1 else None
-    expected = run_drafting(plain, requests, rows, cancel)
+    requests, cancel, expected = joining_and_leaving(plain, rows)
     policy = DraftPolicy(min_acceptance=0.0, max_batch=64, only_likely=False)
     spec = _engine(narrowed, speculation="mtp", draft_policy=policy, pad_shapes=pad_shapes)
     assert isinstance(spec.draft_choice.draft, MtpDraft)
