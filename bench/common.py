@@ -150,6 +150,13 @@ class Bench:
             w.wait_ready()
         return w
 
+    def only_worker(self, label: str, env: dict[str, str] | None = None) -> BenchWorker:
+        """`worker(label)` with every other worker stopped first: each holds its own copy of the model,
+        and a large model (the 17 GB MoE) cannot hold a fourth copy beside this process's two."""
+        for other in [k for k in self.workers if k != label]:
+            self.workers.pop(other).stop()
+        return self.worker(label, env)
+
     def close(self) -> None:
         for w in self.workers.values():
             w.stop()

@@ -165,7 +165,7 @@ def _mlx_lm(b: Bench, payloads: list[dict[str, Any]]) -> Run:
 
 def batch_generation(b: Bench) -> dict[str, Any]:
     s = b.sizes
-    w = b.worker("batching", env={"MLXQ_MAX_BATCH_SEQUENCES": str(max(s.batch_jobs))})
+    w = b.only_worker("batching", env={"MLXQ_MAX_BATCH_SEQUENCES": str(max(s.batch_jobs))})
     paths = {
         QUEUE: lambda p: _queue(b, w, p),
         ENGINE: lambda p: _engine(b, p),

@@ -55,8 +55,10 @@ for name in "$@"; do
       bench tiny-queue --model tiny --only queue ;;
     warm)  # issue 29: warm repeat of an 8k prefix, cold first token against mlx-lm's prefill
       bench llama-1b-ttft --model llama-1b --only prefill,warm_cache ;;
-    moe)  # issue 32: the 4-bit MoE, one and 32 jobs, a step's primitives beside mlx-lm's
-      bench qwen3-moe-30b-4bit --model qwen3-moe-30b-4bit --only generation,batch --batch-jobs 1,32 ;;
-    *) echo "unknown run $name: kernels structured decode uncompiled spec-1b spec-8b mtp scoring queue warm moe" >&2 ;;
+    moe)  # issue 32: the 4-bit MoE, one and 32 jobs at once, a step's primitives beside mlx-lm's
+      bench qwen3-moe-30b-4bit --model qwen3-moe-30b-4bit --only batch --batch-jobs 1,32 ;;
+    moe-ab)  # issue 32: the 4-bit MoE, one job, rotating against mlx-lm (12 repetitions)
+      bench qwen3-moe-30b-4bit-ab --model qwen3-moe-30b-4bit --only decode_ab ;;
+    *) echo "unknown run $name: kernels structured decode uncompiled spec-1b spec-8b mtp scoring queue warm moe moe-ab" >&2 ;;
   esac
 done
