@@ -189,6 +189,7 @@ def run(args: argparse.Namespace) -> int:
     engine = Engine.load(str(model_path), options)
     dtype = next(v.dtype for _, v in tree_flatten(engine.model.parameters()))
     mlxlm = MlxLm.load(str(model_path), dtype)
+    mx.clear_cache()  # what loading freed: the workers beside this process need the device's memory
     print(
         f"loaded {model_path} ({dtype}) on {mx.default_device()} in {time.perf_counter() - t_load:.1f}s"
         f" (masks in place: {engine.masks_in_place}, built ahead: {engine.build_ahead},"

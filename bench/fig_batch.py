@@ -58,6 +58,9 @@ def _window(arrivals: list[tuple[float, int]], all_started: float, end: float) -
 
 
 def _queue(b: Bench, w: BenchWorker, payloads: list[dict[str, Any]]) -> Run:
+    # The worker shares the device with this process: the buffers this process's own paths freed go
+    # back first (MLX keeps them otherwise; with a 17 GB model the worker's prefill found no room).
+    mx.clear_cache()
     since = time.time()
     t0 = time.perf_counter()
     job_ids = enqueue_many(w.queue, keys.GENERATE_FUNC, payloads)
