@@ -26,7 +26,7 @@ from mlxq.worker.engine import Engine, EngineOptions
 from mlxq.worker.engine.decode_batch import DecodeBatch
 from mlxq.worker.engine.errors import CheckpointError
 from mlxq.worker.engine.generation_batch import GenerationBatch, generate
-from mlxq.worker.engine.models import attention, build_model, deepseek, moe
+from mlxq.worker.engine.models import attention, build_model, deepseek, llama, moe
 from mlxq.worker.engine.models.loader import load_model, save_quantized
 from mlxq.worker.engine.prefill import prefill
 from mlxq.worker.engine.sampler import Sampler
@@ -148,6 +148,38 @@ def test_dequantized_experts_are_made_layer_by_layer() -> None:
     mx.eval(forward())
     one_layer = 8 * 3 * 512 * 256 * 4  # gate, up and down of 8 experts, float32
     assert mx.get_peak_memory() - resident < 2.5 * one_layer
+
+
+def test_a_forward_with_dequantized_experts_keeps_the_host_a_layer_ahead(
+    moe_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where sparse layers take the dequantized path from some size on (MLX's CUDA build), a forward of
+    that many tokens waits for each layer's output once the next is queued (`llama._fenced`), so the
+    host never encodes every layer's dequantized experts before the device has run the first; its
+    output is the same, and a smaller forward never waits."""
+    engine = Engine.load(str(moe_dir))
+    model = engine.model
+    assert model.model.fence_tokens is None  # the CPU build multiplies quantized experts as they are
+    ids = mx.array([prompt_ids(moe_dir, LONG)[:20]])
+    want = model.hidden(ids)
+    for layer in model.layers:
+        layer.feed_forward.switch_mlp.dense_from = 7  # pairs: 4 tokens of top-2
+    model.fuse()
+    assert model.model.fence_tokens == 4
+    waits: list[int] = []
+    real = llama._fenced
+
+    def counted(h: mx.array, queued: mx.array | None) -> mx.array:
+        waits.append(h.shape[1])
+        return real(h, queued)
+
+    monkeypatch.setattr(llama, "_fenced", counted)
+    got = model.hidden(ids)
+    assert waits == [20] * (len(model.layers) - 1)  # every layer but the last, whose output is returned
+    assert mx.array_equal(got, want)
+    waits.clear()
+    mx.eval(model.hidden(ids[:, :3]))
+    assert waits == []
 
 
 def _primitives(out: mx.array, tmp_path: Path) -> list[str]:

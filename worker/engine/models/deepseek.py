@@ -291,6 +291,12 @@ class DeepseekMoE(nn.Module):
         if "shared_experts" in self:
             self.shared_experts.fuse()
 
+    @property
+    def large_from(self) -> int | None:
+        """From how many tokens a forward of this layer holds its experts dequantized (as
+        `moe.SparseMoeBlock.large_from`)."""
+        return self.switch_mlp.dense_tokens(self.args.num_experts_per_tok)
+
     def __call__(self, x: mx.array) -> mx.array:
         a = self.args
         flat = x.reshape(-1, x.shape[-1])

@@ -84,6 +84,15 @@ class TransformerBlock(nn.Module):
         return self[self.feed_forward_name]  # type: ignore[no-any-return]  # nn.Module is an untyped dict
 
 
+def _fenced(h: mx.array, queued: mx.array | None) -> mx.array:
+    """Queue a layer's output `h` to the device and wait for `queued`, the layer before's: the device
+    runs one layer while the host encodes the next, and no further (`LlamaModel.fence_tokens`)."""
+    mx.async_eval(h)
+    if queued is not None:
+        mx.eval(queued)
+    return h
+
+
 class LlamaModel(nn.Module):
     """Embedding, decoder layers and final norm (the checkpoint's `model.` prefix).
 
@@ -92,6 +101,13 @@ class LlamaModel(nn.Module):
     """
 
     compiled_step: CompiledStep | None = None  # set by `Model.compile_steps`
+    # From how many tokens a forward keeps the host at most a layer ahead of the device (`_fenced`;
+    # None: never). Set by `Model.fuse` where a layer holds a large transient from some size on (a MoE
+    # layer's experts dequantized, 1.2 GB a layer of a 30B-A3B): MLX's CUDA build allocates an op's
+    # output when it encodes it, and frees a layer's transients only once the device has run it, so a
+    # host that encodes every layer of a long prefill before the device is through the first holds
+    # every layer's transients at once (a 32-prompt prefill of a 17 GB model ran out of 80 GB).
+    fence_tokens: int | None = None
 
     def __init__(
         self,
@@ -139,8 +155,12 @@ class LlamaModel(nn.Module):
         if self.compiled_step is not None and inputs.ndim == 1 and taps is None:
             return self.compiled_step(h, caches, masks, self.windows)
         layers = zip(self.layers[:-1], caches[:-1], self.windows[:-1], strict=True)
+        fenced = self.fence_tokens is not None and h.size // h.shape[-1] >= self.fence_tokens
+        queued: mx.array | None = None
         for i, (layer, c, window) in enumerate(layers):
             h = layer(h, masks(window), c, columns=columns)
+            if fenced:
+                queued = _fenced(h, queued)
             if taps is not None:
                 taps.take(i, h)
         layer_mask = masks(self.windows[-1])
@@ -234,6 +254,8 @@ class Model(nn.Module):
         for layer in self.layers:
             layer.self_attn.fuse()
             layer.feed_forward.fuse()
+        large = [n for layer in self.layers if (n := getattr(layer.feed_forward, "large_from", None))]
+        self.model.fence_tokens = min(large, default=None)
 
     def compile_steps(self) -> bool:
         """Build flat decode steps through compiled layer parts (`compiled_step.py`) from now on, once

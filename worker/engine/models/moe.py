@@ -226,6 +226,11 @@ class SwitchGLU(nn.Module):
         # sorted by expert from there too, else from `SORT_FROM` (`expert_outputs`).
         self.dense_from: int | None = None
 
+    def dense_tokens(self, k: int) -> int | None:
+        """From how many tokens, each routed to `k` experts, a forward multiplies these experts
+        dequantized (None: never)."""
+        return None if self.dense_from is None else -(-self.dense_from // k)
+
     def fuse(self) -> None:
         if self.gate_up_proj is None and (fused := _side_by_side([self.gate_proj, self.up_proj])) is not None:
             mx.eval(fused.parameters())
@@ -329,6 +334,12 @@ class SparseMoeBlock(nn.Module):
         if type(self.gate) is nn.Linear:
             self.gate = kept_transpose(self.gate)
         self.switch_mlp.fuse()
+
+    @property
+    def large_from(self) -> int | None:
+        """From how many tokens a forward of this layer holds a large transient: its experts dequantized
+        (`SwitchGLU.dense_from`; `LlamaModel.fence_tokens`)."""
+        return self.switch_mlp.dense_tokens(self.top_k)
 
     def __call__(self, x: mx.array, residual: mx.array | None = None) -> mx.array:
         """The layer's output for x (..., hidden), or with `residual` (x's shape) that plus it, added
