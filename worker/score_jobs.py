@@ -61,6 +61,8 @@ class ScoringEngine(Protocol):
         self, jobs: list[list[PreparedRow]], interrupt: Callable[[], None] | None = None
     ) -> list[ScoreResult]: ...
 
+    def start_shared_prefix(self, requests: Sequence[ScoreRequest]) -> int: ...
+
 
 class ScoreJobs:
     """Runs score jobs in batches on the engine; built once per worker."""
@@ -183,9 +185,9 @@ class ScoreJobs:
             self.host.batches.fail(run, exc_info)
 
         ready: list[tuple[Run, Prepared]] = []
-        if prepared is None:
+        if prepared is None:  # tokenized here, the batch's shared prefix started on the device first
             with self.phases.timed("tokenize"):
-                prepared = self._prepare(runs)
+                prepared = self._prepare(runs, lead=True)
         for run, rows in zip(runs, prepared, strict=True):
             if not isinstance(rows, Exception) and deadlines[run.job.id].passed():
                 rows = deadlines[run.job.id].exceeded()
@@ -267,11 +269,15 @@ class ScoreJobs:
             break
         return results, timed_out
 
-    def _prepare(self, runs: list[Run], tokenizer: Tokenizer | None = None) -> list[Prepared | Exception]:
+    def _prepare(
+        self, runs: list[Run], tokenizer: Tokenizer | None = None, lead: bool = False
+    ) -> list[Prepared | Exception]:
         """Each run's tokenized rows, or its own error (validation, limits, a bad candidate); with
-        `tokenizer`, a clone of the engine's for a thread of its own (the engine's otherwise)."""
+        `tokenizer`, a clone of the engine's for a thread of its own (the engine's otherwise); with
+        `lead` (on the engine's thread, the batch to be scored next), the prefix its first rows share
+        is started on the device before the rest is tokenized (`Engine.start_shared_prefix`)."""
         try:
-            return self._prepare_together([run.job.args[0] for run in runs], tokenizer)
+            return self._prepare_together([run.job.args[0] for run in runs], tokenizer, lead)
         except Exception:  # not a job's own error (those come back in its place): each job alone
             log.exception("preparing a score batch failed; preparing its jobs one by one jobs=%d", len(runs))
         out: list[Prepared | Exception] = []
@@ -283,10 +289,10 @@ class ScoreJobs:
         return out
 
     def _prepare_together(
-        self, payloads: list[Any], tokenizer: Tokenizer | None = None
+        self, payloads: list[Any], tokenizer: Tokenizer | None = None, lead: bool = False
     ) -> list[Prepared | Exception]:
         """Validate score jobs' payloads and tokenize their rows together; a bad job's own error stands
-        in its place."""
+        in its place. `lead`: as `_prepare`."""
         parsed: list[ScoreRequest | Exception] = []
         for payload in payloads:
             try:
@@ -294,6 +300,11 @@ class ScoreJobs:
             except Exception as e:
                 parsed.append(e)
         requests = [p for p in parsed if isinstance(p, ScoreRequest)]
+        if lead and len(requests) > 0:
+            try:
+                self.engine.start_shared_prefix(requests)
+            except Exception:  # the batch computes the prefix itself, as it would have
+                log.warning("could not start a score batch's shared prefix ahead", exc_info=True)
         prepared = iter(self.engine.score_tokens_many(requests, tokenizer))
         return [p if isinstance(p, Exception) else next(prepared) for p in parsed]
 

@@ -23,6 +23,7 @@ from mlxq.jobs import keys
 from mlxq.jobs.schema import ScoreRequest
 from mlxq.producer import Client
 from mlxq.worker.engine import Engine, EngineOptions
+from mlxq.worker.engine.engine import START_FROM
 from mlxq.worker.job_claim import QueuedJob
 from mlxq.worker.score_ahead import ScoreAhead
 from mlxq.worker.score_claim import ClaimBudget, ScorePicker
@@ -195,6 +196,45 @@ def test_batches_taken_ahead_are_tokenized_off_the_main_thread_with_the_same_ids
                 assert (special_id in prompt_ids) == request.allow_special_tokens
                 ways.add(request.allow_special_tokens)
     assert ways == {True, False}  # special-token text both ways went through the helper thread
+
+
+def test_the_batch_tokenized_on_the_main_thread_starts_its_shared_prefix_first(
+    model_dir: Path, redis_url: str, redis_conn: redis.Redis, client: Client
+) -> None:
+    """The batch RQ hands over is tokenized on the main thread: the prefix its first rows share is
+    started on the device before the rest is tokenized (`Engine.start_shared_prefix`); batches taken
+    ahead, tokenized on the helper thread, start nothing. Every job's result is the engine's alone."""
+    engine = Engine.load(str(model_dir), EngineOptions())
+    real_start, real_tokens = engine.start_shared_prefix, engine.score_tokens_many
+    events: list[tuple[str, bool, int, int]] = []
+
+    def start(requests: Any) -> int:
+        n = real_start(requests)
+        events.append(("start", threading.current_thread() is threading.main_thread(), len(requests), n))
+        return n
+
+    def tokens(requests: Any, tokenizer: Any = None) -> Any:
+        events.append(("tokenize", threading.current_thread() is threading.main_thread(), len(requests), 0))
+        return real_tokens(requests, tokenizer)
+
+    engine.start_shared_prefix = start  # type: ignore[method-assign]
+    engine.score_tokens_many = tokens  # type: ignore[method-assign]
+    document = " ".join(WORDS * 40) + "."
+    rows = [
+        [{"prompt": f"{document} Number {i} is", "candidates": [" the", " a"]}] for i in range(3 * BATCH_JOBS)
+    ]
+    ids = [client.submit_score(r).id for r in rows]
+    _work(model_dir, redis_url, engine, pipeline=True)
+
+    on_main = [e for e in events if e[1]]
+    assert [e[0] for e in on_main] == ["start", "tokenize"] and on_main[0][2] == on_main[1][2] == BATCH_JOBS
+    assert on_main[0][3] >= START_FROM
+    assert all(e[0] == "tokenize" for e in events if not e[1])
+    alone = Engine.load(str(model_dir), EngineOptions(prefix_cache_bytes=0))
+    for job_id, r in zip(ids, rows, strict=True):
+        got = client.job(job_id).result(timeout=5).model_dump(mode="json")
+        want = alone.score(ScoreRequest.model_validate({"rows": r})).model_dump(mode="json")
+        assert _close(got, want), (got, want)
 
 
 def _queued(job_id: str, func: str = keys.SCORE_FUNC, rows: int = 1) -> QueuedJob:

@@ -65,6 +65,10 @@ from mlxq.worker.engine.token_logprobs import TokenLogprob
 
 log = logging.getLogger(__name__)
 
+# From how many shared prompt tokens not cached yet a score batch's prefix is started ahead of its rows'
+# tokenizing (`Engine.start_shared_prefix`): fewer are computed too fast to hide much of the tokenizer.
+START_FROM = 256
+
 
 class Engine:
     """A model, its tokenizer and the policies (context length, chunking) that run requests on it."""
@@ -254,6 +258,20 @@ class Engine:
         """`score_tokens` of several jobs, a bad job's error in its place (`ScoreRequests.score_tokens_many`:
         another thread may call it with a `tokenizer` of its own)."""
         return self.score_requests.score_tokens_many(requests, tokenizer)
+
+    def start_shared_prefix(self, requests: Sequence[ScoreRequest]) -> int:
+        """Queue the prompt prefix that a score batch's first rows share into the prefix cache and return
+        without waiting for the device, which computes it while the host tokenizes the rest of the
+        batch (`ScoreRequests.shared_start`, `JobScorer.start`): tokenizing is then off a batch's
+        critical path where it would otherwise come before any forward. How many tokens it queued (0:
+        no prefix cache, or fewer than `START_FROM` shared tokens not cached yet). On the engine's
+        thread only: it tokenizes with the engine's tokenizer."""
+        if self.prefix_cache is None:
+            return 0
+        tokens = self.score_requests.shared_start(requests)
+        if len(tokens) < START_FROM:
+            return 0
+        return self.scorer.start(tokens, self.prefix_cache, START_FROM)
 
     def score(self, request: ScoreRequest) -> ScoreResult:
         """Score one request's rows (shared prefixes computed once)."""

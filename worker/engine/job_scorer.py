@@ -18,7 +18,7 @@ from mlxq.worker.engine.candidate_head import CandidateHead, candidate_scores
 from mlxq.worker.engine.engine_options import EngineOptions
 from mlxq.worker.engine.memory_guard import with_memory_retry
 from mlxq.worker.engine.models.base import Model
-from mlxq.worker.engine.prefix_scorer import SCORE_ENGINE_PHASES, PrefixScorer, score_kv_by_default
+from mlxq.worker.engine.prefix_scorer import SCORE_ENGINE_PHASES, Ahead, PrefixScorer, score_kv_by_default
 from mlxq.worker.engine.score_requests import PreparedRow, SeqRow, prompt_logprobs, seq_result
 from mlxq.worker.engine.text.tokenizer import Tokenizer
 from mlxq.worker.engine.token_scoring import TokenHead
@@ -53,6 +53,15 @@ class JobScorer:
         # Seconds scoring spent in each part (`SCORE_ENGINE_PHASES`) since the engine was made: the
         # worker reads them around each score batch.
         self.score_seconds = dict.fromkeys(SCORE_ENGINE_PHASES, 0.0)
+        self._ahead: Ahead | None = None  # what `start` queued for the batch scored next
+
+    def start(self, tokens: list[int], prefix_cache: PrefixCache | None, min_new: int = 1) -> int:
+        """Queue the keys and values of `tokens` (a batch's shared prefix) into the prefix cache and return
+        without waiting for the device (`PrefixScorer.warm`; not where fewer than `min_new` of them are
+        not cached yet): the next `score_many`, whichever batch it scores, finds them there, and its
+        rows count them as computed, not cached. How many tokens it queued."""
+        self._ahead = self._scorer(prefix_cache, self.score_kv_bytes, None).warm(tokens, min_new)
+        return 0 if self._ahead is None else len(tokens) - self._ahead.start
 
     def score_many(
         self,
@@ -71,13 +80,14 @@ class JobScorer:
         """
         rows = sum(len(j) for j in jobs)
         kv_bytes = [self.score_kv_bytes]
+        ahead, self._ahead = self._ahead, None
 
         def free_and_shrink() -> None:  # the retry's suffix batches: a quarter of the keys and values
             self.free_memory()
             kv_bytes[0] = max(1, (kv_bytes[0] or score_kv_by_default()) // 4)
 
         return with_memory_retry(
-            lambda: self._score_many(jobs, prefix_cache, kv_bytes[0], interrupt),
+            lambda: self._score_many(jobs, prefix_cache, kv_bytes[0], interrupt, ahead),
             free_and_shrink,
             f"scoring {rows} rows",
         )
@@ -88,26 +98,17 @@ class JobScorer:
         prefix_cache: PrefixCache | None,
         kv_bytes: int,
         interrupt: Callable[[], None] | None,
+        ahead: Ahead | None = None,
     ) -> list[ScoreResult]:
-        """One pass of `score_many`, its suffix batches holding at most `kv_bytes` of keys and values."""
+        """One pass of `score_many`, its suffix batches holding at most `kv_bytes` of keys and values;
+        `ahead`: what `start` queued for it."""
         flat = [row for rows in jobs for row in rows]
         scored: list[ScoredRow | None] = [None] * len(flat)
         cands = [(i, row) for i, row in enumerate(flat) if isinstance(row, tuple)]
         seq_rows = [(i, row) for i, row in enumerate(flat) if isinstance(row, SeqRow)]
         candidates = CandidateHead([prompt for _, (prompt, _) in cands])
         tokens = TokenHead([s for _, row in seq_rows for s in row.seqs])
-        scorer = PrefixScorer(
-            self.model,
-            prefix_cache=prefix_cache,
-            prefill_chunk=self.options.prefill_chunk,
-            max_batch_rows=64,
-            max_batch_kv_bytes=kv_bytes,
-            kv_bytes_per_token=self.kv_bytes_per_token,
-            pad_shapes=self.pad_shapes,
-            interrupt=interrupt,
-            seconds=self.score_seconds,
-            sync_phases=self.options.sync_score_phases,
-        )
+        scorer = self._scorer(prefix_cache, kv_bytes, interrupt, ahead)
         per_candidate_row, per_seq = scorer.score([candidates, tokens])
         if cands:
             t0 = time.perf_counter()
@@ -132,6 +133,27 @@ class JobScorer:
                 scored[i] = seq_result(row, row_scores, row_computed)
             at += n
         return self._results(jobs, scored)
+
+    def _scorer(
+        self,
+        prefix_cache: PrefixCache | None,
+        kv_bytes: int,
+        interrupt: Callable[[], None] | None,
+        ahead: Ahead | None = None,
+    ) -> PrefixScorer:
+        return PrefixScorer(
+            self.model,
+            prefix_cache=prefix_cache,
+            prefill_chunk=self.options.prefill_chunk,
+            max_batch_rows=64,
+            max_batch_kv_bytes=kv_bytes,
+            kv_bytes_per_token=self.kv_bytes_per_token,
+            pad_shapes=self.pad_shapes,
+            interrupt=interrupt,
+            seconds=self.score_seconds,
+            sync_phases=self.options.sync_score_phases,
+            ahead=ahead,
+        )
 
     def _results(self, jobs: list[list[PreparedRow]], scored: list[ScoredRow | None]) -> list[ScoreResult]:
         """Each job's result from its rows' (`scored`: every job's rows, one job after another)."""

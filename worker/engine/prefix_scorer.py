@@ -21,6 +21,7 @@ import mlx.core as mx
 from mlxq.worker.engine.cache.kv_cache import KVCache, broadcast_batch, key_columns
 from mlxq.worker.engine.cache.prefix_cache import PrefixCache
 from mlxq.worker.engine.cache.shared_prefix import RowPacks, SharedPrefixRows
+from mlxq.worker.engine.cache.token_match import common_length
 from mlxq.worker.engine.models.base import LayerCache, Model
 from mlxq.worker.engine.score_head import Pick, ScoreHead
 from mlxq.worker.engine.score_tree import _Node, build_tree, computed_per_row
@@ -28,6 +29,21 @@ from mlxq.worker.engine.shapes import padded_size
 
 # The parts of a score batch's engine time `PrefixScorer` (and the engine's candidate scoring) times.
 SCORE_ENGINE_PHASES = ("tree", "forward", "unembed", "device_wait")
+
+
+class Ahead:
+    """A span `PrefixScorer.warm` started into the prefix cache for the batch scored next: `tokens`, of
+    which those from `start` on it computed (the rest were cached already)."""
+
+    def __init__(self, tokens: list[int], start: int) -> None:
+        self.tokens = tokens
+        self.start = start
+
+    def computed(self, known: list[int], hit: int) -> int:
+        """How many of the first `hit` tokens of `known`, which the prefix cache gave back, were computed
+        for this batch (warmed), not cached before it."""
+        shared = common_length(self.tokens, known)
+        return max(0, min(hit, shared) - self.start)
 
 
 def score_kv_by_default() -> int:
@@ -56,6 +72,10 @@ class PrefixScorer:
     `interrupt` is called before every forward (each prefill chunk of a span, each suffix batch):
     whatever it raises ends the scoring there (a job's timeout); what was computed so far stays in the
     prefix cache.
+
+    `warm` starts a span's keys and values into the prefix cache without waiting for them (a batch's
+    shared prefix, queued while the host tokenizes its rows); `ahead` names what it started for the
+    batch scored next, whose rows then count those tokens as computed, not cached.
     """
 
     def __init__(
@@ -74,8 +94,10 @@ class PrefixScorer:
         interrupt: Callable[[], None] | None = None,
         seconds: dict[str, float] | None = None,
         sync_phases: bool = False,
+        ahead: Ahead | None = None,
     ) -> None:
         self.model = model
+        self.ahead = ahead
         # Where scoring's host time goes, added to `seconds` (see `SCORE_ENGINE_PHASES`): building the
         # tree, building forwards, building the LM head's work, and waiting for the device (forwards
         # and heads run lazily, so a wait holds the device time of both). `sync_phases` (a debug
@@ -114,13 +136,15 @@ class PrefixScorer:
             if not (hit or child.below() or len(child.span) > self.prefill_chunk):
                 leaves.append(child)
                 continue
+            start = 0
             if hit and self.prefix_cache is not None:
-                cache, reused[id(child)] = self.prefix_cache.begin(
+                cache, start = self.prefix_cache.begin(
                     known, len(self.model.layers), windows=self.model.model.windows
                 )
+                reused[id(child)] = start - (self.ahead.computed(known, start) if self.ahead else 0)
             else:
                 cache = self.model.make_cache()
-            self._extend(child, cache, 0, reused.get(id(child), 0))
+            self._extend(child, cache, 0, start)
             for c in cache:  # every branch below goes back here: a windowed layer keeps what that needs
                 c.pinned = len(child.span)
             self._visit(child, child.span, cache)
@@ -129,6 +153,36 @@ class PrefixScorer:
         for (k, _), n in zip(self._owner, computed_per_row(root, len(self._owner), reused), strict=True):
             out[k].append(n)
         return out
+
+    def warm(self, tokens: list[int], min_new: int = 1) -> Ahead | None:
+        """Queue the keys and values of `tokens` not in the prefix cache yet and offer them to it, without
+        waiting for the device: a later forward that needs them waits for them there. What it started
+        (None: nothing, fewer than `min_new` tokens of it not cached, or no cache)."""
+        if self.prefix_cache is None or not tokens:
+            return None
+        probe = [*tokens, -1]  # the cache gives at most all but a prompt's last token
+        if len(tokens) - self.prefix_cache.peek(probe) < max(min_new, 1):
+            return None
+        cache, start = self.prefix_cache.begin(
+            probe, len(self.model.layers), windows=self.model.model.windows
+        )
+        if not start:
+            cache = self.model.make_cache()
+        ids = mx.array(tokens, dtype=mx.int32)[None]
+        t0 = perf_counter()
+        for lo in range(start, len(tokens), self.prefill_chunk):
+            hi = min(lo + self.prefill_chunk, len(tokens))
+            chunk, real = ids[:, lo:hi], hi - lo
+            pad = padded_size(real) - real if self.pad_shapes and hi == len(tokens) else 0
+            if pad:  # as `_extend` pads: the shapes the scorer's own spans take
+                chunk = mx.concatenate([chunk, mx.zeros((1, pad), dtype=mx.int32)], axis=1)
+            self.model.hidden(chunk, cache=cache, last=real - 1)  # only the keys and values are kept
+            for c in cache:
+                c.trim(pad)
+            mx.async_eval([c.state for c in cache])
+        self.prefix_cache.offer(tokens, cache)
+        self.seconds["forward"] += perf_counter() - t0
+        return Ahead(tokens, start)
 
     def _index_below(self, node: _Node) -> list[int]:
         below = list(node.rows)

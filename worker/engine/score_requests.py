@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import islice
 
 from mlxq.jobs.errors import ContextTooLong, InvalidRequest
 from mlxq.jobs.schema import (
@@ -21,6 +22,7 @@ from mlxq.jobs.schema import (
     ScoreRequest,
     TopLogprob,
 )
+from mlxq.worker.engine.cache.token_match import common_length
 from mlxq.worker.engine.candidate_tokens import RowText, RowTokens, candidate_token_ids
 from mlxq.worker.engine.engine_options import EngineOptions
 from mlxq.worker.engine.eval_tokens import continuation_seqs, rolling_seqs
@@ -117,6 +119,26 @@ class ScoreRequests:
                     mine.append(e)
             out.append(self._job_rows(mine, request.max_tokens))
         return out
+
+    def shared_start(self, requests: Sequence[ScoreRequest]) -> list[int]:
+        """The prompt tokens that the first two candidate rows of a batch's jobs share (at most all but
+        each prompt's last token): where a batch's prefix tree most likely starts, which the engine can
+        start on the device while the host tokenizes the rest (`Engine.start_shared_prefix`). Empty
+        where there are fewer than two such rows within their jobs' limits. With the engine's own
+        tokenizer: its shared-prefix encoder then has the first prompt at hand for the rest."""
+        candidates = (
+            (r.prompt, request.add_special_tokens, not request.allow_special_tokens)
+            for request in requests
+            if self._limits_error(request) is None
+            for r in request.rows[:2]
+            if r.candidates is not None
+        )
+        rows = list(islice(candidates, 2))  # the jobs after the second row's are not looked at
+        if len(rows) < 2:
+            return []
+        a, b = self.tokenizer.encode_many(*(list(column) for column in zip(*rows, strict=True)))
+        n = min(common_length(a, b), len(a) - 1, len(b) - 1, self.context_length - 1)
+        return a[: max(n, 0)]
 
     def _seq_row(self, request: ScoreRequest, index: int, tokenizer: Tokenizer) -> SeqRow:
         """Row `index` of `request` (not a candidates row) as token sequences to score."""
