@@ -149,6 +149,8 @@ def scoring(b: Bench) -> dict[str, Any]:
     warm_jobs = [{"rows": [r]} for r in _rows(b, shared, s.score_rows)]
     table[f"mlxq via Redis: {s.score_rows} one-row jobs (grouped, warm cache)"] = _queue_run(b, w, warm_jobs)
 
+    queue_turns = _queue_turns(b, w)
+
     # One row per job, no cross-job batches, no prefix cache: every job is one full forward.
     plain = b.worker("nobatch-nocache", env={"MLXQ_SCORE_BATCH_ROWS": "0", "MLXQ_PREFIX_CACHE_BYTES": "0"})
     _queue_run(b, plain, [{"rows": [r]} for r in _rows(b, _prefix(b), 2)])  # warm-up
@@ -167,7 +169,71 @@ def scoring(b: Bench) -> dict[str, Any]:
         "candidates": s.score_candidates,
         "table": table,
         "shared_prefix": shared_prefix,
+        "queue_turns": queue_turns,
     }
+
+
+LEADS = (8, 16)  # `MLXQ_SCORE_LEAD_JOBS` of the lead-batch workers in `_queue_turns`
+
+
+def _queue_turns(b: Bench, w: BenchWorker) -> dict[str, Any]:
+    """Issue 29's queue target in rotating turns: the plain-MLX ideal (prefix once, the suffixes in one
+    batch, from token ids) beside one 64-row job and 64 one-row jobs through the queue, the latter
+    also on workers whose first batch of a burst takes only `LEADS` jobs, the rest taken ahead beside
+    its forward. Each path a new prefix every turn (cold); the first turn warms up and is dropped.
+    Per path: the median rows/s and its range, and the median of each turn's ratio to that turn's
+    ideal."""
+    s, tok = b.sizes, b.engine.tokenizer
+    leads = {n: b.worker(f"lead-{n}", env={"MLXQ_SCORE_LEAD_JOBS": str(n)}) for n in LEADS}
+
+    def ideal() -> float:
+        prefix = _prefix(b)
+        rows = _rows(b, prefix, s.score_rows)
+        n_prefix = len(tok.encode(prefix))
+        encoded = [
+            (tok.encode(r["prompt"]), [tok.encode(r["prompt"] + c)[-1] for c in r["candidates"]])
+            for r in rows
+        ]
+        own = [ids[n_prefix:] for ids, _ in encoded]
+        t0 = time.perf_counter()
+        logits = b.mlxlm.shared_prefix_logits(encoded[0][0][:n_prefix], own)
+        for i, (_ids, cands) in enumerate(encoded):
+            picked = logits[i][mx.array(cands)]
+            (picked - mx.logsumexp(logits[i])).tolist()
+        return time.perf_counter() - t0
+
+    def queued(worker: BenchWorker, one_job: bool) -> Callable[[], float]:
+        def run() -> float:
+            rows = _rows(b, _prefix(b), s.score_rows)
+            payloads = [{"rows": rows}] if one_job else [{"rows": [r]} for r in rows]
+            return float(_queue_run(b, worker, payloads)["wall_s"])
+
+        return run
+
+    paths: dict[str, Callable[[], float]] = {
+        "plain MLX ideal": ideal,
+        f"one {s.score_rows}-row job": queued(w, True),
+        f"{s.score_rows} one-row jobs": queued(w, False),
+        **{f"{s.score_rows} one-row jobs, lead batch of {n}": queued(lw, False) for n, lw in leads.items()},
+    }
+    names = list(paths)
+    walls: dict[str, list[float]] = {k: [] for k in names}
+    for turn in range(s.score_reps + 1):
+        for name in names[turn % len(names) :] + names[: turn % len(names)]:
+            wall = paths[name]()
+            if turn:
+                walls[name].append(wall)
+    rows_out = {}
+    for name in names:
+        ratios = [i / x for i, x in zip(walls["plain MLX ideal"], walls[name], strict=True)]
+        rates = [s.score_rows / x for x in walls[name]]
+        rows_out[name] = {
+            "rows_s": statistics.median(rates),
+            "rows_s_range": [min(rates), max(rates)],
+            "x_ideal": statistics.median(ratios),
+            "x_ideal_range": [min(ratios), max(ratios)],
+        }
+    return {"turns": s.score_reps, "rows": rows_out}
 
 
 def redis_calls(conn: redis.Redis) -> dict[str, int]:
