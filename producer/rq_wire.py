@@ -85,7 +85,16 @@ def job_data(func_name: str, payload: dict[str, Any], *, compress: bool = True) 
 
 
 def _description(func_name: str, payload: dict[str, Any]) -> str:
-    call = f"{func_name}({json.dumps(payload, ensure_ascii=False)})"
+    """RQ's `description`, the call as text, cut at `DESCRIPTION_MAX_CHARS`: the payload's JSON is
+    encoded only as far as the cut (a bulk score job's payload can be most of a megabyte)."""
+    room = DESCRIPTION_MAX_CHARS - len(func_name) - 2
+    head, n = [], 0
+    for chunk in json.JSONEncoder(ensure_ascii=False).iterencode(payload):
+        head.append(chunk)
+        n += len(chunk)
+        if n > room:
+            break
+    call = f"{func_name}({''.join(head)})"
     if len(call) <= DESCRIPTION_MAX_CHARS:
         return call
     return call[: DESCRIPTION_MAX_CHARS - 4] + "...)"

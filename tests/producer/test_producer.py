@@ -20,7 +20,7 @@ from rq.serializers import JSONSerializer
 
 from mlxq.jobs import errors, keys
 from mlxq.jobs.schema import DoneEvent, GenerateRequest, GenerateResult, RestartEvent, ScoreResult, TokenEvent
-from mlxq.producer import CancelOutcome, Client, JobFailed, JobNotFound, JobOptions, ProducerSettings
+from mlxq.producer import CancelOutcome, Client, JobFailed, JobNotFound, JobOptions, ProducerSettings, rq_wire
 from mlxq.producer.connection import RetryPolicy, redact_url
 
 REDIS_DB = 11
@@ -91,6 +91,20 @@ def test_wire_job_is_equivalent_to_rq_enqueue(client: Client, redis_conn: redis.
     assert (a.retries_left, a.retry_intervals) == (b.retries_left, b.retry_intervals) == (2, [1, 5])
     assert a.enqueued_at is not None and a.created_at is not None
     assert rq_queue.job_ids == ["ours", "rqs"]
+
+
+@pytest.mark.parametrize("chars", [1, 150, 183, 184, 185, 400, 200_000])
+def test_the_description_is_the_call_cut_at_its_limit_whatever_the_payload_size(chars: int) -> None:
+    """RQ's description: the call as text, cut at `DESCRIPTION_MAX_CHARS`, without encoding the rest of a
+    long payload (the cut the same as of the whole call's text, non-ASCII text as it is)."""
+    payload = {
+        "rows": [{"prompt": ("é" + "x" * 9) * (chars // 10) + "y" * (chars % 10), "candidates": [" a"]}]
+    }
+    built = rq_wire.build_job(keys.SCORE_FUNC, payload, queue="default").fields["description"]
+    call = f"{keys.SCORE_FUNC}({json.dumps(payload, ensure_ascii=False)})"
+    limit = rq_wire.DESCRIPTION_MAX_CHARS
+    assert built == (call if len(call) <= limit else call[: limit - 4] + "...)")
+    assert len(built) <= limit
 
 
 def test_at_front_and_queue_name(client: Client, redis_conn: redis.Redis) -> None:
