@@ -173,18 +173,13 @@ def scoring(b: Bench) -> dict[str, Any]:
     }
 
 
-LEADS = (8, 16)  # `MLXQ_SCORE_LEAD_JOBS` of the lead-batch workers in `_queue_turns`
-
-
 def _queue_turns(b: Bench, w: BenchWorker) -> dict[str, Any]:
     """Issue 29's queue target in rotating turns: the plain-MLX ideal (prefix once, the suffixes in one
-    batch, from token ids) beside one 64-row job and 64 one-row jobs through the queue, the latter
-    also on workers whose first batch of a burst takes only `LEADS` jobs, the rest taken ahead beside
-    its forward. Each path a new prefix every turn (cold); the first turn warms up and is dropped.
+    batch, from token ids) beside one 64-row job and 64 one-row jobs through the queue. Each path a
+    new prefix every turn (cold); the first turn warms up and is dropped.
     Per path: the median rows/s and its range, and the median of each turn's ratio to that turn's
     ideal."""
     s, tok = b.sizes, b.engine.tokenizer
-    leads = {n: b.worker(f"lead-{n}", env={"MLXQ_SCORE_LEAD_JOBS": str(n)}) for n in LEADS}
 
     def ideal() -> float:
         prefix = _prefix(b)
@@ -214,7 +209,6 @@ def _queue_turns(b: Bench, w: BenchWorker) -> dict[str, Any]:
         "plain MLX ideal": ideal,
         f"one {s.score_rows}-row job": queued(w, True),
         f"{s.score_rows} one-row jobs": queued(w, False),
-        **{f"{s.score_rows} one-row jobs, lead batch of {n}": queued(lw, False) for n, lw in leads.items()},
     }
     names = list(paths)
     walls: dict[str, list[float]] = {k: [] for k in names}

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import redis
@@ -22,16 +22,6 @@ class ClaimBudget:
     max_rows: int = 256  # rows of all jobs in one batch
     max_jobs: int = 64
     scan: int = 128  # queued ids looked at
-    # Jobs of the batch that RQ's dequeue starts, where the batches after it are taken ahead (0: as
-    # many as `max_jobs`): a smaller lead batch reaches the model sooner, and the rest of a burst is
-    # claimed, started and tokenized beside its forward (`ScoreJobs.run`).
-    lead_jobs: int = 0
-
-    def leading(self) -> ClaimBudget:
-        """The budget of a lead batch (`lead_jobs`)."""
-        if not self.lead_jobs:
-            return self
-        return replace(self, max_jobs=min(self.max_jobs, self.lead_jobs))
 
 
 def score_rows(queued: QueuedJob) -> int | None:
@@ -51,10 +41,9 @@ class ScoreClaimer:
         self.budget = budget
         self.claimer = JobClaimer(conn, serializer, scan=budget.scan, dead_letters=dead_letters)
 
-    def claim(self, queue: Queue, rows_taken: int, lead: bool = False) -> list[Job]:
-        """Score jobs claimed from `queue` to join a batch that already has one job of `rows_taken` rows;
-        `lead`: a lead batch, the next ones taken ahead beside it (`ClaimBudget.lead_jobs`)."""
-        pick = ScorePicker(self.budget.leading() if lead else self.budget, rows_taken, jobs_taken=1)
+    def claim(self, queue: Queue, rows_taken: int) -> list[Job]:
+        """Score jobs claimed from `queue` to join a batch that already has one job of `rows_taken` rows."""
+        pick = ScorePicker(self.budget, rows_taken, jobs_taken=1)
         jobs = self.claimer.claim(queue, pick, limit=pick.jobs_left)
         if jobs:
             log.info("score batch claimed=%d rows=%d", len(jobs), pick.rows)

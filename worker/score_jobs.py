@@ -101,7 +101,7 @@ class ScoreJobs:
         if self.claimer is not None:
             try:
                 with self.phases.timed("claim"):
-                    claimed = self.claimer.claim(queue, rows_taken=_rows_of(first), lead=self.pipelined)
+                    claimed = self.claimer.claim(queue, rows_taken=_rows_of(first))
             except REDIS_TRANSIENT as e:  # Redis restarting: score `first` alone; the rest stay queued
                 log.warning("score batch could not claim jobs error=%s", e)
         with self.phases.timed("start"):

@@ -145,11 +145,7 @@ class WorkerService:
         results = JobResults(conn, stream_options, engine.cache_log_fields)
         score_claimer = None
         if settings.score_batch_rows > 0:
-            budget = ClaimBudget(
-                max_rows=settings.score_batch_rows,
-                max_jobs=settings.score_batch_jobs,
-                lead_jobs=settings.score_lead_jobs,
-            )
+            budget = ClaimBudget(max_rows=settings.score_batch_rows, max_jobs=settings.score_batch_jobs)
             score_claimer = ScoreClaimer(conn, worker.serializer, budget, worker.dead_letters)
         scores = ScoreJobs(
             engine, worker, results, score_claimer, settings.max_nesting_depth, settings.score_pipeline

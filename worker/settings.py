@@ -37,12 +37,6 @@ class WorkerSettings(BaseSettings):
         default=256, ge=0, description="rows of queued score jobs per batch; 0: one job"
     )
     score_batch_jobs: int = Field(default=64, ge=1)
-    score_lead_jobs: int = Field(
-        default=0,
-        ge=0,
-        description="with the score pipeline, jobs of the batch RQ's dequeue starts, the rest of a burst "
-        "taken ahead beside its forward; 0: as many as score_batch_jobs",
-    )
     score_pipeline: bool = Field(
         default=True,
         description="claim and start the next score batch while one runs, RQ's end of a batch on a "

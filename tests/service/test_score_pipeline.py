@@ -54,7 +54,7 @@ def _rows(i: int) -> list[dict[str, Any]]:
     return [{"prompt": f"The {a} house by the {b} tree, number {i}, is", "candidates": [" the", " a"]}]
 
 
-def _work(model_dir: Path, redis_url: str, engine: Engine, pipeline: bool, lead: int = 0) -> WorkerService:
+def _work(model_dir: Path, redis_url: str, engine: Engine, pipeline: bool) -> WorkerService:
     settings = WorkerSettings(  # type: ignore[call-arg]
         model=str(model_dir),
         redis_url=redis_url,
@@ -62,7 +62,6 @@ def _work(model_dir: Path, redis_url: str, engine: Engine, pipeline: bool, lead:
         warm_up=False,
         score_batch_jobs=BATCH_JOBS,
         score_pipeline=pipeline,
-        score_lead_jobs=lead,
         _env_file=None,
     )
     saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
@@ -236,33 +235,6 @@ def test_the_batch_tokenized_on_the_main_thread_starts_its_shared_prefix_first(
         got = client.job(job_id).result(timeout=5).model_dump(mode="json")
         want = alone.score(ScoreRequest.model_validate({"rows": r})).model_dump(mode="json")
         assert _close(got, want), (got, want)
-
-
-def test_a_lead_batch_takes_its_few_jobs_and_the_batches_ahead_the_whole_budget(
-    model_dir: Path, redis_url: str, redis_conn: redis.Redis, client: Client
-) -> None:
-    """With `score_lead_jobs`, the batch RQ's dequeue starts claims only that many jobs (it reaches the
-    model sooner); the batches taken ahead beside it claim up to the whole budget, and every job ends
-    with its result."""
-    engine = Engine.load(str(model_dir), EngineOptions())
-    real = engine.score_tokens_many
-    sizes: list[tuple[bool, int]] = []
-
-    def score_tokens_many(requests: Any, tokenizer: Any = None) -> Any:
-        sizes.append((threading.current_thread() is threading.main_thread(), len(requests)))
-        return real(requests, tokenizer)
-
-    engine.score_tokens_many = score_tokens_many  # type: ignore[method-assign]
-    before = _queue_records(redis_conn)
-    ids = [client.submit_score(_rows(i)).id for i in range(3 * BATCH_JOBS)]
-    _work(model_dir, redis_url, engine, pipeline=True, lead=2)
-    after = _queue_records(redis_conn)
-    assert after["finished"] - before["finished"] == len(ids) and after["failed"] == before["failed"]
-    assert sizes[0] == (True, 2)  # the lead batch: RQ's job and one claimed beside it
-    assert next(n for main, n in sizes[1:] if not main) == BATCH_JOBS
-    assert sum(n for _, n in sizes) == len(ids)
-    for job_id in ids:
-        assert client.job(job_id).result(timeout=5).rows
 
 
 def _queued(job_id: str, func: str = keys.SCORE_FUNC, rows: int = 1) -> QueuedJob:
