@@ -48,6 +48,7 @@ def _queue_run(b: Bench, w: BenchWorker, payloads: list[dict[str, Any]]) -> dict
     since = time.time()
     t0 = time.perf_counter()
     job_ids = enqueue_many(w.queue, "jobs.score", payloads)
+    enqueued = time.perf_counter() - t0  # the producer's part: RQ's JSON and zlib of every payload
     traces = follow(b.conn, job_ids, t0, b.sizes.timeout_s)
     wall = max(tr.entries[-1][0] for tr in traces.values()) - t0
     failed = job_failures(b.conn, job_ids)
@@ -61,6 +62,7 @@ def _queue_run(b: Bench, w: BenchWorker, payloads: list[dict[str, Any]]) -> dict
         "jobs": len(payloads),
         "rows": rows,
         "wall_s": wall,
+        "enqueue_s": enqueued,
         "rows_s": rows / wall,
         "batches": len(batches),
         "rows_per_batch": [r["rows"] for r in batches],
@@ -197,18 +199,22 @@ def _queue_turns(b: Bench, w: BenchWorker) -> dict[str, Any]:
             (picked - mx.logsumexp(logits[i])).tolist()
         return time.perf_counter() - t0
 
-    def queued(worker: BenchWorker, one_job: bool) -> Callable[[], float]:
+    enqueue: dict[str, list[float]] = {}
+
+    def queued(name: str, one_job: bool) -> Callable[[], float]:
         def run() -> float:
             rows = _rows(b, _prefix(b), s.score_rows)
             payloads = [{"rows": rows}] if one_job else [{"rows": [r]} for r in rows]
-            return float(_queue_run(b, worker, payloads)["wall_s"])
+            out = _queue_run(b, w, payloads)
+            enqueue.setdefault(name, []).append(out["enqueue_s"])
+            return float(out["wall_s"])
 
         return run
 
     paths: dict[str, Callable[[], float]] = {
         "plain MLX ideal": ideal,
-        f"one {s.score_rows}-row job": queued(w, True),
-        f"{s.score_rows} one-row jobs": queued(w, False),
+        f"one {s.score_rows}-row job": queued(f"one {s.score_rows}-row job", True),
+        f"{s.score_rows} one-row jobs": queued(f"{s.score_rows} one-row jobs", False),
     }
     names = list(paths)
     walls: dict[str, list[float]] = {k: [] for k in names}
@@ -226,6 +232,7 @@ def _queue_turns(b: Bench, w: BenchWorker) -> dict[str, Any]:
             "rows_s_range": [min(rates), max(rates)],
             "x_ideal": statistics.median(ratios),
             "x_ideal_range": [min(ratios), max(ratios)],
+            "enqueue_ms": 1000 * statistics.median(enqueue[name]) if name in enqueue else None,
         }
     return {"turns": s.score_reps, "rows": rows_out}
 

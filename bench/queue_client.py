@@ -26,6 +26,7 @@ from rq import Queue
 from rq.serializers import JSONSerializer
 
 from mlxq.jobs import keys
+from mlxq.producer import rq_wire
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -154,12 +155,15 @@ def enqueue(queue: Queue, func: str, payload: dict[str, Any], timeout: int = 360
 
 
 def enqueue_many(queue: Queue, func: str, payloads: list[dict[str, Any]], timeout: int = 3600) -> list[str]:
-    """Many jobs in one pipeline (they land in the queue together, as a bulk producer would put them)."""
-    datas = [Queue.prepare_data(func, args=(p,), timeout=timeout, result_ttl=3600) for p in payloads]
+    """Many jobs in one transaction (they land in the queue together), written as mlxq's bulk runner
+    writes them (`rq_wire`)."""
+    options = rq_wire.JobOptions(job_timeout=timeout, result_ttl=3600)
+    jobs = [rq_wire.build_job(func, p, queue=queue.name, options=options) for p in payloads]
     with queue.connection.pipeline() as pipe:
-        jobs = queue.enqueue_many(datas, pipeline=pipe)
+        for job in jobs:
+            rq_wire.queue_commands(pipe, job)
         pipe.execute()
-    return [str(j.id) for j in jobs]
+    return [job.id for job in jobs]
 
 
 @dataclass

@@ -604,6 +604,7 @@ def _queue_turns_table(qt: dict[str, Any]) -> str:
             k,
             f"{r['rows_s']:,.1f} ({r['rows_s_range'][0]:,.1f}-{r['rows_s_range'][1]:,.1f})",
             f"{r['x_ideal']:.0%} ({r['x_ideal_range'][0]:.0%}-{r['x_ideal_range'][1]:.0%})",
+            "-" if r.get("enqueue_ms") is None else f"{r['enqueue_ms']:,.1f}",
         ]
         for k, r in qt["rows"].items()
     ]
@@ -611,7 +612,9 @@ def _queue_turns_table(qt: dict[str, Any]) -> str:
         f"\nThrough the queue against the plain-MLX ideal (issue 29), {qt['turns']} rotating turns, a new "
         "prefix each path and turn (cold), a warm-up turn dropped.\n"
     )
-    return head + table(["path", "rows/s (range)", "of the ideal, per turn (range)"], rows)
+    return head + table(
+        ["path", "rows/s (range)", "of the ideal, per turn (range)", "producer's enqueue ms (median)"], rows
+    )
 
 
 def _shared_prefix_table(sp: dict[str, Any]) -> str:
