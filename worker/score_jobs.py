@@ -300,7 +300,7 @@ class ScoreJobs:
             except Exception as e:
                 parsed.append(e)
         requests = [p for p in parsed if isinstance(p, ScoreRequest)]
-        if lead and len(requests) > 0:
+        if lead and requests:
             try:
                 self.engine.start_shared_prefix(requests)
             except Exception:  # the batch computes the prefix itself, as it would have

@@ -384,6 +384,28 @@ def test_scores_equal_a_full_forward_and_a_warm_prefix_changes_nothing(batched_d
         assert a.logits == pytest.approx(b.logits, rel=1e-5, abs=1e-6)
 
 
+@pytest.mark.parametrize("pad_shapes", [False, True])
+def test_a_prefix_started_ahead_scores_as_without(batched_dir: Path, pad_shapes: bool) -> None:
+    """A batch's shared prefix started into the prefix cache before its rows are scored
+    (`JobScorer.start`, chunk by chunk; sliding windows narrower than it) leaves every row's scores and
+    counts as they are without it."""
+    rows = [
+        {"prompt": LONG + "The capital of France is", "candidates": [" the", " a"]},
+        {"prompt": LONG + "The capital of Italy is", "candidates": [" is"]},
+        {"prompt": "Queues hold jobs", "candidates": [" a", " the"]},
+    ]
+    request = ScoreRequest.model_validate({"rows": rows})
+    options = EngineOptions(prefill_chunk=32, pad_shapes=pad_shapes)
+    want = Engine.load(str(batched_dir), options).score(request)
+    engine = Engine.load(str(batched_dir), options)
+    shared = engine.score_requests.shared_start([request])
+    assert len(shared) > 64 and engine.scorer.start(shared, engine.prefix_cache) == len(shared)
+    got = engine.score(request)
+    for a, b in zip(got.rows, want.rows, strict=True):
+        assert a.logits == pytest.approx(b.logits, rel=1e-5, abs=1e-6)
+        assert (a.input_tokens, a.cached_tokens) == (b.input_tokens, b.cached_tokens)
+
+
 def test_prefix_cache_reuse_gives_the_same_tokens(batched_dir: Path) -> None:
     engine = Engine.load(str(batched_dir), EngineOptions(prefill_chunk=32))
     request = GenerateRequest.model_validate(
