@@ -59,6 +59,10 @@ for name in "$@"; do
       bench qwen3-moe-30b-4bit --model qwen3-moe-30b-4bit --only batch --batch-jobs 1,32 ;;
     moe-ab)  # issue 32: the 4-bit MoE, one job, rotating against mlx-lm (12 repetitions)
       bench qwen3-moe-30b-4bit-ab --model qwen3-moe-30b-4bit --only decode_ab ;;
-    *) echo "unknown run $name: kernels structured decode uncompiled spec-1b spec-8b mtp scoring queue warm moe moe-ab" >&2 ;;
+    draw-*)  # draw a checkpoint into the cache only (a fresh machine's 17 GB MoE takes minutes: a call
+      # of its own, so that the figure's call keeps its time for the figure), e.g. draw-qwen3-moe-30b-4bit
+      timeout "${T:-560}" python3 -c "import sys; from pathlib import Path; from bench.checkpoints import checkpoint
+print(checkpoint(sys.argv[1], Path('/tmp/bench-models')))" "${name#draw-}" ;;
+    *) echo "unknown run $name: kernels structured decode uncompiled spec-1b spec-8b mtp scoring queue warm moe moe-ab draw-MODEL" >&2 ;;
   esac
 done
