@@ -152,6 +152,7 @@ def scoring(b: Bench) -> dict[str, Any]:
     table[f"mlxq via Redis: {s.score_rows} one-row jobs (grouped, warm cache)"] = _queue_run(b, w, warm_jobs)
 
     queue_turns = _queue_turns(b, w)
+    start_turns = _start_turns(b)
 
     # One row per job, no cross-job batches, no prefix cache: every job is one full forward.
     plain = b.worker("nobatch-nocache", env={"MLXQ_SCORE_BATCH_ROWS": "0", "MLXQ_PREFIX_CACHE_BYTES": "0"})
@@ -172,6 +173,36 @@ def scoring(b: Bench) -> dict[str, Any]:
         "table": table,
         "shared_prefix": shared_prefix,
         "queue_turns": queue_turns,
+        "start_turns": start_turns,
+    }
+
+
+def _start_turns(b: Bench) -> dict[str, Any]:
+    """What starting a batch's shared prefix before tokenizing it gives (`Engine.start_shared_prefix`):
+    one 64-row job through the engine from text, cold (a new prefix each turn), tokenized then scored,
+    against the prefix started first, in alternating turns (a warm-up turn dropped). Per path the
+    median wall time and its range; and the median of each turn's ratio."""
+    s, engine = b.sizes, b.engine
+    walls: dict[str, list[float]] = {"tokenize, then score": [], "start the prefix, tokenize, score": []}
+    names = list(walls)
+    for turn in range(s.score_reps + 1):
+        for name in names[turn % 2 :] + names[: turn % 2]:
+            request = ScoreRequest.model_validate({"rows": _rows(b, _prefix(b), s.score_rows)})
+            t0 = time.perf_counter()
+            if name != names[0]:
+                engine.start_shared_prefix([request])
+            engine.score_many([engine.score_tokens(request)])
+            if turn:
+                walls[name].append(time.perf_counter() - t0)
+    ratios = [a / x for a, x in zip(walls[names[0]], walls[names[1]], strict=True)]
+    return {
+        "turns": s.score_reps,
+        "rows": {
+            k: {"wall_ms": 1000 * statistics.median(v), "range_ms": [1000 * min(v), 1000 * max(v)]}
+            for k, v in walls.items()
+        },
+        "speedup": statistics.median(ratios),
+        "speedup_range": [min(ratios), max(ratios)],
     }
 
 

@@ -337,6 +337,17 @@ def render(result: dict[str, Any]) -> str:
             out.append(_shared_prefix_table(sp))
         if qt := sc.get("queue_turns"):
             out.append(_queue_turns_table(qt))
+        if st := sc.get("start_turns"):
+            out.append(
+                f"\nThe shared prefix started before tokenizing (one {sc['rows']}-row job through the engine "
+                f"from text, cold, {st['turns']} alternating turns): "
+                + "; ".join(
+                    f"{k} {r['wall_ms']:,.1f} ms ({r['range_ms'][0]:,.1f}-{r['range_ms'][1]:,.1f})"
+                    for k, r in st["rows"].items()
+                )
+                + f"; per turn {st['speedup']:.2f}x"
+                + f" ({st['speedup_range'][0]:.2f}-{st['speedup_range'][1]:.2f})."
+            )
     if (c := figs.get("warm_cache")) and "rows" in c:
         out.append(
             f"\n### 4. Warm prefix cache ({c['prefix_tokens']}-token prefix twice, "
