@@ -181,7 +181,8 @@ def _start_turns(b: Bench) -> dict[str, Any]:
     """What starting a batch's shared prefix before tokenizing it gives (`Engine.start_shared_prefix`):
     one 64-row job through the engine from text, cold (a new prefix each turn), tokenized then scored,
     against the prefix started first, in alternating turns (a warm-up turn dropped). Per path the
-    median wall time and its range; and the median of each turn's ratio."""
+    median wall time and its range; and the median of each turn's ratio. The engine starts nothing
+    on a CPU by default (`EngineOptions.start_shared_prefix`): there both paths are the same."""
     s, engine = b.sizes, b.engine
     walls: dict[str, list[float]] = {"tokenize, then score": [], "start the prefix, tokenize, score": []}
     names = list(walls)

@@ -38,7 +38,7 @@ def _dump(results: list[Any]) -> list[dict[str, Any]]:
 
 @pytest.mark.parametrize("pad_shapes", [False, True], ids=["exact-shapes", "padded-shapes"])
 def test_a_started_prefix_scores_as_without_and_counts_as_computed(model_dir: Path, pad_shapes: bool) -> None:
-    started = Engine.load(str(model_dir), EngineOptions(pad_shapes=pad_shapes))
+    started = Engine.load(str(model_dir), EngineOptions(pad_shapes=pad_shapes, start_shared_prefix=True))
     plain = Engine.load(str(model_dir), EngineOptions(pad_shapes=pad_shapes))
     jobs = _jobs("a")
     n = started.start_shared_prefix(jobs)
@@ -63,7 +63,7 @@ def test_a_started_prefix_scores_as_without_and_counts_as_computed(model_dir: Pa
 
 
 def test_what_is_shared_is_the_first_two_candidate_rows_common_tokens(model_dir: Path) -> None:
-    engine = Engine.load(str(model_dir), EngineOptions())
+    engine = Engine.load(str(model_dir), EngineOptions(start_shared_prefix=True))
     requests = _jobs("c")
     a, b = (engine.tokenizer.encode(requests[0].rows[i].prompt) for i in range(2))
     shared = engine.score_requests.shared_start(requests)
@@ -80,5 +80,8 @@ def test_what_is_shared_is_the_first_two_candidate_rows_common_tokens(model_dir:
     )
     assert engine.score_requests.shared_start([too_many, one]) == []
     # No prefix cache: nothing to start into.
-    bare = Engine.load(str(model_dir), EngineOptions(prefix_cache_bytes=0))
+    bare = Engine.load(str(model_dir), EngineOptions(prefix_cache_bytes=0, start_shared_prefix=True))
     assert bare.start_shared_prefix(requests) == 0
+    # The CPU build by default: nothing starts (it would compute the prefix before returning).
+    default = Engine.load(str(model_dir), EngineOptions())
+    assert not default.starts_shared_prefix and default.start_shared_prefix(requests) == 0

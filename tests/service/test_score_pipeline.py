@@ -204,7 +204,7 @@ def test_the_batch_tokenized_on_the_main_thread_starts_its_shared_prefix_first(
     """The batch RQ hands over is tokenized on the main thread: the prefix its first rows share is
     started on the device before the rest is tokenized (`Engine.start_shared_prefix`); batches taken
     ahead, tokenized on the helper thread, start nothing. Every job's result is the engine's alone."""
-    engine = Engine.load(str(model_dir), EngineOptions())
+    engine = Engine.load(str(model_dir), EngineOptions(start_shared_prefix=True))
     real_start, real_tokens = engine.start_shared_prefix, engine.score_tokens_many
     events: list[tuple[str, bool, int, int]] = []
 

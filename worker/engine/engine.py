@@ -83,6 +83,8 @@ class Engine:
         self.options = options
         # Whether it pads shapes (a GPU's default: `shapes.py`), its draft's batched forwards too
         self.pad_shapes = pad_shapes_by_default() if options.pad_shapes is None else options.pad_shapes
+        start = options.start_shared_prefix
+        self.starts_shared_prefix = on_gpu() if start is None else start
         # Its speculation: the kind checked, its draft (loaded by `load`), each request's drafter
         target = DraftTarget(model, tokenizer, options.dtype, options.prefill_chunk, self.pad_shapes)
         self.draft_choice = DraftChoice(
@@ -264,9 +266,10 @@ class Engine:
         without waiting for the device, which computes it while the host tokenizes the rest of the
         batch (`ScoreRequests.shared_start`, `JobScorer.start`): tokenizing is then off a batch's
         critical path where it would otherwise come before any forward. How many tokens it queued (0:
-        no prefix cache, or fewer than `START_FROM` shared tokens not cached yet). On the engine's
-        thread only: it tokenizes with the engine's tokenizer."""
-        if self.prefix_cache is None:
+        off, as on a CPU by default: `EngineOptions.start_shared_prefix`; no prefix cache; or fewer than
+        `START_FROM` shared tokens not cached yet). On the engine's thread only: it tokenizes with the
+        engine's tokenizer."""
+        if self.prefix_cache is None or not self.starts_shared_prefix:
             return 0
         tokens = self.score_requests.shared_start(requests)
         if len(tokens) < START_FROM:

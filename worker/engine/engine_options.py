@@ -37,3 +37,6 @@ class EngineOptions:
     draft_model: str | None = None  # the draft's folder; None: a `draft/` folder beside the model's files
     draft_policy: DraftPolicy = field(default_factory=DraftPolicy)
     sync_score_phases: bool = False  # debug: wait for each scoring forward and head (`PrefixScorer`)
+    # A score batch's shared prefix started before its rows are tokenized (`Engine.start_shared_prefix`);
+    # None: on a GPU only (the CPU build computes it before `async_eval` returns: nothing overlaps)
+    start_shared_prefix: bool | None = None
