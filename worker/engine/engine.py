@@ -83,8 +83,6 @@ class Engine:
         self.options = options
         # Whether it pads shapes (a GPU's default: `shapes.py`), its draft's batched forwards too
         self.pad_shapes = pad_shapes_by_default() if options.pad_shapes is None else options.pad_shapes
-        start = options.start_shared_prefix
-        self.starts_shared_prefix = on_gpu() if start is None else start
         # Its speculation: the kind checked, its draft (loaded by `load`), each request's drafter
         target = DraftTarget(model, tokenizer, options.dtype, options.prefill_chunk, self.pad_shapes)
         self.draft_choice = DraftChoice(
@@ -96,6 +94,8 @@ class Engine:
             PrefixCache(options.prefix_cache_bytes) if options.prefix_cache_bytes > 0 else None
         )
         self.on_gpu = on_gpu()  # kernels are built on first use there: the worker warms up (`warm_up.py`)
+        start = options.start_shared_prefix  # where the device runs beside the host: a GPU's default
+        self.starts_shared_prefix = self.on_gpu if start is None else start
         model.bucket_keys = self.pad_shapes  # attention over a cached prefix: few key shapes too
         # Prompt tokens a generation batch's step may prefill while no request decodes (`GenerationBatch`).
         self.idle_prefill_tokens = (

@@ -172,10 +172,7 @@ class PrefixScorer:
         t0 = perf_counter()
         for lo in range(start, len(tokens), self.prefill_chunk):
             hi = min(lo + self.prefill_chunk, len(tokens))
-            chunk, real = ids[:, lo:hi], hi - lo
-            pad = padded_size(real) - real if self.pad_shapes and hi == len(tokens) else 0
-            if pad:  # as `_extend` pads: the shapes the scorer's own spans take
-                chunk = mx.concatenate([chunk, mx.zeros((1, pad), dtype=mx.int32)], axis=1)
+            chunk, real, pad = self._chunk(ids, lo, hi)  # the shapes the scorer's own spans take
             self.model.hidden(chunk, cache=cache, last=real - 1)  # only the keys and values are kept
             for c in cache:
                 c.trim(pad)
@@ -223,10 +220,7 @@ class PrefixScorer:
                 for i in self._below[id(node)]
                 for p in self._wanted(i, depth + start, depth + end)
             ]
-            chunk, real = ids[:, start:end], end - start
-            pad = padded_size(real) - real if self.pad_shapes and end == len(node.span) else 0
-            if pad:  # right padding: no real token sees it, and the cache forgets it at once
-                chunk = mx.concatenate([chunk, mx.zeros((1, pad), dtype=mx.int32)], axis=1)
+            chunk, real, pad = self._chunk(ids, start, end)
             t0 = perf_counter()
             if all(p.at == real - 1 for p in picks):  # only the last position (or none): skip the rest
                 hidden = self.model.hidden(chunk, cache=cache, last=real - 1)[0]
@@ -241,6 +235,16 @@ class PrefixScorer:
             mx.eval([c.state for c in cache])
             self.seconds["device_wait"] += perf_counter() - t0
             start = end
+
+    def _chunk(self, ids: mx.array, lo: int, hi: int) -> tuple[mx.array, int, int]:
+        """Positions lo..hi of a span's ids (1, n), and how many of them are real and how many pad: with
+        `pad_shapes` the span's last chunk is padded on the right to `padded_size` (no real token
+        sees the pad, and the cache forgets it at once: the caller trims it)."""
+        chunk, real = ids[:, lo:hi], hi - lo
+        pad = padded_size(real) - real if self.pad_shapes and hi == ids.shape[1] else 0
+        if pad:
+            chunk = mx.concatenate([chunk, mx.zeros((1, pad), dtype=mx.int32)], axis=1)
+        return chunk, real, pad
 
     def _forward_built(self, hidden: mx.array, t0: float) -> None:
         """Count the host time since `t0` as building a forward (with `sync_phases`, and its run)."""
