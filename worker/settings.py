@@ -95,10 +95,10 @@ class WorkerSettings(BaseSettings):
     )
     compiled_steps: bool | None = Field(
         default=None,
-        description="a decode step of the Llama family's dense models builds each layer's norms, "
-        "projections, RoPE and feed-forward as compiled functions (the cache writes and the attention "
-        "outside them), where the host's build of a step's graph bounds the decode; other models: no "
-        "effect; unset: with MLX's CUDA build only",
+        description="a decode step of the Llama family's models (dense, quantized, mixtures of experts) "
+        "builds each layer's norms, projections, RoPE and feed-forward as compiled functions (the cache "
+        "writes and the attention outside them), where the host's build of a step's graph bounds the "
+        "decode; Gemma 3 and DeepSeek-V3: no effect; unset: with MLX's CUDA build only",
     )
     dense_rows: int | None = Field(
         default=None,

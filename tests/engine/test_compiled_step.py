@@ -1,8 +1,10 @@
 """A flat decode step through compiled layer parts (`compiled_steps`, `models/compiled_step.py`):
 float32 on the CPU, every step's logits are the same bits as the plain step's, whoever joins and
-leaves, on the mask and the ragged attention paths, for the Llama family's dense layouts that qualify
-(plain, Qwen2's q/k/v biases, a sliding window, Qwen3's per-head norms); the compiled parts trace again
-only when the batch's rows change; models that do not qualify load and decode as without the option.
+leaves, on the mask and the ragged attention paths, for the Llama family's layouts: the dense ones
+whose parts one trace serves (plain, Qwen2's q/k/v biases, a sliding window, Qwen3's per-head norms),
+and those whose layers' own modules are compiled (Qwen3-MoE's and Mixtral's experts, 4-bit quantized
+folders of a dense and a MoE model); the compiled parts trace again only when the batch's rows change;
+models that do not qualify (Gemma 3's blocks) load and decode as without the option.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from mlxq.worker.engine import Engine, EngineOptions
 from mlxq.worker.engine.decode_batch import DecodeBatch
 from mlxq.worker.engine.device import compiled_steps_by_default, on_cuda
 from mlxq.worker.engine.models.compiled_step import CompiledStep
+from mlxq.worker.engine.models.loader import load_model, save_quantized
 from mlxq.worker.engine.prefill import prefill
 from mlxq.worker.engine.sampler import Sampler
 from mlxq.worker.modelfiles.tiny_model import write_random_checkpoint
@@ -30,15 +33,38 @@ LAYOUTS: dict[str, dict[str, Any]] = {
     "qwen2_biases": {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2"},
     "mistral_window": {"architectures": ["MistralForCausalLM"], "model_type": "mistral", "sliding_window": 8},
     "qwen3_qk_norm": {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3"},
+    "qwen3_moe": {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "num_experts": 5,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+        "norm_topk_prob": True,
+    },
+    "mixtral": {
+        "architectures": ["MixtralForCausalLM"],
+        "model_type": "mixtral",
+        "num_local_experts": 5,
+        "num_experts_per_tok": 2,
+    },
 }
+# Layouts also written 4-bit (group 32) as `save_quantized` writes mlx-community's folders.
+QUANTIZED = ("llama", "qwen3_moe")
+# Whose parts one trace serves (`_SharedParts`); the others' layers are compiled each (`_LayerParts`).
+SHARED = ("llama", "qwen2_biases", "mistral_window", "qwen3_qk_norm")
 
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    return {
+    made = {
         name: write_random_checkpoint(tmp_path_factory.mktemp(name), config)
         for name, config in LAYOUTS.items()
     }
+    for name in QUANTIZED:
+        model, config = load_model(made[name])
+        out = tmp_path_factory.mktemp(f"{name}_q4")
+        made[f"{name}_q4"] = save_quantized(model, config, out, bits=4, group_size=32, copy_from=made[name])
+    return made
 
 
 def _engine(folder: Path, compiled: bool, **options: Any) -> Engine:
@@ -93,23 +119,27 @@ def _steps(engine: Engine, kernel: bool) -> tuple[list[list[int]], list[mx.array
 
 
 @pytest.mark.parametrize("kernel", [False, True], ids=["mask", "ragged"])
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("layout", [*LAYOUTS, *(f"{name}_q4" for name in QUANTIZED)])
 def test_compiled_steps_give_the_same_logits_and_trace_again_only_for_other_rows(
     folders: dict[str, Path], layout: str, kernel: bool
 ) -> None:
     plain, compiled = _engine(folders[layout], False), _engine(folders[layout], True)
     assert plain.model.model.compiled_step is None
-    assert isinstance(compiled.model.model.compiled_step, CompiledStep)
+    step = compiled.model.model.compiled_step
+    assert isinstance(step, CompiledStep)
+    layers = len(compiled.model.layers)
+    # one trace serves every plain layer (three functions); else each layer's own (one more: the last)
+    assert step.parts.per_shape == (3 if layout in SHARED else layers + 1)
     tokens, logits, _ = _steps(plain, kernel)
     tokens_c, logits_c, calls = _steps(compiled, kernel)
     assert tokens == tokens_c
     assert len(logits) == len(logits_c)
     for a, b in zip(logits, logits_c, strict=True):
         assert a.dtype == mx.float32 and mx.array_equal(a, b).item()
-    # three compiled functions, each traced once for each number of rows they meet
+    # each compiled function traced once for each number of rows it meets
     traced, seen = 0, set()
     for rows, traces in calls:
-        traced += 3 if rows not in seen else 0
+        traced += step.parts.per_shape if rows not in seen else 0
         seen.add(rows)
         assert traces == traced, calls
     assert len(calls) == len(logits) and len(seen) > 1
@@ -137,21 +167,22 @@ def _requests(engine: Engine, n: int, **fields: Any) -> list[GenerateRequest]:
 
 
 @pytest.mark.parametrize(
-    ("options", "fields"),
+    ("layout", "options", "fields"),
     [
-        ({}, {}),
-        ({"speculation": "prompt_lookup"}, {}),
-        ({}, {"response_format": {"type": "regex", "regex": "[0-9]{2}-[a-z]{3,9}"}}),
+        ("llama", {}, {}),
+        ("llama", {"speculation": "prompt_lookup"}, {}),
+        ("llama", {}, {"response_format": {"type": "regex", "regex": "[0-9]{2}-[a-z]{3,9}"}}),
+        ("qwen3_moe_q4", {"speculation": "prompt_lookup"}, {}),
     ],
-    ids=["plain", "prompt_lookup", "constrained"],
+    ids=["plain", "prompt_lookup", "constrained", "moe_q4_prompt_lookup"],
 )
 def test_requests_joining_and_leaving_decode_the_same_with_compiled_steps(
-    folders: dict[str, Path], options: dict[str, Any], fields: dict[str, Any]
+    folders: dict[str, Path], layout: str, options: dict[str, Any], fields: dict[str, Any]
 ) -> None:
     if "response_format" in fields:
         pytest.importorskip("llguidance")  # the worker's `structured` extra
-    plain = _engine(folders["llama"], False, **options)
-    compiled = _engine(folders["llama"], True, **options)
+    plain = _engine(folders[layout], False, **options)
+    compiled = _engine(folders[layout], True, **options)
     requests = _requests(plain, 6, **fields)
     expected = run_requests(plain, requests, max_sequences=3, one_per_step=True)
     got = run_requests(compiled, requests, max_sequences=3, one_per_step=True)
@@ -159,23 +190,8 @@ def test_requests_joining_and_leaving_decode_the_same_with_compiled_steps(
     assert compiled.model.model.compiled_step.traces > 0
 
 
-@pytest.mark.parametrize(
-    "config",
-    [
-        {
-            "architectures": ["Qwen3MoeForCausalLM"],
-            "model_type": "qwen3_moe",
-            "num_experts": 4,
-            "num_experts_per_tok": 2,
-            "moe_intermediate_size": 32,
-        },
-        {"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "head_dim": 32},
-    ],
-    ids=["experts", "gemma3"],
-)
-def test_models_whose_layers_do_not_qualify_decode_as_without_the_option(
-    tmp_path: Path, config: dict[str, Any]
-) -> None:
+def test_models_whose_layers_do_not_qualify_decode_as_without_the_option(tmp_path: Path) -> None:
+    config = {"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "head_dim": 32}
     folder = write_random_checkpoint(tmp_path, config)
     plain, compiled = _engine(folder, False), _engine(folder, True)
     assert compiled.model.model.compiled_step is None

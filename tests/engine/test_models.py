@@ -296,7 +296,7 @@ def test_per_head_norms_normalise_q_and_k_side_by_side_then_one_rope(pair: tuple
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(type(attn.rope), "__call__", counted_rope)
             patch.setattr(mx.fast, "rms_norm", counted_norm)
-            qk, v = attn._rotated(x, offset)
+            qk, v = attn.rotated(x, offset)
         assert calls == {"rope": 1, "rms_norm": 1}
         q, k, want_v = attn._projected(x, None)  # each normalised by its own norm, not rotated
         want = mx.concatenate([attn.rope(q, offset=offset), attn.rope(k, offset=offset)], axis=1)

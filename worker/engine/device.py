@@ -65,9 +65,10 @@ def idle_prefill_by_default(chunk: int) -> int:
 
 
 def compiled_steps_by_default() -> bool:
-    """Whether a decode step of a Llama-family dense model builds its layers through compiled parts
-    (`models/compiled_step.py`) unless set: with MLX's CUDA build, where the host's build of a step's
-    graph bounds a batched decode and the compiled parts take about a third of it off, their outputs
+    """Whether a decode step of a Llama-family model (dense, quantized or a mixture of experts) builds
+    its layers through compiled parts (`models/compiled_step.py`) unless set: with MLX's CUDA build,
+    where the host's build of a step's graph bounds a decode step of few rows and a batched one, and
+    the compiled parts take a third (a dense layer) to over half (a MoE layer) of it off, their outputs
     the same (their tests pass there). Not on the CPU build (a step there is bound by its arithmetic)
     nor on Metal (not measured there)."""
     return on_cuda()

@@ -109,7 +109,7 @@ class Attention(nn.Module):
         elif cache is not None:
             offset = cache.offset
         if last is None and self._one_matmul(x):
-            qk, v = self._rotated(x, offset)
+            qk, v = self.rotated(x, offset)
             q, k = qk[:, : self.n_heads], qk[:, self.n_heads :]
         else:
             q, k, v = self._projected(x, last)
@@ -125,7 +125,7 @@ class Attention(nn.Module):
             out = cache.attend(q, k, v, self.scale)
         else:
             out = self.cached_attention(q, k, v, mask, cache, columns)
-        return self._projected_out(_merged(out, x.ndim == 2), residual)
+        return self.projected_out(_merged(out, x.ndim == 2), residual)
 
     def cached_attention(
         self,
@@ -151,7 +151,7 @@ class Attention(nn.Module):
             mask = mask[..., -k.shape[2] :]
         return mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
 
-    def _projected_out(self, merged: mx.array, residual: mx.array | None) -> mx.array:
+    def projected_out(self, merged: mx.array, residual: mx.array | None) -> mx.array:
         """The output projection of the heads' merged output, plus `residual` where given."""
         if residual is not None:
             return plus(residual, self.o_proj, merged)
@@ -192,7 +192,7 @@ class Attention(nn.Module):
     def _qk_normed(self, qk: mx.array) -> mx.array:
         """q and k heads side by side, (B, heads + kv heads, L, head_dim), each head RMS-normalised and
         scaled by its own norm's weight (Qwen3's per-head norms): one norm and one product for both,
-        where each had a norm of its own, so that one RoPE rotates both after (`_rotated`). The product
+        where each had a norm of its own, so that one RoPE rotates both after (`rotated`). The product
         rounds the normalised heads to their dtype first, as transformers' Qwen3 norm does."""
         if not self.qk_norm:
             return qk
@@ -211,7 +211,7 @@ class Attention(nn.Module):
             kept = self._qk_scale = (q_weight, k_weight, scale)
         return kept[2]
 
-    def _rotated(self, x: mx.array, offset: int | mx.array) -> tuple[mx.array, mx.array]:
+    def rotated(self, x: mx.array, offset: int | mx.array) -> tuple[mx.array, mx.array]:
         """Every position's q and k heads side by side, (B, heads + kv heads, L, head_dim), rotated by
         one RoPE where two would launch twice (a GPU's decode and verify steps are bound by the host's
         launch of their ops), and v; from one matmul (`_one_matmul`)."""
@@ -230,11 +230,11 @@ class Attention(nn.Module):
         self, x: mx.array, rows: RaggedRows, cache: BatchKVCache, residual: mx.array | None
     ) -> mx.array:
         """A decode step of left-padded rows (`ragged_attention.py`) with q and k rotated together
-        (`_rotated`); the kernel reads the queries from the same array."""
-        qk, v = self._rotated(x, rows.positions)
+        (`rotated`); the kernel reads the queries from the same array."""
+        qk, v = self.rotated(x, rows.positions)
         shape = _merged_shape(x, self.n_heads * self.head_dim) if _positions(x) == 1 else None
         attn = self.ragged_attention(qk, v, rows, cache, shape)
-        return self._projected_out(attn if shape is not None else _merged(attn, x.ndim == 2), residual)
+        return self.projected_out(attn if shape is not None else _merged(attn, x.ndim == 2), residual)
 
     def ragged_attention(
         self,
@@ -245,7 +245,7 @@ class Attention(nn.Module):
         shape: tuple[int, ...] | None,
     ) -> mx.array:
         """The ragged kernel's attention (`decode_attention`) of rotated q and k heads side by side
-        (`_rotated`) once k and v are written into the cache's buffers; in `shape` where given."""
+        (`rotated`) once k and v are written into the cache's buffers; in `shape` where given."""
         h = self.n_heads
         cache.write(qk[:, h:], v)  # the kernel reads the buffers themselves
         assert cache.keys is not None and cache.values is not None

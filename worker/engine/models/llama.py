@@ -152,10 +152,10 @@ class LlamaModel(nn.Module):
         if self.bucket_keys and mask is None and (bucketed := bucketed_keys(inputs, caches, h.dtype)):
             columns, layer_mask = bucketed
         masks = WindowMasks(layer_mask, n, caches[0], self.windows)
-        if self.compiled_step is not None and inputs.ndim == 1 and taps is None:
+        fenced = self.fence_tokens is not None and h.size // h.shape[-1] >= self.fence_tokens
+        if self.compiled_step is not None and inputs.ndim == 1 and taps is None and not fenced:
             return self.compiled_step(h, caches, masks, self.windows)
         layers = zip(self.layers[:-1], caches[:-1], self.windows[:-1], strict=True)
-        fenced = self.fence_tokens is not None and h.size // h.shape[-1] >= self.fence_tokens
         queued: mx.array | None = None
         for i, (layer, c, window) in enumerate(layers):
             h = layer(h, masks(window), c, columns=columns)
