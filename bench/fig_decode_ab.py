@@ -1,7 +1,10 @@
 """The rotating decode A/B: the decode paths of one job taking turns, many repetitions, in a changing order.
 
 Paths: mlx-lm's `generate_step`, the engine's `generate` (a generation batch of one, the path every job
-takes) with a no-op sink and with a Redis `StreamWriter` sink, and a job through the queue. Rotating
+takes) with a no-op sink and with a Redis `StreamWriter` sink, and a job through the queue; where the
+engine's decode steps go through compiled layer parts (`compiled_steps`), also its `generate` with
+plain steps (the compiled parts set aside for that path's turns: what they give, in the same turns).
+Rotating
 who goes first makes slow drifts of the host's speed fall on every path alike, so this judges the
 decode target more surely than `generation`'s few repetitions.
 """
@@ -34,8 +37,10 @@ def decode_ab(b: Bench) -> dict[str, Any]:
         _t0, times = b.mlxlm.generate_times(engine.tokenizer.encode(text), n)
         return [(t, 1) for t in times]
 
-    def in_process(to_redis: bool) -> Callable[[str], Arrivals]:
+    def in_process(to_redis: bool, compiled: bool = True) -> Callable[[str], Arrivals]:
         def run(text: str) -> Arrivals:
+            if not compiled:
+                return plain_steps(in_process(to_redis), text)
             arrivals: Arrivals = []
             job_id = f"bench-ab-{time.time_ns()}"
             writer = StreamWriter(b.conn, job_id, StreamOptions()) if to_redis else None
@@ -55,11 +60,21 @@ def decode_ab(b: Bench) -> dict[str, Any]:
 
         return run
 
+    def plain_steps(run: Callable[[str], Arrivals], text: str) -> Arrivals:
+        net = engine.model.model
+        step, net.compiled_step = net.compiled_step, None
+        try:
+            return run(text)
+        finally:
+            net.compiled_step = step
+
     paths: dict[str, Callable[[str], Arrivals]] = {
         "mlx-lm generate_step": mlx_lm,
         "mlxq engine.generate, no-op sink": in_process(False),
         "mlxq engine.generate, Redis StreamWriter sink": in_process(True),
     }
+    if getattr(engine.model.model, "compiled_step", None) is not None:
+        paths["mlxq engine.generate, no-op sink, plain steps (compiled_steps off)"] = in_process(False, False)
     names = list(paths)
     results: dict[str, list[tuple[float | None, float | None]]] = {k: [] for k in names}
     queue_rates: list[tuple[float | None, float | None]] = []
@@ -91,4 +106,10 @@ def decode_ab(b: Bench) -> dict[str, Any]:
         row["vs_mlx_lm"] = (row["decode_tok_s"] or 0.0) / (base["decode_tok_s"] or 1.0)
         gap = row["decode_median_gap_tok_s"] or 0.0
         row["median_gap_vs_mlx_lm"] = gap / (base["decode_median_gap_tok_s"] or 1.0)
-    return {"reps": REPS, "tokens": n, "rows": rows}
+    out: dict[str, Any] = {"reps": REPS, "tokens": n, "rows": rows}
+    plain = rows.get("mlxq engine.generate, no-op sink, plain steps (compiled_steps off)")
+    if plain is not None:  # each turn's compiled rate over its plain one: the compiled parts' share
+        pairs = zip(rows["mlxq engine.generate, no-op sink"]["all"], plain["all"], strict=True)
+        turns = sorted(c / p for c, p in pairs if c and p)
+        out["compiled_over_plain"] = {"median": median(turns), "min": turns[0], "max": turns[-1]}
+    return out

@@ -394,6 +394,11 @@ def render(result: dict[str, Any]) -> str:
             "\nAll repetitions (tok/s): "
             + "; ".join(f"{k}: {', '.join(f'{x:.0f}' for x in r['all'] if x)}" for k, r in ab["rows"].items())
         )
+        if cp := ab.get("compiled_over_plain"):
+            out.append(
+                f"\nCompiled steps over plain steps, per turn: median {cp['median']:.2f}x "
+                f"({cp['min']:.2f}-{cp['max']:.2f})"
+            )
     if (fj := figs.get("first_job")) and "rows" in fj:
         out.append(
             f"\n### A fresh worker's first jobs against its warm ones ({fj['prompt_tokens']}-token prompts, "
