@@ -87,13 +87,15 @@ class CompiledStep:
         if not layers or type(final_norm) is not nn.RMSNorm:
             return None
         attentions = [layer.self_attn for layer in layers]
+        if not all(map(_modular, layers)):
+            return None
+        for layer in layers:
+            _prime(layer)
         parts: _Parts
         if all(map(_plain, layers)) and _SharedParts.alike(attentions):
             parts = _SharedParts(layers, final_norm)
-        elif all(map(_modular, layers)):
-            parts = _LayerParts(layers, final_norm)
         else:
-            return None
+            parts = _LayerParts(layers, final_norm)
         return cls(attentions, parts)
 
     def __call__(
@@ -135,6 +137,17 @@ class CompiledStep:
         return attn.cached_attention(qk[:, :h], qk[:, h:], v, mask, cache)
 
 
+def _prime(layer: nn.Module) -> None:
+    """Run a layer's parts once, eagerly, on one row of zeros, and evaluate them: the views its modules
+    keep across forwards (weight transposes, Qwen3's stacked norm weights) are then made and computed
+    here, on this thread's stream, never first inside a trace or first evaluated by the thread that
+    launches a step (which may evaluate only its own stream's ops)."""
+    attn, norm = layer.self_attn, layer.input_layernorm
+    h = mx.zeros((1, norm.weight.shape[0]), dtype=norm.weight.dtype)
+    qk, v = attn.rotated(norm(h), 0)
+    mx.eval(qk, v, _LayerParts._out(layer, mx.zeros((1, attn.n_heads * attn.head_dim), h.dtype), h))
+
+
 def _dense_proj(proj: Any, bias: bool = False) -> bool:
     """Whether a projection is a dense one keeping its transpose (with a bias only if `bias`)."""
     return isinstance(proj, TransposedWeightLinear) and (bias or "bias" not in proj)
@@ -161,10 +174,11 @@ def _modular(layer: nn.Module) -> bool:
     """Whether a layer is the Llama family's block and attention, with q, k and v out of one array
     whatever the rows (`Attention.rotated`), and a feed-forward of any kind (`_LayerParts`)."""
     attn = layer.self_attn
+    if type(attn) is not Attention:  # DeepSeek's latent attention, Gemma 3's
+        return False
     proj = attn.qkv_proj
     return (
-        type(attn) is Attention
-        and getattr(layer, "attention_adds", False)
+        getattr(layer, "attention_adds", False)
         and proj is not None
         and (not attn.qk_norm or attn.qk_together)
         and not (isinstance(proj, FusedDenseRows) and proj.quantized is None)  # few rows: parts apart
