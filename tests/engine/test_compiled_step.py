@@ -20,6 +20,7 @@ from mlxq.jobs.schema import GenerateRequest, GenerateResult
 from mlxq.worker.engine import Engine, EngineOptions
 from mlxq.worker.engine.decode_batch import DecodeBatch
 from mlxq.worker.engine.device import compiled_steps_by_default, on_cuda
+from mlxq.worker.engine.models import moe
 from mlxq.worker.engine.models.compiled_step import CompiledStep
 from mlxq.worker.engine.models.loader import load_model, save_quantized
 from mlxq.worker.engine.prefill import prefill
@@ -143,6 +144,22 @@ def test_compiled_steps_give_the_same_logits_and_trace_again_only_for_other_rows
         seen.add(rows)
         assert traces == traced, calls
     assert len(calls) == len(logits) and len(seen) > 1
+
+
+@pytest.mark.parametrize("layout", ["qwen3_moe", "qwen3_moe_q4"])
+def test_compiled_moe_steps_sorting_pairs_by_expert_give_the_same_logits(
+    folders: dict[str, Path], layout: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A batch of many rows sorts its (token, expert) pairs by expert before the gathered matmuls
+    (from `moe.SORT_FROM` pairs; here from 2, so that this batch's few rows take that path): inside the
+    compiled parts, the same bits too."""
+    monkeypatch.setattr(moe, "SORT_FROM", 2)
+    plain, compiled = _engine(folders[layout], False), _engine(folders[layout], True)
+    tokens, logits, _ = _steps(plain, kernel=True)
+    tokens_c, logits_c, calls = _steps(compiled, kernel=True)
+    assert tokens == tokens_c and calls
+    for a, b in zip(logits, logits_c, strict=True):
+        assert mx.array_equal(a, b).item()
 
 
 def _untimed(result: GenerateResult) -> dict[str, Any]:
