@@ -68,10 +68,10 @@ def compiled_steps_by_default() -> bool:
     """Whether a decode step of a Llama-family model (dense, quantized or a mixture of experts) builds
     its layers through compiled parts (`models/compiled_step.py`) unless set: with MLX's CUDA build,
     where the host's build of a step's graph bounds a decode step of few rows and a batched one, and
-    the compiled parts take a third (a dense layer) to over half (a MoE layer) of it off, their outputs
-    the same (their tests pass there). Also on the CPU build: a small model's step is bound by its
-    build there too (the tiny test model decodes 1.67x as fast), and a larger one's arithmetic hides
-    the traces (SmolLM2-135M 1.03x; `bench/README.md`). Not on Metal (not measured there)."""
+    the compiled parts take much of it off, their outputs the same (their tests pass there). Also on
+    the CPU build: a small model's step is bound by its build there too, and a larger one's arithmetic
+    hides the traces (`bench/README.md`, what the engine's defaults rest on). Not on Metal (not
+    measured there)."""
     return mx.default_device().type == mx.DeviceType.cpu or on_cuda()
 
 
