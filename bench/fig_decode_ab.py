@@ -37,10 +37,8 @@ def decode_ab(b: Bench) -> dict[str, Any]:
         _t0, times = b.mlxlm.generate_times(engine.tokenizer.encode(text), n)
         return [(t, 1) for t in times]
 
-    def in_process(to_redis: bool, compiled: bool = True) -> Callable[[str], Arrivals]:
+    def in_process(to_redis: bool) -> Callable[[str], Arrivals]:
         def run(text: str) -> Arrivals:
-            if not compiled:
-                return plain_steps(in_process(to_redis), text)
             arrivals: Arrivals = []
             job_id = f"bench-ab-{time.time_ns()}"
             writer = StreamWriter(b.conn, job_id, StreamOptions()) if to_redis else None
@@ -60,11 +58,12 @@ def decode_ab(b: Bench) -> dict[str, Any]:
 
         return run
 
-    def plain_steps(run: Callable[[str], Arrivals], text: str) -> Arrivals:
+    def plain_steps(text: str) -> Arrivals:
+        """The engine's `generate` (no-op sink) with its compiled step set aside for this turn."""
         net = engine.model.model
         step, net.compiled_step = net.compiled_step, None
         try:
-            return run(text)
+            return in_process(False)(text)
         finally:
             net.compiled_step = step
 
@@ -74,7 +73,7 @@ def decode_ab(b: Bench) -> dict[str, Any]:
         "mlxq engine.generate, Redis StreamWriter sink": in_process(True),
     }
     if getattr(engine.model.model, "compiled_step", None) is not None:
-        paths["mlxq engine.generate, no-op sink, plain steps (compiled_steps off)"] = in_process(False, False)
+        paths["mlxq engine.generate, no-op sink, plain steps (compiled_steps off)"] = plain_steps
     names = list(paths)
     results: dict[str, list[tuple[float | None, float | None]]] = {k: [] for k in names}
     queue_rates: list[tuple[float | None, float | None]] = []
