@@ -162,6 +162,30 @@ def test_compiled_moe_steps_sorting_pairs_by_expert_give_the_same_logits(
         assert mx.array_equal(a, b).item()
 
 
+def _every_expert(engine: Engine) -> None:
+    """Every sparse layer multiplies every token by every expert from 2 pairs on (on MLX's CUDA build
+    quantized experts do from as many pairs as experts: `moe.EVERY_EXPERT_FROM_ON_CUDA`)."""
+    for layer in engine.model.layers:
+        layer.feed_forward.switch_mlp.every_from, layer.feed_forward.switch_mlp.every_tokens = 2, 64
+
+
+def test_compiled_quantized_moe_steps_through_every_expert_give_the_same_logits(
+    folders: dict[str, Path],
+) -> None:
+    """A batch multiplying every token by every quantized expert and keeping its own (the path MLX's
+    CUDA build takes for a decode step of a few dozen rows), plain and inside the compiled parts: the
+    same tokens and logits bits as the pairs' gathered matmuls."""
+    pairs, every, compiled = (_engine(folders["qwen3_moe_q4"], c) for c in (False, False, True))
+    _every_expert(every)
+    _every_expert(compiled)
+    tokens, logits, _ = _steps(pairs, kernel=True)
+    for engine in (every, compiled):
+        tokens_e, logits_e, _ = _steps(engine, kernel=True)
+        assert tokens_e == tokens
+        for a, b in zip(logits, logits_e, strict=True):
+            assert mx.array_equal(a, b).item()
+
+
 def _untimed(result: GenerateResult) -> dict[str, Any]:
     return result.model_dump(exclude={"timings"})
 

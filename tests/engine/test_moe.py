@@ -120,6 +120,44 @@ def test_many_pairs_through_quantized_experts_dequantized_equal_the_quantized_ma
         np.testing.assert_allclose(np.array(few), np.array(quantized[:20]), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_few_dozen_tokens_through_every_quantized_expert_equal_the_pairs_matmuls(fused: bool) -> None:
+    """From `every_from` pairs up to `every_tokens` tokens (MLX's CUDA build: as many pairs as experts,
+    64 tokens) every token is multiplied by every quantized expert, one slice of each gathered matmul an
+    expert, and each token's own experts' outputs taken: the same outputs as the pairs' matmuls; fewer
+    pairs, more tokens or `dense_from` pairs take the paths they took."""
+    mx.random.seed(5)
+    block = moe.SwitchGLU(64, 32, 7)
+    nn.quantize(block, 32, 4, class_predicate=lambda _p, m: isinstance(m, moe.SwitchLinear))
+    if fused:
+        block.fuse()
+    assert block.every_from is None  # not on the CPU build
+    x = mx.random.normal((12, 1, 64))
+    experts = mx.random.randint(0, 7, (12, 1, 3)).astype(mx.uint32)  # 36 pairs of 12 tokens
+    pairs = block.expert_outputs(x, experts)
+    block.every_from, block.every_tokens = 7, 12
+    slices: list[int] = []
+    real = mx.gather_qmm
+
+    def qmm(*args: Any, **kwargs: Any) -> mx.array:
+        slices.append(kwargs["rhs_indices"].size)
+        return real(*args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(mx, "gather_qmm", qmm)
+        every = block.expert_outputs(x, experts)
+        assert slices == [7] * (2 if fused else 3)  # one slice an expert, each with the 12 tokens
+        assert every.shape == pairs.shape and mx.array_equal(every, pairs).item()
+        slices.clear()
+        mx.eval(block.expert_outputs(x[:2], experts[:2]))  # 6 pairs: the pairs' matmuls
+        mx.eval(block.expert_outputs(mx.concatenate([x, x[:1]]), mx.concatenate([experts, experts[:1]])))
+        assert slices == [6] * (2 if fused else 3) + [39] * (2 if fused else 3)  # 13 tokens: the pairs'
+        slices.clear()
+        block.dense_from = 30  # from 30 pairs dequantized: a plain gathered matmul, before every expert
+        mx.eval(block.expert_outputs(x, experts))
+        assert slices == []
+
+
 def test_dequantized_experts_are_made_layer_by_layer() -> None:
     """A forward through many sparse layers taking the dequantized path holds about one layer's
     dequantized experts at a time, not every layer's (MLX would otherwise make them all first: nothing

@@ -6,7 +6,10 @@ quantized folders keep the stacked weights quantized). Hugging Face checkpoints 
 expert; `Model.sanitize` stacks them once at load. A forward computes each token's chosen experts with
 gathered matmuls (`mx.gather_mm`, `mx.gather_qmm`): one launch per projection whatever the number of
 experts, never a loop over them. With many (token, expert) pairs, the pairs are first sorted by expert,
-so each expert's weights are read once per forward rather than once per token.
+so each expert's weights are read once per forward rather than once per token. On MLX's CUDA build,
+whose gathered quantized matmul reads an expert once per pair whatever their order, a forward of a few
+dozen tokens multiplies every token by every expert (`SwitchGLU.every_expert_outputs`) and a larger one
+multiplies the experts dequantized.
 
 Routing is each model's own rule, from transformers: a softmax over all experts in float32, the top-k
 by probability, renormalised to sum to one where the model says so (Mixtral always; Qwen3-MoE by its
@@ -50,6 +53,17 @@ SORT_FROM = 64
 # repay and a decode step of a few rows does not (bench/README, "A MoE layer's experts on CUDA").
 DENSE_FROM_ON_CUDA = 2048
 
+# From how many (token, expert) pairs a forward on MLX's CUDA build, short of `DENSE_FROM_ON_CUDA`,
+# multiplies every token by every expert, as many pairs as the layer has experts times tokens, and keeps
+# each token's own (`SwitchGLU.every_from`), this many times the layer's experts. Each expert is then one
+# slice of the gathered quantized matmul with all the tokens as its rows, read once, where the pairs'
+# path reads an expert once per pair: the slices, not the rows in each, are what that matmul's time
+# grows with, so from about as many pairs as experts the unused rows cost less than the reads they save
+# (bench/README, "A MoE layer's experts on CUDA"). Up to `EVERY_EXPERT_TOKENS_ON_CUDA` tokens: the
+# matmul's tile holds at most 64 rows, and past one tile the unused rows' compute and transients grow.
+EVERY_EXPERT_FROM_ON_CUDA = 1
+EVERY_EXPERT_TOKENS_ON_CUDA = 64
+
 # mx.quantize's own group size and bits per mode, for a `to_quantized` called without them.
 _QUANT_DEFAULTS = {"affine": (64, 4), "mxfp4": (32, 4), "nvfp4": (16, 4), "mxfp8": (32, 8)}
 
@@ -91,6 +105,13 @@ class ModelArgs(model_args.ModelArgs):
     def sparse(self, layer: int) -> bool:
         """Whether `layer` is a mixture of experts (Qwen3-MoE may keep some layers dense)."""
         return layer not in self.mlp_only_layers and (layer + 1) % self.decoder_sparse_step == 0
+
+
+@lru_cache(maxsize=16)
+def _every_expert(experts: int) -> tuple[mx.array, mx.array]:
+    """uint32 (every expert in turn, zeros): the expert and the input batch of each slice of a gathered
+    matmul that multiplies one batch of rows by every expert. Made once per count, as `_pair_rows`."""
+    return mx.arange(experts, dtype=mx.uint32), mx.zeros((experts,), dtype=mx.uint32)
 
 
 @lru_cache(maxsize=64)
@@ -225,6 +246,12 @@ class SwitchGLU(nn.Module):
         # never; `fuse` sets `DENSE_FROM_ON_CUDA` for quantized experts on MLX's CUDA build). Pairs are
         # sorted by expert from there too, else from `SORT_FROM` (`expert_outputs`).
         self.dense_from: int | None = None
+        # From how many pairs (short of `dense_from`) up to how many tokens every token is multiplied
+        # by every expert (None: never; `fuse` sets them for quantized experts on MLX's CUDA build):
+        # `every_expert_outputs`.
+        self.every_from: int | None = None
+        self.every_tokens = 0
+        self.experts = experts
 
     def dense_tokens(self, k: int) -> int | None:
         """From how many tokens, each routed to `k` experts, a forward multiplies these experts
@@ -238,6 +265,8 @@ class SwitchGLU(nn.Module):
             del self.gate_proj, self.up_proj
         if on_cuda() and isinstance(self.down_proj, QuantizedSwitchLinear):
             self.dense_from = DENSE_FROM_ON_CUDA
+            self.every_from = EVERY_EXPERT_FROM_ON_CUDA * self.experts
+            self.every_tokens = EVERY_EXPERT_TOKENS_ON_CUDA
 
     def __call__(self, x: mx.array, experts: mx.array) -> mx.array:
         """Each row of x (N, hidden) through each of its k experts (N, k): (N, k, hidden)."""
@@ -257,8 +286,13 @@ class SwitchGLU(nn.Module):
         """Each token of x (N, 1, hidden) through each of its k experts (N, ..., k): (N, k, hidden).
         From `SORT_FROM` (token, expert) pairs on, or from `dense_from` where it is set (the quantized
         matmuls that sort serves ignore it), the pairs are sorted by expert first, so each expert's
-        weights are read once per forward rather than once per token."""
+        weights are read once per forward rather than once per token; where `every_from` is set, a
+        forward of as many pairs, short of `dense_from`, and at most `every_tokens` tokens multiplies
+        every token by every expert instead (`every_expert_outputs`)."""
         n, k, pairs = x.shape[0], experts.shape[-1], experts.size
+        every = self.every_from is not None and pairs >= self.every_from and n <= self.every_tokens
+        if every and (self.dense_from is None or pairs < self.dense_from):
+            return self.every_expert_outputs(x, experts.reshape(n, k))
         if pairs < (SORT_FROM if self.dense_from is None else self.dense_from):
             hidden = self._gated(x, experts, _pair_rows(experts.shape, k), False)
             out = self.down_proj(hidden, experts, _pair_rows(experts.shape, 1))
@@ -275,11 +309,22 @@ class SwitchGLU(nn.Module):
         by_pair: mx.array = down(hidden, by_expert, None, True)
         return by_pair[mx.argsort(order).reshape(n, k)].reshape(n, k, by_pair.shape[-1])
 
+    def every_expert_outputs(self, x: mx.array, experts: mx.array) -> mx.array:
+        """Each token of x (N, 1, hidden) through each of its k experts (N, k): (N, k, hidden), computed
+        as every token through every expert, then each token's own taken (`every_from`). The gathered
+        matmuls' slices are the experts, each with all N tokens as its rows: each expert is read once,
+        at the price of the rows of experts a token did not choose."""
+        n, hidden = x.shape[0], x.shape[-1]
+        each, first = _every_expert(self.experts)
+        gated = self._gated(x.reshape(1, n, hidden), each, first, False)  # (experts, N, width)
+        out = self.down_proj(gated, each, each, False)  # (experts, N, hidden)
+        return mx.take_along_axis(out.swapaxes(0, 1), experts[..., None], axis=1)
+
     def _gated(
         self, x: mx.array, experts: mx.array, rows: mx.array | None, sorted_experts: bool, dense: bool = False
     ) -> mx.array:
-        """silu(gate) * up of row `rows[i]` of x (rows None: x's own rows) by expert `experts[i]`:
-        experts.shape + (1, width); `dense`: quantized experts multiplied dequantized."""
+        """silu(gate) * up of x's batch `rows[i]` (rows None: x's own batches) by expert `experts[i]`:
+        experts.shape + x's rows + (width,); `dense`: quantized experts multiplied dequantized."""
         if self.gate_up_proj is not None:
             gate_up = _dense(self.gate_up_proj, x) if dense else self.gate_up_proj
             gate, up = mx.split(gate_up(x, experts, rows, sorted_experts), [self.width], axis=-1)
