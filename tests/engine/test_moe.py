@@ -158,6 +158,15 @@ def test_a_few_dozen_tokens_through_every_quantized_expert_equal_the_pairs_matmu
         assert slices == []
 
 
+def test_every_expert_tokens_hold_a_layers_transients_to_the_budget(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Up to 64 tokens, fewer where every expert's outputs for a token are large: a token through 7
+    experts of width 32 into 64 outputs is 7 x (3 x 32 + 64) float32 = 4,480 bytes."""
+    down = moe.QuantizedSwitchLinear(mx.zeros((7, 64, 32)), 32, 4)
+    assert moe.every_expert_tokens(down, 32) == moe.EVERY_EXPERT_TOKENS_ON_CUDA == 64
+    monkeypatch.setattr(moe, "EVERY_EXPERT_BYTES_ON_CUDA", 10 * 4480 + 100)
+    assert moe.every_expert_tokens(down, 32) == 10
+
+
 def test_dequantized_experts_are_made_layer_by_layer() -> None:
     """A forward through many sparse layers taking the dequantized path holds about one layer's
     dequantized experts at a time, not every layer's (MLX would otherwise make them all first: nothing

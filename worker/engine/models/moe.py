@@ -59,10 +59,14 @@ DENSE_FROM_ON_CUDA = 2048
 # slice of the gathered quantized matmul with all the tokens as its rows, read once, where the pairs'
 # path reads an expert once per pair: the slices, not the rows in each, are what that matmul's time
 # grows with, so from about as many pairs as experts the unused rows cost less than the reads they save
-# (bench/README, "A MoE layer's experts on CUDA"). Up to `EVERY_EXPERT_TOKENS_ON_CUDA` tokens: the
-# matmul's tile holds at most 64 rows, and past one tile the unused rows' compute and transients grow.
+# (bench/README, "A MoE layer's experts on CUDA"). Up to `EVERY_EXPERT_TOKENS_ON_CUDA` tokens, the
+# matmul's tile of rows (past one tile, the unused rows' compute grows), and at most as many as keep a
+# layer's transients (every expert's gate, up and down outputs for every token) within
+# `EVERY_EXPERT_BYTES_ON_CUDA`: MLX's CUDA build allocates them as the host encodes a forward, which it
+# may do for every layer before the device has run the first.
 EVERY_EXPERT_FROM_ON_CUDA = 1
 EVERY_EXPERT_TOKENS_ON_CUDA = 64
+EVERY_EXPERT_BYTES_ON_CUDA = 96 << 20
 
 # mx.quantize's own group size and bits per mode, for a `to_quantized` called without them.
 _QUANT_DEFAULTS = {"affine": (64, 4), "mxfp4": (32, 4), "nvfp4": (16, 4), "mxfp8": (32, 8)}
@@ -266,7 +270,7 @@ class SwitchGLU(nn.Module):
         if on_cuda() and isinstance(self.down_proj, QuantizedSwitchLinear):
             self.dense_from = DENSE_FROM_ON_CUDA
             self.every_from = EVERY_EXPERT_FROM_ON_CUDA * self.experts
-            self.every_tokens = EVERY_EXPERT_TOKENS_ON_CUDA
+            self.every_tokens = every_expert_tokens(self.down_proj, self.width)
 
     def __call__(self, x: mx.array, experts: mx.array) -> mx.array:
         """Each row of x (N, hidden) through each of its k experts (N, k): (N, k, hidden)."""
@@ -333,6 +337,15 @@ class SwitchGLU(nn.Module):
             up_proj = _dense(self.up_proj, x) if dense else self.up_proj
             gate, up = gate_proj(x, experts, rows, sorted_experts), up_proj(x, experts, rows, sorted_experts)
         return _swiglu(gate, up)
+
+
+def every_expert_tokens(down: QuantizedSwitchLinear, width: int) -> int:
+    """Up to how many tokens a layer of these experts (down: their down projection; width: an expert's)
+    multiplies every token by every expert on MLX's CUDA build (`EVERY_EXPERT_TOKENS_ON_CUDA`, and
+    what `EVERY_EXPERT_BYTES_ON_CUDA` holds of a token's outputs through every expert)."""
+    experts, hidden = down.scales.shape[0], down.scales.shape[1]
+    a_token = experts * (3 * width + hidden) * down.scales.dtype.size  # gate and up, gated, down
+    return min(EVERY_EXPERT_TOKENS_ON_CUDA, EVERY_EXPERT_BYTES_ON_CUDA // a_token)
 
 
 def _dense(proj: nn.Module, after: mx.array) -> nn.Module:
