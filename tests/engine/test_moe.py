@@ -22,7 +22,7 @@ from reference import DEEPSEEK_V3_ROUTING, TINY, make_hf_checkpoint, prompt_ids,
 from safetensors.numpy import load_file, save_file
 
 from mlxq.jobs.schema import GenerateRequest, ScoreRequest
-from mlxq.worker.engine import Engine, EngineOptions
+from mlxq.worker.engine import Engine, EngineOptions, expert_kernel
 from mlxq.worker.engine.decode_batch import DecodeBatch
 from mlxq.worker.engine.errors import CheckpointError
 from mlxq.worker.engine.generation_batch import GenerationBatch, generate
@@ -156,6 +156,41 @@ def test_a_few_dozen_tokens_through_every_quantized_expert_equal_the_pairs_matmu
         block.dense_from = 30  # from 30 pairs dequantized: a plain gathered matmul, before every expert
         mx.eval(block.expert_outputs(x, experts))
         assert slices == []
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_the_grouped_experts_path_gives_each_pair_its_experts_output(fused: bool) -> None:
+    """`grouped` (MLX's CUDA build, 4-bit experts the kernel computes): up to `expert_kernel.MAX_ROWS`
+    tokens, each projection one `expert_kernel.expert_matmul` call over the flat pairs, gate and up
+    reading each pair's token and down each pair's own row. On the CPU that call is MLX's gathered
+    matmul (the kernel itself is tested on the GPU, `test_expert_kernel.py`): the same outputs as the
+    pairs' path; more tokens take the other paths."""
+    mx.random.seed(6)
+    block = moe.SwitchGLU(256, 64, 7)
+    nn.quantize(block, 64, 4, class_predicate=lambda _p, m: isinstance(m, moe.SwitchLinear))
+    if fused:
+        block.fuse()
+    assert not block.grouped  # not on the CPU build
+    x = mx.random.normal((12, 1, 256))
+    experts = mx.random.randint(0, 7, (12, 1, 3)).astype(mx.uint32)
+    pairs = block.expert_outputs(x, experts)
+    block.grouped = True
+    calls: list[tuple[int, int]] = []
+    real = expert_kernel.expert_matmul
+
+    def counted(rows: mx.array, *args: Any) -> mx.array:
+        calls.append((rows.shape[0], args[-1]))
+        return real(rows, *args)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(expert_kernel, "expert_matmul", counted)
+        grouped = block.expert_outputs(x, experts)
+        assert calls == [(12, 3)] * (1 if fused else 2) + [(36, 1)]  # gate/up by token, down by pair
+        assert grouped.shape == pairs.shape and mx.array_equal(grouped, pairs).item()
+        calls.clear()
+        many = expert_kernel.MAX_ROWS + 1
+        mx.eval(block.expert_outputs(mx.zeros((many, 1, 256)), mx.zeros((many, 1, 3), dtype=mx.uint32)))
+        assert calls == []
 
 
 def test_every_expert_tokens_hold_a_layers_transients_to_the_budget(monkeypatch: pytest.MonkeyPatch) -> None:

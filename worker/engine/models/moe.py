@@ -34,6 +34,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from mlxq.worker.engine import expert_kernel
 from mlxq.worker.engine.device import on_cuda
 from mlxq.worker.engine.errors import CheckpointError
 from mlxq.worker.engine.models import llama, mlp, model_args
@@ -67,6 +68,10 @@ DENSE_FROM_ON_CUDA = 2048
 EVERY_EXPERT_FROM_ON_CUDA = 1
 EVERY_EXPERT_TOKENS_ON_CUDA = 64
 EVERY_EXPERT_BYTES_ON_CUDA = 96 << 20
+
+# Whether 4-bit experts on MLX's CUDA build take the grouped experts' kernel (`expert_kernel`) for
+# forwards of up to its `MAX_ROWS` tokens, ahead of the paths above.
+GROUPED_ON_CUDA = True
 
 # mx.quantize's own group size and bits per mode, for a `to_quantized` called without them.
 _QUANT_DEFAULTS = {"affine": (64, 4), "mxfp4": (32, 4), "nvfp4": (16, 4), "mxfp8": (32, 8)}
@@ -256,6 +261,9 @@ class SwitchGLU(nn.Module):
         self.every_from: int | None = None
         self.every_tokens = 0
         self.experts = experts
+        # Whether forwards of up to `expert_kernel.MAX_ROWS` tokens take the grouped experts' kernel
+        # (`fuse` sets it on MLX's CUDA build for 4-bit experts the kernel computes): `grouped_outputs`.
+        self.grouped = False
 
     def dense_tokens(self, k: int) -> int | None:
         """From how many tokens, each routed to `k` experts, a forward multiplies these experts
@@ -271,6 +279,26 @@ class SwitchGLU(nn.Module):
             self.dense_from = DENSE_FROM_ON_CUDA
             self.every_from = EVERY_EXPERT_FROM_ON_CUDA * self.experts
             self.every_tokens = every_expert_tokens(self.down_proj, self.width)
+            self.grouped = GROUPED_ON_CUDA and expert_kernel.available() and self._kernel_fits()
+
+    def _kernel_fits(self) -> bool:
+        """Whether every projection is one the grouped experts' kernel computes."""
+        projections = [
+            self.down_proj,
+            *([self.gate_up_proj] if self.gate_up_proj else [self.gate_proj, self.up_proj]),
+        ]
+        return all(
+            isinstance(p, QuantizedSwitchLinear)
+            and expert_kernel.fits(
+                p.scales.shape[2] * p.group_size,
+                p.scales.shape[1],
+                p.group_size,
+                p.bits,
+                p.mode,
+                "biases" in p,
+            )
+            for p in projections
+        )
 
     def __call__(self, x: mx.array, experts: mx.array) -> mx.array:
         """Each row of x (N, hidden) through each of its k experts (N, k): (N, k, hidden)."""
@@ -294,6 +322,8 @@ class SwitchGLU(nn.Module):
         forward of as many pairs, short of `dense_from`, and at most `every_tokens` tokens multiplies
         every token by every expert instead (`every_expert_outputs`)."""
         n, k, pairs = x.shape[0], experts.shape[-1], experts.size
+        if self.grouped and n <= expert_kernel.MAX_ROWS:
+            return self.grouped_outputs(x, experts.reshape(n, k))
         every = self.every_from is not None and pairs >= self.every_from and n <= self.every_tokens
         if every and (self.dense_from is None or pairs < self.dense_from):
             return self.every_expert_outputs(x, experts.reshape(n, k))
@@ -312,6 +342,25 @@ class SwitchGLU(nn.Module):
         down = _dense(self.down_proj, hidden) if dense else self.down_proj
         by_pair: mx.array = down(hidden, by_expert, None, True)
         return by_pair[mx.argsort(order).reshape(n, k)].reshape(n, k, by_pair.shape[-1])
+
+    def grouped_outputs(self, x: mx.array, experts: mx.array) -> mx.array:
+        """Each token of x (N, 1, hidden) through each of its k experts (N, k): (N, k, hidden), by the
+        grouped experts' kernel (`expert_kernel`: each chosen expert read once, unchosen ones never)."""
+        n, k = experts.shape
+        pairs, tokens = experts.reshape(n * k), x.reshape(n, x.shape[-1])
+
+        def through(proj: nn.Module, rows: mx.array, per_row: int) -> mx.array:
+            assert isinstance(proj, QuantizedSwitchLinear)
+            return expert_kernel.expert_matmul(
+                rows, proj.weight, proj.scales, proj["biases"], pairs, proj.group_size, per_row
+            )
+
+        if self.gate_up_proj is not None:
+            gate, up = mx.split(through(self.gate_up_proj, tokens, k), [self.width], axis=-1)
+        else:
+            gate, up = through(self.gate_proj, tokens, k), through(self.up_proj, tokens, k)
+        out = through(self.down_proj, _swiglu(gate, up), 1)
+        return out.reshape(n, k, out.shape[-1])
 
     def every_expert_outputs(self, x: mx.array, experts: mx.array) -> mx.array:
         """Each token of x (N, 1, hidden) through each of its k experts (N, k): (N, k, hidden), computed

@@ -1,0 +1,181 @@
+"""A few tokens' gathered matmuls through 4-bit experts, as one CUDA kernel that reads each expert once.
+
+A sparse layer multiplies each (token, expert) pair's row by its expert's weight. MLX's CUDA
+`gather_qmm` computes every pair on its own, a tile of rows for its one row, reading the pair's expert
+again each time (bench/README, "A MoE layer's experts on CUDA"): at 32 tokens of top-8 that is 256
+expert reads a projection where ~110 experts are chosen, and each read fills a tensor-core tile for one
+row. This kernel turns it around: one thread block per (expert, tile of output columns) finds the pairs
+routed to its expert (a scan of the step's few hundred expert ids), reads its tile of the expert's packed
+weights once, and multiplies every such pair's row by it; a block whose expert no pair chose stops
+after the scan, so unchosen experts are never read. Each warp holds a few columns' packed words, scales
+and biases in registers and walks its rows through them, the lanes splitting the inputs (coalesced
+words), one warp reduction a (row, column). The dot product is taken as `scale * sum(q * x) + bias *
+sum(x)` per group of eight inputs, the same value as the dequantized weights' in another rounding order.
+
+Affine 4-bit experts with biases only (mlx-community's default), inputs a multiple of 256, outputs of 32,
+at most `MAX_ROWS` rows routed to one expert (a token chooses an expert once: at most that many tokens).
+CUDA only (`available()`); elsewhere, and for any other layout, `SwitchGLU` keeps MLX's gathered
+matmuls. Its results against MLX's within bf16 rounding: `tests/engine/test_expert_kernel.py`, run on
+the GPU.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+from typing import Any
+
+import mlx.core as mx
+
+from mlxq.worker.engine.device import on_cuda
+
+# Rows one expert may be given in one call: the shared list of a block's pairs.
+MAX_ROWS = 64
+
+_WARPS = 8  # a block's warps: 256 threads
+_COLUMNS = 4  # output columns a warp computes at once (their packed words, scales, biases in registers)
+_ROWS = 8  # rows a warp multiplies in one pass over its columns (their sums in registers)
+
+_SOURCE = """
+    constexpr int WARP = 32;
+    constexpr int KW = K / 8;  // packed words of a weight row
+    constexpr int KG = K / G;  // groups of a weight row
+    constexpr int BLOCK_COLS = WARPS * CPW;
+    const int tiles = O / BLOCK_COLS;
+    const int e = blockIdx.x / tiles;
+    const int warp = threadIdx.x / WARP;
+    const int lane = threadIdx.x % WARP;
+    const int c0 = (blockIdx.x % tiles) * BLOCK_COLS + warp * CPW;
+    const int pairs = experts_shape[0];
+
+    __shared__ int found[MAXR];
+    __shared__ int count;
+    if (threadIdx.x == 0) count = 0;
+    __syncthreads();
+    for (int p = threadIdx.x; p < pairs; p += blockDim.x) {
+        if (static_cast<int>(experts[p]) == e) {
+            const int slot = atomicAdd(&count, 1);
+            if (slot < MAXR) found[slot] = p;
+        }
+    }
+    __syncthreads();
+    const int n = min(count, MAXR);
+    if (n == 0) return;
+
+    for (int r0 = 0; r0 < n; r0 += RB) {
+        const int rn = min(RB, n - r0);
+        float acc[RB][CPW];
+        #pragma unroll
+        for (int r = 0; r < RB; ++r) {
+            #pragma unroll
+            for (int c = 0; c < CPW; ++c) acc[r][c] = 0.0f;
+        }
+        for (int i = 0; i < KW / WARP; ++i) {
+            const int wi = i * WARP + lane;  // this lane's word: inputs 8 * wi .. 8 * wi + 7
+            const int g = (wi * 8) / G;
+            uint32_t q[CPW];
+            float s[CPW];
+            float b[CPW];
+            #pragma unroll
+            for (int c = 0; c < CPW; ++c) {
+                const size_t row = static_cast<size_t>(e) * O + c0 + c;
+                q[c] = w[row * KW + wi];
+                s[c] = static_cast<float>(scales[row * KG + g]);
+                b[c] = static_cast<float>(biases[row * KG + g]);
+            }
+            #pragma unroll
+            for (int r = 0; r < RB; ++r) {
+                if (r < rn) {
+                    const T* xp = x + static_cast<size_t>(found[r0 + r] / ROW_DIV) * K + wi * 8;
+                    float xv[8];
+                    #pragma unroll
+                    for (int j = 0; j < 8; ++j) xv[j] = static_cast<float>(xp[j]);
+                    float xs = 0.0f;
+                    #pragma unroll
+                    for (int j = 0; j < 8; ++j) xs += xv[j];
+                    #pragma unroll
+                    for (int c = 0; c < CPW; ++c) {
+                        float qd = 0.0f;
+                        #pragma unroll
+                        for (int j = 0; j < 8; ++j) qd += static_cast<float>((q[c] >> (4 * j)) & 15u) * xv[j];
+                        acc[r][c] += s[c] * qd + b[c] * xs;
+                    }
+                }
+            }
+        }
+        #pragma unroll
+        for (int r = 0; r < RB; ++r) {
+            if (r < rn) {
+                #pragma unroll
+                for (int c = 0; c < CPW; ++c) {
+                    float v = acc[r][c];
+                    #pragma unroll
+                    for (int off = WARP / 2; off > 0; off /= 2) v += __shfl_xor_sync(0xffffffff, v, off);
+                    if (lane == 0) out[static_cast<size_t>(found[r0 + r]) * O + c0 + c] = static_cast<T>(v);
+                }
+            }
+        }
+    }
+"""
+
+
+def available() -> bool:
+    """Whether the kernel can run: MLX's CUDA backend is the default device (not Metal, not the CPU)."""
+    return on_cuda() and hasattr(mx.fast, "cuda_kernel")
+
+
+def fits(inputs: int, outputs: int, group_size: int, bits: int, mode: str, biased: bool) -> bool:
+    """Whether a projection of these experts is one the kernel computes (`available()` aside)."""
+    whole_words = inputs % 256 == 0 and group_size % 8 == 0 and inputs % group_size == 0
+    return mode == "affine" and bits == 4 and biased and whole_words and outputs % (_WARPS * _COLUMNS) == 0
+
+
+@cache
+def _kernel() -> Any:
+    return mx.fast.cuda_kernel(
+        name="mlxq_grouped_expert_qmv",
+        input_names=["x", "w", "scales", "biases", "experts"],
+        output_names=["out"],
+        source=_SOURCE,
+    )
+
+
+def expert_matmul(
+    x: mx.array,
+    w: mx.array,
+    scales: mx.array,
+    biases: mx.array,
+    experts: mx.array,
+    group_size: int,
+    per_row: int,
+) -> mx.array:
+    """Each pair p's row of x by expert `experts[p]`'s weight: (pairs, outputs) in x's dtype.
+
+    x: (rows, inputs), pair p reading row `p // per_row` (the tokens of a top-k routing: `per_row` k;
+    each pair its own row: 1); w, scales, biases: the experts' 4-bit affine quantization as
+    `mx.quantize` makes it, (experts, outputs, inputs / 8) uint32 and (experts, outputs, inputs /
+    group_size); experts: (pairs,) uint32, at most `MAX_ROWS` pairs an expert (the kernel leaves a
+    further pair's output unwritten: callers keep to `MAX_ROWS` tokens, each choosing an expert once).
+    Where the kernel cannot run (`available()`), MLX's gathered quantized matmul computes the same."""
+    inputs, outputs = x.shape[-1], w.shape[1]
+    if not available():
+        rows = mx.arange(experts.size, dtype=mx.uint32) // per_row
+        gathered = mx.gather_qmm(
+            x[:, None, :], w, scales, biases, lhs_indices=rows, rhs_indices=experts,
+            transpose=True, group_size=group_size, bits=4,
+        )  # fmt: skip
+        return gathered.reshape(experts.size, outputs)
+    template = [
+        ("T", x.dtype), ("K", inputs), ("O", outputs), ("G", group_size), ("ROW_DIV", per_row),
+        ("MAXR", MAX_ROWS), ("WARPS", _WARPS), ("CPW", _COLUMNS), ("RB", _ROWS),
+    ]  # fmt: skip
+    blocks = w.shape[0] * (outputs // (_WARPS * _COLUMNS))
+    out: mx.array  # MLX types a custom kernel as `object`
+    (out,) = _kernel()(
+        inputs=[x, w, scales, biases, experts],
+        template=template,
+        grid=(blocks * _WARPS * 32, 1, 1),
+        threadgroup=(_WARPS * 32, 1, 1),
+        output_shapes=[(experts.size, outputs)],
+        output_dtypes=[x.dtype],
+    )
+    return out
