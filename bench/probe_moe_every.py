@@ -55,7 +55,11 @@ def main(hidden: int = 2048, width: int = 768, experts: int = 128, top: int = 8)
                 1 << 30,
                 dense,
             )
-            med, lo, hi = timed(lambda i, xs=xs, es=es: block.expert_outputs(xs[i % 4], es[i % 4]))
+            try:
+                med, lo, hi = timed(lambda i, xs=xs, es=es: block.expert_outputs(xs[i % 4], es[i % 4]))
+            except Exception as error:  # a failing way is reported, the others still timed
+                row.append(f"{label} failed: {error}")
+                continue
             row.append(f"{label} {med:7.3f} ms ({lo:.3f}-{hi:.3f})")
         print("  ".join(row), flush=True)
 
