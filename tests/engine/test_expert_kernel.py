@@ -70,7 +70,7 @@ def test_a_sparse_layer_through_the_kernel_equals_the_pairs_path(tokens: int) ->
     block = moe.SwitchGLU(2048, 768, 128)
     block.set_dtype(mx.bfloat16)
     nn.quantize(block, 64, 4, class_predicate=lambda _p, m: isinstance(m, moe.SwitchLinear))
-    block.fuse()
+    block.fuse(top_k=8)
     assert block.grouped
     x = mx.random.normal((tokens, 1, 2048)).astype(mx.bfloat16)
     experts = _routed(tokens, 128, 8, seed=tokens + 1).reshape(tokens, 8)
@@ -89,7 +89,7 @@ def test_the_kernel_inside_a_compiled_function_gives_the_eager_bits() -> None:
     block = moe.SwitchGLU(2048, 768, 128)
     block.set_dtype(mx.bfloat16)
     nn.quantize(block, 64, 4, class_predicate=lambda _p, m: isinstance(m, moe.SwitchLinear))
-    block.fuse()
+    block.fuse(top_k=8)
     x = mx.random.normal((16, 1, 2048)).astype(mx.bfloat16)
     experts = _routed(16, 128, 8, seed=3).reshape(16, 8)
     eager = block.expert_outputs(x, experts)

@@ -193,6 +193,38 @@ def test_the_grouped_experts_path_gives_each_pair_its_experts_output(fused: bool
         assert calls == []
 
 
+def test_the_grouped_kernel_is_used_only_where_it_fits_and_agrees_with_mlx(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """`SwitchGLU._kernel_fits` (what `fuse` asks on MLX's CUDA build): every projection a 4-bit affine
+    layout with biases the kernel computes (inputs a multiple of 256), and the kernel's results for
+    each shape MLX's own (`expert_kernel.agrees`, once per shape; on the CPU `expert_matmul` is MLX's
+    matmul, so it agrees). A kernel that fails or disagrees is logged and not used."""
+    mx.random.seed(8)
+    blocks = {}
+    for width in (256, 64):  # down's inputs: 256 fits, 64 does not
+        block = moe.SwitchGLU(256, width, 7)
+        nn.quantize(block, 64, 4, class_predicate=lambda _p, m: isinstance(m, moe.SwitchLinear))
+        block.fuse(top_k=2)
+        blocks[width] = block
+    assert blocks[256]._kernel_fits(2) and not blocks[64]._kernel_fits(2)
+    expert_kernel.agrees.cache_clear()
+    monkeypatch.setattr(expert_kernel, "expert_matmul", lambda *args: mx.zeros((6, args[1].shape[1])))
+    with caplog.at_level("WARNING"):
+        assert not blocks[256]._kernel_fits(2)
+    assert "off MLX's matmul" in caplog.text
+
+    def broken(*_args: Any) -> mx.array:
+        raise RuntimeError("nvrtc: error")
+
+    expert_kernel.agrees.cache_clear()
+    monkeypatch.setattr(expert_kernel, "expert_matmul", broken)
+    with caplog.at_level("WARNING"):
+        assert not blocks[256]._kernel_fits(2)
+    assert "nvrtc: error" in caplog.text
+    expert_kernel.agrees.cache_clear()
+
+
 def test_every_expert_tokens_hold_a_layers_transients_to_the_budget(monkeypatch: pytest.MonkeyPatch) -> None:
     """Up to 64 tokens, fewer where every expert's outputs for a token are large: a token through 7
     experts of width 32 into 64 outputs is 7 x (3 x 32 + 64) float32 = 4,480 bytes."""

@@ -16,17 +16,22 @@ Affine 4-bit experts with biases only (mlx-community's default), inputs a multip
 at most `MAX_ROWS` rows routed to one expert (a token chooses an expert once: at most that many tokens).
 CUDA only (`available()`); elsewhere, and for any other layout, `SwitchGLU` keeps MLX's gathered
 matmuls. Its results against MLX's within bf16 rounding: `tests/engine/test_expert_kernel.py`, run on
-the GPU.
+the GPU. A worker also checks each shape it will run once, when the model loads (`agrees`): a kernel
+that fails to build or disagrees with MLX's matmul under some MLX release is logged and left unused.
 """
 
 from __future__ import annotations
 
+import logging
 from functools import cache
 from typing import Any
 
 import mlx.core as mx
+import numpy as np
 
 from mlxq.worker.engine.device import on_cuda
+
+log = logging.getLogger(__name__)
 
 # Rows one expert may be given in one call: the shared list of a block's pairs.
 MAX_ROWS = 64
@@ -179,3 +184,36 @@ def expert_matmul(
         output_dtypes=[x.dtype],
     )
     return out
+
+
+@cache
+def agrees(dtype: mx.Dtype, inputs: int, outputs: int, group_size: int, per_row: int) -> bool:
+    """Whether the kernel, built for these template constants, gives MLX's gathered quantized matmul's
+    results (within the dtype's rounding) on made-up experts: checked once per process and shape, when
+    a model's sparse layers are fused; a failure to build or run counts as no, and is logged."""
+    try:
+        first, second = mx.random.split(mx.random.key(0))  # the global random state left as it is
+        experts = per_row + 1
+        w = (mx.random.normal((experts, outputs, inputs), key=first) * inputs**-0.5).astype(dtype)
+        qw, scales, biases = mx.quantize(w, group_size, 4)
+        pairs = mx.array([(i + j) % experts for i in range(3) for j in range(per_row)], dtype=mx.uint32)
+        x = mx.random.normal((pairs.size // per_row, inputs), key=second).astype(dtype)
+        rows = mx.arange(pairs.size, dtype=mx.uint32) // per_row
+        want = mx.gather_qmm(
+            x[:, None, :], qw, scales, biases, lhs_indices=rows, rhs_indices=pairs,
+            transpose=True, group_size=group_size, bits=4,
+        ).reshape(pairs.size, outputs)  # fmt: skip
+        got = expert_matmul(x, qw, scales, biases, pairs, group_size, per_row)
+        tolerance = 1e-4 if dtype == mx.float32 else 5e-2
+        error = np.abs(np.array(got.astype(mx.float32)) - np.array(want.astype(mx.float32))).max()
+        scale = np.abs(np.array(want.astype(mx.float32))).max()
+    except Exception as e:  # any failure means: do not use it
+        log.warning("grouped experts' kernel unavailable for %s x %d -> %d: %s", dtype, inputs, outputs, e)
+        return False
+    if not error <= tolerance * max(1.0, scale):
+        log.warning(
+            "grouped experts' kernel unused for %s x %d -> %d: off MLX's matmul by %.3g (scale %.3g)",
+            dtype, inputs, outputs, error, scale,
+        )  # fmt: skip
+        return False
+    return True

@@ -287,7 +287,7 @@ class DeepseekMoE(nn.Module):
         self.args = args
 
     def fuse(self) -> None:
-        self.switch_mlp.fuse()
+        self.switch_mlp.fuse(self.args.num_experts_per_tok)
         if "shared_experts" in self:
             self.shared_experts.fuse()
 

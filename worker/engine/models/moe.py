@@ -270,7 +270,10 @@ class SwitchGLU(nn.Module):
         dequantized (None: never)."""
         return None if self.dense_from is None else -(-self.dense_from // k)
 
-    def fuse(self) -> None:
+    def fuse(self, top_k: int | None = None) -> None:
+        """Gate and up in one (`_side_by_side`); on MLX's CUDA build, quantized experts' paths by size
+        (`dense_from`, `every_from`), and for tokens routed to `top_k` experts each (the layer's
+        router), the grouped experts' kernel where it computes these experts (`grouped`)."""
         if self.gate_up_proj is None and (fused := _side_by_side([self.gate_proj, self.up_proj])) is not None:
             mx.eval(fused.parameters())
             self.gate_up_proj = fused
@@ -279,26 +282,23 @@ class SwitchGLU(nn.Module):
             self.dense_from = DENSE_FROM_ON_CUDA
             self.every_from = EVERY_EXPERT_FROM_ON_CUDA * self.experts
             self.every_tokens = every_expert_tokens(self.down_proj, self.width)
-            self.grouped = GROUPED_ON_CUDA and expert_kernel.available() and self._kernel_fits()
+            if GROUPED_ON_CUDA and top_k is not None and expert_kernel.available():
+                self.grouped = self._kernel_fits(top_k)
 
-    def _kernel_fits(self) -> bool:
-        """Whether every projection is one the grouped experts' kernel computes."""
-        projections = [
-            self.down_proj,
-            *([self.gate_up_proj] if self.gate_up_proj else [self.gate_proj, self.up_proj]),
-        ]
-        return all(
-            isinstance(p, QuantizedSwitchLinear)
-            and expert_kernel.fits(
-                p.scales.shape[2] * p.group_size,
-                p.scales.shape[1],
-                p.group_size,
-                p.bits,
-                p.mode,
-                "biases" in p,
-            )
-            for p in projections
-        )
+    def _kernel_fits(self, k: int) -> bool:
+        """Whether every projection is one the grouped experts' kernel computes, for tokens routed to
+        `k` experts each, and the kernel agrees with MLX's matmul there (`expert_kernel.agrees`)."""
+        gated = [self.gate_up_proj] if self.gate_up_proj is not None else [self.gate_proj, self.up_proj]
+        for proj, per_row in [*((p, k) for p in gated), (self.down_proj, 1)]:
+            if not isinstance(proj, QuantizedSwitchLinear) or "biases" not in proj:
+                return False
+            inputs, outputs = proj.scales.shape[2] * proj.group_size, proj.scales.shape[1]
+            shape = (inputs, outputs, proj.group_size)
+            if not expert_kernel.fits(*shape, proj.bits, proj.mode, biased=True):
+                return False
+            if not expert_kernel.agrees(proj.scales.dtype, *shape, per_row):
+                return False
+        return True
 
     def __call__(self, x: mx.array, experts: mx.array) -> mx.array:
         """Each row of x (N, hidden) through each of its k experts (N, k): (N, k, hidden)."""
@@ -440,7 +440,7 @@ class SparseMoeBlock(nn.Module):
             self.gate, self.signed = signed, True
         if type(self.gate) is nn.Linear:
             self.gate = kept_transpose(self.gate)
-        self.switch_mlp.fuse()
+        self.switch_mlp.fuse(self.top_k)
 
     @property
     def large_from(self) -> int | None:
