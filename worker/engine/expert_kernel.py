@@ -4,10 +4,11 @@ A sparse layer multiplies each (token, expert) pair's row by its expert's weight
 `gather_qmm` computes every pair on its own, a tile of rows for its one row, reading the pair's expert
 again each time (bench/README, "A MoE layer's experts on CUDA"): at 32 tokens of top-8 that is 256
 expert reads a projection where ~110 experts are chosen, and each read fills a tensor-core tile for one
-row. This kernel turns it around: one thread block per (expert, tile of output columns) finds the pairs
-routed to its expert (a scan of the step's few hundred expert ids), reads its tile of the expert's packed
-weights once, and multiplies every such pair's row by it; a block whose expert no pair chose stops
-after the scan, so unchosen experts are never read. Each warp holds a few columns' packed words, scales
+row. This kernel turns it around: one thread block per (chosen expert, tile of output columns) finds
+its expert (the n-th of those the step's few hundred expert ids name) and the pairs routed to it, reads
+its tile of the expert's packed weights once, and multiplies every such pair's row by it. Blocks are
+launched for as many experts as there are pairs at most, so a token's step launches a block per
+expert it chose, and unchosen experts are never read. Each warp holds a few columns' packed words, scales
 and biases in registers and walks its rows through them, the lanes splitting the inputs (coalesced
 words), one warp reduction a (row, column). The dot product is taken as `scale * sum(q * x) + bias *
 sum(x)` per group of eight inputs, the same value as the dequantized weights' in another rounding order.
@@ -46,16 +47,34 @@ _SOURCE = """
     constexpr int KG = K / G;  // groups of a weight row
     constexpr int BLOCK_COLS = WARPS * CPW;
     const int tiles = O / BLOCK_COLS;
-    const int e = blockIdx.x / tiles;
+    const int slot = blockIdx.x / tiles;  // this block's expert: the slot-th of those chosen, in order
     const int warp = threadIdx.x / WARP;
     const int lane = threadIdx.x % WARP;
     const int c0 = (blockIdx.x % tiles) * BLOCK_COLS + warp * CPW;
     const int pairs = experts_shape[0];
 
+    __shared__ unsigned char chosen[E];
     __shared__ int found[MAXR];
     __shared__ int count;
-    if (threadIdx.x == 0) count = 0;
+    __shared__ int mine;
+    for (int t = threadIdx.x; t < E; t += blockDim.x) chosen[t] = 0;
+    if (threadIdx.x == 0) {
+        count = 0;
+        mine = -1;
+    }
     __syncthreads();
+    for (int p = threadIdx.x; p < pairs; p += blockDim.x) chosen[experts[p]] = 1;
+    __syncthreads();
+    for (int t = threadIdx.x; t < E; t += blockDim.x) {
+        if (chosen[t]) {
+            int rank = 0;
+            for (int u = 0; u < t; ++u) rank += chosen[u];
+            if (rank == slot) mine = t;
+        }
+    }
+    __syncthreads();
+    const int e = mine;
+    if (e < 0) return;  // fewer experts chosen than blocks' slots
     for (int p = threadIdx.x; p < pairs; p += blockDim.x) {
         if (static_cast<int>(experts[p]) == e) {
             const int slot = atomicAdd(&count, 1);
@@ -171,9 +190,10 @@ def expert_matmul(
         return gathered.reshape(experts.size, outputs)
     template = [
         ("T", x.dtype), ("K", inputs), ("O", outputs), ("G", group_size), ("ROW_DIV", per_row),
-        ("MAXR", MAX_ROWS), ("WARPS", _WARPS), ("CPW", _COLUMNS), ("RB", _ROWS),
+        ("E", w.shape[0]), ("MAXR", MAX_ROWS), ("WARPS", _WARPS), ("CPW", _COLUMNS), ("RB", _ROWS),
     ]  # fmt: skip
-    blocks = w.shape[0] * (outputs // (_WARPS * _COLUMNS))
+    # a slot for each expert that can be chosen (no more than the pairs), a block a slot and column tile
+    blocks = min(w.shape[0], experts.size) * (outputs // (_WARPS * _COLUMNS))
     out: mx.array  # MLX types a custom kernel as `object`
     (out,) = _kernel()(
         inputs=[x, w, scales, biases, experts],
