@@ -83,16 +83,22 @@ def test_gathered_experts_equal_each_expert_applied_on_its_own(rows: int) -> Non
     np.testing.assert_allclose(np.array(block(x, experts)), np.array(got), rtol=1e-5, atol=1e-5)
 
 
+def _quantized_switch(hidden: int, width: int, experts: int, group: int, fused: bool) -> moe.SwitchGLU:
+    """Stacked experts quantized to 4 bits, gate and up fused where asked (`SwitchGLU.fuse`)."""
+    block = moe.SwitchGLU(hidden, width, experts)
+    nn.quantize(block, group, 4, class_predicate=lambda _p, m: isinstance(m, moe.SwitchLinear))
+    if fused:
+        block.fuse()
+    return block
+
+
 @pytest.mark.parametrize("fused", [False, True])
 def test_many_pairs_through_quantized_experts_dequantized_equal_the_quantized_matmuls(fused: bool) -> None:
     """From `dense_from` pairs (MLX's CUDA build: `DENSE_FROM_ON_CUDA`) quantized experts are multiplied
     dequantized, by a plain gathered matmul of the pairs sorted by expert: the same outputs as the
     gathered quantized matmuls (float32), and fewer pairs keep those."""
     mx.random.seed(3)
-    block = moe.SwitchGLU(64, 32, 7)
-    nn.quantize(block, 32, 4, class_predicate=lambda _p, m: isinstance(m, moe.SwitchLinear))
-    if fused:
-        block.fuse()
+    block = _quantized_switch(64, 32, 7, 32, fused)
     assert block.dense_from is None  # not on the CPU build
     x = mx.random.normal((40, 64))
     experts = mx.random.randint(0, 7, (40, 3))  # 120 pairs: sorted by expert
@@ -127,10 +133,7 @@ def test_a_few_dozen_tokens_through_every_quantized_expert_equal_the_pairs_matmu
     expert, and each token's own experts' outputs taken: the same outputs as the pairs' matmuls; fewer
     pairs, more tokens or `dense_from` pairs take the paths they took."""
     mx.random.seed(5)
-    block = moe.SwitchGLU(64, 32, 7)
-    nn.quantize(block, 32, 4, class_predicate=lambda _p, m: isinstance(m, moe.SwitchLinear))
-    if fused:
-        block.fuse()
+    block = _quantized_switch(64, 32, 7, 32, fused)
     assert block.every_from is None  # not on the CPU build
     x = mx.random.normal((12, 1, 64))
     experts = mx.random.randint(0, 7, (12, 1, 3)).astype(mx.uint32)  # 36 pairs of 12 tokens
@@ -166,10 +169,7 @@ def test_the_grouped_experts_path_gives_each_pair_its_experts_output(fused: bool
     matmul (the kernel itself is tested on the GPU, `test_expert_kernel.py`): the same outputs as the
     pairs' path; more tokens take the other paths."""
     mx.random.seed(6)
-    block = moe.SwitchGLU(256, 64, 7)
-    nn.quantize(block, 64, 4, class_predicate=lambda _p, m: isinstance(m, moe.SwitchLinear))
-    if fused:
-        block.fuse()
+    block = _quantized_switch(256, 64, 7, 64, fused)
     assert not block.grouped  # not on the CPU build
     x = mx.random.normal((12, 1, 256))
     experts = mx.random.randint(0, 7, (12, 1, 3)).astype(mx.uint32)
