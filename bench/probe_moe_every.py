@@ -39,7 +39,7 @@ def main(hidden: int = 2048, width: int = 768, experts: int = 128, top: int = 8)
         f"device {mx.default_device()} fused: dense_from {block.dense_from}, every {block.every_from},",
         f"grouped {block.grouped}",
     )
-    for n in (4, 8, 16, 24, 32, 48, 64, 96, 128, 256, 512, 1024):
+    for n in (1, 4, 8, 16, 24, 32, 48, 64, 96, 128, 256, 512, 1024):
         xs = [mx.random.normal((n, 1, hidden)).astype(mx.bfloat16) for _ in range(4)]
         chosen = [mx.argsort(mx.random.uniform(shape=(n, experts)), axis=-1)[:, :top] for _ in range(4)]
         es = [e.astype(mx.uint32) for e in chosen]
