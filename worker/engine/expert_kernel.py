@@ -82,11 +82,11 @@ _SOURCE = """
         }
     }
     __syncthreads();
-    const int n = min(count, MAXR);
+    const int n = count < MAXR ? count : MAXR;
     if (n == 0) return;
 
     for (int r0 = 0; r0 < n; r0 += RB) {
-        const int rn = min(RB, n - r0);
+        const int rn = n - r0 < RB ? n - r0 : RB;
         float acc[RB][CPW];
         #pragma unroll
         for (int r = 0; r < RB; ++r) {
