@@ -7,9 +7,10 @@ expert; `Model.sanitize` stacks them once at load. A forward computes each token
 gathered matmuls (`mx.gather_mm`, `mx.gather_qmm`): one launch per projection whatever the number of
 experts, never a loop over them. With many (token, expert) pairs, the pairs are first sorted by expert,
 so each expert's weights are read once per forward rather than once per token. On MLX's CUDA build,
-whose gathered quantized matmul reads an expert once per pair whatever their order, a forward of a few
-dozen tokens multiplies every token by every expert (`SwitchGLU.every_expert_outputs`) and a larger one
-multiplies the experts dequantized.
+whose gathered quantized matmul reads an expert once per pair whatever their order, a forward of up to
+64 tokens through 4-bit experts takes mlxq's grouped experts' kernel (`expert_kernel`: each chosen
+expert read once), through other quantized layouts it multiplies every token by every expert
+(`SwitchGLU.every_expert_outputs`), and a larger forward multiplies the experts dequantized.
 
 Routing is each model's own rule, from transformers: a softmax over all experts in float32, the top-k
 by probability, renormalised to sum to one where the model says so (Mixtral always; Qwen3-MoE by its
@@ -58,13 +59,13 @@ DENSE_FROM_ON_CUDA = 2048
 # multiplies every token by every expert, as many pairs as the layer has experts times tokens, and keeps
 # each token's own (`SwitchGLU.every_from`), this many times the layer's experts. Each expert is then one
 # slice of the gathered quantized matmul with all the tokens as its rows, read once, where the pairs'
-# path reads an expert once per pair: the slices, not the rows in each, are what that matmul's time
-# grows with, so from about as many pairs as experts the unused rows cost less than the reads they save
-# (bench/README, "A MoE layer's experts on CUDA"). Up to `EVERY_EXPERT_TOKENS_ON_CUDA` tokens, the
-# matmul's tile of rows (past one tile, the unused rows' compute grows), and at most as many as keep a
-# layer's transients (every expert's gate, up and down outputs for every token) within
-# `EVERY_EXPERT_BYTES_ON_CUDA`: MLX's CUDA build allocates them as the host encodes a forward, which it
-# may do for every layer before the device has run the first.
+# path reads an expert once per pair; that matmul fills a tile of at least 16 rows a slice whatever the
+# rows it has (MLX's `qmm_sm80`), so from about as many pairs as experts the unused rows should cost
+# less than the reads they save (bench/README, "A MoE layer's experts on CUDA": to be measured). Up to
+# `EVERY_EXPERT_TOKENS_ON_CUDA` tokens, that tile's most rows (past one tile, the unused rows' compute
+# grows), and at most as many as keep a layer's transients (every expert's gate, up and down outputs
+# for every token) within `EVERY_EXPERT_BYTES_ON_CUDA`: MLX's CUDA build allocates them as the host
+# encodes a forward, which it may do for every layer before the device has run the first.
 EVERY_EXPERT_FROM_ON_CUDA = 1
 EVERY_EXPERT_TOKENS_ON_CUDA = 64
 EVERY_EXPERT_BYTES_ON_CUDA = 96 << 20
@@ -318,9 +319,10 @@ class SwitchGLU(nn.Module):
         """Each token of x (N, 1, hidden) through each of its k experts (N, ..., k): (N, k, hidden).
         From `SORT_FROM` (token, expert) pairs on, or from `dense_from` where it is set (the quantized
         matmuls that sort serves ignore it), the pairs are sorted by expert first, so each expert's
-        weights are read once per forward rather than once per token; where `every_from` is set, a
-        forward of as many pairs, short of `dense_from`, and at most `every_tokens` tokens multiplies
-        every token by every expert instead (`every_expert_outputs`)."""
+        weights are read once per forward rather than once per token. Where `grouped` is set, up to
+        `expert_kernel.MAX_ROWS` tokens take the grouped experts' kernel (`grouped_outputs`); else
+        where `every_from` is set, a forward of as many pairs, short of `dense_from`, and at most
+        `every_tokens` tokens multiplies every token by every expert (`every_expert_outputs`)."""
         n, k, pairs = x.shape[0], experts.shape[-1], experts.size
         if self.grouped and n <= expert_kernel.MAX_ROWS:
             return self.grouped_outputs(x, experts.reshape(n, k))
