@@ -173,8 +173,9 @@ def test_compiled_quantized_moe_steps_through_every_expert_give_the_same_logits(
     folders: dict[str, Path],
 ) -> None:
     """A batch multiplying every token by every quantized expert and keeping its own (the path MLX's
-    CUDA build takes for a decode step of a few dozen rows), plain and inside the compiled parts: the
-    same tokens and logits bits as the pairs' gathered matmuls."""
+    CUDA build takes for a few dozen rows through quantized experts the grouped experts' kernel does
+    not serve), plain and inside the compiled parts: the same tokens and logits bits as the pairs'
+    gathered matmuls."""
     pairs, every, compiled = (_engine(folders["qwen3_moe_q4"], c) for c in (False, False, True))
     _every_expert(every)
     _every_expert(compiled)

@@ -180,18 +180,10 @@ def expert_matmul(
     group_size); experts: (pairs,) uint32, at most `MAX_ROWS` pairs an expert (the kernel leaves a
     further pair's output unwritten: callers keep to `MAX_ROWS` tokens, each choosing an expert once).
     Where the kernel cannot run (`available()`), MLX's gathered quantized matmul computes the same."""
-    inputs, outputs = x.shape[-1], w.shape[1]
+    outputs = w.shape[1]
     if not available():
-        rows = mx.arange(experts.size, dtype=mx.uint32) // per_row
-        gathered = mx.gather_qmm(
-            x[:, None, :], w, scales, biases, lhs_indices=rows, rhs_indices=experts,
-            transpose=True, group_size=group_size, bits=4,
-        )  # fmt: skip
-        return gathered.reshape(experts.size, outputs)
-    template = [
-        ("T", x.dtype), ("K", inputs), ("O", outputs), ("G", group_size), ("ROW_DIV", per_row),
-        ("E", w.shape[0]), ("MAXR", MAX_ROWS), ("WARPS", _WARPS), ("CPW", _COLUMNS), ("RB", _ROWS),
-    ]  # fmt: skip
+        return _gathered(x, w, scales, biases, experts, group_size, per_row)
+    template = _template(x.dtype, x.shape[-1], outputs, group_size, per_row, w.shape[0])
     # a slot for each expert that can be chosen (no more than the pairs), a block a slot and column tile
     blocks = min(w.shape[0], experts.size) * (outputs // (_WARPS * _COLUMNS))
     out: mx.array  # MLX types a custom kernel as `object`
@@ -207,6 +199,36 @@ def expert_matmul(
 
 
 @cache
+def _template(
+    dtype: mx.Dtype, inputs: int, outputs: int, group_size: int, per_row: int, experts: int
+) -> list[tuple[str, Any]]:
+    """The kernel's template constants for a projection (made once per projection's shape: a step
+    without compiled parts calls the kernel a few times a layer)."""
+    return [
+        ("T", dtype), ("K", inputs), ("O", outputs), ("G", group_size), ("ROW_DIV", per_row),
+        ("E", experts), ("MAXR", MAX_ROWS), ("WARPS", _WARPS), ("CPW", _COLUMNS), ("RB", _ROWS),
+    ]  # fmt: skip
+
+
+def _gathered(
+    x: mx.array,
+    w: mx.array,
+    scales: mx.array,
+    biases: mx.array,
+    experts: mx.array,
+    group_size: int,
+    per_row: int,
+) -> mx.array:
+    """What `expert_matmul` computes, by MLX's gathered quantized matmul."""
+    rows = mx.arange(experts.size, dtype=mx.uint32) // per_row
+    gathered = mx.gather_qmm(
+        x[:, None, :], w, scales, biases, lhs_indices=rows, rhs_indices=experts,
+        transpose=True, group_size=group_size, bits=4,
+    )  # fmt: skip
+    return gathered.reshape(experts.size, w.shape[1])
+
+
+@cache
 def agrees(dtype: mx.Dtype, inputs: int, outputs: int, group_size: int, per_row: int) -> bool:
     """Whether the kernel, built for these template constants, gives MLX's gathered quantized matmul's
     results (within the dtype's rounding) on made-up experts: checked once per process and shape, when
@@ -218,11 +240,7 @@ def agrees(dtype: mx.Dtype, inputs: int, outputs: int, group_size: int, per_row:
         qw, scales, biases = mx.quantize(w, group_size, 4)
         pairs = mx.array([(i + j) % experts for i in range(3) for j in range(per_row)], dtype=mx.uint32)
         x = mx.random.normal((pairs.size // per_row, inputs), key=second).astype(dtype)
-        rows = mx.arange(pairs.size, dtype=mx.uint32) // per_row
-        want = mx.gather_qmm(
-            x[:, None, :], qw, scales, biases, lhs_indices=rows, rhs_indices=pairs,
-            transpose=True, group_size=group_size, bits=4,
-        ).reshape(pairs.size, outputs)  # fmt: skip
+        want = _gathered(x, qw, scales, biases, pairs, group_size, per_row)
         got = expert_matmul(x, qw, scales, biases, pairs, group_size, per_row)
         tolerance = 1e-4 if dtype == mx.float32 else 5e-2
         error = np.abs(np.array(got.astype(mx.float32)) - np.array(want.astype(mx.float32))).max()
