@@ -33,7 +33,7 @@ def main(hidden: int = 2048, width: int = 768, experts: int = 128, top: int = 8)
     block = moe.SwitchGLU(hidden, width, experts)
     block.set_dtype(mx.bfloat16)
     nn.quantize(block, 64, 4, class_predicate=lambda _p, m: isinstance(m, moe.SwitchLinear))
-    block.fuse()
+    block.fuse(top)
     mx.eval(block.parameters())
     print(
         f"device {mx.default_device()} fused: dense_from {block.dense_from}, every {block.every_from},",
