@@ -32,6 +32,13 @@ for name in "$@"; do
     structured)  # issue 34: both orders of a constrained step, after the decode step's op cuts
       MLXQ_BUILD_AHEAD=0 bench llama-1b-structured-ba0 --model llama-1b --only structured --batch-reps 10
       MLXQ_BUILD_AHEAD=1 bench llama-1b-structured-ba1 --model llama-1b --only structured --batch-reps 10 ;;
+    graphs)  # issue 34: `structured` with MLX's CUDA graphs cut at 25 ops (MLX_MAX_OPS_PER_BUFFER; an
+      # H100/H200 default of 100) against the default, alternating twice: whether a forward's last graph,
+      # committed only when its launch ends, is what a constrained step's draw waits for
+      for turn in 1 2; do
+        MLX_MAX_OPS_PER_BUFFER=25 bench llama-1b-structured-ops25-$turn --model llama-1b --only structured --batch-reps 6
+        bench llama-1b-structured-ops100-$turn --model llama-1b --only structured --batch-reps 6
+      done ;;
     decode)  # issue 29: one job through Redis against mlx-lm, rotating
       bench llama-1b-decode-ab --model llama-1b --only decode_ab ;;
     uncompiled)  # issues 34, 29: `structured` (built ahead) and `decode` without compiled decode steps
@@ -64,6 +71,6 @@ for name in "$@"; do
       # of its own, so that the figure's call keeps its time for the figure), e.g. draw-qwen3-moe-30b-4bit
       timeout "${T:-560}" python3 -c "import sys; from pathlib import Path; from bench.checkpoints import checkpoint
 print(checkpoint(sys.argv[1], Path('/tmp/bench-models')))" "${name#draw-}" ;;
-    *) echo "unknown run $name: kernels structured decode uncompiled spec-1b spec-8b mtp scoring queue warm moe moe-ab draw-MODEL" >&2 ;;
+    *) echo "unknown run $name: kernels structured graphs decode uncompiled spec-1b spec-8b mtp scoring queue warm moe moe-ab draw-MODEL" >&2 ;;
   esac
 done
