@@ -33,10 +33,13 @@ LAYOUTS: dict[str, dict[str, Any]] = {
     "llama": {},
     "qwen2_biases": {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2"},
     "mistral_window": {"architectures": ["MistralForCausalLM"], "model_type": "mistral", "sliding_window": 8},
-    "qwen3_qk_norm": {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3"},
+    # Qwen3's heads are wider than hidden / heads (Qwen3-30B-A3B: 32 heads of 128 over a hidden 2,048):
+    # attention's output is wider than the residual it is projected back onto.
+    "qwen3_qk_norm": {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "head_dim": 32},
     "qwen3_moe": {
         "architectures": ["Qwen3MoeForCausalLM"],
         "model_type": "qwen3_moe",
+        "head_dim": 32,
         "num_experts": 5,
         "num_experts_per_tok": 2,
         "moe_intermediate_size": 32,

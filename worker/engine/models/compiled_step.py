@@ -248,7 +248,7 @@ class _SharedParts:
         """The block's rest after attention: output projection plus the residual, norm, SwiGLU plus
         its residual (`TransformerBlock`, `MLP`)."""
         o_proj, post_norm, gate_up, down = out
-        h = mx.addmm(residual, attn.reshape(residual.shape), o_proj)
+        h = mx.addmm(residual, attn.reshape(*residual.shape[:-1], -1), o_proj)
         gate, up = mx.split(mx.fast.rms_norm(h, post_norm, self.eps) @ gate_up, [self.inter], axis=-1)
         return mx.addmm(h, _swiglu(gate, up), down)
 
@@ -311,7 +311,7 @@ class _LayerParts:
     def _out(layer: nn.Module, attn: mx.array, residual: mx.array) -> mx.array:
         """`TransformerBlock`'s rest after attention: the output projection plus the residual, then
         the normed feed-forward plus its residual (added by the feed-forward where it adds it)."""
-        h: mx.array = layer.self_attn.projected_out(attn.reshape(residual.shape), residual)
+        h: mx.array = layer.self_attn.projected_out(attn.reshape(*residual.shape[:-1], -1), residual)
         normed = layer.post_attention_layernorm(h)
         if layer.feed_forward_adds:
             return layer.feed_forward(normed, residual=h)  # type: ignore[no-any-return]
