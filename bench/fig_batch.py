@@ -16,6 +16,7 @@ Beside them, the primitives one decode step builds at each N, and mlx-lm's one-r
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -174,6 +175,11 @@ def batch_generation(b: Bench) -> dict[str, Any]:
         ENGINE: lambda p: _engine(b, p),
         MLX_LM: lambda p: _mlx_lm(b, p),
     }
+    # MLXQ_BENCH_BATCH_PATHS, e.g. "queue,engine": where the device's memory cannot hold mlx-lm's batch
+    # of a large model beside the engine's and the worker's copies (its rows then have no mlx-lm ratio)
+    if wanted := os.environ.get("MLXQ_BENCH_BATCH_PATHS"):
+        named = {"queue": QUEUE, "engine": ENGINE, "mlx-lm": MLX_LM}
+        paths = {named[w]: paths[named[w]] for w in wanted.split(",")}
     runs: dict[tuple[int, str], list[Run]] = {}
     for rep in range(s.batch_reps + 1):  # the first round warms up
         for n in s.batch_jobs:
@@ -184,9 +190,13 @@ def batch_generation(b: Bench) -> dict[str, Any]:
                     runs.setdefault((n, name), []).append(result)
     rows: dict[str, Any] = {}
     for (n, name), rs in runs.items():
-        base = runs[n, MLX_LM]
-        ratios = [r.tokens * m.wall_s / (r.wall_s * m.tokens) for r, m in zip(rs, base, strict=True)]
-        engine_ids = runs[n, ENGINE][-1].token_ids
+        base = runs.get((n, MLX_LM), [])
+        ratios = (
+            [r.tokens * m.wall_s / (r.wall_s * m.tokens) for r, m in zip(rs, base, strict=True)]
+            if base
+            else []
+        )
+        engine_ids = runs.get((n, ENGINE), rs)[-1].token_ids
         rows[f"{n} jobs, {name}"] = {
             "jobs": n,
             "tok_s": median([r.tokens / r.wall_s for r in rs]),

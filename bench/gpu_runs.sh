@@ -63,6 +63,7 @@ for name in "$@"; do
     warm)  # issue 29: warm repeat of an 8k prefix, cold first token against mlx-lm's prefill
       bench llama-1b-ttft --model llama-1b --only prefill,warm_cache ;;
     moe)  # issue 32: the 4-bit MoE, one and 32 jobs at once, a step's primitives beside mlx-lm's
+      # (MLXQ_BENCH_BATCH_PATHS=queue,engine leaves mlx-lm's batch out where the device's memory is short)
       # (MOE_JOBS narrows it to what is left of the device's time, e.g. MOE_JOBS=32)
       bench qwen3-moe-30b-4bit --model qwen3-moe-30b-4bit --only batch --batch-jobs "${MOE_JOBS:-1,32}" ;;
     moe-ab)  # issue 32: the 4-bit MoE, one job, rotating against mlx-lm (12 repetitions)
