@@ -9,8 +9,9 @@ experts, never a loop over them. With many (token, expert) pairs, the pairs are 
 so each expert's weights are read once per forward rather than once per token. On MLX's CUDA build,
 whose gathered quantized matmul reads an expert once per pair whatever their order, a forward of up to
 64 tokens through 4-bit experts takes mlxq's grouped experts' kernel (`expert_kernel`: each chosen
-expert read once), through other quantized layouts it multiplies every token by every expert
-(`SwitchGLU.every_expert_outputs`), and a larger forward multiplies the experts dequantized.
+expert read once), one of up to 256 tokens (or through other quantized layouts) multiplies every token
+by every expert (`SwitchGLU.every_expert_outputs`), and a larger forward multiplies the experts
+dequantized.
 
 Routing is each model's own rule, from transformers: a softmax over all experts in float32, the top-k
 by probability, renormalised to sum to one where the model says so (Mixtral always; Qwen3-MoE by its
@@ -60,14 +61,15 @@ DENSE_FROM_ON_CUDA = 2048
 # each token's own (`SwitchGLU.every_from`), this many times the layer's experts. Each expert is then one
 # slice of the gathered quantized matmul with all the tokens as its rows, read once, where the pairs'
 # path reads an expert once per pair; that matmul fills a tile of at least 16 rows a slice whatever the
-# rows it has (MLX's `qmm_sm80`), so from about as many pairs as experts the unused rows should cost
-# less than the reads they save (bench/README, "A MoE layer's experts on CUDA": to be measured). Up to
-# `EVERY_EXPERT_TOKENS_ON_CUDA` tokens, that tile's most rows (past one tile, the unused rows' compute
-# grows), and at most as many as keep a layer's transients (every expert's gate, up and down outputs
-# for every token) within `EVERY_EXPERT_BYTES_ON_CUDA`: MLX's CUDA build allocates them as the host
-# encodes a forward, which it may do for every layer before the device has run the first.
+# rows it has (MLX's `qmm_sm80`), so from about as many pairs as experts the unused rows cost less than
+# the reads they save. Up to `EVERY_EXPERT_TOKENS_ON_CUDA` tokens (a Qwen3-30B-A3B layer's experts
+# timed four ways: every expert ahead of the pairs from 16 tokens to 256, ahead of the dequantized ones
+# to 256 and behind them from 512; bench/README, "A MoE layer's experts on CUDA"), and at most as many
+# as keep a layer's transients (every expert's gate, up and down outputs for every token) within
+# `EVERY_EXPERT_BYTES_ON_CUDA`: MLX's CUDA build allocates them as the host encodes a forward, which it
+# may do for every layer before the device has run the first.
 EVERY_EXPERT_FROM_ON_CUDA = 1
-EVERY_EXPERT_TOKENS_ON_CUDA = 64
+EVERY_EXPERT_TOKENS_ON_CUDA = 256
 EVERY_EXPERT_BYTES_ON_CUDA = 96 << 20
 
 # Whether 4-bit experts on MLX's CUDA build take the grouped experts' kernel (`expert_kernel`) for
