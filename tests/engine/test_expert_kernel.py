@@ -82,7 +82,7 @@ def test_a_sparse_layer_through_the_kernel_equals_the_pairs_path(tokens: int) ->
     )
 
 
-def test_the_kernel_inside_a_compiled_function_gives_the_eager_bits() -> None:
+def test_the_kernel_inside_a_compiled_function_gives_the_eager_outputs() -> None:
     """A compiled decode step's layer parts (`compiled_step._LayerParts`) trace a sparse layer with the
     kernel in it: the eager layer's outputs within bf16's rounding (a compiled function may fuse the
     SwiGLU between the kernels differently, so the bits themselves may differ)."""
