@@ -99,3 +99,22 @@ def test_the_kernel_inside_a_compiled_function_gives_the_eager_outputs() -> None
     np.testing.assert_allclose(
         np.array(got.astype(mx.float32)), np.array(eager.astype(mx.float32)), atol=3e-2, rtol=3e-2
     )
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16, mx.float16])
+def test_inputs_off_a_16_byte_boundary_are_read_one_at_a_time(dtype: mx.Dtype) -> None:
+    """The kernel's 16-byte loads need the inputs' first address on a 16-byte boundary: a view one
+    element into a buffer (MLX passes its address as it is) takes the loads one input at a time, with
+    the same results as the same rows where they are aligned."""
+    mx.random.seed(4)
+    inputs, outputs, tokens, k = 512, 64, 6, 2
+    w = (mx.random.normal((5, outputs, inputs)) * inputs**-0.5).astype(dtype)
+    qw, scales, biases = mx.quantize(w, 64, 4)
+    pairs = _routed(tokens, 5, k, seed=5)
+    flat = mx.random.normal((tokens * inputs + 1,)).astype(dtype)
+    mx.eval(flat)
+    shifted = flat[1:].reshape(tokens, inputs)  # a row-contiguous view at one element's offset
+    aligned = mx.array(np.array(shifted.astype(mx.float32))).astype(dtype)
+    got = expert_kernel.expert_matmul(shifted, qw, scales, biases, pairs, 64, k)
+    want = expert_kernel.expert_matmul(aligned, qw, scales, biases, pairs, 64, k)
+    np.testing.assert_array_equal(np.array(got.astype(mx.float32)), np.array(want.astype(mx.float32)))
