@@ -196,7 +196,11 @@ def batch_generation(b: Bench) -> dict[str, Any]:
             if base
             else []
         )
-        engine_ids = runs.get((n, ENGINE), rs)[-1].token_ids
+        # None where the engine's path was left out (`MLXQ_BENCH_BATCH_PATHS`): nothing to compare with
+        engine = runs.get((n, ENGINE))
+        same_ids = None
+        if engine:
+            same_ids = sum(a == e for a, e in zip(rs[-1].token_ids, engine[-1].token_ids, strict=True))
         rows[f"{n} jobs, {name}"] = {
             "jobs": n,
             "tok_s": median([r.tokens / r.wall_s for r in rs]),
@@ -205,7 +209,7 @@ def batch_generation(b: Bench) -> dict[str, Any]:
             "decode_tok_s": median([r.window_tokens / r.window_s if r.window_s else None for r in rs]),
             "ttft_p50_s": median([statistics.median(r.ttfts) for r in rs]),
             "wall_s": median([r.wall_s for r in rs]),
-            "same_ids_as_engine": sum(a == e for a, e in zip(rs[-1].token_ids, engine_ids, strict=True)),
+            "same_ids_as_engine": same_ids,
             "phases": rs[-1].phases,
             **rs[-1].memory,
         }

@@ -176,7 +176,10 @@ BATCH: list[Column] = [
     ("decode tok/s", _get("decode_tok_s", digits=0)),
     ("TTFT p50 ms", _get("ttft_p50_s", 1000)),
     ("wall s", _get("wall_s", digits=2)),
-    ("same ids as engine", lambda _k, r: f"{r['same_ids_as_engine']}/{r['jobs']}"),
+    (
+        "same ids as engine",
+        lambda _k, r: "-" if r["same_ids_as_engine"] is None else f"{r['same_ids_as_engine']}/{r['jobs']}",
+    ),
     ("worker batch_step s / flush_streams s / finish_streams s", lambda _k, r: _batch_phases(r)),
     MEM,
 ]

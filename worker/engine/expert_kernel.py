@@ -15,8 +15,8 @@ Inside a block each warp owns a few output columns. A lane takes 32 inputs of ea
 16-byte load of packed words: a warp's loads are a column's 512 contiguous bytes), dequantizes them
 once, `scale * q + bias` in float32 with the nibble turned into a float by its bits (no integer
 conversion), and multiplies every routed row's 32 inputs by them; one warp reduction a (row, column)
-at the end. Dequantizing once for all of an expert's rows, not once a row, is what keeps the kernel on
-the weights' bytes rather than on the arithmetic as rows grow.
+at the end. Dequantizing once for all of an expert's rows, not once a row, keeps the arithmetic a
+weight costs from growing with the rows routed to its expert.
 
 Affine 4-bit experts with biases only (mlx-community's default), inputs a multiple of 256, groups of a
 multiple of 32, outputs of 32, at most `MAX_ROWS` rows routed to one expert (a token chooses an expert
