@@ -62,6 +62,37 @@ def test_the_kernel_multiplies_each_pair_as_gather_qmm_does(
     )
 
 
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
+@pytest.mark.parametrize(
+    ("inputs", "outputs", "group", "tokens", "k", "per_row"),
+    [
+        (2048, 1536, 64, 2, 8, 8),  # two tokens' gate and up, each expert a row or two
+        (2048, 1536, 64, 32, 8, 8),  # 32 tokens: ~110 experts chosen, a few rows each
+        (768, 2048, 64, 32, 8, 1),  # their down projection: each pair its own row
+        (256, 128, 32, 64, 2, 2),  # 64 tokens over 3 experts: passes of 8 rows, the last short
+        (512, 256, 128, 20, 1, 1),  # groups of 128: 4 words a lane
+        (512, 128, 256, 9, 3, 3),  # groups of 256: 8 words a lane
+    ],
+)
+def test_the_tensor_core_form_multiplies_each_pair_as_gather_qmm_does(
+    inputs: int, outputs: int, group: int, tokens: int, k: int, per_row: int, dtype: mx.Dtype
+) -> None:
+    """The "mma" form (`expert_kernel.form`: 16-bit inputs from `MMA_FROM` pairs) against MLX's
+    gathered quantized matmul, at shapes its blocks' passes and groups' words split differently."""
+    experts = 128 if outputs > 1000 else 3
+    mx.random.seed(inputs + tokens + group)
+    w = (mx.random.normal((experts, outputs, inputs)) * inputs**-0.5).astype(dtype)
+    qw, scales, biases = mx.quantize(w, group, 4)
+    pairs = _routed(tokens, experts, k, seed=tokens)
+    x = mx.random.normal((tokens * k // per_row, inputs)).astype(dtype)
+    got = expert_kernel.expert_matmul(x, qw, scales, biases, pairs, group, per_row, "mma")
+    want = expert_kernel.expert_matmul(x, qw, scales, biases, pairs, group, per_row, "gather_qmm")
+    assert got.shape == want.shape and got.dtype == dtype
+    np.testing.assert_allclose(
+        np.array(got.astype(mx.float32)), np.array(want.astype(mx.float32)), atol=3e-2, rtol=3e-2
+    )
+
+
 @pytest.mark.parametrize("tokens", [1, 8, 32, 64])
 def test_a_sparse_layer_through_the_kernel_equals_the_pairs_path(tokens: int) -> None:
     """`SwitchGLU` of 4-bit experts takes the kernel on CUDA up to `MAX_ROWS` tokens (`grouped`): its
@@ -101,13 +132,22 @@ def test_the_kernel_inside_a_compiled_function_gives_the_eager_outputs() -> None
     )
 
 
-@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16, mx.float16])
-def test_inputs_off_a_16_byte_boundary_are_read_one_at_a_time(dtype: mx.Dtype) -> None:
+@pytest.mark.parametrize(
+    ("dtype", "use"),
+    [
+        (mx.float32, "scalar"),
+        (mx.bfloat16, "scalar"),
+        (mx.float16, "scalar"),
+        (mx.bfloat16, "mma"),
+        (mx.float16, "mma"),
+    ],
+)
+def test_inputs_off_a_16_byte_boundary_are_read_one_at_a_time(dtype: mx.Dtype, use: str) -> None:
     """The kernel's 16-byte loads need the inputs' first address on a 16-byte boundary: a view one
     element into a buffer (MLX passes its address as it is) takes the loads one input at a time, with
     the same results as the same rows where they are aligned."""
     mx.random.seed(4)
-    inputs, outputs, tokens, k = 512, 64, 6, 2
+    inputs, outputs, tokens, k = 512, 128, 6, 2
     w = (mx.random.normal((5, outputs, inputs)) * inputs**-0.5).astype(dtype)
     qw, scales, biases = mx.quantize(w, 64, 4)
     pairs = _routed(tokens, 5, k, seed=5)
@@ -115,6 +155,6 @@ def test_inputs_off_a_16_byte_boundary_are_read_one_at_a_time(dtype: mx.Dtype) -
     mx.eval(flat)
     shifted = flat[1:].reshape(tokens, inputs)  # a row-contiguous view at one element's offset
     aligned = mx.array(np.array(shifted.astype(mx.float32))).astype(dtype)
-    got = expert_kernel.expert_matmul(shifted, qw, scales, biases, pairs, 64, k)
-    want = expert_kernel.expert_matmul(aligned, qw, scales, biases, pairs, 64, k)
+    got = expert_kernel.expert_matmul(shifted, qw, scales, biases, pairs, 64, k, use)
+    want = expert_kernel.expert_matmul(aligned, qw, scales, biases, pairs, 64, k, use)
     np.testing.assert_array_equal(np.array(got.astype(mx.float32)), np.array(want.astype(mx.float32)))

@@ -614,3 +614,13 @@ def test_a_drawn_quantized_moe_has_the_layout_save_quantized_writes(tmp_path: Pa
     assert isinstance(loaded.layers[0].feed_forward.switch_mlp.down_proj, moe.QuantizedSwitchLinear)
     assert np.isfinite(np.array(loaded(mx.array([[1, 2, 3, 4]], dtype=mx.int32)).astype(mx.float32))).all()
     assert draw_quantized(tmp_path / "drawn", config, "bfloat16", 4) == drawn  # written once
+
+
+def test_the_forms_by_dtype_and_pairs() -> None:
+    """16-bit inputs take the tensor-core form from `MMA_FROM` pairs where the outputs split into its
+    blocks; float32, fewer pairs and other widths the scalar form."""
+    assert expert_kernel.form(mx.bfloat16, 1536, 64, expert_kernel.MMA_FROM) == "mma"
+    assert expert_kernel.form(mx.float16, 2048, 32, 256) == "mma"
+    assert expert_kernel.form(mx.bfloat16, 1536, 64, expert_kernel.MMA_FROM - 1) == "scalar"
+    assert expert_kernel.form(mx.float32, 1536, 64, 256) == "scalar"
+    assert expert_kernel.form(mx.bfloat16, 96, 64, 256) == "scalar"

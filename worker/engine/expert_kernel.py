@@ -11,12 +11,25 @@ launched for as many experts as there are pairs at most, so a token's step launc
 expert it chose, and unchosen experts are never read. From `_TILES_FROM` pairs on a block computes
 `_TILES` column tiles in turn, so that finding its expert and rows is paid once for more columns.
 
-Inside a block each warp owns a few output columns. A lane takes 32 inputs of each column at a time (one
-16-byte load of packed words: a warp's loads are a column's 512 contiguous bytes), dequantizes them
-once, `scale * q + bias` in float32 with the nibble turned into a float by its bits (no integer
-conversion), and multiplies every routed row's 32 inputs by them; one warp reduction a (row, column)
-at the end. Dequantizing once for all of an expert's rows, not once a row, keeps the arithmetic a
-weight costs from growing with the rows routed to its expert.
+The kernel has two forms (`form`), which share the finding of a block's expert and rows.
+
+The scalar form (any input dtype; float32 always): each warp owns a few output columns. A lane takes 32
+inputs of each column at a time (one 16-byte load of packed words: a warp's loads are a column's 512
+contiguous bytes), dequantizes them once, `scale * q + bias` in float32 with the nibble turned into a
+float by its bits (no integer conversion), and multiplies every routed row's 32 inputs by them; one warp
+reduction a (row, column) at the end. Dequantizing once for all of an expert's rows, not once a row,
+keeps the arithmetic a weight costs from growing with the rows routed to its expert; what it still
+costs is a few instructions a weight, for the rows that one load feeds.
+
+The tensor-core form (bfloat16 and float16 inputs, from `MMA_FROM` pairs): a warp computes 16 output
+columns by 8 rows at a time with `mma.sync` (m16n8k16, float32 sums). A nibble ORed under a 16-bit
+float's exponent bits is exactly that float `M + n` (M = 128 for bfloat16, 1,024 for half), so a word's
+eight weights become the tile's operands by four bitwise ops, with no scale applied: the tiles sum
+`x (M + n)` over each quantization group, and the group's scale and bias are applied to the sums after,
+`s * sum(x (M + n)) + (b - M s) * sum(x)`, with each row's sums of x a group computed once a block. The
+inner product's order is free, so each lane's operands are what its own loads hold: in a quad of lanes
+(which the tile's layout gives the same rows), lane t takes words t * G / 32 onwards of a row's group,
+and its inputs' pairs (0, 4), (1, 5), (2, 6), (3, 7) match the pairs a word's nibbles fall in.
 
 Affine 4-bit experts with biases only (mlx-community's default), inputs a multiple of 256, groups of a
 multiple of 32, outputs of 32, at most `MAX_ROWS` rows routed to one expert (a token chooses an expert
@@ -48,6 +61,12 @@ _COLUMNS = 4  # output columns a warp computes at once (their packed words, scal
 _ROWS = 4  # rows a warp multiplies in one pass over its columns (their sums in registers)
 _TILES = 4  # column tiles a block computes in turn, from `_TILES_FROM` pairs on (`_tiles`)
 _TILES_FROM = 32
+
+# The tensor-core form, for 16-bit inputs from `MMA_FROM` pairs on: a block's warps, a warp's 16-column
+# tiles (`MT`), a pass's 8-row tiles (`NT`), column spans a block computes in turn (`TILES`) and groups
+# unrolled in a warp's loop (`UNROLL`).
+_MMA = {"WARPS": 4, "MT": 2, "NT": 1, "TILES": 1, "UNROLL": 2}
+MMA_FROM = 16
 
 _HEADER = """
 // Eight consecutive inputs as floats: one 16-byte load for 16-bit types (two for float) where the
@@ -91,23 +110,73 @@ __device__ __forceinline__ void mlxq_inputs8(const __half* p, float* o, bool vec
         for (int j = 0; j < 8; ++j) o[j] = __half2float(p[j]);
     }
 }
+// The tensor-core form's helpers (16-bit inputs only): a 4-bit nibble n ORed under a 16-bit float's
+// magic bits is exactly the float M + n (M = 128 for bfloat16, 1,024 for half), two a word.
+__device__ __forceinline__ uint32_t mlxq_magic_bits(const __nv_bfloat16*) { return 0x43004300u; }
+__device__ __forceinline__ uint32_t mlxq_magic_bits(const __half*) { return 0x64006400u; }
+__device__ __forceinline__ float mlxq_magic(const __nv_bfloat16*) { return 128.0f; }
+__device__ __forceinline__ float mlxq_magic(const __half*) { return 1024.0f; }
+// D = A B + D for one 16 x 8 x 16 tile: A 16 x 16 (row-major fragments), B 16 x 8, D in float.
+__device__ __forceinline__ void mlxq_mma(
+    float* d, const uint32_t* a, const uint32_t* b, const __nv_bfloat16*) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+        "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+__device__ __forceinline__ void mlxq_mma(
+    float* d, const uint32_t* a, const uint32_t* b, const __half*) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+        "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+// N consecutive packed words (N of 1, 2, 4 or 8), in one load where the address allows it.
+template <int N>
+__device__ __forceinline__ void mlxq_words(const uint32_t* p, uint32_t* o, bool vector) {
+    if (!vector) {
+        #pragma unroll
+        for (int i = 0; i < N; ++i) o[i] = p[i];
+    } else if constexpr (N == 2) {
+        const uint2 u = *reinterpret_cast<const uint2*>(p);
+        o[0] = u.x; o[1] = u.y;
+    } else if constexpr (N % 4 == 0) {
+        #pragma unroll
+        for (int i = 0; i < N; i += 4) {
+            const uint4 u = reinterpret_cast<const uint4*>(p)[i / 4];
+            o[i] = u.x; o[i + 1] = u.y; o[i + 2] = u.z; o[i + 3] = u.w;
+        }
+    } else {
+        o[0] = p[0];
+    }
+}
+// Eight consecutive 16-bit inputs as the pairs (0, 4), (1, 5), (2, 6), (3, 7), first in the low half.
+template <typename U>
+__device__ __forceinline__ void mlxq_pairs(const U* p, uint32_t* o, bool vector) {
+    uint32_t v[4];
+    if (vector) {
+        const uint4 u = *reinterpret_cast<const uint4*>(p);
+        v[0] = u.x; v[1] = u.y; v[2] = u.z; v[3] = u.w;
+    } else {
+        const unsigned short* h = reinterpret_cast<const unsigned short*>(p);
+        #pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            v[i] = static_cast<uint32_t>(h[2 * i]) | (static_cast<uint32_t>(h[2 * i + 1]) << 16);
+        }
+    }
+    o[0] = __byte_perm(v[0], v[2], 0x5410);
+    o[1] = __byte_perm(v[0], v[2], 0x7632);
+    o[2] = __byte_perm(v[1], v[3], 0x5410);
+    o[3] = __byte_perm(v[1], v[3], 0x7632);
+}
 """
 
-_SOURCE = """
-    constexpr int WARP = 32;
-    constexpr int KW = K / 8;  // packed words of a weight row
-    constexpr int KV = KW / 4;  // 16-byte vectors of a weight row: 32 inputs each, in one group
-    constexpr int KG = K / G;  // groups of a weight row
-    constexpr int BLOCK_COLS = WARPS * CPW;
-    const int spans = O / (BLOCK_COLS * TILES);  // a block's columns: TILES tiles of BLOCK_COLS
-    const int slot = blockIdx.x / spans;  // this block's expert: the slot-th of those chosen, in order
-    const int warp = threadIdx.x / WARP;
-    const int lane = threadIdx.x % WARP;
-    const int pairs = experts_shape[0];
-    // 16-byte loads where the inputs' and weights' first addresses allow them (always, for arrays MLX
-    // allocated: a view at an odd offset takes the loads one word or input at a time)
-    const bool vector = ((reinterpret_cast<uintptr_t>(x) | reinterpret_cast<uintptr_t>(w)) & 15) == 0;
-
+# The block's expert and its rows, shared by both forms: `slot`-th of the chosen experts (those the
+# step's pairs name, in order), `e`; its `n` pairs, in `found` (a block whose slot is past the chosen
+# experts, or whose expert has no rows, returns).
+_FIND_EXPERT = """
     __shared__ unsigned char chosen[E];
     __shared__ int found[MAXR];
     __shared__ int count;
@@ -161,6 +230,27 @@ _SOURCE = """
     const int n = count < MAXR ? count : MAXR;
     if (n == 0) return;
 
+"""
+
+_SCALAR_SOURCE = (
+    """
+    constexpr int WARP = 32;
+    constexpr int KW = K / 8;  // packed words of a weight row
+    constexpr int KV = KW / 4;  // 16-byte vectors of a weight row: 32 inputs each, in one group
+    constexpr int KG = K / G;  // groups of a weight row
+    constexpr int BLOCK_COLS = WARPS * CPW;
+    const int spans = O / (BLOCK_COLS * TILES);  // a block's columns: TILES tiles of BLOCK_COLS
+    const int slot = blockIdx.x / spans;  // this block's expert: the slot-th of those chosen, in order
+    const int warp = threadIdx.x / WARP;
+    const int lane = threadIdx.x % WARP;
+    const int pairs = experts_shape[0];
+    // 16-byte loads where the inputs' and weights' first addresses allow them (always, for arrays MLX
+    // allocated: a view at an odd offset takes the loads one word or input at a time)
+    const bool vector = ((reinterpret_cast<uintptr_t>(x) | reinterpret_cast<uintptr_t>(w)) & 15) == 0;
+
+"""
+    + _FIND_EXPERT
+    + """
     for (int tile = 0; tile < TILES; ++tile) {
         const int c0 = ((blockIdx.x % spans) * TILES + tile) * BLOCK_COLS + warp * CPW;
         for (int r0 = 0; r0 < n; r0 += RB) {
@@ -239,6 +329,149 @@ _SOURCE = """
         }
     }
 """
+)
+
+
+_MMA_SOURCE = (
+    """
+    constexpr int WARP = 32;
+    constexpr int KW = K / 8;  // packed words of a weight row
+    constexpr int KG = K / G;  // groups of a weight row
+    constexpr int WPL = G / 32;  // words of a row's group a lane takes: a quad's 4 lanes take them all
+    constexpr int BLOCK_COLS = WARPS * MT * 16;
+    constexpr int RP = NT * 8;  // rows a pass: NT tiles of 8
+    const int spans = O / (BLOCK_COLS * TILES);  // a block's columns: TILES tiles of BLOCK_COLS
+    const int slot = blockIdx.x / spans;  // this block's expert: the slot-th of those chosen, in order
+    const int warp = threadIdx.x / WARP;
+    const int lane = threadIdx.x % WARP;
+    const int gq = lane / 4;  // the lane's A rows (output columns) gq and gq + 8, its B column (row) gq
+    const int tq = lane % 4;  // its place in its quad
+    const int pairs = experts_shape[0];
+    const bool vector = ((reinterpret_cast<uintptr_t>(x) | reinterpret_cast<uintptr_t>(w)) & 15) == 0;
+    const uint32_t magic_bits = mlxq_magic_bits(x);  // a nibble n under them is the 16-bit float M + n
+    const float magic = mlxq_magic(x);
+"""
+    + _FIND_EXPERT
+    + """
+    __shared__ float xs[RP][KG];  // the pass's rows' sums a group (the bias's share, and M's)
+    for (int r0 = 0; r0 < n; r0 += RP) {
+        const int rn = n - r0 < RP ? n - r0 : RP;
+        __syncthreads();  // the pass before has read its sums
+        // a warp's lanes take 8 consecutive inputs each (one row: K / 8 is a multiple of 32), the G / 8
+        // lanes of a group summing theirs by shuffles
+        for (int i = threadIdx.x; i < RP * (K / 8); i += blockDim.x) {
+            const int r = i / (K / 8);
+            const int k8 = i % (K / 8);
+            float sum = 0.0f;
+            if (r < rn) {
+                float v[8];
+                mlxq_inputs8(x + static_cast<size_t>(found[r0 + r] / ROW_DIV) * K + 8 * k8, v, vector);
+                sum = ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]));
+            }
+            #pragma unroll
+            for (int off = 1; off < G / 8; off *= 2) sum += __shfl_xor_sync(0xffffffff, sum, off);
+            if (k8 % (G / 8) == 0) xs[r][k8 / (G / 8)] = sum;
+        }
+        __syncthreads();
+        // the lane's B rows: tile t's row gq (a row past the pass's reads row 0 and is never written)
+        const T* xb[NT];
+        #pragma unroll
+        for (int t = 0; t < NT; ++t) {
+            const int r = t * 8 + gq;
+            xb[t] = x + static_cast<size_t>(found[r0 + (r < rn ? r : 0)] / ROW_DIV) * K;
+        }
+        for (int tile = 0; tile < TILES; ++tile) {
+            const int c0 = ((blockIdx.x % spans) * TILES + tile) * BLOCK_COLS + warp * MT * 16;
+            float acc[NT][MT][4];
+            #pragma unroll
+            for (int t = 0; t < NT; ++t) {
+                #pragma unroll
+                for (int m = 0; m < MT; ++m) {
+                    #pragma unroll
+                    for (int i = 0; i < 4; ++i) acc[t][m][i] = 0.0f;
+                }
+            }
+            #pragma unroll UNROLL
+            for (int g = 0; g < KG; ++g) {
+                // the A words: m-tile m's rows gq and gq + 8, this lane's WPL words of group g
+                uint32_t q[MT][2][WPL];
+                float s[MT][2];
+                float b[MT][2];
+                #pragma unroll
+                for (int m = 0; m < MT; ++m) {
+                    #pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        const size_t row = static_cast<size_t>(e) * O + c0 + m * 16 + gq + 8 * h;
+                        mlxq_words<WPL>(w + row * KW + g * (G / 8) + tq * WPL, q[m][h], vector);
+                        s[m][h] = static_cast<float>(scales[row * KG + g]);
+                        b[m][h] = static_cast<float>(biases[row * KG + g]) - magic * s[m][h];
+                    }
+                }
+                float c[NT][MT][4];
+                #pragma unroll
+                for (int t = 0; t < NT; ++t) {
+                    #pragma unroll
+                    for (int m = 0; m < MT; ++m) {
+                        #pragma unroll
+                        for (int i = 0; i < 4; ++i) c[t][m][i] = 0.0f;
+                    }
+                }
+                #pragma unroll
+                for (int j = 0; j < WPL; ++j) {
+                    // the B pairs of this word's 8 inputs: (0, 4), (1, 5) for its first mma, (2, 6),
+                    // (3, 7) for its second, as a word's nibbles pair under the magic bits
+                    uint32_t bx[NT][4];
+                    #pragma unroll
+                    for (int t = 0; t < NT; ++t) {
+                        mlxq_pairs(xb[t] + g * G + 8 * (tq * WPL + j), bx[t], vector);
+                    }
+                    #pragma unroll
+                    for (int half = 0; half < 2; ++half) {
+                        #pragma unroll
+                        for (int m = 0; m < MT; ++m) {
+                            const uint32_t a[4] = {
+                                ((q[m][0][j] >> (8 * half)) & 0x000f000fu) | magic_bits,
+                                ((q[m][1][j] >> (8 * half)) & 0x000f000fu) | magic_bits,
+                                ((q[m][0][j] >> (8 * half + 4)) & 0x000f000fu) | magic_bits,
+                                ((q[m][1][j] >> (8 * half + 4)) & 0x000f000fu) | magic_bits,
+                            };
+                            #pragma unroll
+                            for (int t = 0; t < NT; ++t) mlxq_mma(c[t][m], a, bx[t] + 2 * half, x);
+                        }
+                    }
+                }
+                // the group's scale and bias: s * sum(x (M + n)) + (b - M s) * sum(x) = sum(x (s n + b))
+                #pragma unroll
+                for (int t = 0; t < NT; ++t) {
+                    const float x0 = xs[t * 8 + 2 * tq][g];
+                    const float x1 = xs[t * 8 + 2 * tq + 1][g];
+                    #pragma unroll
+                    for (int m = 0; m < MT; ++m) {
+                        acc[t][m][0] = fmaf(s[m][0], c[t][m][0], fmaf(b[m][0], x0, acc[t][m][0]));
+                        acc[t][m][1] = fmaf(s[m][0], c[t][m][1], fmaf(b[m][0], x1, acc[t][m][1]));
+                        acc[t][m][2] = fmaf(s[m][1], c[t][m][2], fmaf(b[m][1], x0, acc[t][m][2]));
+                        acc[t][m][3] = fmaf(s[m][1], c[t][m][3], fmaf(b[m][1], x1, acc[t][m][3]));
+                    }
+                }
+            }
+            #pragma unroll
+            for (int t = 0; t < NT; ++t) {
+                #pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    const int r = t * 8 + 2 * tq + (i & 1);
+                    if (r < rn) {
+                        #pragma unroll
+                        for (int m = 0; m < MT; ++m) {
+                            const int col = c0 + m * 16 + gq + 8 * (i >> 1);
+                            out[static_cast<size_t>(found[r0 + r]) * O + col] = static_cast<T>(acc[t][m][i]);
+                        }
+                    }
+                }
+            }
+        }
+    }
+"""
+)
 
 
 def available() -> bool:
@@ -254,14 +487,25 @@ def fits(inputs: int, outputs: int, group_size: int, bits: int, mode: str, biase
 
 
 @cache
-def _kernel() -> Any:
+def _kernel(form: str) -> Any:
     return mx.fast.cuda_kernel(
-        name="mlxq_grouped_expert_qmv",
+        name=f"mlxq_grouped_expert_{form}",
         input_names=["x", "w", "scales", "biases", "experts"],
         output_names=["out"],
-        source=_SOURCE,
+        source=_MMA_SOURCE if form == "mma" else _SCALAR_SOURCE,
         header=_HEADER,
     )
+
+
+def form(dtype: mx.Dtype, outputs: int, group_size: int, pairs: int) -> str:
+    """Which of the kernel's forms computes a projection (one `fits`): "mma", tensor-core tiles of 16
+    columns by 8 rows, for 16-bit inputs from `MMA_FROM` pairs on where the outputs split into its
+    blocks' columns; else "scalar", each lane's own multiply-adds."""
+    sixteen = dtype in (mx.bfloat16, mx.float16)
+    columns = _MMA["WARPS"] * _MMA["MT"] * 16
+    if sixteen and pairs >= MMA_FROM and outputs % columns == 0 and group_size in (32, 64, 128, 256):
+        return "mma"
+    return "scalar"
 
 
 def expert_matmul(
@@ -272,6 +516,7 @@ def expert_matmul(
     experts: mx.array,
     group_size: int,
     per_row: int,
+    use: str | None = None,
 ) -> mx.array:
     """Each pair p's row of x by expert `experts[p]`'s weight: (pairs, outputs) in x's dtype.
 
@@ -280,20 +525,45 @@ def expert_matmul(
     `mx.quantize` makes it, (experts, outputs, inputs / 8) uint32 and (experts, outputs, inputs /
     group_size); experts: (pairs,) uint32, at most `MAX_ROWS` pairs an expert (the kernel leaves a
     further pair's output unwritten: callers keep to `MAX_ROWS` tokens, each choosing an expert once).
-    Where the kernel cannot run (`available()`), MLX's gathered quantized matmul computes the same."""
-    outputs = w.shape[1]
-    if not available():
+    `use` names the path: the kernel's "scalar" or "mma" form (`form` chooses where it is None) or
+    MLX's "gather_qmm", which also computes it where the kernel cannot run (`available()`)."""
+    if not available() or use == "gather_qmm":
         return _gathered(x, w, scales, biases, experts, group_size, per_row)
-    tiles = _tiles(outputs, experts.size)
-    template = _template(x.dtype, x.shape[-1], outputs, group_size, per_row, w.shape[0], tiles)
-    # a slot for each expert that can be chosen (no more than the pairs), a block a slot and column span
-    blocks = min(w.shape[0], experts.size) * (outputs // (_WARPS * _COLUMNS * tiles))
+    use = use or form(x.dtype, w.shape[1], group_size, experts.size)
+    if use == "mma":
+        return _launch(x, w, scales, biases, experts, group_size, per_row, "mma", **_MMA)
+    tiles = _tiles(w.shape[1], experts.size)
+    return _launch(
+        x, w, scales, biases, experts, group_size, per_row, "scalar",
+        WARPS=_WARPS, CPW=_COLUMNS, RB=_ROWS, TILES=tiles,
+    )  # fmt: skip
+
+
+def _launch(
+    x: mx.array,
+    w: mx.array,
+    scales: mx.array,
+    biases: mx.array,
+    experts: mx.array,
+    group_size: int,
+    per_row: int,
+    use: str,
+    **layout: int,
+) -> mx.array:
+    """One launch of a form with its layout's template constants (`WARPS`, `TILES` and the form's own):
+    a block for each expert slot (no more slots than pairs) and span of its columns."""
+    outputs = w.shape[1]
+    template = _template(
+        x.dtype, x.shape[-1], outputs, group_size, per_row, w.shape[0], tuple(layout.items())
+    )
+    columns = layout["WARPS"] * layout["TILES"] * (layout["MT"] * 16 if use == "mma" else layout["CPW"])
+    blocks = min(w.shape[0], experts.size) * (outputs // columns)
     out: mx.array  # MLX types a custom kernel as `object`
-    (out,) = _kernel()(
+    (out,) = _kernel(use)(
         inputs=[x, w, scales, biases, experts],
         template=template,
-        grid=(blocks * _WARPS * 32, 1, 1),
-        threadgroup=(_WARPS * 32, 1, 1),
+        grid=(blocks * layout["WARPS"] * 32, 1, 1),
+        threadgroup=(layout["WARPS"] * 32, 1, 1),
         output_shapes=[(experts.size, outputs)],
         output_dtypes=[x.dtype],
     )
@@ -310,14 +580,19 @@ def _tiles(outputs: int, pairs: int) -> int:
 
 @cache
 def _template(
-    dtype: mx.Dtype, inputs: int, outputs: int, group_size: int, per_row: int, experts: int, tiles: int
+    dtype: mx.Dtype,
+    inputs: int,
+    outputs: int,
+    group_size: int,
+    per_row: int,
+    experts: int,
+    layout: tuple[tuple[str, int], ...],
 ) -> list[tuple[str, Any]]:
-    """The kernel's template constants for a projection (made once per projection's shape: a step
+    """The kernel's template constants for a projection and layout (made once per shape: a step
     without compiled parts calls the kernel a few times a layer)."""
     return [
         ("T", dtype), ("K", inputs), ("O", outputs), ("G", group_size), ("ROW_DIV", per_row),
-        ("E", experts), ("MAXR", MAX_ROWS), ("WARPS", _WARPS), ("CPW", _COLUMNS), ("RB", _ROWS),
-        ("TILES", tiles),
+        ("E", experts), ("MAXR", MAX_ROWS), *layout,
     ]  # fmt: skip
 
 
@@ -342,8 +617,11 @@ def _gathered(
 @cache
 def agrees(dtype: mx.Dtype, inputs: int, outputs: int, group_size: int, per_row: int) -> bool:
     """Whether the kernel, built for these template constants, gives MLX's gathered quantized matmul's
-    results (within the dtype's rounding) on made-up experts: checked once per process and shape, when
-    a model's sparse layers are fused; a failure to build or run counts as no, and is logged."""
+    results (within the dtype's rounding) on made-up experts, in each form the projection may take
+    (`form`): checked once per process and shape, when a model's sparse layers are fused; a failure to
+    build or run, or either form's disagreement, counts as no (the layer keeps MLX's matmuls), and is
+    logged."""
+    forms = ["scalar", *(["mma"] if form(dtype, outputs, group_size, MMA_FROM) == "mma" else [])]
     try:
         first, second = mx.random.split(mx.random.key(0))  # the global random state left as it is
         experts = per_row + 1
@@ -351,18 +629,20 @@ def agrees(dtype: mx.Dtype, inputs: int, outputs: int, group_size: int, per_row:
         qw, scales, biases = mx.quantize(w, group_size, 4)
         pairs = mx.array([(i + j) % experts for i in range(3) for j in range(per_row)], dtype=mx.uint32)
         x = mx.random.normal((pairs.size // per_row, inputs), key=second).astype(dtype)
-        want = _gathered(x, qw, scales, biases, pairs, group_size, per_row)
-        got = expert_matmul(x, qw, scales, biases, pairs, group_size, per_row)
-        tolerance = 1e-4 if dtype == mx.float32 else 5e-2
-        error = np.abs(np.array(got.astype(mx.float32)) - np.array(want.astype(mx.float32))).max()
-        scale = np.abs(np.array(want.astype(mx.float32))).max()
+        want = np.array(_gathered(x, qw, scales, biases, pairs, group_size, per_row).astype(mx.float32))
+        tolerance = (1e-4 if dtype == mx.float32 else 5e-2) * max(1.0, float(np.abs(want).max()))
+        errors = {
+            use: float(np.abs(np.array(got.astype(mx.float32)) - want).max())
+            for use in forms
+            for got in [expert_matmul(x, qw, scales, biases, pairs, group_size, per_row, use)]
+        }
     except Exception as e:  # any failure means: do not use it
         log.warning("grouped experts' kernel unavailable for %s x %d -> %d: %s", dtype, inputs, outputs, e)
         return False
-    if not error <= tolerance * max(1.0, scale):
+    if off := {use: error for use, error in errors.items() if not error <= tolerance}:
         log.warning(
-            "grouped experts' kernel unused for %s x %d -> %d: off MLX's matmul by %.3g (scale %.3g)",
-            dtype, inputs, outputs, error, scale,
+            "grouped experts' kernel unused for %s x %d -> %d: off MLX's matmul by %s (tolerance %.3g)",
+            dtype, inputs, outputs, off, tolerance,
         )  # fmt: skip
         return False
     return True
