@@ -16,15 +16,15 @@ sys.path.insert(0, ".")
 from mlxq.worker.engine import expert_kernel as ek
 
 MMA = {
-    "w4m2": dict(WARPS=4, MT=2, NT=1, TILES=1, UNROLL=2),
-    "w4m1": dict(WARPS=4, MT=1, NT=1, TILES=1, UNROLL=2),
-    "w8m1": dict(WARPS=8, MT=1, NT=1, TILES=1, UNROLL=2),
-    "w4m2u4": dict(WARPS=4, MT=2, NT=1, TILES=1, UNROLL=4),
-    "w4m2u1": dict(WARPS=4, MT=2, NT=1, TILES=1, UNROLL=1),
-    "w4m4": dict(WARPS=4, MT=4, NT=1, TILES=1, UNROLL=2),
-    "w4m2t2": dict(WARPS=4, MT=2, NT=1, TILES=2, UNROLL=2),
-    "w2m2": dict(WARPS=2, MT=2, NT=1, TILES=1, UNROLL=2),
-    "w4m2n2": dict(WARPS=4, MT=2, NT=2, TILES=1, UNROLL=2),
+    "w4m2": dict(WARPS=4, KS=1, MT=2, NT=1, TILES=1, UNROLL=2),
+    "w8k4m2": dict(WARPS=8, KS=4, MT=2, NT=1, TILES=1, UNROLL=2),
+    "w4k2m2": dict(WARPS=4, KS=2, MT=2, NT=1, TILES=1, UNROLL=2),
+    "w4k4m2": dict(WARPS=4, KS=4, MT=2, NT=1, TILES=1, UNROLL=2),
+    "w4k4m1": dict(WARPS=4, KS=4, MT=1, NT=1, TILES=1, UNROLL=2),
+    "w8k2m2": dict(WARPS=8, KS=2, MT=2, NT=1, TILES=1, UNROLL=2),
+    "w8k4m2u1": dict(WARPS=8, KS=4, MT=2, NT=1, TILES=1, UNROLL=1),
+    "w8k4m2t2": dict(WARPS=8, KS=4, MT=2, NT=1, TILES=2, UNROLL=2),
+    "w8k4m1": dict(WARPS=8, KS=4, MT=1, NT=1, TILES=1, UNROLL=2),
 }
 
 

@@ -619,8 +619,11 @@ def test_a_drawn_quantized_moe_has_the_layout_save_quantized_writes(tmp_path: Pa
 def test_the_forms_by_dtype_and_pairs() -> None:
     """16-bit inputs take the tensor-core form from `MMA_FROM` pairs where the outputs split into its
     blocks; float32, fewer pairs and other widths the scalar form."""
-    assert expert_kernel.form(mx.bfloat16, 1536, 64, expert_kernel.MMA_FROM) == "mma"
-    assert expert_kernel.form(mx.float16, 2048, 32, 256) == "mma"
-    assert expert_kernel.form(mx.bfloat16, 1536, 64, expert_kernel.MMA_FROM - 1) == "scalar"
-    assert expert_kernel.form(mx.float32, 1536, 64, 256) == "scalar"
-    assert expert_kernel.form(mx.bfloat16, 96, 64, 256) == "scalar"
+    assert expert_kernel.form(mx.bfloat16, 2048, 1536, 64, expert_kernel.MMA_FROM) == "mma"
+    assert expert_kernel.form(mx.float16, 768, 2048, 32, 256) == "mma"
+    assert expert_kernel.form(mx.bfloat16, 2048, 1536, 64, expert_kernel.MMA_FROM - 1) == "scalar"
+    assert expert_kernel.form(mx.float32, 2048, 1536, 64, 256) == "scalar"
+    assert expert_kernel.form(mx.bfloat16, 2048, 96, 64, 256) == "scalar"
+    # a row of 2 groups: the warps sharing a span's groups fewer, so each has a whole group
+    assert expert_kernel._mma_layout(256, 128)["KS"] == 2
+    assert expert_kernel._mma_layout(2048, 64)["KS"] == expert_kernel._MMA["KS"]

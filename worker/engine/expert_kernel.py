@@ -62,11 +62,12 @@ _ROWS = 4  # rows a warp multiplies in one pass over its columns (their sums in 
 _TILES = 4  # column tiles a block computes in turn, from `_TILES_FROM` pairs on (`_tiles`)
 _TILES_FROM = 32
 
-# The tensor-core form, for 16-bit inputs from `MMA_FROM` pairs on: a block's warps, a warp's 16-column
-# tiles (`MT`), a pass's 8-row tiles (`NT`), column spans a block computes in turn (`TILES`) and groups
-# unrolled in a warp's loop (`UNROLL`).
-_MMA = {"WARPS": 4, "MT": 2, "NT": 1, "TILES": 1, "UNROLL": 2}
-MMA_FROM = 16
+# The tensor-core form, for 16-bit inputs from `MMA_FROM` pairs on: a block's warps, of which `KS` share
+# each column span (each summing a slice of the groups), a warp's 16-column tiles (`MT`), a pass's
+# 8-row tiles (`NT`), column spans a block computes in turn (`TILES`) and groups unrolled in a warp's
+# loop (`UNROLL`).
+_MMA = {"WARPS": 8, "KS": 4, "MT": 2, "NT": 1, "TILES": 1, "UNROLL": 2}
+MMA_FROM = 1
 
 _HEADER = """
 // Eight consecutive inputs as floats: one 16-byte load for 16-bit types (two for float) where the
@@ -338,12 +339,15 @@ _MMA_SOURCE = (
     constexpr int KW = K / 8;  // packed words of a weight row
     constexpr int KG = K / G;  // groups of a weight row
     constexpr int WPL = G / 32;  // words of a row's group a lane takes: a quad's 4 lanes take them all
-    constexpr int BLOCK_COLS = WARPS * MT * 16;
+    constexpr int WC = WARPS / KS;  // warps with columns of their own: KS warps share each one's
+    constexpr int BLOCK_COLS = WC * MT * 16;
     constexpr int RP = NT * 8;  // rows a pass: NT tiles of 8
     const int spans = O / (BLOCK_COLS * TILES);  // a block's columns: TILES tiles of BLOCK_COLS
     const int slot = blockIdx.x / spans;  // this block's expert: the slot-th of those chosen, in order
     const int warp = threadIdx.x / WARP;
     const int lane = threadIdx.x % WARP;
+    const int wc = warp % WC;  // the warp's columns
+    const int ks = warp / WC;  // and its slice of the groups: KG / KS of them
     const int gq = lane / 4;  // the lane's A rows (output columns) gq and gq + 8, its B column (row) gq
     const int tq = lane % 4;  // its place in its quad
     const int pairs = experts_shape[0];
@@ -381,7 +385,7 @@ _MMA_SOURCE = (
             xb[t] = x + static_cast<size_t>(found[r0 + (r < rn ? r : 0)] / ROW_DIV) * K;
         }
         for (int tile = 0; tile < TILES; ++tile) {
-            const int c0 = ((blockIdx.x % spans) * TILES + tile) * BLOCK_COLS + warp * MT * 16;
+            const int c0 = ((blockIdx.x % spans) * TILES + tile) * BLOCK_COLS + wc * MT * 16;
             float acc[NT][MT][4];
             #pragma unroll
             for (int t = 0; t < NT; ++t) {
@@ -392,7 +396,7 @@ _MMA_SOURCE = (
                 }
             }
             #pragma unroll UNROLL
-            for (int g = 0; g < KG; ++g) {
+            for (int g = ks * (KG / KS); g < (ks + 1) * (KG / KS); ++g) {
                 // the A words: m-tile m's rows gq and gq + 8, this lane's WPL words of group g
                 uint32_t q[MT][2][WPL];
                 float s[MT][2];
@@ -454,6 +458,39 @@ _MMA_SOURCE = (
                     }
                 }
             }
+            if constexpr (KS > 1) {  // the slices' sums added into the first slice's warp
+                __shared__ float part[KS > 1 ? KS - 1 : 1][WC][NT * MT * 4][WARP];
+                if (ks > 0) {
+                    #pragma unroll
+                    for (int t = 0; t < NT; ++t) {
+                        #pragma unroll
+                        for (int m = 0; m < MT; ++m) {
+                            #pragma unroll
+                            for (int i = 0; i < 4; ++i) {
+                                part[ks - 1][wc][4 * (t * MT + m) + i][lane] = acc[t][m][i];
+                            }
+                        }
+                    }
+                }
+                __syncthreads();
+                if (ks == 0) {
+                    #pragma unroll
+                    for (int j = 0; j < KS - 1; ++j) {
+                        #pragma unroll
+                        for (int t = 0; t < NT; ++t) {
+                            #pragma unroll
+                            for (int m = 0; m < MT; ++m) {
+                                #pragma unroll
+                                for (int i = 0; i < 4; ++i) {
+                                    acc[t][m][i] += part[j][wc][4 * (t * MT + m) + i][lane];
+                                }
+                            }
+                        }
+                    }
+                }
+                __syncthreads();  // read before the next tile writes
+                if (ks > 0) continue;
+            }
             #pragma unroll
             for (int t = 0; t < NT; ++t) {
                 #pragma unroll
@@ -497,15 +534,25 @@ def _kernel(form: str) -> Any:
     )
 
 
-def form(dtype: mx.Dtype, outputs: int, group_size: int, pairs: int) -> str:
+def form(dtype: mx.Dtype, inputs: int, outputs: int, group_size: int, pairs: int) -> str:
     """Which of the kernel's forms computes a projection (one `fits`): "mma", tensor-core tiles of 16
     columns by 8 rows, for 16-bit inputs from `MMA_FROM` pairs on where the outputs split into its
-    blocks' columns; else "scalar", each lane's own multiply-adds."""
+    blocks' columns (`_mma_layout`); else "scalar", each lane's own multiply-adds."""
     sixteen = dtype in (mx.bfloat16, mx.float16)
-    columns = _MMA["WARPS"] * _MMA["MT"] * 16
-    if sixteen and pairs >= MMA_FROM and outputs % columns == 0 and group_size in (32, 64, 128, 256):
-        return "mma"
-    return "scalar"
+    if not (sixteen and pairs >= MMA_FROM and group_size in (32, 64, 128, 256)):
+        return "scalar"
+    layout = _mma_layout(inputs, group_size)
+    columns = layout["WARPS"] // layout["KS"] * layout["MT"] * 16 * layout["TILES"]
+    return "mma" if outputs % columns == 0 else "scalar"
+
+
+def _mma_layout(inputs: int, group_size: int) -> dict[str, int]:
+    """`_MMA` with as many warps sharing a column span's groups (`KS`, halved until it divides the
+    groups) as a row's groups allow."""
+    ks = _MMA["KS"]
+    while (inputs // group_size) % ks:
+        ks //= 2
+    return {**_MMA, "KS": ks}
 
 
 def expert_matmul(
@@ -529,9 +576,10 @@ def expert_matmul(
     MLX's "gather_qmm", which also computes it where the kernel cannot run (`available()`)."""
     if not available() or use == "gather_qmm":
         return _gathered(x, w, scales, biases, experts, group_size, per_row)
-    use = use or form(x.dtype, w.shape[1], group_size, experts.size)
+    use = use or form(x.dtype, x.shape[-1], w.shape[1], group_size, experts.size)
     if use == "mma":
-        return _launch(x, w, scales, biases, experts, group_size, per_row, "mma", **_MMA)
+        layout = _mma_layout(x.shape[-1], group_size)
+        return _launch(x, w, scales, biases, experts, group_size, per_row, "mma", **layout)
     tiles = _tiles(w.shape[1], experts.size)
     return _launch(
         x, w, scales, biases, experts, group_size, per_row, "scalar",
@@ -556,7 +604,8 @@ def _launch(
     template = _template(
         x.dtype, x.shape[-1], outputs, group_size, per_row, w.shape[0], tuple(layout.items())
     )
-    columns = layout["WARPS"] * layout["TILES"] * (layout["MT"] * 16 if use == "mma" else layout["CPW"])
+    warps = layout["WARPS"] // layout.get("KS", 1)  # warps with columns of their own
+    columns = warps * layout["TILES"] * (layout["MT"] * 16 if use == "mma" else layout["CPW"])
     blocks = min(w.shape[0], experts.size) * (outputs // columns)
     out: mx.array  # MLX types a custom kernel as `object`
     (out,) = _kernel(use)(
@@ -621,7 +670,7 @@ def agrees(dtype: mx.Dtype, inputs: int, outputs: int, group_size: int, per_row:
     (`form`): checked once per process and shape, when a model's sparse layers are fused; a failure to
     build or run, or either form's disagreement, counts as no (the layer keeps MLX's matmuls), and is
     logged."""
-    forms = ["scalar", *(["mma"] if form(dtype, outputs, group_size, MMA_FROM) == "mma" else [])]
+    forms = ["scalar", *(["mma"] if form(dtype, inputs, outputs, group_size, MMA_FROM) == "mma" else [])]
     try:
         first, second = mx.random.split(mx.random.key(0))  # the global random state left as it is
         experts = per_row + 1
