@@ -68,8 +68,6 @@ for name in "$@"; do
       bench qwen3-moe-30b-4bit --model qwen3-moe-30b-4bit --only batch --batch-jobs "${MOE_JOBS:-1,32}" ;;
     moe-ab)  # issue 32: the 4-bit MoE, one job, rotating against mlx-lm (12 repetitions)
       bench qwen3-moe-30b-4bit-ab --model qwen3-moe-30b-4bit --only decode_ab ;;
-    probe-mma)  # temporary: the experts' kernel's tensor-core form against its scalar form (a probe)
-      timeout "${T:-300}" python3 bench/probe_expert_mma.py 2>&1 | tail -40 ;;
     draw-*)  # draw a checkpoint into the cache only (a fresh machine's 17 GB MoE takes minutes: a call
       # of its own, so that the figure's call keeps its time for the figure), e.g. draw-qwen3-moe-30b-4bit
       timeout "${T:-560}" python3 -c "import sys; from pathlib import Path; from bench.checkpoints import checkpoint
