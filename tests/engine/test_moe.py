@@ -624,6 +624,7 @@ def test_the_forms_by_dtype_and_pairs() -> None:
     assert expert_kernel.form(mx.bfloat16, 2048, 1536, 64, expert_kernel.MMA_FROM - 1) == "scalar"
     assert expert_kernel.form(mx.float32, 2048, 1536, 64, 256) == "scalar"
     assert expert_kernel.form(mx.bfloat16, 2048, 96, 64, 256) == "scalar"
-    # a row of 2 groups: the warps sharing a span's groups fewer, so each has a whole group
-    assert expert_kernel._mma_layout(256, 128)["KS"] == 2
-    assert expert_kernel._mma_layout(2048, 64)["KS"] == expert_kernel._MMA["KS"]
+    # rows of many groups are shared among a span's warps, rows of few are not
+    assert expert_kernel._mma_layout(2048, 64) is expert_kernel._MMA_SHARED
+    assert expert_kernel._mma_layout(768, 64) is expert_kernel._MMA_OWN
+    assert expert_kernel._mma_layout(256, 128) is expert_kernel._MMA_OWN

@@ -65,8 +65,11 @@ _TILES_FROM = 32
 # The tensor-core form, for 16-bit inputs from `MMA_FROM` pairs on: a block's warps, of which `KS` share
 # each column span (each summing a slice of the groups), a warp's 16-column tiles (`MT`), a pass's
 # 8-row tiles (`NT`), column spans a block computes in turn (`TILES`) and groups unrolled in a warp's
-# loop (`UNROLL`).
-_MMA = {"WARPS": 8, "KS": 4, "MT": 2, "NT": 1, "TILES": 1, "UNROLL": 2}
+# loop (`UNROLL`). `_mma_layout` picks one of the two by a row's groups: rows of many groups are shared
+# among warps (each warp's chain of loads shorter), rows of few are not.
+_MMA_SHARED = {"WARPS": 8, "KS": 4, "MT": 2, "NT": 1, "TILES": 2, "UNROLL": 2}
+_MMA_OWN = {"WARPS": 4, "KS": 1, "MT": 2, "NT": 1, "TILES": 1, "UNROLL": 2}
+_SHARED_FROM = 32  # a row's groups from which its span is shared: 8 or more a warp
 MMA_FROM = 1
 
 _HEADER = """
@@ -547,12 +550,11 @@ def form(dtype: mx.Dtype, inputs: int, outputs: int, group_size: int, pairs: int
 
 
 def _mma_layout(inputs: int, group_size: int) -> dict[str, int]:
-    """`_MMA` with as many warps sharing a column span's groups (`KS`, halved until it divides the
-    groups) as a row's groups allow."""
-    ks = _MMA["KS"]
-    while (inputs // group_size) % ks:
-        ks //= 2
-    return {**_MMA, "KS": ks}
+    """The tensor-core form's layout for rows of `inputs`: `_MMA_SHARED` where a row has at least
+    `_SHARED_FROM` groups and its warps divide them evenly, else `_MMA_OWN`."""
+    groups = inputs // group_size
+    shared = groups >= _SHARED_FROM and groups % _MMA_SHARED["KS"] == 0
+    return _MMA_SHARED if shared else _MMA_OWN
 
 
 def expert_matmul(
