@@ -93,6 +93,7 @@ def form(dtype: mx.Dtype, inputs: int, outputs: int, group_size: int, pairs: int
     return "mma" if outputs % columns == 0 else "scalar"
 
 
+@cache
 def _mma_layout(inputs: int, group_size: int) -> dict[str, int]:
     """The tensor-core form's layout for rows of `inputs`: `_MMA_SHARED` where a row has at least
     `_SHARED_FROM` groups and its warps divide them evenly, else `_MMA_OWN`."""

@@ -24,7 +24,21 @@ Both forms take their layout as template constants (`expert_kernel`'s `_launch`)
 `ROW_DIV`, `E`, `MAXR` for the projection, `WARPS`, `TILES` and the form's own.
 """
 
-HEADER = """
+# One tile's mma for each 16-bit input type (`HEADER`): D = A B + D for a 16 x 8 x 16 tile, A 16 x 16
+# (row-major fragments), B 16 x 8, D in float.
+_MMA_TYPES = [("__nv_bfloat16", "bf16"), ("__half", "f16")]
+_MMA_OVERLOAD = """__device__ __forceinline__ void mlxq_mma(
+    float* d, const uint32_t* a, const uint32_t* b, const {ctype}*) {{
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.{ptx}.{ptx}.f32 "
+        "{{%0,%1,%2,%3}}, {{%4,%5,%6,%7}}, {{%8,%9}}, {{%0,%1,%2,%3}};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}}
+"""
+
+HEADER = (
+    """
 // Eight consecutive inputs as floats: one 16-byte load for 16-bit types (two for float) where the
 // address allows it, else one load an input.
 __device__ __forceinline__ void mlxq_inputs8(const float* p, float* o, bool vector) {
@@ -72,24 +86,9 @@ __device__ __forceinline__ uint32_t mlxq_magic_bits(const __nv_bfloat16*) { retu
 __device__ __forceinline__ uint32_t mlxq_magic_bits(const __half*) { return 0x64006400u; }
 __device__ __forceinline__ float mlxq_magic(const __nv_bfloat16*) { return 128.0f; }
 __device__ __forceinline__ float mlxq_magic(const __half*) { return 1024.0f; }
-// D = A B + D for one 16 x 8 x 16 tile: A 16 x 16 (row-major fragments), B 16 x 8, D in float.
-__device__ __forceinline__ void mlxq_mma(
-    float* d, const uint32_t* a, const uint32_t* b, const __nv_bfloat16*) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-        "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-}
-__device__ __forceinline__ void mlxq_mma(
-    float* d, const uint32_t* a, const uint32_t* b, const __half*) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
-        "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-}
-// N consecutive packed words (N of 1, 2, 4 or 8), in one load where the address allows it.
+"""
+    + "".join(_MMA_OVERLOAD.format(ctype=ctype, ptx=ptx) for ctype, ptx in _MMA_TYPES)
+    + """// N consecutive packed words (N of 1, 2, 4 or 8), in one load where the address allows it.
 template <int N>
 __device__ __forceinline__ void mlxq_words(const uint32_t* p, uint32_t* o, bool vector) {
     if (!vector) {
@@ -128,6 +127,7 @@ __device__ __forceinline__ void mlxq_pairs(const U* p, uint32_t* o, bool vector)
     o[3] = __byte_perm(v[1], v[3], 0x7632);
 }
 """
+)
 
 # The block's expert and its rows, shared by both forms: `slot`-th of the chosen experts (those the
 # step's pairs name, in order), `e`; its `n` pairs, in `found` (a block whose slot is past the chosen
